@@ -1,0 +1,103 @@
+"""Which backend an array belongs to, and the kernels compiled for it.
+
+NumPy arrays run on the CPU backend (the kernels compiled by g++ through the
+shim), CuPy arrays on the GPU (NVRTC through CuPy ``RawModule``). Mixing them
+in one call is an error. CuPy is imported only when a CuPy array is seen.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from . import _source
+from .errors import PagedAttentionError
+
+CPU = "cpu"
+GPU = "gpu"
+
+
+def array_backend(x) -> str | None:
+    """``"cpu"`` for a NumPy array, ``"gpu"`` for a CuPy array, else None."""
+    if isinstance(x, np.ndarray):
+        return CPU
+    mod = type(x).__module__
+    if mod.startswith("cupy") and hasattr(x, "data") and hasattr(x, "device"):
+        return GPU
+    return None
+
+
+def device_id(x) -> int:
+    """Device ordinal of an array (-1 for the CPU backend)."""
+    return -1 if array_backend(x) == CPU else int(x.device.id)
+
+
+def backend_of(**arrays) -> str:
+    """The one backend of the named arrays (None entries are skipped).
+
+    Raises PagedAttentionError naming the argument that is not an array, or
+    that lives on another backend or device than the first one.
+    """
+    first_name, first, backend, dev = None, None, None, None
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        b = array_backend(a)
+        if b is None:
+            raise PagedAttentionError(
+                f"{name}: expected a NumPy or CuPy array, got {type(a).__module__}.{type(a).__name__}")
+        if backend is None:
+            first_name, first, backend, dev = name, a, b, device_id(a)
+            continue
+        if b != backend:
+            raise PagedAttentionError(
+                f"{name}: expected a {'NumPy' if backend == CPU else 'CuPy'} array like {first_name} "
+                f"({backend} backend), got a {'NumPy' if b == CPU else 'CuPy'} array; arrays of one call "
+                f"must share a backend")
+        if device_id(a) != dev:
+            raise PagedAttentionError(
+                f"{name}: expected an array on device {dev} like {first_name}, got device {device_id(a)}")
+    if backend is None:
+        raise PagedAttentionError("expected at least one NumPy or CuPy array")
+    return backend
+
+
+_kernels: dict = {}
+
+
+def get_kernel(like, source: str | Path, kernel: str, defines: dict | None = None):
+    """The compiled kernel ``kernel`` of ``source`` (a ``kernels_cu`` stem or a
+    path) with ``defines``, for the backend and device of ``like``.
+
+    Cached in process per (backend, device, variant); each backend also
+    caches compiled variants on disk. Returns an object with
+    ``bind(grid, block, shared_mem, args)`` (CPU) or ``launch(...)`` (GPU);
+    use it through a Stream, not directly.
+    """
+    backend = array_backend(like)
+    dev = device_id(like)
+    stem = Path(source).stem if isinstance(source, Path) or "/" in str(source) else str(source)
+    variant = _source.variant_name(stem, defines)
+    key = (backend, dev, str(source), variant, kernel)
+    fn = _kernels.get(key)
+    if fn is not None:
+        return fn
+    text = _source.assemble(source, defines)
+    if backend == CPU:
+        from . import _cpu
+        fn = _cpu.load_module(text, variant).get_function(kernel)
+    elif backend == GPU:
+        from . import _gpu
+        fn = _gpu.load_module(text, variant, dev).get_function(kernel)
+    else:
+        raise PagedAttentionError(f"like: expected a NumPy or CuPy array, got {type(like).__name__}")
+    _kernels[key] = fn
+    return fn
+
+
+def xp_of(x):
+    """The array module (numpy or cupy) of ``x``."""
+    if array_backend(x) == GPU:
+        return sys.modules["cupy"]
+    return np

@@ -1,0 +1,54 @@
+// common.cuh: what every cupaged kernel shares. Compiled unchanged by NVRTC
+// (GPU) and by g++ through the CPU shim (kernels_cu/shim/cupaged_shim.h).
+//
+// Compile-time choices arrive as #defines from the Python side (see
+// cupaged/_source.py). CP_DTYPE is one of the tokens f32, f16, bf16 and
+// selects scalar_t below.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// Dynamic shared memory: the CPU shim defines its own version of this macro.
+#ifndef CUPAGED_DYNAMIC_SHARED
+#define CUPAGED_DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]
+#endif
+
+#define CP_CAT_(a, b) a##b
+#define CP_CAT(a, b) CP_CAT_(a, b)
+
+typedef float cp_type_f32;
+typedef __half cp_type_f16;
+typedef __nv_bfloat16 cp_type_bf16;
+#ifdef CP_DTYPE
+typedef CP_CAT(cp_type_, CP_DTYPE) scalar_t;
+#endif
+
+// Conversions to and from float for the three storage types.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// -inf without <cfloat> or INFINITY, identical under both compilers.
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+#define CP_FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(CP_FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(CP_FULL_MASK, v, o));
+    return v;
+}
