@@ -105,6 +105,7 @@ def host_int_array(name: str, a, ndim: int) -> np.ndarray:
             raise PagedAttentionError(f"{name}: expected an integer array, got dtype {arr.dtype}")
     if arr.ndim != ndim:
         raise PagedAttentionError(f"{name}: expected a {ndim}-D array, got shape {shape_str(arr.shape)}")
+    u32_size(name, arr.shape)
     if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         raise PagedAttentionError(f"{name}: value {int(arr.max())} exceeds 32-bit indexing")
     return arr.astype(np.int64)

@@ -1,0 +1,199 @@
+"""HostPlan / DevicePlan / SplitWorkspace: layout and every input error.
+
+Each bad input must raise PagedAttentionError naming the argument, before any
+launch, and leave preallocated outputs untouched.
+"""
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import HostPlan, PagedAttentionError, SplitWorkspace
+from cupaged.plan import HEADER_WORDS, MAGIC, metadata_offsets
+
+BF16 = ml_dtypes.bfloat16
+
+
+def small_plan(page_size=4, num_pages=6):
+    # seq 0: 6 tokens, 2 new; seq 1: 3 tokens, 1 new; seq 2: idle (q_len 0)
+    table = [[5, 2, -1], [0, -1, -1], [1, 3, 4]]
+    return HostPlan.build(table, [6, 3, 9], [2, 1, 0], page_size, num_pages)
+
+
+def test_words_follow_layout():
+    p = small_plan()
+    w = p.words
+    assert w.dtype == np.uint32
+    assert (p.queries, p.sequences, p.table_width, p.page_size, p.pages) == (3, 3, 3, 4, 6)
+    off = metadata_offsets(3, 3)
+    assert w[0] == MAGIC and list(w[1:6]) == [3, 3, 3, 4, 6]
+    assert list(w[6:11]) == [off[k] for k in ("q_seq", "q_pos", "kv_len", "q_start", "page_table")]
+    assert off["q_seq"] == HEADER_WORDS
+    assert list(w[off["q_seq"]:off["q_pos"]]) == [0, 0, 1]
+    # absolute positions: kv_len - q_len + i
+    assert list(w[off["q_pos"]:off["kv_len"]]) == [4, 5, 2]
+    assert list(w[off["kv_len"]:off["q_start"]]) == [6, 3, 9]
+    assert list(w[off["q_start"]:off["page_table"]]) == [0, 2, 3, 3]
+    table = w[off["page_table"]:].reshape(3, 3)
+    assert table[0].tolist() == [5, 2, 0xFFFFFFFF]
+    assert table[2].tolist() == [1, 3, 4]
+    assert len(w) == off["page_table"] + 9
+
+
+def test_write_slots_and_duplicates():
+    p = small_plan()
+    pages, offsets = p.write_slots()
+    assert pages.tolist() == [2, 2, 0] and offsets.tolist() == [0, 1, 2]
+    p.validate_writes()
+    # two sequences sharing page 3 and writing the same offset
+    shared = HostPlan.build([[3], [3]], [2, 2], [1, 1], 4, 4)
+    with pytest.raises(PagedAttentionError, match="both write page 3 offset 1"):
+        shared.validate_writes()
+    # sharing for reading only is fine
+    HostPlan.build([[3, 0], [3, 1]], [5, 5], [1, 1], 4, 4).validate_writes()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(page_size=0), "page_size: expected an int in 1..256, got 0"),
+    (dict(page_size=257), "page_size"),
+    (dict(page_size=4.0), "page_size"),
+    (dict(num_pages=0), "num_pages"),
+    (dict(page_table=[1, 2]), "page_table: expected a 2-D array"),
+    (dict(page_table=[[0.5, 1.0]]), "page_table: expected an integer array"),
+    (dict(kv_lens=[3, 3]), r"kv_lens: expected shape \[1\]"),
+    (dict(q_lens=[[1]]), "q_lens: expected a 1-D array"),
+    (dict(kv_lens=[9]), r"kv_lens\[0\]: expected 0..8"),
+    (dict(kv_lens=[-1], q_lens=[0]), r"kv_lens\[0\]"),
+    (dict(q_lens=[6]), r"q_lens\[0\]: expected 0..kv_lens\[0\]=5, got 6"),
+    (dict(q_lens=[-1]), r"q_lens\[0\]"),
+    (dict(page_table=[[0, -1]]), r"page_table\[0, 1\]: expected a page id in 0..3"),
+    (dict(page_table=[[0, 4]]), r"page_table\[0, 1\]: expected a page id in 0..3 .* got 4"),
+])
+def test_build_rejects(kwargs, match):
+    args = dict(page_table=[[0, 1]], kv_lens=[5], q_lens=[1], page_size=4, num_pages=4)
+    args.update(kwargs)
+    with pytest.raises(PagedAttentionError, match=match):
+        HostPlan.build(**args)
+
+
+def test_entries_past_length_are_ignored():
+    p = HostPlan.build([[2, -7, 10**12]], [3], [1], 4, 4)
+    assert p.words[-3:].tolist() == [2, 0xFFFFFFFF, 0xFFFFFFFF]
+
+
+def test_build_rejects_device_arrays_and_huge_tables():
+    class FakeCupy:  # looks like a CuPy array to the backend check
+        __module__ = "cupy._core.core"
+        data = device = None
+    FakeCupy.__module__ = "cupy._core.core"
+    with pytest.raises(PagedAttentionError, match="page_table: expected host data"):
+        HostPlan.build(FakeCupy(), [1], [1], 4, 4)
+    huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.int64), shape=(2**16 + 1, 2**16), strides=(0, 0))
+    with pytest.raises(PagedAttentionError, match="exceed 32-bit indexing"):
+        HostPlan.build(huge, np.zeros(2**16 + 1, np.int64), np.zeros(2**16 + 1, np.int64), 4, 4)
+
+
+def test_choose_splits_rule():
+    long = HostPlan.build([[0] * 64], [4096], [1], 64, 1)
+    # 1 query x 8 kv heads = 8 blocks; 132 SMs -> ceil(264 / 8) = 33 but 4096 / 256 = 16
+    assert cupaged.choose_splits(long, 8, multiprocessors=132) == 16
+    assert cupaged.choose_splits(long, 1, multiprocessors=1000) == 16
+    short = HostPlan.build([[0] * 4], [200], [1], 64, 1)
+    assert cupaged.choose_splits(short, 8, multiprocessors=132) == 1
+    many = HostPlan.build([[0] * 64] * 64, [4096] * 64, [1] * 64, 64, 1)
+    assert cupaged.choose_splits(many, 8, multiprocessors=132) == 1  # 512 blocks fill 132 SMs
+    assert cupaged.choose_splits(many, 1, multiprocessors=132) == math.ceil(264 / 64)
+
+
+# ---------------------------------------------------------------------------
+# DevicePlan.attention input errors (nothing launched, nothing written)
+
+def _case(dtype=np.float32, hq=4, hkv=2, d=8, dv=8):
+    plan = small_plan().upload(np.zeros(1, np.float32))
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((3, hq, d)).astype(dtype)
+    k = rng.standard_normal((6, 4, hkv, d)).astype(dtype)
+    v = rng.standard_normal((6, 4, hkv, dv)).astype(dtype)
+    out = np.full((3, hq, dv), 7, dtype)
+    return plan, q, k, v, out
+
+
+def _bad(plan, q, k, v, out, match, **kw):
+    before = out.copy()
+    scale = kw.pop("scale", 0.5)
+    with pytest.raises(PagedAttentionError, match=match):
+        plan.attention(q, k, v, scale, out=out, **kw)
+    np.testing.assert_array_equal(out.view(np.uint8), before.view(np.uint8))
+
+
+def test_attention_rank_errors():
+    plan, q, k, v, out = _case()
+    _bad(plan, q[0], k, v, out, "q: expected a 3-D array")
+    _bad(plan, q, k[0], v, out, "k_cache: expected a 4-D array")
+    _bad(plan, q, k, v[..., 0], out, "v_cache: expected a 4-D array")
+    _bad(plan, q, k, v, out[0], "out: expected a 3-D array")
+
+
+def test_attention_dtype_and_layout_errors():
+    plan, q, k, v, out = _case()
+    _bad(plan, q.astype(np.int32), k, v, out, "q: expected dtype float32, float16 or bfloat16, got int32")
+    _bad(plan, q, k.astype(np.float16), v, out, "k_cache: expected dtype float32 like q, got float16")
+    _bad(plan, q, k, v.astype(BF16), out, "v_cache: expected dtype float32 like q, got bfloat16")
+    _bad(plan, q, k, v, out.astype(np.float16), "out: expected dtype float32 like q")
+    qt = np.ascontiguousarray(q.transpose(1, 0, 2)).transpose(1, 0, 2)
+    _bad(plan, qt, k, v, out, "q: expected a C-contiguous array")
+    _bad(plan, q.tolist(), k, v, out, "q: expected a NumPy or CuPy array")
+
+
+def test_attention_shape_errors():
+    plan, q, k, v, out = _case(hq=3, hkv=2)
+    _bad(plan, q, k, v, out, "q: expected a head count that is a multiple of the caches' 2 KV heads, got Hq=3")
+    plan, q, k, v, out = _case()
+    _bad(plan, q[:, :, :4].copy(), k, v, out, "k_cache: expected head dim D=4 like q")
+    _bad(plan, q, k, v, out[:, :, :4].copy(), r"out: expected shape \[3, 4, 8\], got \[3, 4, 4\]")
+    _bad(plan, q[:2].copy(), k, v, out, r"q: expected 3 rows \(plan.queries\)")
+    _bad(plan, q, k[:5].copy(), v, out, r"k_cache: expected shape \[6, 4, ...\]")
+    _bad(plan, q, k, v[:, :2].copy(), out, r"v_cache: expected shape \[6, 4, ...\]")
+    _bad(plan, q, k, v[:, :, :1].copy(), out, r"v_cache: expected shape \[6, 4, 2, Dv\] like k_cache")
+    plan, q, k, v, out = _case(d=1025)
+    _bad(plan, q, k, v, out, "D: expected a head dim in 1..1024, got 1025")
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), "x"])
+def test_attention_scale_errors(scale):
+    plan, q, k, v, out = _case()
+    _bad(plan, q, k, v, out, "scale: expected a finite float > 0", scale=scale)
+
+
+def test_attention_overlap_and_backend_errors():
+    plan, q, k, v, out = _case(d=8, dv=8)
+    _bad(plan, q, k, v, q, "out: expected memory disjoint from q")
+    flat = np.zeros(6 * 4 * 2 * 8 + 3 * 4 * 8, np.float32)
+    kk = flat[:6 * 4 * 2 * 8].reshape(6, 4, 2, 8)
+    oo = flat[-3 * 4 * 8 - 8:-8].reshape(3, 4, 8)
+    _bad(plan, q, kk, v, oo, "out: expected memory disjoint from k_cache")
+    lse = np.zeros((3, 4), np.float64)
+    _bad(plan, q, k, v, out, "lse: expected a C-contiguous float32 array", lse=lse)
+
+
+def test_attention_u32_errors():
+    plan, q, k, v, out = _case()
+    big = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(3, 2**20, 2**12),
+                                          strides=(2**34, 2**14, 4))
+    _bad(plan, big, k, v, out, "q: .* elements exceed 32-bit indexing")
+
+
+def test_workspace_errors():
+    plan, q, k, v, out = _case()
+    like = np.zeros(1, np.float32)
+    _bad(plan, q, k, v, out, r"workspace: expected queries, heads, value_dim = \(3, 4, 8\), got \(3, 4, 16\)",
+         workspace=SplitWorkspace(3, 4, 16, 2, like))
+    _bad(plan, q, k, v, out, "workspace: expected a SplitWorkspace", workspace=object())
+    with pytest.raises(PagedAttentionError, match=f"splits: expected an int in 1..{cupaged.MAX_SPLITS}"):
+        SplitWorkspace(3, 4, 8, cupaged.MAX_SPLITS + 1, like)
+    with pytest.raises(PagedAttentionError, match="splits"):
+        SplitWorkspace(3, 4, 8, 0, like)
+    with pytest.raises(PagedAttentionError, match="like: expected a NumPy or CuPy array"):
+        SplitWorkspace(3, 4, 8, 2, [1.0])
