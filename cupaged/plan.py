@@ -20,6 +20,8 @@ MAGIC = 0x31475043  # "CPG1"
 HEADER_WORDS = 16
 MAX_PAGE_SIZE = 256
 MAX_HEAD_DIM = 1024
+#: Largest MLA rotary dim P.
+MAX_ROPE_DIM = 256
 #: Most splits of the visible history a SplitWorkspace may hold.
 MAX_SPLITS = 64
 #: Tokens per split below which splitting does not pay (see choose_splits).
@@ -367,6 +369,71 @@ class DevicePlan:
         from .attention import launch_attention
         launch_attention(self.stream, self, q, k_cache, v_cache, out, scale, bool(causal), lse=lse, workspace=ws)
         return (out, lse) if want_lse else out
+
+    def mla(self, q, q_pos, latent, k_pos, scale: float, causal: bool = True, *,
+            workspace: SplitWorkspace | None = None, out=None, lse=None, return_lse: bool = False):
+        """DeepSeek-style multi-head latent attention, absorbed form.
+
+        q [queries, H, R]: the absorbed query (q_nope times the key
+        up-projection); q_pos [queries, H, P]: its rotary part;
+        latent [pages, page_size, 1, R]: the normalized latent cache (one
+        shared head); k_pos [pages, page_size, 1, P]: the rotated positional
+        cache. score = scale * (q . latent + q_pos . k_pos); the values are
+        the latent rows. Returns [queries, H, R] in q's dtype (and float32 lse
+        [queries, H] with ``return_lse``).
+
+        ``scale`` comes from the original model's QK head dimensions (e.g.
+        1/sqrt(128 + 64) for DeepSeek-V3), not from R. The caller applies the
+        value and output projections to the current queries only. Both caches
+        are written by ``append`` (heads = 1, D = R, Dv = P). Causal masking,
+        chunked prefill, split workspaces and outputs work as in ``attention``.
+        """
+        self._check_backend(q=q, q_pos=q_pos, latent=latent, k_pos=k_pos)
+        _checks.float_array("q", q, 3)
+        _checks.float_array("q_pos", q_pos, 3)
+        self._check_cache("latent", latent)
+        self._check_cache("k_pos", k_pos)
+        _checks.same_dtype("q", q, q_pos=q_pos, latent=latent, k_pos=k_pos)
+        queries, h, r = (int(x) for x in q.shape)
+        if queries != self.host.queries:
+            raise PagedAttentionError(f"q: expected {self.host.queries} rows (plan.queries), got shape "
+                                      f"{_checks.shape_str(q.shape)}")
+        for name, cache in (("latent", latent), ("k_pos", k_pos)):
+            if int(cache.shape[2]) != 1:
+                raise PagedAttentionError(f"{name}: expected one shared head (dim 2 == 1), got shape "
+                                          f"{_checks.shape_str(cache.shape)}")
+        if tuple(q_pos.shape[:2]) != (queries, h):
+            raise PagedAttentionError(f"q_pos: expected shape [{queries}, {h}, P] like q, got "
+                                      f"{_checks.shape_str(q_pos.shape)}")
+        p = int(q_pos.shape[2])
+        if not 1 <= p <= MAX_ROPE_DIM:
+            raise PagedAttentionError(f"q_pos: expected a rotary dim P in 1..{MAX_ROPE_DIM}, got {p}")
+        if int(k_pos.shape[3]) != p:
+            raise PagedAttentionError(f"k_pos: expected rotary dim P={p} like q_pos, got shape "
+                                      f"{_checks.shape_str(k_pos.shape)}")
+        if int(latent.shape[3]) != r:
+            raise PagedAttentionError(f"latent: expected R={r} like q, got shape {_checks.shape_str(latent.shape)}")
+        _head_dims(h, 1, r, r)
+        scale = _checks.positive_scale(scale)
+        ws = self._check_workspace(workspace, h, r)
+        inputs = dict(q=q, q_pos=q_pos, latent=latent, k_pos=k_pos)
+        if ws is not None:
+            inputs.update(workspace_out=ws.partial_out, workspace_lse=ws.partial_lse)
+        want_lse = return_lse or lse is not None
+        out, lse = self._outputs(q, out, lse, want_lse, h, r, inputs)
+        from .attention import launch_attention
+        launch_attention(self.stream, self, q, latent, latent, out, scale, bool(causal),
+                         q_rot=q_pos, k_rot=k_pos, lse=lse, workspace=ws)
+        return (out, lse) if want_lse else out
+
+    def append(self, new_k, new_v, k_cache, v_cache) -> None:
+        """Write new_k [queries, Hkv, D] and new_v [queries, Hkv, Dv] into the
+        cache slot of each query's absolute position (page
+        page_table[s, p // page_size], offset p % page_size), in place, in one
+        kernel. Serves MLA caches too (Hkv = 1, D = R, Dv = P). See
+        ``cupaged.cache.append``."""
+        from .cache import append
+        append(self, new_k, new_v, k_cache, v_cache)
 
 
 def _head_dims(hq: int, hkv: int, d: int, dv: int) -> None:
