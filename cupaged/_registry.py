@@ -9,7 +9,7 @@ from __future__ import annotations
 _variants: dict[tuple, tuple[str, dict]] = {}
 
 # Modules that register variants; imported by all_variants().
-OP_MODULES = ["cupaged.rowwise", "cupaged.attention"]
+OP_MODULES = ["cupaged.rowwise", "cupaged.attention", "cupaged.layers", "cupaged.cache"]
 
 
 def register(stem: str, defines_list) -> None:

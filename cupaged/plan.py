@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _backend, _checks
 from .errors import PagedAttentionError
-from .stream import Stream, stream_for
+from .stream import Stream, check_not_capturing, stream_for
 
 U32_MAX = _checks.U32_MAX
 MAGIC = 0x31475043  # "CPG1"
@@ -156,6 +156,7 @@ class HostPlan:
         """Copy the metadata words to the backend, device and stream of
         ``like`` (a NumPy or CuPy array). One small async upload; no sync."""
         stream = stream_for(like)
+        check_not_capturing(stream, "plan.upload")
         xp = _backend.xp_of(like)
         if stream.backend == _backend.CPU:
             words = self.words.copy()
@@ -184,6 +185,7 @@ class SplitWorkspace:
             raise PagedAttentionError(f"like: expected a NumPy or CuPy array, got {type(like).__name__}")
         _checks.u32_size("workspace", (self.splits, self.queries, self.heads, self.value_dim))
         self.stream = stream_for(like)
+        check_not_capturing(self.stream, "SplitWorkspace")
         self.backend = self.stream.backend
         self.device = _backend.device_id(like)
         xp = _backend.xp_of(like)
@@ -306,6 +308,7 @@ class DevicePlan:
         shape = (self.host.queries, heads, value_dim)
         _checks.u32_size("out", shape)
         if out is None:
+            check_not_capturing(self.stream, "out")
             out = _alloc(xp, q, shape, q.dtype)
         else:
             self._check_backend(out=out)
@@ -314,6 +317,7 @@ class DevicePlan:
             _checks.shape_is("out", out, shape)
             _checks.no_overlap("out", out, **inputs)
         if lse is None and return_lse:
+            check_not_capturing(self.stream, "lse")
             lse = _alloc(xp, q, shape[:2], np.float32)
         elif lse is not None:
             self._check_backend(lse=lse)

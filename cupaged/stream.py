@@ -199,6 +199,14 @@ class CpuStream(Stream):
             op()
 
 
+def check_not_capturing(stream: Stream, what: str) -> None:
+    """Raise if ``stream`` is capturing: ``what`` would be allocated inside
+    a graph, and its address could not be used safely outside it."""
+    if stream.capturing:
+        raise PagedAttentionError(
+            f"{what}: allocation inside graph capture; allocate it before capture_graph and pass it in")
+
+
 _cpu_stream = None
 
 

@@ -197,3 +197,41 @@ def test_workspace_errors():
         SplitWorkspace(3, 4, 8, 0, like)
     with pytest.raises(PagedAttentionError, match="like: expected a NumPy or CuPy array"):
         SplitWorkspace(3, 4, 8, 2, [1.0])
+
+
+# ---------------------------------------------------------------------------
+# DevicePlan.mla input errors
+
+def _mla_case(h=4, r=16, p=8):
+    plan = small_plan().upload(np.zeros(1, np.float32))
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((3, h, r)).astype(np.float32)
+    qp = rng.standard_normal((3, h, p)).astype(np.float32)
+    lat = rng.standard_normal((6, 4, 1, r)).astype(np.float32)
+    kp = rng.standard_normal((6, 4, 1, p)).astype(np.float32)
+    out = np.full((3, h, r), 7, np.float32)
+    return plan, q, qp, lat, kp, out
+
+
+def _bad_mla(plan, q, qp, lat, kp, out, match, **kw):
+    before = out.copy()
+    with pytest.raises(PagedAttentionError, match=match):
+        plan.mla(q, qp, lat, kp, kw.pop("scale", 0.1), out=out, **kw)
+    np.testing.assert_array_equal(out, before)
+
+
+def test_mla_errors():
+    plan, q, qp, lat, kp, out = _mla_case()
+    _bad_mla(plan, q, qp, np.repeat(lat, 2, axis=2), kp, out, r"latent: expected one shared head")
+    _bad_mla(plan, q, qp, lat, np.repeat(kp, 2, axis=2), out, r"k_pos: expected one shared head")
+    _bad_mla(plan, q, qp[:, :2].copy(), lat, kp, out, r"q_pos: expected shape \[3, 4, P\] like q")
+    _bad_mla(plan, q, qp, lat, kp[..., :4].copy(), out, "k_pos: expected rotary dim P=8 like q_pos")
+    _bad_mla(plan, q, qp[..., :0].copy(), lat, kp[..., :0].copy(), out, "q_pos: expected a rotary dim P in 1..256, got 0")
+    plan2, q2, qp2, lat2, kp2, out2 = _mla_case(p=257)
+    _bad_mla(plan2, q2, qp2, lat2, kp2, out2, "q_pos: expected a rotary dim P in 1..256, got 257")
+    _bad_mla(plan, q, qp, lat[..., :8].copy(), kp, out, "latent: expected R=16 like q")
+    _bad_mla(plan, q, qp, lat, kp, out[..., :8].copy(), r"out: expected shape \[3, 4, 16\]")
+    _bad_mla(plan, q, qp.astype(np.float16), lat, kp, out, "q_pos: expected dtype float32 like q")
+    _bad_mla(plan, q, qp, lat, kp, out, "scale", scale=float("nan"))
+    _bad_mla(plan, q[:1].copy(), qp[:1].copy(), lat, kp, out, r"q: expected 3 rows")
+    _bad_mla(plan, q, qp, lat[:5].copy(), kp, out, r"latent: expected shape \[6, 4, ...\]")

@@ -1,0 +1,301 @@
+"""CUDA-graph decode: capture once, one graph launch per generated token.
+
+* ``capture_graph(like)`` captures the stream work issued inside it (GPU:
+  driver stream capture on CuPy's current stream; CPU: the recorded stream,
+  see ``cupaged.stream``) and yields a handle whose ``launch()`` replays it.
+  Every buffer read or written from outside the graph must exist before
+  capture: an allocation inside capture is rejected with PagedAttentionError
+  (cupaged's own allocation sites check; on the GPU, CuPy's allocator is
+  replaced by one that refuses for the duration of the capture).
+* ``DeviceScalars``: int32 ``seq_len_k`` / ``write_pos`` words at stable
+  addresses, updated with stream-ordered ``memset_d32`` (no host pointer that
+  could die before the copy runs).
+* ``DecodeLoop``: a user's step function replayed per token, with the next
+  token fed back on the device, scalars and RoPE slices updated by stream
+  work before each launch.
+* ``PagedDecodeLoop``: B sequences over a paged plan; a small kernel inside
+  the graph advances every sequence's length and position on the device, so
+  the loop issues no host data at all: one device-to-device copy and one
+  graph launch per token.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from . import _backend, _checks
+from .errors import PagedAttentionError
+from .plan import DevicePlan, metadata_offsets
+from .stream import Graph, check_not_capturing, stream_for
+
+
+class CapturedGraph:
+    """Yielded by ``capture_graph``; ``launch()`` replays the capture once it
+    has ended. ``graph`` is the underlying ``cupaged.stream.Graph``."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.graph: Graph | None = None
+
+    def launch(self) -> None:
+        if self.graph is None:
+            raise PagedAttentionError("graph: the capture has not ended yet")
+        self.graph.launch()
+
+
+def _refuse_allocation(size):
+    raise PagedAttentionError(
+        f"allocation of {size} bytes inside graph capture: every buffer the graph uses must be allocated "
+        f"before capture_graph (pass out= to cupaged ops)")
+
+
+@contextlib.contextmanager
+def capture_graph(like):
+    """Capture the stream work issued inside the ``with`` block on the stream
+    of ``like``'s backend (CuPy's current stream on its device, or the CPU
+    stream) and yield a CapturedGraph; call ``.launch()`` after the block.
+
+    On the CPU backend only cupaged stream work is captured (kernels,
+    memsets, copies), not NumPy expressions; write the step with cupaged ops
+    and preallocated outputs, which also makes it capturable on the GPU.
+    """
+    stream = stream_for(like)
+    handle = CapturedGraph(stream)
+    stream.begin_capture()
+    ok = False
+    try:
+        if stream.backend == _backend.GPU:
+            import cupy
+            with cupy.cuda.using_allocator(_refuse_allocation):
+                yield handle
+        else:
+            yield handle
+        ok = True
+    finally:
+        if ok:
+            handle.graph = stream.end_capture()
+        else:  # discard a failed capture; the error that caused it propagates
+            with contextlib.suppress(Exception):
+                stream.end_capture()
+
+
+class DeviceScalars:
+    """Two int32 device scalars at stable addresses: ``seq_len_k`` (tokens to
+    attend over) and ``write_pos`` (slot of this step's K/V).
+
+    Both start at ``initial_seq_len``. ``update(seq_len)`` sets
+    write_pos = seq_len and seq_len_k = seq_len + 1 with two stream-ordered
+    ``memset_d32`` (the value travels inside the call; no host buffer).
+    ``DeviceScalars.of_plan`` aliases a plan's own metadata words instead,
+    so paged kernels read them directly.
+    """
+
+    def __init__(self, initial_seq_len: int, like):
+        n = _checks.host_int("initial_seq_len", initial_seq_len, 0, 0x7FFFFFFF)
+        self.stream = stream_for(like)
+        check_not_capturing(self.stream, "DeviceScalars")
+        xp = _backend.xp_of(like)
+        if xp is np:
+            self.buffer = np.empty(2, np.int32)
+        else:
+            with like.device:
+                self.buffer = xp.empty(2, np.int32)
+        self.seq_len_k = self.buffer[0:1]
+        self.write_pos = self.buffer[1:2]
+        self.stream.memset_d32(self.buffer, n, count=2)
+
+    @classmethod
+    def of_plan(cls, plan: DevicePlan, sequence: int = 0) -> "DeviceScalars":
+        """Scalars that alias ``plan``'s words for one sequence:
+        ``seq_len_k`` is its kv_len word, ``write_pos`` the position word of
+        its (single) query. Updating them moves that sequence on the device."""
+        host = plan.host
+        s = _checks.host_int("sequence", sequence, 0, host.sequences - 1)
+        if host.q_lens[s] != 1:
+            raise PagedAttentionError(f"sequence: expected a sequence with exactly one query (decode), "
+                                      f"q_lens[{s}] = {host.q_lens[s]}")
+        off = metadata_offsets(host.queries, host.sequences)
+        q = int(np.searchsorted(np.cumsum(host.q_lens), s, side="right"))
+        self = cls.__new__(cls)
+        self.stream = plan.stream
+        self.buffer = plan.words
+        self.seq_len_k = plan.words[off["kv_len"] + s:off["kv_len"] + s + 1]
+        self.write_pos = plan.words[off["q_pos"] + q:off["q_pos"] + q + 1]
+        return self
+
+    def update(self, seq_len: int) -> None:
+        n = int(seq_len)
+        if not 0 <= n < 0x7FFFFFFF:
+            raise PagedAttentionError(f"seq_len: expected 0..{0x7FFFFFFE}, got {n}")
+        self.stream.memset_d32(self.write_pos, n, count=1)
+        self.stream.memset_d32(self.seq_len_k, n + 1, count=1)
+
+
+def seed_tokens(next_token, tokens) -> None:
+    """Write host ints into an int64 device buffer with stream-ordered
+    32-bit memsets of each value's low and high halves (little-endian)."""
+    stream = stream_for(next_token)
+    if str(next_token.dtype) != "int64" or next_token.ndim != 1:
+        raise PagedAttentionError(f"next_token: expected an int64 [batch] array, got {next_token.dtype} "
+                                  f"{_checks.shape_str(next_token.shape)}")
+    tokens = [int(t) for t in np.atleast_1d(np.asarray(tokens))]
+    if len(tokens) != next_token.shape[0]:
+        raise PagedAttentionError(f"tokens: expected {next_token.shape[0]} values, got {len(tokens)}")
+    for i, t in enumerate(tokens):
+        u = t & 0xFFFFFFFFFFFFFFFF
+        stream.memset_d32(next_token, u & 0xFFFFFFFF, count=1, offset_bytes=8 * i)
+        stream.memset_d32(next_token, u >> 32, count=1, offset_bytes=8 * i + 4)
+
+
+def _token_buffer(name, buf, like_backend):
+    if str(buf.dtype) != "int64" or buf.ndim != 1 or not buf.flags.c_contiguous:
+        raise PagedAttentionError(f"{name}: expected a contiguous int64 [batch] array, got {buf.dtype} "
+                                  f"{_checks.shape_str(buf.shape)}")
+
+
+class DecodeLoop:
+    """Replay a user's decode step once per token.
+
+    ``step()`` is called once (under capture when ``graph=True``, else on
+    every token) and issues the stream work of one decode step, reading the
+    token from ``token_buf`` [batch] int64, positions from ``scalars`` and
+    RoPE rows from ``rope_slices``; it returns logits [batch, vocab]. The
+    loop appends ``argmax_into(logits, next_token)``.
+
+    Per token, ``advance()`` issues: a device-to-device copy
+    next_token -> token_buf; ``scalars.update(seq_len)``; copies of RoPE row
+    ``seq_len`` from the full tables (``rope_tables`` = (cos, sin), each
+    [max_pos, half] float32) into the stable ``rope_slices`` (each
+    [1, half]); the graph launch; then ``seq_len += 1`` on the host.
+    """
+
+    def __init__(self, step, *, token_buf, next_token, scalars: DeviceScalars, seq_len: int,
+                 rope_tables=None, rope_slices=None, graph: bool = True):
+        from .rowwise import argmax_into
+        _token_buffer("token_buf", token_buf, None)
+        _token_buffer("next_token", next_token, None)
+        _backend.backend_of(token_buf=token_buf, next_token=next_token)
+        self.stream = stream_for(token_buf)
+        self.token_buf, self.next_token, self.scalars = token_buf, next_token, scalars
+        self.seq_len = _checks.host_int("seq_len", seq_len, 0, 0x7FFFFFFE)
+        self.rope_tables, self.rope_slices = rope_tables, rope_slices
+        if (rope_tables is None) != (rope_slices is None):
+            raise PagedAttentionError("rope_slices: expected both rope_tables and rope_slices, or neither")
+        if rope_tables is not None:
+            for t, sl, name in zip(rope_tables, rope_slices, ("cos", "sin")):
+                if t.ndim != 2 or sl.size != t.shape[1] or t.dtype != sl.dtype:
+                    raise PagedAttentionError(f"rope_slices: expected a {name} slice of {t.shape[1]} "
+                                              f"{t.dtype} values, got {sl.dtype} {_checks.shape_str(sl.shape)}")
+        self._step, self._argmax = step, argmax_into
+        self.graph = None
+        if graph:
+            with capture_graph(token_buf) as g:
+                self._body()
+            self.graph = g
+
+    def _body(self) -> None:
+        logits = self._step()
+        self._argmax(logits, self.next_token)
+
+    def seed(self, tokens) -> None:
+        """Set the first input token(s) (written to next_token; the first
+        ``advance`` moves them into token_buf)."""
+        seed_tokens(self.next_token, tokens)
+
+    def advance(self) -> None:
+        """Issue one token's work; no host synchronization."""
+        s = self.stream
+        s.copy(self.token_buf, self.next_token)
+        self.scalars.update(self.seq_len)
+        if self.rope_tables is not None:
+            for table, sl in zip(self.rope_tables, self.rope_slices):
+                if self.seq_len >= table.shape[0]:
+                    raise PagedAttentionError(f"seq_len: position {self.seq_len} is past the RoPE table "
+                                              f"({table.shape[0]} rows)")
+                row = table.shape[1] * table.itemsize
+                s.copy(sl, table, nbytes=row, src_offset=self.seq_len * row)
+        if self.graph is not None:
+            self.graph.launch()
+        else:
+            self._body()
+        self.seq_len += 1
+
+
+def advance_plan(plan: DevicePlan) -> None:
+    """Stream work that moves every non-padded sequence of ``plan`` forward
+    by its q_len on the device (kernel ``advance_plan`` in layers.cu). The
+    host plan is not changed; ``PagedDecodeLoop`` keeps the host count."""
+    from .layers import THREADS
+    h = plan.host
+    k = _backend.get_kernel(plan.words, "layers", "advance_plan", {"CP_DTYPE": "f32"})
+    plan.stream.launch(k, ((h.sequences + THREADS - 1) // THREADS,), (THREADS,),
+                       (plan.words, np.uint32(h.queries), np.uint32(h.sequences), np.uint32(h.table_width),
+                        np.uint32(h.page_size)))
+
+
+class PagedDecodeLoop:
+    """Greedy decode of B sequences over a paged plan, one graph launch per token.
+
+    ``plan``: a DevicePlan for the first decode step with one query per
+    sequence (q_lens all 1), whose page-table rows already hold the pages
+    for ``plan.table_width * page_size`` tokens. ``step(plan)`` issues one
+    step's stream work (embedding of ``token_buf``, layers, ``plan.append``,
+    ``plan.attention``, ...) and returns logits [B, vocab]. The captured graph
+    is: step, argmax into ``next_token``, then ``advance_plan`` (lengths and
+    positions += 1 on the device). ``active`` [B] bool marks padding: a
+    padded entry's length word is set to 0 on the device, so its attention
+    output is 0, its append is skipped and it never advances.
+    Per token, ``advance()`` issues one device-to-device copy
+    (next_token -> token_buf) and one graph launch.
+    """
+
+    def __init__(self, step, plan: DevicePlan, *, token_buf, next_token, active=None, graph: bool = True):
+        from .rowwise import argmax_into
+        h = plan.host
+        if h.queries != h.sequences or (h.q_lens != 1).any():
+            raise PagedAttentionError("plan: expected one query per sequence (decode: q_lens all 1)")
+        _token_buffer("token_buf", token_buf, None)
+        _token_buffer("next_token", next_token, None)
+        for name, b in (("token_buf", token_buf), ("next_token", next_token)):
+            _checks.shape_is(name, b, (h.sequences,))
+        self.plan, self.stream = plan, plan.stream
+        self.token_buf, self.next_token = token_buf, next_token
+        self.active = np.ones(h.sequences, bool) if active is None else np.asarray(active, bool)
+        _checks.shape_is("active", self.active, (h.sequences,))
+        self.lengths = np.where(self.active, h.kv_lens, 0)   # host mirror of the device lengths
+        self.capacity = h.table_width * h.page_size
+        off = metadata_offsets(h.queries, h.sequences)
+        for s in np.nonzero(~self.active)[0]:
+            plan.stream.memset_d32(plan.words, 0, count=1, offset_bytes=4 * (off["kv_len"] + int(s)))
+        self._step, self._argmax = step, argmax_into
+        self.graph = None
+        if graph:
+            with capture_graph(token_buf) as g:
+                self._body()
+            self.graph = g
+
+    def _body(self) -> None:
+        logits = self._step(self.plan)
+        self._argmax(logits, self.next_token)
+        advance_plan(self.plan)
+
+    def seed(self, tokens) -> None:
+        seed_tokens(self.next_token, tokens)
+
+    @property
+    def steps_left(self) -> int:
+        """Tokens every active sequence can still take before its row is full."""
+        act = self.lengths[self.active]
+        return int(self.capacity - act.max()) + 1 if act.size else 0
+
+    def advance(self) -> None:
+        """Issue one token's work (one copy, one graph launch); no host data."""
+        if self.steps_left <= 0:
+            raise PagedAttentionError("plan: a sequence's page-table row is full; reserve more pages")
+        self.stream.copy(self.token_buf, self.next_token)
+        if self.graph is not None:
+            self.graph.launch()
+        else:
+            self._body()
+        self.lengths[self.active] += 1

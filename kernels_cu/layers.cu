@@ -1,0 +1,130 @@
+// layers.cu: the small dense kernels a decoder step needs besides attention
+// and append, so a whole step can be captured into one graph on either
+// backend: embedding lookup, RMSNorm, a linear layer with an optional
+// residual accumulate, rotary embedding by device-resident positions, and
+// SwiGLU. Storage type scalar_t (CP_DTYPE); all arithmetic in float32.
+#include "common.cuh"
+
+#define LAYER_THREADS 128
+
+// out[r, :] = table[tokens[r], :]; a token outside 0..vocab-1 gives zeros.
+// grid (rows), block LAYER_THREADS.
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+embed(const long long* __restrict__ tokens, const scalar_t* __restrict__ table,
+      scalar_t* __restrict__ out, u32 dim, u32 vocab) {
+    const u32 r = blockIdx.x;
+    const long long t = tokens[r];
+    const bool ok = t >= 0 && t < (long long)vocab;
+    const scalar_t* src = table + (u64)(ok ? t : 0) * dim;
+    for (u32 i = threadIdx.x; i < dim; i += blockDim.x)
+        out[(u64)r * dim + i] = ok ? src[i] : from_float<scalar_t>(0.f);
+}
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    v = warp_sum(v);
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float t = 0.f;
+    for (u32 w = 0; w < (blockDim.x >> 5); ++w) t += red[w];
+    __syncthreads();
+    return t;
+}
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w; out may be x (each thread
+// writes only the elements it read). grid (rows), block LAYER_THREADS.
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+rms_norm(const scalar_t* x, const scalar_t* __restrict__ w, scalar_t* out, u32 dim, float eps) {
+    __shared__ float red[LAYER_THREADS / 32];
+    const scalar_t* xr = x + (u64)blockIdx.x * dim;
+    scalar_t* orow = out + (u64)blockIdx.x * dim;
+    float ss = 0.f;
+    for (u32 i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = to_float(xr[i]);
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / (float)dim + eps);
+    for (u32 i = threadIdx.x; i < dim; i += blockDim.x)
+        orow[i] = from_float<scalar_t>(to_float(xr[i]) * inv * to_float(w[i]));
+}
+
+// out[m, n] = sum_k x[m, k] * w[n, k]  (+ out[m, n] when accumulate != 0).
+// w is [N, K] row-major (a Linear layer's weight). One warp per output
+// element, lanes stride over K; grid (ceil(N / 4), M), block 128.
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+linear(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w, scalar_t* out,
+       u32 n_out, u32 k_in, u32 accumulate) {
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u32 n = blockIdx.x * (LAYER_THREADS / 32) + warp;
+    const u32 m = blockIdx.y;
+    if (n >= n_out) return;  // whole warp leaves together
+    const scalar_t* xr = x + (u64)m * k_in;
+    const scalar_t* wr = w + (u64)n * k_in;
+    float acc = 0.f;
+    for (u32 k = lane; k < k_in; k += 32) acc = fmaf(to_float(xr[k]), to_float(wr[k]), acc);
+    acc = warp_sum(acc);
+    if (lane == 0) {
+        scalar_t* o = out + (u64)m * n_out + n;
+        *o = from_float<scalar_t>(accumulate ? acc + to_float(*o) : acc);
+    }
+}
+
+// Rotary embedding (rotate-half form) in place on x [rows, heads, dim]:
+// with half = dim / 2, p = positions[r] (clamped to max_pos - 1),
+// c = cos_t[p, i], s = sin_t[p, i]:
+//   x[i] <- x[i] c - x[i + half] s,  x[i + half] <- x[i + half] c + x[i] s.
+// Positions are read on the device (plan words or a DeviceScalars word),
+// so a captured graph rotates by the current position on every replay.
+// grid (rows), block LAYER_THREADS.
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+rope(scalar_t* x, const u32* __restrict__ positions, u32 position_stride,
+     const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+     u32 heads, u32 dim, u32 max_pos) {
+    const u32 r = blockIdx.x, half = dim >> 1;
+    u32 p = positions[(u64)r * position_stride];
+    if (p >= max_pos) p = max_pos - 1;
+    scalar_t* xr = x + (u64)r * heads * dim;
+    for (u32 e = threadIdx.x; e < heads * half; e += blockDim.x) {
+        const u32 h = e / half, i = e - h * half;
+        scalar_t* xh = xr + (u64)h * dim;
+        const float c = cos_t[(u64)p * half + i], s = sin_t[(u64)p * half + i];
+        const float a = to_float(xh[i]), b = to_float(xh[i + half]);
+        xh[i] = from_float<scalar_t>(a * c - b * s);
+        xh[i + half] = from_float<scalar_t>(b * c + a * s);
+    }
+}
+
+// out[r, i] = silu(gu[r, i]) * gu[r, f + i]; gu is [rows, 2f] (gate, up).
+// grid (rows), block LAYER_THREADS.
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+silu_mul(const scalar_t* __restrict__ gu, scalar_t* __restrict__ out, u32 f) {
+    const u32 r = blockIdx.x;
+    const scalar_t* g = gu + (u64)r * 2 * f;
+    for (u32 i = threadIdx.x; i < f; i += blockDim.x) {
+        const float a = to_float(g[i]);
+        out[(u64)r * f + i] = from_float<scalar_t>(a / (1.f + __expf(-a)) * to_float(g[f + i]));
+    }
+}
+
+// Advance a plan by one step on the device: every sequence whose length is
+// not 0 (0 marks a padded batch entry) and that has room in its page-table
+// row moves forward by its q_len tokens: kv_len += q_len, and each of its
+// queries' positions += q_len. A sequence without room stays where it is (the
+// host loop stops before that). Captured at the end of a decode graph so the
+// next replay attends over, rotates by and appends at the next position with
+// no host data. Word layout: docs/layout.md. grid (ceil(S / 128)), block 128.
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+advance_plan(u32* words, u32 queries, u32 sequences, u32 table_width, u32 page_size) {
+    const u32 s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= sequences) return;
+    u32* q_pos = words + 16 + queries;
+    u32* kv_len = q_pos + queries;
+    const u32* q_start = kv_len + sequences;
+    const u32 q0 = q_start[s], q1 = q_start[s + 1];
+    if (q0 > q1 || q1 > queries) return;
+    const u32 step = q1 - q0, len = kv_len[s];
+    const u64 capacity = (u64)table_width * page_size;
+    if (len == 0 || step == 0 || (u64)len + step > capacity) return;
+    kv_len[s] = len + step;
+    for (u32 q = q0; q < q1; ++q) q_pos[q] += step;
+}
