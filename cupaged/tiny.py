@@ -1,0 +1,166 @@
+"""A tiny Llama-style decoder built only from cupaged ops, and its float64
+NumPy reference.
+
+RMSNorm, RoPE (rotate-half), GQA attention through the paged cache
+(``DevicePlan.append`` + ``DevicePlan.attention``), SwiGLU MLP, weights
+seeded random. Every step is stream work on preallocated buffers, so one
+decode step can be captured into a graph on either backend. Used by the
+decode-graph tests and by ``python -m cupaged demo``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from . import _backend, layers, reference
+from .plan import DevicePlan, metadata_offsets
+from .stream import stream_for
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyConfig:
+    vocab: int = 256
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    ffn: int = 128
+    rope_base: float = 10000.0
+    eps: float = 1e-5
+    max_pos: int = 1024
+
+
+def init_weights(cfg: TinyConfig, seed: int = 0) -> dict:
+    """Seeded random weights, float64, Linear layout [out, in]."""
+    rng = np.random.default_rng(seed)
+
+    def lin(n_out, n_in, gain=1.0):
+        return rng.standard_normal((n_out, n_in)) * gain / math.sqrt(n_in)
+
+    hq, hkv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    w = {"embed": rng.standard_normal((cfg.vocab, cfg.hidden)),
+         "final_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden),
+         "lm_head": lin(cfg.vocab, cfg.hidden, 4.0), "layers": []}
+    for _ in range(cfg.layers):
+        w["layers"].append({
+            "attn_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden),
+            "wq": lin(hq, cfg.hidden), "wk": lin(hkv, cfg.hidden), "wv": lin(hkv, cfg.hidden),
+            "wo": lin(cfg.hidden, hq),
+            "mlp_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden),
+            "w_gate_up": lin(2 * cfg.ffn, cfg.hidden), "w_down": lin(cfg.hidden, cfg.ffn),
+        })
+    return w
+
+
+def rounded(weights: dict, dtype) -> dict:
+    """The weights as the model stores them (rounded to ``dtype``), back in
+    float64: what the reference must use to isolate kernel arithmetic."""
+    def r(a):
+        return np.asarray(a).astype(dtype).astype(np.float64)
+    return {"embed": r(weights["embed"]), "final_norm": r(weights["final_norm"]),
+            "lm_head": r(weights["lm_head"]),
+            "layers": [{k: r(v) for k, v in lw.items()} for lw in weights["layers"]]}
+
+
+def rope_tables(cfg: TinyConfig) -> tuple[np.ndarray, np.ndarray]:
+    """float64 cos, sin [max_pos, head_dim // 2]."""
+    return reference.rope_tables(np.arange(cfg.max_pos), cfg.head_dim, cfg.rope_base)
+
+
+def reference_logits(cfg: TinyConfig, weights: dict, tokens) -> np.ndarray:
+    """float64 logits [n, vocab] of one sequence ``tokens`` [n], computed in
+    full from scratch (no cache): the oracle for the paged model."""
+    tokens = np.asarray(tokens, np.int64)
+    n, d = len(tokens), cfg.head_dim
+    cos, sin = rope_tables(cfg)
+    cos, sin = cos[:n], sin[:n]
+    x = weights["embed"][tokens]                                        # [n, hidden]
+    group = cfg.heads // cfg.kv_heads
+    mask = np.tril(np.ones((n, n), bool))
+    for lw in weights["layers"]:
+        h = reference.rms_norm(x, lw["attn_norm"], cfg.eps)
+        q = reference.apply_rope((h @ lw["wq"].T).reshape(n, cfg.heads, d), cos, sin)
+        k = reference.apply_rope((h @ lw["wk"].T).reshape(n, cfg.kv_heads, d), cos, sin)
+        v = (h @ lw["wv"].T).reshape(n, cfg.kv_heads, d)
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # [n, heads, d]
+        s = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+        s = np.where(mask[None], s, -np.inf)
+        attn = np.einsum("hqk,khd->qhd", reference.softmax(s, axis=-1), v).reshape(n, -1)
+        x = x + attn @ lw["wo"].T
+        h = reference.rms_norm(x, lw["mlp_norm"], cfg.eps)
+        gate, up = lw["w_gate_up"][:cfg.ffn], lw["w_gate_up"][cfg.ffn:]
+        x = x + reference.swiglu_mlp(h, gate.T, up.T, lw["w_down"].T)
+    return reference.rms_norm(x, weights["final_norm"], cfg.eps) @ weights["lm_head"].T
+
+
+class TinyModel:
+    """The tiny decoder on one backend: weights, a paged KV cache per layer
+    ([num_pages, page_size, kv_heads, head_dim] each) and activation buffers
+    for up to ``max_rows`` queries per step, all allocated here, once.
+
+    ``forward(plan, tokens, logits)`` issues one step's stream work for the
+    plan's packed queries: tokens int64 [>= queries] (device), logits
+    [>= queries, vocab]. It allocates nothing and never synchronizes.
+    """
+
+    def __init__(self, cfg: TinyConfig, weights: dict, like, *, dtype=np.float32, num_pages: int,
+                 page_size: int, max_rows: int):
+        self.cfg, self.dtype, self.page_size, self.num_pages = cfg, np.dtype(dtype), page_size, num_pages
+        self.xp = xp = _backend.xp_of(like)
+        self.like = like
+
+        def dev(a, dt=self.dtype):
+            return xp.asarray(np.ascontiguousarray(np.asarray(a).astype(dt)))
+
+        self.w = {"embed": dev(weights["embed"]), "final_norm": dev(weights["final_norm"]),
+                  "lm_head": dev(weights["lm_head"]),
+                  "layers": [{k: dev(v) for k, v in lw.items()} for lw in weights["layers"]]}
+        cos, sin = rope_tables(cfg)
+        self.cos, self.sin = dev(cos, np.float32), dev(sin, np.float32)
+        shape = (num_pages, page_size, cfg.kv_heads, cfg.head_dim)
+        self.k_cache = [xp.zeros(shape, self.dtype) for _ in range(cfg.layers)]
+        self.v_cache = [xp.zeros(shape, self.dtype) for _ in range(cfg.layers)]
+        r, hd = max_rows, cfg.head_dim
+        self.max_rows = r
+        self.x = xp.zeros((r, cfg.hidden), self.dtype)
+        self.h = xp.zeros((r, cfg.hidden), self.dtype)
+        self.q = xp.zeros((r, cfg.heads, hd), self.dtype)
+        self.k = xp.zeros((r, cfg.kv_heads, hd), self.dtype)
+        self.v = xp.zeros((r, cfg.kv_heads, hd), self.dtype)
+        self.attn = xp.zeros((r, cfg.heads, hd), self.dtype)
+        self.gu = xp.zeros((r, 2 * cfg.ffn), self.dtype)
+        self.act = xp.zeros((r, cfg.ffn), self.dtype)
+        self.scale = 1.0 / math.sqrt(hd)
+
+    def forward(self, plan: DevicePlan, tokens, logits, *, workspace=None) -> None:
+        cfg, n = self.cfg, plan.host.queries
+        if n > self.max_rows:
+            raise ValueError(f"plan: {n} queries exceed the model's max_rows {self.max_rows}")
+        x, h, q, k, v, attn, gu, act = (b[:n] for b in (self.x, self.h, self.q, self.k, self.v, self.attn,
+                                                        self.gu, self.act))
+        off = metadata_offsets(plan.host.queries, plan.host.sequences)["q_pos"]
+        positions = plan.words[off:off + n]
+        layers.embed(tokens[:n], self.w["embed"], x)
+        for li, lw in enumerate(self.w["layers"]):
+            layers.rms_norm(x, lw["attn_norm"], h, cfg.eps)
+            layers.linear(h, lw["wq"], q.reshape(n, -1))
+            layers.linear(h, lw["wk"], k.reshape(n, -1))
+            layers.linear(h, lw["wv"], v.reshape(n, -1))
+            layers.rope(q, positions, self.cos, self.sin)
+            layers.rope(k, positions, self.cos, self.sin)
+            plan.append(k, v, self.k_cache[li], self.v_cache[li])
+            plan.attention(q, self.k_cache[li], self.v_cache[li], self.scale, True, out=attn,
+                           workspace=workspace)
+            layers.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)
+            layers.rms_norm(x, lw["mlp_norm"], h, cfg.eps)
+            layers.linear(h, lw["w_gate_up"], gu)
+            layers.silu_mul(gu, act)
+            layers.linear(act, lw["w_down"], x, accumulate=True)
+        layers.rms_norm(x, self.w["final_norm"], h, cfg.eps)
+        layers.linear(h, self.w["lm_head"], logits[:n])
+
+    def stream(self):
+        return stream_for(self.like)
