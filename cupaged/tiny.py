@@ -164,3 +164,89 @@ class TinyModel:
 
     def stream(self):
         return stream_for(self.like)
+
+
+def layout_pages(rng, lengths, page_size: int, num_pages: int) -> np.ndarray:
+    """A page table [B, width] giving each sequence ceil(length / page_size)
+    distinct pages from a random permutation of 0..num_pages-1; -1 elsewhere."""
+    need = [-(-int(n) // page_size) for n in lengths]
+    width = max(need) if need else 1
+    if sum(need) > num_pages:
+        raise ValueError(f"num_pages: {num_pages} pages cannot hold {sum(need)} pages of sequences")
+    perm = rng.permutation(num_pages)
+    table = np.full((len(lengths), max(width, 1)), -1, np.int64)
+    at = 0
+    for s, n in enumerate(need):
+        table[s, :n] = perm[at:at + n]
+        at += n
+    return table
+
+
+def generate(model: TinyModel, prompts, new_tokens: int, *, chunk: int = 16, graph: bool = True,
+             seed: int = 0, on_step=None):
+    """Greedy generation for a batch of prompts of different lengths.
+
+    Prefill in chunks of at most ``chunk`` tokens per sequence (eager stream
+    work, one plan per chunk), then ``new_tokens - 1`` decode steps through
+    a PagedDecodeLoop (one graph launch per token when ``graph``). Returns
+    (tokens int64 [B, new_tokens] on the host, the decode loop). The only
+    host readback is the token history at the end.
+    """
+    from .graph import PagedDecodeLoop
+    from .plan import HostPlan
+    from .rowwise import argmax_into
+    xp, like, ps = model.xp, model.like, model.page_size
+    B = len(prompts)
+    plens = np.array([len(p) for p in prompts], np.int64)
+    total = plens + new_tokens
+    table = layout_pages(np.random.default_rng(seed), total, ps, model.num_pages)
+    stream = stream_for(like)
+    logits = xp.zeros((model.max_rows, model.cfg.vocab), model.dtype)
+    best = xp.zeros(model.max_rows, np.int64)
+    next_token = xp.zeros(B, np.int64)
+    token_buf = xp.zeros(B, np.int64)
+    history = xp.zeros((new_tokens, B), np.int64)
+    # ---- chunked prefill
+    done = np.zeros(B, np.int64)
+    while (done < plens).any():
+        q_lens = np.minimum(chunk, plens - done)
+        kv = done + q_lens
+        plan = HostPlan.build(table, kv, q_lens, ps, model.num_pages).upload(like)
+        toks = np.concatenate([np.asarray(prompts[s][done[s]:kv[s]], np.int64) for s in range(B)])
+        tok_dev = xp.asarray(toks)
+        model.forward(plan, tok_dev, logits)
+        argmax_into(logits[:plan.host.queries], best[:plan.host.queries])
+        ends = plan.host.q_lens.cumsum() - 1
+        for s in range(B):
+            if q_lens[s] and kv[s] == plens[s]:   # this chunk ends the prompt: its last row predicts token 1
+                stream.copy(next_token, best, nbytes=8, dst_offset=8 * s, src_offset=8 * int(ends[s]))
+        done = kv
+    stream.copy(history, next_token, nbytes=8 * B)
+    # ---- decode: step i feeds token i at position plen + i - 1
+    plan = HostPlan.build(table, plens + 1, np.ones(B, np.int64), ps, model.num_pages).upload(like)
+    loop = PagedDecodeLoop(lambda p: (model.forward(p, token_buf, logits), logits[:B])[1], plan,
+                           token_buf=token_buf, next_token=next_token, graph=graph)
+    for i in range(1, new_tokens):
+        loop.advance()
+        stream.copy(history, next_token, nbytes=8 * B, dst_offset=8 * B * i)
+        if on_step is not None:
+            on_step(i)
+    tokens = history.T.copy() if xp is np else xp.asnumpy(history).T.copy()
+    return tokens, loop
+
+
+def check_tokens(cfg: TinyConfig, weights64: dict, prompts, tokens, *, margin: float = 1e-3):
+    """Compare generated tokens [B, N] with the float64 reference model.
+
+    Returns (exact, ok): how many tokens equal the reference argmax, and
+    whether every token is within ``margin`` of the reference maximum logit
+    (a near-tie may pick either, given float32 arithmetic in the kernels).
+    """
+    exact, ok = 0, True
+    for s, prompt in enumerate(prompts):
+        seq = np.concatenate([np.asarray(prompt, np.int64), tokens[s]])
+        ref = reference_logits(cfg, weights64, seq[:-1])[len(prompt) - 1:]     # rows predicting tokens[s]
+        for j, t in enumerate(tokens[s]):
+            exact += int(np.argmax(ref[j]) == t)
+            ok &= bool(ref[j, t] >= ref[j].max() - margin)
+    return exact, ok
