@@ -1,0 +1,1 @@
+"""Developer tools: ``python -m cupaged.tools.compile_check`` (the NVRTC gate)."""

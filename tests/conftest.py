@@ -1,0 +1,63 @@
+"""Shared test setup.
+
+* Tests marked ``@pytest.mark.gpu`` are skipped, with the reason, when CuPy
+  cannot be imported or sees no usable CUDA device; on a GPU machine they run
+  unchanged.
+* ``xp_backend``: a fixture parametrized over the CPU backend (NumPy) and the
+  GPU backend (CuPy, marked ``gpu``), giving an object with ``name``, ``xp``
+  (the array module), ``asarray(x)`` (NumPy -> that backend) and
+  ``to_numpy(a)``.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_unavailable_reason() -> str | None:
+    """None when CuPy imports and sees a CUDA device, else why not."""
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a broken CUDA install raising at import
+        return f"CuPy cannot be imported ({type(e).__name__}: {e})"
+    try:
+        if not cupy.cuda.is_available():
+            return "no CUDA GPU visible to CuPy (cupy.cuda.is_available() is False)"
+    except Exception as e:
+        return f"CuPy cannot query CUDA devices ({type(e).__name__}: {e})"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = None
+    for item in items:
+        if item.get_closest_marker("gpu") is None:
+            continue
+        if reason is None:
+            reason = gpu_unavailable_reason() or ""
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=f"gpu test: {reason}"))
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # "cpu" or "gpu"
+    xp: object
+
+    def asarray(self, x):
+        return self.xp.asarray(x)
+
+    def to_numpy(self, a):
+        return a.get() if self.name == "gpu" else np.asarray(a)
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def xp_backend(request) -> Backend:
+    if request.param == "gpu":
+        import cupy
+        return Backend("gpu", cupy)
+    return Backend("cpu", np)
