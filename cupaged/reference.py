@@ -1,0 +1,341 @@
+"""Float64 NumPy references: the independent oracle for every kernel test.
+
+Each function is written plainly from the math and never calls a cupaged
+kernel. Inputs of any float dtype (float32, float16, ``ml_dtypes.bfloat16``)
+are cast to float64 first; those casts are exact, so the only rounding is
+float64's.
+
+Paged layout (the one definition the kernels follow):
+
+* ``page_table`` int ``[sequences, table_width]``: entry ``[s, j]`` is the
+  page holding tokens ``j*page_size .. (j+1)*page_size - 1`` of sequence
+  ``s``. Entries past a sequence's length are never read (they may be -1 or
+  any sentinel).
+* ``kv_lens`` ``[sequences]``: tokens visible this step, this step's new
+  tokens included.
+* ``q_lens`` ``[sequences]``: new queries of each sequence,
+  ``0 <= q_lens <= kv_lens``. Queries are packed in sequence order; query
+  ``i`` of sequence ``s`` sits at absolute position
+  ``kv_lens[s] - q_lens[s] + i``.
+* Causal: the query at position ``p`` sees positions ``0..p`` of its
+  sequence (bottom-right aligned); non-causal: all ``kv_lens[s]`` tokens.
+* LSE is the natural log of ``sum(exp(score))``. A query that sees no key
+  has output 0 and LSE ``-inf``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _f64(x) -> np.ndarray:
+    with np.errstate(invalid="ignore"):          # a signalling NaN casts to a quiet NaN
+        return np.asarray(x).astype(np.float64)
+
+
+def _lengths(kv_lens, q_lens) -> tuple[np.ndarray, np.ndarray]:
+    kv = np.asarray(kv_lens, dtype=np.int64)
+    ql = np.asarray(q_lens, dtype=np.int64)
+    if kv.ndim != 1 or ql.shape != kv.shape:
+        raise ValueError(f"kv_lens {kv.shape} and q_lens {ql.shape} must be 1-D of one length")
+    if np.any(ql < 0) or np.any(ql > kv):
+        raise ValueError(f"expected 0 <= q_lens <= kv_lens, got q_lens {ql.tolist()}, kv_lens {kv.tolist()}")
+    return kv, ql
+
+
+# --------------------------------------------------------------------------
+# Positions and gathering
+# --------------------------------------------------------------------------
+
+def query_positions(kv_lens, q_lens) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence and absolute position of every packed query.
+
+    kv_lens, q_lens: [sequences]. Returns ``(q_seq [queries], q_pos [queries])``
+    (int64): query ``i`` of sequence ``s`` has position ``kv_lens[s] - q_lens[s] + i``.
+    """
+    kv, ql = _lengths(kv_lens, q_lens)
+    q_seq = np.repeat(np.arange(len(kv), dtype=np.int64), ql)
+    q_pos = np.concatenate([np.arange(k - n, k, dtype=np.int64) for k, n in zip(kv, ql)] + [np.zeros(0, np.int64)])
+    return q_seq, q_pos
+
+
+def visible_lengths(kv_lens, q_lens, causal: bool = True) -> np.ndarray:
+    """Keys each packed query sees, int64 [queries]: ``q_pos + 1`` when causal,
+    else its sequence's ``kv_lens``."""
+    q_seq, q_pos = query_positions(kv_lens, q_lens)
+    return q_pos + 1 if causal else np.asarray(kv_lens, dtype=np.int64)[q_seq]
+
+
+def gather_kv(cache, page_table, s: int, length: int) -> np.ndarray:
+    """The first ``length`` tokens of sequence ``s`` as a dense float64 array.
+
+    cache: [pages, page_size, H, D]; page_table: [sequences, table_width].
+    Returns [length, H, D]. Reads only ``page_table[s, :ceil(length / page_size)]``
+    and, within those pages, only the slots of the first ``length`` tokens.
+    """
+    cache = np.asarray(cache)
+    page_size = cache.shape[1]
+    t = np.arange(int(length))
+    pages = np.asarray(page_table)[s, t // page_size].astype(np.int64)
+    return _f64(cache[pages, t % page_size])
+
+
+# --------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------
+
+def _attend(q, k, v, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax attention of one query over ``n`` keys, GQA by head grouping.
+
+    q: [Hq, D]; k: [n, Hkv, D]; v: [n, Hkv, Dv] (all float64).
+    Returns (out [Hq, Dv], lse [Hq]); n == 0 gives out 0, lse -inf.
+    """
+    hq, hkv, dv = q.shape[0], k.shape[1], v.shape[2]
+    if k.shape[0] == 0:
+        return np.zeros((hq, dv)), np.full(hq, -np.inf)
+    kv_head = np.arange(hq) // (hq // hkv)            # query head h uses kv head h // group
+    scores = scale * np.einsum("hd,nhd->hn", q, k[:, kv_head])    # [Hq, n]
+    m = scores.max(axis=1, keepdims=True)              # subtract the max: exp never overflows
+    p = np.exp(scores - m)                             # [Hq, n]
+    total = p.sum(axis=1)                              # [Hq]
+    out = np.einsum("hn,nhd->hd", p, v[:, kv_head]) / total[:, None]
+    return out, m[:, 0] + np.log(total)
+
+
+def _check_attention_shapes(q, k_cache, v_cache, page_table, kv_lens, q_lens) -> None:
+    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.ndim != 4:
+        raise ValueError(f"expected q [queries, Hq, D] and caches [pages, page_size, Hkv, D], got "
+                         f"{q.shape}, {k_cache.shape}, {v_cache.shape}")
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"cache shapes do not match: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"query heads {q.shape[1]} are not a multiple of kv heads {k_cache.shape[2]}")
+    if q.shape[0] != int(np.sum(q_lens)):
+        raise ValueError(f"q has {q.shape[0]} queries, sum(q_lens) is {int(np.sum(q_lens))}")
+    if np.asarray(page_table).shape[0] != len(kv_lens):
+        raise ValueError(f"page_table has {np.asarray(page_table).shape[0]} rows for {len(kv_lens)} sequences")
+
+
+def _paged_attention_ranges(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale, causal, key_range):
+    """Attention of every packed query over the keys it sees that also lie in
+    ``key_range(s) = (lo, hi)`` (token positions of sequence s)."""
+    q, k_cache, v_cache = np.asarray(q), np.asarray(k_cache), np.asarray(v_cache)
+    _check_attention_shapes(q, k_cache, v_cache, page_table, kv_lens, q_lens)
+    kv, _ = _lengths(kv_lens, q_lens)
+    q_seq, _ = query_positions(kv_lens, q_lens)
+    seen = visible_lengths(kv_lens, q_lens, causal)
+    q64 = _f64(q)
+    out = np.zeros(q.shape[:2] + (v_cache.shape[3],))   # [queries, Hq, Dv]
+    lse = np.full(q.shape[:2], -np.inf)                  # [queries, Hq]
+    for s in range(len(kv)):
+        keys = gather_kv(k_cache, page_table, s, kv[s])      # [kv_len, Hkv, D]
+        values = gather_kv(v_cache, page_table, s, kv[s])    # [kv_len, Hkv, Dv]
+        lo, hi = key_range(s)
+        for i in np.nonzero(q_seq == s)[0]:
+            stop = min(hi, seen[i])
+            start = min(lo, stop)
+            out[i], lse[i] = _attend(q64[i], keys[start:stop], values[start:stop], scale)
+    return out, lse
+
+
+def paged_attention(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: float,
+                    causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Paged multi-/grouped-query attention for packed queries.
+
+    q: [queries, Hq, D]; k_cache: [pages, page_size, Hkv, D];
+    v_cache: [pages, page_size, Hkv, Dv]; page_table: [sequences, table_width];
+    kv_lens, q_lens: [sequences]. Query head h uses kv head ``h // (Hq // Hkv)``.
+    score = scale * q.k over the keys the query sees (see the module docstring).
+
+    Returns (out [queries, Hq, Dv] float64, lse [queries, Hq] float64).
+    """
+    return _paged_attention_ranges(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale, causal,
+                                   lambda s: (0, np.iinfo(np.int64).max))
+
+
+def mla_as_attention(q, q_pos, latent, k_pos) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MLA operands as plain attention operands, so every attention reference
+    (``paged_attention``, ``split_attention_partials``) serves MLA too.
+
+    q: [queries, H, R]; q_pos: [queries, H, P]; latent: [pages, page_size, 1, R];
+    k_pos: [pages, page_size, 1, P]. Returns (queries [queries, H, R + P],
+    keys [pages, page_size, 1, R + P], values = latent) in float64: the dot
+    product of ``[q, q_pos]`` with ``[latent, k_pos]`` is exactly
+    ``q.latent + q_pos.k_pos``.
+    """
+    q, q_pos, latent, k_pos = (np.asarray(a) for a in (q, q_pos, latent, k_pos))
+    if latent.ndim != 4 or latent.shape[2] != 1 or k_pos.shape[:3] != latent.shape[:3]:
+        raise ValueError(f"expected latent [pages, page_size, 1, R] and k_pos [pages, page_size, 1, P], "
+                         f"got {latent.shape}, {k_pos.shape}")
+    if q.ndim != 3 or q_pos.shape[:2] != q.shape[:2] or q_pos.shape[2] != k_pos.shape[3]:
+        raise ValueError(f"expected q [queries, H, R] and q_pos [queries, H, P], got {q.shape}, {q_pos.shape}")
+    return (np.concatenate([_f64(q), _f64(q_pos)], axis=-1), np.concatenate([_f64(latent), _f64(k_pos)], axis=-1),
+            _f64(latent))
+
+
+def paged_mla(q, q_pos, latent, k_pos, page_table, kv_lens, q_lens, scale: float,
+              causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Paged multi-head latent attention (one shared latent head).
+
+    q: [queries, H, R]; q_pos: [queries, H, P]; latent: [pages, page_size, 1, R];
+    k_pos: [pages, page_size, 1, P]. score = scale * (q.latent + q_pos.k_pos),
+    values are the latent rows. Returns (out [queries, H, R], lse [queries, H]),
+    float64.
+    """
+    return paged_attention(*mla_as_attention(q, q_pos, latent, k_pos), page_table, kv_lens, q_lens, scale, causal)
+
+
+# --------------------------------------------------------------------------
+# Split-KV partials and their merge
+# --------------------------------------------------------------------------
+
+def split_attention_partials(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: float,
+                             split_size, num_splits: int | None = None,
+                             causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Per-split partial attention over token ranges.
+
+    Split ``j`` of sequence ``s`` covers key positions
+    ``[j * split_size[s], (j + 1) * split_size[s])`` (``split_size``: an int or
+    [sequences]), intersected with what each query sees. ``num_splits``
+    defaults to the most any sequence needs. Shapes as in ``paged_attention``.
+
+    Returns (partial_out [splits, queries, Hq, Dv], partial_lse [splits, queries, Hq]);
+    a split with no visible key has out 0 and lse -inf.
+    """
+    kv = np.asarray(kv_lens, dtype=np.int64)
+    size = np.broadcast_to(np.asarray(split_size, dtype=np.int64), kv.shape)
+    if np.any(size < 1):
+        raise ValueError(f"split_size must be >= 1, got {split_size}")
+    if num_splits is None:
+        num_splits = int(max([1] + [-(-k // n) for k, n in zip(kv, size)]))
+    parts = [_paged_attention_ranges(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale, causal,
+                                     lambda s, j=j: (j * size[s], (j + 1) * size[s]))
+             for j in range(num_splits)]
+    return np.stack([o for o, _ in parts]), np.stack([l for _, l in parts])
+
+
+def merge_splits(partial_out, partial_lse) -> tuple[np.ndarray, np.ndarray]:
+    """Log-sum-exp merge of split partial results.
+
+    partial_out: [splits, queries, H, Dv]; partial_lse: [splits, queries, H].
+    out = sum_j exp(lse_j - lse) * out_j with lse = log(sum_j exp(lse_j)).
+    A split with lse -inf contributes nothing, whatever its partial out holds;
+    if every split is empty the result is out 0, lse -inf.
+    Returns (out [queries, H, Dv], lse [queries, H]), float64.
+    """
+    po, pl = _f64(partial_out), _f64(partial_lse)
+    empty_split = pl == -np.inf                                    # [splits, queries, H]
+    po = np.where(empty_split[..., None], 0.0, po)
+    m = pl.max(axis=0)                                             # [queries, H]
+    all_empty = m == -np.inf
+    m = np.where(all_empty, 0.0, m)
+    w = np.exp(pl - m)                                             # [splits, queries, H]; 0 for empty
+    total = w.sum(axis=0)                                          # [queries, H]
+    out = (w[..., None] * po).sum(axis=0) / np.where(all_empty, 1.0, total)[..., None]
+    lse = np.where(all_empty, -np.inf, m + np.log(np.where(all_empty, 1.0, total)))
+    return out, lse
+
+
+# --------------------------------------------------------------------------
+# Append
+# --------------------------------------------------------------------------
+
+def paged_append(new_k, new_v, k_cache, v_cache, page_table, kv_lens, q_lens) -> tuple[np.ndarray, np.ndarray]:
+    """Write each packed query's new key/value row into the paged caches.
+
+    new_k: [queries, Hkv, D]; new_v: [queries, Hkv, Dv];
+    k_cache: [pages, page_size, Hkv, D]; v_cache: [pages, page_size, Hkv, Dv].
+    The row of the query at position p of sequence s goes to page
+    ``page_table[s, p // page_size]``, slot ``p % page_size``. Returns new
+    caches (copies, the caches' dtype); every other slot is unchanged.
+    """
+    k_out, v_out = np.array(k_cache, copy=True), np.array(v_cache, copy=True)
+    new_k, new_v = np.asarray(new_k), np.asarray(new_v)
+    q_seq, q_pos = query_positions(kv_lens, q_lens)
+    if new_k.shape != (len(q_seq),) + k_out.shape[2:] or new_v.shape != (len(q_seq),) + v_out.shape[2:]:
+        raise ValueError(f"expected new_k [{len(q_seq)}, Hkv, D] and new_v [{len(q_seq)}, Hkv, Dv] matching "
+                         f"the caches, got {new_k.shape}, {new_v.shape}")
+    page_size = k_out.shape[1]
+    for i, (s, p) in enumerate(zip(q_seq, q_pos)):
+        page = int(page_table[s][p // page_size])
+        k_out[page, p % page_size] = new_k[i]
+        v_out[page, p % page_size] = new_v[i]
+    return k_out, v_out
+
+
+# --------------------------------------------------------------------------
+# Row-wise
+# --------------------------------------------------------------------------
+
+def row_argmax(logits) -> np.ndarray:
+    """Index of the maximum of each row, int64 [batch].
+
+    logits: [batch, vocab], vocab >= 1. Ties: the first index wins (-0.0 and
+    +0.0 tie). NaN counts as larger than everything, so the first NaN of a
+    row wins, as with ``numpy.argmax``. A row of -inf gives 0.
+    """
+    x = _f64(logits)
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise ValueError(f"expected logits [batch, vocab] with vocab >= 1, got shape {x.shape}")
+    return np.argmax(x, axis=1).astype(np.int64)
+
+
+def softmax(x, axis: int = -1) -> np.ndarray:
+    """Numerically stable softmax along ``axis``, float64."""
+    x = _f64(x)
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+# --------------------------------------------------------------------------
+# Tiny-model pieces
+# --------------------------------------------------------------------------
+
+def rms_norm(x, weight, eps: float = 1e-6) -> np.ndarray:
+    """x: [..., D]; weight: [D]. ``x / sqrt(mean(x**2) + eps) * weight``, float64."""
+    x = _f64(x)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f64(weight)
+
+
+def rope_tables(positions, rotary_dim: int, base: float = 10000.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables [n, rotary_dim // 2] for integer ``positions`` [n]:
+    angle[p, i] = p * base ** (-2 i / rotary_dim)."""
+    if rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+    inv_freq = base ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)   # [rotary_dim / 2]
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]      # [n, rotary_dim / 2]
+    return np.cos(angles), np.sin(angles)
+
+
+def apply_rope(x, cos, sin, interleaved: bool = False) -> np.ndarray:
+    """Rotary position embedding of x: [n, H, D] with tables cos, sin: [n, r/2].
+
+    The first r dims are rotated, the rest pass through. Pairs are
+    ``(i, i + r/2)`` (rotate-half, the Llama/NeoX layout), or ``(2i, 2i+1)``
+    when ``interleaved``: ``(a, b) -> (a cos - b sin, b cos + a sin)``.
+    """
+    x = _f64(x)
+    half = np.asarray(cos).shape[-1]
+    c, s = _f64(cos)[:, None, :], _f64(sin)[:, None, :]            # [n, 1, r/2]
+    out = x.copy()
+    if interleaved:
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2], out[..., 1:2 * half:2] = a * c - b * s, b * c + a * s
+    else:
+        a, b = x[..., :half], x[..., half:2 * half]
+        out[..., :half], out[..., half:2 * half] = a * c - b * s, b * c + a * s
+    return out
+
+
+def silu(x) -> np.ndarray:
+    """x * sigmoid(x), float64."""
+    x = _f64(x)
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu_mlp(x, w_gate, w_up, w_down) -> np.ndarray:
+    """SwiGLU MLP: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``.
+
+    x: [n, D]; w_gate, w_up: [D, F]; w_down: [F, D]. Returns [n, D] float64.
+    """
+    x = _f64(x)
+    return (silu(x @ _f64(w_gate)) * (x @ _f64(w_up))) @ _f64(w_down)
