@@ -1,0 +1,429 @@
+"""Paged KV append, and a page manager with copy-on-write.
+
+``append(plan, new_k, new_v, k_cache, v_cache)`` writes each packed query's
+new key/value row into the slot of its absolute position (one launch of
+``paged_append`` in ``kernels_cu/append.cu``). ``PagedKVCache`` owns the two
+caches and their pages: sequences are handles, ``fork`` shares pages,
+``prepare`` allocates the pages a step needs, copies shared pages the step
+will write (one launch of ``copy_pages``) and uploads the step's plan.
+
+Layout of caches, positions and metadata words: ``docs/layout.md``.
+
+    cache = PagedKVCache(num_pages=1024, page_size=16, kv_heads=8, head_dim=128,
+                         dtype="bfloat16", like=some_cupy_array)
+    a = cache.add_sequence()
+    plan, _ = cache.prepare([a], [prompt_len])        # prefill
+    cache.append(plan, new_k, new_v)                   # new_k: [prompt_len, 8, 128]
+    out = plan.attention(q, cache.k, cache.v, scale)
+    b = cache.fork(a)                                  # shares every page of a
+    plan, report = cache.prepare([a, b], [1, 1])       # decode: copies a shared last page
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _backend, _checks, _registry
+from .errors import PagedAttentionError
+from .plan import MAX_PAGE_SIZE, DevicePlan, HostPlan
+from .stream import stream_for
+
+U32_MAX = _checks.U32_MAX
+
+#: Copy units the kernels are compiled for (bytes); the host picks the widest
+#: that divides every row size and base address.
+UNIT_BYTES = (16, 8, 4, 2)
+
+_registry.register("append", [{"CP_VEC_BYTES": w} for w in UNIT_BYTES])
+
+_BLOCK_THREADS = 256
+_MAX_GRID_Y = 65535
+
+# HostPlans whose writes were validated already (a plan is reused by every
+# layer of a step; validate_writes sorts its slots, so do it once per plan).
+_validated: "weakref.WeakSet[HostPlan]" = weakref.WeakSet()
+
+
+def _address(a) -> int:
+    return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
+
+
+def unit_bytes(*values: int) -> int:
+    """The widest copy unit in UNIT_BYTES dividing every value (row or page
+    sizes in bytes, base addresses). Element sizes are >= 2, so 2 always fits
+    arrays of our dtypes."""
+    for w in UNIT_BYTES:
+        if all(int(v) % w == 0 for v in values):
+            return w
+    raise PagedAttentionError(f"expected sizes and addresses that are multiples of 2 bytes, got {values}")
+
+
+# ---------------------------------------------------------------------------
+# Append
+
+def check_append(plan: DevicePlan, new_k, new_v, k_cache, v_cache) -> None:
+    """Every input check of ``append`` (raises PagedAttentionError naming the
+    argument; launches and writes nothing)."""
+    if not isinstance(plan, DevicePlan):
+        raise PagedAttentionError(f"plan: expected a DevicePlan (HostPlan.upload), got {type(plan).__name__}")
+    plan._check_backend(new_k=new_k, new_v=new_v, k_cache=k_cache, v_cache=v_cache)
+    _checks.float_array("new_k", new_k, 3)
+    _checks.float_array("new_v", new_v, 3)
+    plan._check_cache("k_cache", k_cache)
+    plan._check_cache("v_cache", v_cache)
+    _checks.same_dtype("new_k", new_k, new_v=new_v, k_cache=k_cache, v_cache=v_cache)
+    hkv, d, dv = int(k_cache.shape[2]), int(k_cache.shape[3]), int(v_cache.shape[3])
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+        raise PagedAttentionError(
+            f"v_cache: expected shape [{', '.join(str(x) for x in k_cache.shape[:3])}, Dv] like k_cache, got "
+            f"{_checks.shape_str(v_cache.shape)}")
+    if hkv < 1 or d < 1 or dv < 1:
+        raise PagedAttentionError(
+            f"k_cache, v_cache: expected Hkv, D and Dv >= 1, got shapes {_checks.shape_str(k_cache.shape)} and "
+            f"{_checks.shape_str(v_cache.shape)}")
+    _checks.shape_is("new_k", new_k, (plan.host.queries, hkv, d))
+    _checks.shape_is("new_v", new_v, (plan.host.queries, hkv, dv))
+    _checks.no_overlap("k_cache", k_cache, v_cache=v_cache)
+    for name, a in (("new_k", new_k), ("new_v", new_v)):
+        _checks.no_overlap(name, a, k_cache=k_cache, v_cache=v_cache)
+
+
+def append(plan: DevicePlan, new_k, new_v, k_cache, v_cache) -> None:
+    """Write new keys and values into the paged caches, in place.
+
+    new_k [queries, Hkv, D], new_v [queries, Hkv, Dv]: one row per packed
+    query of ``plan`` (all arrays one dtype: float32, float16 or bfloat16).
+    k_cache [pages, page_size, Hkv, D], v_cache [pages, page_size, Hkv, Dv]:
+    the row of the query at absolute position p of sequence s goes to page
+    ``page_table[s, p // page_size]``, offset ``p % page_size``. MLA caches
+    work the same way: Hkv = 1, k_cache = latent [pages, page_size, 1, R],
+    v_cache = k_pos [pages, page_size, 1, P], new_k [queries, 1, R],
+    new_v [queries, 1, P].
+
+    Rows are copied bit for bit. One kernel launch on the plan's stream that
+    reads positions and page ids from the plan's device words (so a captured
+    graph replays with positions advanced on the device); no allocation and
+    no synchronization. Rejects two queries writing one slot
+    (``HostPlan.validate_writes``) and every bad input before launching.
+    """
+    check_append(plan, new_k, new_v, k_cache, v_cache)
+    host = plan.host
+    if host not in _validated:
+        host.validate_writes()
+        _validated.add(host)
+    if host.queries == 0:
+        return
+    esize = k_cache.itemsize
+    hkv, d, dv = int(k_cache.shape[2]), int(k_cache.shape[3]), int(v_cache.shape[3])
+    row_k, row_v = hkv * d * esize, hkv * dv * esize
+    w = unit_bytes(row_k, row_v, *(_address(a) for a in (new_k, new_v, k_cache, v_cache)))
+    units_k, units_v = row_k // w, row_v // w
+    # Lanes per query: enough for two units each; queries per block fill 256 threads.
+    bx = min(128, max(32, 32 * math.ceil((units_k + units_v) / 64)))
+    by = max(1, _BLOCK_THREADS // bx)
+    kernel = _backend.get_kernel(new_k, "append", "paged_append", {"CP_VEC_BYTES": w})
+    plan.stream.launch(kernel, (math.ceil(host.queries / by),), (bx, by),
+                       (new_k, new_v, k_cache, v_cache, plan.words, np.uint32(host.queries),
+                        np.uint32(host.sequences), np.uint32(host.table_width), np.uint32(host.page_size),
+                        np.uint32(host.pages), np.uint32(units_k), np.uint32(units_v)))
+
+
+def launch_copy_pages(stream, k_cache, v_cache, pairs_dev, num_pairs: int) -> None:
+    """One launch of ``copy_pages``: page ``pairs[i, 0]`` of both caches to
+    page ``pairs[i, 1]``. pairs_dev: uint32 [num_pairs, 2] on the caches'
+    device, written in stream order. No allocation, no synchronization."""
+    if num_pairs == 0:
+        return
+    esize = k_cache.itemsize
+    page_k = int(np.prod(k_cache.shape[1:])) * esize
+    page_v = int(np.prod(v_cache.shape[1:])) * esize
+    w = unit_bytes(page_k, page_v, _address(k_cache), _address(v_cache))
+    units = (page_k + page_v) // w
+    chunks = max(1, min(_MAX_GRID_Y, math.ceil(units / (2 * _BLOCK_THREADS))))
+    kernel = _backend.get_kernel(k_cache, "append", "copy_pages", {"CP_VEC_BYTES": w})
+    stream.launch(kernel, (num_pairs, chunks), (_BLOCK_THREADS,),
+                  (k_cache, v_cache, pairs_dev, np.uint32(num_pairs), np.uint32(k_cache.shape[0]),
+                   np.uint32(page_k // w), np.uint32(page_v // w)))
+
+
+# ---------------------------------------------------------------------------
+# Page manager
+
+def _float_dtype(dtype) -> np.dtype:
+    import ml_dtypes
+    names = {"f32": np.float32, "float32": np.float32, "f16": np.float16, "float16": np.float16,
+             "bf16": ml_dtypes.bfloat16, "bfloat16": ml_dtypes.bfloat16}
+    try:
+        dt = np.dtype(names[dtype] if isinstance(dtype, str) and dtype in names else dtype)
+    except TypeError:
+        dt = None
+    if dt is None or str(dt) not in ("float32", "float16", "bfloat16"):
+        raise PagedAttentionError(f"dtype: expected float32, float16 or bfloat16, got {dtype!r}")
+    return dt
+
+
+class Sequence:
+    """A sequence handle of one PagedKVCache. ``id``, ``length`` (tokens
+    cached, this step's new tokens included once prepared), ``pages`` (page
+    ids in token order), ``capacity`` (tokens that fit without a new page),
+    ``alive`` (False once freed). Read-only: the cache changes them."""
+
+    __slots__ = ("id", "length", "_pages", "_cache", "alive", "__weakref__")
+
+    def __init__(self, cache: "PagedKVCache", seq_id: int, pages: list[int], length: int):
+        self.id = seq_id
+        self.length = length
+        self._pages = pages
+        self._cache = cache
+        self.alive = True
+
+    @property
+    def pages(self) -> tuple[int, ...]:
+        return tuple(self._pages)
+
+    @property
+    def capacity(self) -> int:
+        return len(self._pages) * self._cache.page_size
+
+    def __repr__(self) -> str:
+        state = "" if self.alive else ", freed"
+        return f"Sequence(id={self.id}, length={self.length}, pages={self._pages}{state})"
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What ``PagedKVCache.prepare`` did besides building the plan.
+
+    ``copied_pages``: (src, dst) page ids copied on write (each in both
+    caches); ``copied_bytes``: bytes copied (K and V); ``allocated_pages``:
+    pages taken from the free list, copies included."""
+
+    copied_pages: list = field(default_factory=list)
+    copied_bytes: int = 0
+    allocated_pages: int = 0
+
+
+class PagedKVCache:
+    """Paged K/V caches and their pages, shared between sequences with
+    reference counts and copied on write.
+
+    ``k`` [num_pages, page_size, kv_heads, head_dim] and ``v`` [num_pages,
+    page_size, kv_heads, value_dim] (value_dim defaults to head_dim), zeroed,
+    on the backend and device of ``like`` (a NumPy or CuPy array; None: NumPy).
+    For MLA: kv_heads=1, head_dim=R (latent), value_dim=P (k_pos).
+
+    Host bookkeeping only, except ``prepare``, which launches at most one
+    page copy and one small upload per call and never synchronizes.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, *,
+                 value_dim: int | None = None, like=None):
+        self.num_pages = _checks.host_int("num_pages", num_pages, 1, U32_MAX - 1)
+        self.page_size = _checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
+        self.kv_heads = _checks.host_int("kv_heads", kv_heads, 1, U32_MAX)
+        self.head_dim = _checks.host_int("head_dim", head_dim, 1, U32_MAX)
+        self.value_dim = self.head_dim if value_dim is None else _checks.host_int("value_dim", value_dim, 1, U32_MAX)
+        self.dtype = _float_dtype(dtype)
+        if like is None:
+            like = np.zeros(0, np.float32)
+        if _backend.array_backend(like) is None:
+            raise PagedAttentionError(f"like: expected a NumPy or CuPy array, got {type(like).__name__}")
+        k_shape = (self.num_pages, self.page_size, self.kv_heads, self.head_dim)
+        v_shape = k_shape[:3] + (self.value_dim,)
+        _checks.u32_size("k", k_shape)
+        _checks.u32_size("v", v_shape)
+        self.backend = _backend.array_backend(like)
+        if self.backend == _backend.GPU:
+            xp = _backend.xp_of(like)
+            with like.device:
+                self.k = xp.zeros(k_shape, self.dtype)
+                self.v = xp.zeros(v_shape, self.dtype)
+        else:
+            self.k = np.zeros(k_shape, self.dtype)
+            self.v = np.zeros(v_shape, self.dtype)
+        self._refs = [0] * self.num_pages
+        self._free = list(range(self.num_pages - 1, -1, -1))   # a stack: page 0 is handed out first
+        self._next_id = 0
+        self._pairs = None      # the last copy's device page list, kept alive with the cache
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, kv_heads={self.kv_heads}, "
+                f"head_dim={self.head_dim}, value_dim={self.value_dim}, dtype={self.dtype.name}, "
+                f"backend={self.backend!r}, free={self.num_free_pages})")
+
+    # -- queries ------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in both caches."""
+        return self.page_size * self.kv_heads * (self.head_dim + self.value_dim) * self.dtype.itemsize
+
+    def ref_count(self, page: int) -> int:
+        """Sequences holding ``page``."""
+        return self._refs[page]
+
+    def page_table(self, seqs) -> np.ndarray:
+        """int32 [len(seqs), max(1, most pages)]: row i lists seqs[i].pages,
+        padded with -1."""
+        seqs = self._check_seqs(seqs, "seqs")
+        width = max([1] + [len(s._pages) for s in seqs])
+        table = np.full((len(seqs), width), -1, np.int32)
+        for i, s in enumerate(seqs):
+            table[i, :len(s._pages)] = s._pages
+        return table
+
+    # -- sequences ----------------------------------------------------------
+    def add_sequence(self) -> Sequence:
+        """A new empty sequence (no page until a step writes to it)."""
+        seq = Sequence(self, self._next_id, [], 0)
+        self._next_id += 1
+        return seq
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A new sequence sharing every page (and the length) of ``seq``;
+        nothing is copied. Writes by either later copy the shared page first,
+        so neither ever sees the other's new tokens."""
+        self._check_seqs([seq], "seq")
+        child = Sequence(self, self._next_id, list(seq._pages), seq.length)
+        self._next_id += 1
+        for p in child._pages:
+            self._refs[p] += 1
+        return child
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``: each page goes back to the free list once no
+        sequence holds it. The handle is dead afterwards."""
+        self._check_seqs([seq], "seq")
+        for p in reversed(seq._pages):
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+        seq._pages = []
+        seq.length = 0
+        seq.alive = False
+
+    # -- a step ---------------------------------------------------------------
+    def prepare(self, seqs, new_tokens) -> tuple[DevicePlan, StepReport]:
+        """Make room for one step and return ``(plan, report)``.
+
+        seqs: distinct live sequences of this cache, in the batch's order.
+        new_tokens: an int for all, or one int >= 0 per sequence: tokens each
+        appends this step (a prefill chunk, 1 for decode, 0 to sit out).
+
+        Takes the pages the new tokens need, copies every shared page
+        (reference count > 1) this step writes to a fresh page (one
+        ``copy_pages`` launch for all, both caches), advances the lengths, and
+        uploads the plan ``HostPlan.build(page_table(seqs), lengths,
+        new_tokens, page_size, num_pages)`` to the caches' device and current
+        stream. Then ``append(plan, new_k, new_v)`` writes the tokens and
+        ``plan.attention(q, cache.k, cache.v, ...)`` reads them.
+
+        Out of pages: raises PagedAttentionError and changes nothing.
+        """
+        seqs = self._check_seqs(seqs, "seqs")
+        if len({s.id for s in seqs}) != len(seqs):
+            raise PagedAttentionError("seqs: expected distinct sequences, got one sequence twice")
+        counts = self._new_tokens(new_tokens, len(seqs))
+        ps = self.page_size
+
+        # 1. The whole need, nothing changed yet. A shared page written by
+        # several holders in this step is copied by all but the last one.
+        holders = {}
+        cow = []            # per sequence: the shared page it copies, or None
+        fresh = []          # per sequence: pages its new tokens need
+        for s, n in zip(seqs, counts):
+            if n and s.length % ps:
+                last = s._pages[-1]
+                left = self._refs[last] - holders.get(last, 0)
+                if left > 1:
+                    holders[last] = holders.get(last, 0) + 1
+                    cow.append(last)
+                else:
+                    cow.append(None)
+            else:
+                cow.append(None)
+            fresh.append(-(-(s.length + n) // ps) - len(s._pages))
+        need = sum(fresh) + sum(c is not None for c in cow)
+        if need > len(self._free):
+            raise PagedAttentionError(
+                f"prepare: out of pages: this step needs {need} page(s) ({sum(fresh)} for new tokens, "
+                f"{need - sum(fresh)} to copy shared pages), {len(self._free)} of {self.num_pages} free")
+
+        # 2. The new page lists and the host plan (may still raise; nothing changed).
+        taken = self._free[len(self._free) - need:][::-1]
+        it = iter(taken)
+        pairs, pages = [], []
+        for s, c, f in zip(seqs, cow, fresh):
+            new = list(s._pages)
+            if c is not None:
+                dst = next(it)
+                pairs.append((c, dst))
+                new[-1] = dst
+            new.extend(next(it) for _ in range(f))
+            pages.append(new)
+        lengths = [s.length + n for s, n in zip(seqs, counts)]
+        width = max([1] + [len(p) for p in pages])
+        table = np.full((len(seqs), width), -1, np.int64)
+        for i, p in enumerate(pages):
+            table[i, :len(p)] = p
+        host = HostPlan.build(table, np.array(lengths, np.int64), np.array(counts, np.int64), ps, self.num_pages)
+
+        # 3. Commit: pages, copies, lengths; then upload.
+        del self._free[len(self._free) - need:]
+        for p in taken:
+            self._refs[p] = 1
+        for src, _ in pairs:
+            self._refs[src] -= 1
+        for s, p, n in zip(seqs, pages, lengths):
+            s._pages, s.length = p, n
+        stream = stream_for(self.k)
+        if pairs:
+            pairs_host = np.array(pairs, np.uint32)              # [copies, 2]
+            if self.backend == _backend.GPU:
+                with self.k.device:
+                    pairs_dev = _backend.xp_of(self.k).empty(pairs_host.shape, np.uint32)
+                stream.copy_from_host(pairs_dev, pairs_host)
+            else:
+                pairs_dev = pairs_host
+            launch_copy_pages(stream, self.k, self.v, pairs_dev, len(pairs))
+            self._pairs = pairs_dev
+        report = StepReport(copied_pages=pairs, copied_bytes=len(pairs) * self.page_bytes, allocated_pages=need)
+        return host.upload(self.k), report
+
+    def append(self, plan: DevicePlan, new_k, new_v) -> None:
+        """``append(plan, new_k, new_v, self.k, self.v)``."""
+        append(plan, new_k, new_v, self.k, self.v)
+
+    # -- helpers --------------------------------------------------------------
+    def _check_seqs(self, seqs, name: str) -> list[Sequence]:
+        if isinstance(seqs, Sequence):
+            seqs = [seqs]
+        seqs = list(seqs)
+        for i, s in enumerate(seqs):
+            label = name if name == "seq" else f"{name}[{i}]"
+            if not isinstance(s, Sequence):
+                raise PagedAttentionError(f"{label}: expected a Sequence of this cache, got {type(s).__name__}")
+            if s._cache is not self:
+                raise PagedAttentionError(f"{label}: expected a Sequence of this cache, got one of another cache")
+            if not s.alive:
+                raise PagedAttentionError(f"{label}: sequence {s.id} was freed")
+        return seqs
+
+    @staticmethod
+    def _new_tokens(new_tokens, n: int) -> list[int]:
+        if isinstance(new_tokens, (int, np.integer)) and not isinstance(new_tokens, bool):
+            new_tokens = [int(new_tokens)] * n
+        counts = _checks.host_int_array("new_tokens", new_tokens, 1)
+        if counts.shape[0] != n:
+            raise PagedAttentionError(f"new_tokens: expected shape [{n}] (one per sequence), got "
+                                      f"{_checks.shape_str(counts.shape)}")
+        if n and (counts.min() < 0 or counts.max() > U32_MAX):
+            i = int(np.argmax((counts < 0) | (counts > U32_MAX)))
+            raise PagedAttentionError(f"new_tokens[{i}]: expected an int in 0..{U32_MAX}, got {counts[i]}")
+        return [int(c) for c in counts]

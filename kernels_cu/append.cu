@@ -1,0 +1,122 @@
+// append.cu: writing new K/V rows into the paged caches, and copying pages
+// for copy-on-write. Layout of caches, positions and metadata words:
+// docs/layout.md.
+//
+// Both kernels move raw bytes: a row is copied bit for bit whatever its
+// dtype (NaN payloads and -0.0 included), so one variant serves f32, f16 and
+// bf16 alike.
+//
+// Defines: CP_VEC_BYTES (16, 8, 4 or 2): the copy unit. The host picks the
+// widest unit that divides every row (or page) size and every base address.
+#include "common.cuh"
+
+#ifndef CP_VEC_BYTES
+#error "CP_VEC_BYTES (16, 8, 4 or 2) must be defined"
+#endif
+
+#if CP_VEC_BYTES == 16
+typedef uint4 unit_t;
+#elif CP_VEC_BYTES == 8
+typedef uint2 unit_t;
+#elif CP_VEC_BYTES == 4
+typedef u32 unit_t;
+#elif CP_VEC_BYTES == 2
+typedef unsigned short unit_t;
+#else
+#error "CP_VEC_BYTES must be 16, 8, 4 or 2"
+#endif
+
+#define CP_NO_PAGE 0xffffffffu
+
+// The cache slot (page * page_size + offset) query q writes, or
+// 0xffffffffffffffff when the words do not name a valid one. Reads only
+// words[0 .. 17 + 2*queries + 2*sequences + sequences*table_width), the size
+// the host sized them with; never trusts a word for memory safety.
+__device__ __forceinline__ u64 append_slot(const u32* __restrict__ words, u32 q, u32 queries, u32 sequences,
+                                           u32 table_width, u32 page_size, u32 num_pages) {
+    const u32 q_seq = 16u;                                   // docs/layout.md
+    const u32 q_pos = q_seq + queries;
+    const u64 table = (u64)q_pos + queries + sequences + sequences + 1u;
+    const u32 s = words[q_seq + q];
+    const u32 p = words[q_pos + q];
+    if (s >= sequences) return ~0ull;                        // padded or corrupt entry
+    const u32 col = p / page_size;
+    if (col >= table_width) return ~0ull;                    // past the table
+    const u32 page = words[table + (u64)s * table_width + col];
+    if (page >= num_pages) return ~0ull;                     // includes CP_NO_PAGE
+    return (u64)page * page_size + (p - col * page_size);
+}
+
+// new_k:   [queries, Hkv, D]      as units_k copy units per row
+// new_v:   [queries, Hkv, Dv]     as units_v copy units per row
+// k_cache: [pages, page_size, Hkv, D]   (a slot is one row of units_k)
+// v_cache: [pages, page_size, Hkv, Dv]  (a slot is one row of units_v)
+// words:   the plan's metadata (docs/layout.md); q_seq, q_pos and the page
+//          table are read on the device, so a graph replays with new positions.
+// Launch:  block (bx, by), grid ceil(queries / by): thread row y of a block
+//          handles query blockIdx.x * by + y, its bx lanes stride over the
+//          units_k + units_v units of the K row then the V row.
+// A query whose sequence, column or page is out of range writes nothing.
+extern "C" __global__ void paged_append(const unit_t* __restrict__ new_k, const unit_t* __restrict__ new_v,
+                                        unit_t* __restrict__ k_cache, unit_t* __restrict__ v_cache,
+                                        const u32* __restrict__ words, u32 queries, u32 sequences,
+                                        u32 table_width, u32 page_size, u32 num_pages, u32 units_k,
+                                        u32 units_v) {
+    const u32 q = blockIdx.x * blockDim.y + threadIdx.y;
+    if (q >= queries) return;
+    const u64 slot = append_slot(words, q, queries, sequences, table_width, page_size, num_pages);
+    if (slot == ~0ull) return;
+
+    const unit_t* src_k = new_k + (u64)q * units_k;
+    const unit_t* src_v = new_v + (u64)q * units_v;
+    unit_t* dst_k = k_cache + slot * units_k;
+    unit_t* dst_v = v_cache + slot * units_v;
+    const u32 units = units_k + units_v;
+    // Loads of one pass are independent of each other; two per lane in flight.
+    u32 u = threadIdx.x;
+    for (; u + blockDim.x < units; u += 2u * blockDim.x) {
+        const u32 w = u + blockDim.x;
+        const unit_t a = u < units_k ? src_k[u] : src_v[u - units_k];
+        const unit_t b = w < units_k ? src_k[w] : src_v[w - units_k];
+        if (u < units_k) dst_k[u] = a; else dst_v[u - units_k] = a;
+        if (w < units_k) dst_k[w] = b; else dst_v[w - units_k] = b;
+    }
+    if (u < units) {
+        if (u < units_k) dst_k[u] = src_k[u]; else dst_v[u - units_k] = src_v[u - units_k];
+    }
+}
+
+// Copy whole pages inside both caches: for each pair i, page pairs[2i] of
+// k_cache and v_cache is copied to page pairs[2i + 1].
+// k_cache: [pages, page_units_k] units; v_cache: [pages, page_units_v] units.
+// pairs:   [num_pairs, 2] (src, dst) page ids; a pair naming a page
+//          >= num_pages is skipped. Destinations must be distinct and no
+//          destination may be a source (the page manager guarantees it).
+// Launch:  grid (num_pairs, chunks), any block size; block (i, c) handles
+//          pair i, units c*blockDim.x + threadIdx.x strided by
+//          chunks*blockDim.x over page_units_k + page_units_v.
+extern "C" __global__ void copy_pages(unit_t* __restrict__ k_cache, unit_t* __restrict__ v_cache,
+                                      const u32* __restrict__ pairs, u32 num_pairs, u32 num_pages,
+                                      u32 page_units_k, u32 page_units_v) {
+    const u32 i = blockIdx.x;
+    if (i >= num_pairs) return;
+    const u32 src = pairs[2u * i], dst = pairs[2u * i + 1u];
+    if (src >= num_pages || dst >= num_pages || src == dst) return;
+    const unit_t* sk = k_cache + (u64)src * page_units_k;
+    const unit_t* sv = v_cache + (u64)src * page_units_v;
+    unit_t* dk = k_cache + (u64)dst * page_units_k;
+    unit_t* dv = v_cache + (u64)dst * page_units_v;
+    const u32 units = page_units_k + page_units_v;
+    const u32 stride = gridDim.y * blockDim.x;
+    u32 u = blockIdx.y * blockDim.x + threadIdx.x;
+    for (; u + stride < units; u += 2u * stride) {
+        const u32 w = u + stride;
+        const unit_t a = u < page_units_k ? sk[u] : sv[u - page_units_k];
+        const unit_t b = w < page_units_k ? sk[w] : sv[w - page_units_k];
+        if (u < page_units_k) dk[u] = a; else dv[u - page_units_k] = a;
+        if (w < page_units_k) dk[w] = b; else dv[w - page_units_k] = b;
+    }
+    if (u < units) {
+        if (u < page_units_k) dk[u] = sk[u]; else dv[u - page_units_k] = sv[u - page_units_k];
+    }
+}

@@ -1,0 +1,106 @@
+// cupaged_rt.hpp: the contract between kernel modules (compiled by g++ with
+// cupaged_shim.h force-included) and the CPU runtime (cupaged_rt.cpp, built
+// once into its own shared library and loaded RTLD_GLOBAL before any module).
+//
+// Each CUDA thread is a fiber. A fiber owns one region of kRegion bytes,
+// aligned to kRegion:
+//
+//   [ guard, PROT_NONE | stack, kStack bytes, grows down | header page ]
+//   ^ region base                                        ^ fiber state
+//
+// so the running fiber's state is found from the stack pointer alone, with no
+// thread-local lookup: threadIdx.x is two instructions and a load.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <source_location>
+
+#include "cupaged_vector_types.hpp"
+
+#define CUPAGED_RT_API extern "C" __attribute__((visibility("default")))
+
+namespace cupaged {
+
+inline constexpr std::uintptr_t kRegion = 128 * 1024;  // one fiber: guard + stack + header
+inline constexpr std::uintptr_t kStack = 64 * 1024;    // usable stack of one CUDA thread
+inline constexpr std::uintptr_t kHeader = 4096;        // fiber state, at the top of the region
+inline constexpr unsigned kMaxDynamicShared = 227 * 1024;
+inline constexpr unsigned kMaxThreadsPerBlock = 1024;
+
+// What kernels read: the block being run by the current worker.
+struct BlockPub {
+    uint3 bid;           // blockIdx
+    dim3 bdim;           // blockDim
+    dim3 gdim;           // gridDim
+    const char* kernel;  // kernel name, for messages
+};
+
+// What kernels read: the first member of the runtime's fiber state.
+struct FiberPub {
+    uint3 tid;  // threadIdx
+    unsigned linear;
+    const BlockPub* block;
+};
+
+inline const FiberPub* fiber_at(std::uintptr_t sp) {
+    return reinterpret_cast<const FiberPub*>((sp | (kRegion - 1)) + 1 - kHeader);
+}
+
+// The running fiber. Only valid on a fiber (inside a kernel).
+__attribute__((always_inline)) inline const FiberPub* cur() {
+    std::uintptr_t sp;
+#if defined(__x86_64__)
+    asm("movq %%rsp, %0" : "=r"(sp));
+#elif defined(__aarch64__)
+    asm("mov %0, sp" : "=r"(sp));
+#else
+    sp = reinterpret_cast<std::uintptr_t>(__builtin_frame_address(0));
+#endif
+    return fiber_at(sp);
+}
+
+// Warp collective kinds (cupaged_rt_warp_op).
+enum WarpKind : int {
+    kShflIdx = 1,
+    kShflUp,
+    kShflDown,
+    kShflXor,
+    kBallot,
+    kAny,
+    kAll,
+    kSyncwarp,
+    kReduceAddU,
+    kReduceMinU,
+    kReduceMaxU,
+    kReduceMinI,
+    kReduceMaxI,
+    kReduceAnd,
+    kReduceOr,
+    kReduceXor,
+    kMatchAny,
+    kMatchAll,  // result: mask | (all_equal << 32)
+    kGeneric,   // cupaged_rt_warp_collective
+};
+
+// Block barrier kinds (cupaged_rt_barrier).
+enum BarrierKind : int { kBarSync = 0, kBarCount, kBarAnd, kBarOr };
+
+}  // namespace cupaged
+
+// ---- runtime entry points (defined in cupaged_rt.cpp) ----------------------
+// Called from fibers:
+CUPAGED_RT_API int cupaged_rt_barrier(int kind, int pred, std::source_location loc);
+CUPAGED_RT_API unsigned long long cupaged_rt_warp_op(int kind, unsigned mask, unsigned long long value, int b,
+                                                     int width, std::source_location loc);
+CUPAGED_RT_API void cupaged_rt_warp_collective(unsigned mask, void* lane_data,
+                                               void (*fn)(void** all_lane_data, unsigned mask, void* ctx),
+                                               void* ctx, std::source_location loc);
+CUPAGED_RT_API unsigned cupaged_rt_activemask();
+CUPAGED_RT_API [[noreturn]] void cupaged_rt_trap(const char* what, std::source_location loc);
+CUPAGED_RT_API void* cupaged_rt_dynamic_shared();  // the calling worker's dynamic shared memory
+// Called from the export stubs (on the launching thread):
+CUPAGED_RT_API int cupaged_rt_launch(const char* kernel, const unsigned* grid3, const unsigned* block3,
+                                     unsigned shared_mem, void (*thread_fn)(void* ctx), void* ctx);
+// Called from Python:
+CUPAGED_RT_API const char* cupaged_rt_last_error();  // of the calling thread's last failed launch
+CUPAGED_RT_API int cupaged_rt_num_workers();

@@ -1,0 +1,355 @@
+"""cupaged.cache.PagedKVCache: pages, forks, copy-on-write, exhaustion, and a
+long random schedule checked against a pure-Python model of every sequence's
+tokens (and, when the attention kernels are present, attention over the
+cache against reference.paged_attention)."""
+import importlib.util
+
+import numpy as np
+import pytest
+
+from cupaged import HostPlan, PagedAttentionError, reference
+from cupaged.cache import PagedKVCache, Sequence, launch_copy_pages
+from cupaged.stream import stream_for
+from cupaged.testing import as_dtype, tolerance
+
+HAVE_ATTENTION = importlib.util.find_spec("cupaged.attention") is not None
+
+
+def bits(a) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def tokens(cache, seq):
+    """The K and V rows of seq's tokens, [length, H, D] / [length, H, Dv], read from the cache."""
+    t = np.arange(seq.length)
+    pages = np.asarray(seq.pages, np.int64)[t // cache.page_size] if seq.length else np.zeros(0, np.int64)
+    return cache.k[pages, t % cache.page_size], cache.v[pages, t % cache.page_size]
+
+
+class Model:
+    """Every sequence's tokens as plain lists of rows."""
+
+    def __init__(self):
+        self.k, self.v = {}, {}
+
+    def add(self, seq):
+        self.k[seq.id], self.v[seq.id] = [], []
+
+    def fork(self, parent, child):
+        self.k[child.id], self.v[child.id] = list(self.k[parent.id]), list(self.v[parent.id])
+
+    def free(self, seq):
+        del self.k[seq.id], self.v[seq.id]
+
+    def append(self, seqs, counts, nk, nv):
+        i = 0
+        for s, n in zip(seqs, counts):
+            self.k[s.id].extend(nk[i:i + n])
+            self.v[s.id].extend(nv[i:i + n])
+            i += n
+
+    def check(self, cache, seqs):
+        for s in seqs:
+            k, v = tokens(cache, s)
+            assert s.length == len(self.k[s.id])
+            if s.length:
+                np.testing.assert_array_equal(bits(k), bits(np.stack(self.k[s.id])), err_msg=f"k of seq {s.id}")
+                np.testing.assert_array_equal(bits(v), bits(np.stack(self.v[s.id])), err_msg=f"v of seq {s.id}")
+
+
+def step(cache, seqs, counts, rng, model=None):
+    """prepare + append random rows; returns (plan, report, new_k, new_v)."""
+    plan, report = cache.prepare(seqs, counts)
+    n = int(np.sum(counts))
+    nk = rng.standard_normal((n, cache.kv_heads, cache.head_dim)).astype(cache.dtype)
+    nv = rng.standard_normal((n, cache.kv_heads, cache.value_dim)).astype(cache.dtype)
+    cache.append(plan, nk, nv)
+    if model is not None:
+        model.append(seqs, counts, nk, nv)
+    return plan, report, nk, nv
+
+
+def snapshot(cache, seqs):
+    return (bits(cache.k).copy(), bits(cache.v).copy(), cache.num_free_pages, list(cache._free),
+            list(cache._refs), [(s.length, s.pages) for s in seqs])
+
+
+def check_invariants(cache, live):
+    refs = [0] * cache.num_pages
+    for s in live:
+        assert len(s.pages) == -(-s.length // cache.page_size)
+        for p in s.pages:
+            refs[p] += 1
+    assert refs == list(cache._refs)
+    assert sorted(cache._free) == [p for p in range(cache.num_pages) if refs[p] == 0]
+
+
+def small_cache(num_pages=8, page_size=4, dtype="f16", **kw):
+    return PagedKVCache(num_pages, page_size, 2, 8, dtype, value_dim=kw.pop("value_dim", 4), **kw)
+
+
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_prefill_then_decode_matches_model(dtype):
+    rng = np.random.default_rng(1)
+    cache = small_cache(dtype=dtype)
+    assert cache.k.shape == (8, 4, 2, 8) and cache.v.shape == (8, 4, 2, 4) and cache.dtype == as_dtype(dtype)
+    model = Model()
+    a, b = cache.add_sequence(), cache.add_sequence()
+    model.add(a)
+    model.add(b)
+    assert (a.length, a.pages, a.capacity) == (0, (), 0)
+    plan, report, _, _ = step(cache, [a, b], [6, 3], rng, model)
+    assert (plan.queries, plan.sequences, plan.page_size, plan.pages) == (9, 2, 4, 8)
+    assert report.copied_pages == [] and report.copied_bytes == 0 and report.allocated_pages == 3
+    assert (a.length, a.capacity, len(a.pages), b.length, len(b.pages)) == (6, 8, 2, 3, 1)
+    assert cache.num_free_pages == 5
+    for _ in range(3):
+        step(cache, [a, b], 1, rng, model)
+    model.check(cache, [a, b])
+    table = cache.page_table([a, b])
+    assert table.dtype == np.int32 and table.tolist() == [list(a.pages), list(b.pages) + [-1]]
+    check_invariants(cache, [a, b])
+
+
+def test_mla_shapes():
+    rng = np.random.default_rng(2)
+    cache = PagedKVCache(6, 16, 1, 512, "bf16", value_dim=64)
+    model = Model()
+    a = cache.add_sequence()
+    model.add(a)
+    step(cache, [a], [20], rng, model)
+    c = cache.fork(a)
+    model.fork(a, c)
+    _, report, _, _ = step(cache, [a, c], [1, 2], rng, model)
+    assert report.copied_pages == [(c.pages[1], a.pages[1])]   # a copies, c (the last holder) writes in place
+    assert report.copied_bytes == 16 * (512 + 64) * 2
+    model.check(cache, [a, c])
+
+
+def test_fork_isolation_and_copy_report():
+    rng = np.random.default_rng(3)
+    cache = small_cache(page_size=4)
+    model = Model()
+    parent = cache.add_sequence()
+    model.add(parent)
+    step(cache, [parent], [6], rng, model)              # pages [p0 full, p1 with 2 of 4 slots]
+    shared = parent.pages[1]
+    child = cache.fork(parent)
+    model.fork(parent, child)
+    assert child.pages == parent.pages and child.length == 6 and child.id != parent.id
+    assert cache.ref_count(shared) == 2 and cache.num_free_pages == 6   # nothing copied by fork
+    before_k, before_v = (bits(x).copy() for x in tokens(cache, parent))
+    plan, report, _, _ = step(cache, [child], [1], rng, model)
+    (src, dst), = report.copied_pages
+    assert src == shared and dst not in parent.pages and child.pages == (parent.pages[0], dst)
+    assert report.copied_bytes == cache.page_bytes == 4 * 2 * (8 + 4) * 2
+    assert cache.ref_count(shared) == 1 and cache.ref_count(dst) == 1 and cache.ref_count(parent.pages[0]) == 2
+    after_k, after_v = (bits(x) for x in tokens(cache, parent))
+    np.testing.assert_array_equal(after_k, before_k)
+    np.testing.assert_array_equal(after_v, before_v)
+    model.check(cache, [parent, child])
+    # the parent writes next: its last page is no longer shared, no copy
+    _, report, _, _ = step(cache, [parent], [3], rng, model)
+    assert report.copied_pages == []
+    model.check(cache, [parent, child])
+    check_invariants(cache, [parent, child])
+
+
+@pytest.mark.skipif(not HAVE_ATTENTION, reason="cupaged.attention not present yet")
+def test_fork_isolation_attention_bit_identical():
+    """The parent's attention output is bit-identical before and after its
+    child appends into their shared last page."""
+    rng = np.random.default_rng(4)
+    cache = small_cache(page_size=4, dtype="f32", value_dim=8)
+    parent = cache.add_sequence()
+    step(cache, [parent], [7], rng)                       # last page 3 of 4 full
+    child = cache.fork(parent)
+    table = cache.page_table([parent])
+    view = HostPlan.build(table, [7], [7], 4, cache.num_pages).upload(cache.k)   # all 7 tokens as queries
+    q = rng.standard_normal((7, 4, 8)).astype(np.float32)
+    before = view.attention(q, cache.k, cache.v, 0.3, causal=True)
+    _, report, _, _ = step(cache, [child], [2], rng)
+    assert [src for src, _ in report.copied_pages] == [parent.pages[-1]]
+    after = view.attention(q, cache.k, cache.v, 0.3, causal=True)
+    np.testing.assert_array_equal(bits(after), bits(before))
+    exp, _ = reference.paged_attention(q, cache.k, cache.v, table, [7], [7], 0.3)
+    atol, rtol = tolerance("f32")
+    np.testing.assert_allclose(np.asarray(after, np.float64), exp, atol=atol, rtol=rtol)
+
+
+def test_both_holders_write_one_copy():
+    rng = np.random.default_rng(5)
+    cache = small_cache()
+    model = Model()
+    a = cache.add_sequence()
+    model.add(a)
+    step(cache, [a], [5], rng, model)
+    b = cache.fork(a)
+    model.fork(a, b)
+    shared = a.pages[1]
+    _, report, _, _ = step(cache, [a, b], [1, 2], rng, model)
+    assert len(report.copied_pages) == 1 and report.copied_pages[0][0] == shared
+    assert b.pages[1] == shared and a.pages[1] == report.copied_pages[0][1]   # the last holder writes in place
+    model.check(cache, [a, b])
+    check_invariants(cache, [a, b])
+
+
+def test_exhaustion_changes_nothing():
+    rng = np.random.default_rng(6)
+    cache = small_cache(num_pages=4)
+    model = Model()
+    a = cache.add_sequence()
+    model.add(a)
+    step(cache, [a], [10], rng, model)                    # 3 pages, the last half full
+    b = cache.fork(a)
+    model.fork(a, b)
+    cache.k[cache._free] = np.nan                         # the free page too
+    snap = snapshot(cache, [a, b])
+    # a: one copy + one new page; b then writes the old page in place + one new page = 3 > 1 free
+    with pytest.raises(PagedAttentionError, match=r"out of pages: this step needs 3 page\(s\) \(2 for new tokens, "
+                                                  r"1 to copy shared pages\), 1 of 4 free"):
+        cache.prepare([a, b], [3, 3])
+    now = snapshot(cache, [a, b])
+    for x, y in zip(snap, now):
+        if isinstance(x, np.ndarray):
+            np.testing.assert_array_equal(x, y)
+        else:
+            assert x == y
+    # what fits still works
+    step(cache, [b], [2], rng, model)
+    model.check(cache, [a, b])
+
+
+def test_freed_pages_are_reused_and_refcounted():
+    rng = np.random.default_rng(7)
+    cache = small_cache(num_pages=6)
+    a = cache.add_sequence()
+    step(cache, [a], [9], rng)
+    pages_a = set(a.pages)
+    b = cache.fork(a)
+    cache.free(a)
+    assert not a.alive and cache.num_free_pages == 3      # b still holds them
+    cache.free(b)
+    assert cache.num_free_pages == 6
+    c = cache.add_sequence()
+    step(cache, [c], [12], rng)
+    assert set(c.pages) == pages_a                        # the most recently freed pages first
+    with pytest.raises(PagedAttentionError, match="seq: sequence 0 was freed"):
+        cache.free(a)
+    with pytest.raises(PagedAttentionError, match=r"seqs\[1\]: sequence 1 was freed"):
+        cache.prepare([c, b], 1)
+
+
+def test_input_errors():
+    cache = small_cache()
+    other = small_cache()
+    a = cache.add_sequence()
+    with pytest.raises(PagedAttentionError, match="seqs: expected distinct sequences"):
+        cache.prepare([a, a], 1)
+    with pytest.raises(PagedAttentionError, match=r"seqs\[0\]: expected a Sequence of this cache, got one of another"):
+        cache.prepare([other.add_sequence()], 1)
+    with pytest.raises(PagedAttentionError, match=r"seqs\[0\]: expected a Sequence of this cache, got int"):
+        cache.prepare([3], 1)
+    with pytest.raises(PagedAttentionError, match=r"new_tokens: expected shape \[1\]"):
+        cache.prepare([a], [1, 2])
+    with pytest.raises(PagedAttentionError, match=r"new_tokens\[0\]: expected an int in 0..4294967295, got -1"):
+        cache.prepare([a], [-1])
+    with pytest.raises(PagedAttentionError, match="new_tokens: expected an integer array"):
+        cache.prepare([a], [1.5])
+    with pytest.raises(PagedAttentionError, match="seq: expected a Sequence of this cache"):
+        cache.fork(object())
+    with pytest.raises(PagedAttentionError, match="dtype: expected float32, float16 or bfloat16, got 'int8'"):
+        PagedKVCache(4, 4, 1, 8, "int8")
+    with pytest.raises(PagedAttentionError, match="page_size: expected an int in 1..256, got 0"):
+        PagedKVCache(4, 0, 1, 8, "f16")
+    with pytest.raises(PagedAttentionError, match="num_pages"):
+        PagedKVCache(0, 4, 1, 8, "f16")
+    with pytest.raises(PagedAttentionError, match="like: expected a NumPy or CuPy array"):
+        PagedKVCache(4, 4, 1, 8, "f16", like=[1.0])
+    with pytest.raises(PagedAttentionError, match="k: .* elements exceed 32-bit indexing"):
+        PagedKVCache(2**20, 256, 8, 128, "f16")
+    assert a.length == 0 and cache.num_free_pages == 8
+
+
+def test_empty_steps():
+    cache = small_cache()
+    plan, report = cache.prepare([], [])
+    assert plan.queries == 0 and plan.sequences == 0 and report.allocated_pages == 0
+    a = cache.add_sequence()
+    plan, report = cache.prepare([a], 0)
+    assert plan.queries == 0 and a.length == 0 and cache.num_free_pages == 8
+    cache.append(plan, np.zeros((0, 2, 8), np.float16), np.zeros((0, 2, 4), np.float16))
+
+
+def test_copy_pages_skips_bad_ids():
+    """The copy kernel never trusts its page list: ids >= num_pages are skipped."""
+    rng = np.random.default_rng(8)
+    buf_k = np.full(4 * 16 + 32, np.nan, np.float32)
+    buf_v = np.full(4 * 8 + 32, np.nan, np.float32)
+    k = buf_k[16:16 + 64].reshape(4, 2, 2, 4)
+    v = buf_v[16:16 + 32].reshape(4, 2, 2, 2)
+    k[...] = rng.standard_normal(k.shape)
+    v[...] = rng.standard_normal(v.shape)
+    gk, gv = buf_k.copy(), buf_v.copy()
+    pairs = np.array([[1, 3], [0, 4], [7, 2], [0xFFFFFFFF, 0]], np.uint32)
+    launch_copy_pages(stream_for(k), k, v, pairs, len(pairs))
+    exp_k, exp_v = gk.copy(), gv.copy()
+    exp_k[16:16 + 64].reshape(4, 16)[3] = gk[16:16 + 64].reshape(4, 16)[1]
+    exp_v[16:16 + 32].reshape(4, 8)[3] = gv[16:16 + 32].reshape(4, 8)[1]
+    np.testing.assert_array_equal(bits(buf_k), bits(exp_k))
+    np.testing.assert_array_equal(bits(buf_v), bits(exp_v))
+
+
+@pytest.mark.parametrize("page_size, seed", [(4, 11), (1, 12)])
+def test_random_schedule_matches_model(page_size, seed):
+    """~150 steps of add / fork / free / prepare+append on a small cache."""
+    rng = np.random.default_rng(seed)
+    cache = PagedKVCache(40 if page_size == 4 else 120, page_size, 2, 8, "f16", value_dim=4)
+    model = Model()
+    live: list[Sequence] = []
+    copies = exhausted = attention_checks = 0
+    for it in range(150):
+        r = rng.random()
+        if not live or (r < 0.12 and len(live) < 8):
+            s = cache.add_sequence()
+            model.add(s)
+            live.append(s)
+        elif r < 0.24 and len(live) < 8:
+            parent = live[rng.integers(len(live))]
+            child = cache.fork(parent)
+            model.fork(parent, child)
+            live.append(child)
+        elif r < 0.32 and len(live) > 1:
+            s = live.pop(rng.integers(len(live)))
+            cache.free(s)
+            model.free(s)
+        else:
+            batch = [live[i] for i in rng.permutation(len(live))[:rng.integers(1, len(live) + 1)]]
+            counts = [int(rng.integers(0, 7)) if rng.random() < 0.3 else int(rng.integers(0, 2)) for _ in batch]
+            snap = snapshot(cache, live)
+            try:
+                plan, report, _, _ = step(cache, batch, counts, rng, model)
+            except PagedAttentionError as e:
+                assert "out of pages" in str(e)
+                exhausted += 1
+                now = snapshot(cache, live)
+                assert all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(snap, now))
+                s = live.pop(rng.integers(len(live)))
+                cache.free(s)
+                model.free(s)
+                continue
+            copies += len(report.copied_pages)
+            if HAVE_ATTENTION and plan.queries and it % 5 == 0:
+                attention_checks += 1
+                q = rng.standard_normal((plan.queries, 4, 8)).astype(np.float16)
+                out = plan.attention(q, cache.k, cache.v, 0.35, causal=True)
+                h = plan.host
+                exp, _ = reference.paged_attention(q, cache.k, cache.v, h.page_table, h.kv_lens, h.q_lens, 0.35)
+                atol, rtol = tolerance("f16")
+                np.testing.assert_allclose(np.asarray(out, np.float64), exp, atol=atol, rtol=rtol)
+        model.check(cache, live)
+        check_invariants(cache, live)
+    assert copies > 3 and exhausted >= 1, (copies, exhausted)
+    assert attention_checks > 0 or not HAVE_ATTENTION
