@@ -1,0 +1,140 @@
+"""Shared pieces of the benchmark scripts: backends (GPU through CuPy with
+CUDA-event timing and an L2 flush; CPU smoke mode), dtype lookup, a measured
+device-to-device copy bandwidth, and table printing."""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import cupaged  # noqa: F401
+except ModuleNotFoundError:  # run from a source tree
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class Gpu:
+    name = "gpu"
+
+    def __init__(self, flush: bool = True):
+        import cupy
+        self.cp = cupy
+        self.flush_buf = cupy.empty(256 << 20, np.uint8) if flush else None
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        self.device = f"{props['name'].decode()} (device {dev.id})"
+        self.sms = int(props["multiProcessorCount"])
+
+    def asarray(self, a):
+        return self.cp.asarray(a)
+
+    def empty(self, shape, dtype):
+        return self.cp.empty(shape, dtype)
+
+    def random(self, shape, dtype, rng_seed: int = 0):
+        """Standard normal data of ``dtype`` made on the device."""
+        g = self.cp.random.default_rng(rng_seed)
+        x = g.standard_normal(shape, dtype=np.float32)
+        return x.astype(dtype)
+
+    def sync(self):
+        self.cp.cuda.get_current_stream().synchronize()
+
+    def time(self, fn, reps: int, warmup: int) -> float:
+        """Median seconds of ``fn`` over CUDA-event-timed single runs."""
+        cp = self.cp
+        for _ in range(warmup):
+            fn()
+        times = []
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        for _ in range(reps):
+            if self.flush_buf is not None:
+                self.flush_buf.fill(1)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3)
+        return statistics.median(times)
+
+    def memcpy(self, nbytes: int):
+        """A function doing one device-to-device copy of ``nbytes``."""
+        src, dst = self.cp.empty(nbytes, np.uint8), self.cp.empty(nbytes, np.uint8)
+        src.fill(3)
+        stream = self.cp.cuda.get_current_stream()
+        return lambda: dst.data.copy_from_device_async(src.data, nbytes, stream)
+
+
+class Cpu:
+    name = "cpu"
+    device = "CPU backend (kernels through the g++ shim; timings say nothing about a GPU)"
+    sms = 2
+
+    def asarray(self, a):
+        return np.ascontiguousarray(a)
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def random(self, shape, dtype, rng_seed: int = 0):
+        return np.random.default_rng(rng_seed).standard_normal(shape).astype(dtype)
+
+    def sync(self):
+        pass
+
+    def time(self, fn, reps: int, warmup: int) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    def memcpy(self, nbytes: int):
+        src, dst = np.full(nbytes, 3, np.uint8), np.empty(nbytes, np.uint8)
+        return lambda: np.copyto(dst, src)
+
+
+def backend(cpu: bool, flush: bool = True):
+    """The GPU backend, or the CPU one with ``cpu``; exits with a message when
+    a GPU is asked for and none is usable."""
+    if cpu:
+        return Cpu()
+    try:
+        import cupy
+        if not cupy.cuda.is_available():
+            raise RuntimeError("cupy.cuda.is_available() is False")
+    except Exception as e:  # noqa: BLE001
+        raise SystemExit(f"no usable GPU ({type(e).__name__}: {e}); use --cpu for a smoke run")
+    return Gpu(flush)
+
+
+def dtype_of(name: str, be) -> np.dtype:
+    import ml_dtypes
+    dt = np.dtype({"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}[name])
+    if be.name == "gpu":
+        try:
+            be.empty(1, dt)
+        except Exception as e:  # a CuPy without bfloat16: the same bytes as float16
+            print(f"note: this CuPy cannot allocate {dt.name} ({type(e).__name__}); timing float16, same bytes")
+            dt = np.dtype(np.float16)
+    return dt
+
+
+def copy_bandwidth(be, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s, counting the
+    bytes read plus the bytes written (2 x nbytes per copy)."""
+    t = be.time(be.memcpy(nbytes), reps, 3)
+    return 2 * nbytes / t
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    lines = ["  ".join(c.rjust(widths[c]) for c in cols)]
+    lines += ["  ".join(str(r.get(c, "")).rjust(widths[c]) for c in cols) for r in rows]
+    return "\n".join(lines)

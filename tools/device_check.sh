@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One command for a GPU machine with no network and its own CuPy (cupy-cuda13x)
+# and cuda-python already installed: the GPU tests, the demo and every
+# benchmark, within about 8 minutes, then a short summary last.
+#   bash tools/device_check.sh            (logs go to $OUT or /tmp/cupaged_device)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+LOG="${OUT:-/tmp/cupaged_device}"
+mkdir -p "$LOG"
+PY=python3
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep the log
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
+  local rc=$?
+  tail -n 40 "$LOG/$name.log"
+  echo "=== $name: exit $rc after $((SECONDS - t0))s"
+  echo "$name $rc $((SECONDS - t0))" >> "$LOG/status.txt"
+}
+: > "$LOG/status.txt"
+date -u +"%Y-%m-%d %H:%M UTC" > "$LOG/date.txt"
+$PY -c "import cupy, cuda.bindings; p = cupy.cuda.runtime.getDeviceProperties(0); print(p['name'].decode(), '| CuPy', cupy.__version__, '| cuda-bindings', cuda.bindings.__version__)" | tee "$LOG/device.txt"
+step gate     60  $PY -m cupaged.tools.compile_check --jobs 8
+step gpu_tests 200 $PY -m pytest -q -m gpu -p no:cacheprovider tests
+step demo      60  $PY -m cupaged demo --tokens 64 --batch 8
+step bench_attention 150 $PY tools/bench_attention.py --quick
+step bench_mla 60  $PY tools/bench_mla.py --quick
+step bench_append 40 $PY tools/bench_append.py --reps 20
+step bench_decode 40 $PY tools/bench_decode.py
+echo
+echo "================ SUMMARY ($(cat "$LOG/date.txt"); $(cat "$LOG/device.txt"))"
+while read -r name rc secs; do printf '%-16s exit %-3s %4ss\n' "$name" "$rc" "$secs"; done < "$LOG/status.txt"
+grep -hE "passed|failed" "$LOG/gpu_tests.log" | tail -n 1
+grep -h "tokens matching" "$LOG/demo.log"
+for b in bench_attention bench_mla bench_append bench_decode; do
+  echo "--- $b"
+  grep -h "copy bandwidth" "$LOG/$b.log" | head -n 1
+  awk 'BEGIN{RS=""} {last=$0} END{print last}' "$LOG/$b.log"
+done
