@@ -171,7 +171,7 @@ class Sequence:
     ids in token order), ``capacity`` (tokens that fit without a new page),
     ``alive`` (False once freed). Read-only: the cache changes them."""
 
-    __slots__ = ("id", "length", "_pages", "_cache", "alive", "__weakref__")
+    __slots__ = ("id", "length", "_pages", "_cache", "alive")
 
     def __init__(self, cache: "PagedKVCache", seq_id: int, pages: list[int], length: int):
         self.id = seq_id
