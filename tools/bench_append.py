@@ -19,18 +19,11 @@ run unless --no-flush. GB/s = bytes / time.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 
-try:
-    import cupaged  # noqa: F401
-except ModuleNotFoundError:  # run from a source tree
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchlib import Cpu, Gpu, dtype_of  # noqa: E402 (also puts a source tree on sys.path)
 from cupaged import HostPlan, reference, stream_for  # noqa: E402
 from cupaged.cache import append, launch_copy_pages  # noqa: E402
 
@@ -50,88 +43,6 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-flush", action="store_true", help="do not flush the L2 cache before each run")
     return p.parse_args(argv)
-
-
-# ---------------------------------------------------------------------------
-# backends: array allocation and timing
-
-class Gpu:
-    name = "gpu"
-
-    def __init__(self, flush: bool):
-        import cupy
-        self.cp = cupy
-        self.flush_buf = cupy.empty(256 << 20, np.uint8) if flush else None
-        dev = cupy.cuda.Device()
-        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
-        self.device = f"{props['name'].decode()} (device {dev.id})"
-
-    def asarray(self, a):
-        return self.cp.asarray(a)
-
-    def empty(self, shape, dtype):
-        return self.cp.empty(shape, dtype)
-
-    def time(self, fn, reps: int, warmup: int) -> float:
-        """Median seconds of ``fn`` over CUDA-event-timed single runs."""
-        cp = self.cp
-        for _ in range(warmup):
-            fn()
-        times = []
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        for _ in range(reps):
-            if self.flush_buf is not None:
-                self.flush_buf.fill(1)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3)
-        return statistics.median(times)
-
-    def memcpy(self, nbytes: int):
-        """A function doing one device-to-device copy of ``nbytes``."""
-        src, dst = self.cp.empty(nbytes, np.uint8), self.cp.empty(nbytes, np.uint8)
-        src.fill(3)
-        stream = self.cp.cuda.get_current_stream()
-        return lambda: dst.data.copy_from_device_async(src.data, nbytes, stream)
-
-
-class Cpu:
-    name = "cpu"
-    device = "CPU backend (kernels through the g++ shim; timings say nothing about a GPU)"
-
-    def asarray(self, a):
-        return np.ascontiguousarray(a)
-
-    def empty(self, shape, dtype):
-        return np.empty(shape, dtype)
-
-    def time(self, fn, reps: int, warmup: int) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-
-    def memcpy(self, nbytes: int):
-        src, dst = np.full(nbytes, 3, np.uint8), np.empty(nbytes, np.uint8)
-        return lambda: np.copyto(dst, src)
-
-
-def dtype_of(name: str, backend) -> np.dtype:
-    import ml_dtypes
-    dt = np.dtype({"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}[name])
-    if backend.name == "gpu":
-        try:
-            backend.empty(1, dt)
-        except Exception as e:  # a CuPy without bfloat16: the same bytes as float16
-            print(f"note: this CuPy cannot allocate {dt.name} ({type(e).__name__}); timing float16, same bytes")
-            dt = np.dtype(np.float16)
-    return dt
 
 
 # ---------------------------------------------------------------------------

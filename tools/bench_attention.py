@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                     row.update(naive_ms=type(e).__name__)
             rows.append(row)
             print(benchlib.table([row], list(row)).splitlines()[-1], flush=True)
-            del k, v, q, out, ws, dplan
+            k = v = q = out = ws = dplan = None  # free the caches before the next case
     print()
     print(benchlib.table(rows, ["case", "heads", "B", "L", "splits", "ms", "GBps", "pct_copy", "naive_ms", "speedup"]))
     prow = []
