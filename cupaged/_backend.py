@@ -39,7 +39,7 @@ def backend_of(**arrays) -> str:
     Raises PagedAttentionError naming the argument that is not an array, or
     that lives on another backend or device than the first one.
     """
-    first_name, first, backend, dev = None, None, None, None
+    first_name, backend, dev = None, None, None
     for name, a in arrays.items():
         if a is None:
             continue
@@ -48,7 +48,7 @@ def backend_of(**arrays) -> str:
             raise PagedAttentionError(
                 f"{name}: expected a NumPy or CuPy array, got {type(a).__module__}.{type(a).__name__}")
         if backend is None:
-            first_name, first, backend, dev = name, a, b, device_id(a)
+            first_name, backend, dev = name, b, device_id(a)
             continue
         if b != backend:
             raise PagedAttentionError(

@@ -22,6 +22,11 @@ Environment:
 * ``CUPAGED_CPU_WORKERS``: number of worker threads (default: CPUs available).
 * ``CUPAGED_CPU_CXXFLAGS``: extra flags for kernel modules (e.g. ``-g -O0``).
 * ``CUPAGED_CPU_FIBERS=ucontext``: the portable (slower) context switch.
+* ``CUPAGED_CPU_ASAN=1``: build runtime and kernels with AddressSanitizer, so
+  that a kernel reading or writing outside a NumPy array stops with a report
+  naming the kernel's source line. Python itself is not built with ASan, so
+  libasan must be loaded first: ``LD_PRELOAD=$(g++ -print-file-name=libasan.so)
+  ASAN_OPTIONS=detect_leaks=0 python ...``.
 
 Rules for kernel sources, so that they run here as on a GPU: declare dynamic
 shared memory with ``CUPAGED_DYNAMIC_SHARED(T, name)``; include no system
@@ -78,16 +83,31 @@ def cache_dir() -> Path:
     return path
 
 
+ASAN_FLAGS = ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")
+
+
+def _asan() -> bool:
+    return os.environ.get("CUPAGED_CPU_ASAN", "").strip() not in ("", "0")
+
+
 def _module_flags() -> tuple[str, ...]:
     extra = tuple(shlex.split(os.environ.get("CUPAGED_CPU_CXXFLAGS", "")))
-    return MODULE_FLAGS + extra
+    return MODULE_FLAGS + (ASAN_FLAGS if _asan() else ()) + extra
 
 
 def _runtime_flags() -> tuple[str, ...]:
     fibers = os.environ.get("CUPAGED_CPU_FIBERS", "").strip().lower()
     if fibers not in ("", "asm", "ucontext"):
         raise PagedAttentionError(f"CUPAGED_CPU_FIBERS: expected 'asm' or 'ucontext', got {fibers!r}")
-    return RUNTIME_FLAGS + (("-DCUPAGED_FIBER_UCONTEXT",) if fibers == "ucontext" else ())
+    return (RUNTIME_FLAGS + (("-DCUPAGED_FIBER_UCONTEXT",) if fibers == "ucontext" else ())
+            + (ASAN_FLAGS if _asan() else ()))
+
+
+def _check_asan_loaded() -> None:
+    if _asan() and not hasattr(ctypes.CDLL(None), "__asan_init"):
+        raise PagedAttentionError(
+            "CUPAGED_CPU_ASAN=1: expected libasan to be loaded before Python starts, it is not; run with "
+            "LD_PRELOAD=$(g++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0")
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,6 +176,7 @@ def runtime() -> ctypes.CDLL:
     with _lock:
         if _runtime is not None:
             return _runtime
+        _check_asan_loaded()
         cxx, version = _compiler()
         flags = _runtime_flags()
         key = _source.digest("runtime", _shim_blob(), " ".join(flags), version)
@@ -278,6 +299,27 @@ _SCALAR_CTYPES = {
 }
 
 
+def _scalar_ctype(dt: np.dtype, code: str):
+    """The ctypes type passing a NumPy scalar of dtype ``dt`` to a parameter
+    of kind ``code`` (see param_code in cupaged_shim.h), or None if they do
+    not match: same class (integer of either sign, float, bool) and size."""
+    kinds = {"i": "iu", "u": "iu", "f": "f", "b": "b"}.get(code[:1])
+    if kinds is None or dt.kind not in kinds or str(dt.itemsize) != code[1:]:
+        return None
+    return _SCALAR_CTYPES.get((dt.kind, dt.itemsize))
+
+
+# (numpy scalar type, parameter code) -> converter, for the fast path of bind
+_SCALAR_CONVERT = {}
+for _t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64, np.float32,
+           np.float64, np.bool_, np.longlong, np.ulonglong):
+    for _code in ("i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f4", "f8", "b1"):
+        _ct = _scalar_ctype(np.dtype(_t), _code)
+        if _ct is not None:
+            _SCALAR_CONVERT[(_t, _code)] = (lambda ct: lambda a: ct(a.item()))(_ct)
+del _t, _code, _ct
+
+
 class CpuFunction:
     """One kernel of a module: ``bind(grid, block, shared_mem, args)`` checks
     and freezes a launch; calling the result runs it."""
@@ -326,12 +368,18 @@ class CpuFunction:
                 f"got {len(args)}")
         values, keep = [], []
         for i, (a, code) in enumerate(zip(args, self.param_codes)):
-            values.append(self._convert(i, a, code, keep))
+            if code == "p" and type(a) is np.ndarray:
+                keep.append(a)
+                values.append(ctypes.c_void_p(a.__array_interface__["data"][0]))
+                continue
+            ctor = _SCALAR_CONVERT.get((type(a), code))
+            values.append(ctor(a) if ctor is not None else self._convert(i, a, code, keep))
         return BoundLaunch(self, grid, block, int(shared_mem), values, keep)
 
     def _convert(self, i: int, a, code: str, keep: list):
-        ctype_name = self.param_types[i]
-        where = f"argument {i} of kernel {self.name} ({ctype_name})"
+        """Argument ``a`` for parameter ``i`` outside the fast paths of bind:
+        array subclasses, raw addresses, and every error."""
+        where = f"argument {i} of kernel {self.name} ({self.param_types[i]})"
         if isinstance(a, np.ndarray):
             if code != "p":
                 raise PagedAttentionError(f"{where}: expected a NumPy scalar of that type, got a NumPy array")
@@ -344,18 +392,19 @@ class CpuFunction:
                     return ctypes.c_void_p(int(a) & 0xFFFFFFFFFFFFFFFF)
                 raise PagedAttentionError(f"{where}: expected a NumPy array (or an np.uint64 address), "
                                           f"got numpy.{type(a).__name__}")
-            kind = {"i": "iu", "u": "iu", "b": "b", "f": "f"}.get(code[0])
-            size = int(code[1:]) if code[1:].isdigit() else -1
-            if kind is None or dt.kind not in kind or dt.itemsize != size:
-                if kind is None:
-                    raise PagedAttentionError(f"{where}: this parameter type cannot be passed by the CPU launcher")
-                want = {"iu": "integer", "b": "bool", "f": "floating-point"}[kind]
-                raise PagedAttentionError(f"{where}: expected a {size}-byte {want} NumPy scalar "
-                                          f"(e.g. {_example(code)}), got numpy.{type(a).__name__}")
-            return _SCALAR_CTYPES[(dt.kind, dt.itemsize)](a.item())
+            ctype = _scalar_ctype(dt, code)
+            if ctype is not None:
+                return ctype(a.item())
+            kind = {"i": "integer", "u": "integer", "b": "bool", "f": "floating-point"}.get(code[0])
+            if kind is None:
+                raise PagedAttentionError(f"{where}: this parameter type cannot be passed by the CPU launcher")
+            raise PagedAttentionError(f"{where}: expected a {code[1:]}-byte {kind} NumPy scalar "
+                                      f"(e.g. {_example(code)}), got numpy.{type(a).__name__}")
         if isinstance(a, (bool, int, float)):
-            raise PagedAttentionError(f"{where}: expected a NumPy scalar such as {_example(code)}, got Python "
-                                      f"{type(a).__name__} {a!r} (its C type would be ambiguous)")
+            want = "a NumPy array (or an np.uint64 address)" if code == "p" else \
+                f"a NumPy scalar such as {_example(code)}"
+            raise PagedAttentionError(f"{where}: expected {want}, got Python {type(a).__name__} {a!r} "
+                                      f"(its C type would be ambiguous)")
         raise PagedAttentionError(f"{where}: expected a NumPy array or NumPy scalar, got "
                                   f"{type(a).__module__}.{type(a).__name__}")
 
@@ -371,6 +420,9 @@ def _example(code: str) -> str:
 
 
 def _check_dims(name: str, v, limits, kernel: str, lo: int) -> tuple[int, int, int]:
+    if type(v) is tuple and len(v) == 3 and all(type(x) is int for x in v) \
+            and lo <= v[0] <= limits[0] and lo <= v[1] <= limits[1] and lo <= v[2] <= limits[2]:
+        return v
     try:
         t = tuple(v)
     except TypeError:

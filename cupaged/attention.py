@@ -197,7 +197,7 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causa
         u32(hq), u32(hkv), u32(d), u32(dv), u32(rot_dim), u32(splits), u32(bool(causal)),
         u32(lse is not None and not split), np.float32(scale)))
     if split:
-        merge = _backend.get_kernel(q, "attention", "paged_attention_merge", defines)
+        merge = _backend.get_kernel(q, "attention", "attention_split_merge", defines)
         stream.launch(merge, (queries, -(-hq // MERGE_HEADS_PER_BLOCK)), (THREADS,), (
             workspace.partial_out, workspace.partial_lse, out, lse_arg,
             u32(queries), u32(hq), u32(dv), u32(splits), u32(lse is not None)))

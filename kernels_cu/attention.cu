@@ -11,7 +11,8 @@
 //   form ROWS row groups of LANES lanes; a row group holds one K (and V) row,
 //   each lane CHUNKS vector chunks of it (16-byte loads when VEC_LOADS). A
 //   lane issues STEP_U rows of K and V loads before it uses any, so a block
-//   has 128 * STEP_U * CHUNKS * 2 loads in flight. Scores are reduced over
+//   has 128 * STEP_U * CHUNKS * 2 loads in flight, and loads the next step's
+//   page ids while they are in flight. Scores are reduced over
 //   the LANES lanes of a row by xor-shuffles; every row group keeps its own
 //   online-softmax state (max and sum in the log2 domain, FP32 accumulator of
 //   its value slice for each head) and the states are merged at the end:
@@ -21,7 +22,7 @@
 //   zeros, so no unused slot (NaN) can reach the output.
 //   With splits > 1, split z covers positions [z*c, min(L, (z+1)*c)) with
 //   c = ceil(L / splits) rounded up to SPLIT_TILE, and writes FP32 partials
-//   (an empty split writes out 0 and lse -inf); paged_attention_merge
+//   (an empty split writes out 0 and lse -inf); attention_split_merge
 //   combines them.
 //
 // Defines (compile-time choices, see cupaged/attention.py):
@@ -133,6 +134,9 @@ __device__ __forceinline__ float rescale(float m, float ref) {
 // part_out [splits, queries, Hq, Dv] f32, part_lse [splits, queries, Hq] f32     (splits > 1)
 // Sizes are the plan's static ones; nothing in `words` is trusted for memory
 // safety (see the layout document).
+// __launch_bounds__(128, 1): with (128) alone ptxas spills a few bytes in
+// some runtime-dim variants at 64-72 registers; (128, 1) lets it use what it
+// needs (every variant stays under 255 registers without a spill).
 extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
                 const scalar_t* __restrict__ v_cache, const scalar_t* __restrict__ q_rot,
@@ -153,11 +157,14 @@ paged_attention(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_c
     const u32 tiles = (group + kHeads - 1) / kHeads;
     const u32 kvh = blockIdx.y / tiles;
     const u32 head0 = kvh * group + (blockIdx.y - kvh * tiles) * kHeads;   // first query head of the tile
-    const u32 heads = att::min_u32(kHeads, (kvh + 1) * group - head0);              // real heads in the tile
+    const u32 heads = min_u32(kHeads, (kvh + 1) * group - head0);       // real heads in the tile
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
     const u32 row = lane / kLanes, x = lane % kLanes;
 
     // ---- visible positions of this query and this split's share ----
+    // Word offsets follow docs/layout.md from the plan's static sizes (the
+    // offsets stored in words 6..10 are not trusted): q_seq at 16, q_pos at
+    // 16 + Q, kv_len at 16 + 2Q, page_table at 17 + 2Q + 2S.
     const u32 seq = words[16 + qi];
     u32 len = 0;
     const u32* table = words;   // this sequence's page-table row (valid when len > 0)
@@ -323,7 +330,7 @@ paged_attention(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_c
             float mx = m[g];
 #pragma unroll
             for (u32 u = 0; u < kU; ++u) {
-                
+                if (!ok[u]) s[u][g] = neg_inf();
                 mx = fmaxf(mx, s[u][g]);
             }
             if (mx == neg_inf()) continue;   // nothing visible yet in this row group
@@ -427,7 +434,7 @@ paged_attention(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_c
 // lse = log(sum_z exp(lse_z)), out = sum_z exp(lse_z - lse) * out_z; a split
 // with lse -inf adds nothing; all empty gives out 0, lse -inf.
 extern "C" __global__ void __launch_bounds__(128)
-paged_attention_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
+attention_split_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                       scalar_t* __restrict__ out, float* __restrict__ lse, u32 queries, u32 q_heads,
                       u32 value_dim, u32 splits, u32 write_lse) {
     constexpr u32 kMaxSplits = 64;   // MAX_SPLITS in attention.py

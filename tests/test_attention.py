@@ -14,7 +14,7 @@ import pytest
 import cupaged
 from cupaged import attention, reference
 from cupaged.plan import metadata_offsets
-from cupaged.testing import as_dtype, assert_close, make_paged_case
+from cupaged.testing import as_dtype, assert_close, make_mla_case, make_paged_case
 
 DTYPES = ["f32", "f16", "bf16"]
 
@@ -83,6 +83,21 @@ def test_decode(xp_backend, dtype, shape):
                            num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=dtype)
     o, lse, _ = run(xp_backend, case, causal=True)
     check(case, o, lse, True, dtype, f"decode {shape}")
+
+
+# (dtype, head_dim, head_dim_v, q_heads, kv_heads): two chunks per lane (f32 256),
+# the largest capacities (512, 1024, with Dv != D), one element per row (1).
+@pytest.mark.parametrize("shape", [("f32", 256, None, 8, 1), ("f16", 512, None, 4, 1), ("bf16", 1000, 1024, 4, 2),
+                                   ("f32", 1, 1, 2, 1), ("f16", 24, 200, 5, 5)],
+                         ids=lambda s: "{}-d{}-dv{}-h{}x{}".format(*s))
+def test_large_and_odd_dims(xp_backend, shape):
+    dtype, d, dv, hq, hkv = shape
+    rng = np.random.default_rng(d)
+    case = make_paged_case(rng, kv_lens=np.array([19, 33], np.int32), q_lens=np.array([1, 2]), page_size=8,
+                           num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=dtype)
+    for causal in (True, False):
+        o, lse, _ = run(xp_backend, case, causal)
+        check(case, o, lse, causal, dtype, f"{shape} causal={causal}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -336,11 +351,41 @@ def test_variant_selection():
                         assert tuple(sorted(sel(dt, d, dv, aligned, g).items())) in registered
 
 
-def test_rotary_part_not_yet_supported():
+# ----------------------------------------------------------------- MLA (rotary part)
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(64, 16, 4, 16), (512, 64, 16, 1), (96, 200, 3, 64)],
+                         ids=lambda s: "r{}-p{}-h{}-ps{}".format(*s))
+def test_mla_rotary_part(xp_backend, dtype, shape):
+    """score = scale * (q.latent + q_pos.k_pos), values are the latent rows,
+    against reference.paged_mla; decode and a prefill chunk, both masks."""
+    r, p, h, page_size = shape
+    rng = np.random.default_rng(list(shape))
+    case = make_mla_case(rng, kv_lens=np.array([45, 3, 30], np.int32), q_lens=np.array([1, 3, 7]),
+                         page_size=page_size, num_heads=h, latent_dim=r, pos_dim=p, dtype=dtype)
+    q, qp, lat, kp = (_to_device(xp_backend, a) for a in (case.q, case.q_pos, case.latent, case.k_pos))
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, page_size, case.num_pages).upload(q)
+    for causal in (True, False):
+        for splits in (None, 3):
+            ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, h, r, splits, q)
+            o, lse = plan.mla(q, qp, lat, kp, case.scale, causal, return_lse=True, workspace=ws)
+            check(case, xp_backend.to_numpy(o), xp_backend.to_numpy(lse), causal, dtype,
+                  f"mla causal={causal} splits={splits}")
+
+
+def test_rotary_part_needs_one_latent_cache():
+    """The rotary variants read V from the K rows: a separate V cache (or
+    more than one KV head) is refused rather than silently ignored."""
     rng = np.random.default_rng(1)
-    case = make_paged_case(rng, sequences=1, max_kv_len=8, num_q_heads=2, head_dim=64, dtype="f32")
+    case = make_paged_case(rng, sequences=1, max_kv_len=8, num_q_heads=2, num_kv_heads=1, head_dim=64, dtype="f32")
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
     out = np.empty((plan.queries, 2, 64), np.float32)
+    k_rot = np.zeros(case.k_cache.shape[:3] + (8,), np.float32)
+    q_rot = np.zeros((plan.queries, 2, 8), np.float32)
     with pytest.raises(NotImplementedError):
         attention.launch_attention(plan.stream, plan, case.q, case.k_cache, case.v_cache, out, 1.0, True,
-                                   q_rot=case.q, k_rot=case.k_cache)
+                                   q_rot=q_rot, k_rot=k_rot)
+    with pytest.raises(NotImplementedError):
+        attention.launch_attention(plan.stream, plan, case.q, case.k_cache, case.k_cache, out, 1.0, True,
+                                   q_rot=np.zeros((plan.queries, 2, 300), np.float32),
+                                   k_rot=np.zeros(case.k_cache.shape[:3] + (300,), np.float32))

@@ -81,7 +81,7 @@ def test_argument_errors(mod):
     for i, bad, msg in [(2, 5, r"argument 2 .*\(int\).*Python int"), (6, 0.5, r"argument 6 .*Python float"),
                         (2, True, r"argument 2 .*Python bool"), (2, np.float32(1), r"argument 2 .*4-byte integer"),
                         (4, i32(1), r"argument 4 .*8-byte integer"), (7, np.float32(1), r"argument 7 .*8-byte float"),
-                        (0, i32(1), r"argument 0 .*NumPy array"), (2, inp, r"argument 2 .*got a NumPy array"),
+                        (0, i32(1), r"argument 0 .*NumPy array"), (1, 7, r"argument 1 .*expected a NumPy array .*Python int 7"), (2, inp, r"argument 2 .*got a NumPy array"),
                         (1, [1.0], r"argument 1 .*got builtins.list")]:
         args = list(good)
         args[i] = bad
@@ -262,6 +262,13 @@ def test_shared_memory_reductions(mod, n):
     np.testing.assert_allclose(out_s, want, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(out_d, want, rtol=1e-5, atol=1e-4)
     np.testing.assert_array_equal(first4, x[:4])
+
+
+def test_dynamic_shared_at_namespace_scope(mod):
+    out = np.zeros(5 * 96, np.int32)
+    run(mod, "reverse_dynamic", 5, 96, out, smem=4 * 96)
+    t = np.arange(96)
+    np.testing.assert_array_equal(out.reshape(5, 96), np.arange(5)[:, None] * 1000 + 95 - t)
 
 
 def test_barrier_ops(mod):
@@ -492,13 +499,22 @@ def test_trap_and_assert(mod):
     with pytest.raises(KernelError, match=rf"trap_kernel' block \(0,0,0\): thread 17: __trap\(\) at "
                                           rf"shim_kernels.cu:{line_of('TRAP')}"):
         run(mod, "trap_kernel", 1, 64, out, i32(17))
-    with pytest.raises(KernelError, match=rf"block \(3,0,0\): thread 2: assertion failed: in\[threadIdx.x\] >= 0 "
+    with pytest.raises(KernelError, match=rf"block \(3,0,0\): thread 2: assertion failed: in\[blockIdx.x \* blockDim.x \+ threadIdx.x\] "
+                                          rf">= 0 "
                                           rf"at shim_kernels.cu:{line_of('ASSERT')}"):
         x = np.zeros(4 * 32, np.int32)
         x[3 * 32 + 2] = -1
         run(mod, "assert_kernel", 4, 32, x)
     run(mod, "trap_kernel", 1, 64, out, i32(-1))
     assert (out == 1).all()
+
+
+def test_assert_with_cassert(tmp_path):
+    text = '#include <cassert>\nextern "C" __global__ void k(int* x) {\n    assert(x[threadIdx.x] != 4);\n}\n'
+    m = _cpu.load_module(_source.assemble(_write(tmp_path / "ca.cu", text)), "ca")
+    x = np.arange(8, dtype=np.int32)
+    with pytest.raises(KernelError, match=r"thread 4: assertion failed: x\[threadIdx.x\] != 4 at ca.cu:3"):
+        m.get_function("k").bind((1, 1, 1), (8, 1, 1), 0, (x,))()
 
 
 def test_many_blocks_with_one_failing(mod):
@@ -533,6 +549,56 @@ def test_stack_overflow_crashes_cleanly(mod):
     # a shallow recursion is fine
     out = np.zeros(64, np.int32)
     run(mod, "stack_overflow", 1, 64, out, i32(50))
+
+
+def test_fault_names_kernel_and_thread(mod):
+    r = run_python(f"""
+        import numpy as np
+        from pathlib import Path
+        from cupaged import _cpu, _source
+        m = _cpu.load_module(_source.assemble(Path({str(KERNELS)!r})), "shim_kernels")
+        m.get_function("null_deref").bind((1, 1, 1), (8, 1, 1), 0, (np.uint64(0),))()
+        print("survived")
+        """)
+    assert r.returncode != 0 and "survived" not in r.stdout
+    assert "cupaged CPU backend: SIGSEGV (address 0x0) in kernel null_deref, block (0,0,0), thread (3,0,0)" \
+        in r.stderr, r.stderr
+
+
+def test_fork_and_threads(mod):
+    # A forked child starts its own workers; launches from several Python threads are serialized.
+    r = run_python(f"""
+        import os, threading, numpy as np
+        from pathlib import Path
+        from cupaged import _cpu, _source
+        m = _cpu.load_module(_source.assemble(Path({str(KERNELS)!r})), "shim_kernels")
+        f = m.get_function("reduce_static")
+        x = np.random.default_rng(0).standard_normal(64 * 256).astype(np.float32)
+        want = x.reshape(64, 256).sum(1)
+        def check():
+            o = np.zeros(64, np.float32)
+            f.bind((64, 1, 1), (256, 1, 1), 0, (x, o))()
+            assert np.allclose(o, want, atol=1e-4)
+        check()
+        pid = os.fork()
+        if pid == 0:
+            check()
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        errors = []
+        def loop():
+            try:
+                for _ in range(20):
+                    check()
+            except Exception as e:
+                errors.append(e)
+        ts = [threading.Thread(target=loop) for _ in range(4)]
+        for t in ts: t.start()
+        for t in ts: t.join()
+        assert not errors, errors
+        print("ok")
+        """)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
 def test_disk_cache_and_fresh_process(tmp_path):
@@ -625,3 +691,60 @@ def test_workers_env(tmp_path):
         """, {"CUPAGED_CPU_WORKERS": "3"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "3"
+
+
+def _libasan() -> str | None:
+    try:
+        path = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return None
+    return path if os.path.isabs(path) and os.path.exists(path) else None
+
+
+def test_asan_mode(tmp_path):
+    src = _write(tmp_path / "asan_k.cu", textwrap.dedent("""\
+        extern "C" __global__ void mirror(const float* x, float* y) {
+            __shared__ float s[64];
+            s[threadIdx.x] = x[threadIdx.x];
+            __syncthreads();
+            float v = s[63 - threadIdx.x];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            y[threadIdx.x] = v;
+        }
+        extern "C" __global__ void boom(int* x) {
+            if (threadIdx.x == 7) __trap();
+            __syncthreads();
+        }
+        extern "C" __global__ void oob(const float* x, float* y) {
+            y[threadIdx.x] = x[threadIdx.x + 1];
+        }
+        """))
+    code = f"""
+        import numpy as np
+        from pathlib import Path
+        from cupaged import _cpu, _source
+        from cupaged.errors import KernelError
+        m = _cpu.load_module(_source.assemble(Path({str(src)!r})), "asan_k")
+        x, y = np.arange(64, dtype=np.float32), np.zeros(64, np.float32)
+        def mirror():
+            m.get_function("mirror").bind((3, 1, 1), (64, 1, 1), 0, (x, y))()
+            r = x[::-1]
+            assert (y == r + r.reshape(32, 2)[:, ::-1].ravel()).all()
+        mirror()
+        try:
+            m.get_function("boom").bind((1, 1, 1), (64, 1, 1), 0, (np.zeros(1, np.int32),))()
+        except KernelError:
+            pass
+        mirror()  # fibers abandoned by the trap left poisoned frames: reused cleanly
+        print("ok", flush=True)
+        m.get_function("oob").bind((1, 1, 1), (64, 1, 1), 0, (x, y))()
+        print("survived")
+        """
+    r = run_python(code, {"CUPAGED_CPU_ASAN": "1"})
+    assert r.returncode != 0 and "LD_PRELOAD" in r.stderr  # libasan must come first
+    lib = _libasan()
+    if lib is None:
+        pytest.skip("libasan not found (g++ -print-file-name=libasan.so)")
+    r = run_python(code, {"CUPAGED_CPU_ASAN": "1", "LD_PRELOAD": lib, "ASAN_OPTIONS": "detect_leaks=0"}, timeout=120)
+    assert r.stdout.split() == ["ok"], (r.stdout, r.stderr[-3000:])
+    assert "AddressSanitizer: heap-buffer-overflow" in r.stderr and "asan_k.cu:14 in oob" in r.stderr, r.stderr[-3000:]

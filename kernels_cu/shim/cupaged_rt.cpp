@@ -37,24 +37,37 @@
 
 #if !defined(__x86_64__) || defined(CUPAGED_FIBER_UCONTEXT)
 #define CUPAGED_USE_UCONTEXT 1
-#include <ucontext.h>
 #else
 #define CUPAGED_USE_UCONTEXT 0
+#endif
+#include <ucontext.h>  // also for the fault handler's register state
+
+#if defined(__SANITIZE_ADDRESS__)  // CUPAGED_CPU_ASAN=1: tell ASan about every stack switch
+#define CUPAGED_ASAN 1
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#else
+#define CUPAGED_ASAN 0
 #endif
 
 namespace cupaged {
 namespace {
 
 // ---- context switch ---------------------------------------------------------
+struct Ctx {
 #if CUPAGED_USE_UCONTEXT
-struct Ctx {
     ucontext_t uc;
-};
-inline void swap_ctx(Ctx* from, Ctx* to) { swapcontext(&from->uc, &to->uc); }
 #else
-struct Ctx {
     void* sp;
+#endif
+#if CUPAGED_ASAN
+    const void* stack_lo = nullptr;
+    size_t stack_size = 0;
+#endif
 };
+#if CUPAGED_USE_UCONTEXT
+inline void raw_swap(Ctx* from, Ctx* to) { swapcontext(&from->uc, &to->uc); }
+#else
 extern "C" void cupaged_ctx_switch(void** save_sp, void* new_sp);
 // Save the callee-saved registers on the current stack, store the stack
 // pointer, load the other one and pop its registers. MXCSR and the x87 control
@@ -83,8 +96,21 @@ cupaged_ctx_switch:
     ret
     .size cupaged_ctx_switch,.-cupaged_ctx_switch
 )");
-inline void swap_ctx(Ctx* from, Ctx* to) { cupaged_ctx_switch(&from->sp, to->sp); }
+inline void raw_swap(Ctx* from, Ctx* to) { cupaged_ctx_switch(&from->sp, to->sp); }
 #endif
+
+// Switch stacks; `from_dies` when the current context is never resumed.
+inline void swap_ctx(Ctx* from, Ctx* to, bool from_dies = false) {
+#if CUPAGED_ASAN
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(from_dies ? nullptr : &fake, to->stack_lo, to->stack_size);
+    raw_swap(from, to);
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+    (void)from_dies;
+    raw_swap(from, to);
+#endif
+}
 
 // ---- state ------------------------------------------------------------------
 enum State : unsigned char { kReady, kRunning, kWaitBarrier, kWaitWarp, kExited };
@@ -105,7 +131,7 @@ struct Fiber {
     void* cctx;               // cupaged_warp_collective context
     Ctx ctx;
 };
-static_assert(sizeof(Fiber) <= kHeader, "fiber state must fit its header page");
+static_assert(sizeof(Fiber) + (kColors - 1) * 64 <= kTop, "fiber state must fit the top of its region");
 
 struct Pending {  // one warp collective that some lanes have reached
     unsigned mask, arrived;
@@ -173,13 +199,13 @@ inline Fiber* dequeue(Worker* w) {
 }
 
 // Switch from the current fiber to the next runnable one, or to the scheduler.
-inline void switch_away(Worker* w, Ctx* save) {
+inline void switch_away(Worker* w, Ctx* save, bool dies = false) {
     Fiber* next = dequeue(w);
     if (next) {
         next->state = kRunning;
-        swap_ctx(save, &next->ctx);
+        swap_ctx(save, &next->ctx, dies);
     } else {
-        swap_ctx(save, &w->sched);
+        swap_ctx(save, &w->sched, dies);
     }
 }
 
@@ -278,7 +304,7 @@ std::string thread_str(const Fiber* f) {
         msg.shrink_to_fit();
     }
     Ctx dead;
-    swap_ctx(&dead, &w->sched);
+    swap_ctx(&dead, &w->sched, true);
     __builtin_unreachable();
 }
 
@@ -531,9 +557,10 @@ std::string exit_report(Fiber* f, const Pending& p) {
                pending_str(p).c_str());
 }
 
-std::string thread_report(Fiber* f, const char* what, const std::source_location* loc) {
-    if (!loc) return fmt("%s: %s", thread_str(f).c_str(), what);
-    return fmt("%s: %s at %s (in %s)", thread_str(f).c_str(), what, site_str(*loc).c_str(), loc->function_name());
+std::string thread_report(Fiber* f, const char* what, const char* file = nullptr, unsigned line = 0,
+                          const char* function = nullptr) {
+    if (!file) return fmt("%s: %s", thread_str(f).c_str(), what);
+    return fmt("%s: %s at %s:%u (in %s)", thread_str(f).c_str(), what, file, line, function ? function : "?");
 }
 
 [[noreturn]] void fiber_exit(Fiber* f) {
@@ -547,11 +574,14 @@ std::string thread_report(Fiber* f, const char* what, const std::source_location
         if (W.pend[i].mask & bit) fail(w, exit_report(f, W.pend[i]));
     if (w->nbar && w->nbar == w->live) release_barrier(w, nullptr);
     Ctx dead;
-    switch_away(w, &dead);
+    switch_away(w, &dead, true);
     __builtin_unreachable();
 }
 
 [[noreturn]] void fiber_entry() {
+#if CUPAGED_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
+#endif
     Fiber* f = self();
     Worker* w = f->w;
     bool threw = false;
@@ -560,13 +590,17 @@ std::string thread_report(Fiber* f, const char* what, const std::source_location
     } catch (...) {
         threw = true;  // fail() only after the handler has ended
     }
-    if (threw) fail(w, thread_report(f, "a C++ exception escaped the kernel", nullptr));
+    if (threw) fail(w, thread_report(f, "a C++ exception escaped the kernel"));
     fiber_exit(f);
 }
 
-inline char* region_of(Fiber* f) { return reinterpret_cast<char*>(f) + kHeader - kRegion; }
-
 void init_context(Fiber* f) {
+#if CUPAGED_ASAN
+    // Frames abandoned by the previous block left poisoned redzones behind.
+    ASAN_UNPOISON_MEMORY_REGION(reinterpret_cast<char*>(f) - kStack, kStack);
+    f->ctx.stack_lo = reinterpret_cast<char*>(f) - kStack;
+    f->ctx.stack_size = kStack;
+#endif
 #if CUPAGED_USE_UCONTEXT
     f->ctx.uc.uc_stack.ss_sp = reinterpret_cast<char*>(f) - kStack;
     f->ctx.uc.uc_stack.ss_size = kStack;
@@ -592,6 +626,9 @@ struct ChunkRec {
 constexpr unsigned kMaxChunks = 4096;
 ChunkRec g_chunks[kMaxChunks];
 std::atomic<unsigned> g_nchunks{0};
+
+// Lowest stack address of the region based at r: below it is the guard.
+constexpr std::uintptr_t stack_floor(std::uintptr_t r) { return (header_of_region(r) - kStack) & ~std::uintptr_t(4095); }
 
 // The fiber region holding address a, or 0. Async-signal-safe.
 std::uintptr_t region_at(std::uintptr_t a) {
@@ -621,8 +658,9 @@ bool grow_fibers(Worker* w, unsigned n, std::string* err) {
     if (base > r) munmap(raw, base - r);
     if (r + kRegion > base) munmap(reinterpret_cast<void*>(base + bytes), r + kRegion - base);
     for (unsigned i = 0; i < count; ++i) {
-        char* region = reinterpret_cast<char*>(base + (std::uintptr_t)i * kRegion);
-        if (mprotect(region + kRegion - kHeader - kStack, kStack + kHeader, PROT_READ | PROT_WRITE) != 0) {
+        const std::uintptr_t region = base + (std::uintptr_t)i * kRegion;
+        const std::uintptr_t lo = stack_floor(region);
+        if (mprotect(reinterpret_cast<void*>(lo), region + kRegion - lo, PROT_READ | PROT_WRITE) != 0) {
             *err = fmt("cannot map fiber stacks (mprotect: %s; is vm.max_map_count too low?)", strerror(errno));
             munmap(reinterpret_cast<void*>(base), bytes);
             return false;
@@ -635,7 +673,7 @@ bool grow_fibers(Worker* w, unsigned n, std::string* err) {
         g_nchunks.store(slot + 1, std::memory_order_release);
     }
     for (unsigned i = 0; i < count; ++i) {
-        Fiber* f = new (reinterpret_cast<char*>(base + (std::uintptr_t)i * kRegion) + kRegion - kHeader) Fiber();
+        Fiber* f = new (reinterpret_cast<void*>(header_of_region(base + (std::uintptr_t)i * kRegion))) Fiber();
         f->w = w;
 #if CUPAGED_USE_UCONTEXT
         getcontext(&f->ctx.uc);
@@ -679,7 +717,7 @@ void on_fault(int sig, siginfo_t* si, void* ucv) {
     bool overflow = false;
     if (real_fault && (sig == SIGSEGV || sig == SIGBUS)) {
         region = region_at(addr);
-        overflow = region && addr < region + kRegion - kHeader - kStack;
+        overflow = region && addr < stack_floor(region);
     }
     if (!overflow) {
         std::uintptr_t sp = 0;
@@ -693,7 +731,7 @@ void on_fault(int sig, siginfo_t* si, void* ucv) {
         region = real_fault && sp ? region_at(sp) : 0;
     }
     if (region) {
-        const FiberPub* f = reinterpret_cast<const FiberPub*>(region + kRegion - kHeader);
+        const FiberPub* f = reinterpret_cast<const FiberPub*>(header_of_region(region));
         const char* kernel = f->block && f->block->kernel ? f->block->kernel : "?";
         if (overflow) {
             put("cupaged CPU backend: fiber stack overflow in kernel ");
@@ -819,6 +857,17 @@ void worker_main(Pool* P, Worker* w) {
     ss.ss_size = 64 * 1024;
     ss.ss_flags = 0;
     sigaltstack(&ss, nullptr);
+#if CUPAGED_ASAN
+    pthread_attr_t attr;
+    if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+        void* lo = nullptr;
+        size_t size = 0;
+        pthread_attr_getstack(&attr, &lo, &size);
+        w->sched.stack_lo = lo;
+        w->sched.stack_size = size;
+        pthread_attr_destroy(&attr);
+    }
+#endif
     char name[16];
     snprintf(name, sizeof name, "cupaged-cpu-%u", w->index);
     pthread_setname_np(pthread_self(), name);
@@ -941,9 +990,9 @@ CUPAGED_RT_API unsigned cupaged_rt_activemask() {
     return W.exists & ~W.exited;
 }
 
-CUPAGED_RT_API void cupaged_rt_trap(const char* what, std::source_location loc) {
+CUPAGED_RT_API void cupaged_rt_trap(const char* what, const char* file, unsigned line, const char* function) {
     Fiber* f = self();
-    fail(f->w, thread_report(f, what, &loc));
+    fail(f->w, thread_report(f, what, file, line, function));
 }
 
 CUPAGED_RT_API void* cupaged_rt_dynamic_shared() { return t_worker ? t_worker->smem : nullptr; }

@@ -5,11 +5,13 @@
 // Each CUDA thread is a fiber. A fiber owns one region of kRegion bytes,
 // aligned to kRegion:
 //
-//   [ guard, PROT_NONE | stack, kStack bytes, grows down | header page ]
-//   ^ region base                                        ^ fiber state
+//   [ guard, PROT_NONE | stack, kStack bytes, grows down | fiber state | ... ]
+//   ^ region base                                        ^ header (= stack top)
 //
 // so the running fiber's state is found from the stack pointer alone, with no
-// thread-local lookup: threadIdx.x is two instructions and a load.
+// thread-local lookup: threadIdx.x is a few ALU instructions and a load. The
+// header sits at one of kColors offsets (64 bytes apart) so that the headers
+// and stack tops of a block's fibers do not all fall in the same cache sets.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -23,7 +25,8 @@ namespace cupaged {
 
 inline constexpr std::uintptr_t kRegion = 128 * 1024;  // one fiber: guard + stack + header
 inline constexpr std::uintptr_t kStack = 64 * 1024;    // usable stack of one CUDA thread
-inline constexpr std::uintptr_t kHeader = 4096;        // fiber state, at the top of the region
+inline constexpr std::uintptr_t kTop = 32 * 1024;      // top of the region: the header, colored
+inline constexpr std::uintptr_t kColors = 256;         // header offsets, 64 bytes apart
 inline constexpr unsigned kMaxDynamicShared = 227 * 1024;
 inline constexpr unsigned kMaxThreadsPerBlock = 1024;
 
@@ -42,8 +45,13 @@ struct FiberPub {
     const BlockPub* block;
 };
 
+// Address of the fiber state (and stack top) of the region based at r.
+constexpr std::uintptr_t header_of_region(std::uintptr_t r) {
+    return r + kRegion - kTop + (r / kRegion % kColors) * 64;
+}
+
 inline const FiberPub* fiber_at(std::uintptr_t sp) {
-    return reinterpret_cast<const FiberPub*>((sp | (kRegion - 1)) + 1 - kHeader);
+    return reinterpret_cast<const FiberPub*>(header_of_region(sp & ~(kRegion - 1)));
 }
 
 // The running fiber. Only valid on a fiber (inside a kernel).
@@ -96,7 +104,7 @@ CUPAGED_RT_API void cupaged_rt_warp_collective(unsigned mask, void* lane_data,
                                                void (*fn)(void** all_lane_data, unsigned mask, void* ctx),
                                                void* ctx, std::source_location loc);
 CUPAGED_RT_API unsigned cupaged_rt_activemask();
-CUPAGED_RT_API [[noreturn]] void cupaged_rt_trap(const char* what, std::source_location loc);
+CUPAGED_RT_API [[noreturn]] void cupaged_rt_trap(const char* what, const char* file, unsigned line, const char* function);
 CUPAGED_RT_API void* cupaged_rt_dynamic_shared();  // the calling worker's dynamic shared memory
 // Called from the export stubs (on the launching thread):
 CUPAGED_RT_API int cupaged_rt_launch(const char* kernel, const unsigned* grid3, const unsigned* block3,

@@ -212,11 +212,26 @@ inline void cupaged_warp_collective(unsigned mask, void* lane_data, void (*fn)(v
 inline unsigned cupaged_lane_id() { return ::cupaged::cur()->linear & 31u; }
 
 // ---- errors -------------------------------------------------------------------
-[[noreturn]] inline void __trap(CUPAGED_LOC) { cupaged_rt_trap("__trap()", cupaged_loc); }
-[[noreturn]] inline void __brkpt(CUPAGED_LOC) { cupaged_rt_trap("__brkpt()", cupaged_loc); }
+[[noreturn]] inline void __trap(CUPAGED_LOC) {
+    cupaged_rt_trap("__trap()", cupaged_loc.file_name(), cupaged_loc.line(), cupaged_loc.function_name());
+}
+[[noreturn]] inline void __brkpt(CUPAGED_LOC) {
+    cupaged_rt_trap("__brkpt()", cupaged_loc.file_name(), cupaged_loc.line(), cupaged_loc.function_name());
+}
+// assert() in a kernel raises KernelError, with or without <cassert>: glibc's
+// assert calls __assert_fail, which each module defines for itself.
+extern "C" __attribute__((visibility("hidden"), noreturn)) inline void __assert_fail(
+    const char* expr, const char* file, unsigned int line, const char* function) noexcept {
+    char what[512];
+    snprintf(what, sizeof what, "assertion failed: %s", expr);
+    cupaged_rt_trap(what, file, line, function);
+}
 #undef assert
-#define assert(e) \
-    ((e) ? (void)0 : cupaged_rt_trap("assertion failed: " #e, std::source_location::current()))
+#ifdef NDEBUG
+#define assert(e) ((void)0)
+#else
+#define assert(e) ((e) ? (void)0 : __assert_fail(#e, __FILE__, __LINE__, __PRETTY_FUNCTION__))
+#endif
 
 // ---- memory fences and cache-hinted loads/stores ------------------------------------
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }

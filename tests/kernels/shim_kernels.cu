@@ -170,6 +170,14 @@ extern "C" __global__ void reduce_dynamic(const float* in, float* out, float* fi
     if (t == 0) out[blockIdx.x] = s[0];
 }
 
+// Dynamic shared memory declared at namespace scope.
+CUPAGED_DYNAMIC_SHARED(int, g_dyn_smem);
+extern "C" __global__ void reverse_dynamic(int* out) {
+    g_dyn_smem[threadIdx.x] = blockIdx.x * 1000 + threadIdx.x;
+    __syncthreads();
+    out[blockIdx.x * blockDim.x + threadIdx.x] = g_dyn_smem[blockDim.x - 1 - threadIdx.x];
+}
+
 // __syncthreads_count / _and / _or.
 extern "C" __global__ void barrier_ops(const int* pred, int* out) {
     const int p = pred[threadIdx.x];
@@ -353,7 +361,12 @@ extern "C" __global__ void trap_kernel(int* out, int who) {
 }
 
 extern "C" __global__ void assert_kernel(const int* in) {
-    assert(in[threadIdx.x] >= 0);  // @ASSERT
+    assert(in[blockIdx.x * blockDim.x + threadIdx.x] >= 0);  // @ASSERT
+}
+
+// A bad address: the fault is reported with the kernel and thread, then the process dies.
+extern "C" __global__ void null_deref(int* p) {
+    if (threadIdx.x == 3) p[0] = 1;
 }
 
 // Recursion deep enough to overflow a 64 KiB fiber stack.
