@@ -79,7 +79,10 @@ def cache_dir() -> Path:
     """Folder of built libraries: ``$CUPAGED_CACHE_DIR`` or ``~/.cache/cupaged/cpu``."""
     d = os.environ.get("CUPAGED_CACHE_DIR")
     path = Path(d).expanduser() if d else Path.home() / ".cache" / "cupaged" / "cpu"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CompileError(f"cannot create the CPU kernel cache {path}: {e} (set CUPAGED_CACHE_DIR)") from None
     return path
 
 

@@ -451,13 +451,15 @@ std::string pending_str(const Pending& p) {
                site_str(p.site).c_str());
 }
 
+enum Misuse { kNotOwnLane, kBadWidth, kExitedLane };
+
 std::string warp_misuse_report(Fiber* f, int kind, unsigned mask, int width, const std::source_location& loc,
-                               const char* what) {
+                               Misuse what) {
     const WarpRt& W = f->w->warps[f->warp];
-    if (!std::strcmp(what, "own"))
+    if (what == kNotOwnLane)
         return fmt("%s (warp %u, lane %u) called %s with mask 0x%08x, which does not include its own lane, at %s",
                    thread_str(f).c_str(), f->warp, f->lane, warp_kind_name(kind), mask, site_str(loc).c_str());
-    if (!std::strcmp(what, "width"))
+    if (what == kBadWidth)
         return fmt("%s called %s with width %d (must be a power of two from 1 to 32) at %s", thread_str(f).c_str(),
                    warp_kind_name(kind), width, site_str(loc).c_str());
     return fmt("%s (warp %u) called %s(mask 0x%08x) at %s, but %s of the mask already exited", thread_str(f).c_str(),
@@ -476,11 +478,11 @@ unsigned long long warp_op(int kind, unsigned mask, unsigned long long val, int 
     Worker* w = f->w;
     WarpRt& W = w->warps[f->warp];
     const unsigned bit = 1u << f->lane;
-    if (!(mask & bit)) fail(w, warp_misuse_report(f, kind, mask, width, loc, "own"));
+    if (!(mask & bit)) fail(w, warp_misuse_report(f, kind, mask, width, loc, kNotOwnLane));
     if (is_shfl(kind) && (width < 1 || width > 32 || (width & (width - 1))))
-        fail(w, warp_misuse_report(f, kind, mask, width, loc, "width"));
+        fail(w, warp_misuse_report(f, kind, mask, width, loc, kBadWidth));
     mask &= W.exists;  // lanes past the end of a partial warp never existed
-    if (mask & W.exited) fail(w, warp_misuse_report(f, kind, mask, width, loc, "exited"));
+    if (mask & W.exited) fail(w, warp_misuse_report(f, kind, mask, width, loc, kExitedLane));
     f->kind = kind;
     f->site = loc;
     f->mask = mask;
@@ -627,8 +629,13 @@ constexpr unsigned kMaxChunks = 4096;
 ChunkRec g_chunks[kMaxChunks];
 std::atomic<unsigned> g_nchunks{0};
 
-// Lowest stack address of the region based at r: below it is the guard.
+// The readable part of the region based at r: the stack and the fiber state
+// above it. Below is the guard of this fiber; above, the rest of the region is
+// more guard for the stack of the next region's fiber.
 constexpr std::uintptr_t stack_floor(std::uintptr_t r) { return (header_of_region(r) - kStack) & ~std::uintptr_t(4095); }
+constexpr std::uintptr_t state_ceiling(std::uintptr_t r) {
+    return (header_of_region(r) + sizeof(Fiber) + 4095) & ~std::uintptr_t(4095);
+}
 
 // The fiber region holding address a, or 0. Async-signal-safe.
 std::uintptr_t region_at(std::uintptr_t a) {
@@ -660,7 +667,7 @@ bool grow_fibers(Worker* w, unsigned n, std::string* err) {
     for (unsigned i = 0; i < count; ++i) {
         const std::uintptr_t region = base + (std::uintptr_t)i * kRegion;
         const std::uintptr_t lo = stack_floor(region);
-        if (mprotect(reinterpret_cast<void*>(lo), region + kRegion - lo, PROT_READ | PROT_WRITE) != 0) {
+        if (mprotect(reinterpret_cast<void*>(lo), state_ceiling(region) - lo, PROT_READ | PROT_WRITE) != 0) {
             *err = fmt("cannot map fiber stacks (mprotect: %s; is vm.max_map_count too low?)", strerror(errno));
             munmap(reinterpret_cast<void*>(base), bytes);
             return false;
@@ -717,6 +724,8 @@ void on_fault(int sig, siginfo_t* si, void* ucv) {
     bool overflow = false;
     if (real_fault && (sig == SIGSEGV || sig == SIGBUS)) {
         region = region_at(addr);
+        // Above a fiber's state is guard for the fiber of the next region up.
+        if (region && addr >= state_ceiling(region)) region = region_at(region + kRegion);
         overflow = region && addr < stack_floor(region);
     }
     if (!overflow) {
