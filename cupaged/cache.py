@@ -233,8 +233,9 @@ class PagedKVCache:
             raise PagedAttentionError(f"like: expected a NumPy or CuPy array, got {type(like).__name__}")
         k_shape = (self.num_pages, self.page_size, self.kv_heads, self.head_dim)
         v_shape = k_shape[:3] + (self.value_dim,)
-        _checks.u32_size("k", k_shape)
-        _checks.u32_size("v", v_shape)
+        # per-page sizes must fit 32-bit indexing; page offsets are 64-bit (docs/layout.md)
+        _checks.u32_size("k", k_shape[1:])
+        _checks.u32_size("v", v_shape[1:])
         self.backend = _backend.array_backend(like)
         if self.backend == _backend.GPU:
             xp = _backend.xp_of(like)

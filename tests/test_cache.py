@@ -294,7 +294,7 @@ def test_input_errors():
     with pytest.raises(PagedAttentionError, match="like: expected a NumPy or CuPy array"):
         PagedKVCache(4, 4, 1, 8, "f16", like=[1.0])
     with pytest.raises(PagedAttentionError, match="k: .* elements exceed 32-bit indexing"):
-        PagedKVCache(2**20, 256, 8, 128, "f16")
+        PagedKVCache(2, 256, 2**17, 256, "f16")      # one page past 32-bit indexing
     assert a.length == 0 and cache.num_free_pages == 8
 
 
