@@ -40,6 +40,7 @@ __device__ __forceinline__ u64 append_slot(const u32* __restrict__ words, u32 q,
     const u32 s = words[q_seq + q];
     const u32 p = words[q_pos + q];
     if (s >= sequences) return ~0ull;                        // padded or corrupt entry
+    if (p >= words[(u64)q_pos + queries + s]) return ~0ull;  // at or past its kv_len: a padded entry (length 0)
     const u32 col = p / page_size;
     if (col >= table_width) return ~0ull;                    // past the table
     const u32 page = words[table + (u64)s * table_width + col];

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import PagedAttentionError, tiny
+from cupaged import PagedAttentionError, reference, tiny
 from cupaged.graph import DecodeLoop, DeviceScalars, PagedDecodeLoop, capture_graph, seed_tokens
 from cupaged.plan import HostPlan
 
@@ -148,3 +148,42 @@ def test_decode_loop_with_rope_slices(weights):
     assert [s[2:] for s in seen] == [(5, 6), (6, 7), (7, 8)]
     assert [s[0] for s in seen] == [float(cos[p, 0]) for p in (5, 6, 7)]
     assert next_token.tolist() == [int(np.argmax(logits[0]))]
+
+
+def test_padded_entries_are_safe_in_a_paged_decode_graph():
+    """active=False entries: length word 0 on the device, so their attention
+    output is 0, their append is skipped (their page stays untouched) and
+    they never advance; the active entry matches the reference every step."""
+    like = np.zeros(1, np.float32)
+    rng = np.random.default_rng(11)
+    ps, hq, hkv, d = 4, 2, 1, 8
+    k = rng.standard_normal((4, ps, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((4, ps, hkv, d)).astype(np.float32)
+    table = np.array([[0, 1], [2, 3]])
+    plan = HostPlan.build(table, [3, 1], [1, 1], ps, 4).upload(like)
+    new_k = rng.standard_normal((2, hkv, d)).astype(np.float32)
+    new_v = rng.standard_normal((2, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((2, hq, d)).astype(np.float32)
+    out = np.zeros((2, hq, d), np.float32)
+    logits = np.zeros((2, 3), np.float32)
+
+    def step(p):
+        p.append(new_k, new_v, k, v)
+        p.attention(q, k, v, 0.5, True, out=out)
+        return logits
+
+    pages_before = k[2:].copy(), v[2:].copy()
+    loop = PagedDecodeLoop(step, plan, token_buf=np.zeros(2, np.int64), next_token=np.zeros(2, np.int64),
+                           active=[True, False])
+    k_ref, v_ref = k.copy(), v.copy()
+    for i in range(4):                      # positions 2, 3, 4, 5 of sequence 0
+        loop.advance()
+        pos = 2 + i
+        k_ref[table[0, pos // ps], pos % ps] = new_k[0]
+        v_ref[table[0, pos // ps], pos % ps] = new_v[0]
+        exp, _ = reference.paged_attention(q[:1], k_ref, v_ref, table[:1], [pos + 1], [1], 0.5, True)
+        np.testing.assert_allclose(out[:1], exp, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(out[1], 0.0)
+    np.testing.assert_array_equal(k[2:], pages_before[0])
+    np.testing.assert_array_equal(v[2:], pages_before[1])
+    assert loop.steps_left == 8 - 7 + 1   # lengths 7 now: positions 6 and 7 remain
