@@ -148,13 +148,42 @@ def seed_tokens(next_token, tokens) -> None:
         stream.memset_d32(next_token, u >> 32, count=1, offset_bytes=8 * i + 4)
 
 
-def _token_buffer(name, buf, like_backend):
+def _token_buffer(name, buf):
     if str(buf.dtype) != "int64" or buf.ndim != 1 or not buf.flags.c_contiguous:
         raise PagedAttentionError(f"{name}: expected a contiguous int64 [batch] array, got {buf.dtype} "
                                   f"{_checks.shape_str(buf.shape)}")
 
 
-class DecodeLoop:
+class _Loop:
+    """What both decode loops share: capture ``_body`` once (or not), seed
+    the first tokens, and run one step (graph launch or eager body)."""
+
+    graph: CapturedGraph | None
+    next_token = None
+
+    def _body(self) -> None:
+        raise NotImplementedError
+
+    def _capture(self, graph: bool, like) -> None:
+        self.graph = None
+        if graph:
+            with capture_graph(like) as g:
+                self._body()
+            self.graph = g
+
+    def _run_step(self) -> None:
+        if self.graph is not None:
+            self.graph.launch()
+        else:
+            self._body()
+
+    def seed(self, tokens) -> None:
+        """Set the first input token(s): written to next_token, which the
+        first ``advance`` copies into token_buf."""
+        seed_tokens(self.next_token, tokens)
+
+
+class DecodeLoop(_Loop):
     """Replay a user's decode step once per token.
 
     ``step()`` is called once (under capture when ``graph=True``, else on
@@ -173,8 +202,8 @@ class DecodeLoop:
     def __init__(self, step, *, token_buf, next_token, scalars: DeviceScalars, seq_len: int,
                  rope_tables=None, rope_slices=None, graph: bool = True):
         from .rowwise import argmax_into
-        _token_buffer("token_buf", token_buf, None)
-        _token_buffer("next_token", next_token, None)
+        _token_buffer("token_buf", token_buf)
+        _token_buffer("next_token", next_token)
         _backend.backend_of(token_buf=token_buf, next_token=next_token)
         self.stream = stream_for(token_buf)
         self.token_buf, self.next_token, self.scalars = token_buf, next_token, scalars
@@ -188,20 +217,11 @@ class DecodeLoop:
                     raise PagedAttentionError(f"rope_slices: expected a {name} slice of {t.shape[1]} "
                                               f"{t.dtype} values, got {sl.dtype} {_checks.shape_str(sl.shape)}")
         self._step, self._argmax = step, argmax_into
-        self.graph = None
-        if graph:
-            with capture_graph(token_buf) as g:
-                self._body()
-            self.graph = g
+        self._capture(graph, token_buf)
 
     def _body(self) -> None:
         logits = self._step()
         self._argmax(logits, self.next_token)
-
-    def seed(self, tokens) -> None:
-        """Set the first input token(s) (written to next_token; the first
-        ``advance`` moves them into token_buf)."""
-        seed_tokens(self.next_token, tokens)
 
     def advance(self) -> None:
         """Issue one token's work; no host synchronization."""
@@ -215,10 +235,7 @@ class DecodeLoop:
                                               f"({table.shape[0]} rows)")
                 row = table.shape[1] * table.itemsize
                 s.copy(sl, table, nbytes=row, src_offset=self.seq_len * row)
-        if self.graph is not None:
-            self.graph.launch()
-        else:
-            self._body()
+        self._run_step()
         self.seq_len += 1
 
 
@@ -234,7 +251,7 @@ def advance_plan(plan: DevicePlan) -> None:
                         np.uint32(h.page_size)))
 
 
-class PagedDecodeLoop:
+class PagedDecodeLoop(_Loop):
     """Greedy decode of B sequences over a paged plan, one graph launch per token.
 
     ``plan``: a DevicePlan for the first decode step with one query per
@@ -255,8 +272,8 @@ class PagedDecodeLoop:
         h = plan.host
         if h.queries != h.sequences or (h.q_lens != 1).any():
             raise PagedAttentionError("plan: expected one query per sequence (decode: q_lens all 1)")
-        _token_buffer("token_buf", token_buf, None)
-        _token_buffer("next_token", next_token, None)
+        _token_buffer("token_buf", token_buf)
+        _token_buffer("next_token", next_token)
         for name, b in (("token_buf", token_buf), ("next_token", next_token)):
             _checks.shape_is(name, b, (h.sequences,))
         self.plan, self.stream = plan, plan.stream
@@ -269,19 +286,12 @@ class PagedDecodeLoop:
         for s in np.nonzero(~self.active)[0]:
             plan.stream.memset_d32(plan.words, 0, count=1, offset_bytes=4 * (off["kv_len"] + int(s)))
         self._step, self._argmax = step, argmax_into
-        self.graph = None
-        if graph:
-            with capture_graph(token_buf) as g:
-                self._body()
-            self.graph = g
+        self._capture(graph, token_buf)
 
     def _body(self) -> None:
         logits = self._step(self.plan)
         self._argmax(logits, self.next_token)
         advance_plan(self.plan)
-
-    def seed(self, tokens) -> None:
-        seed_tokens(self.next_token, tokens)
 
     @property
     def steps_left(self) -> int:
@@ -294,8 +304,5 @@ class PagedDecodeLoop:
         if self.steps_left <= 0:
             raise PagedAttentionError("plan: a sequence's page-table row is full; reserve more pages")
         self.stream.copy(self.token_buf, self.next_token)
-        if self.graph is not None:
-            self.graph.launch()
-        else:
-            self._body()
+        self._run_step()
         self.lengths[self.active] += 1
