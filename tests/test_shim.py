@@ -6,7 +6,6 @@ cupaged._cpu exactly like the package's own kernels.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import textwrap

@@ -687,6 +687,7 @@ bool grow_fibers(Worker* w, unsigned n, std::string* err) {
 #endif
         w->fibers.push_back(f);
     }
+    w->tid_dims[0] = 0;  // the new fibers have no threadIdx yet
     return true;
 }
 

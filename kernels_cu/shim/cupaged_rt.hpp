@@ -5,13 +5,14 @@
 // Each CUDA thread is a fiber. A fiber owns one region of kRegion bytes,
 // aligned to kRegion:
 //
-//   [ guard, PROT_NONE | stack, kStack bytes, grows down | fiber state | ... ]
-//   ^ region base                                        ^ header (= stack top)
+//   [ guard | stack, kStack bytes, grows down | fiber state | guard ]
+//   ^ region base                              ^ header (= stack top), in the last kTop bytes
 //
 // so the running fiber's state is found from the stack pointer alone, with no
 // thread-local lookup: threadIdx.x is a few ALU instructions and a load. The
 // header sits at one of kColors offsets (64 bytes apart) so that the headers
 // and stack tops of a block's fibers do not all fall in the same cache sets.
+// Everything but the stack and the state is PROT_NONE: an overflow faults.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -23,9 +24,9 @@
 
 namespace cupaged {
 
-inline constexpr std::uintptr_t kRegion = 128 * 1024;  // one fiber: guard + stack + header
+inline constexpr std::uintptr_t kRegion = 128 * 1024;  // one fiber: guard + stack + state
 inline constexpr std::uintptr_t kStack = 64 * 1024;    // usable stack of one CUDA thread
-inline constexpr std::uintptr_t kTop = 32 * 1024;      // top of the region: the header, colored
+inline constexpr std::uintptr_t kTop = 32 * 1024;      // the header lies in the last kTop bytes
 inline constexpr std::uintptr_t kColors = 256;         // header offsets, 64 bytes apart
 inline constexpr unsigned kMaxDynamicShared = 227 * 1024;
 inline constexpr unsigned kMaxThreadsPerBlock = 1024;
