@@ -1,0 +1,375 @@
+"""cupaged.interop: torch tensors (and JAX arrays) through every op, zero-copy.
+
+Tests that need torch take the ``torch`` fixture (``pytest.importorskip``), so
+the file is skipped cleanly without it; the JAX test needs only jax. CPU
+tensors run the CPU backend and are checked against the float64 references;
+``@pytest.mark.gpu`` tests need CuPy, a GPU and a CUDA build of torch.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import PagedAttentionError, interop, reference
+from cupaged.testing import as_dtype, assert_close, make_mla_case, make_paged_case
+
+DTYPES = ["f32", "f16", "bf16"]
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
+def _tdtype(torch, dt):
+    return {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dt]
+
+
+def _t(torch, a, device="cpu"):
+    """A torch copy of NumPy ``a`` made by torch itself (not by interop), in
+    a's dtype; bfloat16 values go through float32 exactly."""
+    if str(a.dtype) == "bfloat16":
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16).to(device)
+    return torch.from_numpy(np.array(a)).to(device)
+
+
+def _np(t):
+    """float64 NumPy copy of a tensor (made by torch)."""
+    return t.detach().cpu().double().numpy()
+
+
+def _same_bits(a, b) -> bool:
+    """Bit-equal tensors (NaN included)."""
+    return a.numpy().tobytes() == b.numpy().tobytes()
+
+
+def _plan(torch, case, like):
+    host = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages)
+    return interop.torch_plan(host, like)
+
+
+def _case(dt, **kw):
+    return make_paged_case(np.random.default_rng(1), kv_lens=np.array([37, 5, 20], np.int32), q_lens=[1, 5, 3],
+                           page_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=dt, **kw)
+
+
+# ------------------------------------------------------------------ views
+
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16", "int64", "int32"])
+def test_views_share_memory_both_ways(torch, dt):
+    tdt = {"int64": torch.int64, "int32": torch.int32}.get(dt) or _tdtype(torch, dt)
+    base = torch.arange(24).to(tdt).reshape(4, 6)
+    t = base[1:]                                           # a storage offset
+    a = interop.as_array(t)
+    assert isinstance(a, np.ndarray) and a.shape == (3, 6) and a.ctypes.data == t.data_ptr()
+    assert str(a.dtype) == {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}.get(dt, dt)
+    a[0, 0] = 100                                          # a write through the view shows in torch
+    assert base[1, 0].item() == 100
+    back = interop.as_torch(a)
+    assert back.dtype == tdt and back.data_ptr() == t.data_ptr() and torch.equal(back, t)
+    assert interop.as_array(a) is a and interop.as_torch(t) is t
+    n = np.arange(6, dtype=as_dtype(dt) if dt in DTYPES else dt).reshape(2, 3)
+    tn = interop.as_torch(n)
+    assert tn.dtype == tdt and tn.data_ptr() == n.ctypes.data and _np(tn).tolist() == n.astype(float).tolist()
+
+
+def test_views_of_grad_and_empty_tensors(torch):
+    w = torch.ones(3, requires_grad=True)
+    assert interop.as_array(w).ctypes.data == w.data_ptr()        # read through detach()
+    assert interop.as_array(torch.empty(0, 4)).shape == (0, 4)
+    with pytest.raises(PagedAttentionError, match="m: expected a CPU or CUDA tensor, got device meta"):
+        interop.as_array(torch.empty(2, device="meta"), "m")
+    with pytest.raises(PagedAttentionError, match="x: expected a torch tensor or a NumPy/CuPy array, got builtins"):
+        interop.as_array([1.0], "x")
+
+
+# ------------------------------------------------------------------ ops against the references
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_attention(torch, dt):
+    case = _case(dt)
+    q, k, v = (_t(torch, a) for a in (case.q, case.k_cache, case.v_cache))
+    plan = _plan(torch, case, q)
+    ref_out, ref_lse = case.reference(True)
+    out, lse = plan.attention(q, k, v, case.scale, True, return_lse=True)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32 and out.shape == (plan.queries, 4, 64)
+    assert_close(_np(out), ref_out, dt, "out")
+    assert_close(_np(lse), ref_lse, dt, "lse")
+    # Preallocated out/lse are written in place and returned themselves.
+    buf, lbuf = torch.full_like(out, 7), torch.full_like(lse, 7)
+    ptrs = buf.data_ptr(), lbuf.data_ptr()
+    res = plan.attention(q, k, v, case.scale, True, out=buf, lse=lbuf)
+    assert res[0] is buf and res[1] is lbuf and (buf.data_ptr(), lbuf.data_ptr()) == ptrs
+    assert torch.equal(buf, out) and torch.equal(lbuf, lse)
+    # Split-KV workspace, and no causal mask.
+    ws = plan.workspace(4, 64, 2)
+    o2 = plan.attention(q, k, v, case.scale, False, workspace=ws)
+    assert_close(_np(o2), case.reference(False)[0], dt, "split, non-causal")
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_mla(torch, dt):
+    case = make_mla_case(np.random.default_rng(2), kv_lens=np.array([30, 9], np.int32), q_lens=[1, 4],
+                         num_heads=4, latent_dim=64, pos_dim=16, dtype=dt)
+    q, q_pos, latent, k_pos = (_t(torch, a) for a in (case.q, case.q_pos, case.latent, case.k_pos))
+    plan = _plan(torch, case, q)
+    ref_out, ref_lse = case.reference(True)
+    out = torch.empty_like(q)
+    res, lse = plan.mla(q, q_pos, latent, k_pos, case.scale, return_lse=True, out=out)
+    assert res is out
+    assert_close(_np(out), ref_out, dt, "mla out")
+    assert_close(_np(lse), ref_lse, dt, "mla lse")
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_append(torch, dt):
+    case = _case(dt)
+    rng = np.random.default_rng(3)
+    dtype = as_dtype(dt)
+    nk = rng.standard_normal((case.num_queries, 2, 64)).astype(dtype)
+    nv = rng.standard_normal((case.num_queries, 2, 64)).astype(dtype)
+    k, v = _t(torch, case.k_cache), _t(torch, case.v_cache)
+    ptrs = k.data_ptr(), v.data_ptr()
+    plan = _plan(torch, case, k)
+    assert plan.append(_t(torch, nk), _t(torch, nv), k, v) is None
+    exp_k, exp_v = reference.paged_append(nk, nv, case.k_cache, case.v_cache, case.page_table, case.kv_lens,
+                                          case.q_lens)
+    assert (k.data_ptr(), v.data_ptr()) == ptrs
+    np.testing.assert_array_equal(_np(k), exp_k.astype(np.float64))
+    np.testing.assert_array_equal(_np(v), exp_v.astype(np.float64))
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_argmax_and_layers(torch, dt):
+    rng = np.random.default_rng(4)
+    dtype = as_dtype(dt)
+    logits = rng.standard_normal((3, 1000)).astype(dtype)
+    out = torch.full((3,), -1, dtype=torch.int64)
+    assert interop.argmax_into(_t(torch, logits), out) is out
+    assert out.tolist() == reference.row_argmax(logits).tolist()
+    assert interop.argmax(_t(torch, logits)).tolist() == out.tolist()
+
+    x, w = rng.standard_normal((5, 40)).astype(dtype), rng.standard_normal(40).astype(dtype)
+    tx, tw = _t(torch, x), _t(torch, w)
+    y = torch.empty_like(tx)
+    assert interop.rms_norm(tx, tw, y, eps=1e-5) is y
+    assert_close(_np(y), reference.rms_norm(x, w, 1e-5), dt, "rms_norm")
+    interop.rms_norm(tx, tw, tx, eps=1e-5)                 # out may be exactly x
+    assert torch.equal(tx, y)
+
+    wl = (rng.standard_normal((9, 40)) / np.sqrt(40)).astype(dtype)
+    z = torch.empty(5, 9, dtype=_tdtype(torch, dt))
+    interop.linear(_t(torch, x), _t(torch, wl), z)
+    assert_close(_np(z), x.astype(np.float64) @ wl.astype(np.float64).T, dt, "linear")
+
+    gu = rng.standard_normal((5, 2 * 8)).astype(dtype)
+    s = torch.empty(5, 8, dtype=_tdtype(torch, dt))
+    interop.silu_mul(_t(torch, gu), s)
+    g64 = gu.astype(np.float64)
+    assert_close(_np(s), reference.silu(g64[:, :8]) * g64[:, 8:], dt, "silu_mul")
+
+    e = torch.empty(3, 40, dtype=_tdtype(torch, dt))
+    interop.embed(torch.tensor([4, 0, 2]), tx, e)
+    assert torch.equal(e, tx[[4, 0, 2]])
+
+
+def test_rope_reads_plan_words(torch):
+    """A mixed call: torch x, cos, sin with the plan's own NumPy words as positions."""
+    case = _case("f32")
+    plan = _plan(torch, case, _t(torch, case.q))
+    q64 = np.random.default_rng(5).standard_normal((case.num_queries, 4, 64))
+    x = torch.from_numpy(q64.astype(np.float32))
+    cos, sin = (torch.from_numpy(t.astype(np.float32)) for t in reference.rope_tables(np.arange(64), 64))
+    off = cupaged.plan.metadata_offsets(plan.queries, plan.sequences)["q_pos"]
+    assert interop.rope(x, plan.plan.words[off:off + plan.queries], cos, sin) is x
+    pos = plan.host.q_pos
+    assert_close(_np(x), reference.apply_rope(q64, cos.numpy()[pos], sin.numpy()[pos]), "f32", "rope")
+
+
+def test_kv_cache(torch):
+    cache = interop.TorchKVCache(num_pages=8, page_size=4, kv_heads=2, head_dim=16, dtype=torch.float16,
+                                 like=torch.empty(0))
+    assert cache.k.dtype == torch.float16 and cache.k.data_ptr() == cache.cache.k.ctypes.data
+    a = cache.add_sequence()
+    b = cache.add_sequence()
+    rng = np.random.default_rng(6)
+
+    def new(n):
+        return rng.standard_normal((n, 2, 16)).astype(np.float16)
+    plan, _ = cache.prepare([a, b], [6, 3])
+    assert isinstance(plan, interop.TorchPlan)
+    nk, nv = new(9), new(9)
+    cache.append(plan, torch.from_numpy(nk), torch.from_numpy(nv))
+    q = new(9)
+    out = plan.attention(torch.from_numpy(q), cache.k, cache.v, 0.25)
+    table = cache.page_table([a, b])
+    k_ref, v_ref = reference.paged_append(nk, nv, np.zeros((8, 4, 2, 16)), np.zeros((8, 4, 2, 16)), table,
+                                          [6, 3], [6, 3])
+    ref, _ = reference.paged_attention(q, k_ref, v_ref, table, [6, 3], [6, 3], 0.25, True)
+    assert_close(_np(out), ref, "f16", "cache attention")
+
+
+# ------------------------------------------------------------------ overlap
+
+def test_out_aliasing_q_through_another_view_is_rejected(torch):
+    case = _case("f32")
+    n = case.q.size
+    buf = torch.zeros(2 * n)
+    q = buf[:n].view(case.q.shape)
+    q.copy_(torch.from_numpy(case.q))
+    k, v = _t(torch, case.k_cache), _t(torch, case.v_cache)
+    plan = _plan(torch, case, q)
+    before = buf.clone()
+    for out in (buf[n // 2:n // 2 + n].view(case.q.shape),       # half over q, another view of its storage
+                q.view(-1).view(case.q.shape)):                   # q itself, through a fresh view
+        with pytest.raises(PagedAttentionError, match="out: expected memory disjoint from q, but they overlap"):
+            plan.attention(q, k, v, case.scale, out=out)
+        assert torch.equal(buf, before)
+    # Disjoint slices of the same storage are fine.
+    out = buf[n:].view(case.q.shape)
+    plan.attention(q, k, v, case.scale, out=out)
+    assert_close(_np(out), case.reference(True)[0], "f32")
+
+
+def test_out_or_lse_overlapping_the_cache_is_rejected(torch):
+    case = _case("f16")
+    q, v = _t(torch, case.q), _t(torch, case.v_cache)
+    flat = torch.zeros(case.k_cache.size + 8, dtype=torch.float16)
+    k = flat[8:].view(case.k_cache.shape)
+    k.copy_(_t(torch, case.k_cache))
+    plan = _plan(torch, case, q)
+    before = flat.clone()
+    out = flat[:q.numel()].view(q.shape)                           # reaches 8 elements past k's start
+    with pytest.raises(PagedAttentionError, match="out: expected memory disjoint from k_cache"):
+        plan.attention(q, k, v, case.scale, out=out)
+    assert _same_bits(flat, before)
+    lse = flat.view(torch.float32)[4:4 + plan.queries * 4].view(plan.queries, 4)
+    with pytest.raises(PagedAttentionError, match="lse: expected memory disjoint from k_cache"):
+        plan.attention(q, k, v, case.scale, lse=lse)
+    out = torch.empty_like(q)
+    with pytest.raises(PagedAttentionError, match="out: expected memory disjoint from lse"):
+        plan.attention(q, k, v, case.scale, out=out, lse=out.view(torch.float32)[:plan.queries * 4].view(-1, 4))
+    assert _same_bits(flat, before)
+
+
+def test_other_writes_checked_for_overlap(torch):
+    case = _case("f32")
+    k, v = _t(torch, case.k_cache), _t(torch, case.v_cache)
+    plan = _plan(torch, case, k)
+    before = k.clone()
+    nk = k.view(-1)[:case.num_queries * 2 * 64].view(case.num_queries, 2, 64)   # new_k inside k_cache
+    with pytest.raises(PagedAttentionError, match="k_cache: expected memory disjoint from new_k"):
+        plan.append(nk, torch.zeros(case.num_queries, 2, 64), k, v)
+    with pytest.raises(PagedAttentionError, match="k_cache: expected memory disjoint from v_cache"):
+        plan.append(torch.zeros(case.num_queries, 2, 64), torch.zeros(case.num_queries, 2, 64), k, k)
+    assert _same_bits(k, before)
+
+    buf = torch.randn(40)
+    x = buf[:32].view(4, 8)
+    with pytest.raises(PagedAttentionError, match="out: expected memory disjoint from x"):
+        interop.rms_norm(x, torch.ones(8), buf[8:].view(4, 8))  # out = x shifted one row: not exactly x
+    w = torch.randn(4, 8)
+    with pytest.raises(PagedAttentionError, match="out: expected memory disjoint from weight"):
+        interop.linear(torch.randn(2, 8), w, w.view(-1)[:8].view(2, 4))
+    logits = torch.randn(2, 8)
+    with pytest.raises(PagedAttentionError, match="out: expected memory disjoint from logits"):
+        interop.argmax_into(logits, logits.view(torch.int64)[0, :2])
+    with pytest.raises(PagedAttentionError, match="out: expected a tensor that does not require grad"):
+        interop.silu_mul(torch.randn(2, 8), torch.zeros(2, 4, requires_grad=True))
+
+
+# ------------------------------------------------------------------ mixing
+
+def test_mixed_torch_and_numpy(torch):
+    case = _case("f32")
+    q = _t(torch, case.q)
+    plan = _plan(torch, case, case.q)                              # a NumPy like works too
+    out = plan.attention(q, case.k_cache, case.v_cache, case.scale)   # NumPy caches, torch q
+    assert isinstance(out, torch.Tensor)
+    assert_close(_np(out), case.reference(True)[0], "f32")
+    np_out = np.empty(out.shape, np.float32)
+    assert plan.attention(q, case.k_cache, case.v_cache, case.scale, out=np_out) is np_out
+    np.testing.assert_array_equal(np_out, out.numpy())
+    with pytest.raises(PagedAttentionError, match="out: expected memory disjoint from q"):
+        plan.attention(case.q, case.k_cache, case.v_cache, case.scale, out=torch.from_numpy(case.q))
+    with pytest.raises(PagedAttentionError, match="v_cache: expected dtype float32 like q"):
+        plan.attention(q, case.k_cache, case.v_cache.astype(np.float16), case.scale)
+    with pytest.raises(PagedAttentionError, match="q: expected a NumPy or CuPy array, got torch.Tensor"):
+        plan.plan.attention(q, case.k_cache, case.v_cache, case.scale)   # the plain DevicePlan wants arrays
+    with pytest.raises(PagedAttentionError, match="logits: expected a torch tensor or a NumPy/CuPy array"):
+        interop.argmax_into([[1.0, 2.0]], torch.empty(1, dtype=torch.int64))
+
+
+# ------------------------------------------------------------------ JAX
+
+def test_jax_arrays_are_read_zero_copy():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((3, 100)).astype(np.float32)
+    x = jnp.asarray(logits)
+    view = np.from_dlpack(x)
+    assert view.ctypes.data == x.unsafe_buffer_pointer()
+    assert interop.as_array(x).ctypes.data == x.unsafe_buffer_pointer()
+    out = np.empty(3, np.int64)
+    interop.argmax_into(x, out)
+    assert out.tolist() == reference.row_argmax(logits).tolist()
+    assert jnp.from_dlpack(out).tolist() == out.tolist()
+
+
+# ------------------------------------------------------------------ GPU
+
+def _cuda(torch, dt="f32"):
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here (CPU build of torch)")
+    if dt == "bf16":
+        import cupy
+        try:
+            cupy.empty(1, dtype=as_dtype("bf16"))
+        except Exception as e:  # CuPy without a bfloat16 dtype
+            pytest.skip(f"CuPy cannot hold bfloat16 arrays here: {e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", DTYPES)
+def test_gpu_attention_on_a_torch_stream(torch, dt):
+    _cuda(torch, dt)
+    case = _case(dt)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        q, k, v = (_t(torch, a, "cuda") for a in (case.q, case.k_cache, case.v_cache))
+        plan = _plan(torch, case, q)
+        assert plan.stream.ptr == s.cuda_stream
+        assert interop.as_array(q).data.ptr == q.data_ptr()
+        out = torch.empty_like(q)
+        res, lse = plan.attention(q, k, v, case.scale, out=out, return_lse=True)
+        assert res is out and lse.is_cuda
+        y = out * 1                                  # torch work after ours on the same stream
+    with pytest.raises(PagedAttentionError, match="torch's current stream"):
+        plan.attention(q, k, v, case.scale)          # default stream now, plan on s
+    s.synchronize()
+    assert_close(_np(y), case.reference(True)[0], dt, "gpu out")
+    assert_close(_np(lse), case.reference(True)[1], dt, "gpu lse")
+
+
+@pytest.mark.gpu
+def test_gpu_append_argmax_and_overlap(torch):
+    _cuda(torch, "bf16")
+    case = _case("bf16")
+    k, v = _t(torch, case.k_cache, "cuda"), _t(torch, case.v_cache, "cuda")
+    plan = _plan(torch, case, k)
+    rng = np.random.default_rng(8)
+    nk = rng.standard_normal((case.num_queries, 2, 64)).astype(as_dtype("bf16"))
+    plan.append(_t(torch, nk, "cuda"), _t(torch, nk, "cuda"), k, v)
+    exp_k, _ = reference.paged_append(nk, nk, case.k_cache, case.v_cache, case.page_table, case.kv_lens,
+                                      case.q_lens)
+    np.testing.assert_array_equal(_np(k), exp_k.astype(np.float64))
+    logits = torch.randn(4, 5000, device="cuda")
+    out = torch.empty(4, dtype=torch.int64, device="cuda")
+    interop.argmax_into(logits, out)
+    assert out.tolist() == logits.argmax(1).tolist()
+    with pytest.raises(PagedAttentionError, match="out: expected memory disjoint from k_cache"):
+        plan.attention(_t(torch, case.q, "cuda"), k, v, case.scale, out=k.view(-1)[:case.q.size].view(case.q.shape))
+    with pytest.raises(PagedAttentionError, match="must share a backend"):
+        plan.attention(_t(torch, case.q), k, v, case.scale)     # a CPU q with CUDA caches
