@@ -187,3 +187,41 @@ def test_padded_entries_are_safe_in_a_paged_decode_graph():
     np.testing.assert_array_equal(k[2:], pages_before[0])
     np.testing.assert_array_equal(v[2:], pages_before[1])
     assert loop.steps_left == 8 - 7 + 1   # lengths 7 now: positions 6 and 7 remain
+
+
+def test_graph_keeps_buffers_alive_after_user_references_are_dropped():
+    import weakref
+    like = np.zeros(1, np.float32)
+    logits = np.zeros((2, 5), np.float32)
+    logits[0, 3] = 1.0
+    logits[1, 1] = 2.0
+    out = np.zeros(2, np.int64)
+    with capture_graph(like) as g:
+        cupaged.argmax_into(logits, out)
+    alive = weakref.ref(logits)
+    view = logits[:]               # still reaches the same memory
+    del logits
+    gc.collect()
+    assert alive() is not None     # the graph holds it
+    view[0, :] = [0, 0, 0, 0, 9]
+    junk = [np.ones((64, 64)) for _ in range(8)]  # noqa: F841
+    g.launch()
+    assert out.tolist() == [4, 1]
+
+
+def test_arrays_of_another_backend_or_device_are_rejected_in_capture():
+    class FakeCupy:  # looks like a CuPy array to the backend check
+        __module__ = "cupy._core.core"
+        data = None
+
+        class device:
+            id = 0
+    like = np.zeros(1, np.float32)
+    out = np.zeros(2, np.int64)
+    with pytest.raises(PagedAttentionError, match="NumPy array .* got a CuPy array"):
+        with capture_graph(like):
+            cupaged.stream_for(like).copy(out, FakeCupy())
+    with pytest.raises(PagedAttentionError, match="got a CuPy array"):
+        with capture_graph(like):
+            cupaged.argmax_into(np.zeros((2, 4), np.float32), FakeCupy())
+    assert not cupaged.stream_for(like).capturing
