@@ -10,7 +10,7 @@ depend only on shapes, the plan's static sizes and array addresses, so it
 is safe inside stream capture and a captured graph replays with whatever
 lengths the device metadata holds.
 
-Kernel design (details in the ``.cu`` file): one 128-thread block per
+CUDA-core kernel ``paged_attention`` (details in the ``.cu`` file): one 128-thread block per
 (query, KV head, tile of query heads of that KV head's group, split); a
 tile serves up to ``GROUP_TILE`` query heads, so every K/V row is read once
 per group when the group fits one tile (``Hq / Hkv <= 8`` on the fast
@@ -22,8 +22,29 @@ Memory traffic per (query, KV head, tile): read the visible K and V rows,
 ``L * (D + Dv) * itemsize`` bytes; write ``G * Dv`` outputs. With a
 workspace of ``S > 1`` splits the partials add ``S * G * (Dv + 1) * 4``
 bytes written and read again by the merge.
+
+Tensor-core kernels (f16 / bf16, ``select_tensor_core``):
+
+* ``paged_prefill_tc`` (D == Dv in ``TC_PREFILL_DIMS``, a step packed as
+  ``tc_schedule_ok`` asks): one 128-thread block per 64 (query, head) rows
+  (``64 // G`` queries x the ``G`` heads of one KV head's group) and split;
+  K/V tiles go through shared memory by ``cp.async`` and S = Q K^T,
+  O += P V run on ``mma.sync`` m16n8k16 (FlashAttention-2 style). K/V are
+  read once per block instead of once per query: about
+  ``ceil(q_len * G / 64) * L * (D + Dv) * itemsize`` bytes per sequence and
+  KV head.
+* ``paged_mla_tc`` (R, P in ``TC_MLA_DIMS``): one 256-thread block per 64
+  (query, head) rows and split, the heads in the M dimension, so each
+  latent row is read once per 64 heads (``L * (R + P) * itemsize`` bytes per
+  block) where the CUDA-core kernel reads it once per ``GROUP_TILE`` heads.
+
+Both take the same arguments as ``paged_attention``, write the same split
+partials (so ``attention_split_merge`` serves them) and read lengths and
+positions from the device words; their grids depend only on shapes.
 """
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 
@@ -35,7 +56,7 @@ MAX_SPLITS = 64
 #: Split chunks are rounded up to a multiple of this many positions
 #: (docs/layout.md, "the kernel's token tile").
 SPLIT_TILE = 16
-#: Threads per block of both kernels.
+#: Threads per block of paged_attention and attention_split_merge.
 THREADS = 128
 #: Query heads of one GQA group the merge kernel serves per block (one warp each).
 MERGE_HEADS_PER_BLOCK = THREADS // 32
@@ -48,7 +69,29 @@ DIM_CAPS = (64, 128, 256, 512, 1024)
 #: Query heads per block a variant may be built for.
 GROUP_TILES = (1, 2, 4, 8)
 #: Capacities of the MLA rotary part P (q_rot / k_rot), HAS_ROT variants.
-ROT_CAPS = (64, 256)
+#: One capacity: a 64 one gave the same GROUP_TILE at R = 512 (the
+#: DeepSeek shape, and f16 / bf16 at 512 / 64 run on paged_mla_tc).
+ROT_CAPS = (256,)
+#: Storage types of the tensor-core kernels.
+TC_DTYPES = ("f16", "bf16")
+#: Head dims (D == Dv) of the tensor-core prefill kernel.
+TC_PREFILL_DIMS = (64, 128, 256)
+#: (R, P) latent and rotary dims of the tensor-core MLA kernel.
+TC_MLA_DIMS = ((512, 64),)
+#: (query, head) rows per block of the tensor-core kernels (16 per warp of S).
+TC_ROWS = 64
+#: The tensor-core kernels serve the sequences whose queries meet in one
+#: block one after the other (a pass each, reading that sequence's K/V
+#: tiles for all the block's rows). They run when no block has more than
+#: TC_MAX_PASSES passes and the passes average at least 64 / TC_MAX_PASSES
+#: (query, head) rows (``tc_schedule_ok``). Every step whose sequences bring
+#: at least 16 rows each (q_len * G, one warp's M tile) qualifies; decode
+#: steps of small groups, and prefill chunks mixed with many such decodes,
+#: keep the CUDA-core kernel, which gives each query its own block.
+TC_MAX_PASSES = 5
+#: Threads per block of paged_prefill_tc and paged_mla_tc.
+TC_PREFILL_THREADS = 128
+TC_MLA_THREADS = 256
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
 _VECTOR_BYTES = 16
 
@@ -80,6 +123,16 @@ def _vec(dtype: str, vec_loads: bool) -> int:
     return _VECTOR_BYTES // _ITEMSIZE[dtype] if vec_loads else 1
 
 
+def _built_tiles(top: int, vec_loads: bool) -> tuple[int, ...]:
+    """GROUP_TILE values built below ``top``: all of GROUP_TILES with 16-byte
+    loads; with element loads (misaligned arrays, dims that are not a
+    multiple of 16 bytes: a fallback) only 1 and ``top``, a group between
+    them running in tiles of ``top`` (the extra heads are masked)."""
+    if vec_loads:
+        return tuple(t for t in GROUP_TILES if t <= top)
+    return tuple(sorted({1, top}))
+
+
 def _all_variants() -> list[dict]:
     out = []
     for dt in DTYPES:
@@ -89,9 +142,8 @@ def _all_variants() -> list[dict]:
                     out.append({"CP_DTYPE": dt, "HEAD_DIM": d, "GROUP_TILE": t})
         for cap in DIM_CAPS:
             for vec_loads in (0, 1):
-                for t in GROUP_TILES:
-                    if t <= max_group_tile(cap, _vec(dt, bool(vec_loads))):
-                        out.append({"CP_DTYPE": dt, "DIM_CAP": cap, "VEC_LOADS": vec_loads, "GROUP_TILE": t})
+                for t in _built_tiles(max_group_tile(cap, _vec(dt, bool(vec_loads))), bool(vec_loads)):
+                    out.append({"CP_DTYPE": dt, "DIM_CAP": cap, "VEC_LOADS": vec_loads, "GROUP_TILE": t})
                 # MLA (rotary part): one shared KV head, so the group is every
                 # query head and only the largest tile is worth building.
                 for rot in ROT_CAPS:
@@ -100,7 +152,38 @@ def _all_variants() -> list[dict]:
     return out
 
 
-VARIANTS = _all_variants()
+def _tc_variants() -> list[dict]:
+    out = []
+    for dt in TC_DTYPES:
+        for d in TC_PREFILL_DIMS:
+            out.append({"CP_DTYPE": dt, "TC_PREFILL": 1, "HEAD_DIM": d})
+        for r, p in TC_MLA_DIMS:
+            out.append({"CP_DTYPE": dt, "TC_MLA": 1, "LATENT_DIM": r, "ROPE_DIM": p})
+    return out
+
+
+def prefill_tile_tokens(head_dim: int) -> int:
+    """K/V tokens per tile of paged_prefill_tc (tcp::kN)."""
+    return 64 if head_dim <= 128 else 32
+
+
+def prefill_smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of paged_prefill_tc: two buffers of K and V
+    [kN][D + 8], 16-bit, and Q [64][D + 8] before them when Q stays in shared
+    memory (D = 256; below, Q moves to registers and its staging area is
+    reused by the K/V buffers)."""
+    kv_rows = 4 * prefill_tile_tokens(head_dim)       # K and V, two buffers each
+    rows = kv_rows if head_dim <= 128 else TC_ROWS + kv_rows
+    return rows * (head_dim + 8) * 2
+
+
+def mla_smem_bytes(latent_dim: int, rope_dim: int) -> int:
+    """Dynamic shared memory of paged_mla_tc: Q [64][R + P + 8], two K
+    buffers [32][R + P + 8] and P [64][32 + 8], 16-bit."""
+    return (TC_ROWS + 2 * 32) * (latent_dim + rope_dim + 8) * 2 + TC_ROWS * (32 + 8) * 2
+
+
+VARIANTS = _all_variants() + _tc_variants()
 _registry.register("attention", VARIANTS)
 
 
@@ -108,14 +191,14 @@ def _addr(a) -> int:
     return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
 
 
-def _group_tile(group: int, top: int) -> int:
+def _group_tile(group: int, top: int, vec_loads: bool = True) -> int:
     """Query heads per block for a GQA group of ``group`` heads when tiles of
     up to ``top`` heads are built: as few tiles as possible (each tile
     re-reads the K/V rows), then the smallest built tile that covers
     ``ceil(group / tiles)`` heads."""
     tiles = -(-group // top)
     need = -(-group // tiles)
-    return min(t for t in GROUP_TILES if t >= need and t <= top)
+    return min(t for t in _built_tiles(top, vec_loads) if t >= need)
 
 
 def select_variant(dtype: str, head_dim: int, value_dim: int, aligned: bool, group: int,
@@ -137,7 +220,63 @@ def select_variant(dtype: str, head_dim: int, value_dim: int, aligned: bool, gro
         return {"CP_DTYPE": dtype, "DIM_CAP": cap, "VEC_LOADS": int(vec_ok), "ROT_CAP": rot,
                 "GROUP_TILE": max_group_tile(cap, vec, rot)}
     return {"CP_DTYPE": dtype, "DIM_CAP": cap, "VEC_LOADS": int(vec_ok),
-            "GROUP_TILE": _group_tile(group, max_group_tile(cap, vec))}
+            "GROUP_TILE": _group_tile(group, max_group_tile(cap, vec), vec_ok)}
+
+
+def tc_queries_per_block(group: int) -> int:
+    """Queries a tensor-core block serves: 64 rows of min(G, 64) heads each."""
+    return TC_ROWS // min(group, TC_ROWS)
+
+
+_passes_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def block_passes(host, queries_per_block: int) -> tuple[int, int]:
+    """(most, total) passes of the blocks of ``queries_per_block``
+    consecutive packed queries: the sequences whose queries meet in a block
+    (host plan data, fixed per schedule; cached per plan)."""
+    per_plan = _passes_cache.setdefault(host, {})
+    if queries_per_block not in per_plan:
+        if host.queries == 0:
+            per_plan[queries_per_block] = (0, 0)
+        else:
+            ql = np.asarray(host.q_lens, dtype=np.int64)
+            rank = np.cumsum(ql > 0)[np.asarray(host.q_seq)]     # active-sequence rank of each query
+            first = rank[::queries_per_block]
+            ends = np.minimum((np.arange(len(first)) + 1) * queries_per_block, host.queries)
+            passes = rank[ends - 1] - first + 1
+            per_plan[queries_per_block] = (int(passes.max()), int(passes.sum()))
+    return per_plan[queries_per_block]
+
+
+def tc_schedule_ok(host, group: int) -> bool:
+    """Whether the step's packing suits the tensor-core kernels (see
+    TC_MAX_PASSES): at most TC_MAX_PASSES passes in a block and at least
+    64 / TC_MAX_PASSES rows a pass on average. ``group``: query heads per
+    KV head (all H for MLA)."""
+    most, total = block_passes(host, tc_queries_per_block(group))
+    rows = host.queries * min(group, TC_ROWS)
+    return 0 < most <= TC_MAX_PASSES and rows * TC_MAX_PASSES >= TC_ROWS * total
+
+
+def select_tensor_core(dtype: str, head_dim: int, value_dim: int, aligned: bool, schedule_ok: bool,
+                       rot_dim: int = 0) -> dict | None:
+    """Defines of the tensor-core variant that runs, or None for the
+    CUDA-core kernel (``select_variant``).
+
+    ``schedule_ok``: ``tc_schedule_ok(host, group)``; ``aligned``: every
+    array copied by cp.async (q, caches, q_rot, k_rot) and out start on a
+    16-byte boundary.
+    """
+    if dtype not in TC_DTYPES or not aligned or not schedule_ok:
+        return None
+    if rot_dim:
+        if (head_dim, rot_dim) in TC_MLA_DIMS and value_dim == head_dim:
+            return {"CP_DTYPE": dtype, "TC_MLA": 1, "LATENT_DIM": head_dim, "ROPE_DIM": rot_dim}
+        return None
+    if head_dim == value_dim and head_dim in TC_PREFILL_DIMS:
+        return {"CP_DTYPE": dtype, "TC_PREFILL": 1, "HEAD_DIM": head_dim}
+    return None
 
 
 def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causal: bool, *,
@@ -174,8 +313,21 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causa
     group = hq // hkv
     dtype = _checks.dtype_token(q.dtype)
     aligned = all(_addr(a) % _VECTOR_BYTES == 0 for a in (q, k_cache, v_cache, out))
-    defines = select_variant(dtype, d, dv, aligned, group, rot_dim)
-    tiles = -(-group // int(defines["GROUP_TILE"]))
+    aligned_tc = aligned and (not rot_dim or all(_addr(a) % _VECTOR_BYTES == 0 for a in (q_rot, k_rot)))
+    tc = select_tensor_core(dtype, d, dv, aligned_tc, tc_schedule_ok(host, group), rot_dim)
+    if tc is not None:
+        qt = tc_queries_per_block(group)
+        # 64 rows per block: qt queries x ht heads of one KV head's group.
+        tiles = -(-group // min(group, TC_ROWS))
+        if "TC_MLA" in tc:
+            name, threads, smem = "paged_mla_tc", TC_MLA_THREADS, mla_smem_bytes(d, rot_dim)
+        else:
+            name, threads, smem = "paged_prefill_tc", TC_PREFILL_THREADS, prefill_smem_bytes(d)
+        defines, blocks = tc, -(-queries // qt)
+    else:
+        defines = select_variant(dtype, d, dv, aligned, group, rot_dim)
+        tiles = -(-group // int(defines["GROUP_TILE"]))
+        name, threads, smem, blocks = "paged_attention", THREADS, 0, queries
     if hkv * tiles > 65535:
         raise PagedAttentionError(f"q: expected at most 65535 KV heads x head tiles in a launch, got "
                                   f"{hkv} x {tiles}")
@@ -188,14 +340,14 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causa
     part_lse = workspace.partial_lse if split else out
     lse_arg = lse if lse is not None else out
 
-    kernel = _backend.get_kernel(q, "attention", "paged_attention", defines)
+    kernel = _backend.get_kernel(q, "attention", name, defines)
     u32 = np.uint32
-    stream.launch(kernel, (queries, hkv * tiles, splits), (THREADS,), (
+    stream.launch(kernel, (blocks, hkv * tiles, splits), (threads,), (
         q, k_cache, v_cache, q if q_rot is None else q_rot, k_cache if k_rot is None else k_rot, plan.words,
         out, lse_arg, part_out, part_lse,
         u32(host.queries), u32(host.sequences), u32(host.table_width), u32(host.page_size), u32(host.pages),
         u32(hq), u32(hkv), u32(d), u32(dv), u32(rot_dim), u32(splits), u32(bool(causal)),
-        u32(lse is not None and not split), np.float32(scale)))
+        u32(lse is not None and not split), np.float32(scale)), shared_mem=smem)
     if split:
         merge = _backend.get_kernel(q, "attention", "attention_split_merge", defines)
         stream.launch(merge, (queries, -(-hq // MERGE_HEADS_PER_BLOCK)), (THREADS,), (

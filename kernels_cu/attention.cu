@@ -2,6 +2,13 @@
 // split-KV merge. Layout, positions, metadata words, LSE and the split
 // workspace are defined in docs/layout.md; this file follows it.
 //
+// Three attention kernels share one argument list; a variant compiles one
+// of them (TC_PREFILL, TC_MLA, or neither) plus attention_split_merge:
+//   paged_attention   CUDA cores, any dtype and dims (decode, and the fallback)
+//   paged_prefill_tc  tensor cores, f16 / bf16, D == Dv in {64, 128, 256}
+//   paged_mla_tc      tensor cores, f16 / bf16 MLA at R = 512, P = 64
+// All three write the same split partials, so the merge serves them all.
+//
 // paged_attention: one block per (query, KV head, head tile, split).
 //   grid  (queries, kv_heads * head_tiles, splits), block 128 (4 warps).
 //   A block serves the query heads g = tile*GROUP_TILE .. +GROUP_TILE-1 of
@@ -36,6 +43,10 @@
 //   ROT_CAP     0, or the capacity of the rotary part P (MLA, HAS_ROT): the
 //               score adds q_rot.k_rot and V is the K row itself (the MLA
 //               latent cache serves as both).
+//   TC_PREFILL  1: paged_prefill_tc with HEAD_DIM (CP_DTYPE f16 | bf16).
+//   TC_MLA      1: paged_mla_tc with LATENT_DIM (R) and ROPE_DIM (P).
+// The tensor-core kernels are described where they start (below); their
+// inline PTX lives in ptx.cuh.
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -53,13 +64,721 @@
 #ifndef ROT_CAP
 #define ROT_CAP 0
 #endif
+#ifndef TC_PREFILL
+#define TC_PREFILL 0
+#endif
+#ifndef TC_MLA
+#define TC_MLA 0
+#endif
 
+namespace att {
+constexpr u32 kSplitTile = 16;                         // SPLIT_TILE in attention.py
+constexpr u32 kMaxLen = 0x7fff0000u;                   // visible lengths are clamped to this
+
+__device__ __forceinline__ u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
+
+// exp2(m - ref) as a rescale factor; 0 for an empty state (m == -inf).
+__device__ __forceinline__ float rescale(float m, float ref) {
+    return m == neg_inf() ? 0.0f : exp2f(m - ref);
+}
+}  // namespace att
+
+#if TC_PREFILL || TC_MLA
+// ===================================================================== tensor cores
+#include "ptx.cuh"
+
+namespace tc {
+using att::min_u32;
+using att::rescale;
+
+constexpr u32 kRows = 64;             // (query, head) rows per block: the M dimension
+constexpr u32 kNone = 0xffffffffu;    // no sequence / no page
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// The rows of a block: kRows / ht query slots of ht heads each; slot i is
+// query q0 + i. Filled once per block from the device words.
+struct Rows {
+    u32 seq[kRows];   // sequence of the slot's query, kNone when none (past the queries, bad index)
+    u32 lo[kRows];    // this split's share [lo, hi) of the query's visible positions
+    u32 hi[kRows];
+};
+
+// Visible positions of query slot i (threads i < kRows): layout rules as in
+// paged_attention, split share with SPLIT_TILE rounding.
+__device__ __forceinline__ void setup_rows(Rows& R, const u32* __restrict__ words, u32 q0, u32 qt, u32 queries,
+                                           u32 sequences, u32 table_width, u32 page_size, u32 splits,
+                                           u32 causal) {
+    for (u32 i = threadIdx.x; i < kRows; i += blockDim.x) {
+        u32 seq = kNone, lo = 0, hi = 0;
+        const u32 qi = q0 + i;
+        if (i < qt && qi < queries) {
+            const u32 s = words[16 + qi];
+            if (s < sequences) {
+                seq = s;
+                u64 L = words[16 + 2 * queries + s];
+                const u64 cap = (u64)table_width * page_size;
+                if (L > cap) L = cap;
+                if (causal) {
+                    const u64 p1 = (u64)words[16 + queries + qi] + 1;
+                    if (L > p1) L = p1;
+                }
+                const u32 len = (u32)(L < att::kMaxLen ? L : att::kMaxLen);
+                hi = len;
+                if (splits > 1) {
+                    u32 c = (len + splits - 1) / splits;
+                    c = (c + att::kSplitTile - 1) / att::kSplitTile * att::kSplitTile;
+                    const u64 s0 = (u64)blockIdx.z * c;
+                    lo = s0 < len ? (u32)s0 : len;
+                    hi = min_u32(len, lo + c);
+                }
+            }
+        }
+        R.seq[i] = seq;
+        R.lo[i] = lo;
+        R.hi[i] = hi;
+    }
+}
+
+// Page staging of a K/V tile: the page id and slot of each of its kN tokens
+// (kNone past `hi` or for a page id >= num_pages) and a bit per valid token.
+template <u32 kN> struct Stage {
+    u32 page[2][kN];
+    u32 slot[2][kN];
+    u32 valid[2][kN / 32];
+};
+
+// The tiles of one pass: positions [lo, hi) of one sequence in tiles of kN,
+// two buffers, the next tile's cp.async in flight while this one computes.
+//   issue(buf): start the copies of the staged tile into buffer buf (every thread)
+//   compute(buf, t0): use the tile of positions t0 .. t0+kN-1 in buffer buf
+// Every thread of the block calls this with the same lo, hi. Threads
+// tid < kN look up the page of token tid of each tile: the page-table
+// word of tile j+2 is loaded while tile j computes and staged in shared
+// memory (page id, slot, valid bit) for the copies of tile j+1.
+template <u32 kN, typename Issue, typename Compute>
+__device__ __forceinline__ void run_tiles(Stage<kN>& st, const u32* __restrict__ table, u32 lo, u32 hi,
+                                          u32 page_size, u32 num_pages, Issue&& issue, Compute&& compute) {
+    const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    u32 raw = kNone, slot = 0;   // token tid of a later tile: page-table word (kNone past hi) and slot
+    auto fetch = [&](u32 t) {
+        raw = kNone;
+        slot = 0;
+        if (tid < kN && t < hi) {
+            const u32 j = t / page_size;
+            raw = table[j];
+            slot = t - j * page_size;
+        }
+    };
+    // Stage the fetched token into buffer b (threads tid < kN); returns its validity.
+    auto stage = [&](u32 b) -> bool {
+        const bool ok = raw < num_pages;
+        if (tid < kN) {
+            st.page[b][tid] = ok ? raw : kNone;
+            st.slot[b][tid] = slot;
+        }
+        return ok;
+    };
+    // The valid bits of buffer b (warps < kN / 32; a barrier must follow before compute).
+    auto publish = [&](u32 b, bool ok) {
+        if (warp < kN / 32) {
+            const u32 bits = __ballot_sync(CP_FULL_MASK, ok);
+            if (lane == 0) st.valid[b][warp] = bits;
+        }
+    };
+    const u32 ntiles = (hi - lo + kN - 1) / kN;
+    __syncthreads();   // the previous pass is done with every buffer and the staging arrays
+    fetch(lo + tid);
+    publish(0u, stage(0u));
+    fetch(lo + kN + tid);
+    __syncthreads();
+    issue(0u);
+    ptx::cp_async_commit();
+    for (u32 j = 0; j < ntiles; ++j) {
+        const u32 t0 = lo + j * kN, b = j & 1u;
+        const bool more = j + 1 < ntiles;
+        // Page ids and slots of buffer b^1 are read only by issue(), last for
+        // tile j-1 before the previous iteration's barriers: restage them now.
+        bool ok = false;
+        if (more) {
+            ok = stage(b ^ 1u);
+            fetch(t0 + 2 * kN + tid);
+        }
+        __syncthreads();   // staging of tile j+1 visible; every warp is done computing tile j-1
+        if (more) {
+            publish(b ^ 1u, ok);   // compute(j-1) read these bits; it is done
+            issue(b ^ 1u);
+        }
+        ptx::cp_async_commit();     // possibly empty: keeps one group per tile
+        ptx::cp_async_wait<1>();    // tile j has landed (tile j+1 may still be in flight)
+        __syncthreads();
+        compute(b, t0);
+    }
+}
+
+// The rows of query slots [i, j) with a visible share form one pass; rows
+// of other slots see nothing in it. Calls pass(seq, slot_lo, slot_hi, lo, hi)
+// for each maximal run of slots of one sequence (queries are packed in
+// sequence order, so a block has one pass per sequence it touches; words
+// that break that order only give more passes, each row still in one).
+template <typename Pass>
+__device__ __forceinline__ void for_each_pass(const Rows& R, u32 qt, Pass&& pass) {
+    for (u32 i = 0; i < qt;) {
+        const u32 cur = R.seq[i];
+        u32 j = i + 1;
+        while (j < qt && R.seq[j] == cur) ++j;
+        if (cur != kNone) {
+            u32 lo = kNone, hi = 0;
+            for (u32 k = i; k < j; ++k)
+                if (R.lo[k] < R.hi[k]) {
+                    lo = min_u32(lo, R.lo[k]);
+                    hi = R.hi[k] > hi ? R.hi[k] : hi;
+                }
+            if (lo < hi) pass(cur, i, j, lo, hi);
+        }
+        i = j;
+    }
+}
+
+// Bits a .. e-1 of a tile's token mask (0 <= a, e <= 64; none when e <= a).
+__device__ __forceinline__ u64 span_bits(u32 a, u32 e) {
+    const u64 upto_e = e >= 64 ? ~0ull : ((1ull << e) - 1);
+    const u64 upto_a = a >= 64 ? ~0ull : ((1ull << a) - 1);
+    return upto_e & ~upto_a;
+}
+
+// Tokens t0 .. t0 + n - 1 (n <= 64) a row with positions [rlo, rhi) sees, as bits.
+__device__ __forceinline__ u64 row_bits(u32 rlo, u32 rhi, u32 t0, u32 n) {
+    const u32 a = rlo > t0 ? min_u32(rlo - t0, n) : 0u;
+    const u32 e = rhi > t0 ? min_u32(rhi - t0, n) : 0u;
+    return span_bits(a, e);
+}
+
+// Store two adjacent outputs of one row: scalar_t pair, or f32 pair into the partials.
+__device__ __forceinline__ void store_pair(scalar_t* __restrict__ out, float* __restrict__ part, u64 idx,
+                                           bool split, float a, float b) {
+    if (split) {
+        float2 v;
+        v.x = a;
+        v.y = b;
+        *reinterpret_cast<float2*>(part + idx) = v;
+    } else {
+        *reinterpret_cast<u32*>(out + idx) = ptx::pack2<scalar_t>(a, b);
+    }
+}
+
+}  // namespace tc
+
+#if TC_PREFILL
+// ---------------------------------------------------------------- chunked prefill
+// paged_prefill_tc: FlashAttention-2 style, f16 / bf16, D == Dv == HEAD_DIM.
+//   grid (ceil(queries / qt), kv_heads * head_tiles, splits), block 128 (4 warps),
+//   dynamic shared memory prefill_smem_bytes(D) (attention.py): 36 / 68 / 99 KiB
+//   at D = 64 / 128 / 256.
+//   Rows (the M dimension, 64 per block, 16 per warp) are (query, head)
+//   pairs: ht = min(G, 64) query heads of one KV head's GQA group for each of
+//   qt = 64 / ht consecutive packed queries, so a K/V row read serves
+//   qt * ht rows. Q is staged once (cp.async) and kept as mma A fragments
+//   in registers (D <= 128) or re-read from shared memory by ldmatrix (D = 256).
+//   K and V tiles of kN tokens (64, or 32 at D = 256) are copied page by page
+//   with cp.async into two buffers (the next tile in flight while one
+//   computes); S = Q K^T and O += P V run on mma.sync m16n8k16 with f32
+//   accumulation; the online softmax runs in f32 in the log2 domain on the
+//   S fragments (a row's max and sum live in the 4 lanes of a quad).
+//   Each row sees positions [lo, hi) of its query (causal clamp, split
+//   share); a warp whose 16 rows see nothing of a tile skips its products.
+//   Positions past the pass's end and page ids >= num_pages are zero-filled
+//   (never read) and masked, so no unused slot reaches the output.
+namespace tcp {
+constexpr u32 kD = HEAD_DIM;
+constexpr u32 kN = kD <= 128 ? 64 : 32;     // tokens per K/V tile
+constexpr u32 kWarps = 4, kThreads = 32 * kWarps;
+constexpr u32 kPitch = kD + 8;              // shared row pitch (elements): conflict-free ldmatrix
+constexpr u32 kChunks = kD / 8;             // 16-byte chunks per row
+constexpr u32 kKSteps = kD / 16;            // k-steps of S = Q K^T
+constexpr u32 kSTiles = kN / 8;             // n-tiles of S
+constexpr u32 kOTiles = kD / 8;             // n-tiles of O
+constexpr bool kQInRegs = kD <= 128;
+constexpr u32 kRowStep = kThreads / kChunks;   // rows one pass of the block's threads copies
+static_assert(kD == 64 || kD == 128 || kD == 256, "HEAD_DIM: 64, 128 or 256");
+static_assert(tc::kRows == 16 * kWarps, "16 rows per warp");
+}  // namespace tcp
+
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_prefill_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
+                 const scalar_t* __restrict__ v_cache, const scalar_t* __restrict__ q_rot,
+                 const scalar_t* __restrict__ k_rot, const u32* __restrict__ words,
+                 scalar_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
+                 float* __restrict__ part_lse, u32 queries, u32 sequences, u32 table_width, u32 page_size,
+                 u32 num_pages, u32 q_heads, u32 kv_heads, u32 head_dim, u32 value_dim, u32 rot_dim,
+                 u32 splits, u32 causal, u32 write_lse, float scale) {
+    using namespace tcp;
+    using tc::kNone;
+    using tc::kRows;
+    CUPAGED_DYNAMIC_SHARED(scalar_t, smem);
+    // Q [kRows][kPitch], then K [2][kN][kPitch] and V [2][kN][kPitch]. With Q
+    // held in registers its staging area is reused by the K/V buffers (the
+    // first copy into them follows a barrier after the fragments are loaded).
+    scalar_t* const sQ = smem;
+    scalar_t* const sK = kQInRegs ? smem : sQ + kRows * kPitch;
+    __shared__ tc::Rows rows;
+    __shared__ tc::Stage<kN> st;
+
+    const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
+    const u32 g = lane >> 2, tq = lane & 3u;             // mma fragment coordinates
+    const u32 r8 = lane & 7u, tile = lane >> 3;          // ldmatrix: row within a tile, tile of the x4
+    const u32 group = q_heads / kv_heads;
+    const u32 ht = group < kRows ? group : kRows;        // heads per block
+    const u32 tiles = (group + ht - 1) / ht;
+    const u32 qt = kRows / ht;                           // query slots per block
+    const u32 kvh = blockIdx.y / tiles;
+    const u32 head0 = kvh * group + (blockIdx.y - kvh * tiles) * ht;
+    const u32 heads = tc::min_u32(ht, (kvh + 1) * group - head0);
+    const u32 q0 = (gridDim.x - 1 - blockIdx.x) * qt;   // last queries first: under a causal mask they see the most
+
+    // ---- Q rows (zero rows for slots without a query or head) ----
+    for (u32 c = tid; c < kRows * kChunks; c += kThreads) {
+        const u32 r = c / kChunks, ch = c - r * kChunks;
+        const u32 slot = r / ht, hl = r - slot * ht;
+        const bool ok = slot < qt && q0 + slot < queries && hl < heads;
+        const scalar_t* src = q + ((u64)(q0 + slot) * q_heads + head0 + hl) * kD + ch * 8;
+        ptx::cp_async_16(sQ + r * kPitch + ch * 8, ok ? src : q, ok);
+    }
+    ptx::cp_async_commit();
+    tc::setup_rows(rows, words, q0, qt, queries, sequences, table_width, page_size, splits, causal);
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+
+    u32 qf[kQInRegs ? kKSteps : 1][4];
+    if (kQInRegs) {
+#pragma unroll
+        for (u32 ks = 0; ks < kKSteps; ++ks)
+            ptx::ldmatrix_x4(qf[ks], sQ + (warp * 16 + r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
+    }
+
+    // This thread's two rows (g and g + 8 of its warp's 16): query slot, or kNone.
+    u32 my_slot[2];
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        const u32 r = warp * 16 + g + 8 * h, slot = r / ht, hl = r - slot * ht;
+        my_slot[h] = (slot < qt && q0 + slot < queries && hl < heads) ? slot : kNone;
+    }
+
+    const float qscale = scale * tc::kLog2e;
+    float m[2], l[2], o[kOTiles][4];
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        m[h] = neg_inf();
+        l[h] = 0.0f;
+    }
+#pragma unroll
+    for (u32 n = 0; n < kOTiles; ++n)
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) o[n][i] = 0.0f;
+
+    const u64 k_page = (u64)page_size * kv_heads * kD;   // elements per page
+    const u32* const tables = words + 17 + 2 * queries + 2 * sequences;
+
+    tc::for_each_pass(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
+        u32 rlo[2], rhi[2];   // this thread's rows' positions in this pass
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            const u32 s = my_slot[h];
+            const bool in = s != kNone && s >= slot_lo && s < slot_hi;
+            rlo[h] = in ? rows.lo[s] : 0u;
+            rhi[h] = in ? rows.hi[s] : 0u;
+        }
+        auto issue = [&](u32 b) {
+            // Thread tid copies chunk tid % kChunks of rows tid / kChunks + i * kRowStep.
+#pragma unroll
+            for (u32 i = 0; i < kN / kRowStep; ++i) {
+                const u32 r = tid / kChunks + i * kRowStep, ch = tid % kChunks;
+                const u32 page = st.page[b][r];
+                const bool ok = page != kNone;
+                const u64 off = (u64)page * k_page + ((u64)st.slot[b][r] * kv_heads + kvh) * kD + ch * 8;
+                scalar_t* const dk = sK + (b * kN + r) * kPitch + ch * 8;
+                ptx::cp_async_16(dk, ok ? k_cache + off : k_cache, ok);
+                ptx::cp_async_16(dk + 2 * kN * kPitch, ok ? v_cache + off : v_cache, ok);   // V buffer b
+            }
+        };
+        auto compute = [&](u32 b, u32 t0) {
+            // Bit dt of vis[h]: row h sees token t0 + dt (its share, and a valid page).
+            u64 vbits = st.valid[b][0];
+            if (kN > 32) vbits |= (u64)st.valid[b][kN > 32 ? 1 : 0] << 32;
+            u64 vis[2];
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) vis[h] = vbits & tc::row_bits(rlo[h], rhi[h], t0, kN);
+            if (!__any_sync(CP_FULL_MASK, (vis[0] | vis[1]) != 0)) return;   // none of the warp's rows sees this tile
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) vis[h] >>= 2 * tq;   // now bit n * 8 + e: this lane's column e of n-tile n
+
+            // S = Q K^T: [16 x kN] per warp.
+            const scalar_t* const kt = sK + b * kN * kPitch;
+            float s[kSTiles][4];
+#pragma unroll
+            for (u32 n = 0; n < kSTiles; ++n)
+#pragma unroll
+                for (u32 i = 0; i < 4; ++i) s[n][i] = 0.0f;
+#pragma unroll
+            for (u32 ks = 0; ks < kKSteps; ++ks) {
+                u32 a[4];
+                if (kQInRegs) {
+#pragma unroll
+                    for (u32 i = 0; i < 4; ++i) a[i] = qf[kQInRegs ? ks : 0][i];
+                } else {
+                    ptx::ldmatrix_x4(a, sQ + (warp * 16 + r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
+                }
+#pragma unroll
+                for (u32 np = 0; np < kSTiles / 2; ++np) {
+                    u32 bq[4];
+                    ptx::ldmatrix_x4(bq, kt + (np * 16 + r8 + 8 * (tile >> 1)) * kPitch + ks * 16 + 8 * (tile & 1u));
+                    const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+                    ptx::mma_16816<scalar_t>(s[2 * np], a, b0);
+                    ptx::mma_16816<scalar_t>(s[2 * np + 1], a, b1);
+                }
+            }
+
+            // Mask and scale into the log2 domain; online softmax per row.
+            float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+            for (u32 n = 0; n < kSTiles; ++n)
+#pragma unroll
+                for (u32 i = 0; i < 4; ++i) {
+                    const u32 h = i >> 1;
+                    s[n][i] = ((vis[h] >> (n * 8 + (i & 1u))) & 1u) ? s[n][i] * qscale : neg_inf();
+                    mx[h] = fmaxf(mx[h], s[n][i]);
+                }
+            float alpha[2], mu[2];
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 2));
+                const float mn = fmaxf(m[h], mx[h]);
+                alpha[h] = tc::rescale(m[h], mn);
+                mu[h] = mn == neg_inf() ? 0.0f : mn;   // exp2(-inf - mu) = 0 for masked scores
+                m[h] = mn;
+            }
+            float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (u32 n = 0; n < kSTiles; ++n)
+#pragma unroll
+                for (u32 i = 0; i < 4; ++i) {
+                    s[n][i] = exp2f(s[n][i] - mu[i >> 1]);
+                    ps[i >> 1] += s[n][i];
+                }
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + ps[h];   // this lane's part of the row sum
+#pragma unroll
+            for (u32 n = 0; n < kOTiles; ++n)
+#pragma unroll
+                for (u32 i = 0; i < 4; ++i) o[n][i] *= alpha[i >> 1];
+
+            // O += P V: P's S fragments are its A fragments (two n-tiles per k-step).
+            const scalar_t* const vt = sK + (2 + b) * kN * kPitch;
+#pragma unroll
+            for (u32 kk = 0; kk < kN / 16; ++kk) {
+                const u32 a[4] = {ptx::pack2<scalar_t>(s[2 * kk][0], s[2 * kk][1]),
+                                  ptx::pack2<scalar_t>(s[2 * kk][2], s[2 * kk][3]),
+                                  ptx::pack2<scalar_t>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                  ptx::pack2<scalar_t>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
+                    u32 bq[4];
+                    ptx::ldmatrix_x4_trans(bq, vt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + dp * 16 + 8 * (tile >> 1));
+                    const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+                    ptx::mma_16816<scalar_t>(o[2 * dp], a, b0);
+                    ptx::mma_16816<scalar_t>(o[2 * dp + 1], a, b1);
+                }
+            }
+        };
+        tc::run_tiles<kN>(st, tables + (u64)seq * table_width, lo, hi, page_size, num_pages, issue, compute);
+    });
+
+    // ---- normalize and write ----
+    const bool split = splits > 1;
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(CP_FULL_MASK, l[h], 1);
+        l[h] += __shfl_xor_sync(CP_FULL_MASK, l[h], 2);
+        const u32 slot = my_slot[h];
+        if (slot == kNone) continue;
+        const u32 r = warp * 16 + g + 8 * h;
+        const u64 row = (u64)(q0 + slot) * q_heads + head0 + (r - slot * ht);
+        const u64 row_out = split ? (u64)blockIdx.z * queries * q_heads + row : row;
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        const float lse_v = l[h] > 0.0f ? m[h] * tc::kLn2 + logf(l[h]) : neg_inf();
+#pragma unroll
+        for (u32 n = 0; n < kOTiles; ++n)
+            tc::store_pair(out, part_out, row_out * kD + n * 8 + 2 * tq, split, o[n][2 * h] * inv,
+                           o[n][2 * h + 1] * inv);
+        if (tq == 0) {
+            if (split) part_lse[row_out] = lse_v;
+            else if (write_lse) lse[row] = lse_v;
+        }
+    }
+}
+#endif  // TC_PREFILL
+
+#if TC_MLA
+// ---------------------------------------------------------------- MLA
+// paged_mla_tc: DeepSeek-style latent attention (absorbed form), f16 / bf16,
+// R = LATENT_DIM latent dims (the values too) + P = ROPE_DIM rotary dims,
+// one shared KV head.
+//   grid (ceil(queries / qt), head_tiles, splits), block 256 (8 warps),
+//   dynamic shared memory mla_smem_bytes(R, P) (attention.py): 151 KiB at 512 / 64.
+//   Rows are (query, head) pairs as in paged_prefill_tc: ht = min(H, 64)
+//   heads of qt = 64 / ht queries, so each latent row read serves up to 64
+//   heads. A shared-memory row holds [q | q_pos] (Q) or [latent | k_pos] (K,
+//   and its first R elements are V).
+//   S = Q K^T: warp w computes rows 16 (w % 4) .. +15 against tokens
+//   16 (w / 4) .. +15 of a kN = 32 token tile (36 k-steps of 16 over R + P).
+//   The two warps of a row exchange their row maxima through shared memory,
+//   write P (16-bit) and their row sums there; then every warp computes
+//   O += P V for all 64 rows and its own R / 8 = 64 value columns (FlashMLA
+//   splits R across warps the same way), rescaling its O rows with the
+//   maxima every warp derives identically. O: 64 x 64 f32 per warp, 128
+//   registers a lane. Tiles are double-buffered with cp.async as in
+//   paged_prefill_tc.
+namespace tcm {
+constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM, kK = kR + kP;
+constexpr u32 kN = 32;                      // tokens per tile
+constexpr u32 kWarps = 8, kThreads = 32 * kWarps;
+constexpr u32 kPitch = kK + 8;              // shared row pitch of Q and K (elements)
+constexpr u32 kPPitch = kN + 8;             // shared row pitch of P
+constexpr u32 kChunks = kK / 8, kRChunks = kR / 8;
+constexpr u32 kKSteps = kK / 16;
+constexpr u32 kCols = kR / kWarps;          // value columns per warp
+constexpr u32 kOTiles = kCols / 8;
+constexpr u32 kMTiles = tc::kRows / 16;
+static_assert(kR % 128 == 0 && kP % 16 == 0, "LATENT_DIM a multiple of 128, ROPE_DIM of 16");
+static_assert(kN == 32 && kWarps == 8, "two warps of 16 tokens per row block");
+}  // namespace tcm
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+paged_mla_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
+             const scalar_t* __restrict__ v_cache, const scalar_t* __restrict__ q_rot,
+             const scalar_t* __restrict__ k_rot, const u32* __restrict__ words,
+             scalar_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
+             float* __restrict__ part_lse, u32 queries, u32 sequences, u32 table_width, u32 page_size,
+             u32 num_pages, u32 q_heads, u32 kv_heads, u32 head_dim, u32 value_dim, u32 rot_dim,
+             u32 splits, u32 causal, u32 write_lse, float scale) {
+    using namespace tcm;
+    using tc::kNone;
+    using tc::kRows;
+    CUPAGED_DYNAMIC_SHARED(scalar_t, smem);
+    scalar_t* const sQ = smem;                           // [kRows][kPitch]  q | q_pos
+    scalar_t* const sKV = sQ + kRows * kPitch;           // [2][kN][kPitch]  latent | k_pos
+    scalar_t* const sP = sKV + 2 * kN * kPitch;          // [kRows][kPPitch] softmax numerators
+    __shared__ tc::Rows rows;
+    __shared__ tc::Stage<kN> st;
+    __shared__ float s_max[2][kRows], s_sum[2][kRows];   // per token half of the tile
+
+    const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
+    const u32 g = lane >> 2, tq = lane & 3u;
+    const u32 r8 = lane & 7u, tile = lane >> 3;
+    const u32 ht = q_heads < kRows ? q_heads : kRows;
+    const u32 qt = kRows / ht;
+    const u32 head0 = blockIdx.y * ht;
+    const u32 heads = tc::min_u32(ht, q_heads - head0);
+    const u32 q0 = (gridDim.x - 1 - blockIdx.x) * qt;   // last queries first: under a causal mask they see the most
+
+    // ---- Q rows: [q (R) | q_pos (P)] ----
+    for (u32 c = tid; c < kRows * kChunks; c += kThreads) {
+        const u32 r = c / kChunks, ch = c - r * kChunks;
+        const u32 slot = r / ht, hl = r - slot * ht;
+        const bool ok = slot < qt && q0 + slot < queries && hl < heads;
+        const u64 qrow = (u64)(q0 + slot) * q_heads + head0 + hl;
+        const scalar_t* src = ch < kRChunks ? q + qrow * kR + ch * 8 : q_rot + qrow * kP + (ch - kRChunks) * 8;
+        ptx::cp_async_16(sQ + r * kPitch + ch * 8, ok ? src : q, ok);
+    }
+    ptx::cp_async_commit();
+    tc::setup_rows(rows, words, q0, qt, queries, sequences, table_width, page_size, splits, causal);
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+
+    // S roles: rows srow0 .. +15, token half th of each tile.
+    const u32 srow0 = 16 * (warp & 3u), th = warp >> 2;
+    u32 s_slot[2];
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        const u32 r = srow0 + g + 8 * h, slot = r / ht, hl = r - slot * ht;
+        s_slot[h] = (slot < qt && q0 + slot < queries && hl < heads) ? slot : kNone;
+    }
+    // O roles: every row (kMTiles x 2 per lane), value columns c0 .. c0 + kCols - 1.
+    const u32 c0 = warp * kCols;
+    const float qscale = scale * tc::kLog2e;
+    float ms[2] = {neg_inf(), neg_inf()};               // running max of the S rows
+    float mo[kMTiles][2], lsum[kMTiles][2], o[kMTiles][kOTiles][4];
+#pragma unroll
+    for (u32 mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            mo[mt][h] = neg_inf();
+            lsum[mt][h] = 0.0f;
+        }
+#pragma unroll
+        for (u32 n = 0; n < kOTiles; ++n)
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) o[mt][n][i] = 0.0f;
+    }
+
+    const u64 lat_page = (u64)page_size * kR, rot_page = (u64)page_size * kP;
+    const u32* const tables = words + 17 + 2 * queries + 2 * sequences;
+
+    tc::for_each_pass(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
+        u32 rlo[2], rhi[2];
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            const u32 s = s_slot[h];
+            const bool in = s != kNone && s >= slot_lo && s < slot_hi;
+            rlo[h] = in ? rows.lo[s] : 0u;
+            rhi[h] = in ? rows.hi[s] : 0u;
+        }
+        auto issue = [&](u32 b) {
+            for (u32 c = tid; c < kN * kChunks; c += kThreads) {
+                const u32 r = c / kChunks, ch = c - r * kChunks;
+                const u32 page = st.page[b][r];
+                const bool ok = page != kNone;
+                const u64 slot = st.slot[b][r];
+                const scalar_t* src = ch < kRChunks ? k_cache + (u64)page * lat_page + slot * kR + ch * 8
+                                                    : k_rot + (u64)page * rot_page + slot * kP + (ch - kRChunks) * 8;
+                ptx::cp_async_16(sKV + (b * kN + r) * kPitch + ch * 8, ok ? src : k_cache, ok);
+            }
+        };
+        auto compute = [&](u32 b, u32 t0) {
+            const scalar_t* const kt = sKV + b * kN * kPitch;
+            // ---- S for rows srow0.., tokens t0 + 16 th .. +15 ----
+            // Bit dt of vis[h]: row h sees token t0 + 16 th + dt.
+            const u32 vbits = st.valid[b][0] >> (16 * th);
+            u32 vis[2];
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) vis[h] = vbits & (u32)tc::row_bits(rlo[h], rhi[h], t0 + 16 * th, 16);
+            const bool mine = (vis[0] | vis[1]) != 0;
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) vis[h] >>= 2 * tq;
+            float s[2][4];
+#pragma unroll
+            for (u32 n = 0; n < 2; ++n)
+#pragma unroll
+                for (u32 i = 0; i < 4; ++i) s[n][i] = 0.0f;
+            if (__any_sync(CP_FULL_MASK, mine)) {
+#pragma unroll 4
+                for (u32 ks = 0; ks < kKSteps; ++ks) {
+                    u32 a[4], bq[4];
+                    ptx::ldmatrix_x4(a, sQ + (srow0 + r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
+                    ptx::ldmatrix_x4(bq, kt + (16 * th + r8 + 8 * (tile >> 1)) * kPitch + ks * 16 + 8 * (tile & 1u));
+                    const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+                    ptx::mma_16816<scalar_t>(s[0], a, b0);
+                    ptx::mma_16816<scalar_t>(s[1], a, b1);
+                }
+            }
+            float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+            for (u32 n = 0; n < 2; ++n)
+#pragma unroll
+                for (u32 i = 0; i < 4; ++i) {
+                    const u32 h = i >> 1;
+                    s[n][i] = ((vis[h] >> (n * 8 + (i & 1u))) & 1u) ? s[n][i] * qscale : neg_inf();
+                    mx[h] = fmaxf(mx[h], s[n][i]);
+                }
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 2));
+                if (tq == 0) s_max[th][srow0 + g + 8 * h] = mx[h];
+            }
+            __syncthreads();
+            // ---- P = exp2(S - m) into shared memory, row sums ----
+            float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                const u32 r = srow0 + g + 8 * h;
+                const float mn = fmaxf(ms[h], fmaxf(s_max[0][r], s_max[1][r]));
+                const float mu = mn == neg_inf() ? 0.0f : mn;
+                ms[h] = mn;
+#pragma unroll
+                for (u32 n = 0; n < 2; ++n) {
+                    const float p0 = exp2f(s[n][2 * h] - mu), p1 = exp2f(s[n][2 * h + 1] - mu);
+                    ps[h] += p0 + p1;
+                    *reinterpret_cast<u32*>(sP + r * kPPitch + 16 * th + n * 8 + 2 * tq) =
+                        ptx::pack2<scalar_t>(p0, p1);
+                }
+                ps[h] += __shfl_xor_sync(CP_FULL_MASK, ps[h], 1);
+                ps[h] += __shfl_xor_sync(CP_FULL_MASK, ps[h], 2);
+            }
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h)
+                if (tq == 0) s_sum[th][srow0 + g + 8 * h] = ps[h];
+            __syncthreads();
+            // ---- O (all rows, columns c0..) = O * alpha + P V ----
+#pragma unroll
+            for (u32 mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+                for (u32 h = 0; h < 2; ++h) {
+                    const u32 r = mt * 16 + g + 8 * h;
+                    const float mn = fmaxf(mo[mt][h], fmaxf(s_max[0][r], s_max[1][r]));
+                    const float alpha = tc::rescale(mo[mt][h], mn);
+                    mo[mt][h] = mn;
+                    lsum[mt][h] = lsum[mt][h] * alpha + (s_sum[0][r] + s_sum[1][r]);
+#pragma unroll
+                    for (u32 n = 0; n < kOTiles; ++n) {
+                        o[mt][n][2 * h] *= alpha;
+                        o[mt][n][2 * h + 1] *= alpha;
+                    }
+                }
+#pragma unroll
+            for (u32 kk = 0; kk < kN / 16; ++kk) {
+                u32 a[kMTiles][4];
+#pragma unroll
+                for (u32 mt = 0; mt < kMTiles; ++mt)
+                    ptx::ldmatrix_x4(a[mt], sP + (mt * 16 + r8 + 8 * (tile & 1u)) * kPPitch + kk * 16 + 8 * (tile >> 1));
+#pragma unroll
+                for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
+                    u32 bq[4];
+                    ptx::ldmatrix_x4_trans(bq, kt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + c0 + dp * 16 + 8 * (tile >> 1));
+                    const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+#pragma unroll
+                    for (u32 mt = 0; mt < kMTiles; ++mt) {
+                        ptx::mma_16816<scalar_t>(o[mt][2 * dp], a[mt], b0);
+                        ptx::mma_16816<scalar_t>(o[mt][2 * dp + 1], a[mt], b1);
+                    }
+                }
+            }
+        };
+        tc::run_tiles<kN>(st, tables + (u64)seq * table_width, lo, hi, page_size, num_pages, issue, compute);
+    });
+
+    // ---- normalize and write: every warp its value columns of all rows ----
+    const bool split = splits > 1;
+#pragma unroll
+    for (u32 mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            const u32 r = mt * 16 + g + 8 * h, slot = r / ht, hl = r - slot * ht;
+            if (!(slot < qt && q0 + slot < queries && hl < heads)) continue;
+            const u64 row = (u64)(q0 + slot) * q_heads + head0 + hl;
+            const u64 row_out = split ? (u64)blockIdx.z * queries * q_heads + row : row;
+            const float l = lsum[mt][h];
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+            for (u32 n = 0; n < kOTiles; ++n)
+                tc::store_pair(out, part_out, row_out * kR + c0 + n * 8 + 2 * tq, split, o[mt][n][2 * h] * inv,
+                               o[mt][n][2 * h + 1] * inv);
+            if (warp == 0 && tq == 0) {
+                const float lse_v = l > 0.0f ? mo[mt][h] * tc::kLn2 + logf(l) : neg_inf();
+                if (split) part_lse[row_out] = lse_v;
+                else if (write_lse) lse[row] = lse_v;
+            }
+        }
+}
+#endif  // TC_MLA
+
+#else
+// ===================================================================== CUDA cores
 namespace att {
 
 constexpr u32 kWarps = 4;
 constexpr u32 kThreads = 32 * kWarps;
-constexpr u32 kSplitTile = 16;                         // SPLIT_TILE in attention.py
-constexpr u32 kMaxLen = 0x7fff0000u;                   // visible lengths are clamped to this
 constexpr u32 kVec = VEC_LOADS ? 16u / (u32)sizeof(scalar_t) : 1u;   // elements per chunk
 constexpr u32 kCap = HEAD_DIM ? HEAD_DIM : DIM_CAP;   // largest D / Dv of the variant
 constexpr u32 kRowChunks = kCap / kVec;               // chunks in a row of kCap elements
@@ -116,12 +835,6 @@ __device__ __forceinline__ chunk_t pack(const float* f) {
     return c;
 }
 
-__device__ __forceinline__ u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
-
-// exp2(m - ref) as a rescale factor; 0 for an empty state (m == -inf).
-__device__ __forceinline__ float rescale(float m, float ref) {
-    return m == neg_inf() ? 0.0f : exp2f(m - ref);
-}
 
 }  // namespace att
 
@@ -426,6 +1139,8 @@ paged_attention(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_c
         }
     }
 }
+
+#endif  // TC_PREFILL || TC_MLA
 
 // Split-KV merge: one warp per (query, head), 4 heads per block.
 //   grid (queries, ceil(Hq / 4)), block 128.
