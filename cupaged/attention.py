@@ -50,9 +50,9 @@ import numpy as np
 
 from . import _backend, _checks, _registry
 from .errors import PagedAttentionError
+from .plan import MAX_SPLITS  # noqa: F401 (defined once, in plan.py)
 
 #: Most splits of the visible history (``SplitWorkspace.splits``).
-MAX_SPLITS = 64
 #: Split chunks are rounded up to a multiple of this many positions
 #: (docs/layout.md, "the kernel's token tile").
 SPLIT_TILE = 16
@@ -279,6 +279,42 @@ def select_tensor_core(dtype: str, head_dim: int, value_dim: int, aligned: bool,
     return None
 
 
+def _schedule(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
+              aligned_tc: bool) -> tuple[str, dict, int, int, int, int]:
+    """(kernel, defines, threads, dynamic shared memory, blocks along x, head
+    tiles per KV head) of the unsplit launch for these shapes. Host plan data
+    only (static per schedule)."""
+    queries = host.queries
+    group = hq // hkv
+    tc = select_tensor_core(dtype, d, dv, aligned_tc, tc_schedule_ok(host, group), rot_dim)
+    if tc is not None:
+        qt = tc_queries_per_block(group)
+        # 64 rows per block: qt queries x ht heads of one KV head's group.
+        tiles = -(-group // min(group, TC_ROWS))
+        if "TC_MLA" in tc:
+            name, threads, smem = "paged_mla_tc", TC_MLA_THREADS, mla_smem_bytes(d, rot_dim)
+        else:
+            name, threads, smem = "paged_prefill_tc", TC_PREFILL_THREADS, prefill_smem_bytes(d)
+        defines, blocks = tc, -(-queries // qt)
+    else:
+        defines = select_variant(dtype, d, dv, aligned, group, rot_dim)
+        tiles = -(-group // int(defines["GROUP_TILE"]))
+        name, threads, smem, blocks = "paged_attention", THREADS, 0, queries
+    return name, defines, threads, smem, blocks, tiles
+
+
+def unsplit_blocks(host, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, dtype, rot_dim: int = 0) -> int:
+    """Blocks of the unsplit attention grid for a plan and these shapes
+    (16-byte aligned arrays assumed): what ``choose_splits`` fills the
+    device with. The tensor-core kernels serve several queries per block, so
+    this can be far below ``queries * kv_heads``."""
+    token = dtype if isinstance(dtype, str) and dtype in DTYPES else _checks.dtype_token(np.dtype(dtype))
+    if host.queries == 0:
+        return 0
+    *_, blocks, tiles = _schedule(host, token, q_heads, kv_heads, head_dim, value_dim, rot_dim, True, True)
+    return blocks * kv_heads * tiles
+
+
 def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causal: bool, *,
                      q_rot=None, k_rot=None, lse=None, workspace=None) -> None:
     """Launch paged attention for ``plan`` (arguments already validated).
@@ -310,24 +346,11 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causa
                                       "being the same array as k_cache (the MLA latent cache)")
     if queries == 0:
         return
-    group = hq // hkv
     dtype = _checks.dtype_token(q.dtype)
     aligned = all(_addr(a) % _VECTOR_BYTES == 0 for a in (q, k_cache, v_cache, out))
     aligned_tc = aligned and (not rot_dim or all(_addr(a) % _VECTOR_BYTES == 0 for a in (q_rot, k_rot)))
-    tc = select_tensor_core(dtype, d, dv, aligned_tc, tc_schedule_ok(host, group), rot_dim)
-    if tc is not None:
-        qt = tc_queries_per_block(group)
-        # 64 rows per block: qt queries x ht heads of one KV head's group.
-        tiles = -(-group // min(group, TC_ROWS))
-        if "TC_MLA" in tc:
-            name, threads, smem = "paged_mla_tc", TC_MLA_THREADS, mla_smem_bytes(d, rot_dim)
-        else:
-            name, threads, smem = "paged_prefill_tc", TC_PREFILL_THREADS, prefill_smem_bytes(d)
-        defines, blocks = tc, -(-queries // qt)
-    else:
-        defines = select_variant(dtype, d, dv, aligned, group, rot_dim)
-        tiles = -(-group // int(defines["GROUP_TILE"]))
-        name, threads, smem, blocks = "paged_attention", THREADS, 0, queries
+    name, defines, threads, smem, blocks, tiles = _schedule(host, dtype, hq, hkv, d, dv, rot_dim, aligned,
+                                                            aligned_tc)
     if hkv * tiles > 65535:
         raise PagedAttentionError(f"q: expected at most 65535 KV heads x head tiles in a launch, got "
                                   f"{hkv} x {tiles}")

@@ -211,22 +211,39 @@ def multiprocessor_count(like) -> int:
     return int(os.environ.get("CUPAGED_CPU_WORKERS") or os.cpu_count() or 1)
 
 
-def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None = None) -> int:
+def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None = None,
+                  q_heads: int | None = None, head_dim: int | None = None, value_dim: int | None = None,
+                  dtype=None, rot_dim: int = 0) -> int:
     """Split count for a plan (HostPlan or DevicePlan) with ``kv_heads``.
 
-    Rule: the unsplit grid has ``queries * kv_heads`` blocks. If that is at
+    Rule: let ``blocks`` be the unsplit grid's block count. If that is at
     least twice the multiprocessor count, or no sequence has more than
     ``MIN_TOKENS_PER_SPLIT`` (256) tokens, return 1. Otherwise return
     ``min(MAX_SPLITS, ceil(2 * SMs / blocks), ceil(max_kv_len / 256))``, so
     the grid roughly fills the device twice and no split gets fewer than
-    about 256 tokens. Host data only; no synchronization.
+    about 256 tokens.
+
+    ``blocks`` is ``queries * kv_heads`` (one block per query and KV head),
+    unless the shapes are given (``q_heads``, ``head_dim``, ``value_dim``,
+    ``dtype``, and ``rot_dim`` for MLA): then it is the grid of the kernel
+    that will run (``cupaged.attention.unsplit_blocks``), which for the
+    tensor-core kernels serves several queries per block. Host data only;
+    no synchronization. ``like`` gives the device (SM count) unless
+    ``multiprocessors`` is passed.
     """
     host = plan.host if isinstance(plan, DevicePlan) else plan
     if multiprocessors is None:
         if like is None:
             raise PagedAttentionError("like: expected an array (or pass multiprocessors=)")
         multiprocessors = multiprocessor_count(like)
-    blocks = host.queries * int(kv_heads)
+    if q_heads is None:
+        blocks = host.queries * int(kv_heads)
+    else:
+        if head_dim is None or dtype is None:
+            raise PagedAttentionError("head_dim, dtype: expected both with q_heads")
+        from .attention import unsplit_blocks
+        blocks = unsplit_blocks(host, int(q_heads), int(kv_heads), int(head_dim),
+                                int(head_dim if value_dim is None else value_dim), dtype, int(rot_dim))
     target = 2 * int(multiprocessors)
     if blocks == 0 or blocks >= target or host.max_kv_len <= MIN_TOKENS_PER_SPLIT:
         return 1

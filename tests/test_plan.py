@@ -235,3 +235,18 @@ def test_mla_errors():
     _bad_mla(plan, q, qp, lat, kp, out, "scale", scale=float("nan"))
     _bad_mla(plan, q[:1].copy(), qp[:1].copy(), lat, kp, out, r"q: expected 3 rows")
     _bad_mla(plan, q, qp, lat[:5].copy(), kp, out, r"latent: expected shape \[6, 4, ...\]")
+
+
+def test_choose_splits_counts_the_grid_of_the_kernel_that_runs():
+    # MLA decode, 64 queries x 16 heads: the tensor-core kernel serves 4 queries x 16 heads per block,
+    # so the unsplit grid is 16 blocks, not 64.
+    plan = HostPlan.build(np.arange(64 * 64).reshape(64, 64) % 4096, [4000] * 64, [1] * 64, 64, 4096)
+    from cupaged.attention import unsplit_blocks
+    assert unsplit_blocks(plan, 16, 1, 512, 512, "bf16", rot_dim=64) == 16
+    assert cupaged.choose_splits(plan, 1, multiprocessors=132, q_heads=16, head_dim=512, dtype=BF16,
+                                 rot_dim=64) == min(math.ceil(264 / 16), math.ceil(4000 / 256))
+    assert cupaged.choose_splits(plan, 1, multiprocessors=132) == math.ceil(264 / 64)
+    # f32 stays on the CUDA-core kernel: one block per query and tile of 2 heads (R = 512)
+    assert unsplit_blocks(plan, 16, 1, 512, 512, np.float32, rot_dim=64) == 64 * 8
+    with pytest.raises(PagedAttentionError, match="head_dim, dtype"):
+        cupaged.choose_splits(plan, 1, multiprocessors=132, q_heads=16)

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
                 continue
             plan, table, q, k, v = paged(be, rng, [L] * B, [1] * B, hq, hkv, d, dt, ps)
             dplan = plan.upload(q)
-            splits = cupaged.choose_splits(plan, hkv, multiprocessors=be.sms)
+            splits = cupaged.choose_splits(plan, hkv, multiprocessors=be.sms, q_heads=hq, head_dim=d, dtype=dt)
             ws = SplitWorkspace(plan.queries, hq, d, splits, q) if splits > 1 else None
             out = be.empty((plan.queries, hq, d), dt)
             scale = d ** -0.5

@@ -52,7 +52,8 @@ def main(argv=None) -> int:
             k_pos = fill_cache(be, (pages, ps, 1, P), dt, 2)
             q, q_pos = be.random((B, h, R), dt, 3), be.random((B, h, P), dt, 4)
             dplan = plan.upload(q)
-            splits = cupaged.choose_splits(plan, 1, multiprocessors=be.sms)
+            splits = cupaged.choose_splits(plan, 1, multiprocessors=be.sms, q_heads=h, head_dim=R, dtype=dt,
+                                           rot_dim=P)
             ws = SplitWorkspace(B, h, R, splits, q) if splits > 1 else None
             out = be.empty((B, h, R), dt)
             scale = (128 + 64) ** -0.5
