@@ -354,7 +354,8 @@ def test_variant_selection():
 # ----------------------------------------------------------------- MLA (rotary part)
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(64, 16, 4, 16), (512, 64, 16, 1), (96, 200, 3, 64)],
+@pytest.mark.parametrize("shape", [(64, 16, 4, 16), (512, 64, 16, 1), (96, 200, 3, 64), (512, 64, 1, 16),
+                                   (33, 7, 128, 4)],
                          ids=lambda s: "r{}-p{}-h{}-ps{}".format(*s))
 def test_mla_rotary_part(xp_backend, dtype, shape):
     """score = scale * (q.latent + q_pos.k_pos), values are the latent rows,
