@@ -38,15 +38,19 @@ def cmd_demo(args) -> int:
     like, backend = _like(args.cpu)
     cfg = tiny.TinyConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
                           kv_heads=args.kv_heads, head_dim=args.head_dim, ffn=2 * args.hidden,
-                          max_pos=max(1024, args.prompt_max + args.tokens + 8))
+                          max_pos=max(1024, args.prompt_max + args.tokens + 8), mla=args.mla,
+                          latent_dim=args.latent_dim, rope_dim=args.rope_dim, nope_dim=args.head_dim,
+                          v_head_dim=args.head_dim)
     dtype = {"f32": np.float32}[args.dtype]
     weights = tiny.rounded(tiny.init_weights(cfg, seed=args.seed), dtype)
     rng = np.random.default_rng(args.seed)
     lens = rng.integers(max(1, args.prompt_max // 3), args.prompt_max + 1, size=args.batch)
     prompts = [rng.integers(0, cfg.vocab, size=int(n)).tolist() for n in lens]
     pages = int(sum(-(-(int(n) + args.tokens) // args.page_size) for n in lens)) + 4
-    print(f"cupaged demo on the {backend} backend: {cfg.layers} layers, hidden {cfg.hidden}, "
-          f"{cfg.heads}/{cfg.kv_heads} heads x {cfg.head_dim}, vocab {cfg.vocab}, {args.dtype}")
+    attn = (f"MLA: {cfg.heads} heads, latent {cfg.latent_dim}, rotary {cfg.rope_dim}" if cfg.mla else
+            f"GQA: {cfg.heads}/{cfg.kv_heads} heads x {cfg.head_dim}")
+    print(f"cupaged demo on the {backend} backend: {cfg.layers} layers, hidden {cfg.hidden}, {attn}, "
+          f"vocab {cfg.vocab}, {args.dtype}")
     print(f"batch {args.batch}, prompt lengths {lens.tolist()}, prefill chunk {args.chunk}, "
           f"{args.tokens} new tokens each, page size {args.page_size}, {pages} pages")
     model = tiny.TinyModel(cfg, weights, like, dtype=dtype, num_pages=pages, page_size=args.page_size,
@@ -188,6 +192,9 @@ def main(argv=None) -> int:
     d.add_argument("--kv-heads", type=int, default=2)
     d.add_argument("--head-dim", type=int, default=16)
     d.add_argument("--vocab", type=int, default=256)
+    d.add_argument("--mla", action="store_true", help="DeepSeek-style MLA attention (absorbed latent cache)")
+    d.add_argument("--latent-dim", type=int, default=32, help="MLA latent dim R (default 32)")
+    d.add_argument("--rope-dim", type=int, default=8, help="MLA rotary dim P (default 8)")
     d.add_argument("--dtype", default="f32", choices=["f32"])
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--eager", action="store_true", help="no graph: issue every kernel per step")

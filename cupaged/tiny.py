@@ -31,6 +31,17 @@ class TinyConfig:
     rope_base: float = 10000.0
     eps: float = 1e-5
     max_pos: int = 1024
+    # MLA variant (DeepSeek-style, absorbed at run time): latent R, rotary P,
+    # per-head no-rope query/key dim and value dim.
+    mla: bool = False
+    latent_dim: int = 32
+    rope_dim: int = 8
+    nope_dim: int = 16
+    v_head_dim: int = 16
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim if self.mla else self.head_dim
 
 
 def init_weights(cfg: TinyConfig, seed: int = 0) -> dict:
@@ -44,11 +55,19 @@ def init_weights(cfg: TinyConfig, seed: int = 0) -> dict:
     w = {"embed": rng.standard_normal((cfg.vocab, cfg.hidden)),
          "final_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden),
          "lm_head": lin(cfg.vocab, cfg.hidden, 4.0), "layers": []}
+    H, R, P, Dn, Dv = cfg.heads, cfg.latent_dim, cfg.rope_dim, cfg.nope_dim, cfg.v_head_dim
     for _ in range(cfg.layers):
+        if cfg.mla:
+            attn = {"w_dkv": lin(R, cfg.hidden), "kv_norm": 1.0 + 0.1 * rng.standard_normal(R),
+                    "w_kr": lin(P, cfg.hidden), "w_qn": lin(H * Dn, cfg.hidden), "w_qr": lin(H * P, cfg.hidden),
+                    "w_uk": rng.standard_normal((H, Dn, R)) / math.sqrt(R),     # k_nope[h] = w_uk[h] @ c
+                    "w_uv": rng.standard_normal((H, Dv, R)) / math.sqrt(R),     # v[h] = w_uv[h] @ c
+                    "wo": lin(cfg.hidden, H * Dv)}
+        else:
+            attn = {"wq": lin(hq, cfg.hidden), "wk": lin(hkv, cfg.hidden), "wv": lin(hkv, cfg.hidden),
+                    "wo": lin(cfg.hidden, hq)}
         w["layers"].append({
-            "attn_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden),
-            "wq": lin(hq, cfg.hidden), "wk": lin(hkv, cfg.hidden), "wv": lin(hkv, cfg.hidden),
-            "wo": lin(cfg.hidden, hq),
+            "attn_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden), **attn,
             "mlp_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden),
             "w_gate_up": lin(2 * cfg.ffn, cfg.hidden), "w_down": lin(cfg.hidden, cfg.ffn),
         })
@@ -66,8 +85,25 @@ def rounded(weights: dict, dtype) -> dict:
 
 
 def rope_tables(cfg: TinyConfig) -> tuple[np.ndarray, np.ndarray]:
-    """float64 cos, sin [max_pos, head_dim // 2]."""
-    return reference.rope_tables(np.arange(cfg.max_pos), cfg.head_dim, cfg.rope_base)
+    """float64 cos, sin [max_pos, rotary_dim // 2] (head_dim, or rope_dim for MLA)."""
+    return reference.rope_tables(np.arange(cfg.max_pos), cfg.rotary_dim, cfg.rope_base)
+
+
+def _reference_mla(cfg: TinyConfig, lw: dict, h, cos, sin, mask) -> np.ndarray:
+    """Non-absorbed MLA of one sequence, float64: keys and values are
+    up-projected from the latent for every token (what the absorbed kernel
+    path must equal). h [n, hidden] -> attention output [n, H * Dv]."""
+    n, H, P = h.shape[0], cfg.heads, cfg.rope_dim
+    c = reference.rms_norm(h @ lw["w_dkv"].T, lw["kv_norm"], cfg.eps)                 # [n, R]
+    k_rope = reference.apply_rope((h @ lw["w_kr"].T).reshape(n, 1, P), cos, sin)[:, 0]  # [n, P]
+    q_nope = (h @ lw["w_qn"].T).reshape(n, H, cfg.nope_dim)
+    q_rope = reference.apply_rope((h @ lw["w_qr"].T).reshape(n, H, P), cos, sin)
+    k_nope = np.einsum("hdr,kr->khd", lw["w_uk"], c)                                 # [n, H, Dn]
+    v = np.einsum("hvr,kr->khv", lw["w_uv"], c)                                      # [n, H, Dv]
+    s = (np.einsum("qhd,khd->hqk", q_nope, k_nope) + np.einsum("qhp,kp->hqk", q_rope, k_rope)) \
+        / math.sqrt(cfg.nope_dim + P)
+    s = np.where(mask[None], s, -np.inf)
+    return np.einsum("hqk,khv->qhv", reference.softmax(s, axis=-1), v).reshape(n, -1)
 
 
 def reference_logits(cfg: TinyConfig, weights: dict, tokens) -> np.ndarray:
@@ -82,6 +118,12 @@ def reference_logits(cfg: TinyConfig, weights: dict, tokens) -> np.ndarray:
     mask = np.tril(np.ones((n, n), bool))
     for lw in weights["layers"]:
         h = reference.rms_norm(x, lw["attn_norm"], cfg.eps)
+        if cfg.mla:
+            x = x + _reference_mla(cfg, lw, h, cos, sin, mask) @ lw["wo"].T
+            h = reference.rms_norm(x, lw["mlp_norm"], cfg.eps)
+            gate, up = lw["w_gate_up"][:cfg.ffn], lw["w_gate_up"][cfg.ffn:]
+            x = x + reference.swiglu_mlp(h, gate.T, up.T, lw["w_down"].T)
+            continue
         q = reference.apply_rope((h @ lw["wq"].T).reshape(n, cfg.heads, d), cos, sin)
         k = reference.apply_rope((h @ lw["wk"].T).reshape(n, cfg.kv_heads, d), cos, sin)
         v = (h @ lw["wv"].T).reshape(n, cfg.kv_heads, d)
@@ -94,6 +136,16 @@ def reference_logits(cfg: TinyConfig, weights: dict, tokens) -> np.ndarray:
         gate, up = lw["w_gate_up"][:cfg.ffn], lw["w_gate_up"][cfg.ffn:]
         x = x + reference.swiglu_mlp(h, gate.T, up.T, lw["w_down"].T)
     return reference.rms_norm(x, weights["final_norm"], cfg.eps) @ weights["lm_head"].T
+
+
+def _block_diag(blocks) -> np.ndarray:
+    rows, cols = sum(b.shape[0] for b in blocks), sum(b.shape[1] for b in blocks)
+    out = np.zeros((rows, cols))
+    r = c = 0
+    for b in blocks:
+        out[r:r + b.shape[0], c:c + b.shape[1]] = b
+        r, c = r + b.shape[0], c + b.shape[1]
+    return out
 
 
 class TinyModel:
@@ -115,14 +167,23 @@ class TinyModel:
         def dev(a, dt=self.dtype):
             return xp.asarray(np.ascontiguousarray(np.asarray(a).astype(dt)))
 
+        host_layers = [dict(lw) for lw in weights["layers"]]
+        if cfg.mla:  # absorb the up-projections as block-diagonal Linear weights (tiny sizes: fine)
+            for lw in host_layers:
+                lw["w_uk_bd"] = _block_diag([m.T for m in lw.pop("w_uk")])   # q_nope[h] -> q_abs[h] (R)
+                lw["w_uv_bd"] = _block_diag(list(lw.pop("w_uv")))            # o_lat[h] -> v_out[h] (Dv)
         self.w = {"embed": dev(weights["embed"]), "final_norm": dev(weights["final_norm"]),
                   "lm_head": dev(weights["lm_head"]),
-                  "layers": [{k: dev(v) for k, v in lw.items()} for lw in weights["layers"]]}
+                  "layers": [{k: dev(v) for k, v in lw.items()} for lw in host_layers]}
         cos, sin = rope_tables(cfg)
         self.cos, self.sin = dev(cos, np.float32), dev(sin, np.float32)
-        shape = (num_pages, page_size, cfg.kv_heads, cfg.head_dim)
-        self.k_cache = [xp.zeros(shape, self.dtype) for _ in range(cfg.layers)]
-        self.v_cache = [xp.zeros(shape, self.dtype) for _ in range(cfg.layers)]
+        if cfg.mla:   # k_cache: the latent [pages, ps, 1, R]; v_cache: the rotated k_pos [pages, ps, 1, P]
+            k_shape = (num_pages, page_size, 1, cfg.latent_dim)
+            v_shape = (num_pages, page_size, 1, cfg.rope_dim)
+        else:
+            k_shape = v_shape = (num_pages, page_size, cfg.kv_heads, cfg.head_dim)
+        self.k_cache = [xp.zeros(k_shape, self.dtype) for _ in range(cfg.layers)]
+        self.v_cache = [xp.zeros(v_shape, self.dtype) for _ in range(cfg.layers)]
         r, hd = max_rows, cfg.head_dim
         self.max_rows = r
         self.x = xp.zeros((r, cfg.hidden), self.dtype)
@@ -134,33 +195,70 @@ class TinyModel:
         self.gu = xp.zeros((r, 2 * cfg.ffn), self.dtype)
         self.act = xp.zeros((r, cfg.ffn), self.dtype)
         self.scale = 1.0 / math.sqrt(hd)
+        if cfg.mla:
+            H, R, P = cfg.heads, cfg.latent_dim, cfg.rope_dim
+            self.lat = xp.zeros((r, 1, R), self.dtype)
+            self.k_rope = xp.zeros((r, 1, P), self.dtype)
+            self.q_nope = xp.zeros((r, H * cfg.nope_dim), self.dtype)
+            self.q_rope = xp.zeros((r, H, P), self.dtype)
+            self.q_abs = xp.zeros((r, H, R), self.dtype)
+            self.o_lat = xp.zeros((r, H, R), self.dtype)
+            self.v_out = xp.zeros((r, H * cfg.v_head_dim), self.dtype)
+            self.scale = 1.0 / math.sqrt(cfg.nope_dim + P)   # from the model's QK dims, not from R
 
     def forward(self, plan: DevicePlan, tokens, logits, *, workspace=None) -> None:
         cfg, n = self.cfg, plan.host.queries
         if n > self.max_rows:
             raise ValueError(f"plan: {n} queries exceed the model's max_rows {self.max_rows}")
-        x, h, q, k, v, attn, gu, act = (b[:n] for b in (self.x, self.h, self.q, self.k, self.v, self.attn,
-                                                        self.gu, self.act))
+        x, h, gu, act = (b[:n] for b in (self.x, self.h, self.gu, self.act))
         off = metadata_offsets(plan.host.queries, plan.host.sequences)["q_pos"]
         positions = plan.words[off:off + n]
         layers.embed(tokens[:n], self.w["embed"], x)
         for li, lw in enumerate(self.w["layers"]):
             layers.rms_norm(x, lw["attn_norm"], h, cfg.eps)
-            layers.linear(h, lw["wq"], q.reshape(n, -1))
-            layers.linear(h, lw["wk"], k.reshape(n, -1))
-            layers.linear(h, lw["wv"], v.reshape(n, -1))
-            layers.rope(q, positions, self.cos, self.sin)
-            layers.rope(k, positions, self.cos, self.sin)
-            plan.append(k, v, self.k_cache[li], self.v_cache[li])
-            plan.attention(q, self.k_cache[li], self.v_cache[li], self.scale, True, out=attn,
-                           workspace=workspace)
-            layers.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)
+            if cfg.mla:
+                self._mla(plan, li, lw, h, positions, n, workspace)
+            else:
+                self._gqa(plan, li, lw, h, positions, n, workspace)
             layers.rms_norm(x, lw["mlp_norm"], h, cfg.eps)
             layers.linear(h, lw["w_gate_up"], gu)
             layers.silu_mul(gu, act)
             layers.linear(act, lw["w_down"], x, accumulate=True)
         layers.rms_norm(x, self.w["final_norm"], h, cfg.eps)
         layers.linear(h, self.w["lm_head"], logits[:n])
+
+    def _gqa(self, plan, li, lw, h, positions, n, workspace) -> None:
+        """GQA attention block: x += wo(attention(rope(q), rope(k), v))."""
+        x, q, k, v, attn = (b[:n] for b in (self.x, self.q, self.k, self.v, self.attn))
+        layers.linear(h, lw["wq"], q.reshape(n, -1))
+        layers.linear(h, lw["wk"], k.reshape(n, -1))
+        layers.linear(h, lw["wv"], v.reshape(n, -1))
+        layers.rope(q, positions, self.cos, self.sin)
+        layers.rope(k, positions, self.cos, self.sin)
+        plan.append(k, v, self.k_cache[li], self.v_cache[li])
+        plan.attention(q, self.k_cache[li], self.v_cache[li], self.scale, True, out=attn,
+                       workspace=workspace)
+        layers.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)
+
+    def _mla(self, plan, li, lw, h, positions, n, workspace) -> None:
+        """MLA block, absorbed: the latent and rotated k_pos go to the caches;
+        q_abs[h] = w_uk[h]^T q_nope[h]; the kernel attends over the latent;
+        v_out[h] = w_uv[h] o_lat[h]; x += wo(v_out)."""
+        cfg = self.cfg
+        x, lat, kr, qn, qr, qa, ol, vo = (b[:n] for b in (self.x, self.lat, self.k_rope, self.q_nope,
+                                                           self.q_rope, self.q_abs, self.o_lat, self.v_out))
+        layers.linear(h, lw["w_dkv"], lat.reshape(n, -1))
+        layers.rms_norm(lat.reshape(n, -1), lw["kv_norm"], lat.reshape(n, -1), cfg.eps)
+        layers.linear(h, lw["w_kr"], kr.reshape(n, -1))
+        layers.rope(kr, positions, self.cos, self.sin)
+        layers.linear(h, lw["w_qn"], qn)
+        layers.linear(h, lw["w_qr"], qr.reshape(n, -1))
+        layers.rope(qr, positions, self.cos, self.sin)
+        layers.linear(qn, lw["w_uk_bd"], qa.reshape(n, -1))
+        plan.append(lat, kr, self.k_cache[li], self.v_cache[li])
+        plan.mla(qa, qr, self.k_cache[li], self.v_cache[li], self.scale, True, out=ol, workspace=workspace)
+        layers.linear(ol.reshape(n, -1), lw["w_uv_bd"], vo)
+        layers.linear(vo, lw["wo"], x, accumulate=True)
 
     def stream(self):
         return stream_for(self.like)

@@ -6,8 +6,9 @@ import pytest
 from cupaged.__main__ import main
 
 
-def test_demo_runs_on_the_cpu_and_every_token_matches(capsys):
-    assert main(["demo", "--cpu", "--batch", "2", "--tokens", "6", "--prompt-max", "10", "--chunk", "4"]) == 0
+@pytest.mark.parametrize("flags", [[], ["--mla"]], ids=["gqa", "mla"])
+def test_demo_runs_on_the_cpu_and_every_token_matches(capsys, flags):
+    assert main(["demo", "--cpu", "--batch", "2", "--tokens", "6", "--prompt-max", "10", "--chunk", "4"] + flags) == 0
     text = capsys.readouterr().out
     m = re.search(r"tokens matching the float64 reference argmax: (\d+)/(\d+); all within .*: yes", text)
     assert m and m.group(2) == "12" and int(m.group(1)) >= 11, text

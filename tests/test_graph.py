@@ -225,3 +225,25 @@ def test_arrays_of_another_backend_or_device_are_rejected_in_capture():
         with capture_graph(like):
             cupaged.argmax_into(np.zeros((2, 4), np.float32), FakeCupy())
     assert not cupaged.stream_for(like).capturing
+
+
+def test_mla_model_graph_equals_eager_and_non_absorbed_reference():
+    """The MLA variant: latent + rotary caches through append, absorbed
+    attention through DevicePlan.mla, against a float64 model that
+    up-projects keys and values for every token (no absorption)."""
+    cfg = tiny.TinyConfig(vocab=96, hidden=32, layers=2, heads=4, ffn=48, max_pos=256, mla=True,
+                          latent_dim=24, rope_dim=6, nope_dim=8, v_head_dim=10)
+    w = tiny.rounded(tiny.init_weights(cfg, seed=5), np.float32)
+    like = np.zeros(1, np.float32)
+
+    def model():
+        return tiny.TinyModel(cfg, w, like, dtype=np.float32, num_pages=40, page_size=4, max_rows=32)
+    m_graph, m_eager = model(), model()
+    t_graph, _ = tiny.generate(m_graph, PROMPTS, 7, chunk=5, graph=True)
+    t_eager, _ = tiny.generate(m_eager, PROMPTS, 7, chunk=5, graph=False)
+    np.testing.assert_array_equal(t_graph, t_eager)
+    exact, ok = tiny.check_tokens(cfg, w, PROMPTS, t_graph)
+    assert ok and exact >= t_graph.size - 1, t_graph
+    assert m_graph.k_cache[0].shape == (40, 4, 1, 24) and m_graph.v_cache[0].shape == (40, 4, 1, 6)
+    for layer in range(cfg.layers):
+        np.testing.assert_array_equal(m_graph.k_cache[layer], m_eager.k_cache[layer])
