@@ -9,8 +9,16 @@
 //   paged_mla_tc      tensor cores, f16 / bf16 MLA at R = 512, P = 64
 // All three write the same split partials, so the merge serves them all.
 //
+// A launch covers the packed queries [q_begin, q_begin + q_count) of the
+// plan (host arguments, clamped to the plan's queries). A step whose
+// sequences suit different kernels runs as up to four launches over
+// contiguous ranges (segments, cupaged/attention.py tc_segments); every
+// launch indexes q, out, lse and the partials by global query, so the one
+// merge after them serves all queries.
+//
 // paged_attention: one block per (query, KV head, head tile, split).
-//   grid  (queries, kv_heads * head_tiles, splits), block 128 (4 warps).
+//   grid  (q_count, kv_heads * head_tiles, splits), block 128 (4 warps);
+//   block x serves query q_begin + x.
 //   A block serves the query heads g = tile*GROUP_TILE .. +GROUP_TILE-1 of
 //   the GQA group of its KV head, so each K/V row it reads is used by every
 //   one of those heads (read once per group when the group fits one tile).
@@ -77,6 +85,13 @@ constexpr u32 kMaxLen = 0x7fff0000u;                   // visible lengths are cl
 
 __device__ __forceinline__ u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
 
+// End of a launch's query range [q_begin, q_end): q_begin + q_count clamped
+// to the plan's queries; 0 (an empty range) when q_begin is past them. The
+// range comes from the host, but is clamped like everything else.
+__device__ __forceinline__ u32 range_end(u32 queries, u32 q_begin, u32 q_count) {
+    return q_begin < queries ? q_begin + min_u32(q_count, queries - q_begin) : 0u;
+}
+
 // exp2(m - ref) as a rescale factor; 0 for an empty state (m == -inf).
 __device__ __forceinline__ float rescale(float m, float ref) {
     return m == neg_inf() ? 0.0f : exp2f(m - ref);
@@ -106,13 +121,14 @@ struct Rows {
 
 // Visible positions of query slot i (threads i < kRows): layout rules as in
 // paged_attention, split share with SPLIT_TILE rounding.
-__device__ __forceinline__ void setup_rows(Rows& R, const u32* __restrict__ words, u32 q0, u32 qt, u32 queries,
-                                           u32 sequences, u32 table_width, u32 page_size, u32 splits,
-                                           u32 causal) {
+// Slots at or past q_end (the launch's range, <= queries) hold no query.
+__device__ __forceinline__ void setup_rows(Rows& R, const u32* __restrict__ words, u64 q0, u32 qt, u32 q_end,
+                                           u32 queries, u32 sequences, u32 table_width, u32 page_size,
+                                           u32 splits, u32 causal) {
     for (u32 i = threadIdx.x; i < kRows; i += blockDim.x) {
         u32 seq = kNone, lo = 0, hi = 0;
-        const u32 qi = q0 + i;
-        if (i < qt && qi < queries) {
+        if (i < qt && q0 + i < q_end) {
+            const u32 qi = (u32)(q0 + i);
             const u32 s = words[16 + qi];
             if (s < sequences) {
                 seq = s;
@@ -272,14 +288,15 @@ __device__ __forceinline__ void store_pair(scalar_t* __restrict__ out, float* __
 #if TC_PREFILL
 // ---------------------------------------------------------------- chunked prefill
 // paged_prefill_tc: FlashAttention-2 style, f16 / bf16, D == Dv == HEAD_DIM.
-//   grid (ceil(queries / qt), kv_heads * head_tiles, splits), block 128 (4 warps),
+//   grid (ceil(q_count / qt), kv_heads * head_tiles, splits), block 128 (4 warps),
 //   dynamic shared memory prefill_smem_bytes(D) (attention.py): 36 / 68 / 99 KiB
 //   at D = 64 / 128 / 256.
 //   Rows (the M dimension, 64 per block, 16 per warp) are (query, head)
 //   pairs: ht = min(G, 64) query heads of one KV head's GQA group for each of
-//   qt = 64 / ht consecutive packed queries, so a K/V row read serves
-//   qt * ht rows. Q is staged once (cp.async) and kept as mma A fragments
-//   in registers (D <= 128) or re-read from shared memory by ldmatrix (D = 256).
+//   qt = 64 / ht consecutive packed queries (blocks tile the launch's range
+//   from q_begin), so a K/V row read serves qt * ht rows. Q is staged once
+//   (cp.async) and kept as mma A fragments in registers (D <= 128) or
+//   re-read from shared memory by ldmatrix (D = 256).
 //   K and V tiles of kN tokens (64, or 32 at D = 256) are copied page by page
 //   with cp.async into two buffers (the next tile in flight while one
 //   computes); S = Q K^T and O += P V run on mma.sync m16n8k16 with f32
@@ -309,9 +326,9 @@ paged_prefill_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_
                  const scalar_t* __restrict__ v_cache, const scalar_t* __restrict__ q_rot,
                  const scalar_t* __restrict__ k_rot, const u32* __restrict__ words,
                  scalar_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
-                 float* __restrict__ part_lse, u32 queries, u32 sequences, u32 table_width, u32 page_size,
-                 u32 num_pages, u32 q_heads, u32 kv_heads, u32 head_dim, u32 value_dim, u32 rot_dim,
-                 u32 splits, u32 causal, u32 write_lse, float scale) {
+                 float* __restrict__ part_lse, u32 queries, u32 q_begin, u32 q_count,
+                 u32 sequences, u32 table_width, u32 page_size, u32 num_pages, u32 q_heads, u32 kv_heads,
+                 u32 head_dim, u32 value_dim, u32 rot_dim, u32 splits, u32 causal, u32 write_lse, float scale) {
     using namespace tcp;
     using tc::kNone;
     using tc::kRows;
@@ -334,18 +351,21 @@ paged_prefill_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_
     const u32 kvh = blockIdx.y / tiles;
     const u32 head0 = kvh * group + (blockIdx.y - kvh * tiles) * ht;
     const u32 heads = tc::min_u32(ht, (kvh + 1) * group - head0);
-    const u32 q0 = (gridDim.x - 1 - blockIdx.x) * qt;   // last queries first: under a causal mask they see the most
+    // Queries q0 .. q0 + qt - 1 of the launch's range [q_begin, q_end); last
+    // queries first: under a causal mask they see the most.
+    const u32 q_end = att::range_end(queries, q_begin, q_count);
+    const u64 q0 = (u64)q_begin + (u64)(gridDim.x - 1 - blockIdx.x) * qt;
 
     // ---- Q rows (zero rows for slots without a query or head) ----
     for (u32 c = tid; c < kRows * kChunks; c += kThreads) {
         const u32 r = c / kChunks, ch = c - r * kChunks;
         const u32 slot = r / ht, hl = r - slot * ht;
-        const bool ok = slot < qt && q0 + slot < queries && hl < heads;
-        const scalar_t* src = q + ((u64)(q0 + slot) * q_heads + head0 + hl) * kD + ch * 8;
+        const bool ok = slot < qt && q0 + slot < q_end && hl < heads;
+        const scalar_t* src = q + ((q0 + slot) * q_heads + head0 + hl) * kD + ch * 8;
         ptx::cp_async_16(sQ + r * kPitch + ch * 8, ok ? src : q, ok);
     }
     ptx::cp_async_commit();
-    tc::setup_rows(rows, words, q0, qt, queries, sequences, table_width, page_size, splits, causal);
+    tc::setup_rows(rows, words, q0, qt, q_end, queries, sequences, table_width, page_size, splits, causal);
     ptx::cp_async_wait<0>();
     __syncthreads();
 
@@ -361,7 +381,7 @@ paged_prefill_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         const u32 r = warp * 16 + g + 8 * h, slot = r / ht, hl = r - slot * ht;
-        my_slot[h] = (slot < qt && q0 + slot < queries && hl < heads) ? slot : kNone;
+        my_slot[h] = (slot < qt && q0 + slot < q_end && hl < heads) ? slot : kNone;
     }
 
     const float qscale = scale * tc::kLog2e;
@@ -503,7 +523,7 @@ paged_prefill_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_
         const u32 slot = my_slot[h];
         if (slot == kNone) continue;
         const u32 r = warp * 16 + g + 8 * h;
-        const u64 row = (u64)(q0 + slot) * q_heads + head0 + (r - slot * ht);
+        const u64 row = (q0 + slot) * q_heads + head0 + (r - slot * ht);
         const u64 row_out = split ? (u64)blockIdx.z * queries * q_heads + row : row;
         const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
         const float lse_v = l[h] > 0.0f ? m[h] * tc::kLn2 + logf(l[h]) : neg_inf();
@@ -524,7 +544,7 @@ paged_prefill_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_
 // paged_mla_tc: DeepSeek-style latent attention (absorbed form), f16 / bf16,
 // R = LATENT_DIM latent dims (the values too) + P = ROPE_DIM rotary dims,
 // one shared KV head.
-//   grid (ceil(queries / qt), head_tiles, splits), block 256 (8 warps),
+//   grid (ceil(q_count / qt), head_tiles, splits), block 256 (8 warps),
 //   dynamic shared memory mla_smem_bytes(R, P) (attention.py): 151 KiB at 512 / 64.
 //   Rows are (query, head) pairs as in paged_prefill_tc: ht = min(H, 64)
 //   heads of qt = 64 / ht queries, so each latent row read serves up to 64
@@ -559,9 +579,9 @@ paged_mla_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cach
              const scalar_t* __restrict__ v_cache, const scalar_t* __restrict__ q_rot,
              const scalar_t* __restrict__ k_rot, const u32* __restrict__ words,
              scalar_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
-             float* __restrict__ part_lse, u32 queries, u32 sequences, u32 table_width, u32 page_size,
-             u32 num_pages, u32 q_heads, u32 kv_heads, u32 head_dim, u32 value_dim, u32 rot_dim,
-             u32 splits, u32 causal, u32 write_lse, float scale) {
+             float* __restrict__ part_lse, u32 queries, u32 q_begin, u32 q_count,
+             u32 sequences, u32 table_width, u32 page_size, u32 num_pages, u32 q_heads, u32 kv_heads,
+             u32 head_dim, u32 value_dim, u32 rot_dim, u32 splits, u32 causal, u32 write_lse, float scale) {
     using namespace tcm;
     using tc::kNone;
     using tc::kRows;
@@ -580,19 +600,22 @@ paged_mla_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cach
     const u32 qt = kRows / ht;
     const u32 head0 = blockIdx.y * ht;
     const u32 heads = tc::min_u32(ht, q_heads - head0);
-    const u32 q0 = (gridDim.x - 1 - blockIdx.x) * qt;   // last queries first: under a causal mask they see the most
+    // Queries q0 .. q0 + qt - 1 of the launch's range [q_begin, q_end); last
+    // queries first: under a causal mask they see the most.
+    const u32 q_end = att::range_end(queries, q_begin, q_count);
+    const u64 q0 = (u64)q_begin + (u64)(gridDim.x - 1 - blockIdx.x) * qt;
 
     // ---- Q rows: [q (R) | q_pos (P)] ----
     for (u32 c = tid; c < kRows * kChunks; c += kThreads) {
         const u32 r = c / kChunks, ch = c - r * kChunks;
         const u32 slot = r / ht, hl = r - slot * ht;
-        const bool ok = slot < qt && q0 + slot < queries && hl < heads;
-        const u64 qrow = (u64)(q0 + slot) * q_heads + head0 + hl;
+        const bool ok = slot < qt && q0 + slot < q_end && hl < heads;
+        const u64 qrow = (q0 + slot) * q_heads + head0 + hl;
         const scalar_t* src = ch < kRChunks ? q + qrow * kR + ch * 8 : q_rot + qrow * kP + (ch - kRChunks) * 8;
         ptx::cp_async_16(sQ + r * kPitch + ch * 8, ok ? src : q, ok);
     }
     ptx::cp_async_commit();
-    tc::setup_rows(rows, words, q0, qt, queries, sequences, table_width, page_size, splits, causal);
+    tc::setup_rows(rows, words, q0, qt, q_end, queries, sequences, table_width, page_size, splits, causal);
     ptx::cp_async_wait<0>();
     __syncthreads();
 
@@ -602,7 +625,7 @@ paged_mla_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cach
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         const u32 r = srow0 + g + 8 * h, slot = r / ht, hl = r - slot * ht;
-        s_slot[h] = (slot < qt && q0 + slot < queries && hl < heads) ? slot : kNone;
+        s_slot[h] = (slot < qt && q0 + slot < q_end && hl < heads) ? slot : kNone;
     }
     // O roles: every row (kMTiles x 2 per lane), value columns c0 .. c0 + kCols - 1.
     const u32 c0 = warp * kCols;
@@ -755,8 +778,8 @@ paged_mla_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cach
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) {
             const u32 r = mt * 16 + g + 8 * h, slot = r / ht, hl = r - slot * ht;
-            if (!(slot < qt && q0 + slot < queries && hl < heads)) continue;
-            const u64 row = (u64)(q0 + slot) * q_heads + head0 + hl;
+            if (!(slot < qt && q0 + slot < q_end && hl < heads)) continue;
+            const u64 row = (q0 + slot) * q_heads + head0 + hl;
             const u64 row_out = split ? (u64)blockIdx.z * queries * q_heads + row : row;
             const float l = lsum[mt][h];
             const float inv = l > 0.0f ? 1.0f / l : 0.0f;
@@ -843,6 +866,7 @@ __device__ __forceinline__ chunk_t pack(const float* f) {
 // v_cache  [pages, page_size, Hkv, Dv] scalar_t (the K cache itself when ROT_CAP)
 // q_rot    [queries, Hq, P], k_rot [pages, page_size, 1, P] (read only when ROT_CAP)
 // words    plan metadata (docs/layout.md); lengths, positions, page ids
+// queries  the plan's; q_begin, q_count: this launch's range of them
 // out      [queries, Hq, Dv] scalar_t, lse [queries, Hq] f32 (when write_lse)   (splits == 1)
 // part_out [splits, queries, Hq, Dv] f32, part_lse [splits, queries, Hq] f32     (splits > 1)
 // Sizes are the plan's static ones; nothing in `words` is trusted for memory
@@ -855,9 +879,9 @@ paged_attention(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_c
                 const scalar_t* __restrict__ v_cache, const scalar_t* __restrict__ q_rot,
                 const scalar_t* __restrict__ k_rot, const u32* __restrict__ words,
                 scalar_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
-                float* __restrict__ part_lse, u32 queries, u32 sequences, u32 table_width, u32 page_size,
-                u32 num_pages, u32 q_heads, u32 kv_heads, u32 head_dim, u32 value_dim, u32 rot_dim,
-                u32 splits, u32 causal, u32 write_lse, float scale) {
+                float* __restrict__ part_lse, u32 queries, u32 q_begin, u32 q_count,
+                u32 sequences, u32 table_width, u32 page_size, u32 num_pages, u32 q_heads, u32 kv_heads,
+                u32 head_dim, u32 value_dim, u32 rot_dim, u32 splits, u32 causal, u32 write_lse, float scale) {
     using namespace att;
     __shared__ float s_m[kWarps][kHeads];
     __shared__ float s_l[kWarps][kHeads];
@@ -865,7 +889,12 @@ paged_attention(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_c
 
     const u32 D = HEAD_DIM ? HEAD_DIM : head_dim;
     const u32 Dv = HEAD_DIM ? HEAD_DIM : value_dim;
-    const u32 qi = blockIdx.x;
+    // Query q_begin + blockIdx.x of the launch's range [q_begin, q_begin +
+    // q_count), clamped to the plan's queries (a sum that wraps 32 bits is
+    // below q_begin). The whole block leaves before any barrier. (Checked
+    // in 32 bits: a 64-bit index costs up to 10 registers in some variants.)
+    const u32 qi = q_begin + blockIdx.x;
+    if (blockIdx.x >= q_count || qi >= queries || qi < q_begin) return;
     const u32 group = q_heads / kv_heads;
     const u32 tiles = (group + kHeads - 1) / kHeads;
     const u32 kvh = blockIdx.y / tiles;
