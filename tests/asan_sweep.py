@@ -41,7 +41,8 @@ def garble(plan, keep_seq=False):
 
 
 def attention(dtype, d, q_lens, heads, kv_heads, splits):
-    case = make_paged_case(rng, kv_lens=np.array([40, 33, 27], np.int32), q_lens=np.array(q_lens), page_size=4,
+    q_lens = np.array(q_lens)
+    case = make_paged_case(rng, kv_lens=(q_lens + 9).astype(np.int32), q_lens=q_lens, page_size=4,
                            num_q_heads=heads, num_kv_heads=kv_heads, head_dim=d, dtype=dtype)
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 4, case.num_pages).upload(case.q)
     ws = cupaged.SplitWorkspace(plan.queries, heads, d, splits, case.q) if splits > 1 else None
@@ -98,6 +99,8 @@ for name, fn in [
     ("attention f32 d64 decode, splits 4", lambda: attention("f32", 64, [1, 1, 1], 4, 2, 4)),
     ("attention f16 d96 prefill", lambda: attention("f16", 96, [5, 1, 7], 2, 1, 1)),
     ("attention f16 d64 tensor-core prefill, splits 3", lambda: attention("f16", 64, [16, 20, 17], 2, 1, 3)),
+    ("attention f16 d64 mixed step (segmented launches), splits 3",
+     lambda: attention("f16", 64, [1] * 6 + [40] + [1] * 6 + [33], 8, 2, 3)),
     ("mla bf16 tensor-core", lambda: mla("bf16", 16, [1, 3])),
     ("append + copy_pages + advance_plan", append_and_pages),
     ("argmax + layers", small_ops),
