@@ -156,26 +156,32 @@ def test_max_splits_tiny(xp_backend):
         check(case, o, lse, causal, "f32", f"MAX_SPLITS causal={causal}")
 
 
-def test_split_partials_follow_layout(xp_backend):
-    """The split kernel's partials match reference.split_attention_partials
-    with c = ceil(L / splits) rounded up to SPLIT_TILE (docs/layout.md)."""
+@pytest.mark.parametrize("dtype, q_lens, heads, kernel", [
+    ("f32", None, (2, 2), "paged_attention"),
+    ("f16", [20, 16], (4, 2), "paged_prefill_tc"),
+], ids=["cuda-core", "tensor-core"])
+def test_split_partials_follow_layout(xp_backend, kernels_used, dtype, q_lens, heads, kernel):
+    """Each kernel's split partials are the layout's: split z of a query with
+    L positions covers [z c, min(L, (z + 1) c)), c = ceil(L / splits) rounded
+    up to SPLIT_TILE; compared with reference.split_attention_partials."""
     rng = np.random.default_rng(8)
     kv_lens = np.array([100, 33], np.int32)
-    case = make_paged_case(rng, kv_lens=kv_lens, page_size=16, num_q_heads=2, num_kv_heads=2, head_dim=64,
-                           dtype="f32")
+    case = make_paged_case(rng, kv_lens=kv_lens, q_lens=None if q_lens is None else np.array(q_lens),
+                           page_size=16, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=64, dtype=dtype)
     splits = 3
     q, k, v = (_to_device(xp_backend, a) for a in (case.q, case.k_cache, case.v_cache))
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
                                   case.num_pages).upload(q)
-    ws = cupaged.SplitWorkspace(plan.queries, 2, 64, splits, q)
+    ws = cupaged.SplitWorkspace(plan.queries, heads[0], 64, splits, q)
     plan.attention(q, k, v, case.scale, False, workspace=ws)
     tile = attention.SPLIT_TILE
     size = [-(-(-(-int(n) // splits)) // tile) * tile for n in kv_lens]
     ref_out, ref_lse = reference.split_attention_partials(case.q, case.k_cache, case.v_cache, case.page_table,
                                                           case.kv_lens, case.q_lens, case.scale, size, splits,
                                                           causal=False)
-    assert_close(xp_backend.to_numpy(ws.partial_lse), ref_lse, "f32", "partial lse")
-    assert_close(xp_backend.to_numpy(ws.partial_out), ref_out, "f32", "partial out")
+    assert_close(xp_backend.to_numpy(ws.partial_lse), ref_lse, dtype, "partial lse")
+    assert_close(xp_backend.to_numpy(ws.partial_out), ref_out, dtype, "partial out")
+    assert kernels_used[0] == kernel
 
 
 # ----------------------------------------------------------------- outputs
@@ -474,29 +480,6 @@ def test_tc_prefill_outputs_and_lse_arguments(xp_backend, kernels_used, dtype):
         o, lse, _ = run(xp_backend, case, True, splits=splits, out=True, return_lse=False)
         check(case, o, lse, True, dtype, f"out= splits={splits}")
     assert "paged_prefill_tc" in kernels_used
-
-
-def test_tc_split_partials_follow_layout(xp_backend):
-    """The tensor-core kernel's partials are the layout's: split z of a query
-    with L positions covers [z c, min(L, (z + 1) c)), c = ceil(L / splits)
-    rounded up to SPLIT_TILE."""
-    rng = np.random.default_rng(22)
-    kv_lens = np.array([100, 33], np.int32)
-    case = make_paged_case(rng, kv_lens=kv_lens, q_lens=np.array([20, 16]), page_size=16, num_q_heads=4,
-                           num_kv_heads=2, head_dim=64, dtype="f16")
-    splits = 3
-    q, k, v = (_to_device(xp_backend, a) for a in (case.q, case.k_cache, case.v_cache))
-    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
-                                  case.num_pages).upload(q)
-    ws = cupaged.SplitWorkspace(plan.queries, 4, 64, splits, q)
-    plan.attention(q, k, v, case.scale, False, workspace=ws)
-    tile = attention.SPLIT_TILE
-    size = [-(-(-(-int(n) // splits)) // tile) * tile for n in kv_lens]
-    ref_out, ref_lse = reference.split_attention_partials(case.q, case.k_cache, case.v_cache, case.page_table,
-                                                          case.kv_lens, case.q_lens, case.scale, size, splits,
-                                                          causal=False)
-    assert_close(xp_backend.to_numpy(ws.partial_lse), ref_lse, "f16", "partial lse")
-    assert_close(xp_backend.to_numpy(ws.partial_out), ref_out, "f16", "partial out")
 
 
 def test_tc_lengths_read_from_device_words(xp_backend, kernels_used):
