@@ -81,8 +81,9 @@ def capture_graph(like):
 
 
 class DeviceScalars:
-    """Two int32 device scalars at stable addresses: ``seq_len_k`` (tokens to
-    attend over) and ``write_pos`` (slot of this step's K/V).
+    """Two int32 device scalars at stable addresses: ``seq_len_k`` [1] (tokens
+    to attend over) and ``write_pos`` [1] (slot of this step's K/V), views of
+    one ``buffer`` int32 [2] on the backend of ``like``.
 
     Both start at ``initial_seq_len``. ``update(seq_len)`` sets
     write_pos = seq_len and seq_len_k = seq_len + 1 with two stream-ordered
@@ -133,8 +134,9 @@ class DeviceScalars:
 
 
 def seed_tokens(next_token, tokens) -> None:
-    """Write host ints into an int64 device buffer with stream-ordered
-    32-bit memsets of each value's low and high halves (little-endian)."""
+    """Write host ints ``tokens`` [batch] into ``next_token`` int64 [batch]
+    with stream-ordered 32-bit memsets of each value's low and high halves
+    (little-endian); no host buffer is involved."""
     stream = stream_for(next_token)
     if str(next_token.dtype) != "int64" or next_token.ndim != 1:
         raise PagedAttentionError(f"next_token: expected an int64 [batch] array, got {next_token.dtype} "
