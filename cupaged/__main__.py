@@ -22,6 +22,9 @@ def _like(force_cpu: bool):
         try:
             import cupy
             if cupy.cuda.is_available():
+                # CUDA cannot capture the legacy default stream (the demo's decode graph):
+                # make a stream of our own current for the rest of the process.
+                cupy.cuda.Stream(non_blocking=True).use()
                 return cupy.zeros(1, np.float32), "gpu"
         except Exception:  # no CuPy, no driver: the CPU backend
             pass

@@ -22,8 +22,15 @@ def array_backend(x) -> str | None:
     """``"cpu"`` for a NumPy array, ``"gpu"`` for a CuPy array, else None."""
     if isinstance(x, np.ndarray):
         return CPU
+    cupy = sys.modules.get("cupy")
+    nd = getattr(cupy, "ndarray", None)
+    if isinstance(nd, type) and isinstance(x, nd):
+        return GPU
+    # Duck-typed fallback (array-likes whose class lives in the cupy package,
+    # e.g. test stand-ins); "cupyx" objects such as sparse matrices, which
+    # also have .data and .device, are not arrays of ours.
     mod = type(x).__module__
-    if mod.startswith("cupy") and hasattr(x, "data") and hasattr(x, "device"):
+    if (mod == "cupy" or mod.startswith("cupy.")) and hasattr(x, "data") and hasattr(x, "device"):
         return GPU
     return None
 

@@ -36,7 +36,7 @@ from . import _backend, _nvrtc, _source
 from .errors import CompileError, PagedAttentionError
 from .stream import Graph, Stream
 
-# Dynamic shared memory a kernel may use without opting in.
+# Shared memory (static + dynamic) a launch may use without opting in.
 DEFAULT_MAX_DYNAMIC_SHARED = 48 * 1024
 
 _drv = None
@@ -202,8 +202,14 @@ class GpuModule:
                 raise KeyError(f"kernel {name!r} is not in {self.variant}; it has {self.kernel_names}")
             import cupy
             with cupy.cuda.Device(self.device):
-                handle = int(self._raw.get_function(name).kernel.ptr)
-            fn = GpuFunction(name, handle, self.device, self)
+                try:
+                    raw_kernel = self._raw.get_function(name)
+                    cufn = raw_kernel.kernel                     # cupy.cuda.function.Function
+                except cupy.cuda.driver.CUDADriverError as e:   # e.g. a kernel inside an #if not taken
+                    raise KeyError(f"kernel {name!r} is not in the compiled {self.variant}: {e}") from None
+                static_smem = int(raw_kernel.shared_size_bytes)
+            fn = GpuFunction(name, int(cufn.ptr), self.device, self, static_smem=static_smem)
+            fn._cupy_function = cufn   # holds its CUmodule, independently of CuPy's memo cache
             self._functions[name] = fn
         return fn
 
@@ -243,13 +249,17 @@ def pack_args(args: tuple, kernel: str = "kernel"):
 class GpuFunction:
     """A kernel of a GpuModule on one device."""
 
-    def __init__(self, name: str, handle: int, device: int, module: GpuModule):
+    def __init__(self, name: str, handle: int, device: int, module: GpuModule, static_smem: int = 0):
         self.name = name
         self.device = device
         self.handle = handle
         self._module = module          # keeps the CUmodule loaded
+        self._cupy_function = None     # CuPy's Function object, which also holds the CUmodule
         self._cufunc = driver_module().CUfunction(handle)
-        self._smem_optin = DEFAULT_MAX_DYNAMIC_SHARED
+        # Without opting in, static + dynamic shared memory may total 48 KiB:
+        # the driver rejects dynamic bytes above 48 KiB - static.
+        self.static_smem = int(static_smem)
+        self._smem_optin = DEFAULT_MAX_DYNAMIC_SHARED - self.static_smem
 
     def __repr__(self):
         return f"GpuFunction({self.name!r}, device={self.device}, variant={self._module.variant!r})"
@@ -257,8 +267,9 @@ class GpuFunction:
     def launch(self, stream_ptr: int, grid: tuple, block: tuple, shared_mem: int, args: tuple) -> None:
         """``cuLaunchKernel`` on the stream handle ``stream_ptr``. ``args``:
         CuPy arrays (their pointers) and NumPy scalars (their C values).
-        Above 48 KiB of dynamic shared memory the kernel is opted in first
-        (``cuFuncSetAttribute``, once per larger size)."""
+        Above 48 KiB of shared memory in all (dynamic + the kernel's static)
+        the kernel is opted in first (``cuFuncSetAttribute``, once per larger
+        size)."""
         drv = _driver()
         slots, holders = pack_args(args, self.name)
         shared_mem = int(shared_mem)

@@ -16,7 +16,10 @@ import re
 from pathlib import Path
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M)
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)\s*\(')
+# ``__launch_bounds__(...)`` may stand before or after ``void`` (the kernels
+# put it after); the GPU backend scans the raw text, where it is still there.
+_LB = r'(?:__launch_bounds__\s*\([^)]*\)\s*)?'
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+' + _LB + r'void\s+' + _LB + r'(\w+)\s*\(')
 
 
 @functools.lru_cache(maxsize=None)

@@ -206,7 +206,8 @@ def multiprocessor_count(like) -> int:
     """SMs of ``like``'s GPU, or the CPU backend's worker count."""
     if _backend.array_backend(like) == _backend.GPU:
         import cupy
-        return int(cupy.cuda.Device(like.device.id).attributes["MultiProcessorCount"])
+        rt = cupy.cuda.runtime   # one attribute query (Device.attributes reads them all)
+        return int(rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, int(like.device.id)))
     import os
     return int(os.environ.get("CUPAGED_CPU_WORKERS") or os.cpu_count() or 1)
 

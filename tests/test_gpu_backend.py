@@ -109,6 +109,27 @@ def test_pack_args():
     assert _gpu.pack_args((), "k") == (None, None)
 
 
+def test_kernel_names_with_launch_bounds_after_void():
+    """The GPU backend reads kernel names from the raw source, where
+    ``void __launch_bounds__(...) name(`` is still spelled out (the CPU
+    backend scans preprocessed text, without it)."""
+    layers = _source.assemble("layers", {"CP_DTYPE": "f32"})
+    assert "void __launch_bounds__(" in layers
+    assert _source.kernel_names(layers) == ["advance_plan", "embed", "linear", "rms_norm", "rope", "silu_mul"]
+    att = _source.kernel_names(_source.assemble("attention", {"CP_DTYPE": "bf16", "HEAD_DIM": 128,
+                                                              "GROUP_TILE": 4}))
+    assert {"paged_attention", "attention_split_merge"} <= set(att)
+    assert not any("launch_bounds" in n for n in att)
+
+
+def test_array_backend_is_not_fooled_by_cupyx_objects():
+    class SparseLike:   # cupyx.scipy.sparse matrices have .data and .device too
+        data, device = object(), _FakeDevice()
+    SparseLike.__module__ = "cupyx.scipy.sparse._csr"
+    assert _backend.array_backend(SparseLike()) is None
+    assert _backend.array_backend(FakeCupyArray(16)) == _backend.GPU
+
+
 @pytest.mark.parametrize("bad, what", [(3, "int"), (1.0, "float"), (np.zeros(2), "NumPy array")])
 def test_pack_args_rejects_untyped_values(bad, what):
     with pytest.raises(PagedAttentionError, match=r"args\[1\] of k: expected a CuPy array.*" + what):
@@ -581,6 +602,22 @@ def test_emulated_host_copy_queue_is_reaped_lazily(emu):
     assert len(drv.events) == len(s._inflight) + len(s._free_events) < 10
     s.synchronize()
     assert not s._inflight
+
+
+def test_emulated_optin_counts_static_shared_memory(emu):
+    """Static + dynamic shared memory may total 48 KiB without opting in, so a
+    kernel with static shared memory opts in below 48 KiB of dynamic."""
+    drv, _ = emu
+    k = _scale_kernel(drv)
+    k2 = _gpu.GpuFunction("scale_static", k.handle, 0, k._module, static_smem=4096)
+    assert k2._smem_optin == 44 * 1024
+    x = EmuArray(np.arange(16, dtype=np.float32))
+    y = EmuArray(np.zeros(16, np.float32))
+    s = _gpu.current_stream(x)
+    s.launch(k2, 1, 16, (x, y, np.uint32(16)), shared_mem=44 * 1024)
+    assert k2.handle not in drv.func_attrs
+    s.launch(k2, 1, 16, (x, y, np.uint32(16)), shared_mem=46 * 1024)
+    assert drv.func_attrs[k2.handle] == 46 * 1024
 
 
 def test_emulated_launch_and_smem_optin(emu):

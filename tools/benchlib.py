@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-try:
-    import cupaged  # noqa: F401
-except ModuleNotFoundError:  # run from a source tree
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The source tree these scripts live in wins over an installed cupaged (which
+# may be an older copy).
+_ROOT = Path(__file__).resolve().parents[1]
+if (_ROOT / "cupaged" / "__init__.py").is_file():
+    sys.path.insert(0, str(_ROOT))
 
 
 class Gpu:
@@ -22,6 +23,9 @@ class Gpu:
     def __init__(self, flush: bool = True):
         import cupy
         self.cp = cupy
+        # All work on one non-default stream made current for the process: CUDA
+        # cannot capture the legacy default stream (bench_decode's graphs).
+        self.stream = cupy.cuda.Stream(non_blocking=True).use()
         self.flush_buf = cupy.empty(256 << 20, np.uint8) if flush else None
         dev = cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(dev.id)

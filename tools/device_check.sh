@@ -3,10 +3,13 @@
 # and cuda-python already installed: the GPU tests, the demo and every
 # benchmark, within about 8 minutes, then a short summary last.
 #   bash tools/device_check.sh            (logs go to $OUT or /tmp/cupaged_device)
+# $OUT receives exactly 8 files (7 step logs + summary.txt): the device tool
+# brings back at most 8; bookkeeping stays in a temporary folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG="${OUT:-/tmp/cupaged_device}"
+META="$(mktemp -d)"
 mkdir -p "$LOG"
 PY=python3
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep the log
@@ -17,25 +20,29 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep the log
   local rc=$?
   tail -n 40 "$LOG/$name.log"
   echo "=== $name: exit $rc after $((SECONDS - t0))s"
-  echo "$name $rc $((SECONDS - t0))" >> "$LOG/status.txt"
+  echo "$name $rc $((SECONDS - t0))" >> "$META/status.txt"
 }
-: > "$LOG/status.txt"
-date -u +"%Y-%m-%d %H:%M UTC" > "$LOG/date.txt"
-$PY -c "import cupy, cuda.bindings; p = cupy.cuda.runtime.getDeviceProperties(0); print(p['name'].decode(), '| CuPy', cupy.__version__, '| cuda-bindings', cuda.bindings.__version__)" | tee "$LOG/device.txt"
-step gate     60  $PY -m cupaged.tools.compile_check --jobs 8
-step gpu_tests 200 $PY -m pytest -q -m gpu -p no:cacheprovider tests
+: > "$META/status.txt"
+date -u +"%Y-%m-%d %H:%M UTC" > "$META/date.txt"
+$PY -c "import cupy, cuda.bindings; p = cupy.cuda.runtime.getDeviceProperties(0); print(p['name'].decode(), '| CuPy', cupy.__version__, '| cuda-bindings', cuda.bindings.__version__, '| driver', cupy.cuda.runtime.driverGetVersion())" 2>&1 | tail -n 1 | tee "$META/device.txt"
+step gate     90  $PY -m cupaged.tools.compile_check --jobs 8
+step gpu_tests 200 $PY -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=60 tests
 step demo      60  $PY -m cupaged demo --tokens 64 --batch 8
 step bench_attention 150 $PY tools/bench_attention.py --quick
 step bench_mla 60  $PY tools/bench_mla.py --quick
 step bench_append 40 $PY tools/bench_append.py --reps 20
 step bench_decode 40 $PY tools/bench_decode.py
+{
 echo
-echo "================ SUMMARY ($(cat "$LOG/date.txt"); $(cat "$LOG/device.txt"))"
-while read -r name rc secs; do printf '%-16s exit %-3s %4ss\n' "$name" "$rc" "$secs"; done < "$LOG/status.txt"
-grep -hE "passed|failed" "$LOG/gpu_tests.log" | tail -n 1
+echo "================ SUMMARY ($(cat "$META/date.txt"); $(cat "$META/device.txt"))"
+while read -r name rc secs; do printf '%-16s exit %-3s %4ss\n' "$name" "$rc" "$secs"; done < "$META/status.txt"
+grep -h "compiles in" "$LOG/gate.log" | tail -n 1
+grep -hE "^=+ .+ in [0-9.]+s" "$LOG/gpu_tests.log" | tail -n 1
 grep -h "tokens matching" "$LOG/demo.log"
 for b in bench_attention bench_mla bench_append bench_decode; do
   echo "--- $b"
   grep -h "copy bandwidth" "$LOG/$b.log" | head -n 1
   awk 'BEGIN{RS=""} {last=$0} END{print last}' "$LOG/$b.log"
 done
+} | tee "$LOG/summary.txt"
+rm -rf "$META"
