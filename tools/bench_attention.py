@@ -10,8 +10,10 @@ chosen by ``cupaged.choose_splits``. Bytes = K and V rows read (B x L x Hkv x
 (D + Dv) x 2) + q read + out written; GB/s = bytes / median time, and "% copy"
 compares with a device-to-device copy measured in the same run (read + write
 bytes per second). The naive baseline gathers the pages into dense padded
-K/V, repeats them per query head and runs softmax(q K^T) V with CuPy (or
-torch SDPA on the same dense data when torch with CUDA is installed).
+K/V, repeats them per query head and runs softmax(q K^T) V with CuPy (timed
+with the gather); when torch with CUDA is installed, torch SDPA also runs on
+the same data made dense beforehand (timed without the gather; its GB/s
+counts the same bytes as ours).
 
 Prefill: S sequences, N new queries each on top of C cached tokens, causal.
 FLOPs = 2 x sum over queries of visible positions x Hq x (D + Dv).
@@ -87,6 +89,42 @@ def naive_decode(be, table, kv_lens, q, k, v, hq, hkv, scale):
     return run
 
 
+def torch_sdpa(be, table, kv_lens, q, k, v, hq, hkv, scale, new=1):
+    """torch.nn.functional.scaled_dot_product_attention on the same data made
+    dense ([B, H, L, D], gathered and padded once, outside the timing), or
+    None when torch with CUDA is not installed. All lengths equal L here, so
+    no mask is needed."""
+    if be.name != "gpu":
+        return None
+    try:
+        import torch
+        import torch.nn.functional as F
+        if not torch.cuda.is_available():
+            return None
+    except ImportError:
+        return None
+    cp = be.cp
+    tab = cp.asarray(table)
+    B, L = table.shape[0], int(max(kv_lens))
+    kd = cp.ascontiguousarray(k[tab].reshape(B, -1, hkv, k.shape[-1])[:, :L].transpose(0, 2, 1, 3))
+    vd = cp.ascontiguousarray(v[tab].reshape(B, -1, hkv, v.shape[-1])[:, :L].transpose(0, 2, 1, 3))
+    qd = cp.ascontiguousarray(q.reshape(B, new, hq, -1).transpose(0, 2, 1, 3))    # [B, Hq, new, D]
+
+    def t(a):  # bf16 goes through its int16 view
+        if str(a.dtype) == "bfloat16":
+            return torch.from_dlpack(a.view(cp.int16)).view(torch.bfloat16)
+        return torch.from_dlpack(a)
+    tq, tk, tv = t(qd), t(kd), t(vd)
+    stream = torch.cuda.ExternalStream(cp.cuda.get_current_stream().ptr)
+    # causal by absolute position: query i of a chunk of `new` on top of L - new cached sees 0 .. L - new + i
+    mask = None if new == 1 else torch.ones(new, L, dtype=torch.bool, device=tq.device).tril(L - new)
+
+    def run():
+        with torch.cuda.stream(stream):
+            return F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+    return run
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     be = benchlib.backend(args.cpu)
@@ -126,11 +164,20 @@ def main(argv=None) -> int:
                     row.update(naive_ms=f"{tn * 1e3:.3f}", speedup=f"{tn / t:.1f}x")
                 except Exception as e:  # noqa: BLE001 (out of memory etc.)
                     row.update(naive_ms=type(e).__name__)
+            if not args.no_naive and kv_bytes <= 8e9:
+                try:
+                    sdpa = torch_sdpa(be, table, [L] * B, q, k, v, hq, hkv, scale)
+                    if sdpa is not None:
+                        ts = be.time(sdpa, args.reps, 3)
+                        row.update(sdpa_dense_ms=f"{ts * 1e3:.3f}", sdpa_GBps=f"{nbytes / ts / 1e9:.0f}")
+                except Exception as e:  # noqa: BLE001
+                    row.update(sdpa_dense_ms=type(e).__name__)
             rows.append(row)
             print(benchlib.table([row], list(row)).splitlines()[-1], flush=True)
             k = v = q = out = ws = dplan = None  # free the caches before the next case
     print()
-    print(benchlib.table(rows, ["case", "heads", "B", "L", "splits", "ms", "GBps", "pct_copy", "naive_ms", "speedup"]))
+    print(benchlib.table(rows, ["case", "heads", "B", "L", "splits", "ms", "GBps", "pct_copy", "naive_ms", "speedup",
+                                "sdpa_dense_ms", "sdpa_GBps"]))
     prow = []
     for S, N, C in prefill:
         hq, hkv = heads[0]
@@ -140,10 +187,20 @@ def main(argv=None) -> int:
         t = be.time(lambda: dplan.attention(q, k, v, d ** -0.5, True, out=out), max(3, args.reps // 2), 2)
         visible = S * sum(C + i + 1 for i in range(N))
         flops = 2 * visible * hq * (d + d)
-        prow.append(dict(case="prefill", heads=f"{hq}/{hkv}", seqs=S, new=N, cached=C, ms=f"{t * 1e3:.3f}",
-                         TFLOPs=f"{flops / t / 1e12:.1f}"))
+        row = dict(case="prefill", heads=f"{hq}/{hkv}", seqs=S, new=N, cached=C, ms=f"{t * 1e3:.3f}",
+                   TFLOPs=f"{flops / t / 1e12:.1f}")
+        if not args.no_naive:
+            try:
+                sdpa = torch_sdpa(be, table, [C + N] * S, q, k, v, hq, hkv, d ** -0.5, new=N)
+                if sdpa is not None:
+                    ts = be.time(sdpa, max(3, args.reps // 2), 2)
+                    row.update(sdpa_dense_ms=f"{ts * 1e3:.3f}", sdpa_TFLOPs=f"{flops / ts / 1e12:.1f}")
+            except Exception as e:  # noqa: BLE001
+                row.update(sdpa_dense_ms=type(e).__name__)
+        prow.append(row)
     print()
-    print(benchlib.table(prow, ["case", "heads", "seqs", "new", "cached", "ms", "TFLOPs"]))
+    print(benchlib.table(prow, ["case", "heads", "seqs", "new", "cached", "ms", "TFLOPs", "sdpa_dense_ms",
+                                "sdpa_TFLOPs"]))
     return 0
 
 
