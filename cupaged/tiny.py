@@ -119,18 +119,15 @@ def reference_logits(cfg: TinyConfig, weights: dict, tokens) -> np.ndarray:
     for lw in weights["layers"]:
         h = reference.rms_norm(x, lw["attn_norm"], cfg.eps)
         if cfg.mla:
-            x = x + _reference_mla(cfg, lw, h, cos, sin, mask) @ lw["wo"].T
-            h = reference.rms_norm(x, lw["mlp_norm"], cfg.eps)
-            gate, up = lw["w_gate_up"][:cfg.ffn], lw["w_gate_up"][cfg.ffn:]
-            x = x + reference.swiglu_mlp(h, gate.T, up.T, lw["w_down"].T)
-            continue
-        q = reference.apply_rope((h @ lw["wq"].T).reshape(n, cfg.heads, d), cos, sin)
-        k = reference.apply_rope((h @ lw["wk"].T).reshape(n, cfg.kv_heads, d), cos, sin)
-        v = (h @ lw["wv"].T).reshape(n, cfg.kv_heads, d)
-        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # [n, heads, d]
-        s = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
-        s = np.where(mask[None], s, -np.inf)
-        attn = np.einsum("hqk,khd->qhd", reference.softmax(s, axis=-1), v).reshape(n, -1)
+            attn = _reference_mla(cfg, lw, h, cos, sin, mask)
+        else:
+            q = reference.apply_rope((h @ lw["wq"].T).reshape(n, cfg.heads, d), cos, sin)
+            k = reference.apply_rope((h @ lw["wk"].T).reshape(n, cfg.kv_heads, d), cos, sin)
+            v = (h @ lw["wv"].T).reshape(n, cfg.kv_heads, d)
+            k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # [n, heads, d]
+            s = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+            s = np.where(mask[None], s, -np.inf)
+            attn = np.einsum("hqk,khd->qhd", reference.softmax(s, axis=-1), v).reshape(n, -1)
         x = x + attn @ lw["wo"].T
         h = reference.rms_norm(x, lw["mlp_norm"], cfg.eps)
         gate, up = lw["w_gate_up"][:cfg.ffn], lw["w_gate_up"][cfg.ffn:]
