@@ -26,6 +26,7 @@ import numpy as np
 from benchlib import Cpu, Gpu, dtype_of  # noqa: E402 (also puts a source tree on sys.path)
 from cupaged import HostPlan, reference, stream_for  # noqa: E402
 from cupaged.cache import append, launch_copy_pages  # noqa: E402
+from cupaged.tiny import layout_pages  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -52,14 +53,8 @@ def append_case(backend, rng, dt, kv_lens, q_lens, hkv, d, dv, ps, check: bool):
     """(run, bytes moved, checked) for one append over a random page permutation."""
     kv = np.asarray(kv_lens, np.int64)
     ql = np.asarray(q_lens, np.int64)
-    need = -(-kv // ps)
-    pages = int(need.sum())
-    perm = rng.permutation(pages)
-    table = np.full((len(kv), int(need.max())), -1, np.int64)
-    start = 0
-    for s, n in enumerate(need):
-        table[s, :n] = perm[start:start + n]
-        start += n
+    pages = int((-(-kv // ps)).sum())
+    table = layout_pages(rng, kv, ps, pages)
     queries = int(ql.sum())
     nk_h = rng.standard_normal((queries, hkv, d)).astype(dt)
     nv_h = rng.standard_normal((queries, hkv, dv)).astype(dt)

@@ -28,6 +28,7 @@ import numpy as np
 import benchlib  # noqa: I001 (adds the source tree to sys.path)
 import cupaged
 from cupaged import HostPlan, SplitWorkspace
+from cupaged.tiny import layout_pages
 
 
 def parse_args(argv=None):
@@ -52,14 +53,8 @@ def fill_cache(be, shape, dt, seed):
 
 def paged(be, rng, kv_lens, q_lens, hq, hkv, d, dt, ps):
     kv = np.asarray(kv_lens, np.int64)
-    need = -(-kv // ps)
-    pages = int(need.sum())
-    perm = rng.permutation(pages)
-    table = np.full((len(kv), int(need.max())), -1, np.int64)
-    at = 0
-    for s, n in enumerate(need):
-        table[s, :n] = perm[at:at + n]
-        at += n
+    pages = int((-(-kv // ps)).sum())
+    table = layout_pages(rng, kv, ps, pages)
     plan = HostPlan.build(table, kv, q_lens, ps, pages)
     k = fill_cache(be, (pages, ps, hkv, d), dt, 1)
     v = fill_cache(be, (pages, ps, hkv, d), dt, 2)

@@ -19,6 +19,7 @@ import benchlib  # noqa: I001
 import cupaged
 from bench_attention import fill_cache
 from cupaged import HostPlan, SplitWorkspace
+from cupaged.tiny import layout_pages
 
 
 def main(argv=None) -> int:
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
         for B, L in grid:
             need = -(-L // ps)
             pages = B * need
-            table = rng.permutation(pages).reshape(B, need)
+            table = layout_pages(rng, [L] * B, ps, pages)
             plan = HostPlan.build(table, [L] * B, [1] * B, ps, pages)
             latent = fill_cache(be, (pages, ps, 1, R), dt, 1)
             k_pos = fill_cache(be, (pages, ps, 1, P), dt, 2)
