@@ -35,6 +35,11 @@ def array_backend(x) -> str | None:
     return None
 
 
+def address(a) -> int:
+    """Address of the first byte of a NumPy or CuPy array's data."""
+    return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
+
+
 def device_id(x) -> int:
     """Device ordinal of an array (-1 for the CPU backend)."""
     return -1 if array_backend(x) == CPU else int(x.device.id)
@@ -101,6 +106,24 @@ def get_kernel(like, source: str | Path, kernel: str, defines: dict | None = Non
         raise PagedAttentionError(f"like: expected a NumPy or CuPy array, got {type(like).__name__}")
     _kernels[key] = fn
     return fn
+
+
+def empty(like, shape, dtype):
+    """An uninitialized array on the backend and device of ``like``."""
+    return _new("empty", like, shape, dtype)
+
+
+def zeros(like, shape, dtype):
+    """A zeroed array on the backend and device of ``like``."""
+    return _new("zeros", like, shape, dtype)
+
+
+def _new(fn: str, like, shape, dtype):
+    xp = xp_of(like)
+    if xp is np:
+        return getattr(np, fn)(shape, dtype)
+    with like.device:
+        return getattr(xp, fn)(shape, dtype)
 
 
 def xp_of(x):

@@ -55,6 +55,14 @@ def shape_is(name: str, a, expected) -> None:
         raise PagedAttentionError(f"{name}: expected shape {shape_str(expected)}, got {shape_str(a.shape)}")
 
 
+def v_like_k(k_cache, v_cache) -> None:
+    """v_cache [pages, page_size, Hkv, Dv] matches k_cache in all but the last dim."""
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+        raise PagedAttentionError(
+            f"v_cache: expected shape [{', '.join(str(x) for x in k_cache.shape[:3])}, Dv] like k_cache, got "
+            f"{shape_str(v_cache.shape)}")
+
+
 def u32_size(name: str, shape, *, total: bool = True) -> None:
     """Every dim, and (``total``) the element count, fit uint32 indexing."""
     for d in shape:
@@ -76,7 +84,7 @@ def positive_scale(scale) -> float:
 
 
 def _span(a) -> tuple[int, int]:
-    ptr = int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
+    ptr = _backend.address(a)
     return ptr, ptr + int(a.nbytes)
 
 

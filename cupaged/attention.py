@@ -208,10 +208,6 @@ VARIANTS = _all_variants() + _tc_variants()
 _registry.register("attention", VARIANTS)
 
 
-def _addr(a) -> int:
-    return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
-
-
 def _group_tile(group: int, top: int, vec_loads: bool = True) -> int:
     """Query heads per block for a GQA group of ``group`` heads when tiles of
     up to ``top`` heads are built: as few tiles as possible (each tile
@@ -564,14 +560,14 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causa
         rot_dim = int(q_rot.shape[2])
         if rot_dim > ROT_CAPS[-1]:
             raise NotImplementedError(f"q_rot: rotary dims up to {ROT_CAPS[-1]} are built, got {rot_dim}")
-        if hkv != 1 or dv != d or _addr(v_cache) != _addr(k_cache):
+        if hkv != 1 or dv != d or _backend.address(v_cache) != _backend.address(k_cache):
             raise NotImplementedError("paged attention with a rotary part needs one KV head and v_cache "
                                       "being the same array as k_cache (the MLA latent cache)")
     if queries == 0:
         return
     dtype = _checks.dtype_token(q.dtype)
-    aligned = all(_addr(a) % _VECTOR_BYTES == 0 for a in (q, k_cache, v_cache, out))
-    aligned_tc = aligned and (not rot_dim or all(_addr(a) % _VECTOR_BYTES == 0 for a in (q_rot, k_rot)))
+    aligned = all(_backend.address(a) % _VECTOR_BYTES == 0 for a in (q, k_cache, v_cache, out))
+    aligned_tc = aligned and (not rot_dim or all(_backend.address(a) % _VECTOR_BYTES == 0 for a in (q_rot, k_rot)))
     launches = _schedule(host, dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc)
     tiles = max(launch[5] for launch in launches)
     if hkv * tiles > 65535:

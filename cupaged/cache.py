@@ -47,10 +47,6 @@ _MAX_GRID_Y = 65535
 _validated: "weakref.WeakSet[HostPlan]" = weakref.WeakSet()
 
 
-def _address(a) -> int:
-    return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
-
-
 def unit_bytes(*values: int) -> int:
     """The widest copy unit in UNIT_BYTES dividing every value (row or page
     sizes in bytes, base addresses). Element sizes are >= 2, so 2 always fits
@@ -76,10 +72,7 @@ def check_append(plan: DevicePlan, new_k, new_v, k_cache, v_cache) -> None:
     plan._check_cache("v_cache", v_cache)
     _checks.same_dtype("new_k", new_k, new_v=new_v, k_cache=k_cache, v_cache=v_cache)
     hkv, d, dv = int(k_cache.shape[2]), int(k_cache.shape[3]), int(v_cache.shape[3])
-    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
-        raise PagedAttentionError(
-            f"v_cache: expected shape [{', '.join(str(x) for x in k_cache.shape[:3])}, Dv] like k_cache, got "
-            f"{_checks.shape_str(v_cache.shape)}")
+    _checks.v_like_k(k_cache, v_cache)
     if hkv < 1 or d < 1 or dv < 1:
         raise PagedAttentionError(
             f"k_cache, v_cache: expected Hkv, D and Dv >= 1, got shapes {_checks.shape_str(k_cache.shape)} and "
@@ -119,7 +112,7 @@ def append(plan: DevicePlan, new_k, new_v, k_cache, v_cache) -> None:
     esize = k_cache.itemsize
     hkv, d, dv = int(k_cache.shape[2]), int(k_cache.shape[3]), int(v_cache.shape[3])
     row_k, row_v = hkv * d * esize, hkv * dv * esize
-    w = unit_bytes(row_k, row_v, *(_address(a) for a in (new_k, new_v, k_cache, v_cache)))
+    w = unit_bytes(row_k, row_v, *(_backend.address(a) for a in (new_k, new_v, k_cache, v_cache)))
     units_k, units_v = row_k // w, row_v // w
     # Lanes per query: enough for two units each; queries per block fill 256 threads.
     bx = min(128, max(32, 32 * math.ceil((units_k + units_v) / 64)))
@@ -140,7 +133,7 @@ def launch_copy_pages(stream, k_cache, v_cache, pairs_dev, num_pairs: int) -> No
     esize = k_cache.itemsize
     page_k = int(np.prod(k_cache.shape[1:])) * esize
     page_v = int(np.prod(v_cache.shape[1:])) * esize
-    w = unit_bytes(page_k, page_v, _address(k_cache), _address(v_cache))
+    w = unit_bytes(page_k, page_v, _backend.address(k_cache), _backend.address(v_cache))
     units = (page_k + page_v) // w
     chunks = max(1, min(_MAX_GRID_Y, math.ceil(units / (2 * _BLOCK_THREADS))))
     kernel = _backend.get_kernel(k_cache, "append", "copy_pages", {"CP_VEC_BYTES": w})
@@ -237,14 +230,8 @@ class PagedKVCache:
         _checks.u32_size("k", k_shape[1:])
         _checks.u32_size("v", v_shape[1:])
         self.backend = _backend.array_backend(like)
-        if self.backend == _backend.GPU:
-            xp = _backend.xp_of(like)
-            with like.device:
-                self.k = xp.zeros(k_shape, self.dtype)
-                self.v = xp.zeros(v_shape, self.dtype)
-        else:
-            self.k = np.zeros(k_shape, self.dtype)
-            self.v = np.zeros(v_shape, self.dtype)
+        self.k = _backend.zeros(like, k_shape, self.dtype)
+        self.v = _backend.zeros(like, v_shape, self.dtype)
         self._refs = [0] * self.num_pages
         self._free = list(range(self.num_pages - 1, -1, -1))   # a stack: page 0 is handed out first
         self._next_id = 0
@@ -387,8 +374,7 @@ class PagedKVCache:
         if pairs:
             pairs_host = np.array(pairs, np.uint32)              # [copies, 2]
             if self.backend == _backend.GPU:
-                with self.k.device:
-                    pairs_dev = _backend.xp_of(self.k).empty(pairs_host.shape, np.uint32)
+                pairs_dev = _backend.empty(self.k, pairs_host.shape, np.uint32)
                 stream.copy_from_host(pairs_dev, pairs_host)
             else:
                 pairs_dev = pairs_host

@@ -96,12 +96,7 @@ class DeviceScalars:
         n = _checks.host_int("initial_seq_len", initial_seq_len, 0, 0x7FFFFFFF)
         self.stream = stream_for(like)
         check_not_capturing(self.stream, "DeviceScalars")
-        xp = _backend.xp_of(like)
-        if xp is np:
-            self.buffer = np.empty(2, np.int32)
-        else:
-            with like.device:
-                self.buffer = xp.empty(2, np.int32)
+        self.buffer = _backend.empty(like, 2, np.int32)
         self.seq_len_k = self.buffer[0:1]
         self.write_pos = self.buffer[1:2]
         self.stream.memset_d32(self.buffer, n, count=2)

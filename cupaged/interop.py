@@ -95,10 +95,6 @@ def is_torch(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _ptr(a) -> int:
-    return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
-
-
 def _bf16():
     import ml_dtypes
     return np.dtype(ml_dtypes.bfloat16)
@@ -106,9 +102,9 @@ def _bf16():
 
 def _check_same_memory(name: str, t, a) -> None:
     """The view ``a`` starts at tensor ``t``'s data pointer (no copy was made)."""
-    if t.numel() and _ptr(a) != t.data_ptr():
+    if t.numel() and _backend.address(a) != t.data_ptr():
         raise PagedAttentionError(f"{name}: the DLPack view does not share the tensor's memory "
-                                  f"({_ptr(a):#x} != {t.data_ptr():#x})")
+                                  f"({_backend.address(a):#x} != {t.data_ptr():#x})")
 
 
 # ---------------------------------------------------------------------------
@@ -259,7 +255,7 @@ def _region(x):
         if x.size == 0:
             return None
         dev = ("cpu", 0) if isinstance(x, np.ndarray) else ("cuda", int(x.device.id))
-        ptr, item, strides = _ptr(x), x.itemsize, list(x.strides)
+        ptr, item, strides = _backend.address(x), x.itemsize, list(x.strides)
         s_lo = s_hi = None
     else:
         return None
@@ -270,7 +266,7 @@ def _region(x):
 
 def _layout(x):
     strides = [s * x.element_size() for s in x.stride()] if is_torch(x) else list(x.strides)
-    ptr = x.data_ptr() if is_torch(x) else _ptr(x)
+    ptr = x.data_ptr() if is_torch(x) else _backend.address(x)
     return ptr, tuple(x.shape), tuple(strides), str(x.dtype).replace("torch.", "")
 
 

@@ -157,12 +157,10 @@ class HostPlan:
         ``like`` (a NumPy or CuPy array). One small async upload; no sync."""
         stream = stream_for(like)
         check_not_capturing(stream, "plan.upload")
-        xp = _backend.xp_of(like)
         if stream.backend == _backend.CPU:
             words = self.words.copy()
         else:
-            with like.device:
-                words = xp.empty(self.words.shape, dtype=np.uint32)
+            words = _backend.empty(like, self.words.shape, np.uint32)
             stream.copy_from_host(words, self.words)
         return DevicePlan(self, words, stream)
 
@@ -188,14 +186,8 @@ class SplitWorkspace:
         check_not_capturing(self.stream, "SplitWorkspace")
         self.backend = self.stream.backend
         self.device = _backend.device_id(like)
-        xp = _backend.xp_of(like)
-        if self.backend == _backend.GPU:
-            with like.device:
-                self.partial_out = xp.empty((self.splits, self.queries, self.heads, self.value_dim), np.float32)
-                self.partial_lse = xp.empty((self.splits, self.queries, self.heads), np.float32)
-        else:
-            self.partial_out = np.empty((self.splits, self.queries, self.heads, self.value_dim), np.float32)
-            self.partial_lse = np.empty((self.splits, self.queries, self.heads), np.float32)
+        self.partial_out = _backend.empty(like, (self.splits, self.queries, self.heads, self.value_dim), np.float32)
+        self.partial_lse = _backend.empty(like, (self.splits, self.queries, self.heads), np.float32)
 
     def __repr__(self) -> str:
         return (f"SplitWorkspace(queries={self.queries}, heads={self.heads}, value_dim={self.value_dim}, "
@@ -322,12 +314,11 @@ class DevicePlan:
         return workspace
 
     def _outputs(self, q, out, lse, return_lse: bool, heads: int, value_dim: int, inputs: dict):
-        xp = _backend.xp_of(q)
         shape = (self.host.queries, heads, value_dim)
         _checks.u32_size("out", shape)
         if out is None:
             check_not_capturing(self.stream, "out")
-            out = _alloc(xp, q, shape, q.dtype)
+            out = _backend.empty(q, shape, q.dtype)
         else:
             self._check_backend(out=out)
             _checks.float_array("out", out, 3)
@@ -336,7 +327,7 @@ class DevicePlan:
             _checks.no_overlap("out", out, **inputs)
         if lse is None and return_lse:
             check_not_capturing(self.stream, "lse")
-            lse = _alloc(xp, q, shape[:2], np.float32)
+            lse = _backend.empty(q, shape[:2], np.float32)
         elif lse is not None:
             self._check_backend(lse=lse)
             if str(lse.dtype) != "float32" or not lse.flags.c_contiguous:
@@ -373,10 +364,7 @@ class DevicePlan:
         if queries != self.host.queries:
             raise PagedAttentionError(f"q: expected {self.host.queries} rows (plan.queries), got shape "
                                       f"{_checks.shape_str(q.shape)}")
-        if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
-            raise PagedAttentionError(
-                f"v_cache: expected shape [{', '.join(str(x) for x in k_cache.shape[:3])}, Dv] like k_cache, got "
-                f"{_checks.shape_str(v_cache.shape)}")
+        _checks.v_like_k(k_cache, v_cache)
         if int(k_cache.shape[3]) != d:
             raise PagedAttentionError(f"k_cache: expected head dim D={d} like q, got shape "
                                       f"{_checks.shape_str(k_cache.shape)}")
@@ -465,10 +453,3 @@ def _head_dims(hq: int, hkv: int, d: int, dv: int) -> None:
     for name, v in (("D", d), ("Dv", dv)):
         if not 1 <= v <= MAX_HEAD_DIM:
             raise PagedAttentionError(f"{name}: expected a head dim in 1..{MAX_HEAD_DIM}, got {v}")
-
-
-def _alloc(xp, like, shape, dtype):
-    if xp is np:
-        return np.empty(shape, dtype)
-    with like.device:
-        return xp.empty(shape, dtype)

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _backend, _checks, _registry
 from .errors import PagedAttentionError
-from .stream import _addr, stream_for
+from .stream import stream_for
 
 DTYPES = ("f32", "f16", "bf16")
 _registry.register("rowwise", [{"CP_DTYPE": t} for t in DTYPES])
@@ -40,10 +40,10 @@ def _check_logits(logits) -> None:
     if batch > MAX_BATCH:
         raise PagedAttentionError(
             f"logits: expected batch <= {MAX_BATCH}, got shape {_checks.shape_str(logits.shape)}")
-    if _addr(logits) % logits.itemsize:
+    if _backend.address(logits) % logits.itemsize:
         raise PagedAttentionError(
             f"logits: expected an address aligned to its {logits.itemsize}-byte elements, "
-            f"got {_addr(logits):#x}")
+            f"got {_backend.address(logits):#x}")
 
 
 def _check_out(out, logits) -> None:

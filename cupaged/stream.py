@@ -33,10 +33,6 @@ def _check_span(name: str, arr, offset: int, nbytes: int) -> None:
         raise PagedAttentionError(f"{name}: expected a C-contiguous array")
 
 
-def _addr(arr) -> int:
-    return int(arr.ctypes.data) if isinstance(arr, np.ndarray) else int(arr.data.ptr)
-
-
 class Graph:
     """A captured sequence of stream work; ``launch()`` replays it on the
     stream it was captured on. Keeps alive every array it touches."""
@@ -168,18 +164,18 @@ class CpuStream(Stream):
         self._run_or_record(bound, bound, args)
 
     def _memset_d32(self, dst, value, count, offset_bytes) -> None:
-        addr = _addr(dst) + offset_bytes
+        addr = _backend.address(dst) + offset_bytes
 
         def op():
             np.frombuffer((ctypes.c_uint32 * count).from_address(addr), dtype=np.uint32)[:] = value
         self._run_or_record(op, dst)
 
     def _copy(self, dst, src, nbytes, dst_offset, src_offset) -> None:
-        d, s = _addr(dst) + dst_offset, _addr(src) + src_offset
+        d, s = _backend.address(dst) + dst_offset, _backend.address(src) + src_offset
         self._run_or_record(lambda: ctypes.memmove(d, s, nbytes), dst, src)
 
     def _copy_from_host(self, dst, host, dst_offset) -> None:
-        d, s, n = _addr(dst) + dst_offset, _addr(host), host.nbytes
+        d, s, n = _backend.address(dst) + dst_offset, _backend.address(host), host.nbytes
         self._run_or_record(lambda: ctypes.memmove(d, s, n), dst, host)
 
     def _begin_capture(self) -> None:
