@@ -88,8 +88,9 @@ def cmd_demo(args) -> int:
 
 def cmd_check(args) -> int:
     from . import HostPlan, SplitWorkspace, reference, testing
+    from . import _backend
     like, backend = _like(args.cpu)
-    xp = np if backend == "cpu" else sys.modules["cupy"]
+    xp = _backend.xp_of(like)
     rng = np.random.default_rng(args.seed)
     dt = testing.as_dtype(args.dtype)
     if args.op == "argmax":
@@ -98,8 +99,7 @@ def cmd_check(args) -> int:
         out = xp.zeros(args.batch, np.int64)
         dev = xp.asarray(logits)
         t = _timed(like, lambda: argmax_into(dev, out), args.repeat)
-        got = out if xp is np else xp.asnumpy(out)
-        bad = int((got != reference.row_argmax(logits)).sum())
+        bad = int((_host(out) != reference.row_argmax(logits)).sum())
         print(f"argmax [{args.batch}, {args.vocab}] {args.dtype} on {backend}: {bad} mismatching rows, "
               f"{t * 1e3:.3f} ms")
         return int(bad != 0)
@@ -119,12 +119,8 @@ def cmd_check(args) -> int:
                    args.repeat)
         exp_out, exp_lse = reference.paged_attention(case.q, case.k_cache, case.v_cache, case.page_table,
                                                      case.kv_lens, case.q_lens, scale, True)
-        got = out if xp is np else xp.asnumpy(out)
-        err = float(np.max(np.abs(got.astype(np.float64) - exp_out))) if got.size else 0.0
-        glse = lse if xp is np else xp.asnumpy(lse)
-        lerr = float(np.max(np.abs(glse - exp_lse))) if glse.size else 0.0
-        atol, rtol = testing.tolerance(dt)
-        ok = err <= atol + rtol * float(np.max(np.abs(exp_out), initial=0))
+        err, ok = _max_error(out, exp_out, dt)
+        lerr = float(np.max(np.abs(_host(lse) - exp_lse))) if exp_lse.size else 0.0
         print(f"{args.op}: {plan.queries} queries x {args.heads}/{args.kv_heads} heads x d{args.head_dim}, "
               f"context <= {args.context}, page {args.page_size}, {args.dtype}, splits {splits}, on {backend}: "
               f"max |out - ref| {err:.2e}, max |lse - ref| {lerr:.2e} ({'ok' if ok else 'TOO LARGE'}), "
@@ -137,10 +133,8 @@ def cmd_check(args) -> int:
                                               case.kv_lens, case.q_lens)
         nk, nv = xp.asarray(new_k), xp.asarray(new_v)
         t = _timed(like, lambda: dplan.append(nk, nv, k, v), args.repeat)
-        gk = k if xp is np else xp.asnumpy(k)
-        gv = v if xp is np else xp.asnumpy(v)
-        same = np.array_equal(gk.astype(np.float64), exp_k, equal_nan=True) and \
-            np.array_equal(gv.astype(np.float64), exp_v, equal_nan=True)
+        same = np.array_equal(_host(k).astype(np.float64), exp_k, equal_nan=True) and \
+            np.array_equal(_host(v).astype(np.float64), exp_v, equal_nan=True)
         print(f"append: {plan.queries} rows x {args.kv_heads} heads x d{args.head_dim} {args.dtype} on {backend}: "
               f"{'bit-exact' if same else 'MISMATCH'}, {t * 1e3:.3f} ms")
         return 0 if same else 1
@@ -156,15 +150,25 @@ def cmd_check(args) -> int:
         t = _timed(like, lambda: dm.mla(*arrs, scale, True, out=out), args.repeat)
         exp_out, _ = reference.paged_mla(mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos, mcase.page_table,
                                          mcase.kv_lens, mcase.q_lens, scale, True)
-        got = out if xp is np else xp.asnumpy(out)
-        err = float(np.max(np.abs(got.astype(np.float64) - exp_out))) if got.size else 0.0
-        atol, rtol = testing.tolerance(dt)
-        ok = err <= atol + rtol * float(np.max(np.abs(exp_out), initial=0))
+        err, ok = _max_error(out, exp_out, dt)
         print(f"mla: {mplan.queries} queries x {args.heads} heads, R {args.head_dim}, P {args.rope_dim}, "
               f"{args.dtype} on {backend}: max |out - ref| {err:.2e} ({'ok' if ok else 'TOO LARGE'}), "
               f"{t * 1e3:.3f} ms")
         return 0 if ok else 1
     raise SystemExit(f"unknown op {args.op}")
+
+
+def _host(a):
+    """A host (NumPy) copy of a result array of either backend."""
+    return a if isinstance(a, np.ndarray) else sys.modules["cupy"].asnumpy(a)
+
+
+def _max_error(got, expected, dt) -> tuple[float, bool]:
+    """(max |got - expected|, within the dtype's tolerance)."""
+    from .testing import tolerance
+    err = float(np.max(np.abs(_host(got).astype(np.float64) - expected))) if expected.size else 0.0
+    atol, rtol = tolerance(dt)
+    return err, err <= atol + rtol * float(np.max(np.abs(expected), initial=0))
 
 
 def _timed(like, fn, repeat: int) -> float:

@@ -23,10 +23,6 @@ def _kernel(like, name):
     return _backend.get_kernel(like, "layers", name, {"CP_DTYPE": _checks.dtype_token(like.dtype)})
 
 
-def _float(name, a, ndim):
-    _checks.float_array(name, a, ndim)
-
-
 def _same(ref_name, ref, **arrays):
     _backend.backend_of(**{ref_name: ref}, **arrays)
     _checks.same_dtype(ref_name, ref, **arrays)
@@ -35,8 +31,8 @@ def _same(ref_name, ref, **arrays):
 def embed(tokens, table, out) -> None:
     """out[r] = table[tokens[r]]: tokens int64 [rows], table [vocab, dim],
     out [rows, dim]. A token outside 0..vocab-1 yields a zero row."""
-    _float("table", table, 2)
-    _float("out", out, 2)
+    _checks.float_array("table", table, 2)
+    _checks.float_array("out", out, 2)
     _same("table", table, out=out)
     _backend.backend_of(table=table, tokens=tokens)
     if str(tokens.dtype) != "int64" or tokens.ndim != 1 or not tokens.flags.c_contiguous:
@@ -50,9 +46,9 @@ def embed(tokens, table, out) -> None:
 def rms_norm(x, weight, out, eps: float = 1e-6) -> None:
     """out = x / sqrt(mean(x^2) + eps) * weight over the last dim.
     x [rows, dim], weight [dim], out [rows, dim] (may be x itself)."""
-    _float("x", x, 2)
-    _float("weight", weight, 1)
-    _float("out", out, 2)
+    _checks.float_array("x", x, 2)
+    _checks.float_array("weight", weight, 1)
+    _checks.float_array("out", out, 2)
     _same("x", x, weight=weight, out=out)
     _checks.shape_is("weight", weight, x.shape[1:])
     _checks.shape_is("out", out, x.shape)
@@ -63,9 +59,9 @@ def rms_norm(x, weight, out, eps: float = 1e-6) -> None:
 def linear(x, weight, out, *, accumulate: bool = False) -> None:
     """out = x @ weight.T, or out += x @ weight.T with ``accumulate`` (a fused
     residual add). x [M, K], weight [N, K], out [M, N]; float32 accumulation."""
-    _float("x", x, 2)
-    _float("weight", weight, 2)
-    _float("out", out, 2)
+    _checks.float_array("x", x, 2)
+    _checks.float_array("weight", weight, 2)
+    _checks.float_array("out", out, 2)
     _same("x", x, weight=weight, out=out)
     if weight.shape[1] != x.shape[1]:
         raise PagedAttentionError(f"weight: expected [N, {x.shape[1]}] (K like x), got "
@@ -85,7 +81,7 @@ def rope(x, positions, cos, sin, *, position_stride: int = 1) -> None:
     DeviceScalars word, ...); cos, sin float32 [max_pos, dim // 2]. A position
     past the table is clamped to its last row.
     """
-    _float("x", x, 3)
+    _checks.float_array("x", x, 3)
     _backend.backend_of(x=x, positions=positions, cos=cos, sin=sin)
     if x.shape[2] % 2:
         raise PagedAttentionError(f"x: expected an even head dim, got {x.shape[2]}")
@@ -109,8 +105,8 @@ def rope(x, positions, cos, sin, *, position_stride: int = 1) -> None:
 
 def silu_mul(gate_up, out) -> None:
     """out = silu(gate) * up with gate_up [rows, 2F] = (gate | up), out [rows, F]."""
-    _float("gate_up", gate_up, 2)
-    _float("out", out, 2)
+    _checks.float_array("gate_up", gate_up, 2)
+    _checks.float_array("out", out, 2)
     _same("gate_up", gate_up, out=out)
     if gate_up.shape[1] % 2:
         raise PagedAttentionError(f"gate_up: expected an even last dim, got {gate_up.shape[1]}")
