@@ -542,18 +542,15 @@ def test_tc_nothing_visible_and_bad_metadata(xp_backend, kernels_used):
     assert set(kernels_used) == {"paged_prefill_tc", "attention_split_merge"}
 
 
-def test_tc_capture_and_replay(xp_backend, kernels_used):
-    """A captured tensor-core launch (with its shared memory and the merge)
-    replays with new q contents."""
-    if xp_backend.name != "cpu":
-        pytest.skip("GPU capture is covered by the graph tests")
-    rng = np.random.default_rng(26)
-    case = make_paged_case(rng, kv_lens=np.array([33, 50], np.int32), q_lens=np.array([16, 20]), page_size=16,
-                           num_q_heads=4, num_kv_heads=1, head_dim=64, dtype="bf16")
+def check_capture_replay(rng, case, dtype, what):
+    """Capture attention with a 2-split workspace on the CPU stream, change
+    q's contents, replay: the output must match the reference for the new q."""
     q = case.q.copy()
-    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
-    out = np.zeros((plan.queries, 4, 64), q.dtype)
-    ws = cupaged.SplitWorkspace(plan.queries, 4, 64, 2, q)
+    heads, dv = q.shape[1], case.v_cache.shape[3]
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
+                                  case.num_pages).upload(q)
+    out = np.zeros((plan.queries, heads, dv), q.dtype)
+    ws = cupaged.SplitWorkspace(plan.queries, heads, dv, 2, q)
     stream = cupaged.stream_for(q)
     stream.begin_capture()
     plan.attention(q, case.k_cache, case.v_cache, case.scale, True, out=out, workspace=ws)
@@ -562,7 +559,18 @@ def test_tc_capture_and_replay(xp_backend, kernels_used):
     graph.launch()
     ref, _ = reference.paged_attention(q, case.k_cache, case.v_cache, case.page_table, case.kv_lens,
                                        case.q_lens, case.scale, True)
-    assert_close(out, ref, "bf16", "replay")
+    assert_close(out, ref, dtype, what)
+
+
+def test_tc_capture_and_replay(xp_backend, kernels_used):
+    """A captured tensor-core launch (with its shared memory and the merge)
+    replays with new q contents."""
+    if xp_backend.name != "cpu":
+        pytest.skip("GPU capture is covered by the graph tests")
+    rng = np.random.default_rng(26)
+    case = make_paged_case(rng, kv_lens=np.array([33, 50], np.int32), q_lens=np.array([16, 20]), page_size=16,
+                           num_q_heads=4, num_kv_heads=1, head_dim=64, dtype="bf16")
+    check_capture_replay(rng, case, "bf16", "replay")
     assert "paged_prefill_tc" in kernels_used
 
 
@@ -857,19 +865,7 @@ def test_mixed_step_outputs_and_capture(xp_backend, launches):
     assert [n for n, *_ in launches] == [n for n, _, _ in MIXED_TC]
     if xp_backend.name != "cpu":
         return                                       # GPU capture: the graph tests
-    q = case.q.copy()
-    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
-    out = np.zeros((plan.queries, 8, 64), q.dtype)
-    ws = cupaged.SplitWorkspace(plan.queries, 8, 64, 2, q)
-    stream = cupaged.stream_for(q)
-    stream.begin_capture()
-    plan.attention(q, case.k_cache, case.v_cache, case.scale, True, out=out, workspace=ws)
-    graph = stream.end_capture()
-    q[...] = rng.standard_normal(q.shape).astype(q.dtype)
-    graph.launch()
-    ref, _ = reference.paged_attention(q, case.k_cache, case.v_cache, case.page_table, case.kv_lens,
-                                       case.q_lens, case.scale, True)
-    assert_close(out, ref, "f16", "mixed replay")
+    check_capture_replay(rng, case, "f16", "mixed replay")
 
 
 def test_mixed_step_bad_metadata(xp_backend, kernels_used):
