@@ -1,14 +1,16 @@
 """cupaged: framework-free paged attention on plain CuPy arrays.
 
 NumPy arrays run the same CUDA C kernels on the CPU backend; CuPy arrays run
-them on the GPU. See README.md and docs/layout.md.
+them on the GPU. See README.md and docs/layout.md (its "Where things are"
+section maps the package).
 """
 from .cache import PagedKVCache
 from .errors import CompileError, KernelError, PagedAttentionError
 from .graph import DecodeLoop, DeviceScalars, PagedDecodeLoop, capture_graph
-from .plan import MAX_SPLITS, DevicePlan, HostPlan, SplitWorkspace, choose_splits
-from .rowwise import argmax_into
-from .stream import Graph, Stream, stream_for
+from .layout import MAX_SPLITS
+from .ops.sampling import argmax_into
+from .plan import DevicePlan, HostPlan, SplitWorkspace, choose_splits
+from ._runtime import Graph, Stream, stream_for
 
 __version__ = "0.1.0"
 

@@ -16,6 +16,11 @@ import time
 
 import numpy as np
 
+from . import HostPlan, SplitWorkspace, argmax_into, stream_for
+from ._runtime import xp_of
+from .demo import tiny
+from .testing import as_dtype, make_mla_case, make_paged_case, reference, tolerance
+
 
 def _like(force_cpu: bool):
     if not force_cpu:
@@ -32,12 +37,10 @@ def _like(force_cpu: bool):
 
 
 def _sync(like):
-    from . import stream_for
     stream_for(like).synchronize()
 
 
 def cmd_demo(args) -> int:
-    from . import tiny
     like, backend = _like(args.cpu)
     cfg = tiny.TinyConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
                           kv_heads=args.kv_heads, head_dim=args.head_dim, ffn=2 * args.hidden,
@@ -87,14 +90,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from . import HostPlan, SplitWorkspace, reference, testing
-    from . import _backend
     like, backend = _like(args.cpu)
-    xp = _backend.xp_of(like)
+    xp = xp_of(like)
     rng = np.random.default_rng(args.seed)
-    dt = testing.as_dtype(args.dtype)
+    dt = as_dtype(args.dtype)
     if args.op == "argmax":
-        from . import argmax_into
         logits = rng.standard_normal((args.batch, args.vocab)).astype(dt)
         out = xp.zeros(args.batch, np.int64)
         dev = xp.asarray(logits)
@@ -103,7 +103,7 @@ def cmd_check(args) -> int:
         print(f"argmax [{args.batch}, {args.vocab}] {args.dtype} on {backend}: {bad} mismatching rows, "
               f"{t * 1e3:.3f} ms")
         return int(bad != 0)
-    case = testing.make_paged_case(rng, sequences=args.batch, max_kv_len=args.context, page_size=args.page_size,
+    case = make_paged_case(rng, sequences=args.batch, max_kv_len=args.context, page_size=args.page_size,
                                    num_q_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                                    dtype=dt, q_lens=None if args.q_len == 1 else args.q_len)
     plan = HostPlan.build(case.page_table, case.kv_lens, case.q_lens, args.page_size, case.num_pages)
@@ -139,7 +139,7 @@ def cmd_check(args) -> int:
               f"{'bit-exact' if same else 'MISMATCH'}, {t * 1e3:.3f} ms")
         return 0 if same else 1
     if args.op == "mla":
-        mcase = testing.make_mla_case(rng, sequences=args.batch, max_kv_len=args.context, page_size=args.page_size,
+        mcase = make_mla_case(rng, sequences=args.batch, max_kv_len=args.context, page_size=args.page_size,
                                       num_heads=args.heads, latent_dim=args.head_dim, pos_dim=args.rope_dim, dtype=dt,
                                       q_lens=None if args.q_len == 1 else args.q_len)
         mplan = HostPlan.build(mcase.page_table, mcase.kv_lens, mcase.q_lens, args.page_size, mcase.num_pages)
@@ -165,7 +165,6 @@ def _host(a):
 
 def _max_error(got, expected, dt) -> tuple[float, bool]:
     """(max |got - expected|, within the dtype's tolerance)."""
-    from .testing import tolerance
     err = float(np.max(np.abs(_host(got).astype(np.float64) - expected))) if expected.size else 0.0
     atol, rtol = tolerance(dt)
     return err, err <= atol + rtol * float(np.max(np.abs(expected), initial=0))

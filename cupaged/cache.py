@@ -1,11 +1,10 @@
-"""Paged KV append, and a page manager with copy-on-write.
+"""The page manager: paged K/V caches, sequences and copy-on-write.
 
-``append(plan, new_k, new_v, k_cache, v_cache)`` writes each packed query's
-new key/value row into the slot of its absolute position (one launch of
-``paged_append`` in ``kernels_cu/append.cu``). ``PagedKVCache`` owns the two
-caches and their pages: sequences are handles, ``fork`` shares pages,
-``prepare`` allocates the pages a step needs, copies shared pages the step
-will write (one launch of ``copy_pages``) and uploads the step's plan.
+``PagedKVCache`` owns the two caches and their pages: sequences are handles,
+``fork`` shares pages, ``prepare`` allocates the pages a step needs, copies
+shared pages the step will write (one launch of ``copy_pages``,
+``cupaged.ops.append``) and uploads the step's plan; ``append`` writes the
+step's new rows (``DevicePlan.append``).
 
 Layout of caches, positions and metadata words: ``docs/layout.md``.
 
@@ -20,143 +19,19 @@ Layout of caches, positions and metadata words: ``docs/layout.md``.
 """
 from __future__ import annotations
 
-import math
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _backend, _checks, _registry
+from . import dtypes
+from ._runtime import GPU, array_backend, checks, empty, stream_for, zeros
 from .errors import PagedAttentionError
-from .plan import MAX_PAGE_SIZE, DevicePlan, HostPlan
-from .stream import stream_for
-
-U32_MAX = _checks.U32_MAX
-
-#: Copy units the kernels are compiled for (bytes); the host picks the widest
-#: that divides every row size and base address.
-UNIT_BYTES = (16, 8, 4, 2)
-
-_registry.register("append", [{"CP_VEC_BYTES": w} for w in UNIT_BYTES])
-
-_BLOCK_THREADS = 256
-_MAX_GRID_Y = 65535
-
-# HostPlans whose writes were validated already (a plan is reused by every
-# layer of a step; validate_writes sorts its slots, so do it once per plan).
-_validated: "weakref.WeakSet[HostPlan]" = weakref.WeakSet()
-
-
-def unit_bytes(*values: int) -> int:
-    """The widest copy unit in UNIT_BYTES dividing every value (row or page
-    sizes in bytes, base addresses). Element sizes are >= 2, so 2 always fits
-    arrays of our dtypes."""
-    for w in UNIT_BYTES:
-        if all(int(v) % w == 0 for v in values):
-            return w
-    raise PagedAttentionError(f"expected sizes and addresses that are multiples of 2 bytes, got {values}")
-
-
-# ---------------------------------------------------------------------------
-# Append
-
-def check_append(plan: DevicePlan, new_k, new_v, k_cache, v_cache) -> None:
-    """Every input check of ``append`` (raises PagedAttentionError naming the
-    argument; launches and writes nothing)."""
-    if not isinstance(plan, DevicePlan):
-        raise PagedAttentionError(f"plan: expected a DevicePlan (HostPlan.upload), got {type(plan).__name__}")
-    plan._check_backend(new_k=new_k, new_v=new_v, k_cache=k_cache, v_cache=v_cache)
-    _checks.float_array("new_k", new_k, 3)
-    _checks.float_array("new_v", new_v, 3)
-    plan._check_cache("k_cache", k_cache)
-    plan._check_cache("v_cache", v_cache)
-    _checks.same_dtype("new_k", new_k, new_v=new_v, k_cache=k_cache, v_cache=v_cache)
-    hkv, d, dv = int(k_cache.shape[2]), int(k_cache.shape[3]), int(v_cache.shape[3])
-    _checks.v_like_k(k_cache, v_cache)
-    if hkv < 1 or d < 1 or dv < 1:
-        raise PagedAttentionError(
-            f"k_cache, v_cache: expected Hkv, D and Dv >= 1, got shapes {_checks.shape_str(k_cache.shape)} and "
-            f"{_checks.shape_str(v_cache.shape)}")
-    _checks.shape_is("new_k", new_k, (plan.host.queries, hkv, d))
-    _checks.shape_is("new_v", new_v, (plan.host.queries, hkv, dv))
-    _checks.no_overlap("k_cache", k_cache, v_cache=v_cache)
-    for name, a in (("new_k", new_k), ("new_v", new_v)):
-        _checks.no_overlap(name, a, k_cache=k_cache, v_cache=v_cache)
-
-
-def append(plan: DevicePlan, new_k, new_v, k_cache, v_cache) -> None:
-    """Write new keys and values into the paged caches, in place.
-
-    new_k [queries, Hkv, D], new_v [queries, Hkv, Dv]: one row per packed
-    query of ``plan`` (all arrays one dtype: float32, float16 or bfloat16).
-    k_cache [pages, page_size, Hkv, D], v_cache [pages, page_size, Hkv, Dv]:
-    the row of the query at absolute position p of sequence s goes to page
-    ``page_table[s, p // page_size]``, offset ``p % page_size``. MLA caches
-    work the same way: Hkv = 1, k_cache = latent [pages, page_size, 1, R],
-    v_cache = k_pos [pages, page_size, 1, P], new_k [queries, 1, R],
-    new_v [queries, 1, P].
-
-    Rows are copied bit for bit. One kernel launch on the plan's stream that
-    reads positions and page ids from the plan's device words (so a captured
-    graph replays with positions advanced on the device); no allocation and
-    no synchronization. Rejects two queries writing one slot
-    (``HostPlan.validate_writes``) and every bad input before launching.
-    """
-    check_append(plan, new_k, new_v, k_cache, v_cache)
-    host = plan.host
-    if host not in _validated:
-        host.validate_writes()
-        _validated.add(host)
-    if host.queries == 0:
-        return
-    esize = k_cache.itemsize
-    hkv, d, dv = int(k_cache.shape[2]), int(k_cache.shape[3]), int(v_cache.shape[3])
-    row_k, row_v = hkv * d * esize, hkv * dv * esize
-    w = unit_bytes(row_k, row_v, *(_backend.address(a) for a in (new_k, new_v, k_cache, v_cache)))
-    units_k, units_v = row_k // w, row_v // w
-    # Lanes per query: enough for two units each; queries per block fill 256 threads.
-    bx = min(128, max(32, 32 * math.ceil((units_k + units_v) / 64)))
-    by = max(1, _BLOCK_THREADS // bx)
-    kernel = _backend.get_kernel(new_k, "append", "paged_append", {"CP_VEC_BYTES": w})
-    plan.stream.launch(kernel, (math.ceil(host.queries / by),), (bx, by),
-                       (new_k, new_v, k_cache, v_cache, plan.words, np.uint32(host.queries),
-                        np.uint32(host.sequences), np.uint32(host.table_width), np.uint32(host.page_size),
-                        np.uint32(host.pages), np.uint32(units_k), np.uint32(units_v)))
-
-
-def launch_copy_pages(stream, k_cache, v_cache, pairs_dev, num_pairs: int) -> None:
-    """One launch of ``copy_pages``: page ``pairs[i, 0]`` of both caches to
-    page ``pairs[i, 1]``. pairs_dev: uint32 [num_pairs, 2] on the caches'
-    device, written in stream order. No allocation, no synchronization."""
-    if num_pairs == 0:
-        return
-    esize = k_cache.itemsize
-    page_k = int(np.prod(k_cache.shape[1:])) * esize
-    page_v = int(np.prod(v_cache.shape[1:])) * esize
-    w = unit_bytes(page_k, page_v, _backend.address(k_cache), _backend.address(v_cache))
-    units = (page_k + page_v) // w
-    chunks = max(1, min(_MAX_GRID_Y, math.ceil(units / (2 * _BLOCK_THREADS))))
-    kernel = _backend.get_kernel(k_cache, "append", "copy_pages", {"CP_VEC_BYTES": w})
-    stream.launch(kernel, (num_pairs, chunks), (_BLOCK_THREADS,),
-                  (k_cache, v_cache, pairs_dev, np.uint32(num_pairs), np.uint32(k_cache.shape[0]),
-                   np.uint32(page_k // w), np.uint32(page_v // w)))
-
+from .layout import MAX_PAGE_SIZE, U32_MAX
+from .ops.append import copy_pages
+from .plan import DevicePlan, HostPlan
 
 # ---------------------------------------------------------------------------
 # Page manager
-
-def _float_dtype(dtype) -> np.dtype:
-    import ml_dtypes
-    names = {"f32": np.float32, "float32": np.float32, "f16": np.float16, "float16": np.float16,
-             "bf16": ml_dtypes.bfloat16, "bfloat16": ml_dtypes.bfloat16}
-    try:
-        dt = np.dtype(names[dtype] if isinstance(dtype, str) and dtype in names else dtype)
-    except TypeError:
-        dt = None
-    if dt is None or str(dt) not in ("float32", "float16", "bfloat16"):
-        raise PagedAttentionError(f"dtype: expected float32, float16 or bfloat16, got {dtype!r}")
-    return dt
-
 
 class Sequence:
     """A sequence handle of one PagedKVCache. ``id``, ``length`` (tokens
@@ -214,24 +89,24 @@ class PagedKVCache:
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, *,
                  value_dim: int | None = None, like=None):
-        self.num_pages = _checks.host_int("num_pages", num_pages, 1, U32_MAX - 1)
-        self.page_size = _checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
-        self.kv_heads = _checks.host_int("kv_heads", kv_heads, 1, U32_MAX)
-        self.head_dim = _checks.host_int("head_dim", head_dim, 1, U32_MAX)
-        self.value_dim = self.head_dim if value_dim is None else _checks.host_int("value_dim", value_dim, 1, U32_MAX)
-        self.dtype = _float_dtype(dtype)
+        self.num_pages = checks.host_int("num_pages", num_pages, 1, U32_MAX - 1)
+        self.page_size = checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
+        self.kv_heads = checks.host_int("kv_heads", kv_heads, 1, U32_MAX)
+        self.head_dim = checks.host_int("head_dim", head_dim, 1, U32_MAX)
+        self.value_dim = self.head_dim if value_dim is None else checks.host_int("value_dim", value_dim, 1, U32_MAX)
+        self.dtype = dtypes.row("dtype", dtype, kv=True).np_dtype
         if like is None:
             like = np.zeros(0, np.float32)
-        if _backend.array_backend(like) is None:
+        if array_backend(like) is None:
             raise PagedAttentionError(f"like: expected a NumPy or CuPy array, got {type(like).__name__}")
         k_shape = (self.num_pages, self.page_size, self.kv_heads, self.head_dim)
         v_shape = k_shape[:3] + (self.value_dim,)
         # per-page sizes must fit 32-bit indexing; page offsets are 64-bit (docs/layout.md)
-        _checks.u32_size("k", k_shape[1:])
-        _checks.u32_size("v", v_shape[1:])
-        self.backend = _backend.array_backend(like)
-        self.k = _backend.zeros(like, k_shape, self.dtype)
-        self.v = _backend.zeros(like, v_shape, self.dtype)
+        checks.u32_size("k", k_shape[1:])
+        checks.u32_size("v", v_shape[1:])
+        self.backend = array_backend(like)
+        self.k = zeros(like, k_shape, self.dtype)
+        self.v = zeros(like, v_shape, self.dtype)
         self._refs = [0] * self.num_pages
         self._free = list(range(self.num_pages - 1, -1, -1))   # a stack: page 0 is handed out first
         self._next_id = 0
@@ -373,19 +248,19 @@ class PagedKVCache:
         stream = stream_for(self.k)
         if pairs:
             pairs_host = np.array(pairs, np.uint32)              # [copies, 2]
-            if self.backend == _backend.GPU:
-                pairs_dev = _backend.empty(self.k, pairs_host.shape, np.uint32)
+            if self.backend == GPU:
+                pairs_dev = empty(self.k, pairs_host.shape, np.uint32)
                 stream.copy_from_host(pairs_dev, pairs_host)
             else:
                 pairs_dev = pairs_host
-            launch_copy_pages(stream, self.k, self.v, pairs_dev, len(pairs))
+            copy_pages(stream, self.k, self.v, pairs_dev, len(pairs))
             self._pairs = pairs_dev
         report = StepReport(copied_pages=pairs, copied_bytes=len(pairs) * self.page_bytes, allocated_pages=need)
         return host.upload(self.k), report
 
     def append(self, plan: DevicePlan, new_k, new_v) -> None:
-        """``append(plan, new_k, new_v, self.k, self.v)``."""
-        append(plan, new_k, new_v, self.k, self.v)
+        """``plan.append(new_k, new_v, self.k, self.v)``."""
+        plan.append(new_k, new_v, self.k, self.v)
 
     # -- helpers --------------------------------------------------------------
     def _check_seqs(self, seqs, name: str) -> list[Sequence]:
@@ -406,10 +281,10 @@ class PagedKVCache:
     def _new_tokens(new_tokens, n: int) -> list[int]:
         if isinstance(new_tokens, (int, np.integer)) and not isinstance(new_tokens, bool):
             new_tokens = [int(new_tokens)] * n
-        counts = _checks.host_int_array("new_tokens", new_tokens, 1)
+        counts = checks.host_int_array("new_tokens", new_tokens, 1)
         if counts.shape[0] != n:
             raise PagedAttentionError(f"new_tokens: expected shape [{n}] (one per sequence), got "
-                                      f"{_checks.shape_str(counts.shape)}")
+                                      f"{checks.shape_str(counts.shape)}")
         if n and (counts.min() < 0 or counts.max() > U32_MAX):
             i = int(np.argmax((counts < 0) | (counts > U32_MAX)))
             raise PagedAttentionError(f"new_tokens[{i}]: expected an int in 0..{U32_MAX}, got {counts[i]}")

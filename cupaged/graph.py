@@ -2,7 +2,7 @@
 
 * ``capture_graph(like)`` captures the stream work issued inside it (GPU:
   driver stream capture on CuPy's current stream; CPU: the recorded stream,
-  see ``cupaged.stream``) and yields a handle whose ``launch()`` replays it.
+  see ``cupaged._runtime.stream``) and yields a handle whose ``launch()`` replays it.
   Every buffer read or written from outside the graph must exist before
   capture: an allocation inside capture is rejected with PagedAttentionError
   (cupaged's own allocation sites check; on the GPU, CuPy's allocator is
@@ -24,10 +24,12 @@ import contextlib
 
 import numpy as np
 
-from . import _backend, _checks
+from ._runtime import GPU, Graph, backend_of, check_not_capturing, checks, empty, stream_for
 from .errors import PagedAttentionError
-from .plan import DevicePlan, metadata_offsets
-from .stream import Graph, check_not_capturing, stream_for
+from .layout import metadata_offsets
+from .ops.advance import advance_plan
+from .ops.sampling import argmax_into
+from .plan import DevicePlan
 
 
 class CapturedGraph:
@@ -65,7 +67,7 @@ def capture_graph(like):
     stream.begin_capture()
     ok = False
     try:
-        if stream.backend == _backend.GPU:
+        if stream.backend == GPU:
             import cupy
             with cupy.cuda.using_allocator(_refuse_allocation):
                 yield handle
@@ -93,10 +95,10 @@ class DeviceScalars:
     """
 
     def __init__(self, initial_seq_len: int, like):
-        n = _checks.host_int("initial_seq_len", initial_seq_len, 0, 0x7FFFFFFF)
+        n = checks.host_int("initial_seq_len", initial_seq_len, 0, 0x7FFFFFFF)
         self.stream = stream_for(like)
         check_not_capturing(self.stream, "DeviceScalars")
-        self.buffer = _backend.empty(like, 2, np.int32)
+        self.buffer = empty(like, 2, np.int32)
         self.seq_len_k = self.buffer[0:1]
         self.write_pos = self.buffer[1:2]
         self.stream.memset_d32(self.buffer, n, count=2)
@@ -107,7 +109,7 @@ class DeviceScalars:
         ``seq_len_k`` is its kv_len word, ``write_pos`` the position word of
         its (single) query. Updating them moves that sequence on the device."""
         host = plan.host
-        s = _checks.host_int("sequence", sequence, 0, host.sequences - 1)
+        s = checks.host_int("sequence", sequence, 0, host.sequences - 1)
         if host.q_lens[s] != 1:
             raise PagedAttentionError(f"sequence: expected a sequence with exactly one query (decode), "
                                       f"q_lens[{s}] = {host.q_lens[s]}")
@@ -135,7 +137,7 @@ def seed_tokens(next_token, tokens) -> None:
     stream = stream_for(next_token)
     if str(next_token.dtype) != "int64" or next_token.ndim != 1:
         raise PagedAttentionError(f"next_token: expected an int64 [batch] array, got {next_token.dtype} "
-                                  f"{_checks.shape_str(next_token.shape)}")
+                                  f"{checks.shape_str(next_token.shape)}")
     tokens = [int(t) for t in np.atleast_1d(np.asarray(tokens))]
     if len(tokens) != next_token.shape[0]:
         raise PagedAttentionError(f"tokens: expected {next_token.shape[0]} values, got {len(tokens)}")
@@ -148,7 +150,7 @@ def seed_tokens(next_token, tokens) -> None:
 def _token_buffer(name, buf):
     if str(buf.dtype) != "int64" or buf.ndim != 1 or not buf.flags.c_contiguous:
         raise PagedAttentionError(f"{name}: expected a contiguous int64 [batch] array, got {buf.dtype} "
-                                  f"{_checks.shape_str(buf.shape)}")
+                                  f"{checks.shape_str(buf.shape)}")
 
 
 class _Loop:
@@ -198,13 +200,12 @@ class DecodeLoop(_Loop):
 
     def __init__(self, step, *, token_buf, next_token, scalars: DeviceScalars, seq_len: int,
                  rope_tables=None, rope_slices=None, graph: bool = True):
-        from .rowwise import argmax_into
         _token_buffer("token_buf", token_buf)
         _token_buffer("next_token", next_token)
-        _backend.backend_of(token_buf=token_buf, next_token=next_token)
+        backend_of(token_buf=token_buf, next_token=next_token)
         self.stream = stream_for(token_buf)
         self.token_buf, self.next_token, self.scalars = token_buf, next_token, scalars
-        self.seq_len = _checks.host_int("seq_len", seq_len, 0, 0x7FFFFFFE)
+        self.seq_len = checks.host_int("seq_len", seq_len, 0, 0x7FFFFFFE)
         self.rope_tables, self.rope_slices = rope_tables, rope_slices
         if (rope_tables is None) != (rope_slices is None):
             raise PagedAttentionError("rope_slices: expected both rope_tables and rope_slices, or neither")
@@ -212,7 +213,7 @@ class DecodeLoop(_Loop):
             for t, sl, name in zip(rope_tables, rope_slices, ("cos", "sin")):
                 if t.ndim != 2 or sl.size != t.shape[1] or t.dtype != sl.dtype:
                     raise PagedAttentionError(f"rope_slices: expected a {name} slice of {t.shape[1]} "
-                                              f"{t.dtype} values, got {sl.dtype} {_checks.shape_str(sl.shape)}")
+                                              f"{t.dtype} values, got {sl.dtype} {checks.shape_str(sl.shape)}")
         self._step, self._argmax = step, argmax_into
         self._capture(graph, token_buf)
 
@@ -236,18 +237,6 @@ class DecodeLoop(_Loop):
         self.seq_len += 1
 
 
-def advance_plan(plan: DevicePlan) -> None:
-    """Stream work that moves every non-padded sequence of ``plan`` forward
-    by its q_len on the device (kernel ``advance_plan`` in layers.cu). The
-    host plan is not changed; ``PagedDecodeLoop`` keeps the host count."""
-    from .layers import THREADS
-    h = plan.host
-    k = _backend.get_kernel(plan.words, "layers", "advance_plan", {"CP_DTYPE": "f32"})
-    plan.stream.launch(k, ((h.sequences + THREADS - 1) // THREADS,), (THREADS,),
-                       (plan.words, np.uint32(h.queries), np.uint32(h.sequences), np.uint32(h.table_width),
-                        np.uint32(h.page_size)))
-
-
 class PagedDecodeLoop(_Loop):
     """Greedy decode of B sequences over a paged plan, one graph launch per token.
 
@@ -265,18 +254,17 @@ class PagedDecodeLoop(_Loop):
     """
 
     def __init__(self, step, plan: DevicePlan, *, token_buf, next_token, active=None, graph: bool = True):
-        from .rowwise import argmax_into
         h = plan.host
         if h.queries != h.sequences or (h.q_lens != 1).any():
             raise PagedAttentionError("plan: expected one query per sequence (decode: q_lens all 1)")
         _token_buffer("token_buf", token_buf)
         _token_buffer("next_token", next_token)
         for name, b in (("token_buf", token_buf), ("next_token", next_token)):
-            _checks.shape_is(name, b, (h.sequences,))
+            checks.shape_is(name, b, (h.sequences,))
         self.plan, self.stream = plan, plan.stream
         self.token_buf, self.next_token = token_buf, next_token
         self.active = np.ones(h.sequences, bool) if active is None else np.asarray(active, bool)
-        _checks.shape_is("active", self.active, (h.sequences,))
+        checks.shape_is("active", self.active, (h.sequences,))
         self.lengths = np.where(self.active, h.kv_lens, 0)   # host mirror of the device lengths
         self.capacity = h.table_width * h.page_size
         off = metadata_offsets(h.queries, h.sequences)

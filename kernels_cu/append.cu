@@ -9,6 +9,7 @@
 // Defines: CP_VEC_BYTES (16, 8, 4 or 2): the copy unit. The host picks the
 // widest unit that divides every row (or page) size and every base address.
 #include "common.cuh"
+#include "plan_words.cuh"
 
 #ifndef CP_VEC_BYTES
 #error "CP_VEC_BYTES (16, 8, 4 or 2) must be defined"
@@ -26,21 +27,17 @@ typedef unsigned short unit_t;
 #error "CP_VEC_BYTES must be 16, 8, 4 or 2"
 #endif
 
-#define CP_NO_PAGE 0xffffffffu
-
 // The cache slot (page * page_size + offset) query q writes, or
 // 0xffffffffffffffff when the words do not name a valid one. Reads only
 // words[0 .. 17 + 2*queries + 2*sequences + sequences*table_width), the size
 // the host sized them with; never trusts a word for memory safety.
 __device__ __forceinline__ u64 append_slot(const u32* __restrict__ words, u32 q, u32 queries, u32 sequences,
                                            u32 table_width, u32 page_size, u32 num_pages) {
-    const u32 q_seq = 16u;                                   // docs/layout.md
-    const u32 q_pos = q_seq + queries;
-    const u64 table = (u64)q_pos + queries + sequences + sequences + 1u;
-    const u32 s = words[q_seq + q];
-    const u32 p = words[q_pos + q];
-    if (s >= sequences) return ~0ull;                        // padded or corrupt entry
-    if (p >= words[(u64)q_pos + queries + s]) return ~0ull;  // at or past its kv_len: a padded entry (length 0)
+    const u64 table = pw::page_table(queries, sequences);
+    const u32 s = words[pw::q_seq(queries) + q];
+    const u32 p = words[pw::q_pos(queries) + q];
+    if (s >= sequences) return ~0ull;                         // padded or corrupt entry
+    if (p >= words[pw::kv_len(queries) + s]) return ~0ull;    // at or past its kv_len: a padded entry (length 0)
     const u32 col = p / page_size;
     if (col >= table_width) return ~0ull;                    // past the table
     const u32 page = words[table + (u64)s * table_width + col];

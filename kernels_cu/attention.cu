@@ -12,7 +12,7 @@
 // A launch covers the packed queries [q_begin, q_begin + q_count) of the
 // plan (host arguments, clamped to the plan's queries). A step whose
 // sequences suit different kernels runs as up to four launches over
-// contiguous ranges (segments, cupaged/attention.py tc_segments); every
+// contiguous ranges (segments, cupaged/ops/attention/schedule.py tc_segments); every
 // launch indexes q, out, lse and the partials by global query, so the one
 // merge after them serves all queries.
 //
@@ -40,7 +40,7 @@
 //   (an empty split writes out 0 and lse -inf); attention_split_merge
 //   combines them.
 //
-// Defines (compile-time choices, see cupaged/attention.py):
+// Defines (compile-time choices, see cupaged/ops/attention/variants.py):
 //   CP_DTYPE    f32 | f16 | bf16, the type of q, caches and out.
 //   HEAD_DIM    64 | 128 | 256: fast path with D == Dv == HEAD_DIM; 0 (or
 //               absent) for runtime D and Dv up to DIM_CAP.
@@ -56,6 +56,7 @@
 // The tensor-core kernels are described where they start (below); their
 // inline PTX lives in ptx.cuh.
 #include "common.cuh"
+#include "plan_words.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 0
@@ -80,8 +81,8 @@
 #endif
 
 namespace att {
-constexpr u32 kSplitTile = 16;                         // SPLIT_TILE in attention.py
-constexpr u32 kMaxLen = 0x7fff0000u;                   // visible lengths are clamped to this
+constexpr u32 kSplitTile = CP_SPLIT_TILE;
+constexpr u32 kMaxLen = CP_MAX_VISIBLE_LEN;            // visible lengths are clamped to this
 
 __device__ __forceinline__ u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
 
@@ -129,14 +130,14 @@ __device__ __forceinline__ void setup_rows(Rows& R, const u32* __restrict__ word
         u32 seq = kNone, lo = 0, hi = 0;
         if (i < qt && q0 + i < q_end) {
             const u32 qi = (u32)(q0 + i);
-            const u32 s = words[16 + qi];
+            const u32 s = words[pw::q_seq(queries) + qi];
             if (s < sequences) {
                 seq = s;
-                u64 L = words[16 + 2 * queries + s];
+                u64 L = words[pw::kv_len(queries) + s];
                 const u64 cap = (u64)table_width * page_size;
                 if (L > cap) L = cap;
                 if (causal) {
-                    const u64 p1 = (u64)words[16 + queries + qi] + 1;
+                    const u64 p1 = (u64)words[pw::q_pos(queries) + qi] + 1;
                     if (L > p1) L = p1;
                 }
                 const u32 len = (u32)(L < att::kMaxLen ? L : att::kMaxLen);
@@ -289,7 +290,7 @@ __device__ __forceinline__ void store_pair(scalar_t* __restrict__ out, float* __
 // ---------------------------------------------------------------- chunked prefill
 // paged_prefill_tc: FlashAttention-2 style, f16 / bf16, D == Dv == HEAD_DIM.
 //   grid (ceil(q_count / qt), kv_heads * head_tiles, splits), block 128 (4 warps),
-//   dynamic shared memory prefill_smem_bytes(D) (attention.py): 36 / 68 / 99 KiB
+//   dynamic shared memory prefill_smem_bytes(D) (ops/attention/variants.py): 36 / 68 / 99 KiB
 //   at D = 64 / 128 / 256.
 //   Rows (the M dimension, 64 per block, 16 per warp) are (query, head)
 //   pairs: ht = min(G, 64) query heads of one KV head's GQA group for each of
@@ -397,7 +398,7 @@ paged_prefill_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_
         for (u32 i = 0; i < 4; ++i) o[n][i] = 0.0f;
 
     const u64 k_page = (u64)page_size * kv_heads * kD;   // elements per page
-    const u32* const tables = words + 17 + 2 * queries + 2 * sequences;
+    const u32* const tables = words + pw::page_table(queries, sequences);
 
     tc::for_each_pass(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
         u32 rlo[2], rhi[2];   // this thread's rows' positions in this pass
@@ -545,7 +546,7 @@ paged_prefill_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_
 // R = LATENT_DIM latent dims (the values too) + P = ROPE_DIM rotary dims,
 // one shared KV head.
 //   grid (ceil(q_count / qt), head_tiles, splits), block 256 (8 warps),
-//   dynamic shared memory mla_smem_bytes(R, P) (attention.py): 151 KiB at 512 / 64.
+//   dynamic shared memory mla_smem_bytes(R, P) (ops/attention/variants.py): 151 KiB at 512 / 64.
 //   Rows are (query, head) pairs as in paged_prefill_tc: ht = min(H, 64)
 //   heads of qt = 64 / ht queries, so each latent row read serves up to 64
 //   heads. A shared-memory row holds [q | q_pos] (Q) or [latent | k_pos] (K,
@@ -646,7 +647,7 @@ paged_mla_tc(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cach
     }
 
     const u64 lat_page = (u64)page_size * kR, rot_page = (u64)page_size * kP;
-    const u32* const tables = words + 17 + 2 * queries + 2 * sequences;
+    const u32* const tables = words + pw::page_table(queries, sequences);
 
     tc::for_each_pass(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
         u32 rlo[2], rhi[2];
@@ -904,22 +905,21 @@ paged_attention(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_c
     const u32 row = lane / kLanes, x = lane % kLanes;
 
     // ---- visible positions of this query and this split's share ----
-    // Word offsets follow docs/layout.md from the plan's static sizes (the
-    // offsets stored in words 6..10 are not trusted): q_seq at 16, q_pos at
-    // 16 + Q, kv_len at 16 + 2Q, page_table at 17 + 2Q + 2S.
-    const u32 seq = words[16 + qi];
+    // Word offsets from the plan's static sizes (plan_words.cuh; the offsets
+    // stored in words 6..10 are not trusted).
+    const u32 seq = words[pw::q_seq(queries) + qi];
     u32 len = 0;
     const u32* table = words;   // this sequence's page-table row (valid when len > 0)
     if (seq < sequences) {
-        u64 L = words[16 + 2 * queries + seq];
+        u64 L = words[pw::kv_len(queries) + seq];
         const u64 cap = (u64)table_width * page_size;
         if (L > cap) L = cap;
         if (causal) {
-            const u64 p1 = (u64)words[16 + queries + qi] + 1;
+            const u64 p1 = (u64)words[pw::q_pos(queries) + qi] + 1;
             if (L > p1) L = p1;
         }
         len = (u32)(L < kMaxLen ? L : kMaxLen);
-        table = words + 17 + 2 * queries + 2 * sequences + seq * table_width;
+        table = words + pw::page_table(queries, sequences) + (u64)seq * table_width;
     }
     u32 start = 0, end = len;
     if (splits > 1) {
@@ -1181,7 +1181,7 @@ extern "C" __global__ void __launch_bounds__(128)
 attention_split_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                       scalar_t* __restrict__ out, float* __restrict__ lse, u32 queries, u32 q_heads,
                       u32 value_dim, u32 splits, u32 write_lse) {
-    constexpr u32 kMaxSplits = 64;   // MAX_SPLITS in attention.py
+    constexpr u32 kMaxSplits = CP_MAX_SPLITS;
     __shared__ float s_w[4][kMaxSplits];
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
     const u32 qi = blockIdx.x, h = blockIdx.y * 4 + warp;

@@ -105,26 +105,3 @@ silu_mul(const scalar_t* __restrict__ gu, scalar_t* __restrict__ out, u32 f) {
         out[(u64)r * f + i] = from_float<scalar_t>(a / (1.f + __expf(-a)) * to_float(g[f + i]));
     }
 }
-
-// Advance a plan by one step on the device: every sequence whose length is
-// not 0 (0 marks a padded batch entry) and that has room in its page-table
-// row moves forward by its q_len tokens: kv_len += q_len, and each of its
-// queries' positions += q_len. A sequence without room stays where it is (the
-// host loop stops before that). Captured at the end of a decode graph so the
-// next replay attends over, rotates by and appends at the next position with
-// no host data. Word layout: docs/layout.md. grid (ceil(S / 128)), block 128.
-extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
-advance_plan(u32* words, u32 queries, u32 sequences, u32 table_width, u32 page_size) {
-    const u32 s = blockIdx.x * blockDim.x + threadIdx.x;
-    if (s >= sequences) return;
-    u32* q_pos = words + 16 + queries;
-    u32* kv_len = q_pos + queries;
-    const u32* q_start = kv_len + sequences;
-    const u32 q0 = q_start[s], q1 = q_start[s + 1];
-    if (q0 > q1 || q1 > queries) return;
-    const u32 step = q1 - q0, len = kv_len[s];
-    const u64 capacity = (u64)table_width * page_size;
-    if (len == 0 || step == 0 || (u64)len + step > capacity) return;
-    kv_len[s] = len + step;
-    for (u32 q = q0; q < q1; ++q) q_pos[q] += step;
-}

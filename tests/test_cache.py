@@ -7,12 +7,12 @@ import importlib.util
 import numpy as np
 import pytest
 
-from cupaged import HostPlan, PagedAttentionError, reference
-from cupaged.cache import PagedKVCache, Sequence, launch_copy_pages
-from cupaged.stream import stream_for
-from cupaged.testing import as_dtype, tolerance
+from cupaged import HostPlan, PagedAttentionError, stream_for
+from cupaged.cache import PagedKVCache, Sequence
+from cupaged.ops.append import copy_pages as launch_copy_pages
+from cupaged.testing import as_dtype, reference, tolerance
 
-HAVE_ATTENTION = importlib.util.find_spec("cupaged.attention") is not None
+HAVE_ATTENTION = importlib.util.find_spec("cupaged.ops.attention") is not None
 
 
 def bits(a) -> np.ndarray:
@@ -182,7 +182,7 @@ def test_fork_isolation_and_copy_report(xp_backend):
     check_invariants(cache, [parent, child])
 
 
-@pytest.mark.skipif(not HAVE_ATTENTION, reason="cupaged.attention not present yet")
+@pytest.mark.skipif(not HAVE_ATTENTION, reason="cupaged.ops.attention not present yet")
 def test_fork_isolation_attention_bit_identical(xp_backend):
     """The parent's attention output is bit-identical before and after its
     child appends into their shared last page."""

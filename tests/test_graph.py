@@ -7,9 +7,12 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import PagedAttentionError, reference, tiny
+from cupaged import PagedAttentionError
+from cupaged.demo import tiny
 from cupaged.graph import DecodeLoop, DeviceScalars, PagedDecodeLoop, capture_graph, seed_tokens
+from cupaged.layout import metadata_offsets
 from cupaged.plan import HostPlan
+from cupaged.testing import reference
 
 CFG = tiny.TinyConfig(vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ffn=48, max_pos=256)
 PROMPTS = [[5, 17, 3, 88, 40, 2, 9], [1, 2, 3], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71]]
@@ -61,7 +64,7 @@ def test_device_scalars_alias_plan_words():
     plan = HostPlan.build([[0, 1], [2, 3]], [3, 5], [1, 1], 4, 4).upload(like)
     sc = DeviceScalars.of_plan(plan, 1)
     sc.update(6)
-    off = cupaged.plan.metadata_offsets(2, 2)
+    off = metadata_offsets(2, 2)
     assert plan.words[off["kv_len"] + 1] == 7 and plan.words[off["q_pos"] + 1] == 6
     assert plan.words[off["kv_len"]] == 3 and plan.words[off["q_pos"]] == 2
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import PagedAttentionError, interop, reference
-from cupaged.testing import as_dtype, assert_close, make_mla_case, make_paged_case
+from cupaged import PagedAttentionError, interop
+from cupaged.layout import metadata_offsets
+from cupaged.testing import as_dtype, assert_close, make_mla_case, make_paged_case, reference
 
 DTYPES = ["f32", "f16", "bf16"]
 
@@ -181,7 +182,7 @@ def test_rope_reads_plan_words(torch):
     q64 = np.random.default_rng(5).standard_normal((case.num_queries, 4, 64))
     x = torch.from_numpy(q64.astype(np.float32))
     cos, sin = (torch.from_numpy(t.astype(np.float32)) for t in reference.rope_tables(np.arange(64), 64))
-    off = cupaged.plan.metadata_offsets(plan.queries, plan.sequences)["q_pos"]
+    off = metadata_offsets(plan.queries, plan.sequences)["q_pos"]
     assert interop.rope(x, plan.plan.words[off:off + plan.queries], cos, sin) is x
     pos = plan.host.q_pos
     assert_close(_np(x), reference.apply_rope(q64, cos.numpy()[pos], sin.numpy()[pos]), "f32", "rope")

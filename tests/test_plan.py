@@ -11,7 +11,7 @@ import pytest
 
 import cupaged
 from cupaged import HostPlan, PagedAttentionError, SplitWorkspace
-from cupaged.plan import HEADER_WORDS, MAGIC, metadata_offsets
+from cupaged.layout import HEADER_WORDS, MAGIC, metadata_offsets
 
 BF16 = ml_dtypes.bfloat16
 
@@ -241,7 +241,7 @@ def test_choose_splits_counts_the_grid_of_the_kernel_that_runs():
     # MLA decode, 64 queries x 16 heads: the tensor-core kernel serves 4 queries x 16 heads per block,
     # so the unsplit grid is 16 blocks, not 64.
     plan = HostPlan.build(np.arange(64 * 64).reshape(64, 64) % 4096, [4000] * 64, [1] * 64, 64, 4096)
-    from cupaged.attention import unsplit_blocks
+    from cupaged.ops.attention import unsplit_blocks
     assert unsplit_blocks(plan, 16, 1, 512, 512, "bf16", rot_dim=64) == 16
     assert cupaged.choose_splits(plan, 1, multiprocessors=132, q_heads=16, head_dim=512, dtype=BF16,
                                  rot_dim=64) == min(math.ceil(264 / 16), math.ceil(4000 / 256))

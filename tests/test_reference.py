@@ -6,8 +6,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupaged import reference as ref
 from cupaged import testing
+from cupaged.testing import reference as ref
 
 
 # ---------------------------------------------------------------- brute force

@@ -28,10 +28,10 @@ $PY -c "import cupy, cuda.bindings; p = cupy.cuda.runtime.getDeviceProperties(0)
 step gate     90  $PY -m cupaged.tools.compile_check --jobs 8
 step gpu_tests 200 $PY -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=60 tests
 step demo      60  $PY -m cupaged demo --tokens 64 --batch 8
-step bench_attention 150 $PY tools/bench_attention.py --quick
-step bench_mla 60  $PY tools/bench_mla.py --quick
-step bench_append 40 $PY tools/bench_append.py --reps 20
-step bench_decode 40 $PY tools/bench_decode.py
+step bench_attention 150 $PY benchmarks/bench_attention.py --quick
+step bench_mla 60  $PY benchmarks/bench_mla.py --quick
+step bench_append 40 $PY benchmarks/bench_append.py --reps 20
+step bench_decode 40 $PY benchmarks/bench_decode.py
 {
 echo
 echo "================ SUMMARY ($(cat "$META/date.txt"); $(cat "$META/device.txt"))"

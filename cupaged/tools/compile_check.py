@@ -4,10 +4,10 @@
         [--jobs N] [--require-v4 KERNEL_SUBSTR ...] [--max-stack BYTES]
         [--json] [--keep-ptx DIR] [--no-cache] [--source PATH -D NAME=VAL ...]
 
-Every variant the package registers (``cupaged._registry.all_variants()``) is
-assembled exactly as the GPU backend assembles it (``cupaged._source``) and
+Every variant the package registers (``cupaged._runtime.registry.all_variants()`` after importing ``cupaged.ops``) is
+assembled exactly as the GPU backend assembles it (``cupaged._runtime.source``) and
 compiled through ``cuda.bindings.nvrtc`` with the GPU backend's options
-(``cupaged._nvrtc.gate_options``) to PTX and cubin for each architecture; no
+(``cupaged._runtime.nvrtc.gate_options``) to PTX and cubin for each architecture; no
 GPU and no driver are needed. For each kernel the table shows registers,
 spill stores / loads, stack frame and static shared memory from the ptxas
 report, and whether the PTX has a 128-bit global load (``ld.global[.nc].v4.*``
@@ -41,7 +41,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import _nvrtc, _source
+from .. import ops  # noqa: F401  (importing the op modules registers every variant)
+from .._runtime import nvrtc as _nvrtc
+from .._runtime import registry as _registry
+from .._runtime import source as _source
 
 DEFAULT_ARCHS = ("sm_80", "sm_90")
 _ARCH = re.compile(r"^(sm|compute)_\d+[af]?$")
@@ -87,10 +90,6 @@ class Result:
         if not with_text:
             d.pop("log")
         return d
-
-
-def _stem(source) -> str:
-    return Path(source).stem if isinstance(source, Path) or "/" in str(source) else str(source)
 
 
 def default_cache_dir() -> Path:
@@ -175,7 +174,6 @@ def check(variants=None, archs=DEFAULT_ARCHS, *, filter: str | None = None, jobs
     anyway so that every Result carries its PTX.
     """
     if variants is None:
-        from .. import _registry
         variants = _registry.all_variants()
     archs = tuple(archs)
     for a in archs:
@@ -185,7 +183,7 @@ def check(variants=None, archs=DEFAULT_ARCHS, *, filter: str | None = None, jobs
     units = []  # (source, defines, variant name, text, kernels kept or None for all)
     for source, defines in variants:
         defines = dict(defines or {})
-        name = _source.variant_name(_stem(source), defines)
+        name = _source.variant_name(_source.stem_of(source), defines)
         text = _source.assemble(source, defines)
         keep = None
         if filter and filter not in name:
@@ -350,10 +348,9 @@ def main(argv=None) -> int:
         defines = dict(args.defines)
         variants = [(s.resolve(), defines) for s in args.source]
     else:
-        from .. import _registry
         variants = _registry.all_variants()
         if not variants:
-            print("warning: no kernel variants are registered (cupaged._registry.all_variants() is empty); "
+            print("warning: no kernel variants are registered (cupaged._runtime.registry.all_variants() is empty); "
                   "nothing to compile", file=sys.stderr)
             if args.json:
                 print(json.dumps({"results": [], "summary": summarize([], 0.0, args.jobs)}, indent=1))

@@ -1,0 +1,72 @@
+"""Decode loop benchmark: host time per step and tokens/s, eager against one
+graph launch per token, for a small many-layer tiny decoder (cupaged.demo.tiny).
+
+    python benchmarks/bench_decode.py            # GPU
+    python benchmarks/bench_decode.py --cpu      # smoke run on the CPU backend
+
+Host time per step: wall time of issuing one step of ``tiny.generate``'s
+decode loop (``loop.advance()`` plus its one token-history copy) without
+waiting for the device, median over the steps after two warm-up steps.
+Tokens/s: batch x those steps / their wall time including the final
+synchronize (the token readback).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import benchlib  # noqa: I001
+from cupaged.demo import tiny
+
+
+def run(be, cfg, batch, steps, graph):
+    like = be.asarray(np.zeros(1, np.float32))
+    w = tiny.rounded(tiny.init_weights(cfg, seed=0), np.float32)
+    prompt = 8
+    pages = batch * (-(-(prompt + steps + 8) // 16)) + 2
+    model = tiny.TinyModel(cfg, w, like, dtype=np.float32, num_pages=pages, page_size=16,
+                           max_rows=batch * prompt)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab, prompt).tolist() for _ in range(batch)]
+    # One generate of steps + 4 tokens: its page table has room for them all (a
+    # loop made for fewer tokens cannot take more steps: its rows are full).
+    # Steps 1-2 compile what eager mode first needs; timing starts after them.
+    stamps = []
+    tiny.generate(model, prompts, steps + 4, chunk=prompt, graph=graph,
+                  on_step=lambda i: stamps.append(time.perf_counter()))
+    be.sync()
+    end = time.perf_counter()
+    steady = stamps[2:]                                   # steps + 1 stamps: steps intervals
+    return float(np.median(np.diff(steady))), batch * (len(steady) - 1) / (end - steady[0])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--steps", type=int, default=64)
+    args = p.parse_args(argv)
+    be = benchlib.backend(args.cpu)
+    if args.cpu:
+        cfg, batches, args.steps = tiny.TinyConfig(layers=2), [2], 4
+    else:
+        cfg = tiny.TinyConfig(vocab=4096, hidden=256, layers=args.layers, heads=8, kv_heads=2, head_dim=32,
+                              ffn=512, max_pos=4096)
+        batches = [1, 16]
+    print(f"device: {be.device}; tiny decoder {cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab}, f32")
+    rows = []
+    for b in batches:
+        for graph in (False, True):
+            host, tps = run(be, cfg, b, args.steps, graph)
+            rows.append(dict(batch=b, mode="graph" if graph else "eager", host_us_per_step=f"{host * 1e6:.0f}",
+                             tokens_per_s=f"{tps:.0f}"))
+            print(benchlib.table([rows[-1]], list(rows[-1])).splitlines()[-1], flush=True)
+    print()
+    print(benchlib.table(rows, ["batch", "mode", "host_us_per_step", "tokens_per_s"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,476 @@
+"""The CPU backend: cupaged's CUDA C kernels compiled by g++ and run on fibers.
+
+The assembled source of a kernel variant (``_source.assemble``) is compiled by
+g++ with ``kernels_cu/shim/cupaged_shim.h`` force-included into a shared
+library, cached on disk, loaded with ctypes and launched with a
+``cuLaunchKernel``-style ``void**`` argument array. The kernels run on the
+runtime of ``kernels_cu/shim/cupaged_rt.cpp``: every CUDA thread is a fiber,
+one worker thread runs all fibers of a block, blocks spread over a persistent
+pool of workers (one per core; ``CUPAGED_CPU_WORKERS`` overrides).
+
+Barriers and warp collectives that cannot complete (a deadlock, lanes in
+different collectives, a mask naming a lane that exited), ``__trap()`` and
+``assert`` raise :class:`~cupaged.errors.KernelError` naming the kernel, the
+block, and the source lines where threads wait; the pool stays usable. A
+fiber stack overflow (64 KiB per CUDA thread) aborts the process with a
+message naming the kernel, as a GPU would fault.
+
+Environment:
+
+* ``CUPAGED_CACHE_DIR``: where built libraries go (default ``~/.cache/cupaged/cpu``).
+* ``CUPAGED_CXX``: the C++ compiler (default ``g++``; GCC 12 or later).
+* ``CUPAGED_CPU_WORKERS``: number of worker threads (default: CPUs available).
+* ``CUPAGED_CPU_CXXFLAGS``: extra flags for kernel modules (e.g. ``-g -O0``).
+* ``CUPAGED_CPU_FIBERS=ucontext``: the portable (slower) context switch.
+* ``CUPAGED_CPU_ASAN=1``: build runtime and kernels with AddressSanitizer, so
+  that a kernel reading or writing outside a NumPy array stops with a report
+  naming the kernel's source line. Python itself is not built with ASan, so
+  libasan must be loaded first: ``LD_PRELOAD=$(g++ -print-file-name=libasan.so)
+  ASAN_OPTIONS=detect_leaks=0 python ...``.
+
+Rules for kernel sources, so that they run here as on a GPU: declare dynamic
+shared memory with ``CUPAGED_DYNAMIC_SHARED(T, name)``; include no system
+headers besides ``<cuda_fp16.h>``/``<cuda_bf16.h>``; never spin-wait on
+another thread or block (fibers are not pre-empted); use ``__syncwarp`` or
+``*_sync`` collectives between dependent warp lanes.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CompileError, KernelError, PagedAttentionError
+from . import source as _source
+
+MAX_THREADS_PER_BLOCK = 1024
+MAX_BLOCK_DIM = (1024, 1024, 64)
+MAX_GRID_DIM = (2**31 - 1, 65535, 65535)
+MAX_SHARED_MEM = 227 * 1024
+
+# Flags of kernel modules (part of the cache key; emulator.md explains each).
+MODULE_FLAGS = (
+    "-std=c++20", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-fno-extern-tls-init",
+    "-ftls-model=global-dynamic", "-fvisibility=hidden", "-fno-math-errno", "-fstack-clash-protection",
+    "-DCUPAGED_CPU",
+)
+RUNTIME_FLAGS = (
+    "-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-fvisibility=hidden",
+    "-DCUPAGED_CPU",
+)
+_SHIM_SUFFIXES = (".h", ".hpp", ".cpp")
+
+_lock = threading.RLock()
+_runtime: ctypes.CDLL | None = None
+_modules: dict[str, "CpuModule"] = {}
+
+
+# ---- configuration -----------------------------------------------------------
+def cache_dir() -> Path:
+    """Folder of built libraries: ``$CUPAGED_CACHE_DIR`` or ``~/.cache/cupaged/cpu``."""
+    d = os.environ.get("CUPAGED_CACHE_DIR")
+    path = Path(d).expanduser() if d else Path.home() / ".cache" / "cupaged" / "cpu"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CompileError(f"cannot create the CPU kernel cache {path}: {e} (set CUPAGED_CACHE_DIR)") from None
+    return path
+
+
+ASAN_FLAGS = ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")
+
+
+def _asan() -> bool:
+    return os.environ.get("CUPAGED_CPU_ASAN", "").strip() not in ("", "0")
+
+
+def _module_flags() -> tuple[str, ...]:
+    extra = tuple(shlex.split(os.environ.get("CUPAGED_CPU_CXXFLAGS", "")))
+    return MODULE_FLAGS + (ASAN_FLAGS if _asan() else ()) + extra
+
+
+def _runtime_flags() -> tuple[str, ...]:
+    fibers = os.environ.get("CUPAGED_CPU_FIBERS", "").strip().lower()
+    if fibers not in ("", "asm", "ucontext"):
+        raise PagedAttentionError(f"CUPAGED_CPU_FIBERS: expected 'asm' or 'ucontext', got {fibers!r}")
+    return (RUNTIME_FLAGS + (("-DCUPAGED_FIBER_UCONTEXT",) if fibers == "ucontext" else ())
+            + (ASAN_FLAGS if _asan() else ()))
+
+
+def _check_asan_loaded() -> None:
+    if _asan() and not hasattr(ctypes.CDLL(None), "__asan_init"):
+        raise PagedAttentionError(
+            "CUPAGED_CPU_ASAN=1: expected libasan to be loaded before Python starts, it is not; run with "
+            "LD_PRELOAD=$(g++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0")
+
+
+@functools.lru_cache(maxsize=None)
+def _shim_blob() -> bytes:
+    """Every byte of the shim folder (names and contents), read once per
+    process so that modules and the loaded runtime always agree."""
+    parts = []
+    for p in sorted(_source.shim_dir().iterdir()):
+        if p.suffix in _SHIM_SUFFIXES and p.is_file():
+            parts += [p.name.encode(), b"\0", p.read_bytes(), b"\0"]
+    return b"".join(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler() -> tuple[str, str]:
+    """(path, ``--version`` text) of the compiler. The version text is cached
+    on disk by the binary's path, size and mtime, so that a warm cache never
+    runs the compiler at all."""
+    cxx = os.environ.get("CUPAGED_CXX", "g++")
+    path = shutil.which(cxx)
+    if path is None:
+        raise CompileError(f"the CPU backend needs a C++ compiler: {cxx!r} not found on PATH "
+                           f"(install g++ 12 or later, or set CUPAGED_CXX)")
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    stamp = cache_dir() / f"compiler-{_source.digest(path, real, str(st.st_size), str(st.st_mtime_ns))}.txt"
+    try:
+        return path, stamp.read_text()
+    except OSError:
+        pass
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise CompileError(f"{path} --version failed: {e}") from None
+    _write_atomic(stamp, out.encode())
+    return path, out
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _run_compiler(args: list[str], what: str) -> str:
+    try:
+        r = subprocess.run(args, capture_output=True, text=True)
+    except OSError as e:
+        raise CompileError(f"cannot run {args[0]} for {what}: {e}") from None
+    if r.returncode != 0:
+        raise CompileError(f"g++ failed to compile {what} (exit {r.returncode}):\n{r.stderr.strip()}\n"
+                           f"command: {shlex.join(args)}")
+    return r.stdout
+
+
+# ---- runtime -----------------------------------------------------------------------
+def runtime() -> ctypes.CDLL:
+    """The runtime library (fibers, worker pool), built once and loaded with
+    RTLD_GLOBAL so that every kernel module links against it."""
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            return _runtime
+        _check_asan_loaded()
+        cxx, version = _compiler()
+        flags = _runtime_flags()
+        key = _source.digest("runtime", _shim_blob(), " ".join(flags), version)
+        path = cache_dir() / f"cupaged_rt-{key}.so"
+        if not path.exists():
+            shim = _source.shim_dir()
+            with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
+                out = Path(tmp) / path.name
+                _run_compiler([cxx, *flags, "-I", str(shim), str(shim / "cupaged_rt.cpp"), "-o", str(out)],
+                              "the CPU backend runtime (kernels_cu/shim/cupaged_rt.cpp)")
+                os.replace(out, path)
+        lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+        lib.cupaged_rt_last_error.restype = ctypes.c_char_p
+        lib.cupaged_rt_last_error.argtypes = []
+        lib.cupaged_rt_num_workers.restype = ctypes.c_int
+        lib.cupaged_rt_num_workers.argtypes = []
+        _runtime = lib
+        return lib
+
+
+def configured_workers() -> int:
+    """Worker threads the CPU backend runs (or will run) with:
+    ``CUPAGED_CPU_WORKERS`` when set, else the CPUs available."""
+    return int(os.environ.get("CUPAGED_CPU_WORKERS") or os.cpu_count() or 1)
+
+
+def num_workers() -> int:
+    """Worker threads of the CPU backend (starts the pool)."""
+    return int(runtime().cupaged_rt_num_workers())
+
+
+# ---- modules --------------------------------------------------------------------
+def _export_block(names: list[str]) -> str:
+    lines = ['#line 1 "<cupaged exports>"']
+    lines += [f"CUPAGED_EXPORT_KERNEL({n})" for n in names]
+    lines.append('extern "C" __attribute__((visibility("default"))) const char* cupaged_kernel_names() '
+                 f'{{ return "{",".join(names)}"; }}')
+    return "\n" + "\n".join(lines) + "\n"
+
+
+_PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", re.M)
+
+
+def _build_module(source_text: str, variant: str, path: Path, flags: tuple[str, ...]) -> None:
+    cxx, _ = _compiler()
+    shim = _source.shim_dir()
+    common = ["-include", str(shim / "cupaged_shim.h"), "-I", str(shim)]
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
+        src = Path(tmp) / (path.stem + ".cu")
+        # Headers are inlined once each: their "#pragma once" only draws a warning.
+        source_text = _PRAGMA_ONCE.sub("", source_text)
+        src.write_text(source_text)
+        # The kernels as the compiler sees them, after #if and macros.
+        pre = _run_compiler([cxx, *flags, "-E", "-P", "-DCUPAGED_KERNEL_SCAN", *common, "-x", "c++", str(src)],
+                            f"CPU kernel module {variant}")
+        names = _source.kernel_names(pre)
+        src.write_text(source_text + _export_block(names))
+        out = Path(tmp) / path.name
+        _run_compiler([cxx, *flags, *common, "-x", "c++", str(src), "-o", str(out)], f"CPU kernel module {variant}")
+        os.replace(src, path.with_suffix(".cu"))  # kept beside the library, for debuggers
+        os.replace(out, path)
+
+
+def load_module(source_text: str, variant: str) -> "CpuModule":
+    """Compile (cached on disk) and load the assembled source ``source_text``;
+    cached in process by digest. ``variant`` names the file."""
+    rt = runtime()
+    cxx, version = _compiler()
+    flags = _module_flags()
+    key = _source.digest(source_text, _shim_blob(), " ".join(flags), version)
+    with _lock:
+        mod = _modules.get(key)
+        if mod is not None:
+            return mod
+        stem = re.sub(r"[^A-Za-z0-9_]", "_", variant)[:150] or "module"
+        path = cache_dir() / f"{stem}-{key}.so"
+        if not path.exists():
+            _build_module(source_text, variant, path, flags)
+        try:
+            lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        except OSError:
+            # A library left by another build (other machine, damaged file): build again.
+            path.unlink(missing_ok=True)
+            _build_module(source_text, variant, path, flags)
+            lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        mod = CpuModule(lib, rt, path, variant, key)
+        _modules[key] = mod
+        return mod
+
+
+class CpuModule:
+    """A loaded kernel module. ``kernel_names`` lists its kernels."""
+
+    def __init__(self, lib: ctypes.CDLL, rt: ctypes.CDLL, path: Path, variant: str, digest: str):
+        self._lib = lib
+        self._rt = rt
+        self.path = path
+        self.variant = variant
+        self.digest = digest
+        lib.cupaged_kernel_names.restype = ctypes.c_char_p
+        names = lib.cupaged_kernel_names().decode()
+        self.kernel_names: tuple[str, ...] = tuple(n for n in names.split(",") if n)
+        self._functions: dict[str, CpuFunction] = {}
+
+    def get_function(self, name: str) -> "CpuFunction":
+        fn = self._functions.get(name)
+        if fn is None:
+            if name not in self.kernel_names:
+                raise PagedAttentionError(
+                    f"kernel: expected one of {', '.join(self.kernel_names) or '(none)'} in module "
+                    f"{self.variant}, got {name!r}")
+            fn = self._functions[name] = CpuFunction(self, name)
+        return fn
+
+    def __repr__(self) -> str:
+        return f"<CpuModule {self.variant} {self.path}>"
+
+
+_PRETTY_T = re.compile(r"\[with T = (.*)\]$")
+
+# numpy scalar (kind, itemsize) -> ctypes type
+_SCALAR_CTYPES = {
+    ("i", 1): ctypes.c_int8, ("i", 2): ctypes.c_int16, ("i", 4): ctypes.c_int32, ("i", 8): ctypes.c_int64,
+    ("u", 1): ctypes.c_uint8, ("u", 2): ctypes.c_uint16, ("u", 4): ctypes.c_uint32, ("u", 8): ctypes.c_uint64,
+    ("f", 4): ctypes.c_float, ("f", 8): ctypes.c_double, ("b", 1): ctypes.c_bool,
+}
+
+
+def _scalar_ctype(dt: np.dtype, code: str):
+    """The ctypes type passing a NumPy scalar of dtype ``dt`` to a parameter
+    of kind ``code`` (see param_code in cupaged_shim.h), or None if they do
+    not match: same class (integer of either sign, float, bool) and size."""
+    kinds = {"i": "iu", "u": "iu", "f": "f", "b": "b"}.get(code[:1])
+    if kinds is None or dt.kind not in kinds or str(dt.itemsize) != code[1:]:
+        return None
+    return _SCALAR_CTYPES.get((dt.kind, dt.itemsize))
+
+
+# (numpy scalar type, parameter code) -> converter, for the fast path of bind
+_SCALAR_CONVERT = {}
+for _t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64, np.float32,
+           np.float64, np.bool_, np.longlong, np.ulonglong):
+    for _code in ("i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f4", "f8", "b1"):
+        _ct = _scalar_ctype(np.dtype(_t), _code)
+        if _ct is not None:
+            _SCALAR_CONVERT[(_t, _code)] = (lambda ct: lambda a: ct(a.item()))(_ct)
+del _t, _code, _ct
+
+
+class CpuFunction:
+    """One kernel of a module: ``bind(grid, block, shared_mem, args)`` checks
+    and freezes a launch; calling the result runs it."""
+
+    def __init__(self, module: CpuModule, name: str):
+        lib = module._lib
+        self.name = name
+        self.module = module
+        self._rt = module._rt
+        self._launch = getattr(lib, f"cupaged_launch_{name}")
+        self._launch.restype = ctypes.c_int
+        self._launch.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint), ctypes.c_uint,
+                                ctypes.POINTER(ctypes.c_void_p)]
+        nparams = getattr(lib, f"cupaged_nparams_{name}")
+        nparams.restype = ctypes.c_int
+        info = getattr(lib, f"cupaged_param_{name}")
+        info.restype = ctypes.c_char_p
+        info.argtypes = [ctypes.c_int, ctypes.c_int]
+        n = nparams()
+        self.param_codes: tuple[str, ...] = tuple(info(i, 0).decode() for i in range(n))
+        types = []
+        for i in range(n):
+            m = _PRETTY_T.search(info(i, 1).decode())
+            types.append(m.group(1) if m else "?")
+        self.param_types: tuple[str, ...] = tuple(types)
+
+    @property
+    def num_params(self) -> int:
+        return len(self.param_codes)
+
+    def bind(self, grid, block, shared_mem: int, args: tuple) -> "BoundLaunch":
+        grid = _check_dims("grid", grid, MAX_GRID_DIM, self.name, lo=0)
+        block = _check_dims("block", block, MAX_BLOCK_DIM, self.name, lo=1)
+        nthreads = block[0] * block[1] * block[2]
+        if nthreads > MAX_THREADS_PER_BLOCK:
+            raise PagedAttentionError(f"block: expected at most {MAX_THREADS_PER_BLOCK} threads per block for kernel "
+                                      f"{self.name}, got {block} = {nthreads} threads")
+        if isinstance(shared_mem, (bool, np.bool_)) or not isinstance(shared_mem, (int, np.integer)) \
+                or not 0 <= int(shared_mem) <= MAX_SHARED_MEM:
+            raise PagedAttentionError(f"shared_mem: expected 0 to {MAX_SHARED_MEM} bytes of dynamic shared memory "
+                                      f"for kernel {self.name}, got {shared_mem!r}")
+        args = tuple(args)
+        if len(args) != self.num_params:
+            raise PagedAttentionError(
+                f"args: kernel {self.name} takes {self.num_params} arguments ({', '.join(self.param_types)}), "
+                f"got {len(args)}")
+        values, keep = [], []
+        for i, (a, code) in enumerate(zip(args, self.param_codes)):
+            if code == "p" and type(a) is np.ndarray:
+                keep.append(a)
+                values.append(ctypes.c_void_p(a.__array_interface__["data"][0]))
+                continue
+            ctor = _SCALAR_CONVERT.get((type(a), code))
+            values.append(ctor(a) if ctor is not None else self._convert(i, a, code, keep))
+        return BoundLaunch(self, grid, block, int(shared_mem), values, keep)
+
+    def _convert(self, i: int, a, code: str, keep: list):
+        """Argument ``a`` for parameter ``i`` outside the fast paths of bind:
+        array subclasses, raw addresses, and every error."""
+        where = f"argument {i} of kernel {self.name} ({self.param_types[i]})"
+        if isinstance(a, np.ndarray):
+            if code != "p":
+                raise PagedAttentionError(f"{where}: expected a NumPy scalar of that type, got a NumPy array")
+            keep.append(a)
+            return ctypes.c_void_p(a.__array_interface__["data"][0])
+        if isinstance(a, np.generic):
+            dt = a.dtype
+            if code == "p":
+                if dt.kind in "iu" and dt.itemsize == 8:
+                    return ctypes.c_void_p(int(a) & 0xFFFFFFFFFFFFFFFF)
+                raise PagedAttentionError(f"{where}: expected a NumPy array (or an np.uint64 address), "
+                                          f"got numpy.{type(a).__name__}")
+            ctype = _scalar_ctype(dt, code)
+            if ctype is not None:
+                return ctype(a.item())
+            kind = {"i": "integer", "u": "integer", "b": "bool", "f": "floating-point"}.get(code[0])
+            if kind is None:
+                raise PagedAttentionError(f"{where}: this parameter type cannot be passed by the CPU launcher")
+            raise PagedAttentionError(f"{where}: expected a {code[1:]}-byte {kind} NumPy scalar "
+                                      f"(e.g. {_example(code)}), got numpy.{type(a).__name__}")
+        if isinstance(a, (bool, int, float)):
+            want = "a NumPy array (or an np.uint64 address)" if code == "p" else \
+                f"a NumPy scalar such as {_example(code)}"
+            raise PagedAttentionError(f"{where}: expected {want}, got Python {type(a).__name__} {a!r} "
+                                      f"(its C type would be ambiguous)")
+        raise PagedAttentionError(f"{where}: expected a NumPy array or NumPy scalar, got "
+                                  f"{type(a).__module__}.{type(a).__name__}")
+
+    def __repr__(self) -> str:
+        return f"<CpuFunction {self.name}({', '.join(self.param_types)})>"
+
+
+def _example(code: str) -> str:
+    return {"p": "a NumPy array", "i4": "np.int32(...)", "u4": "np.uint32(...)", "i8": "np.int64(...)",
+            "u8": "np.uint64(...)", "f4": "np.float32(...)", "f8": "np.float64(...)", "b1": "np.bool_(...)",
+            "i2": "np.int16(...)", "u2": "np.uint16(...)", "i1": "np.int8(...)", "u1": "np.uint8(...)",
+            }.get(code, "a NumPy scalar")
+
+
+def _check_dims(name: str, v, limits, kernel: str, lo: int) -> tuple[int, int, int]:
+    if type(v) is tuple and len(v) == 3 and all(type(x) is int for x in v) \
+            and lo <= v[0] <= limits[0] and lo <= v[1] <= limits[1] and lo <= v[2] <= limits[2]:
+        return v
+    try:
+        t = tuple(v)
+    except TypeError:
+        t = None
+    if t is None or len(t) != 3 or any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer))
+                                       for x in t):
+        raise PagedAttentionError(f"{name}: expected 3 ints for kernel {kernel}, got {v!r}")
+    t = tuple(int(x) for x in t)
+    for axis, x, top in zip("xyz", t, limits):
+        if not lo <= x <= top:
+            raise PagedAttentionError(f"{name}: expected {name}.{axis} from {lo} to {top} for kernel {kernel}, "
+                                      f"got {t}")
+    return t
+
+
+class BoundLaunch:
+    """A launch with its arguments frozen (array addresses and scalar values
+    as at ``bind``); keeps the arrays alive. Calling it runs the whole grid."""
+
+    __slots__ = ("function", "grid", "block", "shared_mem", "_grid", "_block", "_values", "_argv", "_keep")
+
+    def __init__(self, function: CpuFunction, grid, block, shared_mem: int, values: list, keep: list):
+        self.function = function
+        self.grid = grid
+        self.block = block
+        self.shared_mem = shared_mem
+        self._grid = (ctypes.c_uint * 3)(*grid)
+        self._block = (ctypes.c_uint * 3)(*block)
+        self._values = values
+        self._argv = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+        self._keep = keep
+
+    def __call__(self) -> None:
+        if 0 in self.grid:
+            return
+        rc = self.function._launch(self._grid, self._block, self.shared_mem, self._argv)
+        if rc:
+            msg = self.function._rt.cupaged_rt_last_error()
+            raise KernelError((msg or b"kernel failed").decode(errors="replace"))
+
+    def __repr__(self) -> str:
+        return f"<BoundLaunch {self.function.name} grid={self.grid} block={self.block} smem={self.shared_mem}>"

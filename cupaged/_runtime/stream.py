@@ -1,0 +1,203 @@
+"""Streams: the one way cupaged issues work, on either backend.
+
+A Stream offers kernel launch, ``memset_d32``, device-to-device and
+host-to-device async copies, and capture into a graph plus replay.
+
+* GPU: cuda-python driver calls on CuPy's current stream
+  (``cuMemsetD32Async``, ``cuMemcpyDtoDAsync``, ``cuStreamBeginCapture`` ...),
+  see ``cupaged._runtime.gpu``.
+* CPU: every call runs at once, in order. While capturing, calls are recorded
+  instead, with their arguments frozen at capture (array addresses, scalar
+  values), and ``Graph.launch()`` re-runs them in order, exactly as a CUDA
+  graph freezes kernel parameters.
+
+Arguments to ``launch`` follow ``cuLaunchKernel``: a tuple where an array
+stands for its data pointer and a NumPy scalar (``np.int32``, ``np.uint32``,
+``np.float32``, ``np.int64``, ``np.uint64``) for a value of that C type.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ..errors import PagedAttentionError
+from . import arrays as _backend
+
+
+def _check_span(name: str, arr, offset: int, nbytes: int) -> None:
+    if offset < 0 or nbytes < 0 or offset + nbytes > arr.nbytes:
+        raise PagedAttentionError(
+            f"{name}: expected bytes [{offset}, {offset + nbytes}) inside an array of {arr.nbytes} bytes")
+    if not arr.flags.c_contiguous:
+        raise PagedAttentionError(f"{name}: expected a C-contiguous array")
+
+
+class Graph:
+    """A captured sequence of stream work; ``launch()`` replays it on the
+    stream it was captured on. Keeps alive every array it touches."""
+
+    def __init__(self, stream: "Stream", ops: list, keep_alive: list, native=None):
+        self.stream = stream
+        self._ops = ops
+        self._keep_alive = keep_alive
+        self._native = native
+
+    def launch(self) -> None:
+        self.stream._replay(self)
+
+    @property
+    def num_ops(self) -> int:
+        return len(self._ops)
+
+
+class Stream:
+    """Base class; see the module docstring. ``backend`` is "cpu" or "gpu"."""
+
+    backend: str = ""
+    device: int = -1
+
+    def __init__(self):
+        self._capture: list | None = None
+        self._capture_keep: list | None = None
+
+    # -- public API -------------------------------------------------------
+    @property
+    def capturing(self) -> bool:
+        return self._capture is not None
+
+    def launch(self, kernel, grid, block, args, shared_mem: int = 0) -> None:
+        """Launch ``kernel`` (from ``cupaged._runtime.get_kernel``) with ``grid`` and
+        ``block`` (3-tuples or ints) and ``shared_mem`` dynamic bytes."""
+        grid, block = _dim3(grid), _dim3(block)
+        if 0 in grid:
+            return
+        self._launch(kernel, grid, block, int(shared_mem), tuple(args))
+
+    def memset_d32(self, dst, value: int, count: int | None = None, offset_bytes: int = 0) -> None:
+        """Set ``count`` 32-bit words of ``dst`` from ``offset_bytes`` to
+        ``value`` (its low 32 bits), stream-ordered; no host pointer involved."""
+        self._check(dst=dst)
+        count = (dst.nbytes - offset_bytes) // 4 if count is None else int(count)
+        _check_span("dst", dst, offset_bytes, 4 * count)
+        if offset_bytes % 4:
+            raise PagedAttentionError(f"offset_bytes: expected a multiple of 4, got {offset_bytes}")
+        self._memset_d32(dst, int(value) & 0xFFFFFFFF, count, int(offset_bytes))
+
+    def copy(self, dst, src, nbytes: int | None = None, dst_offset: int = 0, src_offset: int = 0) -> None:
+        """Stream-ordered device-to-device copy of ``nbytes`` bytes."""
+        self._check(dst=dst, src=src)
+        nbytes = src.nbytes - src_offset if nbytes is None else int(nbytes)
+        _check_span("dst", dst, dst_offset, nbytes)
+        _check_span("src", src, src_offset, nbytes)
+        if nbytes:
+            self._copy(dst, src, nbytes, int(dst_offset), int(src_offset))
+
+    def copy_from_host(self, dst, host: np.ndarray, dst_offset: int = 0) -> None:
+        """Stream-ordered host-to-device copy of all of ``host`` (a NumPy
+        array). The stream keeps its own copy of the host bytes alive until
+        the copy has run, so the caller may reuse ``host`` at once."""
+        if _backend.array_backend(dst) is None:
+            raise PagedAttentionError("dst: expected a NumPy or CuPy array")
+        self._check(dst=dst)
+        host = np.ascontiguousarray(host)
+        _check_span("dst", dst, dst_offset, host.nbytes)
+        if host.nbytes:
+            self._copy_from_host(dst, host.copy(), int(dst_offset))
+
+    def begin_capture(self) -> None:
+        if self.capturing:
+            raise PagedAttentionError("stream: already capturing; captures do not nest")
+        self._begin_capture()
+
+    def end_capture(self) -> Graph:
+        if not self.capturing:
+            raise PagedAttentionError("stream: end_capture without begin_capture")
+        return self._end_capture()
+
+    def synchronize(self) -> None:
+        """Wait for all work issued so far (a no-op on the CPU backend)."""
+
+    # -- helpers ----------------------------------------------------------
+    def _check(self, **arrays) -> None:
+        backend = _backend.backend_of(**arrays)
+        if backend != self.backend:
+            name = next(iter(arrays))
+            raise PagedAttentionError(
+                f"{name}: expected an array of the {self.backend} backend, got one of the {backend} backend")
+        for name, a in arrays.items():
+            if _backend.device_id(a) != self.device:
+                raise PagedAttentionError(
+                    f"{name}: expected an array on device {self.device}, got device {_backend.device_id(a)}")
+
+    def _keep(self, *objs) -> None:
+        if self._capture_keep is not None:
+            self._capture_keep.extend(objs)
+
+
+def _dim3(v) -> tuple[int, int, int]:
+    if isinstance(v, (int, np.integer)):
+        v = (int(v),)
+    v = tuple(int(x) for x in v) + (1,) * (3 - len(v))
+    if len(v) != 3 or any(x < 0 for x in v):
+        raise PagedAttentionError(f"launch dims: expected up to 3 non-negative ints, got {v}")
+    return v
+
+
+class CpuStream(Stream):
+    """The CPU backend's one stream: work runs at once, or is recorded while
+    capturing and replayed by ``Graph.launch()``."""
+
+    backend = _backend.CPU
+    device = -1
+
+    def _run_or_record(self, op, *keep) -> None:
+        if self._capture is not None:
+            self._capture.append(op)
+            self._keep(*keep)
+        else:
+            op()
+
+    def _launch(self, kernel, grid, block, shared_mem, args) -> None:
+        # bind() freezes argument values and array addresses now.
+        bound = kernel.bind(grid, block, shared_mem, args)
+        self._run_or_record(bound, bound, args)
+
+    def _memset_d32(self, dst, value, count, offset_bytes) -> None:
+        addr = _backend.address(dst) + offset_bytes
+
+        def op():
+            np.frombuffer((ctypes.c_uint32 * count).from_address(addr), dtype=np.uint32)[:] = value
+        self._run_or_record(op, dst)
+
+    def _copy(self, dst, src, nbytes, dst_offset, src_offset) -> None:
+        d, s = _backend.address(dst) + dst_offset, _backend.address(src) + src_offset
+        self._run_or_record(lambda: ctypes.memmove(d, s, nbytes), dst, src)
+
+    def _copy_from_host(self, dst, host, dst_offset) -> None:
+        d, s, n = _backend.address(dst) + dst_offset, _backend.address(host), host.nbytes
+        self._run_or_record(lambda: ctypes.memmove(d, s, n), dst, host)
+
+    def _begin_capture(self) -> None:
+        self._capture, self._capture_keep = [], []
+
+    def _end_capture(self) -> Graph:
+        ops, keep = self._capture, self._capture_keep
+        self._capture = self._capture_keep = None
+        return Graph(self, ops, keep)
+
+    def _replay(self, graph: Graph) -> None:
+        if graph.stream is not self:
+            raise PagedAttentionError("graph: captured on another stream")
+        if self.capturing:
+            raise PagedAttentionError("graph: cannot launch a CPU graph while capturing")
+        for op in graph._ops:
+            op()
+
+
+def check_not_capturing(stream: Stream, what: str) -> None:
+    """Raise if ``stream`` is capturing: ``what`` would be allocated inside
+    a graph, and its address could not be used safely outside it."""
+    if stream.capturing:
+        raise PagedAttentionError(
+            f"{what}: allocation inside graph capture; allocate it before capture_graph and pass it in")

@@ -1,0 +1,1 @@
+"""The demo's tiny Llama-style decoder (``tiny``), run by ``python -m cupaged demo``."""

@@ -1,0 +1,332 @@
+"""A tiny Llama-style decoder built only from cupaged ops, and its float64
+NumPy reference.
+
+RMSNorm, RoPE (rotate-half), GQA attention through the paged cache
+(``DevicePlan.append`` + ``DevicePlan.attention``), SwiGLU MLP, weights
+seeded random. Every step is stream work on preallocated buffers, so one
+decode step can be captured into a graph on either backend. Used by the
+decode-graph tests and by ``python -m cupaged demo``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .._runtime import stream_for, xp_of
+from ..graph import PagedDecodeLoop
+from ..layout import metadata_offsets
+from ..ops import layers
+from ..ops.sampling import argmax_into
+from ..plan import DevicePlan, HostPlan
+from ..testing import random_page_table, reference
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyConfig:
+    vocab: int = 256
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    ffn: int = 128
+    rope_base: float = 10000.0
+    eps: float = 1e-5
+    max_pos: int = 1024
+    # MLA variant (DeepSeek-style, absorbed at run time): latent R, rotary P,
+    # per-head no-rope query/key dim and value dim.
+    mla: bool = False
+    latent_dim: int = 32
+    rope_dim: int = 8
+    nope_dim: int = 16
+    v_head_dim: int = 16
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim if self.mla else self.head_dim
+
+
+def init_weights(cfg: TinyConfig, seed: int = 0) -> dict:
+    """Seeded random weights, float64, Linear layout [out, in]."""
+    rng = np.random.default_rng(seed)
+
+    def lin(n_out, n_in, gain=1.0):
+        return rng.standard_normal((n_out, n_in)) * gain / math.sqrt(n_in)
+
+    hq, hkv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    w = {"embed": rng.standard_normal((cfg.vocab, cfg.hidden)),
+         "final_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden),
+         "lm_head": lin(cfg.vocab, cfg.hidden, 4.0), "layers": []}
+    H, R, P, Dn, Dv = cfg.heads, cfg.latent_dim, cfg.rope_dim, cfg.nope_dim, cfg.v_head_dim
+    for _ in range(cfg.layers):
+        if cfg.mla:
+            attn = {"w_dkv": lin(R, cfg.hidden), "kv_norm": 1.0 + 0.1 * rng.standard_normal(R),
+                    "w_kr": lin(P, cfg.hidden), "w_qn": lin(H * Dn, cfg.hidden), "w_qr": lin(H * P, cfg.hidden),
+                    "w_uk": rng.standard_normal((H, Dn, R)) / math.sqrt(R),     # k_nope[h] = w_uk[h] @ c
+                    "w_uv": rng.standard_normal((H, Dv, R)) / math.sqrt(R),     # v[h] = w_uv[h] @ c
+                    "wo": lin(cfg.hidden, H * Dv)}
+        else:
+            attn = {"wq": lin(hq, cfg.hidden), "wk": lin(hkv, cfg.hidden), "wv": lin(hkv, cfg.hidden),
+                    "wo": lin(cfg.hidden, hq)}
+        w["layers"].append({
+            "attn_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden), **attn,
+            "mlp_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden),
+            "w_gate_up": lin(2 * cfg.ffn, cfg.hidden), "w_down": lin(cfg.hidden, cfg.ffn),
+        })
+    return w
+
+
+def rounded(weights: dict, dtype) -> dict:
+    """The weights as the model stores them (rounded to ``dtype``), back in
+    float64: what the reference must use to isolate kernel arithmetic."""
+    def r(a):
+        return np.asarray(a).astype(dtype).astype(np.float64)
+    return {"embed": r(weights["embed"]), "final_norm": r(weights["final_norm"]),
+            "lm_head": r(weights["lm_head"]),
+            "layers": [{k: r(v) for k, v in lw.items()} for lw in weights["layers"]]}
+
+
+def rope_tables(cfg: TinyConfig) -> tuple[np.ndarray, np.ndarray]:
+    """float64 cos, sin [max_pos, rotary_dim // 2] (head_dim, or rope_dim for MLA)."""
+    return reference.rope_tables(np.arange(cfg.max_pos), cfg.rotary_dim, cfg.rope_base)
+
+
+def _reference_mla(cfg: TinyConfig, lw: dict, h, cos, sin, mask) -> np.ndarray:
+    """Non-absorbed MLA of one sequence, float64: keys and values are
+    up-projected from the latent for every token (what the absorbed kernel
+    path must equal). h [n, hidden] -> attention output [n, H * Dv]."""
+    n, H, P = h.shape[0], cfg.heads, cfg.rope_dim
+    c = reference.rms_norm(h @ lw["w_dkv"].T, lw["kv_norm"], cfg.eps)                 # [n, R]
+    k_rope = reference.apply_rope((h @ lw["w_kr"].T).reshape(n, 1, P), cos, sin)[:, 0]  # [n, P]
+    q_nope = (h @ lw["w_qn"].T).reshape(n, H, cfg.nope_dim)
+    q_rope = reference.apply_rope((h @ lw["w_qr"].T).reshape(n, H, P), cos, sin)
+    k_nope = np.einsum("hdr,kr->khd", lw["w_uk"], c)                                 # [n, H, Dn]
+    v = np.einsum("hvr,kr->khv", lw["w_uv"], c)                                      # [n, H, Dv]
+    s = (np.einsum("qhd,khd->hqk", q_nope, k_nope) + np.einsum("qhp,kp->hqk", q_rope, k_rope)) \
+        / math.sqrt(cfg.nope_dim + P)
+    s = np.where(mask[None], s, -np.inf)
+    return np.einsum("hqk,khv->qhv", reference.softmax(s, axis=-1), v).reshape(n, -1)
+
+
+def reference_logits(cfg: TinyConfig, weights: dict, tokens) -> np.ndarray:
+    """float64 logits [n, vocab] of one sequence ``tokens`` [n], computed in
+    full from scratch (no cache): the oracle for the paged model."""
+    tokens = np.asarray(tokens, np.int64)
+    n, d = len(tokens), cfg.head_dim
+    cos, sin = rope_tables(cfg)
+    cos, sin = cos[:n], sin[:n]
+    x = weights["embed"][tokens]                                        # [n, hidden]
+    group = cfg.heads // cfg.kv_heads
+    mask = np.tril(np.ones((n, n), bool))
+    for lw in weights["layers"]:
+        h = reference.rms_norm(x, lw["attn_norm"], cfg.eps)
+        if cfg.mla:
+            attn = _reference_mla(cfg, lw, h, cos, sin, mask)
+        else:
+            q = reference.apply_rope((h @ lw["wq"].T).reshape(n, cfg.heads, d), cos, sin)
+            k = reference.apply_rope((h @ lw["wk"].T).reshape(n, cfg.kv_heads, d), cos, sin)
+            v = (h @ lw["wv"].T).reshape(n, cfg.kv_heads, d)
+            k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # [n, heads, d]
+            s = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+            s = np.where(mask[None], s, -np.inf)
+            attn = np.einsum("hqk,khd->qhd", reference.softmax(s, axis=-1), v).reshape(n, -1)
+        x = x + attn @ lw["wo"].T
+        h = reference.rms_norm(x, lw["mlp_norm"], cfg.eps)
+        gate, up = lw["w_gate_up"][:cfg.ffn], lw["w_gate_up"][cfg.ffn:]
+        x = x + reference.swiglu_mlp(h, gate.T, up.T, lw["w_down"].T)
+    return reference.rms_norm(x, weights["final_norm"], cfg.eps) @ weights["lm_head"].T
+
+
+def _block_diag(blocks) -> np.ndarray:
+    rows, cols = sum(b.shape[0] for b in blocks), sum(b.shape[1] for b in blocks)
+    out = np.zeros((rows, cols))
+    r = c = 0
+    for b in blocks:
+        out[r:r + b.shape[0], c:c + b.shape[1]] = b
+        r, c = r + b.shape[0], c + b.shape[1]
+    return out
+
+
+class TinyModel:
+    """The tiny decoder on one backend: weights, a paged KV cache per layer
+    ([num_pages, page_size, kv_heads, head_dim] each) and activation buffers
+    for up to ``max_rows`` queries per step, all allocated here, once.
+
+    ``forward(plan, tokens, logits)`` issues one step's stream work for the
+    plan's packed queries: tokens int64 [>= queries] (device), logits
+    [>= queries, vocab]. It allocates nothing and never synchronizes.
+    """
+
+    def __init__(self, cfg: TinyConfig, weights: dict, like, *, dtype=np.float32, num_pages: int,
+                 page_size: int, max_rows: int):
+        self.cfg, self.dtype, self.page_size, self.num_pages = cfg, np.dtype(dtype), page_size, num_pages
+        self.xp = xp = xp_of(like)
+        self.like = like
+
+        def dev(a, dt=self.dtype):
+            return xp.asarray(np.ascontiguousarray(np.asarray(a).astype(dt)))
+
+        host_layers = [dict(lw) for lw in weights["layers"]]
+        if cfg.mla:  # absorb the up-projections as block-diagonal Linear weights (tiny sizes: fine)
+            for lw in host_layers:
+                lw["w_uk_bd"] = _block_diag([m.T for m in lw.pop("w_uk")])   # q_nope[h] -> q_abs[h] (R)
+                lw["w_uv_bd"] = _block_diag(list(lw.pop("w_uv")))            # o_lat[h] -> v_out[h] (Dv)
+        self.w = {"embed": dev(weights["embed"]), "final_norm": dev(weights["final_norm"]),
+                  "lm_head": dev(weights["lm_head"]),
+                  "layers": [{k: dev(v) for k, v in lw.items()} for lw in host_layers]}
+        cos, sin = rope_tables(cfg)
+        self.cos, self.sin = dev(cos, np.float32), dev(sin, np.float32)
+        if cfg.mla:   # k_cache: the latent [pages, ps, 1, R]; v_cache: the rotated k_pos [pages, ps, 1, P]
+            k_shape = (num_pages, page_size, 1, cfg.latent_dim)
+            v_shape = (num_pages, page_size, 1, cfg.rope_dim)
+        else:
+            k_shape = v_shape = (num_pages, page_size, cfg.kv_heads, cfg.head_dim)
+        self.k_cache = [xp.zeros(k_shape, self.dtype) for _ in range(cfg.layers)]
+        self.v_cache = [xp.zeros(v_shape, self.dtype) for _ in range(cfg.layers)]
+        r, hd = max_rows, cfg.head_dim
+        self.max_rows = r
+        self.x = xp.zeros((r, cfg.hidden), self.dtype)
+        self.h = xp.zeros((r, cfg.hidden), self.dtype)
+        self.q = xp.zeros((r, cfg.heads, hd), self.dtype)
+        self.k = xp.zeros((r, cfg.kv_heads, hd), self.dtype)
+        self.v = xp.zeros((r, cfg.kv_heads, hd), self.dtype)
+        self.attn = xp.zeros((r, cfg.heads, hd), self.dtype)
+        self.gu = xp.zeros((r, 2 * cfg.ffn), self.dtype)
+        self.act = xp.zeros((r, cfg.ffn), self.dtype)
+        self.scale = 1.0 / math.sqrt(hd)
+        if cfg.mla:
+            H, R, P = cfg.heads, cfg.latent_dim, cfg.rope_dim
+            self.lat = xp.zeros((r, 1, R), self.dtype)
+            self.k_rope = xp.zeros((r, 1, P), self.dtype)
+            self.q_nope = xp.zeros((r, H * cfg.nope_dim), self.dtype)
+            self.q_rope = xp.zeros((r, H, P), self.dtype)
+            self.q_abs = xp.zeros((r, H, R), self.dtype)
+            self.o_lat = xp.zeros((r, H, R), self.dtype)
+            self.v_out = xp.zeros((r, H * cfg.v_head_dim), self.dtype)
+            self.scale = 1.0 / math.sqrt(cfg.nope_dim + P)   # from the model's QK dims, not from R
+
+    def forward(self, plan: DevicePlan, tokens, logits, *, workspace=None) -> None:
+        cfg, n = self.cfg, plan.host.queries
+        if n > self.max_rows:
+            raise ValueError(f"plan: {n} queries exceed the model's max_rows {self.max_rows}")
+        x, h, gu, act = (b[:n] for b in (self.x, self.h, self.gu, self.act))
+        off = metadata_offsets(plan.host.queries, plan.host.sequences)["q_pos"]
+        positions = plan.words[off:off + n]
+        layers.embed(tokens[:n], self.w["embed"], x)
+        for li, lw in enumerate(self.w["layers"]):
+            layers.rms_norm(x, lw["attn_norm"], h, cfg.eps)
+            if cfg.mla:
+                self._mla(plan, li, lw, h, positions, n, workspace)
+            else:
+                self._gqa(plan, li, lw, h, positions, n, workspace)
+            layers.rms_norm(x, lw["mlp_norm"], h, cfg.eps)
+            layers.linear(h, lw["w_gate_up"], gu)
+            layers.silu_mul(gu, act)
+            layers.linear(act, lw["w_down"], x, accumulate=True)
+        layers.rms_norm(x, self.w["final_norm"], h, cfg.eps)
+        layers.linear(h, self.w["lm_head"], logits[:n])
+
+    def _gqa(self, plan, li, lw, h, positions, n, workspace) -> None:
+        """GQA attention block: x += wo(attention(rope(q), rope(k), v))."""
+        x, q, k, v, attn = (b[:n] for b in (self.x, self.q, self.k, self.v, self.attn))
+        layers.linear(h, lw["wq"], q.reshape(n, -1))
+        layers.linear(h, lw["wk"], k.reshape(n, -1))
+        layers.linear(h, lw["wv"], v.reshape(n, -1))
+        layers.rope(q, positions, self.cos, self.sin)
+        layers.rope(k, positions, self.cos, self.sin)
+        plan.append(k, v, self.k_cache[li], self.v_cache[li])
+        plan.attention(q, self.k_cache[li], self.v_cache[li], self.scale, True, out=attn,
+                       workspace=workspace)
+        layers.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)
+
+    def _mla(self, plan, li, lw, h, positions, n, workspace) -> None:
+        """MLA block, absorbed: the latent and rotated k_pos go to the caches;
+        q_abs[h] = w_uk[h]^T q_nope[h]; the kernel attends over the latent;
+        v_out[h] = w_uv[h] o_lat[h]; x += wo(v_out)."""
+        cfg = self.cfg
+        x, lat, kr, qn, qr, qa, ol, vo = (b[:n] for b in (self.x, self.lat, self.k_rope, self.q_nope,
+                                                           self.q_rope, self.q_abs, self.o_lat, self.v_out))
+        layers.linear(h, lw["w_dkv"], lat.reshape(n, -1))
+        layers.rms_norm(lat.reshape(n, -1), lw["kv_norm"], lat.reshape(n, -1), cfg.eps)
+        layers.linear(h, lw["w_kr"], kr.reshape(n, -1))
+        layers.rope(kr, positions, self.cos, self.sin)
+        layers.linear(h, lw["w_qn"], qn)
+        layers.linear(h, lw["w_qr"], qr.reshape(n, -1))
+        layers.rope(qr, positions, self.cos, self.sin)
+        layers.linear(qn, lw["w_uk_bd"], qa.reshape(n, -1))
+        plan.append(lat, kr, self.k_cache[li], self.v_cache[li])
+        plan.mla(qa, qr, self.k_cache[li], self.v_cache[li], self.scale, True, out=ol, workspace=workspace)
+        layers.linear(ol.reshape(n, -1), lw["w_uv_bd"], vo)
+        layers.linear(vo, lw["wo"], x, accumulate=True)
+
+    def stream(self):
+        return stream_for(self.like)
+
+
+def generate(model: TinyModel, prompts, new_tokens: int, *, chunk: int = 16, graph: bool = True,
+             seed: int = 0, on_step=None):
+    """Greedy generation for a batch of prompts of different lengths.
+
+    Prefill in chunks of at most ``chunk`` tokens per sequence (eager stream
+    work, one plan per chunk), then ``new_tokens - 1`` decode steps through
+    a PagedDecodeLoop (one graph launch per token when ``graph``). Returns
+    (tokens int64 [B, new_tokens] on the host, the decode loop). The only
+    host readback is the token history at the end.
+    """
+    xp, like, ps = model.xp, model.like, model.page_size
+    B = len(prompts)
+    plens = np.array([len(p) for p in prompts], np.int64)
+    total = plens + new_tokens
+    table = random_page_table(np.random.default_rng(seed), total, ps, model.num_pages)
+    stream = stream_for(like)
+    logits = xp.zeros((model.max_rows, model.cfg.vocab), model.dtype)
+    best = xp.zeros(model.max_rows, np.int64)
+    next_token = xp.zeros(B, np.int64)
+    token_buf = xp.zeros(B, np.int64)
+    history = xp.zeros((new_tokens, B), np.int64)
+    # ---- chunked prefill
+    done = np.zeros(B, np.int64)
+    while (done < plens).any():
+        q_lens = np.minimum(chunk, plens - done)
+        kv = done + q_lens
+        plan = HostPlan.build(table, kv, q_lens, ps, model.num_pages).upload(like)
+        toks = np.concatenate([np.asarray(prompts[s][done[s]:kv[s]], np.int64) for s in range(B)])
+        tok_dev = xp.asarray(toks)
+        model.forward(plan, tok_dev, logits)
+        argmax_into(logits[:plan.host.queries], best[:plan.host.queries])
+        ends = plan.host.q_lens.cumsum() - 1
+        for s in range(B):
+            if q_lens[s] and kv[s] == plens[s]:   # this chunk ends the prompt: its last row predicts token 1
+                stream.copy(next_token, best, nbytes=8, dst_offset=8 * s, src_offset=8 * int(ends[s]))
+        done = kv
+    stream.copy(history, next_token, nbytes=8 * B)
+    # ---- decode: step i feeds token i at position plen + i - 1
+    plan = HostPlan.build(table, plens + 1, np.ones(B, np.int64), ps, model.num_pages).upload(like)
+    loop = PagedDecodeLoop(lambda p: (model.forward(p, token_buf, logits), logits[:B])[1], plan,
+                           token_buf=token_buf, next_token=next_token, graph=graph)
+    for i in range(1, new_tokens):
+        loop.advance()
+        stream.copy(history, next_token, nbytes=8 * B, dst_offset=8 * B * i)
+        if on_step is not None:
+            on_step(i)
+    tokens = history.T.copy() if xp is np else xp.asnumpy(history).T.copy()
+    return tokens, loop
+
+
+def check_tokens(cfg: TinyConfig, weights64: dict, prompts, tokens, *, margin: float = 1e-3):
+    """Compare generated tokens [B, N] with the float64 reference model.
+
+    Returns (exact, ok): how many tokens equal the reference argmax, and
+    whether every token is within ``margin`` of the reference maximum logit
+    (a near-tie may pick either, given float32 arithmetic in the kernels).
+    """
+    exact, ok = 0, True
+    for s, prompt in enumerate(prompts):
+        seq = np.concatenate([np.asarray(prompt, np.int64), tokens[s]])
+        ref = reference_logits(cfg, weights64, seq[:-1])[len(prompt) - 1:]     # rows predicting tokens[s]
+        for j, t in enumerate(tokens[s]):
+            exact += int(np.argmax(ref[j]) == t)
+            ok &= bool(ref[j, t] >= ref[j].max() - margin)
+    return exact, ok

@@ -1,0 +1,17 @@
+"""The ops: checks and launches of each kernel family, on any backend.
+
+Each module registers the kernel variants it may build (the NVRTC gate
+compiles them all) and exposes functions that check their inputs, then
+launch on a stream; none allocates on a hot path or synchronizes.
+
+* ``attention``: paged attention and MLA (decode, chunked prefill, split-KV)
+* ``append``: writing K/V rows into pages; copying pages
+* ``advance``: moving a plan forward on the device (decode graphs)
+* ``sampling``: argmax over logits
+* ``layers``: embedding, RMSNorm, linear, RoPE, SwiGLU
+"""
+from __future__ import annotations
+
+from . import advance, append, attention, layers, sampling
+
+__all__ = ["advance", "append", "attention", "layers", "sampling"]

@@ -1,0 +1,95 @@
+"""Paged attention (``kernels_cu/attention/``): decode and chunked
+prefill over a paged K/V cache, optionally split over the visible history
+with a merge. Layout, positions, metadata words and LSE: ``docs/layout.md``.
+
+``launch.launch_attention`` is the launch layer under ``DevicePlan.attention``: its
+arguments are already checked; it picks the kernel of each segment of the
+step (``tc_segments``) and issues one launch per segment (at most
+MAX_SEGMENTS), then the split merge with a workspace. It allocates nothing, never
+synchronizes and never reads device data on the host: grid and arguments
+depend only on shapes, the plan's static sizes and array addresses, so it
+is safe inside stream capture and a captured graph replays with whatever
+lengths the device metadata holds.
+
+CUDA-core kernel ``paged_attention`` (details in the ``.cu`` file): one 128-thread block per
+(query, KV head, tile of query heads of that KV head's group, split); a
+tile serves up to ``GROUP_TILE`` query heads, so every K/V row is read once
+per group when the group fits one tile (``Hq / Hkv <= 8`` on the fast
+paths). Each warp owns a slice of the tokens of every block step and loads
+several K and V rows before using them (16-byte loads where the dims and
+addresses allow), keeping an online softmax per row group in FP32.
+
+Memory traffic per (query, KV head, tile): read the visible K and V rows,
+``L * (D + Dv) * itemsize`` bytes; write ``G * Dv`` outputs. With a
+workspace of ``S > 1`` splits the partials add ``S * G * (Dv + 1) * 4``
+bytes written and read again by the merge.
+
+Tensor-core kernels (f16 / bf16, ``select_tensor_core``):
+
+* ``paged_prefill_tc`` (D == Dv in ``TC_PREFILL_DIMS``, a step packed as
+  ``tc_schedule_ok`` asks): one 128-thread block per 64 (query, head) rows
+  (``64 // G`` queries x the ``G`` heads of one KV head's group) and split;
+  K/V tiles go through shared memory by ``cp.async`` and S = Q K^T,
+  O += P V run on ``mma.sync`` m16n8k16 (FlashAttention-2 style). K/V are
+  read once per block instead of once per query: about
+  ``ceil(q_len * G / 64) * L * (D + Dv) * itemsize`` bytes per sequence and
+  KV head.
+* ``paged_mla_tc`` (R, P in ``TC_MLA_DIMS``): one 256-thread block per 64
+  (query, head) rows and split, the heads in the M dimension, so each
+  latent row is read once per 64 heads (``L * (R + P) * itemsize`` bytes per
+  block) where the CUDA-core kernel reads it once per ``GROUP_TILE`` heads.
+
+Both take the same arguments as ``paged_attention``, write the same split
+partials (so ``attention_split_merge`` serves them) and read lengths and
+positions from the device words; their grids depend only on shapes.
+
+Segments (``tc_segments``): a launch covers the packed queries
+``[q_begin, q_begin + q_count)`` (kernel arguments). A step the tensor-core
+kernels suit as a whole (``tc_schedule_ok``) is one tensor-core launch; one
+with no sequence that suits them, one CUDA-core launch. A mixed step (prefill
+chunks among decodes of a small group) runs as up to MAX_SEGMENTS launches
+over contiguous runs of sequences, each on its kernel: every launch writes
+outputs and partials at global query indices, so one merge follows them all.
+The segmentation is host plan data (cached per plan), so grids and arguments
+still depend only on shapes and the plan's static sizes.
+"""
+
+from __future__ import annotations
+
+from . import checks
+from .checks import AttentionOptions
+from .launch import launch_attention
+from .schedule import MAX_SEGMENTS, block_passes, plan_launches, tc_schedule_ok, tc_segments, unsplit_blocks
+from .splits import MIN_TOKENS_PER_SPLIT, SplitWorkspace, choose_splits
+from .variants import VARIANTS, select_tensor_core, select_variant
+
+__all__ = ["attention", "mla", "AttentionOptions", "SplitWorkspace", "choose_splits", "MIN_TOKENS_PER_SPLIT",
+           "launch_attention", "MAX_SEGMENTS", "block_passes", "plan_launches", "tc_schedule_ok", "tc_segments",
+           "unsplit_blocks", "VARIANTS", "select_tensor_core", "select_variant"]
+
+
+def attention(plan, q, k_cache, v_cache, scale, causal=True, *, workspace=None, out=None, lse=None,
+              return_lse: bool = False):
+    """``DevicePlan.attention`` (its docstring has the shapes): check, then launch."""
+    checks.attention_inputs(plan, q, k_cache, v_cache)
+    opts = AttentionOptions.checked(scale, causal)
+    want_lse = return_lse or lse is not None
+    o = checks.outputs(plan, q, out, lse, want_lse, int(q.shape[1]), int(v_cache.shape[3]), workspace,
+                       dict(q=q, k_cache=k_cache, v_cache=v_cache))
+    launch_attention(plan.stream, plan, q, k_cache, v_cache, o.out, opts.scale, opts.causal, lse=o.lse,
+                     workspace=o.workspace)
+    return (o.out, o.lse) if want_lse else o.out
+
+
+def mla(plan, q, q_pos, latent, k_pos, scale, causal=True, *, workspace=None, out=None, lse=None,
+        return_lse: bool = False):
+    """``DevicePlan.mla`` (its docstring has the shapes): check, then launch."""
+    checks.mla_inputs(plan, q, q_pos, latent, k_pos)
+    opts = AttentionOptions.checked(scale, causal)
+    want_lse = return_lse or lse is not None
+    h, r = int(q.shape[1]), int(q.shape[2])
+    o = checks.outputs(plan, q, out, lse, want_lse, h, r, workspace, dict(q=q, q_pos=q_pos, latent=latent,
+                                                                           k_pos=k_pos))
+    launch_attention(plan.stream, plan, q, latent, latent, o.out, opts.scale, opts.causal, q_rot=q_pos,
+                     k_rot=k_pos, lse=o.lse, workspace=o.workspace)
+    return (o.out, o.lse) if want_lse else o.out

@@ -1,0 +1,157 @@
+"""Every input check of paged attention and MLA, in one place. Each raises
+PagedAttentionError naming the argument, what was expected and what came,
+before anything is allocated or launched.
+
+``plan`` is any object with ``host`` (a HostPlan), ``backend``, ``device``
+and ``stream`` (a DevicePlan).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..._runtime import check_not_capturing, checks, empty
+from ...errors import PagedAttentionError
+from ...layout import MAX_HEAD_DIM, MAX_ROPE_DIM, MAX_SPLITS
+from .splits import SplitWorkspace
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """The score and mask choices of one attention call, checked.
+
+    ``scale`` multiplies q.k before the softmax; ``causal``: the query at
+    absolute position p sees positions 0..p of its sequence, otherwise all
+    kv_lens[s].
+    """
+
+    scale: float
+    causal: bool = True
+
+    @classmethod
+    def checked(cls, scale, causal) -> "AttentionOptions":
+        return cls(checks.positive_scale(scale), bool(causal))
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Where a checked call writes: ``out``, ``lse`` (or None) and the
+    split workspace (or None)."""
+
+    out: object
+    lse: object
+    workspace: SplitWorkspace | None
+
+
+def head_dims(hq: int, hkv: int, d: int, dv: int) -> None:
+    if hkv < 1 or hq < 1 or hq % hkv:
+        raise PagedAttentionError(
+            f"q: expected a head count that is a multiple of the caches' {hkv} KV heads, got Hq={hq}")
+    for name, v in (("D", d), ("Dv", dv)):
+        if not 1 <= v <= MAX_HEAD_DIM:
+            raise PagedAttentionError(f"{name}: expected a head dim in 1..{MAX_HEAD_DIM}, got {v}")
+
+
+def queries(plan, q) -> None:
+    if int(q.shape[0]) != plan.host.queries:
+        raise PagedAttentionError(f"q: expected {plan.host.queries} rows (plan.queries), got shape "
+                                  f"{checks.shape_str(q.shape)}")
+
+
+def workspace(plan, ws, heads: int, value_dim: int) -> SplitWorkspace | None:
+    if ws is None:
+        return None
+    if not isinstance(ws, SplitWorkspace):
+        raise PagedAttentionError(f"workspace: expected a SplitWorkspace, got {type(ws).__name__}")
+    exp = (plan.host.queries, heads, value_dim)
+    got = (ws.queries, ws.heads, ws.value_dim)
+    if got != exp:
+        raise PagedAttentionError(
+            f"workspace: expected queries, heads, value_dim = {exp}, got {got}")
+    if ws.backend != plan.backend or ws.device != plan.device:
+        raise PagedAttentionError(
+            f"workspace: expected the plan's {plan.backend} backend, device {plan.device}; got "
+            f"{ws.backend} backend, device {ws.device}")
+    if ws.stream is not plan.stream:
+        raise PagedAttentionError("workspace: expected the plan's stream, got a workspace made on another stream")
+    if not 1 <= ws.splits <= MAX_SPLITS:
+        raise PagedAttentionError(f"workspace: expected 1..{MAX_SPLITS} splits, got {ws.splits}")
+    return ws
+
+
+def outputs(plan, q, out, lse, return_lse: bool, heads: int, value_dim: int, ws, inputs: dict) -> Outputs:
+    """Check (or allocate, outside capture) ``out`` [queries, heads,
+    value_dim] in q's dtype and ``lse`` float32 [queries, heads] when asked
+    for; neither may overlap an input or the workspace."""
+    ws = workspace(plan, ws, heads, value_dim)
+    if ws is not None:
+        inputs = dict(inputs, workspace_out=ws.partial_out, workspace_lse=ws.partial_lse)
+    shape = (plan.host.queries, heads, value_dim)
+    checks.u32_size("out", shape)
+    if out is None:
+        check_not_capturing(plan.stream, "out")
+        out = empty(q, shape, q.dtype)
+    else:
+        checks.plan_arrays(plan, out=out)
+        checks.float_array("out", out, 3)
+        checks.same_dtype("q", q, out=out)
+        checks.shape_is("out", out, shape)
+        checks.no_overlap("out", out, **inputs)
+    if lse is None and return_lse:
+        check_not_capturing(plan.stream, "lse")
+        lse = empty(q, shape[:2], np.float32)
+    elif lse is not None:
+        checks.plan_arrays(plan, lse=lse)
+        if str(lse.dtype) != "float32" or not lse.flags.c_contiguous:
+            raise PagedAttentionError(f"lse: expected a C-contiguous float32 array, got {lse.dtype}")
+        checks.shape_is("lse", lse, shape[:2])
+        checks.no_overlap("lse", lse, out=out, **inputs)
+    return Outputs(out, lse, ws)
+
+
+def attention_inputs(plan, q, k_cache, v_cache) -> None:
+    """q [queries, Hq, D]; k_cache [pages, page_size, Hkv, D]; v_cache
+    [pages, page_size, Hkv, Dv]: one dtype, Hq a multiple of Hkv."""
+    checks.plan_arrays(plan, q=q, k_cache=k_cache, v_cache=v_cache)
+    checks.float_array("q", q, 3)
+    checks.plan_cache(plan, "k_cache", k_cache)
+    checks.plan_cache(plan, "v_cache", v_cache)
+    checks.same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
+    hq, d = int(q.shape[1]), int(q.shape[2])
+    hkv, dv = int(k_cache.shape[2]), int(v_cache.shape[3])
+    queries(plan, q)
+    checks.v_like_k(k_cache, v_cache)
+    if int(k_cache.shape[3]) != d:
+        raise PagedAttentionError(f"k_cache: expected head dim D={d} like q, got shape "
+                                  f"{checks.shape_str(k_cache.shape)}")
+    head_dims(hq, hkv, d, dv)
+
+
+def mla_inputs(plan, q, q_pos, latent, k_pos) -> None:
+    """q [queries, H, R]; q_pos [queries, H, P]; latent [pages, page_size, 1,
+    R]; k_pos [pages, page_size, 1, P]: one dtype, 1 <= P <= MAX_ROPE_DIM."""
+    checks.plan_arrays(plan, q=q, q_pos=q_pos, latent=latent, k_pos=k_pos)
+    checks.float_array("q", q, 3)
+    checks.float_array("q_pos", q_pos, 3)
+    checks.plan_cache(plan, "latent", latent)
+    checks.plan_cache(plan, "k_pos", k_pos)
+    checks.same_dtype("q", q, q_pos=q_pos, latent=latent, k_pos=k_pos)
+    n, h, r = (int(x) for x in q.shape)
+    queries(plan, q)
+    for name, cache in (("latent", latent), ("k_pos", k_pos)):
+        if int(cache.shape[2]) != 1:
+            raise PagedAttentionError(f"{name}: expected one shared head (dim 2 == 1), got shape "
+                                      f"{checks.shape_str(cache.shape)}")
+    if tuple(q_pos.shape[:2]) != (n, h):
+        raise PagedAttentionError(f"q_pos: expected shape [{n}, {h}, P] like q, got "
+                                  f"{checks.shape_str(q_pos.shape)}")
+    p = int(q_pos.shape[2])
+    if not 1 <= p <= MAX_ROPE_DIM:
+        raise PagedAttentionError(f"q_pos: expected a rotary dim P in 1..{MAX_ROPE_DIM}, got {p}")
+    if int(k_pos.shape[3]) != p:
+        raise PagedAttentionError(f"k_pos: expected rotary dim P={p} like q_pos, got shape "
+                                  f"{checks.shape_str(k_pos.shape)}")
+    if int(latent.shape[3]) != r:
+        raise PagedAttentionError(f"latent: expected R={r} like q, got shape {checks.shape_str(latent.shape)}")
+    head_dims(h, 1, r, r)

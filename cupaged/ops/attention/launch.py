@@ -1,0 +1,77 @@
+"""The attention launch: one launch per segment of the step, then the split
+merge. Arguments arrive checked (``checks.py``); nothing here allocates,
+synchronizes or reads device data on the host.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import dtypes
+from ..._runtime import address, get_kernel
+from ...errors import PagedAttentionError
+from .schedule import plan_launches
+from .variants import MERGE_HEADS_PER_BLOCK, ROT_CAPS, THREADS, VECTOR_BYTES
+
+def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causal: bool, *,
+                     q_rot=None, k_rot=None, lse=None, workspace=None) -> None:
+    """Launch paged attention for ``plan`` (arguments already validated).
+
+    q [queries, Hq, D]; k_cache [pages, page_size, Hkv, D];
+    v_cache [pages, page_size, Hkv, Dv]; out [queries, Hq, Dv] (q's dtype);
+    lse float32 [queries, Hq] or None; workspace: None, or an object with
+    ``splits``, ``partial_out`` float32 [splits, queries, Hq, Dv] and
+    ``partial_lse`` float32 [splits, queries, Hq] (splits > 1 launches the
+    split kernel, then the merge).
+
+    q_rot [queries, Hq, P] and k_rot [pages, page_size, 1, P]: the MLA
+    rotary parts (both or neither); score = scale * (q.k + q_rot.k_rot).
+    With them the caches must be one array (the latent cache, Hkv = 1,
+    v_cache is k_cache) and P <= 256.
+    """
+    host = plan.host
+    queries, hq, d = (int(s) for s in q.shape)
+    hkv, dv = int(k_cache.shape[2]), int(v_cache.shape[3])
+    rot_dim = 0
+    if q_rot is not None or k_rot is not None:
+        if q_rot is None or k_rot is None:
+            raise PagedAttentionError("q_rot, k_rot: expected both or neither")
+        rot_dim = int(q_rot.shape[2])
+        if rot_dim > ROT_CAPS[-1]:
+            raise NotImplementedError(f"q_rot: rotary dims up to {ROT_CAPS[-1]} are built, got {rot_dim}")
+        if hkv != 1 or dv != d or address(v_cache) != address(k_cache):
+            raise NotImplementedError("paged attention with a rotary part needs one KV head and v_cache "
+                                      "being the same array as k_cache (the MLA latent cache)")
+    if queries == 0:
+        return
+    dtype = dtypes.token(q.dtype)
+    aligned = all(address(a) % VECTOR_BYTES == 0 for a in (q, k_cache, v_cache, out))
+    aligned_tc = aligned and (not rot_dim or all(address(a) % VECTOR_BYTES == 0 for a in (q_rot, k_rot)))
+    launches = plan_launches(host, dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc)
+    tiles = max(launch[5] for launch in launches)
+    if hkv * tiles > 65535:
+        raise PagedAttentionError(f"q: expected at most 65535 KV heads x head tiles in a launch, got "
+                                  f"{hkv} x {tiles}")
+    if queries > 2 ** 31 - 1:
+        raise PagedAttentionError(f"q: expected at most {2 ** 31 - 1} queries in a launch, got {queries}")
+
+    splits = 1 if workspace is None else int(workspace.splits)
+    split = splits > 1
+    part_out = workspace.partial_out if split else out     # dummy pointers are never touched
+    part_lse = workspace.partial_lse if split else out
+    lse_arg = lse if lse is not None else out
+
+    u32 = np.uint32
+    for name, defines, threads, smem, blocks, tiles, begin, count in launches:
+        kernel = get_kernel(q, "attention", name, defines)
+        stream.launch(kernel, (blocks, hkv * tiles, splits), (threads,), (
+            q, k_cache, v_cache, q if q_rot is None else q_rot, k_cache if k_rot is None else k_rot, plan.words,
+            out, lse_arg, part_out, part_lse,
+            u32(host.queries), u32(begin), u32(count), u32(host.sequences), u32(host.table_width),
+            u32(host.page_size), u32(host.pages),
+            u32(hq), u32(hkv), u32(d), u32(dv), u32(rot_dim), u32(splits), u32(bool(causal)),
+            u32(lse is not None and not split), np.float32(scale)), shared_mem=smem)
+    if split:   # every variant compiles the merge: the last launch's module serves it
+        merge = get_kernel(q, "attention", "attention_split_merge", defines)
+        stream.launch(merge, (queries, -(-hq // MERGE_HEADS_PER_BLOCK)), (THREADS,), (
+            workspace.partial_out, workspace.partial_lse, out, lse_arg,
+            u32(queries), u32(hq), u32(dv), u32(splits), u32(lse is not None)))

@@ -1,0 +1,87 @@
+"""Split-KV: the FP32 workspace of partial results, and the split count.
+
+A query's visible history is cut into ``splits`` chunks, each served by its
+own block, which writes an FP32 partial output and LSE; a merge kernel
+combines them (docs/layout.md, "Split-KV workspace").
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..._runtime import array_backend, check_not_capturing, checks, device_id, empty, multiprocessor_count, stream_for
+from ...errors import PagedAttentionError
+from ...layout import MAX_HEAD_DIM, MAX_SPLITS, U32_MAX
+from .schedule import unsplit_blocks
+
+#: Tokens per split below which splitting does not pay (see choose_splits).
+MIN_TOKENS_PER_SPLIT = 256
+
+
+class SplitWorkspace:
+    """FP32 partial outputs and statistics for split-KV attention.
+
+    ``partial_out`` [splits, queries, heads, value_dim] float32 and
+    ``partial_lse`` [splits, queries, heads] float32, on the backend, device
+    and stream of ``like``. Reusable by every plan with the same queries,
+    heads and value dim on that device and stream (docs/layout.md).
+    """
+
+    def __init__(self, queries: int, heads: int, value_dim: int, splits: int, like):
+        self.queries = checks.host_int("queries", queries, 0, U32_MAX)
+        self.heads = checks.host_int("heads", heads, 1, U32_MAX)
+        self.value_dim = checks.host_int("value_dim", value_dim, 1, MAX_HEAD_DIM)
+        self.splits = checks.host_int("splits", splits, 1, MAX_SPLITS)
+        if array_backend(like) is None:
+            raise PagedAttentionError(f"like: expected a NumPy or CuPy array, got {type(like).__name__}")
+        checks.u32_size("workspace", (self.splits, self.queries, self.heads, self.value_dim))
+        self.stream = stream_for(like)
+        check_not_capturing(self.stream, "SplitWorkspace")
+        self.backend = self.stream.backend
+        self.device = device_id(like)
+        self.partial_out = empty(like, (self.splits, self.queries, self.heads, self.value_dim), np.float32)
+        self.partial_lse = empty(like, (self.splits, self.queries, self.heads), np.float32)
+
+    def __repr__(self) -> str:
+        return (f"SplitWorkspace(queries={self.queries}, heads={self.heads}, value_dim={self.value_dim}, "
+                f"splits={self.splits}, backend={self.backend!r})")
+
+
+def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None = None,
+                  q_heads: int | None = None, head_dim: int | None = None, value_dim: int | None = None,
+                  dtype=None, rot_dim: int = 0) -> int:
+    """Split count for a plan (HostPlan or DevicePlan) with ``kv_heads``.
+
+    Rule: let ``blocks`` be the unsplit grid's block count. If that is at
+    least twice the multiprocessor count, or no sequence has more than
+    ``MIN_TOKENS_PER_SPLIT`` (256) tokens, return 1. Otherwise return
+    ``min(MAX_SPLITS, ceil(2 * SMs / blocks), ceil(max_kv_len / 256))``, so
+    the grid roughly fills the device twice and no split gets fewer than
+    about 256 tokens.
+
+    ``blocks`` is ``queries * kv_heads`` (one block per query and KV head),
+    unless the shapes are given (``q_heads``, ``head_dim``, ``value_dim``,
+    ``dtype``, and ``rot_dim`` for MLA): then it is the grid of the kernel
+    that will run (``schedule.unsplit_blocks``), which for the
+    tensor-core kernels serves several queries per block. Host data only;
+    no synchronization. ``like`` gives the device (SM count) unless
+    ``multiprocessors`` is passed.
+    """
+    host = getattr(plan, "host", plan)   # a DevicePlan's host plan, or a HostPlan
+    if multiprocessors is None:
+        if like is None:
+            raise PagedAttentionError("like: expected an array (or pass multiprocessors=)")
+        multiprocessors = multiprocessor_count(like)
+    if q_heads is None:
+        blocks = host.queries * int(kv_heads)
+    else:
+        if head_dim is None or dtype is None:
+            raise PagedAttentionError("head_dim, dtype: expected both with q_heads")
+        blocks = unsplit_blocks(host, int(q_heads), int(kv_heads), int(head_dim),
+                                int(head_dim if value_dim is None else value_dim), dtype, int(rot_dim))
+    target = 2 * int(multiprocessors)
+    if blocks == 0 or blocks >= target or host.max_kv_len <= MIN_TOKENS_PER_SPLIT:
+        return 1
+    return int(max(1, min(MAX_SPLITS, math.ceil(target / blocks),
+                          math.ceil(host.max_kv_len / MIN_TOKENS_PER_SPLIT))))

@@ -1,0 +1,115 @@
+"""Dense decoder-step kernels (``kernels_cu/layers.cu``): embedding, RMSNorm,
+linear (+ residual accumulate), rotary embedding by device positions, SwiGLU.
+
+They exist so that a whole decoder step is stream work on either backend and
+can be captured into one graph (on the CPU backend only cupaged's stream work
+is captured, not NumPy expressions). Every function writes into a
+preallocated ``out``, allocates nothing and never synchronizes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes
+from .._runtime import backend_of, checks, get_kernel, register, stream_for
+from ..errors import PagedAttentionError
+
+THREADS = 128
+register("layers", [{"CP_DTYPE": t} for t in dtypes.QUERY_TOKENS])
+
+
+def _kernel(like, name):
+    return get_kernel(like, "layers", name, {"CP_DTYPE": dtypes.token(like.dtype)})
+
+
+def _same(ref_name, ref, **arrays):
+    backend_of(**{ref_name: ref}, **arrays)
+    checks.same_dtype(ref_name, ref, **arrays)
+
+
+def embed(tokens, table, out) -> None:
+    """out[r] = table[tokens[r]]: tokens int64 [rows], table [vocab, dim],
+    out [rows, dim]. A token outside 0..vocab-1 yields a zero row."""
+    checks.float_array("table", table, 2)
+    checks.float_array("out", out, 2)
+    _same("table", table, out=out)
+    backend_of(table=table, tokens=tokens)
+    if str(tokens.dtype) != "int64" or tokens.ndim != 1 or not tokens.flags.c_contiguous:
+        raise PagedAttentionError(f"tokens: expected a contiguous int64 [rows] array, got {tokens.dtype} "
+                                  f"{checks.shape_str(tokens.shape)}")
+    checks.shape_is("out", out, (tokens.shape[0], table.shape[1]))
+    stream_for(out).launch(_kernel(out, "embed"), (tokens.shape[0],), (THREADS,),
+                           (tokens, table, out, np.uint32(table.shape[1]), np.uint32(table.shape[0])))
+
+
+def rms_norm(x, weight, out, eps: float = 1e-6) -> None:
+    """out = x / sqrt(mean(x^2) + eps) * weight over the last dim.
+    x [rows, dim], weight [dim], out [rows, dim] (may be x itself)."""
+    checks.float_array("x", x, 2)
+    checks.float_array("weight", weight, 1)
+    checks.float_array("out", out, 2)
+    _same("x", x, weight=weight, out=out)
+    checks.shape_is("weight", weight, x.shape[1:])
+    checks.shape_is("out", out, x.shape)
+    stream_for(x).launch(_kernel(x, "rms_norm"), (x.shape[0],), (THREADS,),
+                         (x, weight, out, np.uint32(x.shape[1]), np.float32(eps)))
+
+
+def linear(x, weight, out, *, accumulate: bool = False) -> None:
+    """out = x @ weight.T, or out += x @ weight.T with ``accumulate`` (a fused
+    residual add). x [M, K], weight [N, K], out [M, N]; float32 accumulation."""
+    checks.float_array("x", x, 2)
+    checks.float_array("weight", weight, 2)
+    checks.float_array("out", out, 2)
+    _same("x", x, weight=weight, out=out)
+    if weight.shape[1] != x.shape[1]:
+        raise PagedAttentionError(f"weight: expected [N, {x.shape[1]}] (K like x), got "
+                                  f"{checks.shape_str(weight.shape)}")
+    checks.shape_is("out", out, (x.shape[0], weight.shape[0]))
+    checks.no_overlap("out", out, x=x, weight=weight)
+    m, n = x.shape[0], weight.shape[0]
+    stream_for(x).launch(_kernel(x, "linear"), ((n + THREADS // 32 - 1) // (THREADS // 32), m), (THREADS,),
+                         (x, weight, out, np.uint32(n), np.uint32(x.shape[1]), np.uint32(bool(accumulate))))
+
+
+def rope(x, positions, cos, sin, *, position_stride: int = 1) -> None:
+    """Rotary embedding (rotate-half form) in place.
+
+    x [rows, heads, dim] (dim even); positions uint32 with row r's position
+    at positions[r * position_stride] (device memory: plan words, a
+    DeviceScalars word, ...); cos, sin float32 [max_pos, dim // 2]. A position
+    past the table is clamped to its last row.
+    """
+    checks.float_array("x", x, 3)
+    backend_of(x=x, positions=positions, cos=cos, sin=sin)
+    if x.shape[2] % 2:
+        raise PagedAttentionError(f"x: expected an even head dim, got {x.shape[2]}")
+    half = x.shape[2] // 2
+    for name, t in (("cos", cos), ("sin", sin)):
+        if str(t.dtype) != "float32" or t.ndim != 2 or t.shape[1] != half or not t.flags.c_contiguous \
+                or t.shape[0] < 1:
+            raise PagedAttentionError(f"{name}: expected a contiguous float32 [max_pos, {half}] table, got "
+                                      f"{t.dtype} {checks.shape_str(t.shape)}")
+    checks.shape_is("sin", sin, cos.shape)
+    if str(positions.dtype) not in ("uint32", "int32") or not positions.flags.c_contiguous:
+        raise PagedAttentionError(f"positions: expected a contiguous uint32 array, got {positions.dtype}")
+    need = (x.shape[0] - 1) * position_stride + 1 if x.shape[0] else 0
+    if position_stride < 1 or positions.size < need:
+        raise PagedAttentionError(f"positions: expected at least {need} words for {x.shape[0]} rows with "
+                                  f"stride {position_stride}, got {positions.size}")
+    stream_for(x).launch(_kernel(x, "rope"), (x.shape[0],), (THREADS,),
+                         (x, positions, np.uint32(position_stride), cos, sin, np.uint32(x.shape[1]),
+                          np.uint32(x.shape[2]), np.uint32(cos.shape[0])))
+
+
+def silu_mul(gate_up, out) -> None:
+    """out = silu(gate) * up with gate_up [rows, 2F] = (gate | up), out [rows, F]."""
+    checks.float_array("gate_up", gate_up, 2)
+    checks.float_array("out", out, 2)
+    _same("gate_up", gate_up, out=out)
+    if gate_up.shape[1] % 2:
+        raise PagedAttentionError(f"gate_up: expected an even last dim, got {gate_up.shape[1]}")
+    checks.shape_is("out", out, (gate_up.shape[0], gate_up.shape[1] // 2))
+    checks.no_overlap("out", out, gate_up=gate_up)
+    stream_for(out).launch(_kernel(out, "silu_mul"), (out.shape[0],), (THREADS,),
+                           (gate_up, out, np.uint32(out.shape[1])))

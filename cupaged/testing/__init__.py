@@ -1,0 +1,11 @@
+"""What tests and standalone kernel scripts need: float64 NumPy references
+(``reference``, the independent oracle) and random paged cases with
+per-dtype tolerances (``cases``)."""
+from __future__ import annotations
+
+from . import reference
+from .cases import (PAGE_SENTINEL, MlaCase, PagedCase, PagedLayout, as_dtype, assert_close, make_layout,
+                    make_mla_case, make_paged_case, random_lengths, random_page_table, tolerance)
+
+__all__ = ["reference", "PAGE_SENTINEL", "MlaCase", "PagedCase", "PagedLayout", "as_dtype", "assert_close",
+           "make_layout", "make_mla_case", "make_paged_case", "random_lengths", "random_page_table", "tolerance"]

@@ -1,0 +1,98 @@
+"""Helpers shared by the attention tests: run a case through the public API
+and compare with the float64 reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged.testing import as_dtype, assert_close, reference
+
+DTYPES = ["f32", "f16", "bf16"]
+
+
+def _to_device(backend, x: np.ndarray):
+    if backend.name == "gpu" and as_dtype(x.dtype).name == "bfloat16":
+        try:
+            return backend.asarray(x)
+        except Exception as e:  # CuPy without a bfloat16 dtype
+            pytest.skip(f"CuPy cannot hold bfloat16 arrays here: {e}")
+    return backend.asarray(x)
+
+
+def run(backend, case, causal=True, *, splits=None, out=False, return_lse=True, plan=None):
+    """Run ``case`` through the public API; returns (out, lse) as NumPy arrays
+    (lse None without return_lse) and the device plan."""
+    q, k, v = (_to_device(backend, a) for a in (case.q, case.k_cache, case.v_cache))
+    if plan is None:
+        plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
+                                      case.num_pages).upload(q)
+    ws = None
+    if splits is not None:
+        ws = cupaged.SplitWorkspace(plan.queries, q.shape[1], v.shape[3], splits, q)
+    kwargs = dict(workspace=ws, return_lse=return_lse)
+    if out:
+        buf = backend.xp.full((plan.queries, q.shape[1], v.shape[3]), 7, dtype=q.dtype)
+        kwargs["out"] = buf
+    res = plan.attention(q, k, v, case.scale, causal, **kwargs)
+    o, lse = res if return_lse else (res, None)
+    if out:
+        assert o is kwargs["out"]
+    o = backend.to_numpy(o)
+    return o, (None if lse is None else backend.to_numpy(lse)), plan
+
+
+def check(case, o, lse, causal, dtype, what=""):
+    ref_out, ref_lse = case.reference(causal)
+    assert np.isfinite(o.astype(np.float64)).all(), f"{what}: non-finite output"
+    assert_close(o, ref_out, dtype, f"{what} out")
+    if lse is not None:
+        assert lse.dtype == np.float32
+        assert_close(lse, ref_lse, dtype, f"{what} lse")
+
+
+# ----------------------------------------------------------------- tensor cores
+#
+# paged_prefill_tc and paged_mla_tc (f16 / bf16, mma.sync; on the CPU backend
+# through the fragment-exact emulation of kernels_cu/ptx.cuh). P is rounded
+# to the storage type before O += P V, as in FlashAttention; the dtype
+# tolerances cover it.
+
+TC_DTYPES = ["f16", "bf16"]
+
+
+def check_capture_replay(rng, case, dtype, what):
+    """Capture attention with a 2-split workspace on the CPU stream, change
+    q's contents, replay: the output must match the reference for the new q."""
+    q = case.q.copy()
+    heads, dv = q.shape[1], case.v_cache.shape[3]
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
+                                  case.num_pages).upload(q)
+    out = np.zeros((plan.queries, heads, dv), q.dtype)
+    ws = cupaged.SplitWorkspace(plan.queries, heads, dv, 2, q)
+    stream = cupaged.stream_for(q)
+    stream.begin_capture()
+    plan.attention(q, case.k_cache, case.v_cache, case.scale, True, out=out, workspace=ws)
+    graph = stream.end_capture()
+    q[...] = rng.standard_normal(q.shape).astype(q.dtype)
+    graph.launch()
+    ref, _ = reference.paged_attention(q, case.k_cache, case.v_cache, case.page_table, case.kv_lens,
+                                       case.q_lens, case.scale, True)
+    assert_close(out, ref, dtype, what)
+
+
+def _host(q_lens):
+    q_lens = np.array(q_lens)
+    return cupaged.HostPlan.build(np.zeros((len(q_lens), 1), np.int32), np.maximum(q_lens, 1), q_lens, 256, 1)
+
+
+# ----------------------------------------------------------------- mixed steps (segments)
+#
+# A chunked-prefill step mixing prefill chunks (tensor cores) with decode
+# queries of a small group (CUDA-core kernel) runs as segments: one launch
+# per contiguous run of sequences, each on its kernel (schedule.tc_segments).
+
+#: Six decodes, a chunk of 40, six decodes, a chunk of 33: C T C T at G = 4.
+Q_MIXED = [1] * 6 + [40] + [1] * 6 + [33]
+MIXED_TC = [("paged_attention", 0, 6), ("paged_prefill_tc", 6, 40), ("paged_attention", 46, 6),
+            ("paged_prefill_tc", 52, 33)]

@@ -1,0 +1,114 @@
+"""MLA (DevicePlan.mla): the CUDA-core kernel's rotary part and the
+tensor-core MLA kernel, against the float64 reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged.ops.attention import launch, variants
+from cupaged.testing import make_mla_case, make_paged_case
+from attention_helpers import DTYPES, TC_DTYPES, _to_device, check
+
+
+# ----------------------------------------------------------------- MLA (rotary part)
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(64, 16, 4, 16), (512, 64, 16, 1), (96, 200, 3, 64), (512, 64, 1, 16),
+                                   (33, 7, 128, 4)],
+                         ids=lambda s: "r{}-p{}-h{}-ps{}".format(*s))
+def test_mla_rotary_part(xp_backend, dtype, shape):
+    """score = scale * (q.latent + q_pos.k_pos), values are the latent rows,
+    against reference.paged_mla; decode and a prefill chunk, both masks."""
+    r, p, h, page_size = shape
+    rng = np.random.default_rng(list(shape))
+    case = make_mla_case(rng, kv_lens=np.array([45, 3, 30], np.int32), q_lens=np.array([1, 3, 7]),
+                         page_size=page_size, num_heads=h, latent_dim=r, pos_dim=p, dtype=dtype)
+    q, qp, lat, kp = (_to_device(xp_backend, a) for a in (case.q, case.q_pos, case.latent, case.k_pos))
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, page_size, case.num_pages).upload(q)
+    for causal in (True, False):
+        for splits in (None, 3):
+            ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, h, r, splits, q)
+            o, lse = plan.mla(q, qp, lat, kp, case.scale, causal, return_lse=True, workspace=ws)
+            check(case, xp_backend.to_numpy(o), xp_backend.to_numpy(lse), causal, dtype,
+                  f"mla causal={causal} splits={splits}")
+
+
+def test_rotary_part_needs_one_latent_cache():
+    """The rotary variants read V from the K rows: a separate V cache (or
+    more than one KV head) is refused rather than silently ignored."""
+    rng = np.random.default_rng(1)
+    case = make_paged_case(rng, sequences=1, max_kv_len=8, num_q_heads=2, num_kv_heads=1, head_dim=64, dtype="f32")
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
+    out = np.empty((plan.queries, 2, 64), np.float32)
+    k_rot = np.zeros(case.k_cache.shape[:3] + (8,), np.float32)
+    q_rot = np.zeros((plan.queries, 2, 8), np.float32)
+    with pytest.raises(NotImplementedError):
+        launch.launch_attention(plan.stream, plan, case.q, case.k_cache, case.v_cache, out, 1.0, True,
+                                   q_rot=q_rot, k_rot=k_rot)
+    with pytest.raises(NotImplementedError):
+        launch.launch_attention(plan.stream, plan, case.q, case.k_cache, case.k_cache, out, 1.0, True,
+                                   q_rot=np.zeros((plan.queries, 2, 300), np.float32),
+                                   k_rot=np.zeros(case.k_cache.shape[:3] + (300,), np.float32))
+
+
+# MLA at DeepSeek's R = 512, P = 64: 16 heads (4 queries a block, blocks
+# straddling sequences) and 128 (two head tiles a query).
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+@pytest.mark.parametrize("heads", [16, 128])
+def test_tc_mla(xp_backend, kernels_used, dtype, heads):
+    rng = np.random.default_rng(heads)
+    case = make_mla_case(rng, kv_lens=np.array([45, 3, 30], np.int32), q_lens=np.array([1, 3, 2]),
+                         page_size=16, num_heads=heads, latent_dim=512, pos_dim=64, dtype=dtype)
+    q, qp, lat, kp = (_to_device(xp_backend, a) for a in (case.q, case.q_pos, case.latent, case.k_pos))
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
+    for causal in (True, False):
+        for splits in (None, 3):
+            ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, heads, 512, splits, q)
+            o, lse = plan.mla(q, qp, lat, kp, case.scale, causal, return_lse=True, workspace=ws)
+            check(case, xp_backend.to_numpy(o), xp_backend.to_numpy(lse), causal, dtype,
+                  f"tc mla h={heads} causal={causal} splits={splits}")
+    assert set(kernels_used) == {"paged_mla_tc", "attention_split_merge"}
+
+
+@pytest.mark.parametrize("shape", [("bf16", 512, 64, 8, 1), ("f16", 512, 32, 16, 4), ("f32", 512, 64, 16, 4)],
+                         ids=lambda s: "{}-r{}-p{}-h{}-q{}".format(*s))
+def test_tc_mla_falls_back(xp_backend, kernels_used, shape):
+    """MLA shapes off the tensor-core path (8 heads of decode, another
+    rotary dim, f32) run on the CUDA-core kernel."""
+    dtype, r, p, h, ql = shape
+    rng = np.random.default_rng(r + p + h)
+    case = make_mla_case(rng, kv_lens=np.array([20, 9], np.int32), q_lens=np.array([ql, 1]), page_size=16,
+                         num_heads=h, latent_dim=r, pos_dim=p, dtype=dtype)
+    q, qp, lat, kp = (_to_device(xp_backend, a) for a in (case.q, case.q_pos, case.latent, case.k_pos))
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
+    o, lse = plan.mla(q, qp, lat, kp, case.scale, True, return_lse=True)
+    check(case, xp_backend.to_numpy(o), xp_backend.to_numpy(lse), True, dtype, f"mla fallback {shape}")
+    assert kernels_used == ["paged_attention"]
+
+
+@pytest.mark.parametrize("shape", [("bf16", 16, [1, 1, 40, 1, 33, 1, 1], [("paged_mla_tc", 0, 78)]),
+                                   ("f16", 8, [1] * 6 + [24, 1],
+                                    [("paged_attention", 0, 6), ("paged_mla_tc", 6, 24), ("paged_attention", 30, 1)])],
+                         ids=lambda s: "{}-h{}".format(*s[:2]))
+def test_mla_mixed(xp_backend, launches, shape):
+    """MLA steps mixing chunks and decodes: at 16 heads every decode query
+    already brings 16 tensor-core rows, so the step stays one paged_mla_tc
+    launch; at 8 heads the decodes run on the CUDA-core kernel around it."""
+    dtype, heads, q_lens, expect = shape
+    rng = np.random.default_rng(heads)
+    q_lens = np.array(q_lens, np.int32)
+    case = make_mla_case(rng, kv_lens=q_lens + rng.integers(1, 40, q_lens.size).astype(np.int32), q_lens=q_lens,
+                         page_size=16, num_heads=heads, latent_dim=512, pos_dim=64, dtype=dtype)
+    q, qp, lat, kp = (_to_device(xp_backend, a) for a in (case.q, case.q_pos, case.latent, case.k_pos))
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
+    qpb = variants.tc_queries_per_block(heads)
+    grids = [(n, b, c, -(-c // qpb) if n == "paged_mla_tc" else c) for n, b, c in expect]
+    for causal, splits in ((True, None), (False, 3)):
+        launches.clear()
+        ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, heads, 512, splits, q)
+        o, lse = plan.mla(q, qp, lat, kp, case.scale, causal, return_lse=True, workspace=ws)
+        check(case, xp_backend.to_numpy(o), xp_backend.to_numpy(lse), causal, dtype,
+              f"mla mixed h={heads} causal={causal} splits={splits}")
+        merge = [("attention_split_merge", None, None, plan.queries)] if splits else []
+        assert launches == grids + merge

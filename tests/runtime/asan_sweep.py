@@ -1,0 +1,110 @@
+"""Every kernel family on padded and absurd device metadata, meant to run
+under the CPU backend's AddressSanitizer build (tests/test_asan_kernels.py):
+
+    CUPAGED_CPU_ASAN=1 LD_PRELOAD=$(g++ -print-file-name=libasan.so) \
+        ASAN_OPTIONS=detect_leaks=0 python tests/runtime/asan_sweep.py
+
+Arrays are NumPy buffers sized exactly, so a read or write past any of them
+is a heap-buffer-overflow report. Prints one line per family, then "done".
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import cupaged  # noqa: E402
+from cupaged.cache import PagedKVCache  # noqa: E402
+from cupaged.layout import metadata_offsets  # noqa: E402
+from cupaged.ops import layers  # noqa: E402
+from cupaged.ops.advance import advance_plan  # noqa: E402
+from cupaged.testing import make_mla_case, make_paged_case  # noqa: E402
+
+rng = np.random.default_rng(0)
+
+
+def garble(plan, keep_seq=False):
+    """Absurd lengths, positions, sequence indices and page ids in the words."""
+    off = metadata_offsets(plan.queries, plan.sequences)
+    w = plan.words
+    w[off["kv_len"]:off["q_start"]] = 0xFFFFFFFF
+    n = off["kv_len"] - off["q_pos"]
+    pos = rng.integers(0, 2**32, n, dtype=np.uint64)
+    pos[1::2] = rng.integers(0, plan.table_width * plan.page_size, pos[1::2].size)   # in range: pages are read
+    w[off["q_pos"]:off["kv_len"]] = pos
+    if not keep_seq:
+        w[off["q_seq"]] = 0xFFFFFFFF
+    table = rng.integers(0, 2**32, w.size - off["page_table"], dtype=np.uint64)
+    table[::3] = plan.pages - 1
+    w[off["page_table"]:] = table.astype(np.uint32)
+
+
+def attention(dtype, d, q_lens, heads, kv_heads, splits):
+    q_lens = np.array(q_lens)
+    case = make_paged_case(rng, kv_lens=(q_lens + 9).astype(np.int32), q_lens=q_lens, page_size=4,
+                           num_q_heads=heads, num_kv_heads=kv_heads, head_dim=d, dtype=dtype)
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 4, case.num_pages).upload(case.q)
+    ws = cupaged.SplitWorkspace(plan.queries, heads, d, splits, case.q) if splits > 1 else None
+    out = np.empty((plan.queries, heads, d), case.q.dtype)
+    plan.attention(case.q, case.k_cache, case.v_cache, case.scale, True, out=out, return_lse=True, workspace=ws)
+    for causal in (True, False):
+        garble(plan)
+        plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causal, out=out, return_lse=True,
+                       workspace=ws)
+        garble(plan, keep_seq=True)
+        plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causal, out=out, workspace=ws)
+
+
+def mla(dtype, heads, q_lens):
+    case = make_mla_case(rng, kv_lens=np.array([40, 9], np.int32), q_lens=np.array(q_lens), page_size=16,
+                         num_heads=heads, latent_dim=512, pos_dim=64, dtype=dtype)
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
+    for splits in (1, 3):
+        ws = cupaged.SplitWorkspace(plan.queries, heads, 512, splits, case.q) if splits > 1 else None
+        plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, True, workspace=ws, return_lse=True)
+        garble(plan)
+        plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, False, workspace=ws, return_lse=True)
+
+
+def append_and_pages():
+    cache = PagedKVCache(6, 4, 2, 8, "f16")
+    a = cache.add_sequence()
+    plan, _ = cache.prepare([a], [7])
+    new = rng.standard_normal((7, 2, 8)).astype(np.float16)
+    cache.append(plan, new, new)
+    b = cache.fork(a)
+    plan, _ = cache.prepare([a, b], [1, 1])          # copy-on-write of the shared last page
+    cache.append(plan, new[:2], new[:2])
+    garble(plan)
+    plan.append(new[:2], new[:2], cache.k, cache.v)
+    advance_plan(plan)
+
+
+def small_ops():
+    logits = rng.standard_normal((3, 1001)).astype(np.float32)
+    cupaged.argmax_into(logits, np.empty(3, np.int64))
+    table = rng.standard_normal((10, 16)).astype(np.float32)
+    x = np.empty((4, 16), np.float32)
+    layers.embed(np.array([0, 9, -5, 10**12], np.int64), table, x)
+    layers.rms_norm(x, table[0], x)
+    y = np.empty((4, 10), np.float32)
+    layers.linear(x, table, y)
+    cos = np.ones((5, 4), np.float32)
+    layers.rope(x.reshape(4, 2, 8), np.array([0, 4, 5, 2**31], np.uint32), cos, cos)
+    layers.silu_mul(x, np.empty((4, 8), np.float32))
+
+
+for name, fn in [
+    ("attention f32 d64 decode, splits 4", lambda: attention("f32", 64, [1, 1, 1], 4, 2, 4)),
+    ("attention f16 d96 prefill", lambda: attention("f16", 96, [5, 1, 7], 2, 1, 1)),
+    ("attention f16 d64 tensor-core prefill, splits 3", lambda: attention("f16", 64, [16, 20, 17], 2, 1, 3)),
+    ("attention f16 d64 mixed step (segmented launches), splits 3",
+     lambda: attention("f16", 64, [1] * 6 + [40] + [1] * 6 + [33], 8, 2, 3)),
+    ("mla bf16 tensor-core", lambda: mla("bf16", 16, [1, 3])),
+    ("append + copy_pages + advance_plan", append_and_pages),
+    ("argmax + layers", small_ops),
+]:
+    fn()
+    print("ok", name, flush=True)
+print("done")

@@ -1,0 +1,319 @@
+"""The NVRTC gate (python -m cupaged.tools.compile_check) and the NVRTC
+helpers under it, on a machine with no GPU: real NVRTC compiles for sm_80 and
+sm_90 of the package's kernels and of small kernels in tests/runtime/kernels/gate_*.cu."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cupaged._runtime import nvrtc as _nvrtc
+from cupaged._runtime import registry as _registry
+from cupaged.tools import compile_check
+
+KERNELS = Path(__file__).parent / "kernels"
+V4 = KERNELS / "gate_v4.cu"
+SPILL = KERNELS / "gate_spill.cu"
+ERROR = KERNELS / "gate_error.cu"
+ARCHS = ("sm_80", "sm_90")
+
+
+def _by(results, kernel):
+    return {r.arch: r for r in results if r.kernel == kernel}
+
+
+# ---------------------------------------------------------------- the gate --
+
+def test_package_variants_pass_gate():
+    """Every registered kernel variant compiles for sm_80 and sm_90 without a
+    spill. Prints the gate's table and how long each variant took."""
+    variants = _registry.all_variants()
+    if not variants:
+        pytest.skip("no kernel variants registered yet")
+    t0 = time.perf_counter()
+    results = compile_check.check(variants, ARCHS, jobs=2, cache_dir=compile_check.default_cache_dir())
+    wall = time.perf_counter() - t0
+    print("\n" + compile_check.format_table(results))
+    s = compile_check.summarize(results, wall, 2)
+    print(f"{s['variants']} variants, {s['compiles']} compiles, {wall:.2f} s wall with 2 jobs; "
+          f"per compile mean {s['compile_ms_mean']} ms, max {s['compile_ms_max']} ms, "
+          f"{s['cached']} from the cache")
+    bad = [r for r in results if not r.ok]
+    assert not bad, "\n".join(f"{r.variant} {r.kernel or '-'} {r.arch}: {r.problems}\n{r.log[:2000]}"
+                              for r in bad)
+    compiled = {(r.variant, r.arch) for r in results}
+    assert len(compiled) == len(variants) * len(ARCHS)
+
+
+def test_v4_detected_and_required():
+    results = compile_check.check([(V4, {})], ARCHS, require_v4=["copy_v4"])
+    assert all(r.ok and r.compiled for r in results)
+    v4, scalar = _by(results, "copy_v4"), _by(results, "copy_scalar")
+    assert set(v4) == set(scalar) == set(ARCHS)
+    for arch in ARCHS:
+        assert v4[arch].v4 and v4[arch].wide_load_bits == 128
+        assert not scalar[arch].v4 and scalar[arch].wide_load_bits == 16
+        assert v4[arch].registers > 0 and v4[arch].spill_stores == 0
+    # requiring 128-bit loads of the scalar kernel fails it
+    results = compile_check.check([(V4, {})], ("sm_90",), require_v4=["copy_scalar"])
+    (r,) = [r for r in results if r.kernel == "copy_scalar"]
+    assert not r.ok and "128-bit" in r.problems[0]
+
+
+def test_spill_fails_gate():
+    results = compile_check.check([(SPILL, {})], ARCHS)
+    assert {r.arch for r in results} == set(ARCHS)
+    for r in results:
+        assert r.kernel == "spill_heavy" and r.compiled
+        assert r.spill_stores > 0 and r.spill_loads > 0 and r.stack_frame > 0
+        assert r.registers <= 32  # __launch_bounds__(1024, 2)
+        assert not r.ok and "spills" in r.problems[0]
+
+
+def test_compile_error_fails_gate_with_log():
+    results = compile_check.check([(ERROR, {})], ARCHS)
+    assert len(results) == 2
+    for r in results:
+        assert not r.compiled and not r.ok and r.kernel == ""
+        assert r.problems == ["compile error"]
+        assert "not_declared_anywhere" in r.log and "gate_error.cu(4)" in r.log
+
+
+def test_defines_filter_and_max_stack():
+    results = compile_check.check([(V4, {"GATE_SCALE": "2.0f"})], ("sm_80",), filter="scalar")
+    assert [r.kernel for r in results] == ["copy_scalar"]
+    assert results[0].variant == "gate_v4_GATE_SCALE_2_0f"
+    # a filter matching the variant name keeps all of its kernels
+    assert len(compile_check.check([(V4, {})], ("sm_80",), filter="gate_v4")) == 2
+    assert compile_check.check([(V4, {})], ("sm_80",), filter="nothing_like_this") == []
+    r = compile_check.check([(SPILL, {})], ("sm_80",), max_stack=0)[0]
+    assert any("stack frame" in p for p in r.problems)
+
+
+def test_disk_cache(tmp_path):
+    first = compile_check.check([(V4, {}), (ERROR, {})], ("sm_80",), cache_dir=tmp_path)
+    assert not any(r.cached for r in first) and len(list(tmp_path.iterdir())) == 2
+    again = compile_check.check([(V4, {}), (ERROR, {})], ("sm_80",), cache_dir=tmp_path)
+    assert all(r.cached for r in again)
+    key = lambda r: (r.variant, r.kernel, r.registers, r.wide_load_bits, r.problems, r.log, r.seconds)  # noqa: E731
+    assert [key(r) for r in first] == [key(r) for r in again]
+    # another define is another source text, so another entry
+    other = compile_check.check([(V4, {"GATE_SCALE": "2.0f"})], ("sm_80",), cache_dir=tmp_path)
+    assert not any(r.cached for r in other)
+    # keep_ptx compiles anyway, to have the PTX
+    kept = compile_check.check([(V4, {})], ("sm_80",), cache_dir=tmp_path, keep_ptx=True)
+    assert not any(r.cached for r in kept) and all(".entry" in r.ptx for r in kept)
+
+
+def test_zero_variants_is_fine():
+    assert compile_check.check([], ARCHS) == []
+
+
+def test_cli_zero_variants_warns_and_passes(monkeypatch, capsys):
+    monkeypatch.setattr(_registry, "all_variants", lambda: [])
+    assert compile_check.main([]) == 0
+    assert "no kernel variants are registered" in capsys.readouterr().err
+    assert compile_check.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"] == []
+
+
+def test_bad_arch_rejected():
+    with pytest.raises(ValueError, match="arch"):
+        compile_check.check([(V4, {})], ("hopper",))
+
+
+def test_compute_arch_gives_ptx_without_report():
+    results = compile_check.check([(V4, {})], ("compute_90",), require_v4=["copy_v4"])
+    # no ptxas run for a virtual architecture: kernel rows from the PTX alone
+    assert [(r.kernel, r.v4, r.registers, r.ok) for r in results] == [
+        ("copy_scalar", False, 0, True), ("copy_v4", True, 0, True)]
+    c = _nvrtc.compile_source(V4.read_text(), "compute_90")
+    assert c.ok and ".entry copy_v4" in c.ptx and c.cubin == b""
+
+
+def test_parallel_jobs_match_serial():
+    serial = compile_check.check([(V4, {}), (SPILL, {})], ARCHS, jobs=1)
+    parallel = compile_check.check([(V4, {}), (SPILL, {})], ARCHS, jobs=4)
+    key = lambda r: (r.variant, r.kernel, r.arch, r.registers, r.spill_stores, r.wide_load_bits)  # noqa: E731
+    assert [key(r) for r in serial] == [key(r) for r in parallel]
+
+
+# ------------------------------------------------------------------ the CLI --
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "cupaged.tools.compile_check", "--no-cache", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_exit_codes_and_json(tmp_path):
+    ok = _cli("--source", str(V4), "-D", "GATE_SCALE=3.0f", "--require-v4", "copy_v4", "--json", "-j", "2",
+              "--keep-ptx", str(tmp_path))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    data = json.loads(ok.stdout)
+    assert {(r["kernel"], r["arch"], r["v4"]) for r in data["results"]} == {
+        ("copy_v4", "sm_80", True), ("copy_v4", "sm_90", True),
+        ("copy_scalar", "sm_80", False), ("copy_scalar", "sm_90", False)}
+    assert data["summary"]["failures"] == 0 and data["archs"] == ["sm_80", "sm_90"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "gate_v4_GATE_SCALE_3_0f.sm_80.ptx", "gate_v4_GATE_SCALE_3_0f.sm_90.ptx"]
+    assert "ld.global.nc.v4.f32" in (tmp_path / "gate_v4_GATE_SCALE_3_0f.sm_90.ptx").read_text()
+
+    spill = _cli("--source", str(SPILL), "--arch", "sm_90")
+    assert spill.returncode == 1 and "spills" in spill.stdout and "FAIL" in spill.stdout
+
+    err = _cli("--source", str(ERROR), "--arch", "sm_80")
+    assert err.returncode == 1 and "COMPILE ERROR" in err.stdout and "not_declared_anywhere" in err.stdout
+
+    missing = _cli("--source", str(V4), "--arch", "sm_80", "--require-v4", "no_such_kernel")
+    assert missing.returncode == 1 and "matches no compiled kernel" in missing.stdout
+
+    usage = _cli("--source", str(V4), "--arch", "volta")
+    assert usage.returncode == 2
+
+
+# ------------------------------------------------------- report parsing --
+
+PTXAS_LOG = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Function properties for _Z6helperPf
+ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Compiling entry function 'b' for 'sm_80'
+ptxas info    : Function properties for b
+ptxas         .     1208 bytes stack frame, 1276 bytes spill stores, 2440 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers, 1208 bytes cumulative stack size, 372 bytes cmem[0]
+ptxas info    : Compile time = 78.112 ms
+ptxas info    : Compiling entry function 'a' for 'sm_80'
+ptxas info    : Function properties for a
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem, 368 bytes cmem[0]
+ptxas info    : Compiling entry function 'old' for 'sm_80'
+ptxas info    : Function properties for old
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 12 registers, 2048 bytes smem, 360 bytes cmem[0]
+"""
+
+
+def test_parse_ptxas():
+    rep = _nvrtc.parse_ptxas(PTXAS_LOG)
+    assert set(rep) == {"_Z6helperPf", "a", "b", "old"}
+    b, a, old, h = rep["b"], rep["a"], rep["old"], rep["_Z6helperPf"]
+    assert (b.is_entry, b.registers, b.stack_frame, b.spill_stores, b.spill_loads, b.cmem, b.cumulative_stack) == (
+        True, 32, 1208, 1276, 2440, 372, 1208)
+    assert (a.registers, a.barriers, a.smem, a.spill_stores) == (40, 1, 1024, 0)
+    assert (old.registers, old.smem) == (12, 2048)  # an older ptxas line format
+    assert not h.is_entry and (h.stack_frame, h.spill_stores, h.spill_loads) == (16, 8, 4)
+
+
+PTX = """\
+.visible .entry k1(
+\t.param .u64 k1_param_0
+)
+{
+\tld.global.nc.v4.f32 \t{%f1, %f2, %f3, %f4}, [%rd4];
+}
+.visible .entry k2(
+\t.param .u64 k2_param_0
+)
+{
+\tld.global.nc.L1::no_allocate.v2.u64 \t{%rd5, %rd6}, [%rd4];
+}
+.func  (.param .b32 func_retval0) _Z1fv(
+)
+{
+\tld.global.v4.u32 \t{%r1, %r2, %r3, %r4}, [%rd1];
+}
+.visible .entry k3(
+)
+{
+\tld.global.v2.f32 \t{%f1, %f2}, [%rd4];
+\tld.global.u16 \t%rs1, [%rd2];
+}
+.visible .entry k4(
+)
+{
+\tcp.async.cg.shared.global [%r1], [%rd1], 16;
+}
+.visible .entry k5(
+)
+{
+\tcp.async.ca.shared.global [%r1], [%rd1], 4;
+\tld.global.v4.u16 \t{%rs1, %rs2, %rs3, %rs4}, [%rd4];
+}
+"""
+
+
+def test_wide_load_detection():
+    assert _nvrtc.kernel_wide_loads(PTX) == {"k1": 128, "k2": 128, "k3": 64, "k4": 128, "k5": 64}
+    funcs = _nvrtc.ptx_functions(PTX)
+    assert funcs["_Z1fv"][0] == "func" and _nvrtc.widest_global_load(funcs["_Z1fv"][1]) == 128
+    assert _nvrtc.ld_global_bits(".nc.v4.f32") == 128
+    assert _nvrtc.ld_global_bits(".v2.f64") == 128
+    assert _nvrtc.ld_global_bits(".u8") == 8
+    assert _nvrtc.ld_global_bits(".v4.b16") == 64
+    assert _nvrtc.ld_global_bits(".v4.f16x2") == 128
+
+
+# ------------------------------------------------------ options, headers --
+
+def test_gate_options_mirror_gpu_options():
+    opts = _nvrtc.gate_options("sm_90", include_dir="/x/include")
+    assert opts[:len(_nvrtc.gpu_options("/x/include"))] == _nvrtc.gpu_options("/x/include")
+    assert "-I/x/include" in opts and "-std=c++17" in opts
+    assert "--gpu-architecture=sm_90" in opts and "--ptxas-options=-v" in opts
+    assert "--device-as-default-execution-space" in opts  # CuPy adds it on the GPU
+    assert not any("fast_math" in o or "fast-math" in o for o in opts)
+    assert "--ptxas-options=-v" not in _nvrtc.gate_options("compute_90", include_dir="/x")
+
+
+def _fake_headers(folder: Path, cudart_version: int | None):
+    folder.mkdir(parents=True)
+    for h in _nvrtc.REQUIRED_HEADERS:
+        (folder / h).write_text("// stand-in\n")
+    if cudart_version is not None:
+        (folder / "cuda_runtime_api.h").write_text(f"#define CUDART_VERSION {cudart_version}\n")
+
+
+def test_header_discovery_order(tmp_path):
+    major = _nvrtc.nvrtc_version()[0]
+    other = 13 if major == 12 else 12
+    root = tmp_path / "site-packages" / "nvidia"
+    _fake_headers(root / "cu13" / "include", other * 1000)               # wrong major for this NVRTC
+    _fake_headers(root / "cuda_runtime" / "include", major * 1000 + 90)   # matching major
+    cuda_path = tmp_path / "cuda"
+    _fake_headers(cuda_path / "include", None)                            # version unknown
+    (tmp_path / "incomplete").mkdir()
+    (tmp_path / "incomplete" / "cuda_fp16.h").write_text("")              # no cuda_bf16.h: skipped
+    env = {"CUDA_PATH": str(cuda_path), "CUPAGED_CUDA_INCLUDE": str(tmp_path / "incomplete")}
+    found = _nvrtc.header_dir_candidates(env=env, nvidia_roots=[root], use_pathfinder=False)
+    paths = [Path(h.path) for h in found]
+    assert paths[0] == (root / "cuda_runtime" / "include").resolve()
+    assert paths.index((cuda_path / "include").resolve()) < paths.index((root / "cu13" / "include").resolve())
+    assert (tmp_path / "incomplete").resolve() not in paths
+    by_path = {Path(h.path): h for h in found}
+    assert by_path[(root / "cu13" / "include").resolve()].found_via == "wheel-cu13"
+    assert by_path[(root / "cu13" / "include").resolve()].cuda_major == other
+
+    # an explicit folder always wins, whatever its version
+    _fake_headers(tmp_path / "mine", other * 1000)
+    env["CUPAGED_CUDA_INCLUDE"] = str(tmp_path / "mine")
+    found = _nvrtc.header_dir_candidates(env=env, nvidia_roots=[root], use_pathfinder=False)
+    assert Path(found[0].path) == (tmp_path / "mine").resolve() and found[0].found_via == "env"
+
+
+def test_cu13_wheel_layout_found(tmp_path):
+    """A CUDA 13 environment: only site-packages/nvidia/cu13/include."""
+    root = tmp_path / "nvidia"
+    _fake_headers(root / "cu13" / "include", 13000)
+    found = _nvrtc.header_dir_candidates(env={}, nvidia_roots=[root], use_pathfinder=False)
+    assert [h.found_via for h in found if str(tmp_path) in h.path] == ["wheel-cu13"]
+
+
+def test_real_header_dir_compiles_fp16_bf16():
+    inc = _nvrtc.find_header_dir()
+    assert all((Path(inc) / h).is_file() for h in _nvrtc.REQUIRED_HEADERS)
+    c = _nvrtc.compile_source(V4.read_text(), "sm_80")
+    assert c.ok, c.log
+    assert c.cubin[:4] == b"\x7fELF" and ".entry copy_scalar" in c.ptx
+    assert "Used" in c.log and "registers" in c.log
