@@ -241,13 +241,15 @@ def test_launch_range_is_clamped(xp_backend, monkeypatch, kernel):
     n = plan.queries
     ref_out, ref_lse = case.reference(True)
     if kernel == "paged_prefill_tc":
-        assert schedule.plan_launches(plan.host, "f16", 4, 1, 64, 64, 0, True, True)[0][0] == kernel
-        head = schedule.plan_launches(plan.host, "f16", 4, 1, 64, 64, 0, True, True)[0][:4]
+        first = schedule.plan_launches(plan.host, "f16", 4, 1, 64, 64, 0, True, True)[0]
+        assert first.kernel == kernel
     else:
-        head = (kernel, variants.select_variant("f16", 64, 64, True, 4), variants.THREADS, 0)
+        first = schedule.Launch("attention", kernel, variants.select_variant("f16", 64, 64, True, 4),
+                                variants.THREADS, 0, 0, 0, 0, 0)
     for begin, count, blocks in ((n - 5, 2 ** 32 - 1, 9), (n + 3, 4, 2), (2 ** 32 - 2, 5, 3), (3, 6, 20)):
         # One launch of `blocks` blocks along x over [begin, begin + count) (one head tile: G = 4).
-        monkeypatch.setattr(launch, "plan_launches", lambda *a, r=(blocks, 1, begin, count): [head + r])
+        one = first._replace(blocks=blocks, tiles=1, q_begin=begin, q_count=count)
+        monkeypatch.setattr(launch, "plan_launches", lambda *a, one=one: [one])
         out = xp_backend.xp.full((n, 4, 64), 7, dtype=q.dtype)
         lse = xp_backend.xp.full((n, 4), 5.0, dtype=np.float32)
         plan.attention(q, k, v, case.scale, True, out=out, lse=lse)

@@ -47,7 +47,7 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causa
     aligned = all(address(a) % VECTOR_BYTES == 0 for a in (q, k_cache, v_cache, out))
     aligned_tc = aligned and (not rot_dim or all(address(a) % VECTOR_BYTES == 0 for a in (q_rot, k_rot)))
     launches = plan_launches(host, dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc)
-    tiles = max(launch[5] for launch in launches)
+    tiles = max(launch.tiles for launch in launches)
     if hkv * tiles > 65535:
         raise PagedAttentionError(f"q: expected at most 65535 KV heads x head tiles in a launch, got "
                                   f"{hkv} x {tiles}")
@@ -61,17 +61,17 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causa
     lse_arg = lse if lse is not None else out
 
     u32 = np.uint32
-    for name, defines, threads, smem, blocks, tiles, begin, count in launches:
-        kernel = get_kernel(q, "attention", name, defines)
-        stream.launch(kernel, (blocks, hkv * tiles, splits), (threads,), (
+    for launch in launches:
+        kernel = get_kernel(q, launch.source, launch.kernel, launch.defines)
+        stream.launch(kernel, (launch.blocks, hkv * launch.tiles, splits), (launch.threads,), (
             q, k_cache, v_cache, q if q_rot is None else q_rot, k_cache if k_rot is None else k_rot, plan.words,
             out, lse_arg, part_out, part_lse,
-            u32(host.queries), u32(begin), u32(count), u32(host.sequences), u32(host.table_width),
+            u32(host.queries), u32(launch.q_begin), u32(launch.q_count), u32(host.sequences), u32(host.table_width),
             u32(host.page_size), u32(host.pages),
             u32(hq), u32(hkv), u32(d), u32(dv), u32(rot_dim), u32(splits), u32(bool(causal)),
-            u32(lse is not None and not split), np.float32(scale)), shared_mem=smem)
+            u32(lse is not None and not split), np.float32(scale)), shared_mem=launch.smem)
     if split:   # every variant compiles the merge: the last launch's module serves it
-        merge = get_kernel(q, "attention", "attention_split_merge", defines)
+        merge = get_kernel(q, launch.source, "attention_split_merge", launch.defines)
         stream.launch(merge, (queries, -(-hq // MERGE_HEADS_PER_BLOCK)), (THREADS,), (
             workspace.partial_out, workspace.partial_lse, out, lse_arg,
             u32(queries), u32(hq), u32(dv), u32(splits), u32(lse is not None)))

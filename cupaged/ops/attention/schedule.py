@@ -5,6 +5,7 @@ Rules in ``tc_segments``; docs/layout.md, "Which kernel serves which queries".
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
@@ -244,16 +245,33 @@ def tc_segments(host, group: int) -> tuple[tuple[bool, int, int], ...]:
     return segs
 
 
+class Launch(NamedTuple):
+    """One attention launch of a step (before the split merge).
+
+    ``source`` (a ``kernels_cu`` stem) and ``kernel`` name it, ``defines``
+    its variant; ``threads`` per block and ``smem`` dynamic shared bytes;
+    the grid is ``(blocks, kv_heads * tiles, splits)``; it serves packed
+    queries ``[q_begin, q_begin + q_count)``."""
+
+    source: str
+    kernel: str
+    defines: dict
+    threads: int
+    smem: int
+    blocks: int
+    tiles: int
+    q_begin: int
+    q_count: int
+
+
 _launches_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
-              aligned_tc: bool) -> tuple[tuple[str, dict, int, int, int, int, int, int], ...]:
+                  aligned_tc: bool) -> tuple[Launch, ...]:
     """The unsplit launches for these shapes, one per segment
-    (``tc_segments``): (kernel, defines, threads, dynamic shared memory,
-    blocks along x, head tiles per KV head, q_begin, q_count). Host plan data
-    only (static per schedule); cached per plan and shapes, so the hot path
-    is one lookup."""
+    (``tc_segments``). Host plan data only (static per schedule); cached per
+    plan and shapes, so the hot path is one lookup."""
     per_plan = _launches_cache.setdefault(host, {})
     key = (dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc)
     launches = per_plan.get(key)
@@ -263,8 +281,8 @@ def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim:
 
 
 def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
-                   aligned_tc: bool) -> tuple:
-    """schedule without the cache."""
+              aligned_tc: bool) -> tuple[Launch, ...]:
+    """plan_launches without the cache."""
     group = hq // hkv
     segs = tc_segments(host, group)
     tc = select_tensor_core(dtype, d, dv, aligned_tc, any(seg[0] for seg in segs), rot_dim)
@@ -284,7 +302,7 @@ def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int
             defines = select_variant(dtype, d, dv, aligned, group, rot_dim)
             tiles = -(-group // int(defines["GROUP_TILE"]))
             name, threads, smem, blocks = "paged_attention", THREADS, 0, count
-        launches.append((name, defines, threads, smem, blocks, tiles, begin, count))
+        launches.append(Launch("attention", name, defines, threads, smem, blocks, tiles, begin, count))
     return tuple(launches)
 
 
@@ -298,4 +316,4 @@ def unsplit_blocks(host, q_heads: int, kv_heads: int, head_dim: int, value_dim: 
     if host.queries == 0:
         return 0
     launches = plan_launches(host, token, q_heads, kv_heads, head_dim, value_dim, rot_dim, True, True)
-    return sum(blocks * kv_heads * tiles for _, _, _, _, blocks, tiles, _, _ in launches)
+    return sum(launch.blocks * kv_heads * launch.tiles for launch in launches)
