@@ -226,7 +226,8 @@ def test_mla_errors():
     _bad_mla(plan, q, qp, lat, np.repeat(kp, 2, axis=2), out, r"k_pos: expected one shared head")
     _bad_mla(plan, q, qp[:, :2].copy(), lat, kp, out, r"q_pos: expected shape \[3, 4, P\] like q")
     _bad_mla(plan, q, qp, lat, kp[..., :4].copy(), out, "k_pos: expected rotary dim P=8 like q_pos")
-    _bad_mla(plan, q, qp[..., :0].copy(), lat, kp[..., :0].copy(), out, "q_pos: expected a rotary dim P in 1..256, got 0")
+    _bad_mla(plan, q, qp[..., :0].copy(), lat, kp[..., :0].copy(), out,
+             "q_pos: expected a rotary dim P in 1..256, got 0")
     plan2, q2, qp2, lat2, kp2, out2 = _mla_case(p=257)
     _bad_mla(plan2, q2, qp2, lat2, kp2, out2, "q_pos: expected a rotary dim P in 1..256, got 257")
     _bad_mla(plan, q, qp, lat[..., :8].copy(), kp, out, "latent: expected R=16 like q")

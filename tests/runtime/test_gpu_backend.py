@@ -28,7 +28,8 @@ SMEM = KERNELS / "gate_smem.cu"
 # ------------------------------------------------------------ CPU-runnable --
 
 def test_cpu_path_never_imports_cupy():
-    code = ("import sys, numpy as np, cupaged, cupaged._runtime.gpu, cupaged._runtime.nvrtc, cupaged.tools.compile_check\n"
+    code = ("import sys, numpy as np, cupaged, cupaged._runtime.gpu, cupaged._runtime.nvrtc\n"
+            "import cupaged.tools.compile_check\n"
             "s = cupaged.stream_for(np.zeros(4, np.uint32)); s.memset_d32(np.zeros(4, np.uint32), 1)\n"
             "assert 'cupy' not in sys.modules, 'cupy imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

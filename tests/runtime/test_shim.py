@@ -81,7 +81,9 @@ def test_argument_errors(mod):
     for i, bad, msg in [(2, 5, r"argument 2 .*\(int\).*Python int"), (6, 0.5, r"argument 6 .*Python float"),
                         (2, True, r"argument 2 .*Python bool"), (2, np.float32(1), r"argument 2 .*4-byte integer"),
                         (4, i32(1), r"argument 4 .*8-byte integer"), (7, np.float32(1), r"argument 7 .*8-byte float"),
-                        (0, i32(1), r"argument 0 .*NumPy array"), (1, 7, r"argument 1 .*expected a NumPy array .*Python int 7"), (2, inp, r"argument 2 .*got a NumPy array"),
+                        (0, i32(1), r"argument 0 .*NumPy array"),
+                        (1, 7, r"argument 1 .*expected a NumPy array .*Python int 7"),
+                        (2, inp, r"argument 2 .*got a NumPy array"),
                         (1, [1.0], r"argument 1 .*got builtins.list")]:
         args = list(good)
         args[i] = bad
@@ -499,7 +501,8 @@ def test_trap_and_assert(mod):
     with pytest.raises(KernelError, match=rf"trap_kernel' block \(0,0,0\): thread 17: __trap\(\) at "
                                           rf"shim_kernels.cu:{line_of('TRAP')}"):
         run(mod, "trap_kernel", 1, 64, out, i32(17))
-    with pytest.raises(KernelError, match=rf"block \(3,0,0\): thread 2: assertion failed: in\[blockIdx.x \* blockDim.x \+ threadIdx.x\] "
+    with pytest.raises(KernelError, match=rf"block \(3,0,0\): thread 2: assertion failed: "
+                                          rf"in\[blockIdx.x \* blockDim.x \+ threadIdx.x\] "
                                           rf">= 0 "
                                           rf"at shim_kernels.cu:{line_of('ASSERT')}"):
         x = np.zeros(4 * 32, np.int32)

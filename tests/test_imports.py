@@ -1,0 +1,94 @@
+"""Imports run one way: public concepts (plan, cache, graph) -> ops ->
+runtime, with no cycle and no function-level import of our own modules."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "cupaged"
+
+# Layers, lowest first. A module may import its own layer or a lower one.
+# (cupaged/__init__ re-exports everything; it is not a layer.)
+LAYERS = [
+    ("leaf", ["errors", "layout", "dtypes"]),
+    ("runtime", ["_runtime"]),
+    ("ops", ["ops"]),
+    ("concepts", ["plan", "cache", "graph"]),
+    ("users", ["testing", "demo", "interop", "tools", "__main__"]),
+]
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        name = ".".join(rel.parts)
+        if name.endswith(".__init__"):
+            name = name[: -len(".__init__")]
+        yield name, path
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    for i, (_, roots) in enumerate(LAYERS):
+        if parts[1] in roots:
+            return i
+    if not (PACKAGE / parts[1]).exists() and not (PACKAGE / f"{parts[1]}.py").exists():
+        return len(LAYERS) - 1     # a name the package root re-exports: as high as the root itself
+    raise AssertionError(f"{module}: not in any layer of tests/test_imports.py")
+
+
+def _imports(name: str, path: Path):
+    """(imported module, line, at module level) of every import of cupaged code."""
+    tree = ast.parse(path.read_text())
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    top = {id(n) for n in tree.body}
+    # imports inside `if TYPE_CHECKING:` or try at top level count as top level
+    for n in tree.body:
+        if isinstance(n, (ast.If, ast.Try)):
+            top |= {id(x) for x in ast.walk(n)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "cupaged":
+                continue
+            targets = [f"{mod}.{a.name}" for a in node.names] if node.module is None or node.level else [mod]
+            for t in targets:
+                yield t, node.lineno, id(node) in top
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "cupaged":
+                    yield a.name, node.lineno, id(node) in top
+
+
+def test_imports_run_one_way():
+    bad = []
+    for name, path in _modules():
+        src = _layer(name)
+        if src is None:
+            continue
+        for target, line, top in _imports(name, path):
+            if not top and LAYERS[src][0] != "users":
+                bad.append(f"{path.name}:{line}: function-level import of {target}")
+            dst = _layer(target)
+            if dst is not None and dst > src:
+                bad.append(f"{name} ({LAYERS[src][0]}) imports {target} ({LAYERS[dst][0]}), a higher layer")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("module", [n for n, _ in _modules() if not n.endswith("__main__")])
+def test_each_module_imports_alone(module):
+    """Each module imports first in a fresh interpreter (a cycle would fail)."""
+    r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
+                       cwd=str(PACKAGE.parent))
+    assert r.returncode == 0, r.stderr[-2000:]
