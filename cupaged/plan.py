@@ -13,7 +13,7 @@ import numpy as np
 from . import layout
 from ._runtime import CPU, Stream, check_not_capturing, checks, empty, stream_for
 from .errors import PagedAttentionError
-from .layout import MAX_PAGE_SIZE, MAX_SPLITS, U32_MAX, metadata_offsets
+from .layout import MAX_PAGE_SIZE, MAX_SPLITS, MAX_VISIBLE_LEN, U32_MAX, metadata_offsets
 from .ops import append as append_op
 from .ops import attention as attention_op
 from .ops.attention import SplitWorkspace, choose_splits
@@ -68,8 +68,13 @@ class HostPlan:
         if ql.shape[0] != sequences:
             raise PagedAttentionError(
                 f"q_lens: expected shape [{sequences}] (one per page_table row), got {checks.shape_str(ql.shape)}")
+        if width < 1:
+            raise PagedAttentionError(f"page_table: expected at least one column, got shape {checks.shape_str(table.shape)}")
         capacity = width * page_size
         for s in range(sequences):
+            if kv[s] > MAX_VISIBLE_LEN:
+                raise PagedAttentionError(
+                    f"kv_lens[{s}]: expected at most {MAX_VISIBLE_LEN} (positions the kernels index), got {kv[s]}")
             if kv[s] < 0 or kv[s] > capacity:
                 raise PagedAttentionError(
                     f"kv_lens[{s}]: expected 0..{capacity} (table_width {width} x page_size {page_size}), got {kv[s]}")

@@ -11,6 +11,7 @@ import pytest
 
 import cupaged
 from cupaged import HostPlan, PagedAttentionError, SplitWorkspace
+from cupaged import layout
 from cupaged.layout import HEADER_WORDS, MAGIC, metadata_offsets
 
 BF16 = ml_dtypes.bfloat16
@@ -70,6 +71,8 @@ def test_write_slots_and_duplicates():
     (dict(q_lens=[-1]), r"q_lens\[0\]"),
     (dict(page_table=[[0, -1]]), r"page_table\[0, 1\]: expected a page id in 0..3"),
     (dict(page_table=[[0, 4]]), r"page_table\[0, 1\]: expected a page id in 0..3 .* got 4"),
+    (dict(page_table=np.zeros((1, 0), np.int64), kv_lens=[0], q_lens=[0]),
+     r"page_table: expected at least one column, got shape \[1, 0\]"),
 ])
 def test_build_rejects(kwargs, match):
     args = dict(page_table=[[0, 1]], kv_lens=[5], q_lens=[1], page_size=4, num_pages=4)
@@ -93,6 +96,18 @@ def test_build_rejects_device_arrays_and_huge_tables():
     huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.int64), shape=(2**16 + 1, 2**16), strides=(0, 0))
     with pytest.raises(PagedAttentionError, match="exceed 32-bit indexing"):
         HostPlan.build(huge, np.zeros(2**16 + 1, np.int64), np.zeros(2**16 + 1, np.int64), 4, 4)
+
+
+def test_build_rejects_lengths_past_what_the_kernels_index():
+    """A length the 32-bit words cannot hold (2^32 + 5 would wrap to 5) or
+    that reaches past the kernels' 31-bit positions is an error, however wide
+    the table."""
+    wide = np.lib.stride_tricks.as_strided(np.zeros(1, np.int64), shape=(1, 2**24 + 1), strides=(0, 0))
+    for n in (2**32 + 5, layout.MAX_VISIBLE_LEN + 1):
+        with pytest.raises(PagedAttentionError, match=rf"kv_lens\[0\]: expected at most {layout.MAX_VISIBLE_LEN}"):
+            HostPlan.build(wide, [n], [1], 256, 1)
+    ok = HostPlan.build([[0] * 4], [1000], [1], 256, 1)
+    assert ok.words[layout.metadata_offsets(1, 1)["kv_len"]] == 1000
 
 
 def test_choose_splits_rule():
@@ -161,10 +176,24 @@ def test_attention_shape_errors():
     _bad(plan, q, k, v, out, "D: expected a head dim in 1..1024, got 1025")
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), "x"])
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), "x", "0.5", True, np.bool_(True), None,
+                                   np.array([0.5])])
 def test_attention_scale_errors(scale):
     plan, q, k, v, out = _case()
     _bad(plan, q, k, v, out, "scale: expected a finite float > 0", scale=scale)
+
+
+@pytest.mark.parametrize("causal", ["no", "yes", 1, 0, None, np.array([True])])
+def test_attention_causal_must_be_a_bool(causal):
+    """causal="no" used to mean True: only a bool is taken."""
+    plan, q, k, v, out = _case()
+    _bad(plan, q, k, v, out, "causal: expected True or False", causal=causal)
+
+
+def test_attention_takes_numpy_scalars():
+    plan, q, k, v, out = _case()
+    plan.attention(q, k, v, np.float32(0.5), np.bool_(False), out=out)
+    plan.attention(q, k, v, 1, True, out=out)
 
 
 def test_attention_overlap_and_backend_errors():

@@ -61,14 +61,21 @@ def u32_size(name: str, shape, *, total: bool = True) -> None:
             f"{name}: {math.prod(int(d) for d in shape)} elements exceed 32-bit indexing (max {U32_MAX})")
 
 
-def positive_scale(scale) -> float:
-    try:
-        s = float(scale)
-    except (TypeError, ValueError):
-        raise PagedAttentionError(f"scale: expected a finite float > 0, got {scale!r}") from None
+def positive_scale(scale, name: str = "scale") -> float:
+    """A finite real number > 0."""
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise PagedAttentionError(f"{name}: expected a finite float > 0, got {type(scale).__name__} {scale!r}")
+    s = float(scale)
     if not math.isfinite(s) or s <= 0:
-        raise PagedAttentionError(f"scale: expected a finite float > 0, got {s}")
+        raise PagedAttentionError(f"{name}: expected a finite float > 0, got {s}")
     return s
+
+
+def boolean(name: str, v) -> bool:
+    """A Python or NumPy bool (not 0/1, a string or None)."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise PagedAttentionError(f"{name}: expected True or False, got {type(v).__name__} {v!r}")
+    return bool(v)
 
 
 def _span(a) -> tuple[int, int]:

@@ -31,7 +31,7 @@ class AttentionOptions:
 
     @classmethod
     def checked(cls, scale, causal) -> "AttentionOptions":
-        return cls(checks.positive_scale(scale), bool(causal))
+        return cls(checks.positive_scale(scale), checks.boolean("causal", causal))
 
 
 @dataclass(frozen=True)
