@@ -222,15 +222,20 @@ class DecodeLoop(_Loop):
         self._argmax(logits, self.next_token)
 
     def advance(self) -> None:
-        """Issue one token's work; no host synchronization."""
+        """Issue one token's work; no host synchronization. Past the RoPE
+        table (or the int32 device scalars) it raises before issuing anything."""
         s = self.stream
+        if self.seq_len >= 0x7FFFFFFF:
+            raise PagedAttentionError(f"seq_len: expected 0..{0x7FFFFFFE}, got {self.seq_len}")
+        if self.rope_tables is not None:
+            for table in self.rope_tables:
+                if self.seq_len >= table.shape[0]:
+                    raise PagedAttentionError(f"seq_len: position {self.seq_len} is past the RoPE table "
+                                              f"({table.shape[0]} rows)")
         s.copy(self.token_buf, self.next_token)
         self.scalars.update(self.seq_len)
         if self.rope_tables is not None:
             for table, sl in zip(self.rope_tables, self.rope_slices):
-                if self.seq_len >= table.shape[0]:
-                    raise PagedAttentionError(f"seq_len: position {self.seq_len} is past the RoPE table "
-                                              f"({table.shape[0]} rows)")
                 row = table.shape[1] * table.itemsize
                 s.copy(sl, table, nbytes=row, src_offset=self.seq_len * row)
         self._run_step()
@@ -267,6 +272,8 @@ class PagedDecodeLoop(_Loop):
         checks.shape_is("active", self.active, (h.sequences,))
         self.lengths = np.where(self.active, h.kv_lens, 0)   # host mirror of the device lengths
         self.capacity = h.table_width * h.page_size
+        self._writable, self._why = _writable_steps(h, self.active)
+        self._taken = 0
         off = metadata_offsets(h.queries, h.sequences)
         for s in np.nonzero(~self.active)[0]:
             plan.stream.memset_d32(plan.words, 0, count=1, offset_bytes=4 * (off["kv_len"] + int(s)))
@@ -280,14 +287,50 @@ class PagedDecodeLoop(_Loop):
 
     @property
     def steps_left(self) -> int:
-        """Tokens every active sequence can still take before its row is full."""
-        act = self.lengths[self.active]
-        return int(self.capacity - act.max()) + 1 if act.size else 0
+        """Tokens every active sequence can still take: each step writes one
+        slot per active sequence, which must lie on a valid page of its row
+        that no other active sequence holds (checked when the loop is built)."""
+        return max(0, self._writable - self._taken)
 
     def advance(self) -> None:
         """Issue one token's work (one copy, one graph launch); no host data."""
         if self.steps_left <= 0:
-            raise PagedAttentionError("plan: a sequence's page-table row is full; reserve more pages")
+            raise PagedAttentionError(f"plan: {self._why}; reserve more pages")
         self.stream.copy(self.token_buf, self.next_token)
         self._run_step()
         self.lengths[self.active] += 1
+        self._taken += 1
+
+
+def _writable_steps(h, active) -> tuple[int, str]:
+    """(steps, why they end): how many decode steps every active sequence of
+    the decode plan ``h`` can take while each step's write slot (position
+    kv_len - 1 + t of its row) lies on a valid page id that appears nowhere
+    else among the active rows (a page shared with another sequence, or
+    reached twice, would take two sequences' tokens in one slot)."""
+    ps, width, pages = h.page_size, h.table_width, h.pages
+    table = np.asarray(h.page_table)
+    rows = np.nonzero(active)[0]
+    valid = (table >= 0) & (table < pages)
+    holders: dict[int, int] = {}
+    for r in rows:
+        for p in np.unique(table[r][valid[r]]):
+            holders[int(p)] = holders.get(int(p), 0) + 1
+    best, why = None, "no active sequence"
+    for r in rows:
+        p0 = int(h.kv_lens[r]) - 1                   # the first step writes at the query's position
+        col0 = p0 // ps
+        steps, reason = width * ps - p0, f"sequence {r}'s page-table row is full"
+        for col in range(col0, width):
+            page = int(table[r, col])
+            bad = None
+            if not valid[r, col]:
+                bad = f"sequence {r}'s page-table column {col} holds no page"
+            elif holders[page] > 1 or int((table[r][valid[r]] == page).sum()) > 1:
+                bad = f"sequence {r}'s page {page} (column {col}) is held twice; copy it before decoding into it"
+            if bad is not None:
+                steps, reason = max(0, col * ps - p0), bad
+                break
+        if best is None or steps < best:
+            best, why = steps, reason
+    return (best or 0), why

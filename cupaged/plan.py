@@ -69,7 +69,8 @@ class HostPlan:
             raise PagedAttentionError(
                 f"q_lens: expected shape [{sequences}] (one per page_table row), got {checks.shape_str(ql.shape)}")
         if width < 1:
-            raise PagedAttentionError(f"page_table: expected at least one column, got shape {checks.shape_str(table.shape)}")
+            raise PagedAttentionError(
+                f"page_table: expected at least one column, got shape {checks.shape_str(table.shape)}")
         capacity = width * page_size
         for s in range(sequences):
             if kv[s] > MAX_VISIBLE_LEN:

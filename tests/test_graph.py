@@ -153,6 +153,29 @@ def test_decode_loop_with_rope_slices(weights):
     assert next_token.tolist() == [int(np.argmax(logits[0]))]
 
 
+def test_decode_loop_past_its_rope_table_changes_nothing():
+    """advance() past the RoPE table raises before any stream work: the
+    token buffer, the device scalars and the host count stay as they were."""
+    like = np.zeros(1, np.float32)
+    cos = np.arange(6, dtype=np.float32).reshape(3, 2)
+    sin = -cos
+    slices = (np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32))
+    sc = DeviceScalars(0, like)
+    token_buf, next_token = np.zeros(1, np.int64), np.array([9], np.int64)
+    logits = np.zeros((1, 4), np.float32)
+    loop = DecodeLoop(lambda: logits, token_buf=token_buf, next_token=next_token, scalars=sc, seq_len=2,
+                      rope_tables=(cos, sin), rope_slices=slices, graph=False)
+    loop.advance()                          # position 2: the table's last row
+    assert slices[0].tolist() == [[4.0, 5.0]] and loop.seq_len == 3
+    token_buf[0] = 5                        # anything the failed call would overwrite
+    before = (token_buf.copy(), sc.buffer.copy(), slices[0].copy(), next_token.copy())
+    with pytest.raises(PagedAttentionError, match=r"seq_len: position 3 is past the RoPE table \(3 rows\)"):
+        loop.advance()
+    for a, b in zip(before, (token_buf, sc.buffer, slices[0], next_token)):
+        np.testing.assert_array_equal(a, b)
+    assert loop.seq_len == 3
+
+
 def test_padded_entries_are_safe_in_a_paged_decode_graph():
     """active=False entries: length word 0 on the device, so their attention
     output is 0, their append is skipped (their page stays untouched) and
@@ -190,6 +213,46 @@ def test_padded_entries_are_safe_in_a_paged_decode_graph():
     np.testing.assert_array_equal(k[2:], pages_before[0])
     np.testing.assert_array_equal(v[2:], pages_before[1])
     assert loop.steps_left == 8 - 7 + 1   # lengths 7 now: positions 6 and 7 remain
+
+
+@pytest.mark.parametrize("table, kv, steps, why", [
+    ([[0, 1], [2, 1]], [3, 3], 2, "page 1 .*is held twice"),            # a reserved page shared by two rows
+    ([[0, -1]], [3], 2, "sequence 0's page-table column 1 holds no page"),
+    ([[0, 0]], [3], 0, "page 0 .*is held twice"),                          # one page at two columns
+    ([[0, 1], [0, 2]], [3, 3], None, "queries 0 and 1 .* both write page 0 offset 2"),   # a shared last page
+])
+def test_paged_decode_loop_stops_before_a_write_that_is_not_its_own(table, kv, steps, why):
+    """A decode loop whose reserved columns hold no page, or a page another
+    sequence holds, stops before the step that would write there: that
+    advance raises and writes nothing (two sequences' tokens never share a
+    slot, and no token goes nowhere)."""
+    like = np.zeros(1, np.float32)
+    rng = np.random.default_rng(2)
+    table = np.array(table)
+    n = len(kv)
+    k = rng.standard_normal((3, 4, 1, 8)).astype(np.float32)
+    v = rng.standard_normal((3, 4, 1, 8)).astype(np.float32)
+    plan = HostPlan.build(table, kv, [1] * n, 4, 3).upload(like)
+    new = np.ones((n, 1, 8), np.float32)
+    logits = np.zeros((n, 3), np.float32)
+
+    def step(p):
+        p.append(new, new, k, v)
+        return logits
+
+    if steps is None:     # the first step's writes already collide: the capture of its append refuses
+        with pytest.raises(PagedAttentionError, match=why):
+            PagedDecodeLoop(step, plan, token_buf=np.zeros(n, np.int64), next_token=np.zeros(n, np.int64))
+        return
+    loop = PagedDecodeLoop(step, plan, token_buf=np.zeros(n, np.int64), next_token=np.zeros(n, np.int64))
+    assert loop.steps_left == steps
+    for _ in range(steps):
+        loop.advance()
+    before = k.copy(), v.copy(), plan.words.copy()
+    with pytest.raises(PagedAttentionError, match=why):
+        loop.advance()
+    for a, b in zip(before, (k, v, plan.words)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_graph_keeps_buffers_alive_after_user_references_are_dropped():
