@@ -19,12 +19,13 @@ Layout of caches, positions and metadata words: ``docs/layout.md``.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import dtypes
-from ._runtime import GPU, array_backend, checks, empty, stream_for, zeros
+from ._runtime import GPU, array_backend, checks, empty, zeros
 from .errors import PagedAttentionError
 from .layout import MAX_PAGE_SIZE, U32_MAX
 from .ops.append import copy_pages
@@ -111,6 +112,7 @@ class PagedKVCache:
         self._free = list(range(self.num_pages - 1, -1, -1))   # a stack: page 0 is handed out first
         self._next_id = 0
         self._pairs = None      # the last copy's device page list, kept alive with the cache
+        self._generation = 0    # bumped by every fork, free and prepare: older plans are stale
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, kv_heads={self.kv_heads}, "
@@ -157,6 +159,7 @@ class PagedKVCache:
         self._next_id += 1
         for p in child._pages:
             self._refs[p] += 1
+        self._new_generation()
         return child
 
     def free(self, seq: Sequence) -> None:
@@ -170,6 +173,7 @@ class PagedKVCache:
         seq._pages = []
         seq.length = 0
         seq.alive = False
+        self._new_generation()
 
     # -- a step ---------------------------------------------------------------
     def prepare(self, seqs, new_tokens) -> tuple[DevicePlan, StepReport]:
@@ -237,16 +241,12 @@ class PagedKVCache:
             table[i, :len(p)] = p
         host = HostPlan.build(table, np.array(lengths, np.int64), np.array(counts, np.int64), ps, self.num_pages)
 
-        # 3. Commit: pages, copies, lengths; then upload.
-        del self._free[len(self._free) - need:]
-        for p in taken:
-            self._refs[p] = 1
-        for src, _ in pairs:
-            self._refs[src] -= 1
-        for s, p, n in zip(seqs, pages, lengths):
-            s._pages, s.length = p, n
-        stream = stream_for(self.k)
+        # 3. The device work, which may still fail (inside a capture the upload
+        # is refused; the copy kernel may fail to compile): the plan's upload,
+        # then the copies, which write only pages still on the free list.
+        plan = host.upload(self.k)
         if pairs:
+            stream = plan.stream
             pairs_host = np.array(pairs, np.uint32)              # [copies, 2]
             if self.backend == GPU:
                 pairs_dev = empty(self.k, pairs_host.shape, np.uint32)
@@ -255,14 +255,43 @@ class PagedKVCache:
                 pairs_dev = pairs_host
             copy_pages(stream, self.k, self.v, pairs_dev, len(pairs))
             self._pairs = pairs_dev
+
+        # 4. Commit (nothing here can fail): pages, copies, lengths; earlier
+        # plans of this cache go stale.
+        del self._free[len(self._free) - need:]
+        for p in taken:
+            self._refs[p] = 1
+        for src, _ in pairs:
+            self._refs[src] -= 1
+        for s, p, n in zip(seqs, pages, lengths):
+            s._pages, s.length = p, n
+        self._new_generation()
+        plan.guard = self._guard()
         report = StepReport(copied_pages=pairs, copied_bytes=len(pairs) * self.page_bytes, allocated_pages=need)
-        return host.upload(self.k), report
+        return plan, report
 
     def append(self, plan: DevicePlan, new_k, new_v) -> None:
         """``plan.append(new_k, new_v, self.k, self.v)``."""
         plan.append(new_k, new_v, self.k, self.v)
 
     # -- helpers --------------------------------------------------------------
+    def _new_generation(self) -> None:
+        self._generation += 1
+
+    def _guard(self):
+        """A check for a plan made now: it raises once a later fork, free or
+        prepare of this cache has moved pages (the plan's page table may name
+        pages shared with a fork or given to another sequence)."""
+        ref, gen = weakref.ref(self), self._generation
+
+        def guard() -> None:
+            cache = ref()
+            if cache is not None and cache._generation != gen:
+                raise PagedAttentionError(
+                    "plan: stale: made by PagedKVCache.prepare before a later fork, free or prepare of that cache; "
+                    "use the plan of the latest prepare")
+        return guard
+
     def _check_seqs(self, seqs, name: str) -> list[Sequence]:
         if isinstance(seqs, Sequence):
             seqs = [seqs]

@@ -165,6 +165,9 @@ class DevicePlan:
         self.stream = stream
         self.backend = stream.backend
         self.device = stream.device
+        #: None, or a callable that raises PagedAttentionError once the plan
+        #: is stale (plans of ``PagedKVCache.prepare``); every op calls it first.
+        self.guard = None
 
     def __getattr__(self, name):  # queries, sequences, page_size, ... from the host plan
         if name in ("queries", "sequences", "table_width", "page_size", "pages", "max_kv_len"):
@@ -175,6 +178,10 @@ class DevicePlan:
         h = self.host
         return (f"DevicePlan(queries={h.queries}, sequences={h.sequences}, table_width={h.table_width}, "
                 f"page_size={h.page_size}, pages={h.pages}, backend={self.backend!r}, device={self.device})")
+
+    def _fresh(self) -> None:
+        if self.guard is not None:
+            self.guard()
 
     def attention(self, q, k_cache, v_cache, scale: float, causal: bool = True, *,
                   workspace: SplitWorkspace | None = None, out=None, lse=None, return_lse: bool = False):
@@ -193,6 +200,7 @@ class DevicePlan:
         a SplitWorkspace to split the visible history over
         ``workspace.splits`` blocks and merge (no host sync).
         """
+        self._fresh()
         return attention_op.attention(self, q, k_cache, v_cache, scale, causal, workspace=workspace, out=out,
                                       lse=lse, return_lse=return_lse)
 
@@ -214,6 +222,7 @@ class DevicePlan:
         are written by ``append`` (heads = 1, D = R, Dv = P). Causal masking,
         chunked prefill, split workspaces and outputs work as in ``attention``.
         """
+        self._fresh()
         return attention_op.mla(self, q, q_pos, latent, k_pos, scale, causal, workspace=workspace, out=out,
                                 lse=lse, return_lse=return_lse)
 
@@ -223,4 +232,5 @@ class DevicePlan:
         page_table[s, p // page_size], offset p % page_size), in place, in one
         kernel. Serves MLA caches too (Hkv = 1, D = R, Dv = P). See
         ``cupaged.ops.append.append``."""
+        self._fresh()
         append_op.append(self, new_k, new_v, k_cache, v_cache)

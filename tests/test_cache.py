@@ -7,8 +7,9 @@ import importlib.util
 import numpy as np
 import pytest
 
-from cupaged import HostPlan, PagedAttentionError, stream_for
+from cupaged import CompileError, HostPlan, PagedAttentionError, capture_graph, stream_for
 from cupaged.cache import PagedKVCache, Sequence
+from cupaged.ops import append as append_op
 from cupaged.ops.append import copy_pages as launch_copy_pages
 from cupaged.testing import as_dtype, reference, tolerance
 
@@ -245,6 +246,123 @@ def test_exhaustion_changes_nothing():
     # what fits still works
     step(cache, [b], [2], rng, model)
     model.check(cache, [a, b])
+
+
+def _same(snap, now):
+    for x, y in zip(snap, now):
+        if isinstance(x, np.ndarray):
+            np.testing.assert_array_equal(x, y)
+        else:
+            assert x == y
+
+
+def test_stale_plans_raise_and_write_nothing():
+    """A plan of prepare goes stale at the cache's next fork, free or
+    prepare: appending with it (or attending) raises and writes nothing. It
+    used to write into pages then shared with a fork, which read the
+    parent's new tokens."""
+    rng = np.random.default_rng(16)
+    cache = small_cache(num_pages=8, dtype="f32")
+    model = Model()
+    a = cache.add_sequence()
+    model.add(a)
+    plan, _, _, _ = step(cache, [a], [3], rng, model)
+    nk = np.ones((3, 2, 8), np.float32)
+    nv = np.ones((3, 2, 4), np.float32)
+    q = np.ones((3, 2, 8), np.float32)
+
+    def stale(p):
+        snap = snapshot(cache, [a])
+        with pytest.raises(PagedAttentionError, match="plan: stale: made by PagedKVCache.prepare before a later "
+                                                      "fork, free or prepare"):
+            cache.append(p, nk, nv)
+        with pytest.raises(PagedAttentionError, match="plan: stale"):
+            p.append(nk, nv, cache.k, cache.v)
+        with pytest.raises(PagedAttentionError, match="plan: stale"):
+            p.attention(q, cache.k, cache.v, 0.5)
+        _same(snap, snapshot(cache, [a]))
+
+    b = cache.fork(a)                      # the plan's last page is now shared with b
+    model.fork(a, b)
+    stale(plan)
+    model.check(cache, [a, b])             # b did not get a's rows
+    plan2, _, _, _ = step(cache, [a], [1], rng, model)
+    stale(plan)
+    c = cache.add_sequence()               # a new empty sequence moves no page: plan2 stays valid
+    plan2.attention(np.ones((1, 2, 8), np.float32), cache.k, cache.v, 0.5)
+    cache.free(c)
+    stale(plan2)
+    model.check(cache, [a, b])
+
+
+def _state(cache, seqs):
+    return snapshot(cache, seqs) + ([s.length for s in seqs], [s.pages for s in seqs], cache._generation)
+
+
+def test_failing_prepare_changes_nothing(monkeypatch):
+    """prepare fails inside a capture (its upload is refused) or when the
+    copy kernel cannot be built: lengths, pages, refcounts, the free list and
+    the K/V contents stay exactly as they were, and a later prepare works."""
+    rng = np.random.default_rng(17)
+    cache = small_cache(num_pages=8, dtype="f16")
+    model = Model()
+    a = cache.add_sequence()
+    model.add(a)
+    step(cache, [a], [6], rng, model)      # 2 pages, the last half full
+    b = cache.fork(a)                      # the next step of both copies a's last page
+    model.fork(a, b)
+    snap = _state(cache, [a, b])
+    with pytest.raises(PagedAttentionError, match="plan.upload: allocation inside graph capture"):
+        with capture_graph(cache.k):
+            cache.prepare([a, b], [1, 1])
+    _same(snap, _state(cache, [a, b]))
+
+    def no_copy_kernel(like, source, kernel, defines=None):
+        raise CompileError(f"cannot build {kernel}")
+    with monkeypatch.context() as m:
+        m.setattr(append_op, "get_kernel", no_copy_kernel)
+        with pytest.raises(CompileError, match="cannot build copy_pages"):
+            cache.prepare([a, b], [1, 1])
+    _same(snap, _state(cache, [a, b]))
+    model.check(cache, [a, b])
+    step(cache, [a, b], [1, 1], rng, model)     # the history survived: both read their 6 tokens + 1
+    model.check(cache, [a, b])
+
+
+def test_caches_over_2_32_elements():
+    """Caches may hold more than 2^32 elements (page offsets are 64-bit in
+    every kernel): the page manager makes one and append, attention and
+    copy-on-write work on pages past element 2^32. The arrays are zeroed
+    lazily by the OS, so only touched pages take memory."""
+    pages, ps, d = 2**20 + 8, 16, 256
+    try:
+        k = np.zeros((pages, ps, 1, d), np.float16)
+        v = np.zeros((pages, ps, 1, d), np.float16)
+    except MemoryError:
+        pytest.skip("this machine cannot reserve 2 x 8 GiB of address space")
+    assert k.size > 2**32
+    rng = np.random.default_rng(18)
+    table = np.array([[pages - 3, pages - 1], [5, pages - 2]])
+    kv, ql = np.array([20, 25]), np.array([20, 9])
+    plan = HostPlan.build(table, kv, ql, ps, pages).upload(k)
+    nk = rng.standard_normal((29, 1, d)).astype(np.float16)
+    nv = rng.standard_normal((29, 1, d)).astype(np.float16)
+    ref_k, ref_v = reference.paged_append(nk, nv, k[table.reshape(-1)], v[table.reshape(-1)],
+                                          np.arange(4).reshape(2, 2), kv, ql)
+    plan.append(nk, nv, k, v)
+    np.testing.assert_array_equal(k[table.reshape(-1)].astype(np.float64), ref_k)
+    q = rng.standard_normal((29, 2, d)).astype(np.float16)
+    out = plan.attention(q, k, v, d ** -0.5)
+    exp, _ = reference.paged_attention(q, ref_k, ref_v, np.arange(4).reshape(2, 2), kv, ql, d ** -0.5, True)
+    np.testing.assert_allclose(out.astype(np.float64), exp, **dict(zip(("atol", "rtol"), tolerance("f16"))))
+    launch_copy_pages(stream_for(k), k, v, np.array([[pages - 1, pages - 4]], np.uint32), 1)
+    np.testing.assert_array_equal(k[pages - 4], k[pages - 1])
+    big = PagedKVCache(pages, ps, 1, d, "f16")
+    assert big.k.size > 2**32
+    x = big.add_sequence()
+    p, _ = big.prepare([x], [3])
+    big.append(p, nk[:3], nv[:3])
+    np.testing.assert_array_equal(big.k[p.host.page_table[0, 0], :3], nk[:3])
 
 
 def test_freed_pages_are_reused_and_refcounted():

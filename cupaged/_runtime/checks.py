@@ -18,8 +18,9 @@ def shape_str(shape) -> str:
     return "[" + ", ".join(str(int(s)) for s in shape) + "]"
 
 
-def float_array(name: str, a, ndim: int) -> None:
-    """A C-contiguous f32/f16/bf16 array of rank ``ndim``."""
+def float_array(name: str, a, ndim: int, *, total: bool = True) -> None:
+    """A C-contiguous f32/f16/bf16 array of rank ``ndim``; every dim, and with
+    ``total`` the element count, within 32-bit indexing."""
     if _backend.array_backend(a) is None:
         raise PagedAttentionError(f"{name}: expected a NumPy or CuPy array, got {type(a).__name__}")
     if a.ndim != ndim:
@@ -27,7 +28,7 @@ def float_array(name: str, a, ndim: int) -> None:
     dtypes.row(name, a.dtype)
     if not a.flags.c_contiguous:
         raise PagedAttentionError(f"{name}: expected a C-contiguous array, got strides {tuple(a.strides)}")
-    u32_size(name, a.shape)
+    u32_size(name, a.shape, total=total)
 
 
 def same_dtype(ref_name: str, ref, **arrays) -> None:
@@ -143,8 +144,10 @@ def plan_arrays(plan, **arrays) -> None:
 
 
 def plan_cache(plan, name: str, cache, heads: int | None = None) -> None:
-    """``cache`` is a [plan.pages, plan.page_size, heads, D] float array."""
-    float_array(name, cache, 4)
+    """``cache`` is a [plan.pages, plan.page_size, heads, D] float array.
+    A page's elements must fit 32-bit indexing; the whole cache need not
+    (the kernels compute page offsets in 64 bits)."""
+    float_array(name, cache, 4, total=False)
     u32_size(name, cache.shape[1:])
     exp = (plan.host.pages, plan.host.page_size)
     if tuple(cache.shape[:2]) != exp:
