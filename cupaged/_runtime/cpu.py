@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import re
 import shlex
@@ -51,6 +52,7 @@ import numpy as np
 
 from ..errors import CompileError, KernelError, PagedAttentionError
 from . import source as _source
+from .structs import StructArg
 
 MAX_THREADS_PER_BLOCK = 1024
 MAX_BLOCK_DIM = (1024, 1024, 64)
@@ -150,14 +152,71 @@ def _compiler() -> tuple[str, str]:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that no reader ever sees a part of it:
+    a temporary file in the same folder, flushed to disk, renamed over."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---- built libraries on disk ------------------------------------------------------
+# A library is installed as <name>.so plus <name>.so.sum ("<size> <sha256>\n"),
+# written after the library is renamed into place. A library is loaded only
+# when its sum file matches its bytes: dlopen of a truncated library (a crash
+# or a full disk during a write) dies with SIGBUS, which no later run could
+# recover from. Anything that does not match is rebuilt.
+
+def _sum_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sum")
+
+
+def _digest_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _install(built: Path, lib: Path) -> None:
+    """Move a freshly built library into place and record its sum."""
+    with open(built, "rb+") as f:
+        os.fsync(f.fileno())
+    size, digest = built.stat().st_size, _digest_file(built)
+    _sum_path(lib).unlink(missing_ok=True)     # a crash before the new sum is written leaves no stale one
+    os.replace(built, lib)
+    _fsync_dir(lib.parent)
+    _write_atomic(_sum_path(lib), f"{size} {digest}\n".encode())
+
+
+def _intact(lib: Path) -> bool:
+    """Whether ``lib`` exists and matches its recorded size and checksum."""
+    try:
+        size, digest = _sum_path(lib).read_text().split()
+        return lib.stat().st_size == int(size) and _digest_file(lib) == digest
+    except (OSError, ValueError):
+        return False
 
 
 def _run_compiler(args: list[str], what: str) -> str:
@@ -184,13 +243,13 @@ def runtime() -> ctypes.CDLL:
         flags = _runtime_flags()
         key = _source.digest("runtime", _shim_blob(), " ".join(flags), version)
         path = cache_dir() / f"cupaged_rt-{key}.so"
-        if not path.exists():
+        if not _intact(path):
             shim = _source.shim_dir()
             with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
                 out = Path(tmp) / path.name
                 _run_compiler([cxx, *flags, "-I", str(shim), str(shim / "cupaged_rt.cpp"), "-o", str(out)],
                               "the CPU backend runtime (kernels_cu/shim/cupaged_rt.cpp)")
-                os.replace(out, path)
+                _install(out, path)
         lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
         lib.cupaged_rt_last_error.restype = ctypes.c_char_p
         lib.cupaged_rt_last_error.argtypes = []
@@ -240,7 +299,7 @@ def _build_module(source_text: str, variant: str, path: Path, flags: tuple[str, 
         out = Path(tmp) / path.name
         _run_compiler([cxx, *flags, *common, "-x", "c++", str(src), "-o", str(out)], f"CPU kernel module {variant}")
         os.replace(src, path.with_suffix(".cu"))  # kept beside the library, for debuggers
-        os.replace(out, path)
+        _install(out, path)
 
 
 def load_module(source_text: str, variant: str) -> "CpuModule":
@@ -256,7 +315,7 @@ def load_module(source_text: str, variant: str) -> "CpuModule":
             return mod
         stem = re.sub(r"[^A-Za-z0-9_]", "_", variant)[:150] or "module"
         path = cache_dir() / f"{stem}-{key}.so"
-        if not path.exists():
+        if not _intact(path):
             _build_module(source_text, variant, path, flags)
         try:
             lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
@@ -381,6 +440,10 @@ class CpuFunction:
                 keep.append(a)
                 values.append(ctypes.c_void_p(a.__array_interface__["data"][0]))
                 continue
+            if type(a) is StructArg:
+                values.append(self._struct(i, a.value, code))
+                keep.extend(a.refs)
+                continue
             ctor = _SCALAR_CONVERT.get((type(a), code))
             values.append(ctor(a) if ctor is not None else self._convert(i, a, code, keep))
         return BoundLaunch(self, grid, block, int(shared_mem), values, keep)
@@ -396,6 +459,8 @@ class CpuFunction:
             return ctypes.c_void_p(a.__array_interface__["data"][0])
         if isinstance(a, np.generic):
             dt = a.dtype
+            if code[0] == "x":
+                return self._struct(i, a, code)
             if code == "p":
                 if dt.kind in "iu" and dt.itemsize == 8:
                     return ctypes.c_void_p(int(a) & 0xFFFFFFFFFFFFFFFF)
@@ -416,6 +481,24 @@ class CpuFunction:
                                       f"(its C type would be ambiguous)")
         raise PagedAttentionError(f"{where}: expected a NumPy array or NumPy scalar, got "
                                   f"{type(a).__module__}.{type(a).__name__}")
+
+    def _struct(self, i: int, a, code: str):
+        """The bytes of structured scalar ``a`` for the struct parameter
+        ``i`` (code ``x<N>``): copied now (frozen, as every argument is at
+        bind) into an 8-byte aligned buffer of N bytes."""
+        where = f"argument {i} of kernel {self.name} ({self.param_types[i]})"
+        if code[0] != "x":
+            raise PagedAttentionError(f"{where}: expected {_example(code)}, got a struct (StructArg)")
+        n = int(code[1:])
+        if not isinstance(a, np.void) or a.dtype.names is None:
+            raise PagedAttentionError(f"{where}: expected a structured NumPy scalar (np.void) of {n} bytes, "
+                                      f"got numpy.{type(a).__name__}")
+        if a.dtype.itemsize != n:
+            raise PagedAttentionError(f"{where}: expected a structured NumPy scalar of {n} bytes (the struct's "
+                                      f"size), got {a.dtype.itemsize} bytes")
+        buf = (ctypes.c_uint64 * ((n + 7) // 8))()
+        ctypes.memmove(buf, a.tobytes(), n)
+        return buf
 
     def __repr__(self) -> str:
         return f"<CpuFunction {self.name}({', '.join(self.param_types)})>"
