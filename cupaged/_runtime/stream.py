@@ -18,6 +18,7 @@ stands for its data pointer and a NumPy scalar (``np.int32``, ``np.uint32``,
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 
@@ -60,16 +61,31 @@ class Stream:
     def __init__(self):
         self._capture: list | None = None
         self._capture_keep: list | None = None
+        self._capture_thread: int | None = None   # the thread whose capture is open
 
     # -- public API -------------------------------------------------------
     @property
     def capturing(self) -> bool:
-        return self._capture is not None
+        """Whether the calling thread is capturing this stream. Capture is
+        per thread, as CUDA's thread-local capture mode: another thread's
+        work on the stream is not captured (CPU: it runs at once; GPU: it
+        raises, since the driver would fold it into the graph)."""
+        return self._capture is not None and self._capture_thread == threading.get_ident()
+
+    def _foreign_capture(self) -> None:
+        """Called before any stream work: another thread is capturing."""
+        if self._capture is not None and self._capture_thread != threading.get_ident():
+            self._work_during_foreign_capture()
+
+    def _work_during_foreign_capture(self) -> None:
+        raise PagedAttentionError("stream: another thread is capturing this stream; use a stream of your own "
+                                  "(work issued here would be folded into that thread's graph)")
 
     def launch(self, kernel, grid, block, args, shared_mem: int = 0) -> None:
         """Launch ``kernel`` (from ``cupaged._runtime.get_kernel``) with ``grid`` and
         ``block`` (3-tuples or ints) and ``shared_mem`` dynamic bytes."""
         grid, block = _dim3(grid), _dim3(block)
+        self._foreign_capture()
         if 0 in grid:
             return
         self._launch(kernel, grid, block, int(shared_mem), tuple(args))
@@ -82,6 +98,7 @@ class Stream:
         _check_span("dst", dst, offset_bytes, 4 * count)
         if offset_bytes % 4:
             raise PagedAttentionError(f"offset_bytes: expected a multiple of 4, got {offset_bytes}")
+        self._foreign_capture()
         self._memset_d32(dst, int(value) & 0xFFFFFFFF, count, int(offset_bytes))
 
     def copy(self, dst, src, nbytes: int | None = None, dst_offset: int = 0, src_offset: int = 0) -> None:
@@ -90,6 +107,7 @@ class Stream:
         nbytes = src.nbytes - src_offset if nbytes is None else int(nbytes)
         _check_span("dst", dst, dst_offset, nbytes)
         _check_span("src", src, src_offset, nbytes)
+        self._foreign_capture()
         if nbytes:
             self._copy(dst, src, nbytes, int(dst_offset), int(src_offset))
 
@@ -102,18 +120,24 @@ class Stream:
         self._check(dst=dst)
         host = np.ascontiguousarray(host)
         _check_span("dst", dst, dst_offset, host.nbytes)
+        self._foreign_capture()
         if host.nbytes:
             self._copy_from_host(dst, host.copy(), int(dst_offset))
 
     def begin_capture(self) -> None:
         if self.capturing:
             raise PagedAttentionError("stream: already capturing; captures do not nest")
+        if self._capture is not None:
+            raise PagedAttentionError("stream: another thread is capturing this stream")
         self._begin_capture()
+        self._capture_thread = threading.get_ident()
 
     def end_capture(self) -> Graph:
         if not self.capturing:
             raise PagedAttentionError("stream: end_capture without begin_capture")
-        return self._end_capture()
+        graph = self._end_capture()
+        self._capture_thread = None
+        return graph
 
     def synchronize(self) -> None:
         """Wait for all work issued so far (a no-op on the CPU backend)."""
@@ -131,7 +155,7 @@ class Stream:
                     f"{name}: expected an array on device {self.device}, got device {_backend.device_id(a)}")
 
     def _keep(self, *objs) -> None:
-        if self._capture_keep is not None:
+        if self.capturing:
             self._capture_keep.extend(objs)
 
 
@@ -152,11 +176,15 @@ class CpuStream(Stream):
     device = -1
 
     def _run_or_record(self, op, *keep) -> None:
-        if self._capture is not None:
+        if self.capturing:
             self._capture.append(op)
             self._keep(*keep)
         else:
             op()
+
+    def _work_during_foreign_capture(self) -> None:
+        """Another thread's capture records only its own thread's calls;
+        this thread's work runs at once."""
 
     def _launch(self, kernel, grid, block, shared_mem, args) -> None:
         # bind() freezes argument values and array addresses now.

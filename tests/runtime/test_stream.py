@@ -93,3 +93,77 @@ def test_stream_errors():
     assert g.num_ops == 0
     with pytest.raises(PagedAttentionError, match="like: expected a NumPy or CuPy array"):
         stream_for([1, 2])
+
+
+def test_capture_is_per_thread():
+    """While thread A captures the CPU stream, thread B's work on it runs at
+    once (it used to be recorded into A's graph, and B's output was never
+    written); A's graph holds only A's work, and B cannot end A's capture."""
+    import threading
+
+    from cupaged import argmax_into
+    stream = stream_for(np.zeros(1, np.float32))
+    a_logits = np.array([[0.0, 1.0, 0.0]], np.float32)
+    a_out = np.zeros(1, np.int64)
+    b_logits = np.array([[5.0, 1.0, 7.0, 2.0]], np.float32)
+    b_out = np.full(1, -1, np.int64)
+    started, b_done = threading.Event(), threading.Event()
+    errors = []
+
+    def thread_b():
+        started.wait()
+        try:
+            assert not stream.capturing
+            argmax_into(b_logits, b_out)
+            with pytest.raises(PagedAttentionError, match="end_capture without begin_capture"):
+                stream.end_capture()
+            with pytest.raises(PagedAttentionError, match="another thread is capturing this stream"):
+                stream.begin_capture()
+        except BaseException as e:   # reported below, in the main thread
+            errors.append(e)
+        b_done.set()
+
+    t = threading.Thread(target=thread_b)
+    t.start()
+    stream.begin_capture()
+    started.set()
+    b_done.wait(60)
+    argmax_into(a_logits, a_out)
+    graph = stream.end_capture()
+    t.join()
+    assert not errors, errors
+    assert b_out.tolist() == [2]                  # B's work ran at once
+    assert graph.num_ops == 1 and a_out.tolist() == [0]
+    graph.launch()
+    assert a_out.tolist() == [1]
+
+
+def test_gpu_style_streams_refuse_work_during_another_threads_capture():
+    """A stream whose driver would fold any thread's work into the open
+    capture (the GPU's) refuses another thread's work instead of losing it."""
+    import threading
+
+    from cupaged._runtime import CpuStream, Stream
+
+    class DriverLike(CpuStream):
+        _work_during_foreign_capture = Stream._work_during_foreign_capture
+
+    s = DriverLike()
+    buf = np.zeros(4, np.uint32)
+    s.begin_capture()
+    errors = []
+
+    def other():
+        try:
+            s.memset_d32(buf, 7)
+        except PagedAttentionError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    s.end_capture()
+    assert errors and "another thread is capturing this stream" in errors[0]
+    assert buf.tolist() == [0, 0, 0, 0]
+    s.memset_d32(buf, 7)            # after the capture: fine
+    assert buf.tolist() == [7] * 4
