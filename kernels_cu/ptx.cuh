@@ -15,6 +15,10 @@
 // the latest point a GPU allows, so a read that comes too early reads stale
 // data on the CPU too; the __syncthreads a kernel needs after the wait on a
 // GPU stays in the kernel (it also publishes the copies to other threads).
+// The CPU versions also count what they execute (cpu::Counter below: one
+// count per warp-wide mma / ldmatrix, one per thread's cp.async), readable
+// from Python through cupaged_ptx_counters() in the module; the performance
+// model (cupaged/tools/counters.py) reads them. The GPU versions count nothing.
 //
 // Fragments of mma.sync.aligned.m16n8k16.row.col (PTX ISA, "Matrix
 // Fragments for mma.m16n8k16 with floating point type"); lane = 4 * g + t,
@@ -48,6 +52,11 @@ template <> __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float 
 #ifdef CUPAGED_CPU
 // ---------------------------------------------------------------- CPU versions
 namespace cpu {
+// Execution counters of this module's helpers (relaxed atomics: blocks run on
+// several workers). Order and names: cupaged_ptx_counter_names().
+enum Counter : int { kMma16816, kLdmatrixX4, kLdmatrixX4Trans, kCpAsync16, kCpAsync16Zero, kNumCounters };
+inline unsigned long long counters[kNumCounters];
+inline void count(Counter c) { __atomic_fetch_add(&counters[c], 1ull, __ATOMIC_RELAXED); }
 inline float half_bits_to_float(unsigned short b, __half*) { return __half2float(__ushort_as_half(b)); }
 inline float half_bits_to_float(unsigned short b, __nv_bfloat16*) {
     return __bfloat162float(__ushort_as_bfloat16(b));
@@ -64,6 +73,7 @@ struct MmaLane {
 
 // D = A B + D for the whole warp, from the fragments every lane posted.
 template <typename T> inline void mma_16816_warp(void** lanes, unsigned, void*) {
+    count(kMma16816);
     float A[16][16], B[16][8];
     for (int l = 0; l < 32; ++l) {
         const MmaLane* p = static_cast<const MmaLane*>(lanes[l]);
@@ -95,6 +105,7 @@ struct LdmLane {
 };
 
 template <bool Trans> inline void ldmatrix_x4_warp(void** lanes, unsigned, void*) {
+    count(Trans ? kLdmatrixX4Trans : kLdmatrixX4);
     u32 out[32][4];
     for (int l = 0; l < 32; ++l) {
         const int g = l >> 2, t = l & 3;
@@ -118,6 +129,16 @@ template <bool Trans> inline void ldmatrix_x4_warp(void** lanes, unsigned, void*
         for (int i = 0; i < 4; ++i) static_cast<const LdmLane*>(lanes[l])->r[i] = out[l][i];
 }
 }  // namespace cpu
+
+// The counters of this module, for Python (ctypes): a pointer to
+// cpu::kNumCounters unsigned 64-bit counts (writable: Python zeroes them),
+// their comma-separated names, in order.
+extern "C" __attribute__((visibility("default"), used)) inline unsigned long long* cupaged_ptx_counters() {
+    return cpu::counters;
+}
+extern "C" __attribute__((visibility("default"), used)) inline const char* cupaged_ptx_counter_names() {
+    return "mma_16816,ldmatrix_x4,ldmatrix_x4_trans,cp_async_16,cp_async_16_zero";
+}
 
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
@@ -184,6 +205,7 @@ inline void async_wait(unsigned keep) {
 }  // namespace cpu
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+    cpu::count(valid ? cpu::kCpAsync16 : cpu::kCpAsync16Zero);
     cpu::AsyncQueue& aq = cpu::async_queue();
     if (aq.n == cpu::kMaxAsync) {   // full: the oldest copy lands now (a GPU may land any copy early)
         cpu::land(aq.q[0]);

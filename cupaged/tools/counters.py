@@ -1,0 +1,205 @@
+"""Tensor-core work counted by running a kernel on the CPU backend.
+
+The CPU versions of the ``kernels_cu/ptx.cuh`` helpers count what they
+execute (one count per warp-wide ``mma.sync`` m16n8k16 and ``ldmatrix.x4``
+(plain / ``.trans``), one per thread's 16-byte ``cp.async``, valid or
+zero-fill), in the kernel module's ``cupaged_ptx_counters()``. ``read`` /
+``reset`` reach them through ctypes; ``probe`` runs one attention launch
+at a small shape through the public API (``DevicePlan.attention`` /
+``.mla`` on NumPy arrays), at two context lengths, and returns the counts
+per block as ``intercept + slope * tokens``: the per-token slope is the
+work of the K/V loop, whatever the kernel's tile size.
+
+Which launch runs is ``plan_launches``' answer for the probe's plan, so a
+kernel rewrite needs nothing here; ``probe`` checks that the probe plan
+selects the same kernel and defines as the modeled launch and says so
+when it does not.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+NAMES_FALLBACK = ("mma_16816", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16", "cp_async_16_zero")
+#: Bytes of shared memory one counted operation reads or writes (per warp
+#: for ldmatrix.x4: four 8x8 tiles of 16-bit; per thread for cp.async).
+SMEM_BYTES = {"ldmatrix_x4": 512, "ldmatrix_x4_trans": 512, "cp_async_16": 16, "cp_async_16_zero": 16}
+#: FLOP of one m16n8k16 product.
+MMA_FLOP = 2 * 16 * 8 * 16
+
+
+def _lib(module) -> ctypes.CDLL:
+    # The module's own handle (dlopen of the same path returns it).
+    return ctypes.CDLL(str(module.path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+
+
+def names(module) -> tuple[str, ...] | None:
+    """Counter names of a CPU module, or None when it has no ptx.cuh counters."""
+    lib = _lib(module)
+    try:
+        fn = lib.cupaged_ptx_counter_names
+    except AttributeError:
+        return None
+    fn.restype = ctypes.c_char_p
+    return tuple(fn().decode().split(","))
+
+
+def _array(module):
+    lib = _lib(module)
+    n = names(module)
+    if n is None:
+        return None, None
+    fn = lib.cupaged_ptx_counters
+    fn.restype = ctypes.POINTER(ctypes.c_ulonglong * len(n))
+    return n, fn().contents
+
+
+def read(module) -> dict | None:
+    """``{name: count}`` of a CPU module's ptx.cuh counters (None without them)."""
+    n, arr = _array(module)
+    if n is None:
+        return None
+    return {k: int(v) for k, v in zip(n, arr)}
+
+
+def reset(module) -> None:
+    n, arr = _array(module)
+    if n is not None:
+        for i in range(len(n)):
+            arr[i] = 0
+
+
+# ---------------------------------------------------------------------------
+# Probes
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Probe:
+    """Per-block counts of one launch as ``intercept + slope * tokens``
+    (tokens a block visits), from runs at ``lengths`` context tokens."""
+    kernel: str
+    defines: dict
+    blocks: int                  # blocks of each probe run (counts are divided by it)
+    queries_per_block: int
+    lengths: tuple
+    intercept: dict
+    slope: dict
+    note: str = ""
+
+    def per_block(self, name: str, tokens: float) -> float:
+        return self.intercept.get(name, 0.0) + self.slope.get(name, 0.0) * tokens
+
+    def smem_bytes(self, tokens: float) -> float:
+        return sum(SMEM_BYTES[k] * self.per_block(k, tokens) for k in SMEM_BYTES)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("CUPAGED_CACHE_DIR")
+    if base:
+        return Path(base) / "perf"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "cupaged" / "perf"
+
+
+def _rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _plan_for(tokens: int, q_len: int, page_size: int):
+    from ..plan import HostPlan
+    pages = -(-tokens // page_size)
+    table = np.arange(pages, dtype=np.int64).reshape(1, pages)
+    return HostPlan.build(table, [tokens], [q_len], page_size, pages)
+
+
+def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int):
+    from ..ops.attention import plan_launches
+    return plan_launches(host, dtype, hq, hkv, d, dv, rot, True, True)
+
+
+def _run(host, np_dtype, hq, hkv, d, dv, rot, seed=0) -> None:
+    rng = np.random.default_rng(seed)
+    ps, pages, q = host.page_size, host.pages, host.queries
+    plan = host.upload(np.zeros(1, np.float32))
+    if rot:
+        latent = _rand(rng, (pages, ps, 1, d), np_dtype)
+        k_pos = _rand(rng, (pages, ps, 1, rot), np_dtype)
+        plan.mla(_rand(rng, (q, hq, d), np_dtype), _rand(rng, (q, hq, rot), np_dtype), latent, k_pos,
+                 d ** -0.5, False)
+    else:
+        k = _rand(rng, (pages, ps, hkv, d), np_dtype)
+        v = _rand(rng, (pages, ps, hkv, dv), np_dtype)
+        plan.attention(_rand(rng, (q, hq, d), np_dtype), k, v, d ** -0.5, False)
+
+
+def probe(launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, page_size: int,
+          lengths=(256, 512), use_cache: bool = True) -> Probe:
+    """Counts per block of ``launch`` (a ``plan_launches`` record of the
+    modeled shape): one sequence with the launch's queries per block, one KV
+    head with its whole group (``hq // hkv`` query heads), non-causal, at
+    each of ``lengths`` tokens, on the CPU backend; cached on disk by the
+    kernel source and the probe shape. ProbeError when the CPU module has
+    no counters or the probe plan selects another kernel."""
+    from .. import dtypes
+    from .._runtime import get_kernel
+    from .._runtime import source as _source
+
+    group = hq // hkv
+    qpb = max(1, -(-launch.q_count // launch.blocks))
+    text = _source.assemble(launch.source, launch.defines)
+    key = _source.digest(text, json.dumps([launch.kernel, dtype, group, d, dv, rot, page_size, qpb, list(lengths)]),
+                         "counters-v1")
+    path = _cache_dir() / f"counters-{key}.json"
+    if use_cache:
+        try:
+            return Probe(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass
+
+    np_dtype = dtypes.np_dtype(dtype)
+    counts, blocks = [], 1
+    for tokens in lengths:
+        host = _plan_for(tokens, qpb, page_size)
+        ls = _launches(host, dtype, group, 1, d, dv, rot)
+        if len(ls) != 1 or ls[0].kernel != launch.kernel or ls[0].defines != launch.defines:
+            got = "; ".join(f"{x.kernel} {x.defines}" for x in ls)
+            raise ProbeError(f"the probe plan selects {got}, not {launch.kernel} {launch.defines}")
+        blocks = ls[0].blocks * ls[0].tiles
+        mod = get_kernel(np.zeros(1, np.float32), launch.source, launch.kernel, launch.defines).module
+        if read(mod) is None:
+            # ptx.cuh (the one file with inline PTX) is not in this module: no
+            # mma, ldmatrix or cp.async to count, nothing to run.
+            zero = dict.fromkeys(NAMES_FALLBACK, 0.0)
+            result = Probe(launch.kernel, dict(launch.defines), blocks, qpb, tuple(lengths), zero, dict(zero),
+                           "no ptx.cuh helpers in this kernel's module")
+            break
+        reset(mod)
+        _run(host, np_dtype, group, 1, d, dv, rot)
+        counts.append(read(mod))
+    else:
+        result = None
+    if result is None:
+        (l0, c0), (l1, c1) = (lengths[0], counts[0]), (lengths[-1], counts[-1])
+        slope = {k: (c1[k] - c0[k]) / blocks / (l1 - l0) for k in c0}
+        intercept = {k: c0[k] / blocks - slope[k] * l0 for k in c0}
+        result = Probe(launch.kernel, dict(launch.defines), blocks, qpb, tuple(lengths), intercept, slope)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result.as_dict()))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return result
+
+
+class ProbeError(RuntimeError):
+    """The probe could not reproduce the launch (the message says why)."""

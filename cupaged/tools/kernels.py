@@ -1,0 +1,68 @@
+"""The one table that couples the performance model to kernel names.
+
+Everything else the model knows about a launch comes from
+``plan_launches`` (kernel, defines, threads, dynamic shared memory, grid,
+query range), the NVRTC compile (registers, spills, static shared memory,
+SASS) and the CPU run (mma / ldmatrix / cp.async counts). What neither can
+say is written here, per kernel name, in a few words:
+
+* ``loads``: how K/V bytes are kept in flight. ``"ldg"``: the 16-byte loads
+  of one hot-loop iteration are issued together and consumed in the same
+  iteration (nothing in flight across iterations, compute not overlapped
+  with the next loads); ``"ring"``: a cp.async ring with ``ahead`` tiles
+  (hot-loop iterations) in flight while one is computed.
+* ``x_reversed``: block x serves the last query block of the launch first
+  (the heaviest causal blocks start first).
+* ``role``: ``"attention"`` for a kernel of ``plan_launches``;
+  ``"merge"`` for the split merge that ``launch.py`` issues after them.
+
+A kernel missing from the table is modeled with ``default_desc`` (a ring
+when its hot loop uses cp.async, else "ldg"), and the model says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelDesc:
+    role: str = "attention"
+    loads: str = "ldg"          # "ldg" | "ring"
+    ahead: int = 1              # iterations in flight beyond the one computed ("ring"); 1 for "ldg"
+    x_reversed: bool = False
+    known: bool = True
+
+
+KERNELS: dict[str, KernelDesc] = {
+    "paged_attention": KernelDesc(loads="ldg"),
+    "paged_prefill_tc": KernelDesc(loads="ring", ahead=1, x_reversed=True),
+    "paged_mla_tc": KernelDesc(loads="ring", ahead=1, x_reversed=True),
+    "attention_split_merge": KernelDesc(role="merge", loads="ldg"),
+}
+
+#: The split merge: its name, and its launch as ``launch.py`` makes it (it
+#: is not one of plan_launches' records): grid (queries,
+#: ceil(Hq / MERGE_HEADS), 1), MERGE_THREADS threads, no dynamic shared
+#: memory; it reads every split's partial rows and writes the output.
+MERGE_KERNEL = "attention_split_merge"
+MERGE_HEADS = 4
+MERGE_THREADS = 128
+
+
+def desc(kernel: str, uses_cp_async: bool = False) -> KernelDesc:
+    """The table's row, or a default (``known=False``) for a new kernel."""
+    d = KERNELS.get(kernel)
+    if d is not None:
+        return d
+    return KernelDesc(loads="ring" if uses_cp_async else "ldg", known=False)
+
+
+def merge_geometry() -> tuple[int, int]:
+    """(heads per block, threads) of the merge launch; read from the
+    attention package when it still exports them, else the table's values."""
+    try:
+        from ..ops.attention import variants
+        return int(getattr(variants, "MERGE_HEADS_PER_BLOCK", MERGE_HEADS)), int(getattr(variants, "THREADS",
+                                                                                           MERGE_THREADS))
+    except Exception:  # noqa: BLE001 (a restructured package: the table's values)
+        return MERGE_HEADS, MERGE_THREADS

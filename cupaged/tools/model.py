@@ -1,0 +1,599 @@
+"""The performance model of one launch: compile facts (NVRTC, ptxas, SASS),
+per-token work (SASS hot loop + CPU counters), per-block demands, and a
+fluid simulation of the grid on the SMs.
+
+Everything here is **modeled**; nothing is measured on a GPU.
+
+Per block, from the launch and the shape:
+
+* K/V tokens it visits (its queries' visible positions inside its split,
+  the farthest query of each sequence in the block), the bytes those are
+  (``kv_bytes_per_token``: K and V rows of one KV head, or latent + rotary
+  rows for MLA), the query rows it reads and the output (or FP32 split
+  partial) rows it writes;
+* HBM bytes: a K/V range another resident block of the same (sequence,
+  KV head, split) already pulled comes from L2 (or anything already read,
+  when the launch's K/V fits in half the L2); the rest from HBM;
+* issue: warp instructions per K/V token from the SASS hot loop (nested
+  loops' trip counts solved from the counters and the bytes, see
+  ``solve_rates``), at the arch's issue rate and per-pipe rates;
+* tensor: mma.sync count (CPU counters) x 4096 FLOP at the arch's mma.sync
+  rate; shared memory: ldmatrix / cp.async bytes (counters) + LDS / STS
+  bytes (SASS) at 128 B/clk;
+* latency: hot-loop iterations x (DRAM latency + one warp's issue of an
+  iteration) when nothing is in flight across iterations ("ldg"), or x
+  max(latency / tiles ahead, that issue) for a cp.async ring.
+
+The simulation dispatches blocks in launch order onto ``occupancy`` slots
+per SM (round robin at first, then into the slot that frees). At every
+moment each resident block progresses at the rate of its tightest resource:
+the SM's issue, tensor and shared-memory capacity shared equally by the
+blocks on that SM, its own latency bound, and HBM and L2 bandwidth shared
+max-min fairly by all resident blocks. The modeled time is when the last
+block ends (at least the arch's per-launch floor); the binding bound is the
+resource that limited the blocks for most of that time; the tail is the
+last partial wave's share of it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .._runtime import nvrtc as _nvrtc
+from .._runtime import source as _source
+from . import archs as _archs
+from . import counters as _counters
+from . import kernels as _kernels
+from . import occupancy as _occupancy
+from . import sass as _sass
+
+CACHE_VERSION = "perf-v1"
+RESOURCES = ("HBM", "L2", "issue", "tensor", "smem", "latency")
+
+
+def cache_dir() -> Path:
+    """``$CUPAGED_CACHE_DIR/perf``, else ``$XDG_CACHE_HOME/cupaged/perf``,
+    else ``~/.cache/cupaged/perf`` (cubins, SASS profiles, counter probes)."""
+    return _counters._cache_dir()
+
+
+def _write(path: Path, data: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------
+# Compile facts
+# ---------------------------------------------------------------------------
+
+@dataclass
+class KernelFacts:
+    """What the NVRTC compile of one variant says about one kernel on one arch."""
+    kernel: str
+    variant: str
+    arch: str
+    compiled: bool
+    registers: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    static_smem: int = 0
+    hot: _sass.HotLoop | None = None
+    sass_note: str = ""
+    log: str = field(default="", repr=False)
+
+
+def compile_cached(text: str, arch: str, use_cache: bool = True) -> tuple[bool, str, bytes]:
+    """(ok, ptxas log, cubin) of an NVRTC compile with the gate's options,
+    cached on disk by the text, options, NVRTC version and header folder."""
+    inc = _nvrtc.find_header_dir()
+    opts = _nvrtc.gate_options(arch, inc)
+    key = _source.digest(text, "\0".join(opts), repr(_nvrtc.nvrtc_version()), f"{inc}", CACHE_VERSION)
+    meta, binp = cache_dir() / f"nvrtc-{key}.json", cache_dir() / f"nvrtc-{key}.cubin"
+    if use_cache:
+        try:
+            m = json.loads(meta.read_text())
+            return m["ok"], m["log"], binp.read_bytes() if m["ok"] else b""
+        except (OSError, ValueError, KeyError):
+            pass
+    c = _nvrtc.compile_source(text, arch, options=opts)
+    _write(binp, c.cubin)
+    _write(meta, json.dumps({"ok": c.ok, "log": c.log}).encode())
+    return c.ok, c.log, c.cubin
+
+
+def kernel_facts(source: str, defines: dict, kernel: str, arch: str, use_cache: bool = True) -> KernelFacts:
+    text = _source.assemble(source, defines)
+    variant = _source.variant_name(_source.stem_of(source), defines)
+    ok, log, cubin = compile_cached(text, arch, use_cache)
+    f = KernelFacts(kernel, variant, arch, ok, log=log)
+    if not ok:
+        f.sass_note = "compile error"
+        return f
+    rep = _nvrtc.parse_ptxas(log).get(kernel)
+    if rep is not None:
+        f.registers, f.spill_stores, f.spill_loads, f.static_smem = (rep.registers, rep.spill_stores,
+                                                                      rep.spill_loads, rep.smem)
+    if not _sass.available():
+        f.sass_note = "SASS n/a: " + _sass.missing_message()
+        return f
+    key = _source.digest(cubin, kernel, CACHE_VERSION, "sass")
+    path = cache_dir() / f"sass-{key}.json"
+    if use_cache:
+        try:
+            d = json.loads(path.read_text())
+            f.hot = _sass.HotLoop.from_dict(d) if d else None
+            f.sass_note = "" if d else "no loop with global loads in the SASS"
+            return f
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    try:
+        fns = _sass.parse(_sass.disassemble(cubin))
+    except Exception as e:  # noqa: BLE001 (a tool failure is reported, not fatal)
+        f.sass_note = f"SASS n/a: {e}"
+        return f
+    fn = fns.get(kernel)
+    f.hot = _sass.hot_loop(fn) if fn is not None else None
+    if f.hot is None:
+        f.sass_note = "no loop with global loads in the SASS"
+    _write(path, json.dumps(f.hot.as_dict() if f.hot else {}).encode())
+    return f
+
+
+# ---------------------------------------------------------------------------
+# Per-token work of the hot loop
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Rates:
+    """Dynamic work per K/V token per warp, from the hot loop's regions
+    executed ``y[j]`` times per token (``y[0]``: hot-loop iterations)."""
+    y: list
+    instr: float                 # warp instructions per token per warp
+    classes: dict                # per class
+    smem_bytes: float            # LDS / STS bytes per token per warp
+    iter_bytes: float            # K/V bytes per hot-loop iteration per warp
+    iter_instr: float            # warp instructions per hot-loop iteration per warp
+    residual: float = 0.0        # relative misfit of the solve
+    note: str = ""
+
+
+def solve_rates(hot: _sass.HotLoop, bytes_per_token: float, mma_per_token: float | None,
+                ldsm_per_token: float | None) -> Rates:
+    """Executions per token (per warp) of each region of the hot loop.
+
+    Unknowns: ``y[j]`` for the hot loop's own region and each nested loop
+    that holds a counted instruction (16-byte loads, HMMA, LDSM); a nested
+    loop with none runs once per iteration of its parent. Equations, per
+    token per warp: K/V bytes loaded = ``bytes_per_token``; HMMA = the
+    counters' mma; LDSM = the counters' ldmatrix. Least squares; when the
+    equations cannot tell two unknowns apart, the deeper one runs once per
+    parent iteration."""
+    R = hot.regions
+    use_wide = any(r.wide_load_bytes for r in R)
+    load = [r.wide_load_bytes if use_wide else r.global_load_bytes for r in R]
+    eqs = [(load, bytes_per_token)]
+    if mma_per_token is not None and any(r.hmma for r in R):
+        eqs.append(([r.hmma for r in R], mma_per_token))
+    if ldsm_per_token is not None and any(r.ldsm for r in R):
+        eqs.append(([r.ldsm for r in R], ldsm_per_token))
+    counted = [j for j in range(len(R)) if j == 0 or load[j] or R[j].hmma or R[j].ldsm]
+
+    def owner(j: int, free: list) -> int:
+        while j not in free:
+            j = R[j].parent if R[j].parent >= 0 else 0
+        return j
+
+    free = list(counted)
+    note = ""
+    while True:
+        col = {j: k for k, j in enumerate(free)}
+        A = np.zeros((len(eqs), len(free)))
+        for e, (coef, _) in enumerate(eqs):
+            for j, c in enumerate(coef):
+                A[e, col[owner(j, free)]] += c
+        b = np.array([rhs for _, rhs in eqs], float)
+        if np.linalg.matrix_rank(A) >= len(free) or len(free) == 1:
+            break
+        drop = max(free[1:], key=lambda j: (R[j].depth, j))
+        free.remove(drop)
+        note = "some nested-loop trip counts assumed 1 per parent iteration"
+    scale = np.maximum(np.abs(b), 1e-30)
+    sol, *_ = np.linalg.lstsq(A / scale[:, None], b / scale, rcond=None)
+    sol = np.maximum(sol, 0.0)
+    resid = float(np.max(np.abs(A @ sol - b) / scale)) if len(b) else 0.0
+    y = [float(sol[col[owner(j, free)]]) for j in range(len(R))]
+    classes: dict = defaultdict(float)
+    for j, r in enumerate(R):
+        for k, v in r.classes.items():
+            classes[k] += y[j] * v
+    instr = sum(y[j] * r.instructions for j, r in enumerate(R))
+    smem = sum(y[j] * r.smem_bytes for j, r in enumerate(R))
+    y0 = y[0] if y[0] > 0 else float("nan")
+    if resid > 0.05:
+        note = (note + "; " if note else "") + f"trip-count solve misfit {resid:.0%}"
+    return Rates(y, instr, dict(classes), smem, bytes_per_token / y0, instr / y0, resid, note)
+
+
+# ---------------------------------------------------------------------------
+# Blocks of a launch
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Block:
+    keys: list                   # [(data key, tokens from the split start)]
+    tokens: int                  # K/V tokens it visits (all its passes)
+    rows: int                    # (query, head) rows it serves
+    q_bytes: int
+    out_bytes: int
+
+
+def split_chunk(visible: int, splits: int, tile: int = 16) -> int:
+    """Positions per split of a query with ``visible`` positions
+    (docs/layout.md, "Split-KV workspace")."""
+    c = -(-visible // splits)
+    return -(-c // tile) * tile
+
+
+def attention_blocks(launch, host, *, hkv: int, hq: int, d: int, dv: int, rot: int, itemsize: int, splits: int,
+                     causal: bool, x_reversed: bool) -> list[Block]:
+    """Every block of ``launch`` in launch order (x fastest, then y =
+    KV head x tiles + tile, then z = split)."""
+    X, tiles = launch.blocks, launch.tiles
+    group = hq // hkv
+    heads = -(-group // tiles)
+    qpb = max(1, -(-launch.q_count // X))
+    seq, pos, kvl = host.q_seq, host.q_pos, host.kv_lens
+    xs = []
+    for x in range(X):
+        xi = X - 1 - x if x_reversed else x
+        q0 = launch.q_begin + xi * qpb
+        q1 = min(launch.q_begin + launch.q_count, q0 + qpb)
+        qs = range(q0, q1)
+        xs.append([(int(seq[q]), int(pos[q]) + 1 if causal else int(kvl[seq[q]])) for q in qs])
+    out = []
+    part = splits > 1
+    for z in range(splits):
+        for y in range(hkv * tiles):
+            kvh = y // tiles
+            for per_q in xs:
+                most: dict = {}
+                for s, vis in per_q:
+                    c = split_chunk(vis, splits) if part else vis
+                    t = max(0, min(vis, (z + 1) * c) - z * c) if part else vis
+                    most[s] = max(most.get(s, 0), t)
+                rows = len(per_q) * heads
+                keys = [((s, kvh, z), t) for s, t in most.items()]
+                ob = rows * (dv + 1) * 4 if part else rows * dv * itemsize
+                out.append(Block(keys, sum(most.values()), rows, rows * (d + rot) * itemsize, ob))
+    return out
+
+
+def merge_blocks(queries: int, hq: int, dv: int, itemsize: int, splits: int, heads_per_block: int) -> list[Block]:
+    """Blocks of the split merge: grid (queries, ceil(hq / heads_per_block));
+    a "token" is one split's partial rows of the block's heads."""
+    out = []
+    for y in range(-(-hq // heads_per_block)):
+        h = min(heads_per_block, hq - y * heads_per_block)
+        for q in range(queries):
+            out.append(Block([(("part", q, y), splits)], splits, h, 0, h * dv * itemsize))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Simulation
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Sim:
+    time: float
+    bound_share: dict            # resource -> share of the time it limited the blocks
+    tail_share: float
+    waves: float
+    hbm_bytes: float
+    l2_bytes: float
+
+
+def _waterfill(rho: np.ndarray, demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Limit rates ``rho`` so that sum(rho * demand) <= 1, max-min fairly in
+    usage; returns (rates, mask of blocks it limited)."""
+    use = rho * demand
+    total = float(use.sum())
+    if total <= 1.0 + 1e-12 or not np.isfinite(total):
+        return rho, np.zeros(len(rho), bool)
+    order = np.sort(use)
+    n = len(order)
+    csum = np.cumsum(order)
+    lam = None
+    for k in range(n):   # level lam with sum(min(use, lam)) == 1
+        rest = n - k
+        prev = csum[k - 1] if k else 0.0
+        cand = (1.0 - prev) / rest
+        if cand <= order[k]:
+            lam = cand
+            break
+    if lam is None:
+        lam = order[-1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cap = np.where(demand > 0, lam / demand, np.inf)
+    limited = cap < rho
+    return np.minimum(rho, cap), limited
+
+
+def simulate(blocks: list[Block], demands: dict, arch: _archs.Arch, per_sm: int, hbm_demand_fn) -> Sim:
+    """Run the fluid model (module doc). ``demands``: resource -> array of
+    seconds each block needs alone on an idle SM ("issue", "tensor",
+    "smem"), alone on the machine ("L2") or by itself ("latency"); HBM
+    seconds come from ``hbm_demand_fn(block index, active keys, loaded)``
+    at dispatch (L2 reuse)."""
+    n = len(blocks)
+    sms = arch.sms
+    slots = max(1, per_sm) * sms
+    if n == 0:
+        return Sim(0.0, {}, 0.0, 0.0, 0.0, 0.0)
+    sm_res = [r for r in ("issue", "tensor", "smem") if r in demands]
+    lat = demands.get("latency", np.zeros(n))
+    l2 = demands.get("L2", np.zeros(n))
+    hbm = np.zeros(n)
+    dispatch_t = np.zeros(n)
+    active: list[int] = []
+    sm_of = np.zeros(n, np.int64)
+    w = np.ones(n)
+    key_active: dict = defaultdict(int)
+    loaded: dict = defaultdict(int)
+    hbm_bytes = 0.0
+
+    def start(i: int, sm: int, t: float) -> None:
+        nonlocal hbm_bytes
+        b = blocks[i]
+        by = hbm_demand_fn(i, key_active, loaded)
+        hbm_bytes += by
+        hbm[i] = by / arch.copy_bw
+        for k, _ in b.keys:
+            key_active[k] += 1
+        sm_of[i] = sm
+        dispatch_t[i] = t
+        active.append(i)
+
+    nxt = 0
+    for i in range(min(n, slots)):
+        start(i, i % sms, 0.0)
+    nxt = min(n, slots)
+    t = 0.0
+    bound_time: dict = defaultdict(float)
+    while active:
+        a = np.array(active)
+        cnt = np.bincount(sm_of[a], minlength=sms)
+        share = 1.0 / cnt[sm_of[a]]
+        rates = {}
+        with np.errstate(divide="ignore"):
+            for r in sm_res:
+                dm = demands[r][a]
+                rates[r] = np.where(dm > 0, share / dm, np.inf)
+            rates["latency"] = np.where(lat[a] > 0, 1.0 / lat[a], np.inf)
+        names = list(rates)
+        stack = np.vstack([rates[k] for k in names])
+        rho = stack.min(axis=0)
+        which = np.array(names, dtype=object)[stack.argmin(axis=0)]
+        rho, lim = _waterfill(rho, l2[a])
+        which = np.where(lim, "L2", which)
+        rho, lim = _waterfill(rho, hbm[a])
+        which = np.where(lim, "HBM", which)
+        rho = np.where(np.isfinite(rho), rho, 1e18)
+        dt_each = w[a] / rho
+        dt = float(dt_each.min())
+        for k in set(which):
+            bound_time[k] += dt * float(np.mean(which == k))
+        w[a] -= rho * dt
+        t += dt
+        done = a[w[a] <= 1e-9 + 1e-12 * dt_each]
+        done_set = set(done.tolist())
+        active = [i for i in active if i not in done_set]
+        for i in done.tolist():
+            for k, _ in blocks[i].keys:
+                key_active[k] -= 1
+        for i in done.tolist():
+            if nxt < n:
+                start(nxt, int(sm_of[i]), t)
+                nxt += 1
+    full = n // slots
+    if n % slots == 0:
+        tail_start = t
+    else:
+        tail_start = float(dispatch_t[full * slots]) if full else 0.0
+    total = sum(bound_time.values()) or 1.0
+    return Sim(t, {k: v / total for k, v in bound_time.items()}, (t - tail_start) / t if t > 0 else 0.0,
+               n / slots, hbm_bytes, float(l2.sum() * arch.l2_bw))
+
+
+# ---------------------------------------------------------------------------
+# One launch
+# ---------------------------------------------------------------------------
+
+@dataclass
+class LaunchModel:
+    """Everything printed for one launch (all **modeled**)."""
+    kernel: str
+    variant: str
+    role: str
+    grid: tuple
+    threads: int
+    registers: int
+    spills: tuple
+    static_smem: int
+    dynamic_smem: int
+    occupancy: dict
+    launchable: bool
+    launch_problems: list
+    blocks: int
+    waves: float
+    tail_share: float
+    time_s: float
+    binding: str
+    bound_share: dict
+    bounds_s: dict               # each resource alone (no tail effects but its own), seconds
+    hbm_bytes: float
+    l2_bytes: float
+    kv_bytes: float              # K/V (or partial) bytes the blocks read
+    in_flight_per_sm: float | None
+    little_per_sm: float
+    mma: float                   # mma.sync m16n8k16 executed (counters)
+    ldmatrix: float
+    mma_per_tile: dict           # per 64 K/V tokens per block: mma, ldmatrix, smem bytes
+    smem_bytes: float
+    instr: float | None          # warp instructions (hot loop, all blocks)
+    instr_per_kv_byte: float | None
+    hot_loop: dict
+    notes: list
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["label"] = "modeled"
+        return d
+
+
+def model_launch(arch: _archs.Arch, facts: KernelFacts, desc: _kernels.KernelDesc, *, grid: tuple, threads: int,
+                 dynamic_smem: int, blocks: list[Block], kv_bytes_per_token: float, probe: _counters.Probe | None,
+                 latency_ns: float, fits_l2: bool, kv_in_l2: bool = False, extra_notes=()) -> LaunchModel:
+    """Model one launch (module doc). ``fits_l2``: the launch's K/V fits
+    in half the L2, so a range read once is an L2 hit afterwards;
+    ``kv_in_l2``: the data is already in L2 (the merge's partials)."""
+    notes = list(extra_notes)
+    if not desc.known:
+        notes.append(f"{facts.kernel} is not in cupaged/tools/kernels.py: modeled as '{desc.loads}'")
+    warps = -(-threads // 32)
+    occ = _occupancy.occupancy(arch.name, threads, facts.registers, facts.static_smem, dynamic_smem)
+    problems = _archs.launch_problems(arch.name, facts.static_smem, dynamic_smem, threads, facts.registers)
+    n = len(blocks)
+    tokens = np.array([b.tokens for b in blocks], float)
+    clk = arch.clock_ghz * 1e9
+
+    rates = None
+    if facts.hot is not None:
+        mma_t = probe.slope.get("mma_16816") / warps if probe else None
+        ldsm_t = ((probe.slope.get("ldmatrix_x4", 0) + probe.slope.get("ldmatrix_x4_trans", 0)) / warps
+                  if probe else None)
+        rates = solve_rates(facts.hot, kv_bytes_per_token / warps, mma_t, ldsm_t)
+        if rates.note:
+            notes.append(rates.note)
+    else:
+        notes.append(facts.sass_note or "no SASS")
+
+    demands: dict = {}
+    if rates is not None:
+        per_tok = warps * tokens
+        cyc = per_tok * rates.instr / arch.issue_per_clk
+        pipe_of = {"fp32": "fp32", "imad": "imad", "alu": "alu", "mufu": "mufu", "shfl": "shfl", "conv": "conv",
+                   "ldg": "lsu", "ldgsts": "lsu", "lds": "lsu", "ldsm": "lsu", "sts": "lsu", "stg": "lsu",
+                   "local": "lsu", "atoms": "lsu"}
+        pipe: dict = defaultdict(float)
+        for c, v in rates.classes.items():
+            if c in pipe_of:
+                pipe[pipe_of[c]] += v
+        for p, v in pipe.items():
+            lanes = arch.lanes_per_clk.get(p)
+            if lanes:
+                cyc = np.maximum(cyc, per_tok * v * 32 / lanes)
+        demands["issue"] = cyc / clk
+        lat_s = latency_ns * 1e-9
+        iters = rates.y[0] * tokens
+        it_issue = rates.iter_instr / clk
+        per_iter = lat_s + it_issue if desc.loads == "ldg" else max(lat_s / max(1, desc.ahead), it_issue)
+        demands["latency"] = np.where(tokens > 0, lat_s + iters * per_iter, 0.0)
+        in_flight_block = rates.iter_bytes * warps * (max(1, desc.ahead) if desc.loads == "ring" else 1)
+    else:
+        in_flight_block = None
+    mma = np.zeros(n)
+    smem = np.zeros(n)
+    ldm = np.zeros(n)
+    if probe is not None:
+        mma = np.array([probe.per_block("mma_16816", t) for t in tokens])
+        ldm = np.array([probe.per_block("ldmatrix_x4", t) + probe.per_block("ldmatrix_x4_trans", t) for t in tokens])
+        smem = np.array([probe.smem_bytes(t) for t in tokens])
+        if mma.any():
+            demands["tensor"] = mma * _counters.MMA_FLOP / (arch.mma_sync_flops / arch.sms)
+    if rates is not None:
+        smem = smem + warps * tokens * rates.smem_bytes
+    if smem.any():
+        demands["smem"] = smem / (arch.smem_bytes_per_clk * clk)
+    kvb = tokens * kv_bytes_per_token
+    io = np.array([b.q_bytes + b.out_bytes for b in blocks], float)
+    demands["L2"] = (kvb + io) / arch.l2_bw
+
+    def hbm_of(i, key_active, loaded):
+        b = blocks[i]
+        by = 0.0
+        for k, t in b.keys:
+            if kv_in_l2:
+                continue
+            if key_active[k] > 0 or fits_l2:
+                extra = max(0, t - loaded[k])
+            else:
+                extra = t
+                loaded[k] = 0
+            loaded[k] = max(loaded[k], t)
+            by += extra * kv_bytes_per_token
+        return by + b.q_bytes + b.out_bytes
+
+    sim = simulate(blocks, demands, arch, occ.blocks_per_sm, hbm_of)
+    time_s = sim.time
+    if arch.launch_us and time_s < arch.launch_us * 1e-6:
+        notes.append("launch-bound: below the per-launch floor")
+        sim.bound_share = {"launch": 1.0}
+        time_s = arch.launch_us * 1e-6
+    binding = max(sim.bound_share, key=sim.bound_share.get) if sim.bound_share else "-"
+    slots = max(1, occ.blocks_per_sm) * arch.sms
+    bounds = {"HBM": sim.hbm_bytes / arch.copy_bw, "L2": float((kvb + io).sum()) / arch.l2_bw}
+    for r in ("issue", "tensor", "smem"):
+        if r in demands:
+            bounds[r] = float(demands[r].sum()) / arch.sms
+    if "latency" in demands:
+        bounds["latency"] = float(demands["latency"].sum()) / min(slots, max(1, n))
+    instr = float((warps * tokens * rates.instr).sum()) if rates is not None else None
+    per_tile = {}
+    if probe is not None:
+        per_tile = {"tokens": 64, "mma": 64 * probe.slope.get("mma_16816", 0.0),
+                    "ldmatrix": 64 * (probe.slope.get("ldmatrix_x4", 0.0) + probe.slope.get("ldmatrix_x4_trans", 0.0)),
+                    "smem_bytes": 64 * (sum(_counters.SMEM_BYTES[k] * probe.slope.get(k, 0.0)
+                                            for k in _counters.SMEM_BYTES)
+                                        + (warps * rates.smem_bytes if rates is not None else 0.0))}
+    hot = {}
+    if facts.hot is not None and rates is not None:
+        tot = facts.hot.totals()
+        hot = {"static_instructions": facts.hot.instructions, "nested_loops": facts.hot.nested,
+               "classes_static": tot.classes, "trips_per_token": rates.y,
+               "instr_per_iteration": rates.iter_instr, "kv_bytes_per_iteration_per_warp": rates.iter_bytes,
+               "classes_per_kv_byte": {k: v / (kv_bytes_per_token / warps) for k, v in rates.classes.items()},
+               "offsets": [hex(facts.hot.first_offset), hex(facts.hot.last_offset)]}
+    kv_total = float(kvb.sum())
+    return LaunchModel(
+        kernel=facts.kernel, variant=facts.variant, role=desc.role, grid=tuple(grid), threads=threads,
+        registers=facts.registers, spills=(facts.spill_stores, facts.spill_loads), static_smem=facts.static_smem,
+        dynamic_smem=dynamic_smem, occupancy=occ.as_dict(), launchable=not problems, launch_problems=problems,
+        blocks=n, waves=sim.waves, tail_share=sim.tail_share, time_s=time_s, binding=binding,
+        bound_share=sim.bound_share, bounds_s=bounds, hbm_bytes=sim.hbm_bytes, l2_bytes=float((kvb + io).sum()),
+        kv_bytes=kv_total,
+        in_flight_per_sm=None if in_flight_block is None else in_flight_block * occ.blocks_per_sm,
+        little_per_sm=arch.copy_bw * latency_ns * 1e-9 / arch.sms, mma=float(mma.sum()), ldmatrix=float(ldm.sum()),
+        mma_per_tile=per_tile, smem_bytes=float(smem.sum()), instr=instr,
+        instr_per_kv_byte=(rates.instr / (kv_bytes_per_token / warps)) if rates is not None else None,
+        hot_loop=hot, notes=notes)
+
+
+def fmt_bytes(x: float | None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(x) >= k:
+            return f"{x / k:.1f} {unit}"
+    return f"{x:.0f} B"

@@ -1,0 +1,553 @@
+"""SASS of a cubin: disassembly (nvdisasm / cuobjdump from NVIDIA's pip
+wheels), the control-flow graph, its loops, and instruction classes.
+
+Used by ``cupaged.tools.perf_model`` to find a kernel's hot loop and count
+what it issues per byte of K/V. The disassemblers are not a runtime
+dependency: install the ``perf`` extra (``pip install
+nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump``) or put a CUDA toolkit's
+``bin`` folder on ``PATH``; ``find_tool`` says where it looked when neither
+is found (``SassToolMissing``).
+
+Control flow: basic blocks start at branch targets and after branches;
+edges are fall-through and ``BRA`` targets (``EXIT``/``RET`` end a path;
+an indirect ``BRX``/``JMX`` makes the function's loops unknowable and is
+reported). Loops are natural loops of back edges (an edge to a block that
+dominates its source). The hot loop is, among the innermost loops that hold
+a 128-bit global load (``LDG.E.128``, ``LDGSTS.*.128``, ``LDG.E.ENL2.256``
+or a TMA/bulk copy), the one with the most instructions: the loop that
+streams K/V.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TOOLS = ("nvdisasm", "cuobjdump")
+#: What to install when the disassemblers are missing.
+INSTALL_HINT = ("pip install nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump   (or: pip install -e '.[perf]'; "
+                "or put a CUDA toolkit's bin folder on PATH; or set CUPAGED_NVDISASM)")
+
+
+class SassToolMissing(RuntimeError):
+    """Neither nvdisasm nor cuobjdump could be found."""
+
+
+def _wheel_bins() -> list[Path]:
+    """``site-packages/nvidia/<cu13|cuda_nvdisasm|cuda_cuobjdump>/bin`` folders."""
+    roots: list[Path] = []
+    try:
+        import nvidia  # namespace package of NVIDIA's wheels
+        roots += [Path(p) for p in getattr(nvidia, "__path__", [])]
+    except ImportError:
+        pass
+    for entry in sys.path:
+        if entry and (Path(entry) / "nvidia").is_dir():
+            roots.append(Path(entry) / "nvidia")
+    out, seen = [], set()
+    for r in roots:
+        for sub in ("cu13", "cu12", "cuda_nvdisasm", "cuda_cuobjdump"):
+            b = r / sub / "bin"
+            if b.is_dir() and str(b) not in seen:
+                seen.add(str(b))
+                out.append(b)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def find_tool(name: str) -> str | None:
+    """Path of ``nvdisasm`` or ``cuobjdump``: ``$CUPAGED_NVDISASM`` /
+    ``$CUPAGED_CUOBJDUMP``, NVIDIA's pip wheels, ``PATH``,
+    ``$CUDA_PATH/bin``, ``/usr/local/cuda/bin``; None when absent."""
+    env = os.environ.get(f"CUPAGED_{name.upper()}")
+    if env and os.access(env, os.X_OK):
+        return env
+    for b in _wheel_bins():
+        if os.access(b / name, os.X_OK):
+            return str(b / name)
+    found = shutil.which(name)
+    if found:
+        return found
+    for base in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if base and os.access(Path(base) / "bin" / name, os.X_OK):
+            return str(Path(base) / "bin" / name)
+    return None
+
+
+def available() -> bool:
+    return find_tool("nvdisasm") is not None or find_tool("cuobjdump") is not None
+
+
+def missing_message() -> str:
+    return ("SASS figures need nvdisasm or cuobjdump, and neither was found (looked at $CUPAGED_NVDISASM, "
+            "NVIDIA's pip wheels under site-packages/nvidia/*/bin, PATH, $CUDA_PATH/bin, /usr/local/cuda/bin). "
+            "Install: " + INSTALL_HINT)
+
+
+def disassemble(cubin: bytes) -> str:
+    """SASS text of a cubin (nvdisasm, else cuobjdump -sass). Raises
+    SassToolMissing when neither tool is found, RuntimeError when it fails."""
+    nvd, cuo = find_tool("nvdisasm"), find_tool("cuobjdump")
+    if nvd is None and cuo is None:
+        raise SassToolMissing(missing_message())
+    with tempfile.TemporaryDirectory(prefix="cupaged-sass-") as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        cmd = [nvd, "-c", str(path)] if nvd else [cuo, "-sass", str(path)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0 or not r.stdout.strip():
+        raise RuntimeError(f"{' '.join(cmd[:2])} failed (exit {r.returncode}): {r.stderr.strip()[:500]}")
+    return r.stdout
+
+
+def tool_version() -> str:
+    """``nvdisasm`` (or ``cuobjdump``) version line, for reports."""
+    for name in TOOLS:
+        p = find_tool(name)
+        if p:
+            try:
+                out = subprocess.run([p, "--version"], capture_output=True, text=True).stdout
+            except OSError:
+                continue
+            lines = [ln for ln in out.splitlines() if ln.strip()]
+            return f"{name} {lines[-1].strip() if lines else '?'}"
+    return "none"
+
+
+# ---------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Instr:
+    offset: int
+    opcode: str              # with modifiers: "LDG.E.128.CONSTANT"
+    operands: str
+    pred: str = ""           # "@P0", "@!P2" or ""
+    target: int | None = None  # branch target offset
+
+    @property
+    def base(self) -> str:
+        """The opcode without modifiers: ``LDG``."""
+        return self.opcode.split(".", 1)[0]
+
+
+@dataclass
+class Function:
+    name: str
+    instrs: list[Instr] = field(default_factory=list)
+
+    def index_of(self, offset: int) -> int | None:
+        lo, hi = 0, len(self.instrs)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.instrs[mid].offset < offset:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo if lo < len(self.instrs) and self.instrs[lo].offset == offset else None
+
+
+_FUNC_NVD = re.compile(r"^\s*\.text\.([\w$.]+):\s*$")
+_FUNC_CUO = re.compile(r"^\s*Function\s*:\s*([\w$.]+)\s*$")
+_LABEL = re.compile(r"^\s*(\.L[\w$]+|[\w$.]+):\s*$")
+_INSTR = re.compile(r"^\s*/\*([0-9a-fA-F]{4,})\*/\s+(.*?);")
+_BRANCH_LABEL = re.compile(r"`\(([^)]+)\)")
+_BRANCH_ADDR = re.compile(r"\b0x([0-9a-fA-F]+)\b")
+_BRANCHES = ("BRA", "JMP", "CALL", "BRX", "JMX")
+
+
+def parse(text: str) -> dict[str, Function]:
+    """``{name: Function}`` from nvdisasm ``-c`` or ``cuobjdump -sass`` output."""
+    funcs: dict[str, Function] = {}
+    cur: Function | None = None
+    labels: dict[str, int] = {}
+    pending: list[tuple[Instr, str]] = []     # branches to labels, resolved per function
+    pending_labels: list[str] = []
+
+    def close():
+        for ins, lab in pending:
+            ins.target = labels.get(lab)
+        pending.clear()
+        labels.clear()
+        pending_labels.clear()
+
+    for line in text.splitlines():
+        m = _FUNC_NVD.match(line) or _FUNC_CUO.match(line)
+        if m:
+            close()
+            cur = funcs.setdefault(m.group(1), Function(m.group(1)))
+            continue
+        if cur is None:
+            continue
+        m = _LABEL.match(line)
+        if m and not line.lstrip().startswith("/*"):
+            pending_labels.append(m.group(1))
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        offset, body = int(m.group(1), 16), m.group(2).strip()
+        for lab in pending_labels:
+            labels[lab] = offset
+        pending_labels.clear()
+        pred = ""
+        if body.startswith("@"):
+            pred, _, body = body.partition(" ")
+            body = body.strip()
+        opcode, _, operands = body.partition(" ")
+        ins = Instr(offset, opcode, operands.strip(), pred)
+        if ins.base in _BRANCHES:
+            lm = _BRANCH_LABEL.search(operands)
+            if lm and not lm.group(1).startswith("$") and ins.base in ("BRA", "JMP"):
+                pending.append((ins, lm.group(1)))
+            elif ins.base in ("BRA", "JMP"):
+                am = _BRANCH_ADDR.search(operands)
+                if am:
+                    ins.target = int(am.group(1), 16)
+        cur.instrs.append(ins)
+    close()
+    return funcs
+
+
+# ---------------------------------------------------------------------------
+# Control flow
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Block:
+    start: int               # index of the first instruction
+    end: int                 # one past the last
+    succs: list[int] = field(default_factory=list)   # block numbers
+    preds: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Loop:
+    header: int              # block number
+    blocks: frozenset        # block numbers (the header included)
+    tails: tuple             # blocks with a back edge to the header
+    depth: int = 1           # 1 = outermost
+    children: list = field(default_factory=list)
+
+    def instructions(self, fn: Function, cfg: "Cfg") -> list[Instr]:
+        return [fn.instrs[i] for b in sorted(self.blocks) for i in range(cfg.blocks[b].start, cfg.blocks[b].end)]
+
+
+@dataclass
+class Cfg:
+    blocks: list[Block]
+    indirect: bool = False   # an indirect branch (BRX/JMX) was seen: edges unknown
+
+    def block_of(self, index: int) -> int:
+        for n, b in enumerate(self.blocks):
+            if b.start <= index < b.end:
+                return n
+        raise IndexError(index)
+
+
+def _ends_path(ins: Instr) -> bool:
+    return not ins.pred and ins.base in ("EXIT", "RET", "BRX", "JMX", "KILL")
+
+
+def build_cfg(fn: Function) -> Cfg:
+    """Basic blocks and edges of ``fn`` (CALLs return: they do not end a block)."""
+    n = len(fn.instrs)
+    if n == 0:
+        return Cfg([])
+    starts = {0}
+    indirect = False
+    for i, ins in enumerate(fn.instrs):
+        if ins.base in ("BRX", "JMX"):
+            indirect = True
+        if ins.base in ("BRA", "JMP") or ins.base in ("EXIT", "RET", "BRX", "JMX", "KILL"):
+            if i + 1 < n:
+                starts.add(i + 1)
+            if ins.target is not None:
+                t = fn.index_of(ins.target)
+                if t is not None:
+                    starts.add(t)
+    order = sorted(starts)
+    blocks = [Block(s, (order[k + 1] if k + 1 < len(order) else n)) for k, s in enumerate(order)]
+    first = {b.start: k for k, b in enumerate(blocks)}
+    for k, b in enumerate(blocks):
+        last = fn.instrs[b.end - 1]
+        succ: list[int] = []
+        if last.base in ("BRA", "JMP") and last.target is not None:
+            t = fn.index_of(last.target)
+            if t is not None:
+                succ.append(first[t])
+            if last.pred and b.end < n:        # conditional: may fall through
+                succ.append(first[b.end])
+        elif not _ends_path(last) and b.end < n:
+            succ.append(first[b.end])
+        # A branch to itself at the very end (``BRA`` to its own offset) is
+        # the padding loop after the last EXIT: no edge, it never runs.
+        if last.base == "BRA" and last.target == last.offset and not last.pred:
+            succ = []
+        for s in dict.fromkeys(succ):
+            b.succs.append(s)
+            blocks[s].preds.append(k)
+    return Cfg(blocks, indirect)
+
+
+def dominators(cfg: Cfg) -> list[set]:
+    """Dominator sets (iterative; block 0 is the entry). Unreachable blocks
+    are dominated by everything (they are never a back-edge target)."""
+    n = len(cfg.blocks)
+    allb = set(range(n))
+    dom = [set(allb) for _ in range(n)]
+    if n:
+        dom[0] = {0}
+    changed = True
+    while changed:
+        changed = False
+        for k in range(1, n):
+            preds = cfg.blocks[k].preds
+            new = set.intersection(*(dom[p] for p in preds)) if preds else set(allb)
+            new = new | {k}
+            if new != dom[k]:
+                dom[k] = new
+                changed = True
+    return dom
+
+
+def find_loops(cfg: Cfg) -> list[Loop]:
+    """Natural loops (one per header: back edges to one header merge),
+    nested: ``depth`` 1 for outermost; ``children`` the loops directly
+    inside."""
+    dom = dominators(cfg)
+    by_header: dict[int, tuple[set, list]] = {}
+    for k, b in enumerate(cfg.blocks):
+        for s in b.succs:
+            if s in dom[k]:                      # back edge k -> s
+                body, stack = {s, k}, [k]
+                while stack:
+                    x = stack.pop()
+                    if x == s:
+                        continue
+                    for p in cfg.blocks[x].preds:
+                        if p not in body:
+                            body.add(p)
+                            stack.append(p)
+                blocks, tails = by_header.setdefault(s, (set(), []))
+                blocks |= body
+                tails.append(k)
+    loops = [Loop(h, frozenset(bs), tuple(ts)) for h, (bs, ts) in sorted(by_header.items())]
+    for lp in loops:
+        parents = [o for o in loops if o is not lp and lp.blocks < o.blocks]
+        lp.depth = 1 + len(parents)
+        if parents:
+            min(parents, key=lambda o: len(o.blocks)).children.append(lp)
+    return loops
+
+
+# ---------------------------------------------------------------------------
+# Instruction classes
+# ---------------------------------------------------------------------------
+
+#: Instruction class of each SASS base opcode (what ``classify`` returns);
+#: anything else is "other". The pipes these map to are in archs.PIPES.
+CLASSES: dict[str, tuple[str, ...]] = {
+    "tensor": ("HMMA", "HGMMA", "IMMA", "IGMMA", "QGMMA", "DMMA", "BMMA", "UTCHMMA", "UTCQMMA"),
+    "fp32": ("FFMA", "FADD", "FMUL", "FFMA32I", "FADD32I", "FMUL32I", "HFMA2", "HADD2", "HMUL2", "FSWZADD"),
+    "mufu": ("MUFU",),
+    "shfl": ("SHFL",),
+    "ldg": ("LDG", "LD"),
+    "ldgsts": ("LDGSTS", "UBLKCP", "UTMALDG", "UTMAPF"),
+    "lds": ("LDS",),
+    "ldsm": ("LDSM",),
+    "sts": ("STS",),
+    "stg": ("STG", "ST", "RED", "ATOM", "ATOMG", "REDG"),
+    "local": ("LDL", "STL"),
+    "atoms": ("ATOMS",),
+    "imad": ("IMAD", "IMUL", "IMAD32I", "IMUL32I"),
+    "alu": ("IADD3", "IADD", "IADD32I", "VIADD", "VIADDMNMX", "LOP3", "LOP", "LOP32I", "SHF", "SHL", "SHR", "LEA",
+            "ISETP", "FSETP", "HSETP2", "DSETP", "FMNMX", "IMNMX", "VIMNMX", "VIMNMX3", "FMNMX3", "SEL", "FSEL",
+            "PRMT", "IABS", "BFE", "BFI", "BMSK", "FLO", "POPC", "BREV", "PLOP3", "PSETP", "P2R", "R2P",
+            "F2FP", "CS2R", "MOV", "MOV32I", "FCHK", "LEPC", "ISCADD", "XMAD", "SGXT", "IDP", "IDP4A",
+            "HMNMX2", "VHMNMX", "FSET", "ISET"),
+    "conv": ("F2F", "F2I", "I2F", "I2I", "FRND", "I2FP", "F2IP"),
+    "ldc": ("LDC", "ULDC"),
+    "sync": ("BAR", "BSSY", "BSYNC", "WARPSYNC", "DEPBAR", "MEMBAR", "ERRBAR", "CCTL", "SYNCS", "ARRIVES",
+             "BMOV", "NANOSLEEP", "VOTE", "VOTEU", "MATCH", "REDUX", "ELECT", "WARPGROUP"),
+    "ctrl": ("BRA", "JMP", "BRX", "JMX", "CALL", "RET", "EXIT", "BREAK", "BPT", "KILL", "YIELD", "NOP", "S2R",
+             "S2UR", "CS2UR", "R2UR", "ACQBULK", "PREEXIT"),
+}
+_CLASS_OF = {op: cls for cls, ops in CLASSES.items() for op in ops}
+
+
+def classify(ins: Instr) -> str:
+    """The class of an instruction: a key of CLASSES, "uniform" for the
+    uniform datapath (``U*`` opcodes not listed), else "other"."""
+    c = _CLASS_OF.get(ins.base)
+    if c is not None:
+        return c
+    if ins.base.startswith("U"):
+        return "uniform"
+    return "other"
+
+
+_WIDTH = re.compile(r"\.(8|16|32|64|128|256|U8|S8|U16|S16)\b")
+
+
+def access_bytes(ins: Instr) -> int:
+    """Bytes one lane moves with a load/store/copy (LDG.E.128 -> 16,
+    LDGSTS.E.BYPASS.LTC128B.128 -> 16, LDS.U.64 -> 8, LDSM.16.M88.4 -> 16
+    (four 8x8 tiles: 512 bytes a warp), plain -> 4)."""
+    op = ins.opcode
+    if ins.base == "LDSM":
+        tiles = 4 if op.endswith(".4") else 2 if op.endswith(".2") else 1
+        return 4 * tiles
+    sizes = []
+    for m in _WIDTH.finditer(op):
+        w = m.group(1)
+        sizes.append({"U8": 8, "S8": 8, "U16": 16, "S16": 16}.get(w) or int(w))
+    return max(sizes) // 8 if sizes else 4
+
+
+def is_wide_global_load(ins: Instr) -> bool:
+    """A 16-byte-per-lane global load or global->shared copy (or wider / a
+    bulk copy): how the kernels stream K/V."""
+    if ins.base in ("UBLKCP", "UTMALDG"):
+        return True
+    return ins.base in ("LDG", "LDGSTS", "LD") and access_bytes(ins) >= 16
+
+
+@dataclass
+class Region:
+    """Static counts of part of a loop: the loop's own blocks, without the
+    loops nested in it (those are regions of their own)."""
+    offset: int                  # first instruction
+    depth: int
+    parent: int                  # index of the enclosing region in HotLoop.regions (-1: the hot loop itself)
+    instructions: int
+    classes: dict
+    wide_load_bytes: int         # per warp: 16-byte-per-lane global loads / copies x 32 lanes
+    global_load_bytes: int       # per warp: every global load / copy
+    smem_bytes: int              # per warp: LDS / STS (not LDSM)
+    hmma: int
+    ldsm: int
+    ldgsts: int
+
+    def count(self, what: str) -> int:
+        return {"hmma": self.hmma, "ldsm": self.ldsm, "ldgsts": self.ldgsts}[what]
+
+
+@dataclass
+class HotLoop:
+    """The K/V loop of a kernel: its own region first, then the loops
+    nested in it. Static: one count per instruction, predicated ones
+    included; trip counts of nested loops are not in the SASS (see
+    ``perf_model`` for how they are solved from the counters)."""
+    function: str
+    first_offset: int
+    last_offset: int
+    regions: list
+    other_loops: int             # other loops of the function with wide loads
+    indirect: bool = False
+
+    @property
+    def instructions(self) -> int:
+        """Static instructions of the loop and everything nested (each once)."""
+        return sum(r.instructions for r in self.regions)
+
+    @property
+    def nested(self) -> int:
+        return len(self.regions) - 1
+
+    def totals(self) -> Region:
+        cls: Counter = Counter()
+        for r in self.regions:
+            cls.update(r.classes)
+        return Region(self.first_offset, self.regions[0].depth, -1, self.instructions, dict(cls),
+                      sum(r.wide_load_bytes for r in self.regions), sum(r.global_load_bytes for r in self.regions),
+                      sum(r.smem_bytes for r in self.regions), sum(r.hmma for r in self.regions),
+                      sum(r.ldsm for r in self.regions), sum(r.ldgsts for r in self.regions))
+
+    def as_dict(self) -> dict:
+        return {"function": self.function, "first_offset": self.first_offset, "last_offset": self.last_offset,
+                "other_loops": self.other_loops, "indirect": self.indirect,
+                "regions": [dict(r.__dict__) for r in self.regions]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HotLoop":
+        return cls(d["function"], d["first_offset"], d["last_offset"], [Region(**r) for r in d["regions"]],
+                   d["other_loops"], d["indirect"])
+
+
+def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int) -> Region:
+    ins = [fn.instrs[i] for b in sorted(blocks) for i in range(cfg.blocks[b].start, cfg.blocks[b].end)]
+    cls = Counter(classify(i) for i in ins)
+    glob = [i for i in ins if i.base in ("LDG", "LD", "LDGSTS", "UBLKCP", "UTMALDG")]
+    return Region(min((i.offset for i in ins), default=0), depth, parent, len(ins), dict(cls),
+                  sum(32 * access_bytes(i) for i in ins if is_wide_global_load(i)),
+                  sum(32 * access_bytes(i) for i in glob),
+                  sum(32 * access_bytes(i) for i in ins if i.base in ("LDS", "STS")),
+                  sum(1 for i in ins if i.base in ("HMMA",)), sum(1 for i in ins if i.base == "LDSM"),
+                  sum(1 for i in ins if i.base == "LDGSTS"))
+
+
+def _all_inside(loop: Loop):
+    for c in loop.children:
+        yield c
+        yield from _all_inside(c)
+
+
+def _has_load(fn: Function, cfg: Cfg, loop: Loop, wide: bool) -> bool:
+    for i in loop.instructions(fn, cfg):
+        if is_wide_global_load(i) if wide else i.base in ("LDG", "LD", "LDGSTS", "UBLKCP", "UTMALDG"):
+            return True
+    return False
+
+
+def hot_loop(fn: Function) -> HotLoop | None:
+    """The K/V streaming loop of ``fn``. Among the loops holding a 128-bit
+    global load or copy, the one with the most instructions of its own,
+    counting the loops nested in it except those that hold such loads
+    themselves (a pass loop around the tile loop owns only its prologue
+    and epilogue; a copy loop inside the tile loop owns only its copies).
+    The loop's regions are its own blocks and every loop nested in it. A
+    function without wide loads (the split merge) falls back to loops with
+    any global load. None when no loop loads from global memory."""
+    cfg = build_cfg(fn)
+    loops = find_loops(cfg)
+
+    def size(blocks) -> int:
+        return sum(cfg.blocks[b].end - cfg.blocks[b].start for b in blocks)
+
+    for wide in (True, False):
+        cands = [lp for lp in loops if _has_load(fn, cfg, lp, wide)]
+        if cands:
+            break
+    else:
+        return None
+
+    def own(lp: Loop) -> int:
+        loaders = [c for c in _all_inside(lp) if c in cands]
+        return size(set(lp.blocks) - set().union(*(c.blocks for c in loaders)))
+
+    best = max(cands, key=own)
+    inner = list(_all_inside(best))
+    parents = {}
+    for k, c in enumerate(inner):
+        up = [j for j, o in enumerate(inner) if c.blocks < o.blocks]
+        parents[k] = (1 + max(up, key=lambda j: inner[j].depth)) if up else 0
+    regions = [_region(fn, cfg, set(best.blocks) - set().union(*(c.blocks for c in inner)), best.depth, -1)]
+    for k, c in enumerate(inner):
+        mine = set(c.blocks) - set().union(*(g.blocks for g in _all_inside(c)))
+        regions.append(_region(fn, cfg, mine, c.depth, parents[k]))
+    offs = [fn.instrs[i].offset for b in best.blocks for i in range(cfg.blocks[b].start, cfg.blocks[b].end)]
+    return HotLoop(fn.name, min(offs), max(offs), regions, len(cands) - 1, cfg.indirect)
+
+
+def function_profile(fn: Function) -> dict:
+    """Whole-function static counts by class (for reports)."""
+    return dict(Counter(classify(i) for i in fn.instrs))
