@@ -19,7 +19,8 @@ Environment:
 
 * ``CUPAGED_CACHE_DIR``: where built libraries go (default ``~/.cache/cupaged/cpu``).
 * ``CUPAGED_CXX``: the C++ compiler (default ``g++``; GCC 12 or later).
-* ``CUPAGED_CPU_WORKERS``: number of worker threads (default: CPUs available).
+* ``CUPAGED_CPU_WORKERS``: number of worker threads, 1 to 1024 (default: the CPUs
+  this process may run on); parsed once, by ``configured_workers``.
 * ``CUPAGED_CPU_CXXFLAGS``: extra flags for kernel modules (e.g. ``-g -O0``).
 * ``CUPAGED_CPU_FIBERS=ucontext``: the portable (slower) context switch.
 * ``CUPAGED_CPU_ASAN=1``: build runtime and kernels with AddressSanitizer, so
@@ -55,6 +56,7 @@ from . import source as _source
 from .structs import StructArg
 
 MAX_THREADS_PER_BLOCK = 1024
+_INTERRUPTED = 2   # cupaged_rt_launch's return code when SIGINT stopped the launch
 MAX_BLOCK_DIM = (1024, 1024, 64)
 MAX_GRID_DIM = (2**31 - 1, 65535, 65535)
 MAX_SHARED_MEM = 227 * 1024
@@ -255,14 +257,34 @@ def runtime() -> ctypes.CDLL:
         lib.cupaged_rt_last_error.argtypes = []
         lib.cupaged_rt_num_workers.restype = ctypes.c_int
         lib.cupaged_rt_num_workers.argtypes = []
+        lib.cupaged_rt_set_workers.restype = None
+        lib.cupaged_rt_set_workers.argtypes = [ctypes.c_uint]
+        lib.cupaged_rt_set_workers(configured_workers())
         _runtime = lib
         return lib
 
 
+MAX_WORKERS = 1024
+
+
 def configured_workers() -> int:
     """Worker threads the CPU backend runs (or will run) with:
-    ``CUPAGED_CPU_WORKERS`` when set, else the CPUs available."""
-    return int(os.environ.get("CUPAGED_CPU_WORKERS") or os.cpu_count() or 1)
+    ``CUPAGED_CPU_WORKERS`` when set (an integer from 1 to 1024; anything
+    else is a PagedAttentionError naming it), else the CPUs this process may
+    run on. The one parser of that variable: the runtime gets the result."""
+    raw = os.environ.get("CUPAGED_CPU_WORKERS")
+    if raw is None or raw.strip() == "":
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):
+            return os.cpu_count() or 1
+    try:
+        n = int(raw.strip())
+    except ValueError:
+        n = None
+    if n is None or not 1 <= n <= MAX_WORKERS:
+        raise PagedAttentionError(f"CUPAGED_CPU_WORKERS: expected an integer from 1 to {MAX_WORKERS}, got {raw!r}")
+    return n
 
 
 def num_workers() -> int:
@@ -551,6 +573,8 @@ class BoundLaunch:
         if 0 in self.grid:
             return
         rc = self.function._launch(self._grid, self._block, self.shared_mem, self._argv)
+        if rc == _INTERRUPTED:    # SIGINT (Ctrl-C) stopped the launch; the pool is usable again
+            raise KeyboardInterrupt(self.function._rt.cupaged_rt_last_error().decode(errors="replace"))
         if rc:
             msg = self.function._rt.cupaged_rt_last_error()
             raise KernelError((msg or b"kernel failed").decode(errors="replace"))

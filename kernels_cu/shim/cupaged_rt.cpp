@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <csignal>
 #include <cstdarg>
@@ -33,6 +34,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #if !defined(__x86_64__) || defined(CUPAGED_FIBER_UCONTEXT)
@@ -153,6 +155,7 @@ struct Launch {
     unsigned long long nblocks;
     std::atomic<unsigned long long> next{0};
     std::atomic<bool> failed{false};
+    std::atomic<bool> cancel{false};  // SIGINT: no new block starts, running ones stop at their next collective
     std::mutex err_mu;
     std::string err;
     void fail(std::string msg) {
@@ -862,6 +865,10 @@ std::mutex g_launch_mu;
 
 void worker_main(Pool* P, Worker* w) {
     t_worker = w;
+    sigset_t block_int;  // SIGINT goes to the thread that launched (see cupaged_rt_launch)
+    sigemptyset(&block_int);
+    sigaddset(&block_int, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &block_int, nullptr);
     stack_t ss;
     ss.ss_sp = w->altstack;
     ss.ss_size = 64 * 1024;
@@ -903,7 +910,7 @@ void worker_main(Pool* P, Worker* w) {
             w->barw.assign(cap, nullptr);
             w->warps.resize(cap / 32);
         }
-        while (!L->failed.load(std::memory_order_relaxed)) {
+        while (!L->failed.load(std::memory_order_relaxed) && !L->cancel.load(std::memory_order_relaxed)) {
             const unsigned long long b = L->next.fetch_add(1, std::memory_order_relaxed);
             if (b >= L->nblocks) break;
             run_block(w, L, b);
@@ -915,12 +922,10 @@ void worker_main(Pool* P, Worker* w) {
     }
 }
 
+unsigned g_configured_workers = 0;  // set by the Python side (the one parser of CUPAGED_CPU_WORKERS)
+
 unsigned worker_count() {
-    if (const char* e = std::getenv("CUPAGED_CPU_WORKERS")) {
-        char* end = nullptr;
-        const long v = std::strtol(e, &end, 10);
-        if (end != e && *end == 0 && v >= 1 && v <= 1024) return (unsigned)v;
-    }
+    if (g_configured_workers) return g_configured_workers;
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return (unsigned)CPU_COUNT(&set);
     const unsigned hc = std::thread::hardware_concurrency();
@@ -934,6 +939,27 @@ void atfork_child() {
     g_launch_mu.unlock();
     g_pool = nullptr;
 }
+
+// ---- SIGINT during a launch ------------------------------------------------------
+// While the process's main thread waits for a launch, a SIGINT handler of ours
+// (chained to the one it replaces, Python's) sets g_sigint; the launch then
+// stops starting blocks, the running blocks stop at their next barrier or warp
+// collective, and cupaged_rt_launch returns 2, so Ctrl-C ends a long CPU
+// launch within a fraction of a second and the pool stays usable.
+volatile sig_atomic_t g_sigint = 0;
+struct sigaction g_prev_sigint;
+
+void on_sigint(int sig, siginfo_t* info, void* uctx) {
+    g_sigint = 1;
+    const struct sigaction& p = g_prev_sigint;
+    if (p.sa_flags & SA_SIGINFO) {
+        if (p.sa_sigaction) p.sa_sigaction(sig, info, uctx);
+    } else if (p.sa_handler != SIG_DFL && p.sa_handler != SIG_IGN && p.sa_handler) {
+        p.sa_handler(sig);
+    }
+}
+
+bool on_main_thread() { return (pid_t)syscall(SYS_gettid) == getpid(); }
 
 Pool* get_pool(std::string* err) {
     if (g_pool) return g_pool;
@@ -971,9 +997,15 @@ Pool* get_pool(std::string* err) {
 using namespace cupaged;
 
 // ---- entry points ---------------------------------------------------------------
+// A collective of a launch being cancelled (SIGINT) leaves the block here.
+inline void stop_if_cancelled(Worker* w) {
+    if (w->L->cancel.load(std::memory_order_relaxed)) fail(w, "interrupted (SIGINT)");
+}
+
 CUPAGED_RT_API int cupaged_rt_barrier(int kind, int pred, std::source_location loc) {
     Fiber* f = self();
     Worker* w = f->w;
+    stop_if_cancelled(w);
     f->kind = kind;
     f->site = loc;
     f->pred = pred;
@@ -986,12 +1018,19 @@ CUPAGED_RT_API int cupaged_rt_barrier(int kind, int pred, std::source_location l
 
 CUPAGED_RT_API unsigned long long cupaged_rt_warp_op(int kind, unsigned mask, unsigned long long value, int b,
                                                      int width, std::source_location loc) {
+    stop_if_cancelled(self()->w);
     return warp_op(kind, mask, value, b, width, nullptr, nullptr, nullptr, loc);
 }
 
 CUPAGED_RT_API void cupaged_rt_warp_collective(unsigned mask, void* lane_data, void (*fn)(void**, unsigned, void*),
                                                void* ctx, std::source_location loc) {
+    stop_if_cancelled(self()->w);
     warp_op(kGeneric, mask, 0, 0, 32, reinterpret_cast<const void*>(fn), lane_data, ctx, loc);
+}
+
+CUPAGED_RT_API void cupaged_rt_set_workers(unsigned n) {
+    std::lock_guard<std::mutex> g(g_launch_mu);
+    g_configured_workers = n;  // read when the pool starts (first launch, or after a fork)
 }
 
 CUPAGED_RT_API unsigned cupaged_rt_activemask() {
@@ -1054,13 +1093,30 @@ CUPAGED_RT_API int cupaged_rt_launch(const char* kernel, const unsigned* grid3, 
         P->finished = 0;
         ++P->gen;
     }
+    const bool watch = on_main_thread();
+    if (watch) {
+        g_sigint = 0;
+        struct sigaction sa {};
+        sa.sa_sigaction = on_sigint;
+        sa.sa_flags = SA_SIGINFO;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGINT, &sa, &g_prev_sigint);
+    }
     P->cv_work.notify_all();
     {
         std::unique_lock<std::mutex> lk(P->mu);
-        P->cv_done.wait(lk, [&] { return P->finished == P->active; });
+        while (P->finished != P->active) {
+            P->cv_done.wait_for(lk, std::chrono::milliseconds(20));
+            if (g_sigint && !L.cancel.load()) L.cancel.store(true);
+        }
         P->L = nullptr;
     }
+    if (watch) sigaction(SIGINT, &g_prev_sigint, nullptr);
     std::fflush(stdout);
+    if (L.cancel.load()) {
+        t_last_error = fmt("kernel '%s': interrupted (SIGINT)", kernel);
+        return 2;
+    }
     if (L.failed.load()) {
         t_last_error = L.err;
         return 1;
