@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from . import HostPlan, SplitWorkspace, argmax_into, stream_for
+from . import HostPlan, PagedAttentionError, SplitWorkspace, argmax_into, stream_for
 from ._runtime import xp_of
 from .demo import tiny
 from .testing import as_dtype, make_mla_case, make_paged_case, reference, tolerance
@@ -103,15 +103,35 @@ def cmd_check(args) -> int:
         print(f"argmax [{args.batch}, {args.vocab}] {args.dtype} on {backend}: {bad} mismatching rows, "
               f"{t * 1e3:.3f} ms")
         return int(bad != 0)
+    q_lens = None if args.q_len == 1 else args.q_len
+    if args.op == "mla":
+        mcase = make_mla_case(rng, sequences=args.batch, max_kv_len=args.context, page_size=args.page_size,
+                              num_heads=args.heads, latent_dim=args.head_dim, pos_dim=args.rope_dim, dtype=dt,
+                              q_lens=q_lens)
+        mplan = HostPlan.build(mcase.page_table, mcase.kv_lens, mcase.q_lens, args.page_size, mcase.num_pages)
+        dm = mplan.upload(like)
+        arrs = [xp.asarray(a) for a in (mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos)]
+        scale = 1.0 / np.sqrt(192)
+        out = xp.zeros(mcase.q.shape, dt)
+        ws = SplitWorkspace(mplan.queries, args.heads, args.head_dim, args.splits, like) if args.splits > 1 else None
+        t = _timed(like, lambda: dm.mla(*arrs, scale, True, out=out, workspace=ws), args.repeat)
+        exp_out, _ = reference.paged_mla(mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos, mcase.page_table,
+                                         mcase.kv_lens, mcase.q_lens, scale, True)
+        err, ok = _max_error(out, exp_out, dt)
+        print(f"mla: {mplan.queries} queries x {args.heads} heads, R {args.head_dim}, P {args.rope_dim}, "
+              f"{args.dtype}, splits {args.splits} on {backend}: max |out - ref| {err:.2e} "
+              f"({'ok' if ok else 'TOO LARGE'}), {t * 1e3:.3f} ms")
+        return 0 if ok else 1
+    heads = args.kv_heads if args.op == "append" else args.heads
     case = make_paged_case(rng, sequences=args.batch, max_kv_len=args.context, page_size=args.page_size,
-                                   num_q_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                                   dtype=dt, q_lens=None if args.q_len == 1 else args.q_len)
+                           num_q_heads=heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dt,
+                           q_lens=q_lens)
     plan = HostPlan.build(case.page_table, case.kv_lens, case.q_lens, args.page_size, case.num_pages)
     dplan = plan.upload(like)
     q, k, v = (xp.asarray(a) for a in (case.q, case.k_cache, case.v_cache))
     scale = 1.0 / np.sqrt(args.head_dim)
     if args.op in ("attention", "merge"):
-        splits = args.splits if args.op == "attention" else max(2, args.splits)
+        splits = args.splits
         ws = SplitWorkspace(plan.queries, args.heads, args.head_dim, splits, like) if splits > 1 else None
         out = xp.zeros(q.shape[:2] + (args.head_dim,), dt)
         lse = xp.zeros(q.shape[:2], np.float32)
@@ -126,36 +146,18 @@ def cmd_check(args) -> int:
               f"max |out - ref| {err:.2e}, max |lse - ref| {lerr:.2e} ({'ok' if ok else 'TOO LARGE'}), "
               f"{t * 1e3:.3f} ms")
         return 0 if ok else 1
-    if args.op == "append":
-        new_k = rng.standard_normal((plan.queries, args.kv_heads, args.head_dim)).astype(dt)
-        new_v = rng.standard_normal((plan.queries, args.kv_heads, args.head_dim)).astype(dt)
-        exp_k, exp_v = reference.paged_append(new_k, new_v, case.k_cache, case.v_cache, case.page_table,
-                                              case.kv_lens, case.q_lens)
-        nk, nv = xp.asarray(new_k), xp.asarray(new_v)
-        t = _timed(like, lambda: dplan.append(nk, nv, k, v), args.repeat)
-        same = np.array_equal(_host(k).astype(np.float64), exp_k, equal_nan=True) and \
-            np.array_equal(_host(v).astype(np.float64), exp_v, equal_nan=True)
-        print(f"append: {plan.queries} rows x {args.kv_heads} heads x d{args.head_dim} {args.dtype} on {backend}: "
-              f"{'bit-exact' if same else 'MISMATCH'}, {t * 1e3:.3f} ms")
-        return 0 if same else 1
-    if args.op == "mla":
-        mcase = make_mla_case(rng, sequences=args.batch, max_kv_len=args.context, page_size=args.page_size,
-                                      num_heads=args.heads, latent_dim=args.head_dim, pos_dim=args.rope_dim, dtype=dt,
-                                      q_lens=None if args.q_len == 1 else args.q_len)
-        mplan = HostPlan.build(mcase.page_table, mcase.kv_lens, mcase.q_lens, args.page_size, mcase.num_pages)
-        dm = mplan.upload(like)
-        arrs = [xp.asarray(a) for a in (mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos)]
-        scale = 1.0 / np.sqrt(192)
-        out = xp.zeros(mcase.q.shape, dt)
-        t = _timed(like, lambda: dm.mla(*arrs, scale, True, out=out), args.repeat)
-        exp_out, _ = reference.paged_mla(mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos, mcase.page_table,
-                                         mcase.kv_lens, mcase.q_lens, scale, True)
-        err, ok = _max_error(out, exp_out, dt)
-        print(f"mla: {mplan.queries} queries x {args.heads} heads, R {args.head_dim}, P {args.rope_dim}, "
-              f"{args.dtype} on {backend}: max |out - ref| {err:.2e} ({'ok' if ok else 'TOO LARGE'}), "
-              f"{t * 1e3:.3f} ms")
-        return 0 if ok else 1
-    raise SystemExit(f"unknown op {args.op}")
+    # append
+    new_k = rng.standard_normal((plan.queries, args.kv_heads, args.head_dim)).astype(dt)
+    new_v = rng.standard_normal((plan.queries, args.kv_heads, args.head_dim)).astype(dt)
+    exp_k, exp_v = reference.paged_append(new_k, new_v, case.k_cache, case.v_cache, case.page_table,
+                                          case.kv_lens, case.q_lens)
+    nk, nv = xp.asarray(new_k), xp.asarray(new_v)
+    t = _timed(like, lambda: dplan.append(nk, nv, k, v), args.repeat)
+    same = np.array_equal(_host(k).astype(np.float64), exp_k, equal_nan=True) and \
+        np.array_equal(_host(v).astype(np.float64), exp_v, equal_nan=True)
+    print(f"append: {plan.queries} rows x {args.kv_heads} heads x d{args.head_dim} {args.dtype} on {backend}: "
+          f"{'bit-exact' if same else 'MISMATCH'}, {t * 1e3:.3f} ms")
+    return 0 if same else 1
 
 
 def _host(a):
@@ -182,49 +184,139 @@ def _timed(like, fn, repeat: int) -> float:
     return float(np.median(times))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cupaged", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="tiny decoder: chunked prefill + graph decode, checked against float64")
-    d.add_argument("--batch", type=int, default=3, help="sequences (default 3)")
-    d.add_argument("--tokens", type=int, default=16, help="new tokens per sequence (default 16)")
-    d.add_argument("--prompt-max", type=int, default=24, help="longest prompt (default 24)")
-    d.add_argument("--chunk", type=int, default=8, help="prefill chunk per sequence (default 8)")
-    d.add_argument("--page-size", type=int, default=16)
-    d.add_argument("--layers", type=int, default=2)
-    d.add_argument("--hidden", type=int, default=64)
-    d.add_argument("--heads", type=int, default=4)
-    d.add_argument("--kv-heads", type=int, default=2)
-    d.add_argument("--head-dim", type=int, default=16)
-    d.add_argument("--vocab", type=int, default=256)
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line naming the flag and what it takes (no usage dump)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def _int_in(lo: int, hi: int, what: str = "an integer"):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} from {lo} to {hi}, got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"expected {what} from {lo} to {hi}, got {v}")
+        return v
+    parse.__name__ = "int"
+    return parse
+
+
+def _even_in(lo: int, hi: int):
+    base = _int_in(lo, hi, "an even integer")
+
+    def parse(text: str) -> int:
+        v = base(text)
+        if v % 2:
+            raise argparse.ArgumentTypeError(f"expected an even integer from {lo} to {hi}, got {v}")
+        return v
+    parse.__name__ = "int"
+    return parse
+
+
+def _opt(p, flag, type_, default, help_):
+    p.add_argument(flag, type=type_, default=default, help=f"{help_} (default {default})")
+
+
+def _demo_parser(sub):
+    d = sub.add_parser("demo", help="tiny decoder: chunked prefill + graph decode, checked against float64",
+                       description="A tiny Llama-style decoder (or DeepSeek-style MLA with --mla): chunked "
+                                   "prefill, then greedy decode through the paged decode graph, every token "
+                                   "checked against a float64 reference.")
+    _opt(d, "--batch", _int_in(1, 1024), 3, "sequences")
+    _opt(d, "--tokens", _int_in(1, 4096), 16, "new tokens per sequence")
+    _opt(d, "--prompt-max", _int_in(1, 4096), 24, "longest prompt")
+    _opt(d, "--chunk", _int_in(1, 4096), 8, "prefill chunk per sequence")
+    _opt(d, "--page-size", _int_in(1, 256), 16, "tokens per page")
+    _opt(d, "--layers", _int_in(1, 64), 2, "decoder layers")
+    _opt(d, "--hidden", _int_in(1, 8192), 64, "hidden size")
+    _opt(d, "--heads", _int_in(1, 256), 4, "query heads")
+    _opt(d, "--kv-heads", _int_in(1, 256), 2, "KV heads (divides --heads)")
+    _opt(d, "--head-dim", _even_in(2, 1024), 16, "head dim (even: rotary)")
+    _opt(d, "--vocab", _int_in(2, 1_000_000), 256, "vocabulary size")
     d.add_argument("--mla", action="store_true", help="DeepSeek-style MLA attention (absorbed latent cache)")
-    d.add_argument("--latent-dim", type=int, default=32, help="MLA latent dim R (default 32)")
-    d.add_argument("--rope-dim", type=int, default=8, help="MLA rotary dim P (default 8)")
-    d.add_argument("--dtype", default="f32", choices=["f32"])
-    d.add_argument("--seed", type=int, default=0)
+    _opt(d, "--latent-dim", _int_in(1, 1024), 32, "MLA latent dim R")
+    _opt(d, "--rope-dim", _even_in(2, 256), 8, "MLA rotary dim P")
+    d.add_argument("--dtype", default="f32", choices=["f32"], help="storage type (default f32)")
+    _opt(d, "--seed", _int_in(0, 2**32 - 1), 0, "random seed")
     d.add_argument("--eager", action="store_true", help="no graph: issue every kernel per step")
     d.add_argument("--cpu", action="store_true", help="use the CPU backend even when a GPU is present")
-    d.set_defaults(fn=cmd_demo)
-    c = sub.add_parser("check", help="run one kernel on random data against the float64 reference")
-    c.add_argument("op", choices=["attention", "mla", "append", "merge", "argmax"])
-    c.add_argument("--batch", type=int, default=4, help="sequences (or rows for argmax)")
-    c.add_argument("--context", type=int, default=300, help="longest sequence")
-    c.add_argument("--q-len", type=int, default=1, help="queries per sequence (1 = decode)")
-    c.add_argument("--heads", type=int, default=8)
-    c.add_argument("--kv-heads", type=int, default=2)
-    c.add_argument("--head-dim", type=int, default=128, help="D (attention, append) or R (mla)")
-    c.add_argument("--rope-dim", type=int, default=64, help="P (mla)")
-    c.add_argument("--page-size", type=int, default=16)
-    c.add_argument("--splits", type=int, default=1)
-    c.add_argument("--vocab", type=int, default=32000)
-    c.add_argument("--dtype", default="bf16", choices=["f32", "f16", "bf16"])
-    c.add_argument("--repeat", type=int, default=5)
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--cpu", action="store_true")
-    c.set_defaults(fn=cmd_check)
-    args = p.parse_args(argv)
-    return args.fn(args)
+    d.set_defaults(fn=cmd_demo, checks=_check_demo)
+
+
+def _check_demo(p, args) -> None:
+    if args.heads % args.kv_heads:
+        p.error(f"--kv-heads: expected a divisor of --heads {args.heads}, got {args.kv_heads}")
+
+
+def _check_parsers(sub):
+    c = sub.add_parser("check", help="run one kernel on random data against the float64 reference",
+                       description="Run one kernel on random data against the float64 reference, with its "
+                                   "error and time. `check OP --help` lists that op's options.")
+    ops = c.add_subparsers(dest="op", required=True, metavar="OP", parser_class=_Parser)
+    common = _Parser(add_help=False)
+    common.add_argument("--dtype", default="bf16", choices=["f32", "f16", "bf16"], help="(default bf16)")
+    _opt(common, "--repeat", _int_in(1, 1000), 5, "timed runs")
+    _opt(common, "--seed", _int_in(0, 2**32 - 1), 0, "random seed")
+    common.add_argument("--cpu", action="store_true", help="use the CPU backend even when a GPU is present")
+    paged = _Parser(add_help=False)
+    _opt(paged, "--batch", _int_in(1, 65536), 4, "sequences")
+    _opt(paged, "--context", _int_in(1, 1 << 24), 300, "longest sequence")
+    _opt(paged, "--q-len", _int_in(1, 1 << 24), 1, "queries per sequence (1 = decode)")
+    _opt(paged, "--page-size", _int_in(1, 256), 16, "tokens per page")
+    kinds = {
+        "attention": ("paged attention (GQA/MQA/MHA)", True, 1),
+        "merge": ("split-KV attention and its merge", True, 2),
+        "mla": ("MLA over a latent + rotary cache", True, 1),
+        "append": ("the paged K/V append (bit-exact)", False, None),
+    }
+    for op, (what, heads, splits) in kinds.items():
+        o = ops.add_parser(op, parents=[paged, common], help=what, description=f"Check {what}.")
+        if heads:
+            _opt(o, "--heads", _int_in(1, 1024), 8, "query heads")
+        if op != "mla":
+            _opt(o, "--kv-heads", _int_in(1, 1024), 2, "KV heads")
+        _opt(o, "--head-dim", _int_in(1, 1024), 128,
+             "latent dim R" if op == "mla" else "head dim D")
+        if op == "mla":
+            _opt(o, "--rope-dim", _int_in(1, 256), 64, "rotary dim P")
+        if splits is not None:
+            lo = 2 if op == "merge" else 1
+            _opt(o, "--splits", _int_in(lo, 64), splits, "splits of each history" + (" (a merge needs 2)"
+                                                                                      if op == "merge" else ""))
+        o.set_defaults(fn=cmd_check, checks=_check_check)
+    a = ops.add_parser("argmax", parents=[common], help="row argmax over logits", description="Check argmax.")
+    _opt(a, "--batch", _int_in(1, 1 << 20), 4, "rows")
+    _opt(a, "--vocab", _int_in(1, 2**31 - 1), 32000, "columns")
+    a.set_defaults(fn=cmd_check, checks=None)
+
+
+def _check_check(p, args) -> None:
+    if args.q_len > args.context:
+        p.error(f"--q-len: expected at most --context {args.context}, got {args.q_len}")
+    heads = getattr(args, "heads", None)
+    if heads is not None and hasattr(args, "kv_heads") and heads % args.kv_heads:
+        p.error(f"--kv-heads: expected a divisor of --heads {heads}, got {args.kv_heads}")
+
+
+def main(argv=None) -> int:
+    p = _Parser(prog="python -m cupaged", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    _demo_parser(sub)
+    _check_parsers(sub)
+    args, extra = p.parse_known_args(argv)
+    prog = f"python -m cupaged {args.cmd}" + (f" {args.op}" if getattr(args, "op", None) else "")
+    if extra:
+        p.exit(2, f"{prog}: unrecognized arguments: {' '.join(extra)} ({prog} --help lists its options)\n")
+    if args.checks is not None:
+        args.checks(_Parser(prog=prog), args)
+    try:
+        return args.fn(args)
+    except PagedAttentionError as e:      # an input the kernels refuse: one line, no traceback
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,16 +15,58 @@ def test_demo_runs_on_the_cpu_and_every_token_matches(capsys, flags):
     assert "one graph launch per token" in text and "tokens/s" in text
 
 
+PAGED = ["--cpu", "--repeat", "1", "--context", "40", "--batch", "3"]
+
+
 @pytest.mark.parametrize("op, extra", [
-    ("attention", ["--splits", "3", "--dtype", "f16"]),
-    ("merge", []),
-    ("append", ["--dtype", "f32"]),
-    ("argmax", ["--vocab", "1001"]),
-    ("mla", ["--heads", "4", "--head-dim", "64", "--rope-dim", "16"]),
+    ("attention", PAGED + ["--splits", "3", "--dtype", "f16", "--head-dim", "64", "--heads", "4", "--kv-heads", "2"]),
+    ("merge", PAGED + ["--head-dim", "64", "--heads", "4", "--kv-heads", "2"]),
+    ("append", PAGED + ["--dtype", "f32", "--head-dim", "64", "--kv-heads", "2"]),
+    ("argmax", ["--cpu", "--repeat", "1", "--batch", "3", "--vocab", "1001"]),
+    ("mla", PAGED + ["--heads", "4", "--head-dim", "64", "--rope-dim", "16"]),
+    ("mla", PAGED + ["--heads", "4", "--head-dim", "64", "--rope-dim", "16", "--splits", "3"]),
 ])
 def test_check_ops_report_ok(op, extra, capsys):
-    rc = main(["check", op, "--cpu", "--repeat", "1", "--context", "40", "--batch", "3", "--head-dim", "64",
-               "--heads", "4", "--kv-heads", "2"] + extra)
+    rc = main(["check", op] + extra)
     text = capsys.readouterr().out
     assert rc == 0, text
     assert re.search(r"\(ok\)|bit-exact|0 mismatching rows", text), text
+    if "--splits" in extra:
+        assert "splits 3" in text, text          # honoured, not ignored
+
+
+def test_each_op_lists_its_own_options(capsys):
+    for op, has, lacks in (("append", ["--kv-heads", "--head-dim"], ["--splits", "--vocab", "--heads "]),
+                           ("argmax", ["--vocab", "--batch"], ["--splits", "--head-dim", "--context"]),
+                           ("mla", ["--rope-dim", "--splits"], ["--kv-heads", "--vocab"]),
+                           ("merge", ["--splits"], ["--vocab"])):
+        with pytest.raises(SystemExit) as e:
+            main(["check", op, "--help"])
+        assert e.value.code == 0
+        text = capsys.readouterr().out
+        for flag in has:
+            assert flag in text, (op, flag)
+        for flag in lacks:
+            assert flag not in text, (op, flag)
+        assert "(default" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--tokens", "0"], "python -m cupaged demo: argument --tokens: expected an integer from 1 to 4096, got 0"),
+    (["demo", "--head-dim", "15"], "argument --head-dim: expected an even integer from 2 to 1024, got 15"),
+    (["demo", "--heads", "6", "--kv-heads", "4"], "--kv-heads: expected a divisor of --heads 6, got 4"),
+    (["check", "attention", "--context", "0"],
+     "python -m cupaged check attention: argument --context: expected an integer from 1 to 16777216, got 0"),
+    (["check", "merge", "--splits", "1"], "argument --splits: expected an integer from 2 to 64, got 1"),
+    (["check", "append", "--splits", "3"], "check append: unrecognized arguments: --splits 3"),
+    (["check", "argmax", "--head-dim", "64"], "check argmax: unrecognized arguments: --head-dim 64"),
+    (["check", "attention", "--q-len", "50", "--context", "40"], "--q-len: expected at most --context 40, got 50"),
+    (["check", "attention", "--batch", "x"], "argument --batch: expected an integer from 1 to 65536, got 'x'"),
+])
+def test_wrong_arguments_are_one_line(argv, message, capsys):
+    """A wrong flag is one line naming it and its range, exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err

@@ -110,6 +110,17 @@ def test_build_rejects_lengths_past_what_the_kernels_index():
     assert ok.words[layout.metadata_offsets(1, 1)["kv_len"]] == 1000
 
 
+def test_choose_splits_with_its_documented_defaults():
+    """choose_splits(plan, kv_heads): the plan's own device gives the SM count
+    (a HostPlan, or a DevicePlan of the CPU backend: its workers)."""
+    from cupaged._runtime import multiprocessor_count
+    long = HostPlan.build([[0] * 64], [4096], [1], 64, 1)
+    sms = multiprocessor_count(np.zeros(1))
+    expect = cupaged.choose_splits(long, 8, multiprocessors=sms)
+    assert cupaged.choose_splits(long, 8) == expect
+    assert cupaged.choose_splits(long.upload(np.zeros(1, np.float32)), 8) == expect
+
+
 def test_choose_splits_rule():
     long = HostPlan.build([[0] * 64], [4096], [1], 64, 1)
     # 1 query x 8 kv heads = 8 blocks; 132 SMs -> ceil(264 / 8) = 33 but 4096 / 256 = 16

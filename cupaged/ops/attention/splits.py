@@ -65,14 +65,14 @@ def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None
     ``dtype``, and ``rot_dim`` for MLA): then it is the grid of the kernel
     that will run (``schedule.unsplit_blocks``), which for the
     tensor-core kernels serves several queries per block. Host data only;
-    no synchronization. ``like`` gives the device (SM count) unless
-    ``multiprocessors`` is passed.
+    no synchronization. The SM count is ``multiprocessors`` when given,
+    else that of ``like``'s device, else (default) that of the plan's own
+    words: a DevicePlan's device, or for a HostPlan the CPU backend's
+    workers.
     """
     host = getattr(plan, "host", plan)   # a DevicePlan's host plan, or a HostPlan
     if multiprocessors is None:
-        if like is None:
-            raise PagedAttentionError("like: expected an array (or pass multiprocessors=)")
-        multiprocessors = multiprocessor_count(like)
+        multiprocessors = multiprocessor_count(plan.words if like is None else like)
     if q_heads is None:
         blocks = host.queries * int(kv_heads)
     else:
