@@ -198,6 +198,17 @@ def _launch_models(shape: Shape, arch: _archs.Arch, host, token: str, *, use_cac
     return splits, out
 
 
+def binding_text(lm) -> str:
+    """The binding bound of a launch, with the others that limited it for
+    at least 15% of the time: "HBM 56%, latency 44%"."""
+    share = sorted(lm.bound_share.items(), key=lambda kv: -kv[1])
+    if not share:
+        return lm.binding
+    if share[0][1] > 0.85:
+        return share[0][0]
+    return ", ".join(f"{k} {100 * v:.0f}%" for k, v in share if v >= 0.15)
+
+
 def _attention_row(shape: Shape, arch: _archs.Arch, use_cache: bool, probes: bool) -> Row:
     row = Row(shape, arch.name)
     token = shape.dtype
@@ -227,7 +238,7 @@ def _attention_row(shape: Shape, arch: _archs.Arch, use_cache: bool, probes: boo
     row.flops = 2.0 * visible * shape.hq * per
     row.gbps = row.must_bytes / row.time_s / 1e9
     main = max(row.launches, key=lambda lm: lm.time_s)
-    row.binding = main.binding + (f" ({main.kernel})" if len(row.launches) > 1 else "")
+    row.binding = binding_text(main) + (f" ({main.kernel})" if len(row.launches) > 1 else "")
     if shape.metric == "flops":
         row.tflops = row.flops / row.time_s / 1e12
         row.pct = 100 * row.flops / row.time_s / arch.tensor_ceiling
@@ -288,6 +299,8 @@ def _loop_row(shape: Shape, arch: _archs.Arch, use_cache: bool, probes: bool) ->
     step = layers * max(att, floor) + other_t
     row.time_s = step
     row.tokens_per_s = shape.batch / step
+    row.must_bytes += weights
+    row.design_bytes += weights
     row.binding = "launch" if others * floor >= weights / arch.copy_bw else "HBM (weights)"
     row.figure = (f"{step * 1e6:.0f} us/step, {row.tokens_per_s:.0f} tokens/s "
                   f"({ops} stream ops/step, {layers} attention launches of {att * 1e6:.1f} us)")
@@ -367,6 +380,37 @@ def launch_table(rows: list[Row]) -> str:
     return _table(head, body)
 
 
+_HOT_COLS = (("fp32", ("fp32",)), ("HMMA", ("tensor",)), ("int", ("imad", "alu")), ("MUFU", ("mufu",)),
+             ("SHFL", ("shfl",)), ("LDG", ("ldg",)), ("LDGSTS", ("ldgsts",)), ("LDSM", ("ldsm",)),
+             ("LDS/STS", ("lds", "sts")), ("other", None))
+
+
+def hot_loop_table(rows: list[Row]) -> str:
+    """SASS hot loop of each distinct launched kernel: static size, and the
+    modeled warp instructions per 4 KiB of K/V per warp, by class."""
+    head = ("kernel", "variant", "hot loop (SASS)", "static instr", "nested loops", "instr/4KiB K/V per warp") \
+        + tuple(c for c, _ in _HOT_COLS)
+    body, seen = [], set()
+    for r in rows:
+        for lm in r.launches:
+            h = lm.hot_loop
+            if not h or (lm.variant, lm.kernel) in seen:
+                continue
+            seen.add((lm.variant, lm.kernel))
+            per = {k: 4096 * v for k, v in h["classes_per_kv_byte"].items()}
+            named = set()
+            cells = []
+            for _, cls in _HOT_COLS:
+                if cls is None:
+                    cells.append(f"{sum(v for k, v in per.items() if k not in named):.0f}")
+                else:
+                    named.update(cls)
+                    cells.append(f"{sum(per.get(k, 0.0) for k in cls):.0f}")
+            body.append((lm.kernel, lm.variant, "-".join(h["offsets"]), h["static_instructions"], h["nested_loops"],
+                         f"{4096 * lm.instr_per_kv_byte:.0f}") + tuple(cells))
+    return _table(head, body)
+
+
 def assumptions_text(arch: str) -> str:
     a = _archs.get(arch)
     return _table(("figure", "value", "source"), a.assumptions())
@@ -377,7 +421,9 @@ def report(rows: list[Row], arch: str, seconds: float) -> str:
     out = [f"cupaged performance model for {arch} ({a.device}); every figure below is MODELED, none is measured. "
            f"{datetime.date.today().isoformat()}, commit {_git_commit()}",
            f"SASS: {_sass.tool_version() if _sass.available() else 'n/a -- ' + _sass.missing_message()}",
-           "", summary_table(rows), "", "per launch (modeled):", launch_table(rows)]
+           "", summary_table(rows), "", "per launch (modeled):", launch_table(rows), "",
+           "hot loops (SASS; per 4 KiB of K/V a warp loads, modeled from the counters' trip counts):",
+           hot_loop_table(rows)]
     notes = [f"  {r.shape.name}: {n}" for r in rows for n in dict.fromkeys(r.notes)]
     if notes:
         out += ["", "notes:"] + notes

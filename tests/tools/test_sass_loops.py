@@ -1,0 +1,97 @@
+"""The SASS loop finder (cupaged.tools.sass): a fixed kernel compiled by
+NVRTC for sm_80 / sm_90 and disassembled (skipped with the reason when no
+nvdisasm / cuobjdump is installed), and the CFG code on a hand-written
+listing (always runs)."""
+from pathlib import Path
+
+import pytest
+
+from cupaged.tools import sass
+
+KERNEL = Path(__file__).parent / "kernels" / "sass_loops.cu"
+
+
+def _nvrtc_or_skip():
+    try:
+        from cupaged._runtime import nvrtc
+        nvrtc.nvrtc_version()
+        nvrtc.find_header_dir()
+        return nvrtc
+    except Exception as e:  # no cuda-python / NVRTC / headers
+        pytest.skip(f"NVRTC unavailable: {e}")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_hot_loop_of_a_fixed_kernel(arch):
+    nvrtc = _nvrtc_or_skip()
+    if not sass.available():
+        pytest.skip("nvdisasm / cuobjdump not installed: " + sass.INSTALL_HINT)
+    c = nvrtc.compile_source(KERNEL.read_text(), arch, name="sass_loops.cu")
+    assert c.ok, c.log
+    fns = sass.parse(sass.disassemble(c.cubin))
+    fn = fns["stream_sum"]
+    loops = sass.find_loops(sass.build_cfg(fn))
+    # the tile loop, the loop nested in it, the scalar-load loop after it
+    assert len(loops) == 3
+    assert sorted(lp.depth for lp in loops) == [1, 1, 2]
+    hot = sass.hot_loop(fn)
+    assert hot is not None and hot.nested == 1 and hot.other_loops == 0
+    own, inner = hot.regions
+    # two 16-byte loads per lane per iteration: 2 x 16 x 32 bytes per warp
+    assert own.wide_load_bytes == 1024 and own.classes.get("ldg") == 2
+    assert inner.wide_load_bytes == 0 and inner.global_load_bytes == 0 and inner.parent == 0
+    assert inner.classes.get("fp32", 0) >= 1            # s * 0.5f + 1.0f
+    assert own.classes.get("fp32", 0) >= 7              # eight elements summed
+    assert hot.first_offset <= hot.last_offset
+    # the scalar-load loop is not the hot loop: its loads are 4 bytes per lane
+    scalar = [lp for lp in loops if lp.depth == 1 and lp.header != sass.build_cfg(fn).block_of(
+        fn.index_of(hot.first_offset))]
+    assert scalar and not any(sass.is_wide_global_load(i) for i in scalar[0].instructions(fn, sass.build_cfg(fn)))
+
+
+LISTING = """
+        .section        .text.k,"ax",@progbits
+.text.k:
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   ISETP.GE.AND P0, PT, R0, 0x10, PT ;
+        /*0020*/               @P0 EXIT ;
+.L_x_0:
+        /*0030*/                   LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;
+        /*0040*/                   FFMA R8, R4, R5, R8 ;
+.L_x_1:
+        /*0050*/                   SHFL.BFLY PT, R9, R8, 0x1, 0x1f ;
+        /*0060*/                   IADD3 R10, R10, 0x1, RZ ;
+        /*0070*/                   ISETP.NE.AND P1, PT, R10, R11, PT ;
+        /*0080*/               @P1 BRA `(.L_x_1) ;
+        /*0090*/                   LDS.U.64 R12, [R13] ;
+        /*00a0*/                   ISETP.NE.AND P2, PT, R0, R1, PT ;
+        /*00b0*/               @P2 BRA `(.L_x_0) ;
+        /*00c0*/                   STG.E desc[UR4][R2.64], R8 ;
+        /*00d0*/                   EXIT ;
+.L_x_2:
+        /*00e0*/                   BRA `(.L_x_2);
+"""
+
+
+def test_cfg_on_a_listing():
+    fn = sass.parse(LISTING)["k"]
+    assert len(fn.instrs) == 15
+    cfg = sass.build_cfg(fn)
+    loops = sass.find_loops(cfg)
+    assert len(loops) == 2                       # the trailing self-branch after EXIT is not a loop
+    outer = next(lp for lp in loops if lp.depth == 1)
+    inner = next(lp for lp in loops if lp.depth == 2)
+    assert inner in outer.children
+    hot = sass.hot_loop(fn)
+    assert hot.instructions == 9 and hot.nested == 1
+    own, nested = hot.regions
+    assert own.wide_load_bytes == 512 and own.smem_bytes == 8 * 32
+    assert nested.classes == {"shfl": 1, "alu": 2, "ctrl": 1}
+    assert sass.classify(fn.instrs[4]) == "fp32"
+
+
+def test_missing_tools_are_reported(monkeypatch):
+    monkeypatch.setattr(sass, "find_tool", lambda name: None)
+    assert not sass.available()
+    with pytest.raises(sass.SassToolMissing, match="nvidia-cuda-nvdisasm"):
+        sass.disassemble(b"\x7fELF")
