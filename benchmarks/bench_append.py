@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from benchlib import Cpu, Gpu, dtype_of  # noqa: E402 (also puts a source tree on sys.path)
+from benchlib import Cpu, Gpu, Modeler, dtype_of  # noqa: E402 (also puts a source tree on sys.path)
 from cupaged import HostPlan, stream_for  # noqa: E402
 from cupaged.ops.append import append, copy_pages as launch_copy_pages  # noqa: E402
 from cupaged.testing import reference  # noqa: E402
@@ -44,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=50, help="timed runs per case (median reported)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-flush", action="store_true", help="do not flush the L2 cache before each run")
+    p.add_argument("--no-model", action="store_true", help="skip the modeled columns (cupaged.tools.perf_model)")
     return p.parse_args(argv)
 
 
@@ -130,7 +131,9 @@ def main(argv=None) -> int:
         cases.append((f"prefill {n}", append_case(backend, rng, dt, [n], [n], hkv, d, dv, ps, args.cpu)))
     for b in batches:
         cases.append((f"cow B={b}", cow_case(backend, rng, dt, b, hkv, d, dv, ps, args.cpu)))
-    head = f"{'case':<16} {'bytes':>12} {'time us':>10} {'GB/s':>9} {'memcpy GB/s':>12} {'% memcpy':>9}"
+    modeler = Modeler(backend, not args.no_model)
+    head = (f"{'case':<16} {'bytes':>12} {'time us':>10} {'GB/s':>9} {'memcpy GB/s':>12} {'% memcpy':>9} "
+            f"{'modeled us':>11} {'modeled GB/s':>13} {'modeled bound':>13}")
     print(head)
     print("-" * len(head))
     for name, (run, nbytes) in cases:
@@ -138,7 +141,11 @@ def main(argv=None) -> int:
         # the baseline copies nbytes / 2 bytes: it too reads and writes each byte once
         tm = backend.time(backend.memcpy(max(1, nbytes // 2)), reps, warmup)
         gbs, mgbs = nbytes / t / 1e9, nbytes / tm / 1e9
-        print(f"{name:<16} {nbytes:>12,d} {t * 1e6:>10.1f} {gbs:>9.1f} {mgbs:>12.1f} {100 * gbs / mgbs:>8.0f}%")
+        m = modeler.copy(nbytes)
+        mus = f"{1e3 * float(m['modeled_ms']):.1f}" if m.get("modeled_GBps") else "n/a"
+        print(f"{name:<16} {nbytes:>12,d} {t * 1e6:>10.1f} {gbs:>9.1f} {mgbs:>12.1f} {100 * gbs / mgbs:>8.0f}% "
+              f"{mus:>11} {m.get('modeled_GBps', 'n/a'):>13} {m.get('modeled_bound', 'n/a'):>13}")
+    print("# " + modeler.legend() + " (an append / page copy modeled as a copy of its bytes, at least one launch)")
     if args.cpu:
         print("# smoke run: every case matched reference.paged_append / a NumPy page copy bit for bit")
     return 0

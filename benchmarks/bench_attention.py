@@ -40,6 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
     p.add_argument("--max-gb", type=float, default=40.0, help="skip decode cases whose K/V exceed this")
+    p.add_argument("--no-model", action="store_true", help="skip the modeled columns (cupaged.tools.perf_model)")
     return p.parse_args(argv)
 
 
@@ -135,6 +136,7 @@ def main(argv=None) -> int:
     else:
         grid = [(b, l) for b in (1, 8, 32, 64, 128, 256) for l in (512, 2048, 8192, 32768)]
         heads, prefill = [(32, 8), (64, 8)], [(1, 4096, 0), (4, 2048, 2048), (16, 512, 8192)]
+    modeler = benchlib.Modeler(be, not args.no_model)
     copy_bw = benchlib.copy_bandwidth(be, (1 << 30) if be.name == "gpu" else (1 << 24))
     print(f"device: {be.device}; dtype {dt.name}; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
     rows = []
@@ -167,12 +169,15 @@ def main(argv=None) -> int:
                         row.update(sdpa_dense_ms=f"{ts * 1e3:.3f}", sdpa_GBps=f"{nbytes / ts / 1e9:.0f}")
                 except Exception as e:  # noqa: BLE001
                     row.update(sdpa_dense_ms=type(e).__name__)
+            row.update(modeler.shape(batch=B, ctx=L, new=1, hq=hq, hkv=hkv, d=d, dv=d, page=ps, dtype=args.dtype))
             rows.append(row)
             print(benchlib.table([row], list(row)).splitlines()[-1], flush=True)
             k = v = q = out = ws = dplan = None  # free the caches before the next case
     print()
-    print(benchlib.table(rows, ["case", "heads", "B", "L", "splits", "ms", "GBps", "pct_copy", "naive_ms", "speedup",
+    print(benchlib.table(rows, ["case", "heads", "B", "L", "splits", "ms", "GBps", "pct_copy", "modeled_ms",
+                                "modeled_GBps", "modeled_pct_copy", "modeled_bound", "naive_ms", "speedup",
                                 "sdpa_dense_ms", "sdpa_GBps"]))
+    print(modeler.legend())
     prow = []
     for S, N, C in prefill:
         hq, hkv = heads[0]
@@ -192,10 +197,13 @@ def main(argv=None) -> int:
                     row.update(sdpa_dense_ms=f"{ts * 1e3:.3f}", sdpa_TFLOPs=f"{flops / ts / 1e12:.1f}")
             except Exception as e:  # noqa: BLE001
                 row.update(sdpa_dense_ms=type(e).__name__)
+        row.update(modeler.shape(batch=S, ctx=C + N, new=N, hq=hq, hkv=hkv, d=d, dv=d, page=ps, dtype=args.dtype,
+                                 metric="flops"))
         prow.append(row)
     print()
-    print(benchlib.table(prow, ["case", "heads", "seqs", "new", "cached", "ms", "TFLOPs", "sdpa_dense_ms",
-                                "sdpa_TFLOPs"]))
+    print(benchlib.table(prow, ["case", "heads", "seqs", "new", "cached", "ms", "TFLOPs", "modeled_ms",
+                                "modeled_TFLOPs", "modeled_bound", "sdpa_dense_ms", "sdpa_TFLOPs"]))
+    print(modeler.legend())
     return 0
 
 

@@ -8,11 +8,14 @@ Host time per step: wall time of issuing one step of ``tiny.generate``'s
 decode loop (``loop.advance()`` plus its one token-history copy) without
 waiting for the device, median over the steps after two warm-up steps.
 Tokens/s: batch x those steps / their wall time including the final
-synchronize (the token readback).
+synchronize (the token readback). modeled_*: cupaged.tools.perf_model's
+device time of one step (kernels at their modeled time, at least one launch
+each), not measured.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -47,6 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--no-model", action="store_true", help="skip the modeled columns (cupaged.tools.perf_model)")
     args = p.parse_args(argv)
     be = benchlib.backend(args.cpu)
     if args.cpu:
@@ -56,15 +60,22 @@ def main(argv=None) -> int:
                               ffn=512, max_pos=4096)
         batches = [1, 16]
     print(f"device: {be.device}; tiny decoder {cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab}, f32")
+    modeler = benchlib.Modeler(be, not args.no_model)
     rows = []
     for b in batches:
+        # the device work of one decode step at the middle of the run (prompt 8 + half the steps)
+        modeled = modeler.shape(batch=b, ctx=8 + args.steps // 2, new=1, hq=cfg.heads, hkv=cfg.kv_heads,
+                                d=cfg.head_dim, dv=cfg.head_dim, dtype="f32", metric="step", layers=cfg.layers,
+                                model_cfg=tuple(sorted(dataclasses.asdict(cfg).items())))
         for graph in (False, True):
             host, tps = run(be, cfg, b, args.steps, graph)
             rows.append(dict(batch=b, mode="graph" if graph else "eager", host_us_per_step=f"{host * 1e6:.0f}",
-                             tokens_per_s=f"{tps:.0f}"))
+                             tokens_per_s=f"{tps:.0f}", **modeled))
             print(benchlib.table([rows[-1]], list(rows[-1])).splitlines()[-1], flush=True)
     print()
-    print(benchlib.table(rows, ["batch", "mode", "host_us_per_step", "tokens_per_s"]))
+    print(benchlib.table(rows, ["batch", "mode", "host_us_per_step", "tokens_per_s", "modeled_ms",
+                                "modeled_tokens_per_s", "modeled_bound"]))
+    print(modeler.legend() + " (device time of one step; eager mode adds host time the model leaves out)")
     return 0
 
 

@@ -8,6 +8,8 @@ latent R = 512, rotary P = 64, page size 64, bf16.
 Bytes = latent + rotary rows read once (B x L x (R + P) x 2) + q, q_pos read
 + out written; GB/s = bytes / median CUDA-event time; "% copy" against a
 device-to-device copy measured in the same run (read + write bytes/s).
+TFLOP/s: 2 x B x L x H x (2R + P) (scores and values). The modeled_*
+columns are cupaged.tools.perf_model's model of the same case (not measured).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--dtype", default="bf16", choices=["f32", "f16", "bf16"])
+    p.add_argument("--no-model", action="store_true", help="skip the modeled columns (cupaged.tools.perf_model)")
     args = p.parse_args(argv)
     be = benchlib.backend(args.cpu)
     dt = benchlib.dtype_of(args.dtype, be)
@@ -39,6 +42,7 @@ def main(argv=None) -> int:
         grid, heads = [(1, 16384), (32, 4096), (128, 4096), (128, 16384)], [16, 128]
     else:
         grid, heads = [(b, l) for b in (1, 16, 64, 128, 256) for l in (1024, 4096, 16384)], [16, 128]
+    modeler = benchlib.Modeler(be, not args.no_model)
     copy_bw = benchlib.copy_bandwidth(be, (1 << 30) if be.name == "gpu" else (1 << 24))
     print(f"device: {be.device}; dtype {dt.name}; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
     rng = np.random.default_rng(0)
@@ -63,10 +67,16 @@ def main(argv=None) -> int:
             nbytes = (B * L * (R + P) + B * h * (2 * R + P)) * dt.itemsize
             row = dict(H=h, B=B, L=L, splits=splits, ms=f"{t * 1e3:.3f}", GBps=f"{nbytes / t / 1e9:.0f}",
                        pct_copy=f"{100 * nbytes / t / copy_bw:.0f}%")
+            visible = B * L
+            row["TFLOPs"] = f"{2 * visible * h * (2 * R + P) / t / 1e12:.1f}"
+            row.update(modeler.shape(batch=B, ctx=L, new=1, hq=h, hkv=1, d=R, dv=R, rot=P, page=ps, dtype=args.dtype,
+                                     metric="flops"))
             rows.append(row)
             print(benchlib.table([row], list(row)).splitlines()[-1], flush=True)
     print()
-    print(benchlib.table(rows, ["H", "B", "L", "splits", "ms", "GBps", "pct_copy"]))
+    print(benchlib.table(rows, ["H", "B", "L", "splits", "ms", "GBps", "pct_copy", "TFLOPs", "modeled_ms",
+                                "modeled_GBps", "modeled_pct_copy", "modeled_TFLOPs", "modeled_bound"]))
+    print(modeler.legend())
     return 0
 
 

@@ -114,7 +114,7 @@ def backend(cpu: bool, flush: bool = True):
         if not cupy.cuda.is_available():
             raise RuntimeError("cupy.cuda.is_available() is False")
     except Exception as e:  # noqa: BLE001
-        raise SystemExit(f"no usable GPU ({type(e).__name__}: {e}); use --cpu for a smoke run")
+        raise SystemExit(f"no usable GPU ({type(e).__name__}: {e}); use --cpu for a smoke run") from None
     return Gpu(flush)
 
 
@@ -135,6 +135,85 @@ def copy_bandwidth(be, nbytes: int = 1 << 30, reps: int = 20) -> float:
     bytes read plus the bytes written (2 x nbytes per copy)."""
     t = be.time(be.memcpy(nbytes), reps, 3)
     return 2 * nbytes / t
+
+
+class Modeler:
+    """The performance model's figure for each measured case, printed beside
+    it (``python -m cupaged.tools.perf_model``; every ``modeled_*`` column is
+    modeled, not measured). On a GPU the arch is the device's (or the closest
+    modeled one); on the CPU backend the target, sm_90 (H200). Any failure
+    (no NVRTC, ...) gives "n/a" and one note; timings are never affected."""
+
+    def __init__(self, be, enabled: bool = True):
+        self.enabled = enabled
+        self.note = ""
+        self.arch = "sm_90"
+        self._warned = False
+        if not enabled:
+            return
+        try:
+            from cupaged.tools import perf_model
+            self._pm = perf_model
+            if be.name == "gpu":
+                cc = be.cp.cuda.Device().compute_capability      # "90"
+                self.arch, self.note = perf_model.arch_for(int(cc[:-1]), int(cc[-1]))
+            else:
+                self.note = "CPU backend run: modeled for the target GPU"
+        except Exception as e:  # noqa: BLE001
+            self.enabled, self.note = False, f"model unavailable ({type(e).__name__}: {e})"
+
+    def legend(self) -> str:
+        if not self.enabled:
+            return f"modeled_*: n/a ({self.note or '--no-model'})"
+        from cupaged.tools import archs
+        a = archs.get(self.arch)
+        return (f"modeled_*: MODELED by cupaged.tools.perf_model for {self.arch} ({a.device}; copy "
+                f"{a.copy_bw / 1e12:.1f} TB/s assumed), not measured" + (f"; {self.note}" if self.note else ""))
+
+    def _fail(self, e) -> dict:
+        if not self._warned:
+            print(f"note: modeled column n/a ({type(e).__name__}: {e})", file=sys.stderr)
+            self._warned = True
+        return {"modeled_ms": "n/a"}
+
+    def shape(self, **kw) -> dict:
+        """Modeled columns of one case: ``Shape`` fields (batch, ctx, new, hq,
+        hkv, d, dv, rot, page, dtype, metric, layers, model_cfg)."""
+        if not self.enabled:
+            return {}
+        try:
+            row = self._pm.model_shape(self._pm.Shape("bench", "bench case", **kw), self.arch)
+        except Exception as e:  # noqa: BLE001
+            return self._fail(e)
+        if row.status != "ok":
+            return {"modeled_ms": f"n/a ({row.status})"}
+        out = {"modeled_ms": f"{row.time_s * 1e3:.3f}", "modeled_bound": row.binding.split(" (")[0].replace(" ", "")}
+        if row.tokens_per_s is not None:
+            out["modeled_tokens_per_s"] = f"{row.tokens_per_s:.0f}"
+        elif row.tflops is not None:
+            out["modeled_TFLOPs"] = f"{row.tflops:.1f}"
+        if row.gbps is not None and row.tokens_per_s is None:
+            out["modeled_GBps"] = f"{row.gbps:.0f}"
+            out["modeled_pct_copy"] = f"{100 * row.gbps * 1e9 / self.copy_bw():.0f}%"
+        return out
+
+    def copy_bw(self) -> float:
+        from cupaged.tools import archs
+        return archs.get(self.arch).copy_bw
+
+    def copy(self, nbytes: float) -> dict:
+        """A kernel that moves ``nbytes`` (read + write) at the modeled copy
+        bandwidth, at least one launch (append, copy-on-write)."""
+        if not self.enabled:
+            return {}
+        try:
+            from cupaged.tools import archs
+            a = archs.get(self.arch)
+            t = max(nbytes / a.copy_bw, a.launch_us * 1e-6)
+        except Exception as e:  # noqa: BLE001
+            return self._fail(e)
+        return {"modeled_ms": f"{t * 1e3:.4f}", "modeled_GBps": f"{nbytes / t / 1e9:.0f}",
+                "modeled_bound": "launch" if t > nbytes / a.copy_bw else "HBM"}
 
 
 def table(rows: list[dict], cols: list[str]) -> str:

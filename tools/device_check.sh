@@ -5,6 +5,11 @@
 #   bash tools/device_check.sh            (logs go to $OUT or /tmp/cupaged_device)
 # $OUT receives exactly 8 files (7 step logs + summary.txt): the device tool
 # brings back at most 8; bookkeeping stays in a temporary folder.
+# The performance model (python -m cupaged.tools.perf_model, every figure
+# MODELED) runs right after the gate, for the device's arch; its report is
+# appended to gate.log and its summary table goes into summary.txt, and every
+# benchmark prints modeled_* columns beside the measured ones, so the first
+# GPU run calibrates the model (docs/performance.md, "Calibrating the model").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -26,6 +31,9 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep the log
 date -u +"%Y-%m-%d %H:%M UTC" > "$META/date.txt"
 $PY -c "import cupy, cuda.bindings; p = cupy.cuda.runtime.getDeviceProperties(0); print(p['name'].decode(), '| CuPy', cupy.__version__, '| cuda-bindings', cuda.bindings.__version__, '| driver', cupy.cuda.runtime.driverGetVersion())" 2>&1 | tail -n 1 | tee "$META/device.txt"
 step gate     90  $PY -m cupaged.tools.compile_check --jobs 8
+ARCH=$($PY -c "import cupy; from cupaged.tools.perf_model import arch_for; cc = cupy.cuda.Device().compute_capability; print(arch_for(int(cc[:-1]), int(cc[-1]))[0])" 2>/dev/null || echo sm_90)
+LOG="$META" step model 150 $PY -m cupaged.tools.perf_model --arch "$ARCH"
+{ echo; echo "=== performance model (MODELED, not measured) for $ARCH"; cat "$META/model.log"; } >> "$LOG/gate.log"
 step gpu_tests 200 $PY -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=60 tests
 step demo      60  $PY -m cupaged demo --tokens 64 --batch 8
 step bench_attention 150 $PY benchmarks/bench_attention.py --quick
@@ -39,10 +47,12 @@ while read -r name rc secs; do printf '%-16s exit %-3s %4ss\n' "$name" "$rc" "$s
 grep -h "compiles in" "$LOG/gate.log" | tail -n 1
 grep -hE "^=+ .+ in [0-9.]+s" "$LOG/gpu_tests.log" | tail -n 1
 grep -h "tokens matching" "$LOG/demo.log"
+echo "--- performance model for $ARCH (MODELED; the measured figures are in the benchmark tables below)"
+awk 'BEGIN{RS=""} /modeled time/ {print; exit}' "$META/model.log"
 for b in bench_attention bench_mla bench_append bench_decode; do
-  echo "--- $b"
+  echo "--- $b (measured; modeled_* columns are modeled)"
   grep -h "copy bandwidth" "$LOG/$b.log" | head -n 1
-  awk 'BEGIN{RS=""} {last=$0} END{print last}' "$LOG/$b.log"
+  awk 'BEGIN{RS=""} /modeled/ {print; found=1} {last=$0} END{if (!found) print last}' "$LOG/$b.log"
 done
 } | tee "$LOG/summary.txt"
 rm -rf "$META"

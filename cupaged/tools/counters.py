@@ -25,6 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import dtypes
+from .._runtime import get_kernel
+from .._runtime import source as _source
+from ..ops.attention import plan_launches
+from ..plan import HostPlan
+
 NAMES_FALLBACK = ("mma_16816", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16", "cp_async_16_zero")
 #: Bytes of shared memory one counted operation reads or writes (per warp
 #: for ldmatrix.x4: four 8x8 tiles of 16-bit; per thread for cp.async).
@@ -114,14 +120,12 @@ def _rand(rng, shape, dtype):
 
 
 def _plan_for(tokens: int, q_len: int, page_size: int):
-    from ..plan import HostPlan
     pages = -(-tokens // page_size)
     table = np.arange(pages, dtype=np.int64).reshape(1, pages)
     return HostPlan.build(table, [tokens], [q_len], page_size, pages)
 
 
 def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int):
-    from ..ops.attention import plan_launches
     return plan_launches(host, dtype, hq, hkv, d, dv, rot, True, True)
 
 
@@ -148,10 +152,6 @@ def probe(launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, p
     each of ``lengths`` tokens, on the CPU backend; cached on disk by the
     kernel source and the probe shape. ProbeError when the CPU module has
     no counters or the probe plan selects another kernel."""
-    from .. import dtypes
-    from .._runtime import get_kernel
-    from .._runtime import source as _source
-
     group = hq // hkv
     qpb = max(1, -(-launch.q_count // launch.blocks))
     text = _source.assemble(launch.source, launch.defines)

@@ -23,6 +23,8 @@ import numpy as np
 from .. import dtypes
 from .._runtime import registry as _registry
 from .._runtime import source as _source
+from ..ops.attention import plan_launches
+from ..plan import HostPlan
 from . import archs as _archs
 
 
@@ -42,7 +44,7 @@ class Selected:
 
 def _probe_dims():
     dims, mla, dts = {64, 128, 256}, {(512, 64)}, set(dtypes.QUERY_TOKENS)
-    for stem, d in _registry.all_variants():
+    for _stem, d in _registry.all_variants():
         if "HEAD_DIM" in d:
             dims.add(int(d["HEAD_DIM"]))
         if "DIM_CAP" in d and int(d["DIM_CAP"]) <= 512:
@@ -55,7 +57,6 @@ def _probe_dims():
 
 
 def _host(batch: int, kv: int, q: int, page: int = 16):
-    from ..plan import HostPlan
     per = -(-kv // page)
     table = np.arange(batch * per, dtype=np.int64).reshape(batch, per)
     return HostPlan.build(table, [kv] * batch, [q] * batch, page, batch * per)
@@ -65,7 +66,6 @@ def selected_launches(arch: str | None = None) -> list[Selected]:
     """Every distinct launch ``plan_launches`` selects over the probe grid
     (the largest dynamic shared memory and block seen per variant and
     kernel). ``arch`` is passed on when ``plan_launches`` takes it."""
-    from ..ops.attention import plan_launches
     takes_arch = "arch" in inspect.signature(plan_launches).parameters
     kw = {"arch": arch} if (takes_arch and arch) else {}
     dims, mla, dts = _probe_dims()

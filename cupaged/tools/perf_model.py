@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import subprocess
 import sys
@@ -35,7 +36,13 @@ from pathlib import Path
 import numpy as np
 
 from .. import dtypes
+from ..demo import tiny
 from ..errors import PagedAttentionError
+from ..graph import capture_graph
+from ..ops.advance import advance_plan
+from ..ops.attention import plan_launches
+from ..ops.sampling import argmax_into
+from ..plan import HostPlan, choose_splits
 from . import archs as _archs
 from . import counters as _counters
 from . import kernels as _kernels
@@ -65,6 +72,7 @@ class Shape:
     metric: str = "bytes"            # "bytes" (% of copy), "flops" (TFLOP/s too), "step" (decode loop)
     bench: str = ""                  # the benchmark that measures it
     layers: int = 0                  # decode loop: model layers
+    model_cfg: tuple = ()            # decode loop: TinyConfig fields ((name, value) pairs; default DECODE_LOOP_CFG)
 
 
 #: The shapes of issue #11. ``bench`` names the measuring command and case.
@@ -96,7 +104,6 @@ DECODE_LOOP_CFG = dict(vocab=4096, hidden=256, layers=16, heads=8, kv_heads=2, h
 
 
 def _host(shape: Shape):
-    from ..plan import HostPlan
     per = -(-shape.ctx // shape.page)
     pages = shape.batch * per
     table = np.arange(pages, dtype=np.int64).reshape(shape.batch, per)
@@ -146,8 +153,6 @@ def _kv_bpt(shape: Shape, itemsize: int) -> int:
 
 def _launch_models(shape: Shape, arch: _archs.Arch, host, token: str, *, use_cache: bool, probes: bool,
                    splits: int | None = None) -> tuple[int, list]:
-    from ..ops.attention import plan_launches
-    from ..plan import choose_splits
     itemsize = dtypes.row("dtype", token, kv=True).itemsize if shape.kv_dtype else dtypes.np_dtype(token).itemsize
     if splits is None:
         splits = choose_splits(host, shape.hkv, multiprocessors=arch.sms, q_heads=shape.hq, head_dim=shape.d,
@@ -254,33 +259,32 @@ def _attention_row(shape: Shape, arch: _archs.Arch, use_cache: bool, probes: boo
     return row
 
 
-def _step_ops() -> tuple[int, int, float]:
-    """(stream ops of one decode step of the bench_decode model, of which
-    attention launches, weight bytes a step reads), from a capture on the
-    CPU backend (records, runs nothing)."""
-    from ..demo import tiny
-    from ..graph import capture_graph
-    from ..ops.advance import advance_plan
-    from ..ops.sampling import argmax_into
-    from ..plan import HostPlan
-    cfg = tiny.TinyConfig(**DECODE_LOOP_CFG)
+@functools.lru_cache(maxsize=None)
+def _step_ops(batch: int, ctx: int, layers: int, model_cfg: tuple = ()) -> tuple[int, float]:
+    """(stream ops of one decode step of the bench_decode model with
+    ``layers`` layers at ``batch`` sequences of ``ctx`` tokens, weight bytes
+    a step reads), from a capture on the CPU backend (records, runs
+    nothing): the model's forward, the argmax and ``advance_plan``, as
+    ``PagedDecodeLoop`` captures them."""
+    cfg = tiny.TinyConfig(**{**(dict(model_cfg) or DECODE_LOOP_CFG), "layers": layers})
     w = tiny.init_weights(cfg, seed=0)
     like = np.zeros(1, np.float32)
-    B, ps = 16, 16
-    pages = B * 8
-    model = tiny.TinyModel(cfg, w, like, dtype=np.float32, num_pages=pages, page_size=ps, max_rows=B)
-    table = np.arange(pages, dtype=np.int64).reshape(B, 8)
-    plan = HostPlan.build(table, [40] * B, [1] * B, ps, pages).upload(like)
-    tokens = np.zeros(B, np.int64)
-    logits = np.zeros((B, cfg.vocab), np.float32)
-    nxt = np.zeros(B, np.int64)
+    ps = 16
+    per = -(-ctx // ps) + 1
+    pages = batch * per
+    model = tiny.TinyModel(cfg, w, like, dtype=np.float32, num_pages=pages, page_size=ps, max_rows=batch)
+    table = np.arange(pages, dtype=np.int64).reshape(batch, per)
+    plan = HostPlan.build(table, [ctx] * batch, [1] * batch, ps, pages).upload(like)
+    tokens = np.zeros(batch, np.int64)
+    logits = np.zeros((batch, cfg.vocab), np.float32)
+    nxt = np.zeros(batch, np.int64)
     with capture_graph(like) as g:
         model.forward(plan, tokens, logits)
         argmax_into(logits, nxt)
         advance_plan(plan)
     weights = sum(a.nbytes for k, a in model.w.items() if k != "layers") + sum(
         a.nbytes for lw in model.w["layers"] for a in lw.values())
-    return g.graph.num_ops, cfg.layers, float(weights)
+    return g.graph.num_ops, float(weights)
 
 
 def _loop_row(shape: Shape, arch: _archs.Arch, use_cache: bool, probes: bool) -> Row:
@@ -289,7 +293,8 @@ def _loop_row(shape: Shape, arch: _archs.Arch, use_cache: bool, probes: bool) ->
         return row
     att = row.time_s
     try:
-        ops, layers, weights = _step_ops()
+        layers = shape.layers
+        ops, weights = _step_ops(shape.batch, shape.ctx, layers, shape.model_cfg)
     except Exception as e:  # noqa: BLE001 (reported in the row)
         row.status, row.reason = "error", f"decode-step capture failed: {type(e).__name__}: {e}"
         return row
@@ -309,17 +314,29 @@ def _loop_row(shape: Shape, arch: _archs.Arch, use_cache: bool, probes: bool) ->
     return row
 
 
-def build_rows(arch: str = "sm_90", names=None, *, use_cache: bool = True, probes: bool = True) -> list[Row]:
+def model_shape(shape: Shape, arch: str = "sm_90", *, use_cache: bool = True, probes: bool = True) -> Row:
+    """The modeled row of any shape (the benchmarks model each case they
+    measure through this)."""
     a = _archs.get(arch)
     if not a.modeled:
         raise KeyError(f"arch {arch}: no performance assumptions (modeled archs: {', '.join(_archs.MODELED)})")
-    rows = []
-    for s in SHAPES:
-        if names and s.name not in names:
-            continue
-        rows.append(_loop_row(s, a, use_cache, probes) if s.metric == "step" else
-                    _attention_row(s, a, use_cache, probes))
-    return rows
+    return _loop_row(shape, a, use_cache, probes) if shape.metric == "step" else \
+        _attention_row(shape, a, use_cache, probes)
+
+
+def build_rows(arch: str = "sm_90", names=None, *, use_cache: bool = True, probes: bool = True) -> list[Row]:
+    return [model_shape(s, arch, use_cache=use_cache, probes=probes) for s in SHAPES
+            if not names or s.name in names]
+
+
+def arch_for(major: int, minor: int) -> tuple[str, str]:
+    """(modeled arch, note) for a device of compute capability major.minor:
+    its own row when modeled, else the closest modeled one, said so."""
+    own = f"sm_{major}{minor}"
+    if own in _archs.MODELED:
+        return own, ""
+    best = "sm_90" if major >= 9 else "sm_80"
+    return best, f"no assumptions for {own}: modeled as {best} ({_archs.get(best).device})"
 
 
 # ---------------------------------------------------------------------------
