@@ -1,7 +1,7 @@
 """A performance model built from the real kernels; every figure it prints
 is **modeled**, none is measured.
 
-    python -m cupaged.tools.perf_model [--arch sm_90|sm_80] [--json] [--shape NAME ...]
+    python -m cupaged.tools.perf_model [--arch sm_90|sm_80] [--json | --markdown] [--shape NAME ...]
         [--assumptions] [--no-cache] [--no-counters]
 
 For each benchmark shape (``SHAPES``; the benchmarks in ``benchmarks/``
@@ -450,14 +450,21 @@ def report(rows: list[Row], arch: str, seconds: float) -> str:
     return "\n".join(out)
 
 
-def modeled_figure(shape_name: str, arch: str = "sm_90", *, probes: bool = True) -> dict | None:
-    """One row as a dict (for the benchmarks: modeled beside measured), or
-    None when the shape cannot be modeled here (no NVRTC, ...)."""
-    try:
-        rows = build_rows(arch, [shape_name], probes=probes)
-    except Exception:  # noqa: BLE001 (benchmarks print "n/a")
-        return None
-    return rows[0].as_dict() if rows else None
+def markdown(rows: list[Row], arch: str) -> str:
+    """The summary as a Markdown table (docs/performance.md)."""
+    a = _archs.get(arch)
+    out = [f"| shape ({arch}, {a.device}) | modeled time | modeled figure | binding (modeled) | splits | launches: "
+           f"regs, blocks/SM, waves, tail | HBM moved / must (modeled) |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r.status != "ok":
+            out.append(f"| {r.shape.title} | - | {r.status}: {r.reason} | - | - | - | - |")
+            continue
+        ls = "; ".join(f"{lm.kernel} {lm.registers} regs, {lm.occupancy['blocks_per_sm']}/SM, {lm.waves:.2f} waves, "
+                       f"tail {100 * lm.tail_share:.0f}%" for lm in r.launches)
+        out.append(f"| {r.shape.title} | {r.time_s * 1e6:.1f} us | {r.figure} | {r.binding} | {r.splits} | {ls} | "
+                   f"{_model.fmt_bytes(r.design_bytes)} / {_model.fmt_bytes(r.must_bytes)} |")
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
@@ -468,6 +475,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON (every row and launch labelled 'modeled')")
     p.add_argument("--shape", action="append", choices=[s.name for s in SHAPES], help="only these shapes")
     p.add_argument("--assumptions", action="store_true", help="print the arch's assumptions and their sources")
+    p.add_argument("--markdown", action="store_true", help="print the summary as a Markdown table")
     p.add_argument("--no-cache", action="store_true", help="recompile, disassemble and re-run the CPU probes")
     p.add_argument("--no-counters", action="store_true", help="skip the CPU-backend probes (no tensor/smem bounds)")
     args = p.parse_args(argv)
@@ -477,7 +485,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows = build_rows(args.arch, args.shape, use_cache=not args.no_cache, probes=not args.no_counters)
     secs = time.perf_counter() - t0
-    if args.json:
+    if args.markdown:
+        print(f"Modeled with `python -m cupaged.tools.perf_model --arch {args.arch}` on "
+              f"{datetime.date.today().isoformat()}, commit {_git_commit()}; every figure is modeled, none measured.\n")
+        print(markdown(rows, args.arch))
+    elif args.json:
         print(json.dumps({"label": LABEL, "arch": args.arch, "date": datetime.date.today().isoformat(),
                           "commit": _git_commit(), "sass": _sass.available(), "seconds": secs,
                           "assumptions": [dict(zip(("figure", "value", "source"), r))
