@@ -2,8 +2,10 @@
 // (GPU) and by g++ through the CPU shim (kernels_cu/shim/cupaged_shim.h).
 //
 // Compile-time choices arrive as #defines from the Python side (see
-// cupaged/_source.py). CP_DTYPE is one of the tokens f32, f16, bf16 and
-// selects scalar_t below.
+// cupaged/_runtime/source.py). CP_DTYPE is one of the tokens of
+// cupaged/dtypes.py (f32, f16, bf16) and selects scalar_t below: the storage
+// of q / out and of every dense kernel. CP_KV_DTYPE (attention) selects kv_t,
+// the K/V cache storage, read through kv_to_float.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -35,6 +37,13 @@ template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+#ifdef CP_KV_DTYPE
+typedef CP_CAT(cp_type_, CP_KV_DTYPE) kv_t;
+// A K/V cache element as float: the one place a quantized cache type (a new
+// row of cupaged/dtypes.py) would dequantize. Today's types convert exactly.
+__device__ __forceinline__ float kv_to_float(kv_t x) { return to_float(x); }
+#endif
 
 // -inf without <cfloat> or INFINITY, identical under both compilers.
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }

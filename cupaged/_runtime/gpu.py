@@ -37,6 +37,7 @@ from . import arrays as _backend
 from . import nvrtc as _nvrtc
 from . import source as _source
 from .stream import Graph, Stream
+from .structs import StructArg
 
 # Shared memory (static + dynamic) a launch may use without opting in.
 DEFAULT_MAX_DYNAMIC_SHARED = 48 * 1024
@@ -227,14 +228,18 @@ def pack_args(args: tuple, kernel: str = "kernel"):
     """``cuLaunchKernel`` parameters for ``args``: a ctypes ``void*`` array
     (one pointer per argument, to its value) and the objects holding the
     values, which must live until the launch call returns. A CuPy array
-    stands for its data pointer, a NumPy scalar for its C value, None for a
-    null pointer. Returns (None, None) when there are no arguments."""
+    stands for its data pointer, a NumPy scalar for its C value (a
+    structured scalar, or a ``StructArg``'s, for a struct passed by value),
+    None for a null pointer. Returns (None, None) when there are no
+    arguments."""
     n = len(args)
     if n == 0:
         return None, None
     slots = (ctypes.c_void_p * n)()
     holders = []
     for i, a in enumerate(args):
+        if type(a) is StructArg:
+            a = a.value      # its arrays are kept alive by the caller's reference to the StructArg
         if isinstance(a, np.generic):
             v = np.array(a)  # 0-d copy with its own storage, C layout of the dtype
             slots[i] = v.ctypes.data
@@ -248,8 +253,8 @@ def pack_args(args: tuple, kernel: str = "kernel"):
             raise PagedAttentionError(f"args[{i}] of {kernel}: expected a CuPy array, got a NumPy array")
         else:
             raise PagedAttentionError(
-                f"args[{i}] of {kernel}: expected a CuPy array, a NumPy scalar (np.int32, np.float32, ...) "
-                f"or None, got {type(a).__name__}")
+                f"args[{i}] of {kernel}: expected a CuPy array, a NumPy scalar (np.int32, np.float32, ...), "
+                f"a StructArg or None, got {type(a).__name__}")
         slots[i] = ctypes.addressof(v)
         holders.append(v)
     return slots, holders

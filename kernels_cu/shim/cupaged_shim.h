@@ -515,8 +515,25 @@ int launch(const char* name, void (*k)(A...), const unsigned* grid3, const unsig
     return cupaged_rt_launch(name, grid3, block3, smem, &KernelCall<A...>::run, &c);
 }
 
+// "x" followed by n in decimal: the code of an opaque parameter of n bytes
+// (a struct passed by value).
+struct OpaqueCode {
+    char c[2 + 20];
+};
+constexpr OpaqueCode opaque_code(std::size_t n) {
+    OpaqueCode t{};
+    int digits = 1;
+    for (std::size_t v = n; v >= 10; v /= 10) ++digits;
+    t.c[0] = 'x';
+    for (int i = digits; i >= 1; --i, n /= 10) t.c[i] = (char)('0' + n % 10);
+    return t;
+}
+template <std::size_t N>
+inline constexpr OpaqueCode kOpaqueCode = opaque_code(N);
+
 // A parameter's kind for the launcher's checks: p pointer, iN/uN integer of N
-// bytes, fN floating point, bN bool, xN anything else of N bytes.
+// bytes, fN floating point, bN bool, xN anything else of N bytes (a struct:
+// cupaged/_runtime/structs.py).
 template <class T>
 constexpr const char* param_code() {
     if constexpr (std::is_pointer_v<T>) return "p";
@@ -527,10 +544,7 @@ constexpr const char* param_code() {
         return sizeof(T) == 1 ? "u1" : sizeof(T) == 2 ? "u2" : sizeof(T) == 4 ? "u4" : "u8";
     else if constexpr (std::is_same_v<T, float>) return "f4";
     else if constexpr (std::is_same_v<T, double>) return "f8";
-    else if constexpr (sizeof(T) == 2) return "x2";
-    else if constexpr (sizeof(T) == 4) return "x4";
-    else if constexpr (sizeof(T) == 8) return "x8";
-    else return "x";
+    else return kOpaqueCode<sizeof(T)>.c;
 }
 template <class T>
 const char* param_type_name() {  // "... [with T = const float*]"

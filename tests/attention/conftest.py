@@ -34,8 +34,9 @@ def launches(monkeypatch):
 
         def launch(self, kernel, grid, block, args, shared_mem=0):
             attn = kernel.name != "attention_split_merge"
-            log.append((kernel.name, int(args[11]) if attn else None, int(args[12]) if attn else None,
-                        grid[0] if isinstance(grid, tuple) else grid))
+            params = args[0]    # the AttentionParams struct (ops/attention/params.py)
+            log.append((kernel.name, int(params["q_begin"]) if attn else None,
+                        int(params["q_count"]) if attn else None, grid[0] if isinstance(grid, tuple) else grid))
             return self.stream.launch(kernel, grid, block, args, shared_mem=shared_mem)
 
     monkeypatch.setattr(attention, "launch_attention", lambda stream, *a, **k: real(Spy(stream), *a, **k))

@@ -193,7 +193,7 @@ def test_misaligned_arrays_use_element_loads(xp_backend):
 
     q, k, v = (shifted_device(a) for a in (case.q, case.k_cache, case.v_cache))
     assert int(q.ctypes.data if xp_backend.name == "cpu" else q.data.ptr) % 16 != 0
-    assert variants.select_variant("f16", 64, 64, False, 2)["VEC_LOADS"] == 0
+    assert variants.select_variant("f16", 64, 64, False, 2).vec_loads == 0
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
     o, lse = plan.attention(q, k, v, case.scale, True, return_lse=True)
     check(case, xp_backend.to_numpy(o), xp_backend.to_numpy(lse), True, "f16", "misaligned")
@@ -298,21 +298,24 @@ def test_capture_and_replay(xp_backend):
 
 def test_variant_selection():
     sel = variants.select_variant
-    assert sel("f16", 128, 128, True, 8) == {"CP_DTYPE": "f16", "HEAD_DIM": 128, "GROUP_TILE": 8}
-    assert sel("bf16", 64, 64, True, 1)["GROUP_TILE"] == 1
-    assert sel("f32", 256, 256, True, 3)["GROUP_TILE"] == 4
+    assert sel("f16", 128, 128, True, 8).defines() == {"CP_DTYPE": "f16", "CP_KV_DTYPE": "f16", "CP_SCORE": "plain",
+                                                  "HEAD_DIM": 128, "GROUP_TILE": 8}
+    assert sel("bf16", 64, 64, True, 1).group_tile == 1
+    assert sel("f32", 256, 256, True, 3).group_tile == 4
     # Group of 12 in two tiles of 6 -> tile 8; group of 16 in two tiles of 8.
-    assert sel("f16", 128, 128, True, 12)["GROUP_TILE"] == 8
-    assert sel("f16", 128, 128, True, 16)["GROUP_TILE"] == 8
-    assert sel("f16", 96, 96, True, 4) == {"CP_DTYPE": "f16", "DIM_CAP": 128, "VEC_LOADS": 1, "GROUP_TILE": 4}
-    assert sel("f16", 5, 7, True, 1) == {"CP_DTYPE": "f16", "DIM_CAP": 64, "VEC_LOADS": 0, "GROUP_TILE": 1}
-    assert sel("f16", 128, 128, False, 1)["VEC_LOADS"] == 0
-    assert sel("f32", 1024, 1000, True, 8)["GROUP_TILE"] == 2
+    assert sel("f16", 128, 128, True, 12).group_tile == 8
+    assert sel("f16", 128, 128, True, 16).group_tile == 8
+    assert sel("f16", 96, 96, True, 4).defines() == {"CP_DTYPE": "f16", "CP_KV_DTYPE": "f16", "CP_SCORE": "plain",
+                                                "DIM_CAP": 128, "VEC_LOADS": 1, "GROUP_TILE": 4}
+    assert sel("f16", 5, 7, True, 1).defines() == {"CP_DTYPE": "f16", "CP_KV_DTYPE": "f16", "CP_SCORE": "plain",
+                                              "DIM_CAP": 64, "VEC_LOADS": 0, "GROUP_TILE": 1}
+    assert sel("f16", 128, 128, False, 1).vec_loads == 0
+    assert sel("f32", 1024, 1000, True, 8).group_tile == 2
     # Every selectable variant is registered for the NVRTC gate.
-    registered = {tuple(sorted(v.items())) for v in variants.VARIANTS}
+    registered = {tuple(sorted(v.defines().items())) for v in variants.VARIANTS}
     for dt in DTYPES:
         for d in (1, 5, 63, 64, 80, 96, 128, 200, 256, 300, 512, 576, 1024):
             for dv in (d, 64, 1024):
                 for g in (1, 2, 3, 4, 5, 8, 12, 16, 64):
                     for aligned in (True, False):
-                        assert tuple(sorted(sel(dt, d, dv, aligned, g).items())) in registered
+                        assert tuple(sorted(sel(dt, d, dv, aligned, g).defines().items())) in registered

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged.ops.attention import launch, variants
+from cupaged.ops.attention import AttentionOptions, launch, variants
 from cupaged.testing import make_mla_case, make_paged_case
 from attention_helpers import DTYPES, TC_DTYPES, _to_device, check
 
@@ -44,12 +44,12 @@ def test_rotary_part_needs_one_latent_cache():
     k_rot = np.zeros(case.k_cache.shape[:3] + (8,), np.float32)
     q_rot = np.zeros((plan.queries, 2, 8), np.float32)
     with pytest.raises(NotImplementedError):
-        launch.launch_attention(plan.stream, plan, case.q, case.k_cache, case.v_cache, out, 1.0, True,
-                                   q_rot=q_rot, k_rot=k_rot)
+        launch.launch_attention(plan.stream, plan, case.q, case.k_cache, case.v_cache, out, AttentionOptions(1.0),
+                                q_rot=q_rot, k_rot=k_rot)
     with pytest.raises(NotImplementedError):
-        launch.launch_attention(plan.stream, plan, case.q, case.k_cache, case.k_cache, out, 1.0, True,
-                                   q_rot=np.zeros((plan.queries, 2, 300), np.float32),
-                                   k_rot=np.zeros(case.k_cache.shape[:3] + (300,), np.float32))
+        launch.launch_attention(plan.stream, plan, case.q, case.k_cache, case.k_cache, out, AttentionOptions(1.0),
+                                q_rot=np.zeros((plan.queries, 2, 300), np.float32),
+                                k_rot=np.zeros(case.k_cache.shape[:3] + (300,), np.float32))
 
 
 # MLA at DeepSeek's R = 512, P = 64: 16 heads (4 queries a block, blocks

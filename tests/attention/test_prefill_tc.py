@@ -154,24 +154,24 @@ def test_tc_selection():
     """Which variant runs when the step's packing suits the tensor-core
     kernels: f16 / bf16 at a fast dim, or MLA at 512 / 64."""
     tc = variants.select_tensor_core
-    assert tc("bf16", 128, 128, True, True) == {"CP_DTYPE": "bf16", "TC_PREFILL": 1, "HEAD_DIM": 128}
-    assert tc("f16", 64, 64, True, True)["HEAD_DIM"] == 64
-    assert tc("f16", 256, 256, True, True)["HEAD_DIM"] == 256
+    assert tc("bf16", 128, 128, True, True) == variants.Variant("paged_prefill_tc", "bf16", "bf16", head_dim=128)
+    assert tc("f16", 64, 64, True, True).head_dim == 64
+    assert tc("f16", 256, 256, True, True).head_dim == 256
     assert tc("f16", 128, 128, True, False) is None      # packing unsuited (tc_schedule_ok)
     assert tc("f32", 128, 128, True, True) is None       # no f32 tensor-core path
     assert tc("f16", 96, 96, True, True) is None         # not a fast dim
     assert tc("f16", 128, 64, True, True) is None        # Dv != D
     assert tc("f16", 128, 128, False, True) is None      # misaligned
-    assert tc("bf16", 512, 512, True, True, rot_dim=64) == {"CP_DTYPE": "bf16", "TC_MLA": 1,
-                                                            "LATENT_DIM": 512, "ROPE_DIM": 64}
+    assert tc("bf16", 512, 512, True, True, rot_dim=64) == variants.Variant("paged_mla_tc", "bf16", "bf16",
+                                                                             latent_dim=512, rope_dim=64)
     assert tc("bf16", 512, 512, True, True, rot_dim=32) is None       # other rotary dim
     assert tc("bf16", 576, 576, True, True, rot_dim=64) is None
-    registered = {tuple(sorted(v.items())) for v in variants.VARIANTS}
+    registered = {tuple(sorted(v.defines().items())) for v in variants.VARIANTS}
     for dt in TC_DTYPES:
         for d in variants.TC_PREFILL_DIMS:
-            assert tuple(sorted(tc(dt, d, d, True, True).items())) in registered
+            assert tuple(sorted(tc(dt, d, d, True, True).defines().items())) in registered
         for r, p in variants.TC_MLA_DIMS:
-            assert tuple(sorted(tc(dt, r, r, True, True, rot_dim=p).items())) in registered
+            assert tuple(sorted(tc(dt, r, r, True, True, rot_dim=p).defines().items())) in registered
 
 
 @pytest.mark.parametrize("what", ["decode", "f32", "dim96", "small-chunk"])

@@ -89,7 +89,7 @@ def test_tc_segments_invariants():
     rule on its own range (passes counted here block by block) with at
     least TC_SEGMENT_ROWS rows."""
     rng = np.random.default_rng(34)
-    for trial in range(300):
+    for _trial in range(300):
         n = int(rng.integers(1, 40))
         q_lens = np.where(rng.random(n) < 0.25, rng.integers(2, 90, n), rng.integers(0, 2, n))
         group = int(rng.choice([1, 2, 3, 4, 5, 8, 16, 64]))
@@ -244,8 +244,8 @@ def test_launch_range_is_clamped(xp_backend, monkeypatch, kernel):
         first = schedule.plan_launches(plan.host, "f16", 4, 1, 64, 64, 0, True, True)[0]
         assert first.kernel == kernel
     else:
-        first = schedule.Launch("attention", kernel, variants.select_variant("f16", 64, 64, True, 4),
-                                variants.THREADS, 0, 0, 0, 0, 0)
+        var = variants.select_variant("f16", 64, 64, True, 4)
+        first = schedule.Launch(var.source, kernel, var.defines(), variants.THREADS, 0, 0, 0, 0, 0)
     for begin, count, blocks in ((n - 5, 2 ** 32 - 1, 9), (n + 3, 4, 2), (2 ** 32 - 2, 5, 3), (3, 6, 20)):
         # One launch of `blocks` blocks along x over [begin, begin + count) (one head tile: G = 4).
         one = first._replace(blocks=blocks, tiles=1, q_begin=begin, q_count=count)

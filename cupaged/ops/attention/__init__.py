@@ -76,8 +76,7 @@ def attention(plan, q, k_cache, v_cache, scale, causal=True, *, workspace=None, 
     want_lse = return_lse or lse is not None
     o = checks.outputs(plan, q, out, lse, want_lse, int(q.shape[1]), int(v_cache.shape[3]), workspace,
                        dict(q=q, k_cache=k_cache, v_cache=v_cache))
-    launch_attention(plan.stream, plan, q, k_cache, v_cache, o.out, opts.scale, opts.causal, lse=o.lse,
-                     workspace=o.workspace)
+    launch_attention(plan.stream, plan, q, k_cache, v_cache, o.out, opts, lse=o.lse, workspace=o.workspace)
     return (o.out, o.lse) if want_lse else o.out
 
 
@@ -90,6 +89,6 @@ def mla(plan, q, q_pos, latent, k_pos, scale, causal=True, *, workspace=None, ou
     h, r = int(q.shape[1]), int(q.shape[2])
     o = checks.outputs(plan, q, out, lse, want_lse, h, r, workspace, dict(q=q, q_pos=q_pos, latent=latent,
                                                                            k_pos=k_pos))
-    launch_attention(plan.stream, plan, q, latent, latent, o.out, opts.scale, opts.causal, q_rot=q_pos,
+    launch_attention(plan.stream, plan, q, latent, latent, o.out, opts, q_rot=q_pos,
                      k_rot=k_pos, lse=o.lse, workspace=o.workspace)
     return (o.out, o.lse) if want_lse else o.out

@@ -15,23 +15,32 @@ from ..._runtime import check_not_capturing, checks, empty
 from ...errors import PagedAttentionError
 from ...layout import MAX_HEAD_DIM, MAX_ROPE_DIM, MAX_SPLITS
 from .splits import SplitWorkspace
+from .variants import SCORES
 
 
 @dataclass(frozen=True)
 class AttentionOptions:
-    """The score and mask choices of one attention call, checked.
+    """The score and visibility choices of one attention call, checked: the
+    Python side of ``kernels_cu/attention/variant.cuh``. ``scale`` and
+    ``causal`` go into the kernels' argument struct (``params.py``);
+    ``score`` picks the compiled score variant.
 
     ``scale`` multiplies q.k before the softmax; ``causal``: the query at
     absolute position p sees positions 0..p of its sequence, otherwise all
-    kv_lens[s].
+    kv_lens[s]; ``score``: a name in ``variants.SCORES`` ("plain":
+    softmax(scale * q.k)).
     """
 
     scale: float
     causal: bool = True
+    score: str = "plain"
 
     @classmethod
-    def checked(cls, scale, causal) -> "AttentionOptions":
-        return cls(checks.positive_scale(scale), checks.boolean("causal", causal))
+    def checked(cls, scale, causal, score: str = "plain") -> "AttentionOptions":
+        opts = cls(checks.positive_scale(scale), checks.boolean("causal", causal), score)
+        if not isinstance(score, str) or score not in SCORES:
+            raise PagedAttentionError(f"score: expected one of {', '.join(map(repr, SCORES))}, got {score!r}")
+        return opts
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,16 @@ import numpy as np
 from ... import dtypes
 from ..._runtime import address, get_kernel
 from ...errors import PagedAttentionError
+from . import params
+from .checks import AttentionOptions
 from .schedule import plan_launches
 from .variants import MERGE_HEADS_PER_BLOCK, ROT_CAPS, THREADS, VECTOR_BYTES
 
-def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causal: bool, *,
+
+def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOptions, *,
                      q_rot=None, k_rot=None, lse=None, workspace=None) -> None:
-    """Launch paged attention for ``plan`` (arguments already validated).
+    """Launch paged attention for ``plan`` (arguments already validated;
+    ``opts``: scale, causal and score variant, ``AttentionOptions.checked``).
 
     q [queries, Hq, D]; k_cache [pages, page_size, Hkv, D];
     v_cache [pages, page_size, Hkv, Dv]; out [queries, Hq, Dv] (q's dtype);
@@ -27,6 +31,10 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causa
     rotary parts (both or neither); score = scale * (q.k + q_rot.k_rot).
     With them the caches must be one array (the latent cache, Hkv = 1,
     v_cache is k_cache) and P <= 256.
+
+    Every attention launch takes one ``AttentionParams`` struct
+    (``params.py``); only its query range differs between the launches of a
+    step.
     """
     host = plan.host
     queries, hq, d = (int(s) for s in q.shape)
@@ -46,7 +54,7 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causa
     dtype = dtypes.token(q.dtype)
     aligned = all(address(a) % VECTOR_BYTES == 0 for a in (q, k_cache, v_cache, out))
     aligned_tc = aligned and (not rot_dim or all(address(a) % VECTOR_BYTES == 0 for a in (q_rot, k_rot)))
-    launches = plan_launches(host, dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc)
+    launches = plan_launches(host, dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, opts.score)
     tiles = max(launch.tiles for launch in launches)
     if hkv * tiles > 65535:
         raise PagedAttentionError(f"q: expected at most 65535 KV heads x head tiles in a launch, got "
@@ -56,22 +64,30 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, scale: float, causa
 
     splits = 1 if workspace is None else int(workspace.splits)
     split = splits > 1
-    part_out = workspace.partial_out if split else out     # dummy pointers are never touched
-    part_lse = workspace.partial_lse if split else out
-    lse_arg = lse if lse is not None else out
+    refs = [a for a in (q, k_cache, v_cache, q_rot, k_rot, plan.words, out, lse) if a is not None]
+    if split:
+        refs += [workspace.partial_out, workspace.partial_lse]
+    # Pointers a launch never reads are 0 (no rotary part, no lse, no split).
+    values = dict(
+        q=address(q), k_cache=address(k_cache), v_cache=address(v_cache),
+        q_rot=0 if q_rot is None else address(q_rot), k_rot=0 if k_rot is None else address(k_rot),
+        words=address(plan.words), out=address(out), lse=0 if lse is None else address(lse),
+        part_out=address(workspace.partial_out) if split else 0,
+        part_lse=address(workspace.partial_lse) if split else 0,
+        queries=host.queries, q_begin=0, q_count=0, sequences=host.sequences, table_width=host.table_width,
+        page_size=host.page_size, num_pages=host.pages, q_heads=hq, kv_heads=hkv, head_dim=d, value_dim=dv,
+        rot_dim=rot_dim, splits=splits, causal=int(opts.causal), write_lse=int(lse is not None),
+        scale=opts.scale)
 
-    u32 = np.uint32
     for launch in launches:
         kernel = get_kernel(q, launch.source, launch.kernel, launch.defines)
-        stream.launch(kernel, (launch.blocks, hkv * launch.tiles, splits), (launch.threads,), (
-            q, k_cache, v_cache, q if q_rot is None else q_rot, k_cache if k_rot is None else k_rot, plan.words,
-            out, lse_arg, part_out, part_lse,
-            u32(host.queries), u32(launch.q_begin), u32(launch.q_count), u32(host.sequences), u32(host.table_width),
-            u32(host.page_size), u32(host.pages),
-            u32(hq), u32(hkv), u32(d), u32(dv), u32(rot_dim), u32(splits), u32(bool(causal)),
-            u32(lse is not None and not split), np.float32(scale)), shared_mem=launch.smem)
-    if split:   # every variant compiles the merge: the last launch's module serves it
+        values["q_begin"], values["q_count"] = launch.q_begin, launch.q_count
+        args = params.pack(values, refs)
+        stream.launch(kernel, (launch.blocks, hkv * launch.tiles, splits), (launch.threads,), (args,),
+                      shared_mem=launch.smem)
+    if split:   # every attention module compiles the merge: the last launch's module serves it
         merge = get_kernel(q, launch.source, "attention_split_merge", launch.defines)
+        u32 = np.uint32
         stream.launch(merge, (queries, -(-hq // MERGE_HEADS_PER_BLOCK)), (THREADS,), (
-            workspace.partial_out, workspace.partial_lse, out, lse_arg,
+            workspace.partial_out, workspace.partial_lse, out, out if lse is None else lse,
             u32(queries), u32(hq), u32(dv), u32(splits), u32(lse is not None)))

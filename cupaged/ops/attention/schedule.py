@@ -10,8 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ... import dtypes
-from .variants import (TC_MLA_THREADS, TC_PREFILL_THREADS, TC_ROWS, THREADS, mla_smem_bytes,
-                       prefill_smem_bytes, select_tensor_core, select_variant, tc_queries_per_block)
+from .variants import TC_ROWS, select_tensor_core, select_variant, tc_queries_per_block
 
 #: The tensor-core kernels serve the sequences whose queries meet in one
 #: block one after the other (a pass each, reading that sequence's K/V
@@ -248,10 +247,10 @@ def tc_segments(host, group: int) -> tuple[tuple[bool, int, int], ...]:
 class Launch(NamedTuple):
     """One attention launch of a step (before the split merge).
 
-    ``source`` (a ``kernels_cu`` stem) and ``kernel`` name it, ``defines``
-    its variant; ``threads`` per block and ``smem`` dynamic shared bytes;
-    the grid is ``(blocks, kv_heads * tiles, splits)``; it serves packed
-    queries ``[q_begin, q_begin + q_count)``."""
+    ``source`` (a ``kernels_cu`` stem: ``"attention/decode"``, ...) and
+    ``kernel`` name it, ``defines`` its variant; ``threads`` per block and
+    ``smem`` dynamic shared bytes; the grid is ``(blocks, kv_heads * tiles,
+    splits)``; it serves packed queries ``[q_begin, q_begin + q_count)``."""
 
     source: str
     kernel: str
@@ -268,12 +267,13 @@ _launches_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
-                  aligned_tc: bool) -> tuple[Launch, ...]:
+                  aligned_tc: bool, score: str = "plain") -> tuple[Launch, ...]:
     """The unsplit launches for these shapes, one per segment
-    (``tc_segments``). Host plan data only (static per schedule); cached per
-    plan and shapes, so the hot path is one lookup."""
+    (``tc_segments``), each with its ``variants.Variant``'s source, kernel,
+    defines, block and shared memory. Host plan data only (static per
+    schedule); cached per plan and shapes, so the hot path is one lookup."""
     per_plan = _launches_cache.setdefault(host, {})
-    key = (dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc)
+    key = (dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, score)
     launches = per_plan.get(key)
     if launches is None:
         launches = per_plan[key] = _launches(host, *key)
@@ -281,28 +281,22 @@ def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim:
 
 
 def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
-              aligned_tc: bool) -> tuple[Launch, ...]:
+              aligned_tc: bool, score: str) -> tuple[Launch, ...]:
     """plan_launches without the cache."""
     group = hq // hkv
     segs = tc_segments(host, group)
-    tc = select_tensor_core(dtype, d, dv, aligned_tc, any(seg[0] for seg in segs), rot_dim)
+    tc = select_tensor_core(dtype, d, dv, aligned_tc, any(seg[0] for seg in segs), rot_dim, score=score)
     if tc is None:
         segs = ((False, 0, host.queries),)
     launches = []
     for on_tc, begin, count in segs:
         if on_tc:
             # 64 rows per block: qt queries x ht heads of one KV head's group.
-            tiles = -(-group // min(group, TC_ROWS))
-            if "TC_MLA" in tc:
-                name, threads, smem = "paged_mla_tc", TC_MLA_THREADS, mla_smem_bytes(d, rot_dim)
-            else:
-                name, threads, smem = "paged_prefill_tc", TC_PREFILL_THREADS, prefill_smem_bytes(d)
-            defines, blocks = tc, -(-count // tc_queries_per_block(group))
+            v, tiles, blocks = tc, -(-group // min(group, TC_ROWS)), -(-count // tc_queries_per_block(group))
         else:
-            defines = select_variant(dtype, d, dv, aligned, group, rot_dim)
-            tiles = -(-group // int(defines["GROUP_TILE"]))
-            name, threads, smem, blocks = "paged_attention", THREADS, 0, count
-        launches.append(Launch("attention", name, defines, threads, smem, blocks, tiles, begin, count))
+            v = select_variant(dtype, d, dv, aligned, group, rot_dim, score=score)
+            tiles, blocks = -(-group // v.group_tile), count
+        launches.append(Launch(v.source, v.kernel, v.defines(), v.threads, v.smem, blocks, tiles, begin, count))
     return tuple(launches)
 
 

@@ -1,9 +1,20 @@
-"""Every compile-time choice of the attention kernels: which variants are
-built (registered for the NVRTC gate) and which one runs for given dtypes,
-dims, alignment and GQA group. Kernels: ``kernels_cu/attention/``; launch
-and scheduling: ``launch.py`` and ``schedule.py`` beside this file.
+"""Every compile-time choice of the attention kernels, as ``Variant``
+records: which are built (registered for the NVRTC gate) and which one runs
+for given dtypes, dims, alignment and GQA group. Kernels:
+``kernels_cu/attention/``; launch and scheduling: ``launch.py`` and
+``schedule.py`` beside this file.
+
+One rule serves both: ``_built()`` enumerates the table of built variants,
+and selection picks from that table the cheapest variant that serves a shape
+(``Variant.serves``, ``_cost``), so nothing can run that is not built and
+registered. Score variants (``SCORES``) are a column of their own: every
+built score is built for every shape variant; a score that is not built
+(a test's) still runs on the CPU backend, which compiles on demand.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from ... import dtypes, layout
 from ..._runtime import register
@@ -15,14 +26,18 @@ THREADS = 128
 #: Query heads of one GQA group the merge kernel serves per block (one warp each).
 MERGE_HEADS_PER_BLOCK = THREADS // 32
 
-DTYPES = dtypes.TOKENS
+#: (q / out dtype, K/V cache dtype) pairs the kernels are built for: today
+#: the caches always have q's dtype (a quantized cache is a new pair here, a
+#: row of cupaged/dtypes.py and kv_to_float in kernels_cu/common.cuh).
+DTYPE_PAIRS = tuple((d, d) for d in dtypes.QUERY_TOKENS if d in dtypes.KV_TOKENS)
+DTYPES = tuple(q for q, _ in DTYPE_PAIRS)
 #: Compile-time head dims (D == Dv) with 16-byte loads.
 FAST_DIMS = (64, 128, 256)
 #: Capacities of the runtime-dim variants (max(D, Dv) <= capacity).
 DIM_CAPS = (64, 128, 256, 512, 1024)
 #: Query heads per block a variant may be built for.
 GROUP_TILES = (1, 2, 4, 8)
-#: Capacities of the MLA rotary part P (q_rot / k_rot), HAS_ROT variants.
+#: Capacities of the MLA rotary part P (q_rot / k_rot), ROT_CAP variants.
 #: One capacity: a 64 one gave the same GROUP_TILE at R = 512 (the
 #: DeepSeek shape, and f16 / bf16 at 512 / 64 run on paged_mla_tc).
 ROT_CAPS = (256,)
@@ -40,8 +55,149 @@ TC_MLA_THREADS = 256
 VECTOR_BYTES = 16
 
 
+# ---------------------------------------------------------------------------
+# Kernels and score variants
+# ---------------------------------------------------------------------------
+
+class Kernel(NamedTuple):
+    """An attention kernel: its ``kernels_cu`` source stem and block size."""
+
+    name: str
+    source: str
+    threads: int
+
+
+DECODE = Kernel("paged_attention", "attention/decode", THREADS)
+PREFILL_TC = Kernel("paged_prefill_tc", "attention/prefill_tc", TC_PREFILL_THREADS)
+MLA_TC = Kernel("paged_mla_tc", "attention/mla_tc", TC_MLA_THREADS)
+KERNELS = {k.name: k for k in (DECODE, PREFILL_TC, MLA_TC)}
+
+
+@dataclass(frozen=True)
+class Score:
+    """A score variant: ``name`` is ``AttentionOptions.score`` and the
+    ``CP_SCORE`` define, which selects ``struct score_<name>`` in
+    ``kernels_cu/attention/variant.cuh`` (the hook). ``built``: compiled for
+    GPUs, i.e. registered for the NVRTC gate with every shape variant."""
+
+    name: str
+    built: bool
+    doc: str
+
+
+#: The score variants, by name (docs/layout.md, "Adding a score variant").
+SCORES: dict[str, Score] = {
+    "plain": Score("plain", True, "softmax(scale * q.k)"),
+}
+
+
+# ---------------------------------------------------------------------------
+# Variant: every compile-time choice of one build
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of an attention kernel. Fields left 0 do not apply to the
+    kernel; ``defines()`` spells the ones that do (the name of the compiled
+    variant is its cache key)."""
+
+    kernel: str                  # paged_attention | paged_prefill_tc | paged_mla_tc
+    dtype: str                   # CP_DTYPE: q and out
+    kv_dtype: str                # CP_KV_DTYPE: the K/V caches
+    score: str = "plain"         # CP_SCORE (SCORES)
+    head_dim: int = 0            # HEAD_DIM: D == Dv (paged_attention's fast path; paged_prefill_tc)
+    dim_cap: int = 0             # DIM_CAP: runtime D, Dv up to it (paged_attention)
+    vec_loads: int = 0           # VEC_LOADS: 16-byte loads on the runtime-dim path
+    group_tile: int = 0          # GROUP_TILE: query heads per block (paged_attention)
+    rot_cap: int = 0             # ROT_CAP: MLA rotary capacity P (paged_attention)
+    latent_dim: int = 0          # LATENT_DIM: R (paged_mla_tc)
+    rope_dim: int = 0            # ROPE_DIM: P (paged_mla_tc)
+
+    @property
+    def source(self) -> str:
+        """The ``kernels_cu`` stem of the kernel's file."""
+        return KERNELS[self.kernel].source
+
+    @property
+    def threads(self) -> int:
+        return KERNELS[self.kernel].threads
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared memory bytes of a launch."""
+        if self.kernel == PREFILL_TC.name:
+            return prefill_smem_bytes(self.head_dim)
+        if self.kernel == MLA_TC.name:
+            return mla_smem_bytes(self.latent_dim, self.rope_dim)
+        return 0
+
+    def defines(self) -> dict:
+        """The ``#define``s of this variant."""
+        d = {"CP_DTYPE": self.dtype, "CP_KV_DTYPE": self.kv_dtype, "CP_SCORE": self.score}
+        if self.kernel == DECODE.name:
+            if self.head_dim:
+                d.update(HEAD_DIM=self.head_dim, GROUP_TILE=self.group_tile)
+            else:
+                d.update(DIM_CAP=self.dim_cap, VEC_LOADS=self.vec_loads, GROUP_TILE=self.group_tile)
+                if self.rot_cap:
+                    d["ROT_CAP"] = self.rot_cap
+        elif self.kernel == PREFILL_TC.name:
+            d["HEAD_DIM"] = self.head_dim
+        else:
+            d.update(LATENT_DIM=self.latent_dim, ROPE_DIM=self.rope_dim)
+        return d
+
+    def serves(self, s: "Shape") -> bool:
+        """Whether this variant computes attention for shape ``s`` (any
+        score: the score column is set after selection)."""
+        if (self.dtype, self.kv_dtype) != (s.dtype, s.kv_dtype):
+            return False
+        if self.kernel == DECODE.name:
+            if self.head_dim:     # fast path: compile-time dims, 16-byte loads
+                return not s.rot_dim and s.vec_ok and s.head_dim == s.value_dim == self.head_dim
+            if max(s.head_dim, s.value_dim) > self.dim_cap or self.vec_loads > s.vec_ok:
+                return False
+            return self.rot_cap >= s.rot_dim if s.rot_dim else not self.rot_cap
+        if not (s.aligned_tc and s.schedule_ok):
+            return False
+        if self.kernel == PREFILL_TC.name:
+            return not s.rot_dim and s.head_dim == s.value_dim == self.head_dim
+        return s.value_dim == s.head_dim == self.latent_dim and s.rot_dim == self.rope_dim
+
+
+class Shape(NamedTuple):
+    """What selection looks at: dtypes, dims, the GQA group (query heads per
+    KV head; all H for MLA), 16-byte vector loads possible (``vec_ok``: dims
+    a multiple of 16 bytes and the arrays aligned), arrays aligned for the
+    tensor-core kernels' cp.async, and whether the step's packing suits them
+    (``schedule.tc_schedule_ok``)."""
+
+    dtype: str
+    kv_dtype: str
+    head_dim: int
+    value_dim: int
+    rot_dim: int
+    group: int
+    vec_ok: bool
+    aligned_tc: bool = False
+    schedule_ok: bool = False
+
+
+def _cost(v: Variant, group: int) -> tuple:
+    """Order of preference among the variants that serve a shape: the
+    compile-time-dim path, then the smallest capacities, 16-byte loads; then
+    as few head tiles as possible (each re-reads the K/V rows), then the
+    smallest tile covering ``ceil(group / tiles)`` heads."""
+    tile = v.group_tile or 1
+    return (not v.head_dim, v.dim_cap, -v.vec_loads, v.rot_cap, -(-group // tile), tile)
+
+
+# ---------------------------------------------------------------------------
+# What is built
+# ---------------------------------------------------------------------------
+
 def _elems_per_lane(cap: int, vec: int) -> int:
-    """Row elements one lane holds (mirrors att::kElems in attention.cu)."""
+    """Row elements one lane holds (mirrors att::kElems in attention/decode.cu)."""
     chunks = cap // vec
     return vec if chunks <= 32 else cap // 32
 
@@ -77,34 +233,57 @@ def _built_tiles(top: int, vec_loads: bool) -> tuple[int, ...]:
     return tuple(sorted({1, top}))
 
 
-def _all_variants() -> list[dict]:
+def _built() -> list[Variant]:
+    """Every shape variant built (score "plain"): the table selection picks from."""
     out = []
-    for dt in DTYPES:
+    for dt, kv in DTYPE_PAIRS:
         for d in FAST_DIMS:
-            for t in GROUP_TILES:
-                if t <= max_group_tile(d, _vec(dt, True)):
-                    out.append({"CP_DTYPE": dt, "HEAD_DIM": d, "GROUP_TILE": t})
+            for t in _built_tiles(max_group_tile(d, _vec(kv, True)), True):
+                out.append(Variant(DECODE.name, dt, kv, head_dim=d, group_tile=t))
         for cap in DIM_CAPS:
             for vec_loads in (0, 1):
-                for t in _built_tiles(max_group_tile(cap, _vec(dt, bool(vec_loads))), bool(vec_loads)):
-                    out.append({"CP_DTYPE": dt, "DIM_CAP": cap, "VEC_LOADS": vec_loads, "GROUP_TILE": t})
+                vec = _vec(kv, bool(vec_loads))
+                for t in _built_tiles(max_group_tile(cap, vec), bool(vec_loads)):
+                    out.append(Variant(DECODE.name, dt, kv, dim_cap=cap, vec_loads=vec_loads, group_tile=t))
                 # MLA (rotary part): one shared KV head, so the group is every
                 # query head and only the largest tile is worth building.
                 for rot in ROT_CAPS:
-                    out.append({"CP_DTYPE": dt, "DIM_CAP": cap, "VEC_LOADS": vec_loads, "ROT_CAP": rot,
-                                "GROUP_TILE": max_group_tile(cap, _vec(dt, bool(vec_loads)), rot)})
+                    out.append(Variant(DECODE.name, dt, kv, dim_cap=cap, vec_loads=vec_loads, rot_cap=rot,
+                                       group_tile=max_group_tile(cap, vec, rot)))
+        if dt in TC_DTYPES and kv in TC_DTYPES:
+            for d in TC_PREFILL_DIMS:
+                out.append(Variant(PREFILL_TC.name, dt, kv, head_dim=d))
+            for r, p in TC_MLA_DIMS:
+                out.append(Variant(MLA_TC.name, dt, kv, latent_dim=r, rope_dim=p))
     return out
 
 
-def _tc_variants() -> list[dict]:
-    out = []
-    for dt in TC_DTYPES:
-        for d in TC_PREFILL_DIMS:
-            out.append({"CP_DTYPE": dt, "TC_PREFILL": 1, "HEAD_DIM": d})
-        for r, p in TC_MLA_DIMS:
-            out.append({"CP_DTYPE": dt, "TC_MLA": 1, "LATENT_DIM": r, "ROPE_DIM": p})
-    return out
+_TABLE: dict[tuple[bool, str, str], list[Variant]] = {}
+for _v in _built():
+    _TABLE.setdefault((_v.kernel != DECODE.name, _v.dtype, _v.kv_dtype), []).append(_v)
+del _v
 
+#: Every variant built: each shape variant with each built score.
+VARIANTS: tuple[Variant, ...] = tuple(replace(v, score=s.name) for rows in _TABLE.values() for v in rows
+                                      for s in SCORES.values() if s.built)
+for _k in KERNELS.values():
+    register(_k.source, [v.defines() for v in VARIANTS if v.kernel == _k.name])
+del _k
+
+
+def _pick(tensor_core: bool, shape: Shape, score: str) -> Variant | None:
+    """The cheapest built variant (of one kernel kind) serving ``shape``,
+    with ``score``; None when none does."""
+    rows = [v for v in _TABLE.get((tensor_core, shape.dtype, shape.kv_dtype), ()) if v.serves(shape)]
+    if not rows:
+        return None
+    best = min(rows, key=lambda v: _cost(v, shape.group))
+    return best if score == best.score else replace(best, score=score)
+
+
+# ---------------------------------------------------------------------------
+# What runs
+# ---------------------------------------------------------------------------
 
 def prefill_tile_tokens(head_dim: int) -> int:
     """K/V tokens per tile of paged_prefill_tc (tcp::kN)."""
@@ -127,40 +306,27 @@ def mla_smem_bytes(latent_dim: int, rope_dim: int) -> int:
     return (TC_ROWS + 2 * 32) * (latent_dim + rope_dim + 8) * 2 + TC_ROWS * (32 + 8) * 2
 
 
-VARIANTS = _all_variants() + _tc_variants()
-register("attention", VARIANTS)
+def vec_ok(dtype: str, head_dim: int, value_dim: int, aligned: bool) -> bool:
+    """16-byte loads possible: the arrays aligned and both dims a multiple
+    of 16 bytes."""
+    itemsize = dtypes.np_dtype(dtype).itemsize
+    return aligned and (head_dim * itemsize) % VECTOR_BYTES == 0 and (value_dim * itemsize) % VECTOR_BYTES == 0
 
 
-def _group_tile(group: int, top: int, vec_loads: bool = True) -> int:
-    """Query heads per block for a GQA group of ``group`` heads when tiles of
-    up to ``top`` heads are built: as few tiles as possible (each tile
-    re-reads the K/V rows), then the smallest built tile that covers
-    ``ceil(group / tiles)`` heads."""
-    tiles = -(-group // top)
-    need = -(-group // tiles)
-    return min(t for t in _built_tiles(top, vec_loads) if t >= need)
-
-
-def select_variant(dtype: str, head_dim: int, value_dim: int, aligned: bool, group: int,
-                   rot_dim: int = 0) -> dict:
-    """Defines of the variant that runs (dtype, D, Dv, GQA group size, rotary dim P).
+def select_variant(dtype: str, head_dim: int, value_dim: int, aligned: bool, group: int, rot_dim: int = 0,
+                   *, kv_dtype: str | None = None, score: str = "plain") -> Variant:
+    """The paged_attention variant that runs (dtype, D, Dv, GQA group size,
+    rotary dim P; the caches' dtype, q's unless given; the score variant).
 
     ``aligned``: every array the kernel reads or writes with 16-byte loads
     (q, k_cache, v_cache, out) starts on a 16-byte boundary.
     """
-    itemsize = dtypes.np_dtype(dtype).itemsize
-    vec_ok = aligned and (head_dim * itemsize) % VECTOR_BYTES == 0 and (value_dim * itemsize) % VECTOR_BYTES == 0
-    if not rot_dim and vec_ok and head_dim == value_dim and head_dim in FAST_DIMS:
-        top = max_group_tile(head_dim, _vec(dtype, True))
-        return {"CP_DTYPE": dtype, "HEAD_DIM": head_dim, "GROUP_TILE": _group_tile(group, top)}
-    cap = next(c for c in DIM_CAPS if c >= max(head_dim, value_dim))
-    vec = _vec(dtype, vec_ok)
-    if rot_dim:
-        rot = next(r for r in ROT_CAPS if r >= rot_dim)
-        return {"CP_DTYPE": dtype, "DIM_CAP": cap, "VEC_LOADS": int(vec_ok), "ROT_CAP": rot,
-                "GROUP_TILE": max_group_tile(cap, vec, rot)}
-    return {"CP_DTYPE": dtype, "DIM_CAP": cap, "VEC_LOADS": int(vec_ok),
-            "GROUP_TILE": _group_tile(group, max_group_tile(cap, vec), vec_ok)}
+    kv = dtype if kv_dtype is None else kv_dtype
+    shape = Shape(dtype, kv, head_dim, value_dim, rot_dim, group, vec_ok(kv, head_dim, value_dim, aligned))
+    v = _pick(False, shape, score)
+    if v is None:
+        raise ValueError(f"no paged_attention variant is built for {shape}")
+    return v
 
 
 def tc_queries_per_block(group: int) -> int:
@@ -168,22 +334,14 @@ def tc_queries_per_block(group: int) -> int:
     return TC_ROWS // min(group, TC_ROWS)
 
 
-
 def select_tensor_core(dtype: str, head_dim: int, value_dim: int, aligned: bool, schedule_ok: bool,
-                       rot_dim: int = 0) -> dict | None:
-    """Defines of the tensor-core variant that runs, or None for the
-    CUDA-core kernel (``select_variant``).
+                       rot_dim: int = 0, *, kv_dtype: str | None = None, score: str = "plain") -> Variant | None:
+    """The tensor-core variant that runs, or None for the CUDA-core kernel
+    (``select_variant``).
 
     ``schedule_ok``: ``tc_schedule_ok(host, group)``; ``aligned``: every
     array copied by cp.async (q, caches, q_rot, k_rot) and out start on a
     16-byte boundary.
     """
-    if dtype not in TC_DTYPES or not aligned or not schedule_ok:
-        return None
-    if rot_dim:
-        if (head_dim, rot_dim) in TC_MLA_DIMS and value_dim == head_dim:
-            return {"CP_DTYPE": dtype, "TC_MLA": 1, "LATENT_DIM": head_dim, "ROPE_DIM": rot_dim}
-        return None
-    if head_dim == value_dim and head_dim in TC_PREFILL_DIMS:
-        return {"CP_DTYPE": dtype, "TC_PREFILL": 1, "HEAD_DIM": head_dim}
-    return None
+    kv = dtype if kv_dtype is None else kv_dtype
+    return _pick(True, Shape(dtype, kv, head_dim, value_dim, rot_dim, 1, False, aligned, schedule_ok), score)

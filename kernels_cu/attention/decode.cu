@@ -1,0 +1,459 @@
+// decode.cu: paged_attention, the CUDA-core attention kernel: decode, and the
+// fallback for every shape the tensor-core kernels (prefill_tc.cu, mla_tc.cu)
+// do not take; plus attention_split_merge (merge.cuh). Layout, positions,
+// metadata words, LSE and the split workspace are defined in docs/layout.md;
+// this file follows it. The argument is one AttentionParams (params.cuh).
+//
+// A launch covers the packed queries [q_begin, q_begin + q_count) of the
+// plan (clamped to the plan's queries). A step whose sequences suit
+// different kernels runs as up to four launches over contiguous ranges
+// (segments, cupaged/ops/attention/schedule.py tc_segments); every launch
+// indexes q, out, lse and the partials by global query, so the one merge
+// after them serves all queries.
+//
+// paged_attention: one block per (query, KV head, head tile, split).
+//   grid  (q_count, kv_heads * head_tiles, splits), block 128 (4 warps);
+//   block x serves query q_begin + x.
+//   A block serves the query heads g = tile*GROUP_TILE .. +GROUP_TILE-1 of
+//   the GQA group of its KV head, so each K/V row it reads is used by every
+//   one of those heads (read once per group when the group fits one tile).
+//   Each warp owns a slice of the tokens of every block step: its 32 lanes
+//   form ROWS row groups of LANES lanes; a row group holds one K (and V) row,
+//   each lane CHUNKS vector chunks of it (16-byte loads when VEC_LOADS). A
+//   lane issues STEP_U rows of K and V loads before it uses any, so a block
+//   has 128 * STEP_U * CHUNKS * 2 loads in flight, and loads the next step's
+//   page ids while they are in flight. Scores are reduced over
+//   the LANES lanes of a row by xor-shuffles; every row group keeps its own
+//   online-softmax state (softmax_state.cuh: max and sum in the log2 domain,
+//   and an FP32 accumulator of its value slice for each head) and the states
+//   are merged at the end: first inside a warp by shuffles, then across warps
+//   through shared memory.
+//   Tokens are never loaded past the split's end or from a page id
+//   >= num_pages; such a token's score is -inf and its value registers hold
+//   zeros, so no unused slot (NaN) can reach the output.
+//   With splits > 1, split z covers positions [z*c, min(L, (z+1)*c)) with
+//   c = ceil(L / splits) rounded up to CP_SPLIT_TILE (span.cuh), and writes
+//   FP32 partials (an empty split writes out 0 and lse -inf);
+//   attention_split_merge combines them.
+//
+// Memory traffic per block: the visible K and V rows of its split,
+// L * (D + Dv) * sizeof(kv_t) bytes, read once for its GROUP_TILE heads; q and
+// the outputs are small beside them.
+//
+// Defines (compile-time choices, cupaged/ops/attention/variants.py Variant):
+//   CP_DTYPE    f32 | f16 | bf16: scalar_t, the type of q and out.
+//   CP_KV_DTYPE the type of the caches, kv_t (today always CP_DTYPE).
+//   CP_SCORE    the score variant (variant.cuh), plain unless a test asks.
+//   HEAD_DIM    64 | 128 | 256: fast path with D == Dv == HEAD_DIM; 0 (or
+//               absent) for runtime D and Dv up to DIM_CAP.
+//   DIM_CAP     64 .. 1024 (power of two): capacity of the runtime-dim path.
+//   VEC_LOADS   1: 16-byte loads (D and Dv multiples of 16 bytes, arrays
+//               16-byte aligned); 0: element loads.
+//   GROUP_TILE  1 | 2 | 4 | 8: query heads per block.
+//   ROT_CAP     0, or the capacity of the rotary part P (MLA): the score adds
+//               q_rot.k_rot and V is the K row itself (the MLA latent cache
+//               serves as both).
+#include "../common.cuh"
+#include "../plan_words.cuh"
+#include "../softmax_state.cuh"
+#include "params.cuh"
+#include "variant.cuh"
+#include "span.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 0
+#endif
+#ifndef DIM_CAP
+#define DIM_CAP HEAD_DIM
+#endif
+#ifndef VEC_LOADS
+#define VEC_LOADS 1
+#endif
+#ifndef GROUP_TILE
+#define GROUP_TILE 1
+#endif
+#ifndef ROT_CAP
+#define ROT_CAP 0
+#endif
+
+namespace att {
+
+constexpr u32 kWarps = 4;
+constexpr u32 kThreads = 32 * kWarps;
+constexpr u32 kVec = VEC_LOADS ? 16u / (u32)sizeof(kv_t) : 1u;   // elements per chunk
+constexpr u32 kCap = HEAD_DIM ? HEAD_DIM : DIM_CAP;   // largest D / Dv of the variant
+constexpr u32 kRowChunks = kCap / kVec;               // chunks in a row of kCap elements
+constexpr u32 kLanes = kRowChunks < 32 ? kRowChunks : 32;   // lanes per row (LANES)
+constexpr u32 kChunks = kRowChunks / kLanes;          // chunks per lane (CHUNKS)
+constexpr u32 kElems = kChunks * kVec;                // elements of a row per lane
+constexpr u32 kRows = 32 / kLanes;                    // rows a warp holds at once (ROWS)
+constexpr u32 kHeads = GROUP_TILE;
+constexpr u32 kRegsPerChunk = VEC_LOADS ? 4u : 1u;
+constexpr u32 kRotCap = ROT_CAP;
+constexpr u32 kRotElems = kRotCap ? (kRotCap + kLanes - 1) / kLanes : 1u;   // rotary elems per lane
+// Rows per lane per step (STEP_U): about 32 load registers per lane (K, and V
+// or the rotary part), at most 16 scores (rows x heads), at most 4 rows.
+constexpr u32 kLoadRegsPerRow = kChunks * kRegsPerChunk * (kRotCap ? 1u : 2u) + (kRotCap ? kRotElems : 0u);
+constexpr u32 kStepLoads = 32u / kLoadRegsPerRow;
+constexpr u32 kStepScores = 16u / kHeads;
+constexpr u32 kStepRaw = kStepLoads < kStepScores ? kStepLoads : kStepScores;
+constexpr u32 kU = kStepRaw < 1u ? 1u : (kStepRaw > 4u ? 4u : kStepRaw);
+constexpr u32 kStep = kWarps * kRows * kU;            // tokens per block step
+constexpr u32 kNoPage = CP_NO_PAGE;                   // a token not loaded (past the split, bad page id)
+static_assert(kCap >= 64 && kCap <= 1024 && (kCap & (kCap - 1)) == 0, "dim capacity: power of two in 64..1024");
+static_assert(kRowChunks * kVec == kCap && kLanes * kChunks == kRowChunks, "row chunking");
+static_assert(32 % kLanes == 0, "lanes per row divide a warp");
+static_assert(kHeads >= 1 && kHeads <= 8, "GROUP_TILE in 1..8");
+static_assert(kStep <= kSplitTile * 8, "block step");
+// A lane's slice of q lines up with its slice of the K row: one chunk width
+// for both. (A narrower kv_t, such as an fp8 cache, needs q chunks of kVec
+// elements here, two 16-byte loads for a 16-bit q.)
+static_assert(sizeof(kv_t) == sizeof(scalar_t), "q and K/V elements of one size");
+
+// A chunk of kVec elements: 16 bytes, or one element with element loads.
+#if VEC_LOADS
+typedef uint4 q_chunk_t;
+typedef uint4 kv_chunk_t;
+#else
+typedef scalar_t q_chunk_t;
+typedef kv_t kv_chunk_t;
+#endif
+
+template <typename C> __device__ __forceinline__ C zero_chunk() {
+#if VEC_LOADS
+    uint4 z;
+    z.x = z.y = z.z = z.w = 0u;
+    return z;
+#else
+    return from_float<C>(0.0f);
+#endif
+}
+
+// The kVec elements of a q or K/V chunk as floats.
+__device__ __forceinline__ void unpack_q(const q_chunk_t& c, float* f) {
+    const scalar_t* e = reinterpret_cast<const scalar_t*>(&c);
+#pragma unroll
+    for (u32 i = 0; i < kVec; ++i) f[i] = to_float(e[i]);
+}
+__device__ __forceinline__ void unpack_kv(const kv_chunk_t& c, float* f) {
+    const kv_t* e = reinterpret_cast<const kv_t*>(&c);
+#pragma unroll
+    for (u32 i = 0; i < kVec; ++i) f[i] = kv_to_float(e[i]);
+}
+
+// kVec outputs as a chunk of scalar_t.
+__device__ __forceinline__ q_chunk_t pack(const float* f) {
+    q_chunk_t c;
+    scalar_t* e = reinterpret_cast<scalar_t*>(&c);
+#pragma unroll
+    for (u32 i = 0; i < kVec; ++i) e[i] = from_float<scalar_t>(f[i]);
+    return c;
+}
+
+}  // namespace att
+
+// Reads p.q, p.k_cache, p.v_cache (p.q_rot, p.k_rot when ROT_CAP) and the
+// words; writes p.out and p.lse (splits == 1) or the partials (splits > 1).
+// __launch_bounds__(128, 1): with (128) alone ptxas spills a few bytes in
+// some runtime-dim variants at 64-72 registers; (128, 1) lets it use what it
+// needs (every variant stays under 255 registers without a spill).
+extern "C" __global__ void __launch_bounds__(128, 1) paged_attention(const AttentionParams p) {
+    using namespace att;
+    // The arrays as __restrict__ locals (NVVM keeps restrict on these, not on
+    // struct members: read-only loads stay ld.global.nc).
+    const scalar_t* __restrict__ const q = p.q;
+    const kv_t* __restrict__ const k_cache = p.k_cache;
+    const kv_t* __restrict__ const v_cache = p.v_cache;
+    const u32* __restrict__ const words = p.words;
+    scalar_t* __restrict__ const out = p.out;
+    float* __restrict__ const lse = p.lse;
+    float* __restrict__ const part_out = p.part_out;
+    float* __restrict__ const part_lse = p.part_lse;
+    __shared__ float s_m[kWarps][kHeads];
+    __shared__ float s_l[kWarps][kHeads];
+    __shared__ __align__(16) float s_acc[kWarps][kHeads][kCap];
+
+    const u32 D = HEAD_DIM ? HEAD_DIM : p.head_dim;
+    const u32 Dv = HEAD_DIM ? HEAD_DIM : p.value_dim;
+    // Query q_begin + blockIdx.x of the launch's range [q_begin, q_begin +
+    // q_count), clamped to the plan's queries (a sum that wraps 32 bits is
+    // below q_begin). The whole block leaves before any barrier. (Checked
+    // in 32 bits: a 64-bit index costs up to 10 registers in some variants.)
+    const u32 qi = p.q_begin + blockIdx.x;
+    if (blockIdx.x >= p.q_count || qi >= p.queries || qi < p.q_begin) return;
+    const u32 group = p.q_heads / p.kv_heads;
+    const u32 tiles = (group + kHeads - 1) / kHeads;
+    const u32 kvh = blockIdx.y / tiles;
+    const u32 head0 = kvh * group + (blockIdx.y - kvh * tiles) * kHeads;   // first query head of the tile
+    const u32 heads = min_u32(kHeads, (kvh + 1) * group - head0);       // real heads in the tile
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
+    const u32 row = lane / kLanes, x = lane % kLanes;
+
+    // ---- this split's share [start, end) of the positions this query sees ----
+    // Word offsets from the plan's static sizes (plan_words.cuh; the offsets
+    // stored in words 6..10 are not trusted).
+    const u32 seq = words[pw::q_seq(p.queries) + qi];
+    u32 start = 0, end = 0;
+    const u32* table = words;   // this sequence's page-table row (valid when end > start)
+    if (seq < p.sequences) {
+        const Span sp = query_span(p, qi, seq, blockIdx.z);
+        start = sp.lo;
+        end = sp.hi;
+        table = words + pw::page_table(p.queries, p.sequences) + (u64)seq * p.table_width;
+    }
+
+    // ---- this lane's slice of q for each head, pre-scaled into the log2 domain ----
+    const float qscale = p.scale * softmax::kLog2e;
+    float qf[kHeads][kElems];
+#pragma unroll
+    for (u32 g = 0; g < kHeads; ++g) {
+        const scalar_t* qrow = q + ((u64)qi * p.q_heads + head0 + g) * D;
+#pragma unroll
+        for (u32 c = 0; c < kChunks; ++c) {
+            const u32 e = (x + c * kLanes) * kVec;
+            q_chunk_t ch = zero_chunk<q_chunk_t>();
+            if (g < heads && (HEAD_DIM || e < D)) ch = *reinterpret_cast<const q_chunk_t*>(qrow + e);
+            unpack_q(ch, &qf[g][c * kVec]);
+#pragma unroll
+            for (u32 i = 0; i < kVec; ++i) qf[g][c * kVec + i] *= qscale;
+        }
+    }
+#if ROT_CAP
+    const scalar_t* __restrict__ const q_rot = p.q_rot;
+    const kv_t* __restrict__ const k_rot = p.k_rot;
+    const u32 rot_dim = p.rot_dim;
+    float qr[kHeads][kRotElems];
+#pragma unroll
+    for (u32 g = 0; g < kHeads; ++g)
+#pragma unroll
+        for (u32 i = 0; i < kRotElems; ++i) {
+            const u32 e = x + i * kLanes;
+            qr[g][i] = (g < heads && e < rot_dim)
+                           ? to_float(q_rot[((u64)qi * p.q_heads + head0 + g) * rot_dim + e]) * qscale
+                           : 0.0f;
+        }
+#endif
+    // The query's absolute position, for a score variant that uses it.
+    u32 q_pos = 0;
+    if constexpr (!variant::kPlainScore) q_pos = words[pw::q_pos(p.queries) + qi];
+
+    // ---- online softmax over this split's tokens ----
+    softmax::State st[kHeads];
+    float acc[kHeads][kElems];
+#pragma unroll
+    for (u32 g = 0; g < kHeads; ++g) {
+        st[g].clear();
+#pragma unroll
+        for (u32 i = 0; i < kElems; ++i) acc[g][i] = 0.0f;
+    }
+
+    const u32 num_pages = p.num_pages, page_size = p.page_size, kv_heads = p.kv_heads;
+    const u32 k_page = page_size * kv_heads * D;        // elements per page (fits u32: checked on the host)
+    const u32 v_page = page_size * kv_heads * Dv;
+    const u32 my_row = warp * (kRows * kU) + row;
+    // Page id and slot of this lane's rows of the step at `base`; a token past
+    // the split's end or on a page id >= num_pages gets page kNoPage.
+    u32 pg[kU], sl[kU];
+    auto locate = [&](u32 base) {
+#pragma unroll
+        for (u32 u = 0; u < kU; ++u) {
+            const u32 t = base + my_row + u * kRows;
+            pg[u] = kNoPage;
+            sl[u] = 0;
+            if (t < end) {
+                const u32 j = t / page_size;
+                const u32 page = table[j];
+                pg[u] = page < num_pages ? page : kNoPage;
+                sl[u] = t - j * page_size;
+            }
+        }
+    };
+    locate(start);
+    for (u32 base = start; base < end; base += kStep) {
+        kv_chunk_t kc[kU][kChunks];
+#if !ROT_CAP
+        kv_chunk_t vc[kU][kChunks];
+#else
+        float kr[kU][kRotElems];
+#endif
+        bool ok[kU];
+#pragma unroll
+        for (u32 u = 0; u < kU; ++u) {
+            const u32 page = pg[u], slot = sl[u];
+            ok[u] = page != kNoPage;
+            const kv_t* krow = k_cache + (u64)page * k_page + (slot * kv_heads + kvh) * D;
+#pragma unroll
+            for (u32 c = 0; c < kChunks; ++c) {
+                const u32 e = (x + c * kLanes) * kVec;
+                kc[u][c] = (ok[u] && (HEAD_DIM || e < D)) ? *reinterpret_cast<const kv_chunk_t*>(krow + e)
+                                                           : zero_chunk<kv_chunk_t>();
+            }
+#if !ROT_CAP
+            const kv_t* vrow = v_cache + (u64)page * v_page + (slot * kv_heads + kvh) * Dv;
+#pragma unroll
+            for (u32 c = 0; c < kChunks; ++c) {
+                const u32 e = (x + c * kLanes) * kVec;
+                vc[u][c] = (ok[u] && (HEAD_DIM || e < Dv)) ? *reinterpret_cast<const kv_chunk_t*>(vrow + e)
+                                                            : zero_chunk<kv_chunk_t>();
+            }
+#else
+            const kv_t* rrow = k_rot + (u64)page * (page_size * rot_dim) + slot * rot_dim;
+#pragma unroll
+            for (u32 i = 0; i < kRotElems; ++i) {
+                const u32 e = x + i * kLanes;
+                kr[u][i] = (ok[u] && e < rot_dim) ? kv_to_float(rrow[e]) : 0.0f;
+            }
+#endif
+        }
+        locate(base + kStep);   // next step's page ids load while this step's rows are in flight
+
+        // Scores: this lane's partial dot products, then the sum over the row's lanes.
+        float s[kU][kHeads];
+#pragma unroll
+        for (u32 u = 0; u < kU; ++u) {
+            float kf[kElems];
+#pragma unroll
+            for (u32 c = 0; c < kChunks; ++c) unpack_kv(kc[u][c], &kf[c * kVec]);
+#pragma unroll
+            for (u32 g = 0; g < kHeads; ++g) {
+                float d = 0.0f;
+#pragma unroll
+                for (u32 i = 0; i < kElems; ++i) d = fmaf(qf[g][i], kf[i], d);
+#if ROT_CAP
+#pragma unroll
+                for (u32 i = 0; i < kRotElems; ++i) d = fmaf(qr[g][i], kr[u][i], d);
+#endif
+                s[u][g] = d;
+            }
+        }
+#pragma unroll
+        for (u32 o = kLanes / 2; o > 0; o >>= 1)
+#pragma unroll
+            for (u32 u = 0; u < kU; ++u)
+#pragma unroll
+                for (u32 g = 0; g < kHeads; ++g) s[u][g] += __shfl_xor_sync(CP_FULL_MASK, s[u][g], o);
+        if constexpr (!variant::kPlainScore) {
+#pragma unroll
+            for (u32 u = 0; u < kU; ++u)
+#pragma unroll
+                for (u32 g = 0; g < kHeads; ++g)
+                    s[u][g] = variant::score(s[u][g], q_pos, base + my_row + u * kRows, head0 + g);
+        }
+
+        // Values of the step's rows (zeros for skipped tokens).
+        float vf[kU][kElems];
+#pragma unroll
+        for (u32 u = 0; u < kU; ++u)
+#pragma unroll
+            for (u32 c = 0; c < kChunks; ++c) {
+#if ROT_CAP
+                unpack_kv(kc[u][c], &vf[u][c * kVec]);
+#else
+                unpack_kv(vc[u][c], &vf[u][c * kVec]);
+#endif
+            }
+
+#pragma unroll
+        for (u32 g = 0; g < kHeads; ++g) {
+            float mx = st[g].m;
+#pragma unroll
+            for (u32 u = 0; u < kU; ++u) {
+                if (!ok[u]) s[u][g] = neg_inf();
+                mx = fmaxf(mx, s[u][g]);
+            }
+            if (mx == neg_inf()) continue;   // nothing visible yet in this row group
+            const float alpha = st[g].move_to(mx);
+            float p_[kU], psum = 0.0f;
+#pragma unroll
+            for (u32 u = 0; u < kU; ++u) {
+                p_[u] = ok[u] ? exp2f(s[u][g] - mx) : 0.0f;
+                psum += p_[u];
+            }
+            st[g].add(alpha, psum);
+#pragma unroll
+            for (u32 i = 0; i < kElems; ++i) {
+                float a = acc[g][i] * alpha;
+#pragma unroll
+                for (u32 u = 0; u < kU; ++u) a = fmaf(p_[u], vf[u][i], a);
+                acc[g][i] = a;
+            }
+        }
+    }
+
+    // ---- merge the row groups of each warp (shuffles), then the warps (shared memory) ----
+#pragma unroll
+    for (u32 o = kLanes; o < 32; o <<= 1) {
+#pragma unroll
+        for (u32 g = 0; g < kHeads; ++g) {
+            const float mo = __shfl_xor_sync(CP_FULL_MASK, st[g].m, o);
+            const float lo = __shfl_xor_sync(CP_FULL_MASK, st[g].l, o);
+            float a, b;
+            st[g].merge(softmax::make_state(mo, lo), a, b);
+#pragma unroll
+            for (u32 i = 0; i < kElems; ++i) {
+                const float other = __shfl_xor_sync(CP_FULL_MASK, acc[g][i], o);
+                acc[g][i] = acc[g][i] * a + other * b;
+            }
+        }
+    }
+    if (row == 0) {
+#pragma unroll
+        for (u32 g = 0; g < kHeads; ++g) {
+            if (x == 0) {
+                s_m[warp][g] = st[g].m;
+                s_l[warp][g] = st[g].l;
+            }
+#pragma unroll
+            for (u32 c = 0; c < kChunks; ++c)
+#pragma unroll
+                for (u32 i = 0; i < kVec; ++i)
+                    s_acc[warp][g][(x + c * kLanes) * kVec + i] = acc[g][c * kVec + i];
+        }
+    }
+    __syncthreads();
+
+    // (Sizes as locals: the stores below could alias the parameter struct as
+    // far as the compiler knows, and it would reload every field after them.)
+    const bool split = p.splits > 1;
+    const u32 queries = p.queries, q_heads = p.q_heads, write_lse = p.write_lse;
+    for (u32 idx = threadIdx.x; idx < kHeads * kRowChunks; idx += kThreads) {
+        const u32 g = idx / kRowChunks, chunk = idx - g * kRowChunks;
+        const u32 e0 = chunk * kVec;
+        if (g >= heads || (!HEAD_DIM && e0 >= Dv)) continue;
+        // The warps' states as one: weights exp2(m_w - m), sum of l_w times them.
+        float mx = neg_inf();
+#pragma unroll
+        for (u32 w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][g]);
+        float wt[kWarps], total = 0.0f;
+#pragma unroll
+        for (u32 w = 0; w < kWarps; ++w) {
+            wt[w] = softmax::rescale(s_m[w][g], mx);
+            total += s_l[w][g] * wt[w];
+        }
+        const softmax::State all = softmax::make_state(mx, total);
+        const float inv = all.inv_sum();
+        float o[kVec];
+#pragma unroll
+        for (u32 i = 0; i < kVec; ++i) {
+            float a = 0.0f;
+#pragma unroll
+            for (u32 w = 0; w < kWarps; ++w) a = fmaf(s_acc[w][g][e0 + i], wt[w], a);
+            o[i] = a * inv;
+        }
+        const float lse_v = all.lse();   // natural log; -inf when the query (or split) sees nothing
+        const u32 h = head0 + g;
+        if (split) {
+            const u64 row_out = ((u64)blockIdx.z * queries + qi) * q_heads + h;
+            float* po = part_out + row_out * Dv + e0;
+#pragma unroll
+            for (u32 i = 0; i < kVec; ++i) po[i] = o[i];
+            if (chunk == 0) part_lse[row_out] = lse_v;
+        } else {
+            const u64 row_out = (u64)qi * q_heads + h;
+            *reinterpret_cast<q_chunk_t*>(out + row_out * Dv + e0) = pack(o);
+            if (chunk == 0 && write_lse) lse[row_out] = lse_v;
+        }
+    }
+}
+
+#include "merge.cuh"

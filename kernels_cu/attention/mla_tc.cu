@@ -1,0 +1,292 @@
+// mla_tc.cu: paged_mla_tc, DeepSeek-style latent attention (absorbed form)
+// on tensor cores, plus attention_split_merge (merge.cuh). Layout, positions,
+// metadata words, LSE and the split workspace: docs/layout.md. The argument is
+// one AttentionParams (params.cuh): q [queries, H, R], q_rot [queries, H, P],
+// k_cache the latent cache [pages, page_size, 1, R] (also the values),
+// k_rot [pages, page_size, 1, P]. The block's rows, the K/V tile pipeline and
+// the passes are shared with paged_prefill_tc (tc_common.cuh).
+//
+// paged_mla_tc: f16 / bf16, R = LATENT_DIM latent dims (the values too) +
+// P = ROPE_DIM rotary dims, one shared KV head.
+//   grid (ceil(q_count / qt), head_tiles, splits), block 256 (8 warps),
+//   dynamic shared memory mla_smem_bytes(R, P) (ops/attention/variants.py): 151 KiB at 512 / 64.
+//   Rows are (query, head) pairs as in paged_prefill_tc: ht = min(H, 64)
+//   heads of qt = 64 / ht queries, so each latent row read serves up to 64
+//   heads. A shared-memory row holds [q | q_pos] (Q) or [latent | k_pos] (K,
+//   and its first R elements are V).
+//   S = Q K^T: warp w computes rows 16 (w % 4) .. +15 against tokens
+//   16 (w / 4) .. +15 of a kN = 32 token tile (36 k-steps of 16 over R + P).
+//   The two warps of a row exchange their row maxima through shared memory,
+//   write P (16-bit) and their row sums there; then every warp computes
+//   O += P V for all 64 rows and its own R / 8 = 64 value columns (FlashMLA
+//   splits R across warps the same way), rescaling its O rows with the
+//   maxima every warp derives identically (softmax_state.cuh). O: 64 x 64
+//   f32 per warp, 128 registers a lane. Tiles are double-buffered with
+//   cp.async as in paged_prefill_tc.
+//
+// Memory traffic: L * (R + P) * sizeof(kv_t) bytes per block, each latent row
+// serving up to 64 heads (the CUDA-core kernel reads it once per GROUP_TILE
+// heads).
+//
+// Defines (cupaged/ops/attention/variants.py Variant):
+//   CP_DTYPE, CP_KV_DTYPE  f16 | bf16 (one type: the mma takes Q and K alike)
+//   CP_SCORE               the score variant (variant.cuh)
+//   LATENT_DIM, ROPE_DIM   R (a multiple of 128) and P (of 16)
+#include "../common.cuh"
+#include "../plan_words.cuh"
+#include "../ptx.cuh"
+#include "../softmax_state.cuh"
+#include "params.cuh"
+#include "variant.cuh"
+#include "span.cuh"
+#include "tc_common.cuh"
+
+namespace tcm {
+constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM, kK = kR + kP;
+constexpr u32 kN = 32;                      // tokens per tile
+constexpr u32 kWarps = 8, kThreads = 32 * kWarps;
+constexpr u32 kPitch = kK + 8;              // shared row pitch of Q and K (elements)
+constexpr u32 kPPitch = kN + 8;             // shared row pitch of P
+constexpr u32 kChunks = kK / 8, kRChunks = kR / 8;
+constexpr u32 kKSteps = kK / 16;
+constexpr u32 kCols = kR / kWarps;          // value columns per warp
+constexpr u32 kOTiles = kCols / 8;
+constexpr u32 kMTiles = tc::kRows / 16;
+static_assert(kR % 128 == 0 && kP % 16 == 0, "LATENT_DIM a multiple of 128, ROPE_DIM of 16");
+static_assert(kN == 32 && kWarps == 8, "two warps of 16 tokens per row block");
+// Q and K meet in one mma, and the K tiles are copied raw into shared memory.
+static_assert(sizeof(kv_t) == sizeof(scalar_t) && sizeof(kv_t) == 2, "f16 / bf16 q and caches");
+}  // namespace tcm
+
+extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const AttentionParams p) {
+    // The arrays as __restrict__ locals (NVVM keeps restrict on these, not on
+    // struct members: read-only loads stay ld.global.nc).
+    const scalar_t* __restrict__ const q = p.q;
+    const scalar_t* __restrict__ const q_rot = p.q_rot;
+    const kv_t* __restrict__ const k_cache = p.k_cache;
+    const kv_t* __restrict__ const k_rot = p.k_rot;
+    const u32* __restrict__ const words = p.words;
+    scalar_t* __restrict__ const out = p.out;
+    float* __restrict__ const lse = p.lse;
+    float* __restrict__ const part_out = p.part_out;
+    float* __restrict__ const part_lse = p.part_lse;
+    using namespace tcm;
+    using tc::kNone;
+    using tc::kRows;
+    CUPAGED_DYNAMIC_SHARED(scalar_t, smem);
+    scalar_t* const sQ = smem;                           // [kRows][kPitch]  q | q_pos
+    scalar_t* const sKV = sQ + kRows * kPitch;           // [2][kN][kPitch]  latent | k_pos
+    scalar_t* const sP = sKV + 2 * kN * kPitch;          // [kRows][kPPitch] softmax numerators
+    __shared__ tc::Rows rows;
+    __shared__ tc::Stage<kN> st;
+    __shared__ float s_max[2][kRows], s_sum[2][kRows];   // per token half of the tile
+
+    const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
+    const u32 g = lane >> 2, tq = lane & 3u;
+    const u32 r8 = lane & 7u, tile = lane >> 3;
+    const u32 q_heads = p.q_heads;
+    const u32 ht = q_heads < kRows ? q_heads : kRows;
+    const u32 qt = kRows / ht;
+    const u32 head0 = blockIdx.y * ht;
+    const u32 heads = tc::min_u32(ht, q_heads - head0);
+    // Queries q0 .. q0 + qt - 1 of the launch's range [q_begin, q_end); last
+    // queries first: under a causal mask they see the most.
+    const u32 q_end = att::range_end(p.queries, p.q_begin, p.q_count);
+    const u64 q0 = (u64)p.q_begin + (u64)(gridDim.x - 1 - blockIdx.x) * qt;
+
+    // ---- Q rows: [q (R) | q_pos (P)] ----
+    for (u32 c = tid; c < kRows * kChunks; c += kThreads) {
+        const u32 r = c / kChunks, ch = c - r * kChunks;
+        const u32 slot = r / ht, hl = r - slot * ht;
+        const bool ok = slot < qt && q0 + slot < q_end && hl < heads;
+        const u64 qrow = (q0 + slot) * q_heads + head0 + hl;
+        const scalar_t* src = ch < kRChunks ? q + qrow * kR + ch * 8 : q_rot + qrow * kP + (ch - kRChunks) * 8;
+        ptx::cp_async_16(sQ + r * kPitch + ch * 8, ok ? src : q, ok);
+    }
+    ptx::cp_async_commit();
+    tc::setup_rows(rows, p, q0, qt, q_end);
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+
+    // S roles: rows srow0 .. +15, token half th of each tile.
+    const u32 srow0 = 16 * (warp & 3u), th = warp >> 2;
+    u32 s_slot[2];
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        const u32 r = srow0 + g + 8 * h, slot = r / ht, hl = r - slot * ht;
+        s_slot[h] = (slot < qt && q0 + slot < q_end && hl < heads) ? slot : kNone;
+    }
+    // O roles: every row (kMTiles x 2 per lane), value columns c0 .. c0 + kCols - 1.
+    const u32 c0 = warp * kCols;
+    const float qscale = p.scale * softmax::kLog2e;
+    // The S rows keep only a running max (for exp2's offset); the O rows keep
+    // the states whose sums and accumulators make the output.
+    softmax::State ms[2];
+    softmax::State so[kMTiles][2];
+    float o[kMTiles][kOTiles][4];
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) ms[h].clear();
+#pragma unroll
+    for (u32 mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) so[mt][h].clear();
+#pragma unroll
+        for (u32 n = 0; n < kOTiles; ++n)
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) o[mt][n][i] = 0.0f;
+    }
+
+    const u64 lat_page = (u64)p.page_size * kR, rot_page = (u64)p.page_size * kP;
+    const u32* const tables = words + pw::page_table(p.queries, p.sequences);
+
+    tc::for_each_pass(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
+        u32 rlo[2], rhi[2];
+        u32 rpos[2], rhead[2];   // for a score variant: the rows' query position and head
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            const u32 s = s_slot[h];
+            const bool in = s != kNone && s >= slot_lo && s < slot_hi;
+            rlo[h] = in ? rows.lo[s] : 0u;
+            rhi[h] = in ? rows.hi[s] : 0u;
+            rpos[h] = in ? rows.position(s) : 0u;
+            rhead[h] = head0 + (srow0 + g + 8 * h - (in ? s : 0u) * ht);
+        }
+        auto issue = [&](u32 b) {
+            for (u32 c = tid; c < kN * kChunks; c += kThreads) {
+                const u32 r = c / kChunks, ch = c - r * kChunks;
+                const u32 page = st.page[b][r];
+                const bool ok = page != kNone;
+                const u64 slot = st.slot[b][r];
+                const kv_t* src = ch < kRChunks ? k_cache + (u64)page * lat_page + slot * kR + ch * 8
+                                                : k_rot + (u64)page * rot_page + slot * kP + (ch - kRChunks) * 8;
+                ptx::cp_async_16(sKV + (b * kN + r) * kPitch + ch * 8, ok ? src : k_cache, ok);
+            }
+        };
+        auto compute = [&](u32 b, u32 t0) {
+            const scalar_t* const kt = sKV + b * kN * kPitch;
+            // ---- S for rows srow0.., tokens t0 + 16 th .. +15 ----
+            // Bit dt of vis[h]: row h sees token t0 + 16 th + dt.
+            const u32 vbits = st.valid[b][0] >> (16 * th);
+            u32 vis[2];
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) vis[h] = vbits & (u32)tc::row_bits(rlo[h], rhi[h], t0 + 16 * th, 16);
+            const bool mine = (vis[0] | vis[1]) != 0;
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) vis[h] >>= 2 * tq;
+            float s[2][4];
+#pragma unroll
+            for (u32 n = 0; n < 2; ++n)
+#pragma unroll
+                for (u32 i = 0; i < 4; ++i) s[n][i] = 0.0f;
+            if (__any_sync(CP_FULL_MASK, mine)) {
+#pragma unroll 4
+                for (u32 ks = 0; ks < kKSteps; ++ks) {
+                    u32 a[4], bq[4];
+                    ptx::ldmatrix_x4(a, sQ + (srow0 + r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
+                    ptx::ldmatrix_x4(bq, kt + (16 * th + r8 + 8 * (tile >> 1)) * kPitch + ks * 16 + 8 * (tile & 1u));
+                    const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+                    ptx::mma_16816<scalar_t>(s[0], a, b0);
+                    ptx::mma_16816<scalar_t>(s[1], a, b1);
+                }
+            }
+            // Scale into the log2 domain, the score hook, mask.
+            float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+            for (u32 n = 0; n < 2; ++n)
+#pragma unroll
+                for (u32 i = 0; i < 4; ++i) {
+                    const u32 h = i >> 1;
+                    float v = s[n][i] * qscale;
+                    if constexpr (!variant::kPlainScore)
+                        v = variant::score(v, rpos[h], t0 + 16 * th + n * 8 + 2 * tq + (i & 1u), rhead[h]);
+                    s[n][i] = ((vis[h] >> (n * 8 + (i & 1u))) & 1u) ? v : neg_inf();
+                    mx[h] = fmaxf(mx[h], s[n][i]);
+                }
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 2));
+                if (tq == 0) s_max[th][srow0 + g + 8 * h] = mx[h];
+            }
+            __syncthreads();
+            // ---- P = exp2(S - m) into shared memory, row sums ----
+            float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                const u32 r = srow0 + g + 8 * h;
+                ms[h].raise(fmaxf(s_max[0][r], s_max[1][r]));
+                const float mu = ms[h].offset();
+#pragma unroll
+                for (u32 n = 0; n < 2; ++n) {
+                    const float p0 = exp2f(s[n][2 * h] - mu), p1 = exp2f(s[n][2 * h + 1] - mu);
+                    ps[h] += p0 + p1;
+                    *reinterpret_cast<u32*>(sP + r * kPPitch + 16 * th + n * 8 + 2 * tq) =
+                        ptx::pack2<scalar_t>(p0, p1);
+                }
+                ps[h] += __shfl_xor_sync(CP_FULL_MASK, ps[h], 1);
+                ps[h] += __shfl_xor_sync(CP_FULL_MASK, ps[h], 2);
+            }
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h)
+                if (tq == 0) s_sum[th][srow0 + g + 8 * h] = ps[h];
+            __syncthreads();
+            // ---- O (all rows, columns c0..) = O * alpha + P V ----
+#pragma unroll
+            for (u32 mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+                for (u32 h = 0; h < 2; ++h) {
+                    const u32 r = mt * 16 + g + 8 * h;
+                    const float alpha = so[mt][h].raise(fmaxf(s_max[0][r], s_max[1][r]));
+                    so[mt][h].add(alpha, s_sum[0][r] + s_sum[1][r]);
+#pragma unroll
+                    for (u32 n = 0; n < kOTiles; ++n) {
+                        o[mt][n][2 * h] *= alpha;
+                        o[mt][n][2 * h + 1] *= alpha;
+                    }
+                }
+#pragma unroll
+            for (u32 kk = 0; kk < kN / 16; ++kk) {
+                u32 a[kMTiles][4];
+#pragma unroll
+                for (u32 mt = 0; mt < kMTiles; ++mt)
+                    ptx::ldmatrix_x4(a[mt], sP + (mt * 16 + r8 + 8 * (tile & 1u)) * kPPitch + kk * 16 + 8 * (tile >> 1));
+#pragma unroll
+                for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
+                    u32 bq[4];
+                    ptx::ldmatrix_x4_trans(bq, kt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + c0 + dp * 16 + 8 * (tile >> 1));
+                    const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+#pragma unroll
+                    for (u32 mt = 0; mt < kMTiles; ++mt) {
+                        ptx::mma_16816<scalar_t>(o[mt][2 * dp], a[mt], b0);
+                        ptx::mma_16816<scalar_t>(o[mt][2 * dp + 1], a[mt], b1);
+                    }
+                }
+            }
+        };
+        tc::run_tiles<kN>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue, compute);
+    });
+
+    // ---- normalize and write: every warp its value columns of all rows ----
+    const bool split = p.splits > 1;
+#pragma unroll
+    for (u32 mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            const u32 r = mt * 16 + g + 8 * h, slot = r / ht, hl = r - slot * ht;
+            if (!(slot < qt && q0 + slot < q_end && hl < heads)) continue;
+            const u64 row = (q0 + slot) * q_heads + head0 + hl;
+            const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
+            const float inv = so[mt][h].inv_sum();
+#pragma unroll
+            for (u32 n = 0; n < kOTiles; ++n)
+                tc::store_pair(out, part_out, row_out * kR + c0 + n * 8 + 2 * tq, split, o[mt][n][2 * h] * inv,
+                               o[mt][n][2 * h + 1] * inv);
+            if (warp == 0 && tq == 0) {
+                const float lse_v = so[mt][h].lse();
+                if (split) part_lse[row_out] = lse_v;
+                else if (p.write_lse) lse[row] = lse_v;
+            }
+        }
+}
+
+#include "merge.cuh"

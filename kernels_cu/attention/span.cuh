@@ -1,0 +1,51 @@
+// span.cuh: which queries an attention launch serves, and which positions of
+// a query one block reads (the visibility hook, then the split's share).
+// Shared by the three attention kernels; docs/layout.md defines the rules.
+#pragma once
+#include "../common.cuh"
+#include "../plan_words.cuh"
+#include "params.cuh"
+#include "variant.cuh"
+
+namespace att {
+constexpr u32 kSplitTile = CP_SPLIT_TILE;
+constexpr u32 kMaxLen = CP_MAX_VISIBLE_LEN;   // visible lengths are clamped to this
+
+__device__ __forceinline__ u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
+
+// End of a launch's query range [q_begin, q_end): q_begin + q_count clamped
+// to the plan's queries; 0 (an empty range) when q_begin is past them. The
+// range comes from the host, but is clamped like everything else.
+__device__ __forceinline__ u32 range_end(u32 queries, u32 q_begin, u32 q_count) {
+    return q_begin < queries ? q_begin + min_u32(q_count, queries - q_begin) : 0u;
+}
+
+struct Span {
+    u32 lo, hi;
+};
+
+// The positions [lo, hi) split z covers of packed query qi of sequence seq
+// (seq < sequences): the positions the query sees (variant::visible, its
+// sequence's length clamped to the page table's capacity, hi to kMaxLen);
+// with splits > 1, split z takes [lo + z c, lo + (z + 1) c) of them, c the
+// visible count / splits rounded up to kSplitTile (an empty share past hi).
+__device__ __forceinline__ Span query_span(const AttentionParams& p, u32 qi, u32 seq, u32 z) {
+    const u32* __restrict__ const words = p.words;
+    u64 L = words[pw::kv_len(p.queries) + seq];
+    const u64 cap = (u64)p.table_width * p.page_size;
+    if (L > cap) L = cap;
+    const variant::Range v = variant::visible(L, p.causal, [&] { return words[pw::q_pos(p.queries) + qi]; });
+    const u32 hi = (u32)(v.hi < kMaxLen ? v.hi : kMaxLen);
+    Span r;
+    r.lo = (u32)(v.lo < hi ? v.lo : hi);
+    r.hi = hi;
+    if (p.splits > 1) {
+        u32 c = (hi - r.lo + p.splits - 1) / p.splits;
+        c = (c + kSplitTile - 1) / kSplitTile * kSplitTile;
+        const u64 s0 = r.lo + (u64)z * c;
+        r.lo = s0 < hi ? (u32)s0 : hi;
+        r.hi = min_u32(hi, r.lo + c);
+    }
+    return r;
+}
+}  // namespace att
