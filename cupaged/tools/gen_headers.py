@@ -14,10 +14,12 @@ import sys
 
 from .. import layout
 from .._runtime.source import kernel_dir
+from ..ops.attention import params as attention_params
 
 #: kernels_cu-relative path -> generator of its text.
 GENERATED = {
     "plan_words.cuh": layout.plan_words_header,
+    attention_params.HEADER_PATH: attention_params.header,
 }
 
 

@@ -11,7 +11,13 @@ depend only on shapes, the plan's static sizes and array addresses, so it
 is safe inside stream capture and a captured graph replays with whatever
 lengths the device metadata holds.
 
-CUDA-core kernel ``paged_attention`` (details in the ``.cu`` file): one 128-thread block per
+Files: ``checks.py`` (every input check, ``AttentionOptions``), ``variants.py``
+(``Variant``: every compile-time choice; what is built and what runs),
+``schedule.py`` (segments, ``Launch`` records), ``splits.py`` (the split
+workspace and count), ``params.py`` (the kernels' one argument struct),
+``launch.py``.
+
+CUDA-core kernel ``paged_attention`` (``kernels_cu/attention/decode.cu``): one 128-thread block per
 (query, KV head, tile of query heads of that KV head's group, split); a
 tile serves up to ``GROUP_TILE`` query heads, so every K/V row is read once
 per group when the group fits one tile (``Hq / Hkv <= 8`` on the fast
@@ -24,7 +30,7 @@ Memory traffic per (query, KV head, tile): read the visible K and V rows,
 workspace of ``S > 1`` splits the partials add ``S * G * (Dv + 1) * 4``
 bytes written and read again by the merge.
 
-Tensor-core kernels (f16 / bf16, ``select_tensor_core``):
+Tensor-core kernels (f16 / bf16, ``select_tensor_core``; ``prefill_tc.cu``, ``mla_tc.cu``):
 
 * ``paged_prefill_tc`` (D == Dv in ``TC_PREFILL_DIMS``, a step packed as
   ``tc_schedule_ok`` asks): one 128-thread block per 64 (query, head) rows
@@ -39,9 +45,11 @@ Tensor-core kernels (f16 / bf16, ``select_tensor_core``):
   latent row is read once per 64 heads (``L * (R + P) * itemsize`` bytes per
   block) where the CUDA-core kernel reads it once per ``GROUP_TILE`` heads.
 
-Both take the same arguments as ``paged_attention``, write the same split
-partials (so ``attention_split_merge`` serves them) and read lengths and
-positions from the device words; their grids depend only on shapes.
+All three take the one ``AttentionParams`` struct (``params.py``), call the
+one variant hook (``variant.cuh``: score and visibility) and keep the one
+online-softmax state (``softmax_state.cuh``), write the same split partials
+(so ``attention_split_merge`` serves them) and read lengths and positions
+from the device words; their grids depend only on shapes.
 
 Segments (``tc_segments``): a launch covers the packed queries
 ``[q_begin, q_begin + q_count)`` (kernel arguments). A step the tensor-core
