@@ -40,7 +40,7 @@ struct score_plain {
 // test_bias: scale * q.k + 0.5 + 0.125 * head - 0.03125 * (q_pos - k_pos), an
 // ALiBi-like toy that exercises every argument of the hook. Tests only
 // (tests/attention/test_variant.py; the worked example "Adding a score
-// variant" of docs/layout.md); no GPU variant is built with it.
+// variant" of docs/layout.md); not registered for the NVRTC gate.
 struct score_test_bias {
     static constexpr bool kIdentity = false;
     __device__ __forceinline__ static float apply(float s, u32 q_pos, u32 k_pos, u32 head) {

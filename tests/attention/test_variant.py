@@ -140,7 +140,7 @@ def test_score_names_are_checked():
 
 def test_toy_is_not_built_for_gpus(toy_score):
     """Only built scores are registered for the NVRTC gate: the toy's row
-    (built=False) adds no GPU variant, and every registered variant is plain."""
+    (built=False) adds nothing to the gate, and every registered variant is plain."""
     assert {v.score for v in variants.VARIANTS} == {"plain"}
     sel = variants.select_variant("f16", 128, 128, True, 4, score="test_bias")
     assert sel.defines()["CP_SCORE"] == "test_bias" and sel not in variants.VARIANTS

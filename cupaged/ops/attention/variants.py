@@ -9,7 +9,8 @@ and selection picks from that table the cheapest variant that serves a shape
 (``Variant.serves``, ``_cost``), so nothing can run that is not built and
 registered. Score variants (``SCORES``) are a column of their own: every
 built score is built for every shape variant; a score that is not built
-(a test's) still runs on the CPU backend, which compiles on demand.
+(a test's) still runs, since either backend compiles a variant when a launch
+first asks for it; it is only absent from the gate.
 """
 from __future__ import annotations
 
@@ -77,8 +78,9 @@ KERNELS = {k.name: k for k in (DECODE, PREFILL_TC, MLA_TC)}
 class Score:
     """A score variant: ``name`` is ``AttentionOptions.score`` and the
     ``CP_SCORE`` define, which selects ``struct score_<name>`` in
-    ``kernels_cu/attention/variant.cuh`` (the hook). ``built``: compiled for
-    GPUs, i.e. registered for the NVRTC gate with every shape variant."""
+    ``kernels_cu/attention/variant.cuh`` (the hook). ``built``: registered
+    for the NVRTC gate with every shape variant (compiled for sm_80 / sm_90
+    ahead of any launch)."""
 
     name: str
     built: bool
