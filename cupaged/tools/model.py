@@ -36,6 +36,7 @@ last partial wave's share of it.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -112,6 +113,12 @@ def compile_cached(text: str, arch: str, use_cache: bool = True) -> tuple[bool, 
     return c.ok, c.log, c.cubin
 
 
+@functools.lru_cache(maxsize=None)
+def _sass_code() -> str:
+    """Digest of the SASS reader, so a change to it invalidates cached loops."""
+    return _source.digest(Path(_sass.__file__).read_bytes())
+
+
 def kernel_facts(source: str, defines: dict, kernel: str, arch: str, use_cache: bool = True) -> KernelFacts:
     text = _source.assemble(source, defines)
     variant = _source.variant_name(_source.stem_of(source), defines)
@@ -127,7 +134,7 @@ def kernel_facts(source: str, defines: dict, kernel: str, arch: str, use_cache: 
     if not _sass.available():
         f.sass_note = "SASS n/a: " + _sass.missing_message()
         return f
-    key = _source.digest(cubin, kernel, CACHE_VERSION, "sass")
+    key = _source.digest(cubin, kernel, CACHE_VERSION, "sass", _sass_code())
     path = cache_dir() / f"sass-{key}.json"
     if use_cache:
         try:

@@ -174,8 +174,8 @@ def _launch_models(shape: Shape, arch: _archs.Arch, host, token: str, *, use_cac
                                         rot=shape.rot, page_size=shape.page, use_cache=use_cache)
                 if probe.note:
                     notes.append(probe.note)
-            except (_counters.ProbeError, PagedAttentionError, NotImplementedError) as e:
-                notes.append(f"counters n/a: {e}")
+            except Exception as e:  # noqa: BLE001 (no g++, a probe the plan cannot reproduce, ...: reported)
+                notes.append(f"counters n/a ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
         else:
             notes.append("counters not run (--no-counters)")
         blocks = _model.attention_blocks(L, host, hkv=shape.hkv, hq=shape.hq, d=shape.d, dv=shape.dv, rot=shape.rot,
@@ -228,6 +228,9 @@ def _attention_row(shape: Shape, arch: _archs.Arch, use_cache: bool, probes: boo
         row.splits, row.launches = _launch_models(shape, arch, host, token, use_cache=use_cache, probes=probes)
     except (TypeError, ValueError, PagedAttentionError, NotImplementedError, KeyError) as e:
         row.status, row.reason = ("skipped" if shape.kv_dtype else "error"), f"{type(e).__name__}: {e}"
+        return row
+    except Exception as e:  # noqa: BLE001 (no NVRTC, ...: the row says why, the others still print)
+        row.status, row.reason = "error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return row
     isz = dtypes.np_dtype(shape.dtype).itemsize
     kv_isz = dtypes.row("dtype", token, kv=True).itemsize

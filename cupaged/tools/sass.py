@@ -10,12 +10,16 @@ is found (``SassToolMissing``).
 
 Control flow: basic blocks start at branch targets and after branches;
 edges are fall-through and ``BRA`` targets (``EXIT``/``RET`` end a path;
-an indirect ``BRX``/``JMX`` makes the function's loops unknowable and is
-reported). Loops are natural loops of back edges (an edge to a block that
-dominates its source). The hot loop is, among the innermost loops that hold
-a 128-bit global load (``LDG.E.128``, ``LDGSTS.*.128``, ``LDG.E.ENL2.256``
-or a TMA/bulk copy), the one with the most instructions: the loop that
-streams K/V.
+the padding ``BRA`` to itself after the last ``EXIT`` is no loop; an
+indirect ``BRX``/``JMX`` is reported). Loops are natural loops of back
+edges (an edge to a block that dominates its source), nested by
+containment. The hot loop (``hot_loop``) is, among the loops holding a
+16-byte-per-lane global load or copy (``LDG.E.128``, ``LDGSTS.*.128``, a
+bulk / TMA copy), the one with the most instructions of its own (nested
+loops that load K/V themselves excluded): the loop that streams K/V. Its
+regions (its own blocks and each nested loop) carry static counts by
+instruction class; how often each runs per K/V token is solved by the
+model from the CPU counters.
 """
 from __future__ import annotations
 
