@@ -4,11 +4,13 @@ NumPy arrays run the same CUDA C kernels on the CPU backend; CuPy arrays run
 them on the GPU. See README.md and docs/layout.md (its "Where things are"
 section maps the package).
 """
-from .cache import PagedKVCache
+from .batch import DecodeBatch, Readback
+from .cache import PagedKVCache, Sequence, StepReport
 from .errors import CompileError, KernelError, PagedAttentionError
-from .graph import DecodeLoop, DeviceScalars, PagedDecodeLoop, capture_graph
+from .graph import DecodeLoop, DeviceScalars, PagedDecodeLoop, capture_count, capture_graph
 from .layout import MAX_SPLITS
 from .ops.sampling import argmax_into
+from .ops.slots import copy_pages, write_slots
 from .plan import DevicePlan, HostPlan, SplitWorkspace, choose_splits
 from ._runtime import Graph, Stream, stream_for
 
@@ -17,5 +19,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CompileError", "KernelError", "PagedAttentionError", "MAX_SPLITS", "DevicePlan", "HostPlan",
     "SplitWorkspace", "choose_splits", "Graph", "Stream", "stream_for", "argmax_into", "PagedKVCache",
-    "DecodeLoop", "DeviceScalars", "PagedDecodeLoop", "capture_graph",
+    "DecodeLoop", "DeviceScalars", "PagedDecodeLoop", "capture_graph", "capture_count", "DecodeBatch", "Readback",
+    "Sequence", "StepReport", "write_slots", "copy_pages",
 ]

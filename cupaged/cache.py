@@ -1,46 +1,65 @@
-"""The page manager: paged K/V caches, sequences and copy-on-write.
+"""The page manager: paged K/V caches of every layer, sequences,
+copy-on-write, reservations for decode graphs and prefix reuse.
 
-``PagedKVCache`` owns the two caches and their pages: sequences are handles,
-``fork`` shares pages, ``prepare`` allocates the pages a step needs, copies
-shared pages the step will write (one launch of ``copy_pages``,
-``cupaged.ops.append``) and uploads the step's plan; ``append`` writes the
-step's new rows (``DevicePlan.append``).
+``PagedKVCache`` owns the K and V caches of all layers (one allocation each,
+layer-major) and their pages: sequences are handles, ``fork`` shares pages,
+``prepare`` allocates the pages a step needs (and ``reserve`` further tokens
+ahead), copies shared pages the step will write (one launch of
+``copy_pages`` for every layer, ``cupaged.ops.append``) and uploads the step's
+plan; ``append`` writes one layer's new rows (``DevicePlan.append``). With
+``prefix_cache=True`` full pages are indexed by a hash chain of their token
+ids, so a new sequence with a known prefix shares them (``add_sequence``).
 
 Layout of caches, positions and metadata words: ``docs/layout.md``.
 
     cache = PagedKVCache(num_pages=1024, page_size=16, kv_heads=8, head_dim=128,
-                         dtype="bfloat16", like=some_cupy_array)
+                         dtype="bfloat16", layers=32, like=some_cupy_array)
     a = cache.add_sequence()
     plan, _ = cache.prepare([a], [prompt_len])        # prefill
-    cache.append(plan, new_k, new_v)                   # new_k: [prompt_len, 8, 128]
-    out = plan.attention(q, cache.k, cache.v, scale)
+    for layer in range(32):
+        cache.append(plan, new_k, new_v, layer=layer)  # new_k: [prompt_len, 8, 128]
+        out = plan.attention(q, cache.k[layer], cache.v[layer], scale)
     b = cache.fork(a)                                  # shares every page of a
     plan, report = cache.prepare([a, b], [1, 1])       # decode: copies a shared last page
 """
 from __future__ import annotations
 
+import hashlib
+import itertools
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import dtypes
-from ._runtime import GPU, array_backend, checks, empty, zeros
+from ._runtime import GPU, array_backend, checks, empty, stream_for, zeros
 from .errors import PagedAttentionError
 from .layout import MAX_PAGE_SIZE, U32_MAX
 from .ops.append import copy_pages
 from .plan import DevicePlan, HostPlan
 
+#: Most layers of one cache (the copy kernel's grid covers them in one launch).
+MAX_LAYERS = 65535
+
 # ---------------------------------------------------------------------------
 # Page manager
 
-class Sequence:
-    """A sequence handle of one PagedKVCache. ``id``, ``length`` (tokens
-    cached, this step's new tokens included once prepared), ``pages`` (page
-    ids in token order), ``capacity`` (tokens that fit without a new page),
-    ``alive`` (False once freed). Read-only: the cache changes them."""
 
-    __slots__ = ("id", "length", "_pages", "_cache", "alive")
+class Sequence:
+    """A sequence handle of one PagedKVCache. Read-only: the cache changes it.
+
+    ``id``; ``length``: tokens cached, this step's new tokens included once
+    prepared (in a decode loop or batch: the length the device holds, see
+    docs/layout.md); ``pages``: page ids in token order, reserved pages past
+    the length included; ``capacity``: tokens those pages hold;
+    ``cached_tokens``: tokens shared from the prefix cache when it was added;
+    ``tokens``: the token ids the cache knows (the prompt given to
+    ``add_sequence``, ``add_tokens``, tokens read back by a DecodeBatch);
+    ``alive``: False once freed."""
+
+    __slots__ = ("id", "length", "_pages", "_cache", "alive", "cached_tokens", "_tokens", "_written", "_indexed",
+                 "_batch", "__weakref__")
 
     def __init__(self, cache: "PagedKVCache", seq_id: int, pages: list[int], length: int):
         self.id = seq_id
@@ -48,6 +67,11 @@ class Sequence:
         self._pages = pages
         self._cache = cache
         self.alive = True
+        self.cached_tokens = 0
+        self._tokens: list[int] = []
+        self._written = length     # tokens whose K/V are known written (prefix index; docs/layout.md)
+        self._indexed = 0          # leading pages already offered to the prefix index
+        self._batch = None         # the DecodeBatch whose slot holds it
 
     @property
     def pages(self) -> tuple[int, ...]:
@@ -57,6 +81,10 @@ class Sequence:
     def capacity(self) -> int:
         return len(self._pages) * self._cache.page_size
 
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
     def __repr__(self) -> str:
         state = "" if self.alive else ", freed"
         return f"Sequence(id={self.id}, length={self.length}, pages={self._pages}{state})"
@@ -64,74 +92,148 @@ class Sequence:
 
 @dataclass(frozen=True)
 class StepReport:
-    """What ``PagedKVCache.prepare`` did besides building the plan.
+    """What ``PagedKVCache.prepare`` / ``reserve`` did besides building a plan.
 
     ``copied_pages``: (src, dst) page ids copied on write (each in both
-    caches); ``copied_bytes``: bytes copied (K and V); ``allocated_pages``:
-    pages taken from the free list, copies included."""
+    caches, every layer); ``copied_bytes``: bytes copied (K and V, all
+    layers); ``allocated_pages``: pages taken (copies included), evicted
+    cached pages among them; ``evicted_pages``: cached prefix pages reused."""
 
     copied_pages: list = field(default_factory=list)
     copied_bytes: int = 0
     allocated_pages: int = 0
+    evicted_pages: int = 0
+
+
+class _Entry:
+    """A full page in the prefix index: its page id, the token ids it holds,
+    the entry of the page before it (None for a sequence's first page), its
+    key (hash of the parent's key and these tokens) and its children."""
+
+    __slots__ = ("page", "tokens", "parent", "key", "children")
+
+    def __init__(self, page, tokens, parent, key):
+        self.page, self.tokens, self.parent, self.key = page, tokens, parent, key
+        self.children: set = set()
+
+
+class _Writes:
+    """The writes of one plan of this cache that ``append`` tracks: the
+    layers appended (eagerly / under capture) and, for a prepare plan, the
+    token range each sequence gets. When ``auto`` and every layer was
+    appended eagerly, the range counts as written (prefix index)."""
+
+    __slots__ = ("seqs", "starts", "ends", "layers", "captured", "auto")
+
+    def __init__(self, seqs, starts, ends, auto):
+        self.seqs, self.starts, self.ends, self.auto = seqs, starts, ends, auto
+        self.layers: set = set()
+        self.captured: set = set()
+
+
+_ROOT_KEY = b"cupaged-prefix-root"
+
+
+def page_key(parent_key: bytes, tokens) -> bytes:
+    """The prefix-index key of a full page: a 128-bit BLAKE2b hash of the
+    parent page's key and the page's token ids (int64 little-endian). A
+    sequence's first page has the parent key ``_ROOT_KEY``; so a key covers
+    every token before the page too (a hash chain, as vLLM's automatic
+    prefix caching). A hit is only taken after comparing the token ids and
+    the parent entry exactly, so a collision cannot share wrong K/V."""
+    return hashlib.blake2b(parent_key + np.asarray(tokens, "<i8").tobytes(), digest_size=16).digest()
 
 
 class PagedKVCache:
-    """Paged K/V caches and their pages, shared between sequences with
-    reference counts and copied on write.
+    """Paged K/V caches of ``layers`` layers and their pages, shared between
+    sequences with reference counts and copied on write.
 
-    ``k`` [num_pages, page_size, kv_heads, head_dim] and ``v`` [num_pages,
-    page_size, kv_heads, value_dim] (value_dim defaults to head_dim), zeroed,
-    on the backend and device of ``like`` (a NumPy or CuPy array; None: NumPy).
-    For MLA: kv_heads=1, head_dim=R (latent), value_dim=P (k_pos).
+    ``k`` [layers, num_pages, page_size, kv_heads, head_dim] and ``v``
+    [layers, num_pages, page_size, kv_heads, value_dim] (value_dim defaults
+    to head_dim): one zeroed allocation each, layer-major, so ``k[layer]`` is
+    that layer's contiguous [num_pages, page_size, kv_heads, head_dim] cache
+    (what ``plan.attention`` and ``plan.append`` take). On the backend and
+    device of ``like`` (a NumPy or CuPy array; None: NumPy). For MLA:
+    kv_heads=1, head_dim=R (latent), value_dim=P (k_pos). One page table
+    serves every layer.
 
-    Host bookkeeping only, except ``prepare``, which launches at most one
-    page copy and one small upload per call and never synchronizes.
+    ``prefix_cache=True``: full pages are indexed by a hash chain of their
+    token ids once their K/V are written (docs/layout.md, "Prefix reuse");
+    ``add_sequence(tokens=ids)`` shares the longest cached prefix; a page
+    whose last holder is freed stays cached and is evicted least recently
+    used when pages run out.
+
+    Host bookkeeping only, except ``prepare`` / ``reserve``, which launch at
+    most one page copy (and ``prepare`` one small upload) per call and never
+    synchronize.
     """
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, *,
-                 value_dim: int | None = None, like=None):
+                 layers: int = 1, value_dim: int | None = None, like=None, prefix_cache: bool = False):
         self.num_pages = checks.host_int("num_pages", num_pages, 1, U32_MAX - 1)
         self.page_size = checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
         self.kv_heads = checks.host_int("kv_heads", kv_heads, 1, U32_MAX)
         self.head_dim = checks.host_int("head_dim", head_dim, 1, U32_MAX)
         self.value_dim = self.head_dim if value_dim is None else checks.host_int("value_dim", value_dim, 1, U32_MAX)
+        self.layers = checks.host_int("layers", layers, 1, MAX_LAYERS)
+        self.prefix_cache = checks.boolean("prefix_cache", prefix_cache)
         self.dtype = dtypes.row("dtype", dtype, kv=True).np_dtype
         if like is None:
             like = np.zeros(0, np.float32)
         if array_backend(like) is None:
             raise PagedAttentionError(f"like: expected a NumPy or CuPy array, got {type(like).__name__}")
-        k_shape = (self.num_pages, self.page_size, self.kv_heads, self.head_dim)
-        v_shape = k_shape[:3] + (self.value_dim,)
+        k_shape = (self.layers, self.num_pages, self.page_size, self.kv_heads, self.head_dim)
+        v_shape = k_shape[:4] + (self.value_dim,)
         # per-page sizes must fit 32-bit indexing; page offsets are 64-bit (docs/layout.md)
-        checks.u32_size("k", k_shape[1:])
-        checks.u32_size("v", v_shape[1:])
+        checks.u32_size("k", k_shape[2:])
+        checks.u32_size("v", v_shape[2:])
         self.backend = array_backend(like)
         self.k = zeros(like, k_shape, self.dtype)
         self.v = zeros(like, v_shape, self.dtype)
         self._refs = [0] * self.num_pages
         self._free = list(range(self.num_pages - 1, -1, -1))   # a stack: page 0 is handed out first
+        self._lru: OrderedDict[int, None] = OrderedDict()     # cached pages no sequence holds, oldest first
+        self._index: dict[bytes, _Entry] = {}                  # key -> entry
+        self._entry: dict[int, _Entry] = {}                    # page -> its entry
+        self._stats = {"hits": 0, "misses": 0, "evictions": 0}
+        self._writes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # plan -> _Writes
         self._next_id = 0
         self._pairs = None      # the last copy's device page list, kept alive with the cache
-        self._generation = 0    # bumped by every fork, free and prepare: older plans are stale
+        self._generation = 0    # bumped by every fork, free, prepare and reserve: older plans are stale
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, kv_heads={self.kv_heads}, "
-                f"head_dim={self.head_dim}, value_dim={self.value_dim}, dtype={self.dtype.name}, "
-                f"backend={self.backend!r}, free={self.num_free_pages})")
+                f"head_dim={self.head_dim}, value_dim={self.value_dim}, layers={self.layers}, "
+                f"dtype={self.dtype.name}, backend={self.backend!r}, free={self.num_free_pages}"
+                f"{f', cached={len(self._lru)}' if self.prefix_cache else ''})")
 
     # -- queries ------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Pages no sequence holds: the free list and the cached prefix pages
+        (which allocation evicts once the free list is empty)."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Cached prefix pages no sequence holds (evictable)."""
+        return len(self._lru)
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page in both caches."""
-        return self.page_size * self.kv_heads * (self.head_dim + self.value_dim) * self.dtype.itemsize
+        """Bytes of one page in both caches, all layers."""
+        return self.layers * self.page_size * self.kv_heads * (self.head_dim + self.value_dim) * self.dtype.itemsize
 
     def ref_count(self, page: int) -> int:
         """Sequences holding ``page``."""
         return self._refs[page]
+
+    def stats(self) -> dict:
+        """Prefix-cache counters: ``hits`` / ``misses`` (full prompt pages
+        looked up by ``add_sequence`` and found / not found), ``evictions``
+        (cached pages reused for other tokens), ``cached_pages`` (indexed
+        pages no sequence holds), ``indexed_pages`` (all indexed pages)."""
+        return dict(self._stats, cached_pages=len(self._lru), indexed_pages=len(self._entry))
 
     def page_table(self, seqs) -> np.ndarray:
         """int32 [len(seqs), max(1, most pages)]: row i lists seqs[i].pages,
@@ -144,19 +246,66 @@ class PagedKVCache:
         return table
 
     # -- sequences ----------------------------------------------------------
-    def add_sequence(self) -> Sequence:
-        """A new empty sequence (no page until a step writes to it)."""
+    def add_sequence(self, tokens=None) -> Sequence:
+        """A new sequence. ``tokens``: its token ids (the prompt, int [n]),
+        which the cache keeps (``seq.tokens``) to index its full pages once
+        written. With ``prefix_cache``, every full page cached for the
+        longest prefix of ``tokens`` is shared at once: ``seq.length`` and
+        ``seq.cached_tokens`` start at the tokens those pages hold (at most
+        ``len(tokens) - 1``, so the last prompt token is always computed and
+        yields logits), and only the rest needs a prefill. Takes no free page
+        and keeps outstanding plans valid."""
+        ids: list[int] = []
+        if tokens is not None:
+            arr = checks.host_int_array("tokens", tokens, 1)
+            ids = [int(t) for t in arr]
         seq = Sequence(self, self._next_id, [], 0)
         self._next_id += 1
+        seq._tokens = ids
+        if self.prefix_cache and ids:
+            ps = self.page_size
+            limit = (len(ids) - 1) // ps
+            matched, parent, key = [], None, _ROOT_KEY
+            for j in range(limit):
+                toks = tuple(ids[j * ps:(j + 1) * ps])
+                key = page_key(key, toks)
+                e = self._index.get(key)
+                if e is None or e.tokens != toks or e.parent is not parent:
+                    break
+                matched.append(e)
+                parent = e
+            self._stats["hits"] += len(matched)
+            self._stats["misses"] += limit - len(matched)
+            for e in matched:
+                if self._refs[e.page] == 0:
+                    del self._lru[e.page]      # revived
+                self._refs[e.page] += 1
+            seq._pages = [e.page for e in matched]
+            seq.length = seq.cached_tokens = seq._written = len(matched) * ps
+            seq._indexed = len(matched)
         return seq
 
-    def fork(self, seq: Sequence) -> Sequence:
-        """A new sequence sharing every page (and the length) of ``seq``;
-        nothing is copied. Writes by either later copy the shared page first,
-        so neither ever sees the other's new tokens."""
+    def add_tokens(self, seq: Sequence, tokens) -> None:
+        """Record further token ids of ``seq`` (e.g. sampled tokens read back),
+        which lets its full pages enter the prefix index once written."""
         self._check_seqs([seq], "seq")
-        child = Sequence(self, self._next_id, list(seq._pages), seq.length)
+        ids = checks.host_int_array("tokens", tokens, 1)
+        seq._tokens.extend(int(t) for t in ids)
+        self._index_pages(seq)
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A new sequence sharing every page that holds ``seq``'s tokens (and
+        its length and known tokens); nothing is copied and pages ``seq``
+        reserved past its length stay its own. Writes by either later copy
+        the shared page first, so neither ever sees the other's new tokens."""
+        self._check_seqs([seq], "seq")
+        self._check_not_in_batch(seq, "seq", "fork")
+        used = -(-seq.length // self.page_size)
+        child = Sequence(self, self._next_id, list(seq._pages[:used]), seq.length)
         self._next_id += 1
+        child._tokens = list(seq._tokens[:seq.length])
+        child._written = min(seq._written, seq.length)
+        child._indexed = min(seq._indexed, used)
         for p in child._pages:
             self._refs[p] += 1
         self._new_generation()
@@ -164,124 +313,264 @@ class PagedKVCache:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``: each page goes back to the free list once no
-        sequence holds it. The handle is dead afterwards."""
+        sequence holds it; with ``prefix_cache`` an indexed page stays cached
+        instead (its later pages are evicted first). The handle is dead
+        afterwards."""
         self._check_seqs([seq], "seq")
+        self._check_not_in_batch(seq, "seq", "free")
         for p in reversed(seq._pages):
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                self._free.append(p)
+                if p in self._entry:
+                    self._lru[p] = None
+                else:
+                    self._free.append(p)
         seq._pages = []
         seq.length = 0
         seq.alive = False
         self._new_generation()
 
     # -- a step ---------------------------------------------------------------
-    def prepare(self, seqs, new_tokens) -> tuple[DevicePlan, StepReport]:
+    def prepare(self, seqs, new_tokens, *, reserve=0) -> tuple[DevicePlan, StepReport]:
         """Make room for one step and return ``(plan, report)``.
 
         seqs: distinct live sequences of this cache, in the batch's order.
         new_tokens: an int for all, or one int >= 0 per sequence: tokens each
         appends this step (a prefill chunk, 1 for decode, 0 to sit out).
+        reserve: an int for all, or one per sequence: further tokens each
+        sequence's pages must hold after this step (for a decode loop that
+        advances on the device, ``PagedDecodeLoop``); they are not added to
+        the length.
 
-        Takes the pages the new tokens need, copies every shared page
-        (reference count > 1) this step writes to a fresh page (one
-        ``copy_pages`` launch for all, both caches), advances the lengths, and
-        uploads the plan ``HostPlan.build(page_table(seqs), lengths,
-        new_tokens, page_size, num_pages)`` to the caches' device and current
-        stream. Then ``append(plan, new_k, new_v)`` writes the tokens and
-        ``plan.attention(q, cache.k, cache.v, ...)`` reads them.
+        Takes the pages the new and reserved tokens need (free pages first,
+        then evicting cached prefix pages, least recently used first), copies
+        every shared page (reference count > 1) those tokens will write to a
+        fresh page (one ``copy_pages`` launch for all, both caches, every
+        layer), advances the lengths by ``new_tokens``, and uploads the plan
+        ``HostPlan.build(rows of seqs' pages, lengths, new_tokens, page_size,
+        num_pages)`` to the caches' device and current stream. Then
+        ``append(plan, new_k, new_v, layer=l)`` writes layer l's tokens and
+        ``plan.attention(q, cache.k[l], cache.v[l], ...)`` reads them.
 
         Out of pages: raises PagedAttentionError and changes nothing.
         """
-        seqs = self._check_seqs(seqs, "seqs")
-        if len({s.id for s in seqs}) != len(seqs):
-            raise PagedAttentionError("seqs: expected distinct sequences, got one sequence twice")
-        counts = self._new_tokens(new_tokens, len(seqs))
-        ps = self.page_size
-
-        # 1. The whole need, nothing changed yet. A shared page written by
-        # several holders in this step is copied by all but the last one.
-        holders = {}
-        cow = []            # per sequence: the shared page it copies, or None
-        fresh = []          # per sequence: pages its new tokens need
-        for s, n in zip(seqs, counts):
-            if n and s.length % ps:
-                last = s._pages[-1]
-                left = self._refs[last] - holders.get(last, 0)
-                if left > 1:
-                    holders[last] = holders.get(last, 0) + 1
-                    cow.append(last)
-                else:
-                    cow.append(None)
-            else:
-                cow.append(None)
-            fresh.append(-(-(s.length + n) // ps) - len(s._pages))
-        need = sum(fresh) + sum(c is not None for c in cow)
-        if need > len(self._free):
-            raise PagedAttentionError(
-                f"prepare: out of pages: this step needs {need} page(s) ({sum(fresh)} for new tokens, "
-                f"{need - sum(fresh)} to copy shared pages), {len(self._free)} of {self.num_pages} free")
-
-        # 2. The new page lists and the host plan (may still raise; nothing changed).
-        taken = self._free[len(self._free) - need:][::-1]
-        it = iter(taken)
-        pairs, pages = [], []
-        for s, c, f in zip(seqs, cow, fresh):
-            new = list(s._pages)
-            if c is not None:
-                dst = next(it)
-                pairs.append((c, dst))
-                new[-1] = dst
-            new.extend(next(it) for _ in range(f))
-            pages.append(new)
+        seqs = self._check_step_seqs(seqs)
+        counts = self._per_seq("new_tokens", new_tokens, len(seqs))
+        reserves = self._per_seq("reserve", reserve, len(seqs))
+        pages, pairs, taken, evict = self._grow(seqs, counts, reserves, "prepare")
         lengths = [s.length + n for s, n in zip(seqs, counts)]
         width = max([1] + [len(p) for p in pages])
         table = np.full((len(seqs), width), -1, np.int64)
         for i, p in enumerate(pages):
             table[i, :len(p)] = p
-        host = HostPlan.build(table, np.array(lengths, np.int64), np.array(counts, np.int64), ps, self.num_pages)
-
-        # 3. The device work, which may still fail (inside a capture the upload
+        host = HostPlan.build(table, np.array(lengths, np.int64), np.array(counts, np.int64), self.page_size,
+                              self.num_pages)
+        # The device work, which may still fail (inside a capture the upload
         # is refused; the copy kernel may fail to compile): the plan's upload,
-        # then the copies, which write only pages still on the free list.
+        # then the copies, which write only pages no sequence holds.
         plan = host.upload(self.k)
-        if pairs:
-            stream = plan.stream
-            pairs_host = np.array(pairs, np.uint32)              # [copies, 2]
-            if self.backend == GPU:
-                pairs_dev = empty(self.k, pairs_host.shape, np.uint32)
-                stream.copy_from_host(pairs_dev, pairs_host)
-            else:
-                pairs_dev = pairs_host
-            copy_pages(stream, self.k, self.v, pairs_dev, len(pairs))
-            self._pairs = pairs_dev
+        self._copy(plan.stream, pairs)
+        starts = [s.length for s in seqs]
+        self._commit(seqs, pages, pairs, taken, evict)
+        for s, n in zip(seqs, lengths):
+            s.length = n
+        plan.guard = self._guard()
+        plan.seqs = tuple(seqs)
+        self._writes[plan] = _Writes(plan.seqs, starts, lengths, auto=True)
+        return plan, self._report(pairs, taken, evict)
 
-        # 4. Commit (nothing here can fail): pages, copies, lengths; earlier
-        # plans of this cache go stale.
-        del self._free[len(self._free) - need:]
+    def reserve(self, seqs, tokens) -> StepReport:
+        """Make each of ``seqs`` hold pages for ``tokens`` (an int, or one
+        per sequence) tokens past its length, copying every shared page those
+        tokens will write (one launch), without building a plan or changing
+        a length. Out of pages: raises PagedAttentionError and changes
+        nothing. Like ``prepare``, it makes earlier plans of this cache stale.
+        """
+        seqs = self._check_step_seqs(seqs, allow_batch=True)
+        reserves = self._per_seq("tokens", tokens, len(seqs))
+        pages, pairs, taken, evict = self._grow(seqs, [0] * len(seqs), reserves, "reserve")
+        self._copy(None, pairs)
+        self._commit(seqs, pages, pairs, taken, evict)
+        return self._report(pairs, taken, evict)
+
+    def append(self, plan: DevicePlan, new_k, new_v, *, layer: int = 0) -> None:
+        """``plan.append(new_k, new_v, self.k[layer], self.v[layer])``: layer
+        ``layer``'s new rows. Once every layer of a ``prepare`` plan was
+        appended, its tokens count as written (the prefix index takes their
+        full pages)."""
+        layer = checks.host_int("layer", layer, 0, self.layers - 1)
+        plan.append(new_k, new_v, self.k[layer], self.v[layer])
+        w = self._writes.get(plan)
+        if w is None:
+            return
+        if plan.stream.capturing:
+            w.captured.add(layer)
+            return
+        w.layers.add(layer)
+        if w.auto and len(w.layers) == self.layers:
+            del self._writes[plan]
+            for s, a, b in zip(w.seqs, w.starts, w.ends):
+                self._wrote(s, a, b)
+
+    # -- helpers for decode loops and batches (cupaged.graph, cupaged.batch) ----
+    def _track(self, plan) -> _Writes:
+        """Take over the write tracking of ``plan`` (a loop marks what it
+        writes itself): returns its record, which keeps counting layers."""
+        w = self._writes.get(plan)
+        if w is None:
+            w = _Writes((), [], [], auto=False)
+            self._writes[plan] = w
+        w.auto = False
+        return w
+
+    def _wrote(self, seq: Sequence, start: int, end: int) -> None:
+        """Tokens [start, end) of ``seq`` are written (every layer): its
+        written prefix grows when it reaches ``start``."""
+        if seq.alive and seq._written >= start and end > seq._written:
+            seq._written = end
+            self._index_pages(seq)
+
+    def _index_pages(self, seq: Sequence) -> None:
+        """Offer ``seq``'s full, written pages with known tokens to the
+        prefix index (docs/layout.md, "Prefix reuse")."""
+        if not self.prefix_cache or not seq.alive:
+            return
+        ps = self.page_size
+        full = min(seq._written, len(seq._tokens), seq.length) // ps
+        j = min(seq._indexed, full)
+        while j > 0 and seq._pages[j - 1] not in self._entry:    # an ancestor was evicted: look again
+            j -= 1
+        parent = self._entry[seq._pages[j - 1]] if j else None
+        # a page that is not indexed because the same content is cached
+        # elsewhere chains its successors under that entry
+        while j < full:
+            page = seq._pages[j]
+            toks = tuple(seq._tokens[j * ps:(j + 1) * ps])
+            key = page_key(parent.key if parent else _ROOT_KEY, toks)
+            e = self._index.get(key)
+            if e is not None:
+                if e.tokens != toks or e.parent is not parent:
+                    break                   # a hash collision: index nothing past it
+                parent = e                  # this content is cached already (maybe in this very page)
+            elif page in self._entry:
+                parent = self._entry[page]  # (unreachable: a held page's entry is keyed by its content)
+            else:
+                e = _Entry(page, toks, parent, key)
+                self._index[key] = e
+                self._entry[page] = e
+                if parent is not None:
+                    parent.children.add(e)
+                parent = e
+            j += 1
+        seq._indexed = j
+
+    def _drop_entry(self, e: _Entry, to_free: list) -> None:
+        """Remove ``e`` and every entry under it from the index; cached pages
+        no sequence holds among them go to ``to_free``."""
+        stack = [e]
+        while stack:
+            x = stack.pop()
+            stack.extend(x.children)
+            self._index.pop(x.key, None)
+            self._entry.pop(x.page, None)
+            if x.parent is not None:
+                x.parent.children.discard(x)
+            if x.page in self._lru:
+                del self._lru[x.page]
+                to_free.append(x.page)
+
+    # -- internals ------------------------------------------------------------
+    def _grow(self, seqs, counts, reserves, what):
+        """The pages ``seqs`` need for ``counts`` new and ``reserves`` more
+        tokens, nothing changed yet: (new page lists, copies (src, dst),
+        pages taken, how many of them are evicted cached pages)."""
+        ps = self.page_size
+        holders: dict[int, int] = {}
+        cows = []           # per sequence: (column, shared page) pairs it copies
+        fresh = []          # per sequence: pages its tokens need
+        for s, n, r in zip(seqs, counts, reserves):
+            end = s.length + n + r
+            mine = []
+            if end > s.length:
+                for col in range(s.length // ps, min(len(s._pages), -(-end // ps))):
+                    page = s._pages[col]
+                    left = self._refs[page] - holders.get(page, 0)
+                    if left > 1:
+                        holders[page] = holders.get(page, 0) + 1
+                        mine.append((col, page))
+            cows.append(mine)
+            fresh.append(max(0, -(-end // ps) - len(s._pages)))
+        copies = sum(len(c) for c in cows)
+        need = sum(fresh) + copies
+        if need > self.num_free_pages:
+            cached = f" ({len(self._lru)} of them cached prefix pages)" if self._lru else ""
+            raise PagedAttentionError(
+                f"{what}: out of pages: this step needs {need} page(s) ({sum(fresh)} for new tokens, "
+                f"{copies} to copy shared pages), {self.num_free_pages} of {self.num_pages} free{cached}")
+        from_free = min(need, len(self._free))
+        taken = self._free[len(self._free) - from_free:][::-1] + list(itertools.islice(self._lru, need - from_free))
+        it = iter(taken)
+        pairs, pages = [], []
+        for s, mine, f in zip(seqs, cows, fresh):
+            new = list(s._pages)
+            for col, page in mine:
+                dst = next(it)
+                pairs.append((page, dst))
+                new[col] = dst
+            new.extend(next(it) for _ in range(f))
+            pages.append(new)
+        return pages, pairs, taken, need - from_free
+
+    def _copy(self, stream, pairs) -> None:
+        if not pairs:
+            return
+        if stream is None:
+            stream = stream_for(self.k)
+        pairs_host = np.array(pairs, np.uint32)              # [copies, 2]
+        if self.backend == GPU:
+            pairs_dev = empty(self.k, pairs_host.shape, np.uint32)
+            stream.copy_from_host(pairs_dev, pairs_host)
+        else:
+            pairs_dev = pairs_host
+        copy_pages(stream, self.k, self.v, pairs_dev, len(pairs))
+        self._pairs = pairs_dev
+
+    def _commit(self, seqs, pages, pairs, taken, evict) -> None:
+        """Apply ``_grow``'s result (nothing here can fail); earlier plans go stale."""
+        from_free = len(taken) - evict
+        del self._free[len(self._free) - from_free:]
+        released: list[int] = []
+        evicted = taken[from_free:]            # cached pages, oldest first
+        for p in evicted:
+            del self._lru[p]
+        for p in evicted:                      # their entries, and the entries under them
+            e = self._entry.get(p)
+            if e is not None:
+                self._drop_entry(e, released)
+        self._stats["evictions"] += evict + len(released)
         for p in taken:
             self._refs[p] = 1
         for src, _ in pairs:
             self._refs[src] -= 1
-        for s, p, n in zip(seqs, pages, lengths):
-            s._pages, s.length = p, n
+            if self._refs[src] == 0:           # (cannot happen: a copied page keeps another holder)
+                self._free.append(src)
+        for s, p in zip(seqs, pages):
+            s._pages = p
+        self._free.extend(reversed(released))
         self._new_generation()
-        plan.guard = self._guard()
-        report = StepReport(copied_pages=pairs, copied_bytes=len(pairs) * self.page_bytes, allocated_pages=need)
-        return plan, report
 
-    def append(self, plan: DevicePlan, new_k, new_v) -> None:
-        """``plan.append(new_k, new_v, self.k, self.v)``."""
-        plan.append(new_k, new_v, self.k, self.v)
+    def _report(self, pairs, taken, evict) -> StepReport:
+        return StepReport(copied_pages=pairs, copied_bytes=len(pairs) * self.page_bytes,
+                          allocated_pages=len(taken), evicted_pages=evict)
 
-    # -- helpers --------------------------------------------------------------
     def _new_generation(self) -> None:
         self._generation += 1
 
     def _guard(self):
-        """A check for a plan made now: it raises once a later fork, free or
-        prepare of this cache has moved pages (the plan's page table may name
-        pages shared with a fork or given to another sequence)."""
+        """A check for a plan made now: it raises once a later fork, free,
+        prepare or reserve of this cache has moved pages (the plan's page
+        table may name pages shared with a fork or given to another
+        sequence)."""
         ref, gen = weakref.ref(self), self._generation
 
         def guard() -> None:
@@ -306,15 +595,31 @@ class PagedKVCache:
                 raise PagedAttentionError(f"{label}: sequence {s.id} was freed")
         return seqs
 
+    def _check_step_seqs(self, seqs, allow_batch: bool = False) -> list[Sequence]:
+        seqs = self._check_seqs(seqs, "seqs")
+        if len({s.id for s in seqs}) != len(seqs):
+            raise PagedAttentionError("seqs: expected distinct sequences, got one sequence twice")
+        if not allow_batch:
+            for i, s in enumerate(seqs):
+                self._check_not_in_batch(s, f"seqs[{i}]", "prepare")
+        return seqs
+
     @staticmethod
-    def _new_tokens(new_tokens, n: int) -> list[int]:
-        if isinstance(new_tokens, (int, np.integer)) and not isinstance(new_tokens, bool):
-            new_tokens = [int(new_tokens)] * n
-        counts = checks.host_int_array("new_tokens", new_tokens, 1)
+    def _check_not_in_batch(seq: Sequence, label: str, what: str) -> None:
+        if seq._batch is not None:
+            raise PagedAttentionError(
+                f"{label}: sequence {seq.id} sits in a DecodeBatch slot, which writes its pages on the device; "
+                f"batch.leave(seq) (after batch.readback()) before {what}")
+
+    @staticmethod
+    def _per_seq(name: str, value, n: int) -> list[int]:
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            value = [int(value)] * n
+        counts = checks.host_int_array(name, value, 1)
         if counts.shape[0] != n:
-            raise PagedAttentionError(f"new_tokens: expected shape [{n}] (one per sequence), got "
+            raise PagedAttentionError(f"{name}: expected shape [{n}] (one per sequence), got "
                                       f"{checks.shape_str(counts.shape)}")
         if n and (counts.min() < 0 or counts.max() > U32_MAX):
             i = int(np.argmax((counts < 0) | (counts > U32_MAX)))
-            raise PagedAttentionError(f"new_tokens[{i}]: expected an int in 0..{U32_MAX}, got {counts[i]}")
+            raise PagedAttentionError(f"{name}[{i}]: expected an int in 0..{U32_MAX}, got {counts[i]}")
         return [int(c) for c in counts]

@@ -16,7 +16,12 @@
 * ``PagedDecodeLoop``: B sequences over a paged plan; a small kernel inside
   the graph advances every sequence's length and position on the device, so
   the loop issues no host data at all: one device-to-device copy and one
-  graph launch per token.
+  graph launch per token. Given the PagedKVCache that prepared the plan, the
+  manager's lengths follow the device step by step.
+* ``capture_count()``: captures completed so far (no recapture, provably).
+
+Decode batches whose membership changes between launches, on stable buffers
+and one graph per batch bucket: ``cupaged.batch.DecodeBatch``.
 """
 from __future__ import annotations
 
@@ -24,10 +29,11 @@ import contextlib
 
 import numpy as np
 
+from . import layout
 from ._runtime import GPU, Graph, backend_of, check_not_capturing, checks, empty, stream_for
 from .errors import PagedAttentionError
 from .layout import metadata_offsets
-from .ops.advance import advance_plan
+from .ops.advance import SlotBuffers, advance_slots
 from .ops.sampling import argmax_into
 from .plan import DevicePlan
 
@@ -52,6 +58,16 @@ def _refuse_allocation(size):
         f"before capture_graph (pass out= to cupaged ops)")
 
 
+_captures = 0
+
+
+def capture_count() -> int:
+    """Captures that ``capture_graph`` completed in this process (decode
+    loops and batches capture through it): a test or benchmark reads it
+    before and after to prove no recapture."""
+    return _captures
+
+
 @contextlib.contextmanager
 def capture_graph(like):
     """Capture the stream work issued inside the ``with`` block on the stream
@@ -62,6 +78,7 @@ def capture_graph(like):
     memsets, copies), not NumPy expressions; write the step with cupaged ops
     and preallocated outputs, which also makes it capturable on the GPU.
     """
+    global _captures
     stream = stream_for(like)
     handle = CapturedGraph(stream)
     stream.begin_capture()
@@ -77,6 +94,7 @@ def capture_graph(like):
     finally:
         if ok:
             handle.graph = stream.end_capture()
+            _captures += 1
         else:  # discard a failed capture; the error that caused it propagates
             with contextlib.suppress(Exception):
                 stream.end_capture()
@@ -246,19 +264,36 @@ class PagedDecodeLoop(_Loop):
     """Greedy decode of B sequences over a paged plan, one graph launch per token.
 
     ``plan``: a DevicePlan for the first decode step with one query per
-    sequence (q_lens all 1), whose page-table rows already hold the pages
-    for ``plan.table_width * page_size`` tokens. ``step(plan)`` issues one
-    step's stream work (embedding of ``token_buf``, layers, ``plan.append``,
-    ``plan.attention``, ...) and returns logits [B, vocab]. The captured graph
-    is: step, argmax into ``next_token``, then ``advance_plan`` (lengths and
-    positions += 1 on the device). ``active`` [B] bool marks padding: a
-    padded entry's length word is set to 0 on the device, so its attention
-    output is 0, its append is skipped and it never advances.
-    Per token, ``advance()`` issues one device-to-device copy
-    (next_token -> token_buf) and one graph launch.
+    sequence (q_lens all 1). ``step(plan)`` issues one step's stream work
+    (embedding of ``token_buf``, layers, appends, ``plan.attention``, ...)
+    and returns logits [B, vocab]. The captured graph is: step, argmax into
+    ``next_token``, then ``advance_slots`` (lengths and positions += 1 on the
+    device, for each sequence while its pages have room). Per token,
+    ``advance()`` issues one device-to-device copy (next_token -> token_buf)
+    and one graph launch.
+
+    With ``cache`` (the PagedKVCache whose ``prepare`` made ``plan``, e.g.
+    ``cache.prepare(seqs, 1, reserve=r)``; ``seqs``, if given, must be the
+    plan's sequences in row order) the manager drives the loop: it runs as
+    many steps as the sequences' own pages hold from their first decode
+    position (at least 1 + reserve; ``steps_left``), each step's K/V go
+    through ``cache.append(plan, ..., layer=l)`` in ``step``, and after
+    every ``advance()`` each sequence's ``seq.length`` equals its length on
+    the device (the host knows each step adds one token; the device does not
+    advance past the last reserved step, whose generated token has no page
+    yet, so at the end ``seq.length`` counts exactly the tokens written and
+    ``cache.prepare(seqs, 1, ...)`` continues from there, feeding
+    ``next_token``). ``finish()`` ends a loop early the same way. A later
+    fork, free, prepare or reserve of the cache makes ``advance`` raise.
+
+    Without a cache, the plan's rows must already hold the pages for the
+    steps to come; ``active`` [B] bool marks padding: a padded entry's length
+    word is set to 0 on the device, so its attention output is 0, its append
+    is skipped and it never advances; ``lengths`` is the host mirror.
     """
 
-    def __init__(self, step, plan: DevicePlan, *, token_buf, next_token, active=None, graph: bool = True):
+    def __init__(self, step, plan: DevicePlan, *, token_buf, next_token, cache=None, seqs=None, active=None,
+                 graph: bool = True):
         h = plan.host
         if h.queries != h.sequences or (h.q_lens != 1).any():
             raise PagedAttentionError("plan: expected one query per sequence (decode: q_lens all 1)")
@@ -268,46 +303,101 @@ class PagedDecodeLoop(_Loop):
             checks.shape_is(name, b, (h.sequences,))
         self.plan, self.stream = plan, plan.stream
         self.token_buf, self.next_token = token_buf, next_token
+        self.cache, self.seqs = cache, None
+        shared = set()
+        if cache is not None:
+            if plan.seqs is None or any(s._cache is not cache for s in plan.seqs):
+                raise PagedAttentionError("plan: expected a plan made by cache.prepare of the given cache")
+            plan.check_fresh()
+            if seqs is not None and (len(seqs) != len(plan.seqs)
+                                     or any(a is not b for a, b in zip(seqs, plan.seqs))):
+                raise PagedAttentionError("seqs: expected the plan's sequences (plan.seqs), in row order")
+            if active is not None:
+                raise PagedAttentionError("active: a loop driven by a cache decodes every sequence of its plan; "
+                                          "prepare only the sequences that decode")
+            self.seqs = plan.seqs
+            shared = {p for s in self.seqs for p in s._pages if cache.ref_count(p) > 1}
         self.active = np.ones(h.sequences, bool) if active is None else np.asarray(active, bool)
         checks.shape_is("active", self.active, (h.sequences,))
         self.lengths = np.where(self.active, h.kv_lens, 0)   # host mirror of the device lengths
         self.capacity = h.table_width * h.page_size
-        self._writable, self._why = _writable_steps(h, self.active)
+        self._writable, self._why = _writable_steps(h, self.active, shared)
         self._taken = 0
+        # the slots' state: active, how far each may advance (cache: the last
+        # reserved step does not advance), no length limit, no stop tokens
+        n = h.sequences
+        self.slots = SlotBuffers(plan.words, max(1, n))
+        state = np.zeros(len(layout.SLOT_FIELDS) * self.slots.stride + 1, np.uint32)
+        cap = self.lengths - 1 + self._writable if cache is not None else np.full(n, self.capacity)
+        state[layout.SLOT_ACTIVE * self.slots.stride:][:n] = self.active
+        state[layout.SLOT_CAP * self.slots.stride:][:n] = np.clip(cap, 0, layout.U32_MAX)
+        state[layout.SLOT_MAX_LEN * self.slots.stride:][:n] = layout.NO_LIMIT
+        self.stream.copy_from_host(self.slots.words, state)
         off = metadata_offsets(h.queries, h.sequences)
         for s in np.nonzero(~self.active)[0]:
             plan.stream.memset_d32(plan.words, 0, count=1, offset_bytes=4 * (off["kv_len"] + int(s)))
+        self._writes = cache._track(plan) if cache is not None else None
         self._step, self._argmax = step, argmax_into
         self._capture(graph, token_buf)
+        self._all_layers = self._writes is not None and \
+            len(self._writes.captured if graph else self._writes.layers) == cache.layers
 
     def _body(self) -> None:
         logits = self._step(self.plan)
         self._argmax(logits, self.next_token)
-        advance_plan(self.plan)
+        advance_slots(self.plan, self.slots, self.next_token)
 
     @property
     def steps_left(self) -> int:
         """Tokens every active sequence can still take: each step writes one
         slot per active sequence, which must lie on a valid page of its row
-        that no other active sequence holds (checked when the loop is built)."""
+        that no other sequence holds (checked when the loop is built)."""
         return max(0, self._writable - self._taken)
 
     def advance(self) -> None:
-        """Issue one token's work (one copy, one graph launch); no host data."""
+        """Issue one token's work (one copy, one graph launch); no host data.
+        Raises before issuing anything when no step is left or (with a
+        cache) the plan went stale."""
         if self.steps_left <= 0:
             raise PagedAttentionError(f"plan: {self._why}; reserve more pages")
+        if self.cache is not None:
+            self.plan.check_fresh()
         self.stream.copy(self.token_buf, self.next_token)
         self._run_step()
-        self.lengths[self.active] += 1
+        if self._writes is not None and not self._all_layers:    # eager: the first step tells
+            self._all_layers = len(self._writes.layers) == self.cache.layers
         self._taken += 1
+        last = self._taken == self._writable
+        if self.cache is not None:
+            for s, n in zip(self.seqs, self.lengths):
+                s.length = int(n) if last else int(n) + 1
+                if self._all_layers:
+                    self.cache._wrote(s, int(n) - 1, int(n))
+        if not (last and self.cache is not None):
+            self.lengths[self.active] += 1
+
+    def finish(self) -> None:
+        """End the loop now (cache-driven loops): each sequence's length drops
+        the token the device prepared for the next step (it is in
+        ``next_token``, not in the cache), so ``cache.prepare(seqs, 1)`` feeds
+        it next. Later ``advance()`` calls raise. A loop that ran all its
+        steps has nothing to drop."""
+        if self.cache is not None and self._taken < self._writable:
+            self.plan.check_fresh()
+            for s, n in zip(self.seqs, self.lengths):
+                s.length = int(n) - 1
+            self.lengths[self.active] -= 1
+        self._writable = self._taken
+        self._why = "the loop was finished"
 
 
-def _writable_steps(h, active) -> tuple[int, str]:
+def _writable_steps(h, active, shared=frozenset()) -> tuple[int, str]:
     """(steps, why they end): how many decode steps every active sequence of
     the decode plan ``h`` can take while each step's write slot (position
     kv_len - 1 + t of its row) lies on a valid page id that appears nowhere
-    else among the active rows (a page shared with another sequence, or
-    reached twice, would take two sequences' tokens in one slot)."""
+    else among the active rows nor in ``shared`` (pages a page manager knows
+    other sequences hold): a page shared with another sequence, or reached
+    twice, would take two sequences' tokens in one slot."""
     ps, width, pages = h.page_size, h.table_width, h.pages
     table = np.asarray(h.page_table)
     rows = np.nonzero(active)[0]
@@ -326,7 +416,7 @@ def _writable_steps(h, active) -> tuple[int, str]:
             bad = None
             if not valid[r, col]:
                 bad = f"sequence {r}'s page-table column {col} holds no page"
-            elif holders[page] > 1 or int((table[r][valid[r]] == page).sum()) > 1:
+            elif holders[page] > 1 or page in shared or int((table[r][valid[r]] == page).sum()) > 1:
                 bad = f"sequence {r}'s page {page} (column {col}) is held twice; copy it before decoding into it"
             if bad is not None:
                 steps, reason = max(0, col * ps - p0), bad

@@ -51,6 +51,17 @@ SPLIT_TILE = 16
 #: Visible lengths are clamped to this in the kernels (positions stay below 2^31).
 MAX_VISIBLE_LEN = 0x7FFF0000
 
+#: Decode slots (``advance_slots``, docs/layout.md "Decode graphs"): the
+#: per-slot state is uint32 [SLOT_FIELDS, stride], field f of slot s at
+#: ``f * stride + s``, in this order.
+SLOT_FIELDS = ("active", "cap", "max_len", "done_at", "reason")
+SLOT_ACTIVE, SLOT_CAP, SLOT_MAX_LEN, SLOT_DONE_AT, SLOT_REASON = range(len(SLOT_FIELDS))
+#: Why a slot finished (its ``reason`` field): a stop token, its max_len,
+#: no room left in its pages.
+FINISH_STOP, FINISH_MAX_LEN, FINISH_NO_ROOM = 1, 2, 3
+#: A ``max_len`` / ``cap`` that never binds.
+NO_LIMIT = U32_MAX
+
 
 def metadata_offsets(queries: int, sequences: int) -> dict[str, int]:
     """Word offsets of the metadata arrays for ``queries`` and ``sequences``."""
@@ -85,6 +96,17 @@ def plan_words_header() -> str:
 #define CP_MAX_SPLITS {MAX_SPLITS}u
 #define CP_SPLIT_TILE {SPLIT_TILE}u
 #define CP_MAX_VISIBLE_LEN 0x{MAX_VISIBLE_LEN:08x}u
+
+// Decode slots (advance_slots): field f of slot s at state[f * stride + s].
+#define CP_SLOT_ACTIVE {SLOT_ACTIVE}u
+#define CP_SLOT_CAP {SLOT_CAP}u
+#define CP_SLOT_MAX_LEN {SLOT_MAX_LEN}u
+#define CP_SLOT_DONE_AT {SLOT_DONE_AT}u
+#define CP_SLOT_REASON {SLOT_REASON}u
+#define CP_SLOT_FIELDS {len(SLOT_FIELDS)}u
+#define CP_FINISH_STOP {FINISH_STOP}u
+#define CP_FINISH_MAX_LEN {FINISH_MAX_LEN}u
+#define CP_FINISH_NO_ROOM {FINISH_NO_ROOM}u
 
 namespace pw {{
 // q_seq[queries]: sequence of each packed query.

@@ -44,6 +44,42 @@ class HostPlan:
     q_lens: np.ndarray = field(repr=False)
     q_seq: np.ndarray = field(repr=False)
     q_pos: np.ndarray = field(repr=False)
+    #: True for the decode slots of ``HostPlan.slots``: their device words are
+    #: maintained by their owner (``DecodeBatch``), not described by the host
+    #: copies above (all padded).
+    stable: bool = False
+
+    @classmethod
+    def slots(cls, slots: int, table_width: int, page_size: int, num_pages: int) -> "HostPlan":
+        """A decode plan on stable buffers: ``slots`` sequences of one query
+        each (q_seq, q_start fixed) and a page table ``table_width`` columns
+        wide, every slot padded (kv_len 0, no page). Its owner joins a
+        sequence to slot s by writing that slot's kv_len, q_pos and table row
+        into the uploaded words with stream-ordered copies, and pads it again
+        the same way, so one capture of a step over this plan serves any set
+        of sequences (docs/layout.md, "Decode graphs"). Its writes are not
+        checked on the host (``validate_writes`` returns at once): the owner
+        guarantees that slots write only pages their sequence holds alone."""
+        slots = checks.host_int("slots", slots, 1, U32_MAX)
+        table_width = checks.host_int("table_width", table_width, 1, U32_MAX)
+        page_size = checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
+        num_pages = checks.host_int("num_pages", num_pages, 1, U32_MAX - 1)
+        checks.u32_size("page_table", (slots, table_width))
+        n_words = layout.metadata_words(slots, slots, table_width)
+        checks.u32_size("metadata words", (n_words,))
+        off = metadata_offsets(slots, slots)
+        words = np.zeros(n_words, np.uint32)
+        words[layout.W_MAGIC:layout.W_NUM_PAGES + 1] = (layout.MAGIC, slots, slots, table_width, page_size,
+                                                         num_pages)
+        words[layout.W_OFFSETS:layout.W_OFFSETS + len(layout.ARRAYS)] = [off[a] for a in layout.ARRAYS]
+        seq = np.arange(slots, dtype=np.int64)
+        words[off["q_seq"]:off["q_pos"]] = seq
+        words[off["q_start"]:off["page_table"]] = np.arange(slots + 1)
+        words[off["page_table"]:] = layout.NO_PAGE
+        return cls(queries=slots, sequences=slots, table_width=table_width, page_size=page_size, pages=num_pages,
+                   max_kv_len=0, words=words, page_table=np.full((slots, table_width), -1, np.int64),
+                   kv_lens=np.zeros(slots, np.int64), q_lens=np.ones(slots, np.int64), q_seq=seq,
+                   q_pos=np.zeros(slots, np.int64), stable=True)
 
     @classmethod
     def build(cls, page_table, kv_lens, q_lens, page_size: int, num_pages: int) -> "HostPlan":
@@ -121,8 +157,9 @@ class HostPlan:
     def validate_writes(self) -> None:
         """Reject schedules whose appends would collide or leave the cache:
         two queries writing one slot, a slot past the table, a page id out of
-        range. (Build already guarantees the last two; checked again here.)"""
-        if self.queries == 0:
+        range. (Build already guarantees the last two; checked again here.)
+        Plans of ``HostPlan.slots`` are checked by their owner instead."""
+        if self.queries == 0 or self.stable:
             return
         cols = self.q_pos // self.page_size
         if (cols >= self.table_width).any():
@@ -168,6 +205,8 @@ class DevicePlan:
         #: None, or a callable that raises PagedAttentionError once the plan
         #: is stale (plans of ``PagedKVCache.prepare``); every op calls it first.
         self.guard = None
+        #: The sequences of a ``PagedKVCache.prepare`` plan, in row order (else None).
+        self.seqs = None
 
     def __getattr__(self, name):  # queries, sequences, page_size, ... from the host plan
         if name in ("queries", "sequences", "table_width", "page_size", "pages", "max_kv_len"):
@@ -182,6 +221,10 @@ class DevicePlan:
     def _fresh(self) -> None:
         if self.guard is not None:
             self.guard()
+
+    def check_fresh(self) -> None:
+        """Raise PagedAttentionError if the plan is stale (see ``guard``)."""
+        self._fresh()
 
     def attention(self, q, k_cache, v_cache, scale: float, causal: bool = True, *,
                   workspace: SplitWorkspace | None = None, out=None, lse=None, return_lse: bool = False):

@@ -10,6 +10,17 @@
 #define CP_SPLIT_TILE 16u
 #define CP_MAX_VISIBLE_LEN 0x7fff0000u
 
+// Decode slots (advance_slots): field f of slot s at state[f * stride + s].
+#define CP_SLOT_ACTIVE 0u
+#define CP_SLOT_CAP 1u
+#define CP_SLOT_MAX_LEN 2u
+#define CP_SLOT_DONE_AT 3u
+#define CP_SLOT_REASON 4u
+#define CP_SLOT_FIELDS 5u
+#define CP_FINISH_STOP 1u
+#define CP_FINISH_MAX_LEN 2u
+#define CP_FINISH_NO_ROOM 3u
+
 namespace pw {
 // q_seq[queries]: sequence of each packed query.
 __device__ __forceinline__ unsigned long long q_seq(unsigned) { return CP_HEADER_WORDS; }

@@ -34,14 +34,17 @@ def device(cache, x: np.ndarray):
 
 
 def tokens(cache, seq):
-    """The K and V rows of seq's tokens, [length, H, D] / [length, H, Dv], read from the cache."""
+    """The K and V rows of seq's tokens in every layer, [length, layers, H, D] /
+    [length, layers, H, Dv], read from the cache."""
     t = np.arange(seq.length)
     pages = np.asarray(seq.pages, np.int64)[t // cache.page_size] if seq.length else np.zeros(0, np.int64)
-    return host(cache.k)[pages, t % cache.page_size], host(cache.v)[pages, t % cache.page_size]
+    k = host(cache.k)[:, pages, t % cache.page_size]
+    v = host(cache.v)[:, pages, t % cache.page_size]
+    return k.swapaxes(0, 1), v.swapaxes(0, 1)
 
 
 class Model:
-    """Every sequence's tokens as plain lists of rows."""
+    """Every sequence's tokens as plain lists of rows ([layers, H, D] each)."""
 
     def __init__(self):
         self.k, self.v = {}, {}
@@ -56,10 +59,11 @@ class Model:
         del self.k[seq.id], self.v[seq.id]
 
     def append(self, seqs, counts, nk, nv):
+        """nk [layers, queries, H, D], nv [layers, queries, H, Dv]: the step's rows."""
         i = 0
         for s, n in zip(seqs, counts):
-            self.k[s.id].extend(nk[i:i + n])
-            self.v[s.id].extend(nv[i:i + n])
+            self.k[s.id].extend(nk[:, i:i + n].swapaxes(0, 1))
+            self.v[s.id].extend(nv[:, i:i + n].swapaxes(0, 1))
             i += n
 
     def check(self, cache, seqs):
@@ -71,15 +75,17 @@ class Model:
                 np.testing.assert_array_equal(bits(v), bits(np.stack(self.v[s.id])), err_msg=f"v of seq {s.id}")
 
 
-def step(cache, seqs, counts, rng, model=None):
-    """prepare + append random rows; returns (plan, report, new_k, new_v)."""
+def step(cache, seqs, counts, rng, model=None, reserve=0):
+    """prepare + append random rows in every layer; returns (plan, report,
+    new_k [layers, queries, H, D], new_v)."""
     if isinstance(counts, int):
         counts = [counts] * len(seqs)
-    plan, report = cache.prepare(seqs, counts)
+    plan, report = cache.prepare(seqs, counts, reserve=reserve)
     n = int(np.sum(counts))
-    nk = rng.standard_normal((n, cache.kv_heads, cache.head_dim)).astype(cache.dtype)
-    nv = rng.standard_normal((n, cache.kv_heads, cache.value_dim)).astype(cache.dtype)
-    cache.append(plan, device(cache, nk), device(cache, nv))
+    nk = rng.standard_normal((cache.layers, n, cache.kv_heads, cache.head_dim)).astype(cache.dtype)
+    nv = rng.standard_normal((cache.layers, n, cache.kv_heads, cache.value_dim)).astype(cache.dtype)
+    for layer in range(cache.layers):
+        cache.append(plan, device(cache, nk[layer]), device(cache, nv[layer]), layer=layer)
     if model is not None:
         model.append(seqs, counts, nk, nv)
     return plan, report, nk, nv
@@ -87,17 +93,23 @@ def step(cache, seqs, counts, rng, model=None):
 
 def snapshot(cache, seqs):
     return (bits(host(cache.k)).copy(), bits(host(cache.v)).copy(), cache.num_free_pages, list(cache._free),
-            list(cache._refs), [(s.length, s.pages) for s in seqs])
+            list(cache._refs), [(s.length, s.pages) for s in seqs], list(cache._lru), sorted(cache._entry),
+            dict(cache._stats))
 
 
 def check_invariants(cache, live):
+    """Reference counts are the sequences holding each page; every page is
+    held, free or cached, exactly once (no page leaked)."""
     refs = [0] * cache.num_pages
     for s in live:
-        assert len(s.pages) == -(-s.length // cache.page_size)
+        assert len(s.pages) >= -(-s.length // cache.page_size)
         for p in s.pages:
             refs[p] += 1
     assert refs == list(cache._refs)
-    assert sorted(cache._free) == [p for p in range(cache.num_pages) if refs[p] == 0]
+    held = [p for p in range(cache.num_pages) if refs[p]]
+    assert len(set(cache._free)) == len(cache._free) and not set(cache._free) & set(cache._lru)
+    assert sorted(held + list(cache._free) + list(cache._lru)) == list(range(cache.num_pages))
+    assert all(p in cache._entry for p in cache._lru)      # a cached page is indexed
 
 
 def small_cache(num_pages=8, page_size=4, dtype="f16", **kw):
@@ -120,7 +132,7 @@ def make_cache(backend, dtype="f16", **kw):
 def test_prefill_then_decode_matches_model(xp_backend, dtype):
     rng = np.random.default_rng(1)
     cache = make_cache(xp_backend, dtype=dtype)
-    assert cache.k.shape == (8, 4, 2, 8) and cache.v.shape == (8, 4, 2, 4) and cache.dtype == as_dtype(dtype)
+    assert cache.k.shape == (1, 8, 4, 2, 8) and cache.v.shape == (1, 8, 4, 2, 4) and cache.dtype == as_dtype(dtype)
     model = Model()
     a, b = cache.add_sequence(), cache.add_sequence()
     model.add(a)
@@ -195,12 +207,12 @@ def test_fork_isolation_attention_bit_identical(xp_backend):
     table = cache.page_table([parent])
     view = HostPlan.build(table, [7], [7], 4, cache.num_pages).upload(cache.k)   # all 7 tokens as queries
     q = rng.standard_normal((7, 4, 8)).astype(np.float32)
-    before = host(view.attention(device(cache, q), cache.k, cache.v, 0.3, causal=True))
+    before = host(view.attention(device(cache, q), cache.k[0], cache.v[0], 0.3, causal=True))
     _, report, _, _ = step(cache, [child], [2], rng)
     assert [src for src, _ in report.copied_pages] == [parent.pages[-1]]
-    after = host(view.attention(device(cache, q), cache.k, cache.v, 0.3, causal=True))
+    after = host(view.attention(device(cache, q), cache.k[0], cache.v[0], 0.3, causal=True))
     np.testing.assert_array_equal(bits(after), bits(before))
-    exp, _ = reference.paged_attention(q, host(cache.k), host(cache.v), table, [7], [7], 0.3)
+    exp, _ = reference.paged_attention(q, host(cache.k)[0], host(cache.v)[0], table, [7], [7], 0.3)
     atol, rtol = tolerance("f32")
     np.testing.assert_allclose(np.asarray(after, np.float64), exp, atol=atol, rtol=rtol)
 
@@ -231,7 +243,7 @@ def test_exhaustion_changes_nothing():
     step(cache, [a], [10], rng, model)                    # 3 pages, the last half full
     b = cache.fork(a)
     model.fork(a, b)
-    cache.k[cache._free] = np.nan                         # the free page too
+    cache.k[:, cache._free] = np.nan                      # the free page too
     snap = snapshot(cache, [a, b])
     # a: one copy + one new page; b then writes the old page in place + one new page = 3 > 1 free
     with pytest.raises(PagedAttentionError, match=r"out of pages: this step needs 3 page\(s\) \(2 for new tokens, "
@@ -277,9 +289,9 @@ def test_stale_plans_raise_and_write_nothing():
                                                       "fork, free or prepare"):
             cache.append(p, nk, nv)
         with pytest.raises(PagedAttentionError, match="plan: stale"):
-            p.append(nk, nv, cache.k, cache.v)
+            p.append(nk, nv, cache.k[0], cache.v[0])
         with pytest.raises(PagedAttentionError, match="plan: stale"):
-            p.attention(q, cache.k, cache.v, 0.5)
+            p.attention(q, cache.k[0], cache.v[0], 0.5)
         _same(snap, snapshot(cache, [a]))
 
     b = cache.fork(a)                      # the plan's last page is now shared with b
@@ -289,7 +301,7 @@ def test_stale_plans_raise_and_write_nothing():
     plan2, _, _, _ = step(cache, [a], [1], rng, model)
     stale(plan)
     c = cache.add_sequence()               # a new empty sequence moves no page: plan2 stays valid
-    plan2.attention(np.ones((1, 2, 8), np.float32), cache.k, cache.v, 0.5)
+    plan2.attention(np.ones((1, 2, 8), np.float32), cache.k[0], cache.v[0], 0.5)
     cache.free(c)
     stale(plan2)
     model.check(cache, [a, b])
@@ -362,7 +374,7 @@ def test_caches_over_2_32_elements():
     x = big.add_sequence()
     p, _ = big.prepare([x], [3])
     big.append(p, nk[:3], nv[:3])
-    np.testing.assert_array_equal(big.k[p.host.page_table[0, 0], :3], nk[:3])
+    np.testing.assert_array_equal(big.k[0, p.host.page_table[0, 0], :3], nk[:3])
 
 
 def test_freed_pages_are_reused_and_refcounted():
@@ -488,9 +500,9 @@ def test_random_schedule_matches_model(xp_backend, page_size, seed):
             if HAVE_ATTENTION and plan.queries and it % 5 == 0:
                 attention_checks += 1
                 q = rng.standard_normal((plan.queries, 4, 8)).astype(np.float16)
-                out = host(plan.attention(device(cache, q), cache.k, cache.v, 0.35, causal=True))
+                out = host(plan.attention(device(cache, q), cache.k[0], cache.v[0], 0.35, causal=True))
                 h = plan.host
-                exp, _ = reference.paged_attention(q, host(cache.k), host(cache.v), h.page_table, h.kv_lens,
+                exp, _ = reference.paged_attention(q, host(cache.k)[0], host(cache.v)[0], h.page_table, h.kv_lens,
                                                    h.q_lens, 0.35)
                 atol, rtol = tolerance("f16")
                 np.testing.assert_allclose(np.asarray(out, np.float64), exp, atol=atol, rtol=rtol)

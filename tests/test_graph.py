@@ -37,9 +37,9 @@ def test_graph_tokens_equal_eager_and_reference(weights):
     exact, ok = tiny.check_tokens(CFG, weights, PROMPTS, t_graph)
     assert ok, f"tokens {t_graph} disagree with the float64 reference"
     assert exact >= t_graph.size - 1
-    for layer in range(CFG.layers):   # the caches the graph wrote equal the eager ones, bit for bit
-        np.testing.assert_array_equal(m_graph.k_cache[layer], m_eager.k_cache[layer])
-        np.testing.assert_array_equal(m_graph.v_cache[layer], m_eager.v_cache[layer])
+    # the caches the graph wrote equal the eager ones, bit for bit (every layer: one array each)
+    np.testing.assert_array_equal(m_graph.cache.k, m_eager.cache.k)
+    np.testing.assert_array_equal(m_graph.cache.v, m_eager.cache.v)
 
 
 def test_device_scalars_update_with_memsets():
@@ -310,6 +310,6 @@ def test_mla_model_graph_equals_eager_and_non_absorbed_reference():
     np.testing.assert_array_equal(t_graph, t_eager)
     exact, ok = tiny.check_tokens(cfg, w, PROMPTS, t_graph)
     assert ok and exact >= t_graph.size - 1, t_graph
-    assert m_graph.k_cache[0].shape == (40, 4, 1, 24) and m_graph.v_cache[0].shape == (40, 4, 1, 6)
-    for layer in range(cfg.layers):
-        np.testing.assert_array_equal(m_graph.k_cache[layer], m_eager.k_cache[layer])
+    assert m_graph.cache.k.shape == (2, 40, 4, 1, 24) and m_graph.cache.v.shape == (2, 40, 4, 1, 6)
+    np.testing.assert_array_equal(m_graph.cache.k, m_eager.cache.k)
+    np.testing.assert_array_equal(m_graph.cache.v, m_eager.cache.v)

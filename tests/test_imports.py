@@ -17,7 +17,7 @@ LAYERS = [
     ("leaf", ["errors", "layout", "dtypes"]),
     ("runtime", ["_runtime"]),
     ("ops", ["ops"]),
-    ("concepts", ["plan", "cache", "graph"]),
+    ("concepts", ["plan", "cache", "graph", "batch"]),
     ("users", ["testing", "demo", "interop", "tools", "__main__"]),
 ]
 

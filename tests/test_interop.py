@@ -203,7 +203,8 @@ def test_kv_cache(torch):
     nk, nv = new(9), new(9)
     cache.append(plan, torch.from_numpy(nk), torch.from_numpy(nv))
     q = new(9)
-    out = plan.attention(torch.from_numpy(q), cache.k, cache.v, 0.25)
+    assert tuple(cache.k.shape) == (1, 8, 4, 2, 16)
+    out = plan.attention(torch.from_numpy(q), cache.k[0], cache.v[0], 0.25)
     table = cache.page_table([a, b])
     k_ref, v_ref = reference.paged_append(nk, nv, np.zeros((8, 4, 2, 16)), np.zeros((8, 4, 2, 16)), table,
                                           [6, 3], [6, 3])

@@ -147,6 +147,10 @@ def plan_cache(plan, name: str, cache, heads: int | None = None) -> None:
     """``cache`` is a [plan.pages, plan.page_size, heads, D] float array.
     A page's elements must fit 32-bit indexing; the whole cache need not
     (the kernels compute page offsets in 64 bits)."""
+    if getattr(cache, "ndim", 4) == 5:
+        raise PagedAttentionError(
+            f"{name}: expected a 4-D array [pages, page_size, heads, D], got shape {shape_str(cache.shape)} "
+            f"(5-D: a PagedKVCache's layer-major cache; pass one layer, cache.k[layer])")
     float_array(name, cache, 4, total=False)
     u32_size(name, cache.shape[1:])
     exp = (plan.host.pages, plan.host.page_size)

@@ -142,6 +142,17 @@ class Stream:
     def synchronize(self) -> None:
         """Wait for all work issued so far (a no-op on the CPU backend)."""
 
+    def read(self, src) -> np.ndarray:
+        """A host copy of ``src`` once all work issued so far has run: the one
+        call that waits for the device (decode loops read their tokens back
+        with it every k steps). Refused while capturing."""
+        self._check(src=src)
+        if self.capturing:
+            raise PagedAttentionError("stream.read: a device-to-host read cannot be captured")
+        self._foreign_capture()
+        self.synchronize()
+        return np.array(src) if isinstance(src, np.ndarray) else src.get()
+
     # -- helpers ----------------------------------------------------------
     def _check(self, **arrays) -> None:
         backend = _backend.backend_of(**arrays)

@@ -1,11 +1,13 @@
 """A tiny Llama-style decoder built only from cupaged ops, and its float64
 NumPy reference.
 
-RMSNorm, RoPE (rotate-half), GQA attention through the paged cache
-(``DevicePlan.append`` + ``DevicePlan.attention``), SwiGLU MLP, weights
-seeded random. Every step is stream work on preallocated buffers, so one
-decode step can be captured into a graph on either backend. Used by the
-decode-graph tests and by ``python -m cupaged demo``.
+RMSNorm, RoPE (rotate-half), GQA attention through the page manager (one
+layered ``PagedKVCache``: ``cache.append`` + ``DevicePlan.attention``), SwiGLU
+MLP, weights seeded random. Every step is stream work on preallocated
+buffers, so one decode step can be captured into a graph on either backend.
+``generate`` prefills through ``cache.prepare`` and decodes through a
+cache-driven ``PagedDecodeLoop``. Used by the decode-graph tests and by
+``python -m cupaged demo``.
 """
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ import math
 import numpy as np
 
 from .._runtime import stream_for, xp_of
+from ..cache import PagedKVCache
 from ..graph import PagedDecodeLoop
 from ..layout import metadata_offsets
 from ..ops import layers
 from ..ops.sampling import argmax_into
-from ..plan import DevicePlan, HostPlan
-from ..testing import random_page_table, reference
+from ..plan import DevicePlan
+from ..testing import reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +153,11 @@ def _block_diag(blocks) -> np.ndarray:
 
 
 class TinyModel:
-    """The tiny decoder on one backend: weights, a paged KV cache per layer
-    ([num_pages, page_size, kv_heads, head_dim] each) and activation buffers
-    for up to ``max_rows`` queries per step, all allocated here, once.
+    """The tiny decoder on one backend: weights, its page manager ``cache`` (a
+    PagedKVCache of ``cfg.layers`` layers: ``cache.k`` [layers, num_pages,
+    page_size, kv_heads, head_dim]; for MLA the latent [.., 1, latent_dim] and
+    rotary [.., 1, rope_dim] caches) and activation buffers for up to
+    ``max_rows`` queries per step, all allocated here, once.
 
     ``forward(plan, tokens, logits)`` issues one step's stream work for the
     plan's packed queries: tokens int64 [>= queries] (device), logits
@@ -178,13 +183,13 @@ class TinyModel:
                   "layers": [{k: dev(v) for k, v in lw.items()} for lw in host_layers]}
         cos, sin = rope_tables(cfg)
         self.cos, self.sin = dev(cos, np.float32), dev(sin, np.float32)
-        if cfg.mla:   # k_cache: the latent [pages, ps, 1, R]; v_cache: the rotated k_pos [pages, ps, 1, P]
-            k_shape = (num_pages, page_size, 1, cfg.latent_dim)
-            v_shape = (num_pages, page_size, 1, cfg.rope_dim)
+        if cfg.mla:   # k: the latent [.., pages, ps, 1, R]; v: the rotated k_pos [.., pages, ps, 1, P]
+            heads, d, dv = 1, cfg.latent_dim, cfg.rope_dim
         else:
-            k_shape = v_shape = (num_pages, page_size, cfg.kv_heads, cfg.head_dim)
-        self.k_cache = [xp.zeros(k_shape, self.dtype) for _ in range(cfg.layers)]
-        self.v_cache = [xp.zeros(v_shape, self.dtype) for _ in range(cfg.layers)]
+            heads, d, dv = cfg.kv_heads, cfg.head_dim, cfg.head_dim
+        self.cache = PagedKVCache(num_pages, page_size, heads, d, self.dtype, layers=cfg.layers, value_dim=dv,
+                                  like=like)
+        self._live: list = []      # the sequences of the last generate
         r, hd = max_rows, cfg.head_dim
         self.max_rows = r
         self.x = xp.zeros((r, cfg.hidden), self.dtype)
@@ -236,9 +241,8 @@ class TinyModel:
         layers.linear(h, lw["wv"], v.reshape(n, -1))
         layers.rope(q, positions, self.cos, self.sin)
         layers.rope(k, positions, self.cos, self.sin)
-        plan.append(k, v, self.k_cache[li], self.v_cache[li])
-        plan.attention(q, self.k_cache[li], self.v_cache[li], self.scale, True, out=attn,
-                       workspace=workspace)
+        self.cache.append(plan, k, v, layer=li)
+        plan.attention(q, self.cache.k[li], self.cache.v[li], self.scale, True, out=attn, workspace=workspace)
         layers.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)
 
     def _mla(self, plan, li, lw, h, positions, n, workspace) -> None:
@@ -256,8 +260,8 @@ class TinyModel:
         layers.linear(h, lw["w_qr"], qr.reshape(n, -1))
         layers.rope(qr, positions, self.cos, self.sin)
         layers.linear(qn, lw["w_uk_bd"], qa.reshape(n, -1))
-        plan.append(lat, kr, self.k_cache[li], self.v_cache[li])
-        plan.mla(qa, qr, self.k_cache[li], self.v_cache[li], self.scale, True, out=ol, workspace=workspace)
+        self.cache.append(plan, lat, kr, layer=li)
+        plan.mla(qa, qr, self.cache.k[li], self.cache.v[li], self.scale, True, out=ol, workspace=workspace)
         layers.linear(ol.reshape(n, -1), lw["w_uv_bd"], vo)
         layers.linear(vo, lw["wo"], x, accumulate=True)
 
@@ -265,21 +269,27 @@ class TinyModel:
         return stream_for(self.like)
 
 
-def generate(model: TinyModel, prompts, new_tokens: int, *, chunk: int = 16, graph: bool = True,
-             seed: int = 0, on_step=None):
-    """Greedy generation for a batch of prompts of different lengths.
+def generate(model: TinyModel, prompts, new_tokens: int, *, chunk: int = 16, graph: bool = True, on_step=None):
+    """Greedy generation for a batch of prompts of different lengths, through
+    the model's page manager.
 
-    Prefill in chunks of at most ``chunk`` tokens per sequence (eager stream
-    work, one plan per chunk), then ``new_tokens - 1`` decode steps through
-    a PagedDecodeLoop (one graph launch per token when ``graph``). Returns
-    (tokens int64 [B, new_tokens] on the host, the decode loop). The only
-    host readback is the token history at the end.
+    Sequences of ``model.cache`` (those of an earlier generate are freed
+    first); prefill in chunks of at most ``chunk`` tokens per sequence (eager
+    stream work, one ``cache.prepare`` plan per chunk), then ``new_tokens -
+    1`` decode steps through a cache-driven PagedDecodeLoop over
+    ``cache.prepare(seqs, 1, reserve=new_tokens - 1)`` (one graph launch per
+    token when ``graph``; one step to spare). Returns (tokens int64 [B,
+    new_tokens] on the host, the decode loop, whose ``seqs`` are the
+    sequences). The only host readback is the token history at the end.
     """
-    xp, like, ps = model.xp, model.like, model.page_size
+    xp, like = model.xp, model.like
+    cache = model.cache
+    for s in model._live:
+        if s.alive:
+            cache.free(s)
     B = len(prompts)
     plens = np.array([len(p) for p in prompts], np.int64)
-    total = plens + new_tokens
-    table = random_page_table(np.random.default_rng(seed), total, ps, model.num_pages)
+    seqs = model._live = [cache.add_sequence(tokens=p) for p in prompts]
     stream = stream_for(like)
     logits = xp.zeros((model.max_rows, model.cfg.vocab), model.dtype)
     best = xp.zeros(model.max_rows, np.int64)
@@ -291,7 +301,7 @@ def generate(model: TinyModel, prompts, new_tokens: int, *, chunk: int = 16, gra
     while (done < plens).any():
         q_lens = np.minimum(chunk, plens - done)
         kv = done + q_lens
-        plan = HostPlan.build(table, kv, q_lens, ps, model.num_pages).upload(like)
+        plan, _ = cache.prepare(seqs, q_lens)
         toks = np.concatenate([np.asarray(prompts[s][done[s]:kv[s]], np.int64) for s in range(B)])
         tok_dev = xp.asarray(toks)
         model.forward(plan, tok_dev, logits)
@@ -303,9 +313,9 @@ def generate(model: TinyModel, prompts, new_tokens: int, *, chunk: int = 16, gra
         done = kv
     stream.copy(history, next_token, nbytes=8 * B)
     # ---- decode: step i feeds token i at position plen + i - 1
-    plan = HostPlan.build(table, plens + 1, np.ones(B, np.int64), ps, model.num_pages).upload(like)
+    plan, _ = cache.prepare(seqs, 1, reserve=new_tokens - 1)
     loop = PagedDecodeLoop(lambda p: (model.forward(p, token_buf, logits), logits[:B])[1], plan,
-                           token_buf=token_buf, next_token=next_token, graph=graph)
+                           token_buf=token_buf, next_token=next_token, cache=cache, graph=graph)
     for i in range(1, new_tokens):
         loop.advance()
         stream.copy(history, next_token, nbytes=8 * B, dst_offset=8 * B * i)

@@ -398,18 +398,21 @@ def _dtype_name(dtype):
 
 
 class TorchKVCache:
-    """``PagedKVCache`` with torch views of its caches: ``k`` [num_pages,
-    page_size, kv_heads, head_dim] and ``v`` [num_pages, page_size, kv_heads,
-    value_dim] (zero-copy views of ``cache.k``/``cache.v``) on the device of
-    ``like`` (a tensor or array; None: CPU). ``dtype``: a torch dtype or a
-    name. ``prepare`` returns a TorchPlan; other attributes are the
-    PagedKVCache's (``add_sequence``, ``fork``, ``free``, ``page_table`` ...)."""
+    """``PagedKVCache`` with torch views of its caches: ``k`` [layers,
+    num_pages, page_size, kv_heads, head_dim] and ``v`` [layers, num_pages,
+    page_size, kv_heads, value_dim] (zero-copy views of ``cache.k``/``cache.v``;
+    ``k[layer]`` is one layer's cache, what ``TorchPlan.attention`` takes) on
+    the device of ``like`` (a tensor or array; None: CPU). ``dtype``: a torch
+    dtype or a name. ``prepare`` returns a TorchPlan; other attributes are the
+    PagedKVCache's (``add_sequence``, ``fork``, ``free``, ``reserve``,
+    ``page_table``, ``stats`` ...)."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, *,
-                 value_dim: int | None = None, like=None):
+                 layers: int = 1, value_dim: int | None = None, like=None, prefix_cache: bool = False):
         with _context([like]):
-            self.cache = PagedKVCache(num_pages, page_size, kv_heads, head_dim, _dtype_name(dtype),
-                                      value_dim=value_dim, like=None if like is None else as_array(like, "like"))
+            self.cache = PagedKVCache(num_pages, page_size, kv_heads, head_dim, _dtype_name(dtype), layers=layers,
+                                      value_dim=value_dim, like=None if like is None else as_array(like, "like"),
+                                      prefix_cache=prefix_cache)
             self.k, self.v = as_torch(self.cache.k), as_torch(self.cache.v)
 
     def __getattr__(self, name):
@@ -420,16 +423,20 @@ class TorchKVCache:
     def __repr__(self) -> str:
         return f"TorchKVCache({self.cache!r})"
 
-    def prepare(self, seqs, new_tokens):
+    def prepare(self, seqs, new_tokens, *, reserve=0):
         """``PagedKVCache.prepare``; returns (TorchPlan, StepReport)."""
         with _context([self.k]):
-            plan, report = self.cache.prepare(seqs, new_tokens)
+            plan, report = self.cache.prepare(seqs, new_tokens, reserve=reserve)
         return TorchPlan(plan), report
 
-    def append(self, plan: TorchPlan, new_k, new_v) -> None:
-        """``plan.append(new_k, new_v, self.k, self.v)``."""
+    def append(self, plan: TorchPlan, new_k, new_v, *, layer: int = 0) -> None:
+        """``PagedKVCache.append``: layer ``layer``'s new rows, new_k
+        [queries, Hkv, D] and new_v [queries, Hkv, Dv] (tensors)."""
         plan = plan if isinstance(plan, TorchPlan) else TorchPlan(plan)
-        plan.append(new_k, new_v, self.k, self.v)
+        _check_operands(dict(k_cache=self.k, v_cache=self.v), dict(new_k=new_k, new_v=new_v))
+        with plan._context():
+            nk, nv = _views(dict(new_k=new_k, new_v=new_v)).values()
+            self.cache.append(plan.plan, nk, nv, layer=layer)
 
 
 # ---------------------------------------------------------------------------

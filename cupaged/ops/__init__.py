@@ -6,12 +6,13 @@ launch on a stream; none allocates on a hot path or synchronizes.
 
 * ``attention``: paged attention and MLA (decode, chunked prefill, split-KV)
 * ``append``: writing K/V rows into pages; copying pages
+* ``slots``: engine-level writes by slot mapping and page copies (vLLM semantics)
 * ``advance``: moving a plan forward on the device (decode graphs)
 * ``sampling``: argmax over logits
 * ``layers``: embedding, RMSNorm, linear, RoPE, SwiGLU
 """
 from __future__ import annotations
 
-from . import advance, append, attention, layers, sampling
+from . import advance, append, attention, layers, sampling, slots
 
-__all__ = ["advance", "append", "attention", "layers", "sampling"]
+__all__ = ["advance", "append", "attention", "layers", "sampling", "slots"]

@@ -3,8 +3,11 @@
 
 ``append(plan, new_k, new_v, k_cache, v_cache)`` writes each packed query's
 new key/value row into the slot of its absolute position (one launch of
-``paged_append``); ``copy_pages`` copies whole pages of both caches (one
-launch of ``copy_pages``), for copy-on-write. Layout: ``docs/layout.md``.
+``paged_append``); ``copy_pages`` copies whole pages of both caches in every
+layer (one launch of ``copy_pages``), for copy-on-write;
+``launch_write_slots`` writes rows by an explicit slot mapping. The checked
+engine-level forms of the last two are ``cupaged.ops.slots``. Layout:
+``docs/layout.md``.
 """
 from __future__ import annotations
 
@@ -94,9 +97,7 @@ def append(plan, new_k, new_v, k_cache, v_cache) -> None:
     row_k, row_v = hkv * d * esize, hkv * dv * esize
     w = unit_bytes(row_k, row_v, *(address(a) for a in (new_k, new_v, k_cache, v_cache)))
     units_k, units_v = row_k // w, row_v // w
-    # Lanes per query: enough for two units each; queries per block fill 256 threads.
-    bx = min(128, max(32, 32 * math.ceil((units_k + units_v) / 64)))
-    by = max(1, _BLOCK_THREADS // bx)
+    bx, by = row_block(units_k, units_v)
     kernel = get_kernel(new_k, "append", "paged_append", {"CP_VEC_BYTES": w})
     plan.stream.launch(kernel, (math.ceil(host.queries / by),), (bx, by),
                        (new_k, new_v, k_cache, v_cache, plan.words, np.uint32(host.queries),
@@ -106,17 +107,49 @@ def append(plan, new_k, new_v, k_cache, v_cache) -> None:
 
 def copy_pages(stream, k_cache, v_cache, pairs_dev, num_pairs: int) -> None:
     """One launch of ``copy_pages``: page ``pairs[i, 0]`` of both caches to
-    page ``pairs[i, 1]``. pairs_dev: uint32 [num_pairs, 2] on the caches'
-    device, written in stream order. No allocation, no synchronization."""
+    page ``pairs[i, 1]``, in every layer. k_cache [pages, page_size, Hkv, D]
+    or layer-major [layers, pages, page_size, Hkv, D] (v_cache alike, its own
+    last dim); pairs_dev: uint32 [num_pairs, 2] on the caches' device, written
+    in stream order. The checked public form is ``cupaged.copy_pages``. No
+    allocation, no synchronization."""
     if num_pairs == 0:
         return
+    layers, pages = (1, int(k_cache.shape[0])) if k_cache.ndim == 4 else (int(k_cache.shape[0]),
+                                                                           int(k_cache.shape[1]))
     esize = k_cache.itemsize
-    page_k = int(np.prod(k_cache.shape[1:])) * esize
-    page_v = int(np.prod(v_cache.shape[1:])) * esize
+    page_k = int(np.prod(k_cache.shape[-3:])) * esize
+    page_v = int(np.prod(v_cache.shape[-3:])) * esize
     w = unit_bytes(page_k, page_v, address(k_cache), address(v_cache))
     units = (page_k + page_v) // w
     chunks = max(1, min(_MAX_GRID_Y, math.ceil(units / (2 * _BLOCK_THREADS))))
     kernel = get_kernel(k_cache, "append", "copy_pages", {"CP_VEC_BYTES": w})
-    stream.launch(kernel, (num_pairs, chunks), (_BLOCK_THREADS,),
-                  (k_cache, v_cache, pairs_dev, np.uint32(num_pairs), np.uint32(k_cache.shape[0]),
+    stream.launch(kernel, (num_pairs, chunks, min(layers, _MAX_GRID_Y)), (_BLOCK_THREADS,),
+                  (k_cache, v_cache, pairs_dev, np.uint32(num_pairs), np.uint32(pages), np.uint32(layers),
                    np.uint32(page_k // w), np.uint32(page_v // w)))
+
+
+def row_block(units_k: int, units_v: int) -> tuple[int, int]:
+    """(bx, by) of a row-copy launch (paged_append, write_slots): enough lanes
+    per row for two units each; rows per block fill 256 threads."""
+    bx = min(128, max(32, 32 * math.ceil((units_k + units_v) / 64)))
+    return bx, max(1, _BLOCK_THREADS // bx)
+
+
+def launch_write_slots(stream, new_k, new_v, k_cache, v_cache, slots_dev, tokens: int) -> None:
+    """One launch of ``write_slots`` (checked public form:
+    ``cupaged.write_slots``): row t of new_k / new_v to slot slots_dev[t]
+    (int64) of the [pages, page_size, Hkv, D] caches; slots outside
+    0 .. pages * page_size - 1 are skipped on the device."""
+    if tokens == 0:
+        return
+    esize = k_cache.itemsize
+    row_k = int(np.prod(k_cache.shape[2:])) * esize
+    row_v = int(np.prod(v_cache.shape[2:])) * esize
+    w = unit_bytes(row_k, row_v, *(address(a) for a in (new_k, new_v, k_cache, v_cache)))
+    units_k, units_v = row_k // w, row_v // w
+    bx, by = row_block(units_k, units_v)
+    kernel = get_kernel(new_k, "append", "write_slots", {"CP_VEC_BYTES": w})
+    stream.launch(kernel, (math.ceil(tokens / by),), (bx, by),
+                  (new_k, new_v, k_cache, v_cache, slots_dev, np.uint32(tokens),
+                   np.uint64(int(k_cache.shape[0]) * int(k_cache.shape[1])), np.uint32(units_k),
+                   np.uint32(units_v)))

@@ -1,0 +1,429 @@
+"""Continuous batching on captured decode graphs: ``DecodeBatch``.
+
+A decode graph is captured once per batch bucket (1, 2, 4, ... up to
+``max_batch``, as vLLM pads batch sizes) over a plan on stable buffers
+(``HostPlan.slots``): B slots of one query each and a page table of a fixed
+width. Sequences join and leave slots between launches by stream-ordered
+updates of those words (``Stream.copy_from_host`` of a host staging copy
+that lives until the copy ran, ``memset_d32``), never by recapture; an empty
+slot is a padded entry (kv_len word 0) that reads and writes nothing.
+
+Inside the graph, after the user's step and the argmax, ``advance_slots``
+records every slot's token in a device ring, finishes a slot whose token is a
+stop id or whose length reaches its limit (it stops advancing on the
+device), and advances the others. The host reads the ring back every k
+launches (``readback``, the one synchronization), learns which sequences
+finished and at which step, and corrects their lengths. Pages for the next
+k steps are reserved through the page manager (``PagedKVCache.reserve``) and
+the changed page-table rows reach the words by stream-ordered copies.
+
+Layout and rules: docs/layout.md, "Decode graphs".
+
+    batch = DecodeBatch(cache, step, token_buf=tok, next_token=nxt, max_batch=8, max_len=512,
+                        stop_ids=[eos], readback_every=8)
+    batch.join(seq, first_token)           # a prefilled sequence and the token it feeds first
+    for _ in range(8):
+        batch.advance()                    # one copy + one graph launch, no host data
+    out = batch.readback()                 # {seq: [tokens]}, which finished and why
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import layout
+from ._runtime import array_backend, check_not_capturing, checks, stream_for, zeros
+from .cache import PagedKVCache, Sequence
+from .errors import PagedAttentionError
+from .graph import _token_buffer, capture_graph, seed_tokens
+from .layout import MAX_VISIBLE_LEN, metadata_offsets
+from .ops.advance import SlotBuffers, advance_slots
+from .ops.sampling import argmax_into
+from .plan import DevicePlan, HostPlan
+
+#: Finish reasons by ``layout.FINISH_*`` code.
+REASONS = {layout.FINISH_STOP: "stop", layout.FINISH_MAX_LEN: "max_len", layout.FINISH_NO_ROOM: "no_room"}
+
+
+def default_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below ``max_batch``, then ``max_batch``."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return tuple(out + [max_batch])
+
+
+@dataclass
+class Readback:
+    """What ``DecodeBatch.readback`` learned: ``tokens`` maps each sequence
+    that generated since the last readback to its new tokens in order (a
+    first token that joined from the device comes first); ``finished`` maps
+    each sequence that finished to ``"stop"``, ``"max_len"`` or
+    ``"no_room"`` (it has left the batch); ``steps``: launches covered."""
+
+    tokens: dict = field(default_factory=dict)
+    finished: dict = field(default_factory=dict)
+    steps: int = 0
+
+
+class _Slot:
+    """Host view of one occupied slot."""
+
+    __slots__ = ("seq", "max_len", "start", "len0", "written0", "first_on_device", "done")
+
+    def __init__(self, seq, max_len, start, first_on_device):
+        self.seq, self.max_len, self.start = seq, max_len, start
+        self.len0 = seq.length          # prepared length at the start of this round
+        self.written0 = seq.length - 1  # tokens written at the start of this round
+        self.first_on_device = first_on_device
+        self.done = False               # the host knows it finishes (its max_len)
+
+
+class DecodeBatch:
+    """Greedy decode of a changing set of sequences of ``cache``, one graph
+    launch per token, one capture per batch bucket.
+
+    ``step(plan)`` issues one decode step's stream work for ``plan`` (a
+    stable slot plan of B = plan.sequences slots; B is a bucket): embedding of
+    ``token_buf[:B]``, every layer's ``cache.append(plan, k, v, layer=l)`` and
+    ``plan.attention(q, cache.k[l], cache.v[l], ...)``, and returns logits
+    [B, vocab]. It runs under capture once per bucket (``graph=True``) or on
+    every launch (``graph=False``).
+
+    token_buf, next_token: int64 [max_batch] device buffers (the step reads
+    token_buf; the argmax writes next_token; ``advance`` copies one to the
+    other first). max_batch: slots. max_len: the longest a sequence may get
+    (its tokens, the generated ones included); the page-table width is
+    ceil(max_len / page_size) and it is each slot's default length limit.
+    stop_ids: tokens that end a sequence. readback_every (k): launches
+    between readbacks (the ring's rows). buckets: batch sizes with a graph
+    each (default 1, 2, 4, ..., max_batch).
+
+    ``captures`` counts this batch's captures (at most one per bucket);
+    ``launches`` its launches. Hot paths (advance, join, leave) allocate
+    nothing on the device and never synchronize; ``readback`` is the one
+    synchronization.
+    """
+
+    def __init__(self, cache: PagedKVCache, step, *, token_buf, next_token, max_batch: int, max_len: int,
+                 stop_ids=(), readback_every: int = 8, buckets=None, graph: bool = True):
+        if not isinstance(cache, PagedKVCache):
+            raise PagedAttentionError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
+        self.cache = cache
+        self.max_batch = checks.host_int("max_batch", max_batch, 1, 1024)
+        self.max_len = checks.host_int("max_len", max_len, 2, MAX_VISIBLE_LEN)
+        self.k = checks.host_int("readback_every", readback_every, 1, 1 << 16)
+        self.graph = checks.boolean("graph", graph)
+        _token_buffer("token_buf", token_buf)
+        _token_buffer("next_token", next_token)
+        for name, b in (("token_buf", token_buf), ("next_token", next_token)):
+            checks.shape_is(name, b, (self.max_batch,))
+            if array_backend(b) != cache.backend:
+                raise PagedAttentionError(f"{name}: expected an array of the cache's {cache.backend} backend")
+        self.token_buf, self.next_token = token_buf, next_token
+        bs = default_buckets(self.max_batch) if buckets is None else \
+            tuple(sorted({int(b) for b in checks.host_int_array("buckets", buckets, 1)}))
+        if not bs or bs[0] < 1 or bs[-1] != self.max_batch:
+            raise PagedAttentionError(f"buckets: expected batch sizes in 1..{self.max_batch} ending at max_batch, "
+                                      f"got {list(bs)}")
+        self.buckets = bs
+        self.stream = stream_for(cache.k)
+        check_not_capturing(self.stream, "DecodeBatch")
+        self.table_width = -(-self.max_len // cache.page_size)
+        self.slots = SlotBuffers(cache.k, self.max_batch, stop_ids=stop_ids, ring_rows=self.k)
+        self.first = zeros(cache.k, self.max_batch, np.int64)
+        self._plans: dict[int, DevicePlan] = {}
+        self._writes = {}
+        for b in bs:
+            plan = HostPlan.slots(b, self.table_width, cache.page_size, cache.num_pages).upload(cache.k)
+            self._plans[b] = plan
+            self._writes[b] = cache._track(plan)
+        self._graphs: dict = {}
+        self._step = step
+        self._slot: list[_Slot | None] = [None] * self.max_batch
+        self._bucket = bs[0]
+        self.launches = 0
+        self._read_at = 0
+        self.captures = 0
+        self._appends_all = True     # every launch so far appended every layer (prefix index)
+        self._row = np.empty(self.table_width, np.uint32)      # host staging of one page-table row
+
+    # -- queries ------------------------------------------------------------
+    @property
+    def bucket(self) -> int:
+        """The batch size of the graph the next launch replays."""
+        return self._bucket
+
+    @property
+    def members(self) -> tuple[Sequence, ...]:
+        return tuple(s.seq for s in self._slot if s is not None)
+
+    def slot_of(self, seq: Sequence) -> int:
+        for i, s in enumerate(self._slot):
+            if s is not None and s.seq is seq:
+                return i
+        raise PagedAttentionError(f"seq: sequence {getattr(seq, 'id', seq)} is not in this batch")
+
+    def plan(self, bucket: int | None = None) -> DevicePlan:
+        """The stable plan of ``bucket`` (default: the current one)."""
+        return self._plans[self._bucket if bucket is None else bucket]
+
+    # -- membership -----------------------------------------------------------
+    def join(self, seq: Sequence, token, *, max_len: int | None = None) -> int:
+        """Put ``seq`` (prefilled: ``seq.length`` tokens written) into the
+        lowest free slot, feeding ``token`` first at position ``seq.length``:
+        an int (set on the device with memsets) or a 1-element int64 device
+        array (copied on the device, e.g. the prefill's argmax; the host
+        learns it at the next readback). ``max_len``: this sequence's length
+        limit (at most the batch's). Reserves its pages for the next k steps
+        (copying a shared last page); the bucket grows when the slot needs it.
+        Returns the slot. Raises (changing nothing) when the batch is full,
+        out of pages, or the sequence is too long."""
+        self.cache._check_seqs([seq], "seq")
+        if seq._batch is not None:
+            raise PagedAttentionError(f"seq: sequence {seq.id} is already in a DecodeBatch")
+        limit = self.max_len if max_len is None else checks.host_int("max_len", max_len, 2, self.max_len)
+        L = seq.length
+        if L + 1 >= limit:
+            raise PagedAttentionError(f"max_len: sequence {seq.id} holds {L} tokens and feeds one more; expected "
+                                      f"a limit above {L + 1}, got {limit}")
+        device_token = not isinstance(token, (int, np.integer)) or isinstance(token, bool)
+        if device_token:
+            if array_backend(token) is None or str(token.dtype) != "int64" or token.size != 1:
+                raise PagedAttentionError(f"token: expected an int or a 1-element int64 array, got "
+                                          f"{type(token).__name__}")
+            checks.plan_arrays(self._plans[self._bucket], token=token)
+        try:
+            slot = self._slot.index(None)
+        except ValueError:
+            raise PagedAttentionError(f"seq: the batch is full ({self.max_batch} slots)") from None
+        target = self._target(L + 1, limit)            # positions L .. target - 1 in its own pages
+        if -(-target // self.cache.page_size) > self.table_width:
+            raise PagedAttentionError(f"seq: sequence {seq.id} needs more than {self.table_width} pages "
+                                      f"(max_len {self.max_len})")
+        self.cache.reserve([seq], max(0, target - L))  # may raise: nothing changed
+        if slot >= self._bucket:
+            self._switch(self._bucket_for(slot + 1))
+        seq._batch = self
+        seq.length = L + 1                             # the fed token is prepared (docs/layout.md)
+        self._slot[slot] = _Slot(seq, limit, self.launches, device_token)
+        if device_token:
+            self.stream.copy(self.next_token, token, nbytes=8, dst_offset=8 * slot)
+            self.stream.copy(self.first, token, nbytes=8, dst_offset=8 * slot)
+        else:
+            seed_tokens(self.next_token[slot:slot + 1], [int(token)])
+            if len(seq._tokens) == L:
+                seq._tokens.append(int(token))
+        self._write_slot(slot, seq, limit)
+        return slot
+
+    def leave(self, seq: Sequence) -> None:
+        """Take ``seq`` out of its slot (the slot becomes padded on the
+        device). Only right after ``readback()`` (its length is then known):
+        the token it would have fed next is not written, so ``seq.length``
+        drops it and ``cache.prepare(seq, 1)`` or a later ``join`` feeds it."""
+        slot = self.slot_of(seq)
+        if self.launches != self._read_at:
+            raise PagedAttentionError("leave: the batch ran since its last readback(); call readback() first so "
+                                      "the sequence's length and tokens are known")
+        self._release(slot)
+        seq.length -= 1
+        self._compact()
+
+    # -- running --------------------------------------------------------------
+    def advance(self) -> None:
+        """One decode step of every occupied slot: reserve pages where a
+        slot's next write needs one (raises, launching nothing, when out of
+        pages), copy next_token -> token_buf, launch the bucket's graph
+        (captured at its first use). No host data, no synchronization."""
+        live = [i for i, s in enumerate(self._slot) if s is not None and not s.done]
+        if not live:
+            raise PagedAttentionError("advance: no sequence to decode; join one first")
+        if self.launches - self._read_at >= self.k:
+            raise PagedAttentionError(f"advance: {self.k} launches since the last readback fill the token ring; "
+                                      f"call readback() first")
+        short = [i for i in live if self._short(self._slot[i].seq, self._slot[i].max_len)]
+        if short:
+            seqs = [self._slot[i].seq for i in short]
+            need = [self._target(s.length, self._slot[i].max_len) - s.length for i, s in zip(short, seqs)]
+            self.cache.reserve(seqs, need)              # may raise: nothing changed, nothing launched
+            for i in short:
+                self._write_row(i, self._slot[i].seq)
+        b = self._bucket
+        self.stream.copy(self.token_buf, self.next_token, nbytes=8 * b)
+        self._launch(b)
+        self.launches += 1
+        for i in live:
+            s = self._slot[i]
+            if s.seq.length + 1 >= s.max_len:           # the device finishes it at this launch
+                s.done = True
+            else:
+                s.seq.length += 1
+
+    def readback(self) -> Readback:
+        """Read the token ring back (the one synchronization, every k
+        launches or sooner): each sequence's new tokens, which finished (a
+        stop token, its length limit, no room) and at which launch. Finished
+        sequences leave the batch, their lengths exact (the tokens written;
+        the final token is reported, not written); the others' lengths are
+        exact as well. Then the slots are packed and the bucket shrinks."""
+        out = Readback(steps=self.launches - self._read_at)
+        if out.steps == 0:
+            return out
+        ring = self.stream.read(self.slots.ring)
+        words = self.stream.read(self.slots.words)
+        first = self.stream.read(self.first) if any(s is not None and s.first_on_device for s in self._slot) \
+            else None
+        stride = self.max_batch
+        for i, s in enumerate(self._slot):
+            if s is None:
+                continue
+            active = words[layout.SLOT_ACTIVE * stride + i]
+            end = self.launches
+            reason = None
+            if not active:
+                end = int(words[layout.SLOT_DONE_AT * stride + i]) + 1
+                reason = REASONS.get(int(words[layout.SLOT_REASON * stride + i]), "stop")
+            toks = [int(ring[t % self.k, i]) for t in range(s.start, end)]
+            if s.first_on_device:
+                ft = int(first[i])
+                if len(s.seq._tokens) == s.written0:
+                    s.seq._tokens.append(ft)
+                toks.insert(0, ft)
+                s.first_on_device = False
+            m = end - s.start
+            seq = s.seq
+            seq.length = s.len0 + m - (1 if reason else 0)
+            if len(seq._tokens) == s.len0:
+                seq._tokens.extend(toks[-m:] if m else [])
+            written = seq.length if reason else seq.length - 1
+            if self._appends_all:
+                self.cache._wrote(seq, s.written0, written)
+            else:
+                self.cache._index_pages(seq)
+            if toks:
+                out.tokens[seq] = toks
+            if reason:
+                out.finished[seq] = reason
+                self._release(i)
+            else:
+                s.start, s.len0, s.written0 = self.launches, seq.length, written
+        self._read_at = self.launches
+        self._compact()
+        return out
+
+    # -- internals ------------------------------------------------------------
+    def _target(self, length: int, limit: int) -> int:
+        """Tokens a slot of prepared ``length`` (its next launch writes
+        position length - 1) should hold pages for: this launch's write and
+        the next k - 1, plus the one after, which the advance kernel needs
+        room for at the end of the launch, never past the last position its
+        limit lets it write (limit - 2)."""
+        return max(length, min(length + self.k, limit - 1))
+
+    @staticmethod
+    def _short(seq: Sequence, limit: int) -> bool:
+        """The slot's next launch needs a page it does not hold: room to
+        write position length - 1 and to advance past it (unless its limit
+        finishes it there)."""
+        return seq.capacity < min(seq.length + 1, limit - 1)
+
+    def _bucket_for(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _words(self, bucket: int | None = None):
+        plan = self._plans[self._bucket if bucket is None else bucket]
+        return plan, metadata_offsets(plan.host.queries, plan.host.sequences)
+
+    def _write_row(self, slot: int, seq: Sequence) -> None:
+        """Stream-ordered: the slot's page-table row and its cap."""
+        plan, off = self._words()
+        row = self._row
+        row[:] = layout.NO_PAGE
+        row[:len(seq._pages)] = seq._pages
+        self.stream.copy_from_host(plan.words, row, dst_offset=4 * (off["page_table"] + slot * self.table_width))
+        self.slots.set(slot, layout.SLOT_CAP, seq.capacity)
+
+    def _write_slot(self, slot: int, seq: Sequence, limit: int) -> None:
+        """Stream-ordered: every word of a slot that (re)starts with ``seq``
+        at its prepared length (kv_len = length, q_pos = length - 1)."""
+        plan, off = self._words()
+        self._write_row(slot, seq)
+        self.stream.memset_d32(plan.words, seq.length - 1, count=1, offset_bytes=4 * (off["q_pos"] + slot))
+        self.stream.memset_d32(plan.words, seq.length, count=1, offset_bytes=4 * (off["kv_len"] + slot))
+        self.slots.set(slot, layout.SLOT_MAX_LEN, limit)
+        self.slots.set(slot, layout.SLOT_DONE_AT, 0)
+        self.slots.set(slot, layout.SLOT_REASON, 0)
+        self.slots.set(slot, layout.SLOT_ACTIVE, 1)
+
+    def _release(self, slot: int) -> None:
+        """Pad the slot on the device; the host forgets it."""
+        plan, off = self._words()
+        self.stream.memset_d32(plan.words, 0, count=1, offset_bytes=4 * (off["kv_len"] + slot))
+        self.slots.set(slot, layout.SLOT_ACTIVE, 0)
+        self._slot[slot].seq._batch = None
+        self._slot[slot] = None
+
+    def _compact(self) -> None:
+        """At a readback boundary: move the highest occupied slots into the
+        lowest free ones (the host knows their state exactly; the token each
+        feeds next moves on the device), then shrink the bucket."""
+        while True:
+            used = [i for i, s in enumerate(self._slot) if s is not None]
+            free = [i for i, s in enumerate(self._slot) if s is None]
+            if not used or not free or free[0] > used[-1]:
+                break
+            src, dst = used[-1], free[0]
+            s = self._slot[src]
+            for buf in (self.next_token, self.first):
+                self.stream.copy(buf, buf, nbytes=8, dst_offset=8 * dst, src_offset=8 * src)
+            self._slot[dst] = s
+            self._write_slot(dst, s.seq, s.max_len)
+            plan, off = self._words()
+            self.stream.memset_d32(plan.words, 0, count=1, offset_bytes=4 * (off["kv_len"] + src))
+            self.slots.set(src, layout.SLOT_ACTIVE, 0)
+            self._slot[src] = None
+        used = [i for i, s in enumerate(self._slot) if s is not None]
+        want = self._bucket_for(used[-1] + 1 if used else 1)
+        if want != self._bucket:
+            self._switch(want)
+
+    def _switch(self, bucket: int) -> None:
+        """Make ``bucket`` current: its words take the current words' slots
+        (device-to-device, so state the host has not read yet moves too),
+        its extra slots padded."""
+        old, off_old = self._words()
+        new, off_new = self._words(bucket)
+        m = min(self._bucket, bucket)
+        for name, n in (("kv_len", m), ("q_pos", m), ("page_table", m * self.table_width)):
+            self.stream.copy(new.words, old.words, nbytes=4 * n, dst_offset=4 * off_new[name],
+                             src_offset=4 * off_old[name])
+        if bucket > m:
+            self.stream.memset_d32(new.words, 0, count=bucket - m, offset_bytes=4 * (off_new["kv_len"] + m))
+        self._bucket = bucket
+
+    def _body(self, bucket: int) -> None:
+        plan = self._plans[bucket]
+        logits = self._step(plan)
+        argmax_into(logits, self.next_token[:bucket])
+        advance_slots(plan, self.slots, self.next_token, full_finishes=True)
+
+    def _launch(self, bucket: int) -> None:
+        w = self._writes[bucket]
+        if not self.graph:
+            self._body(bucket)
+            self._appends_all &= len(w.layers) == self.cache.layers
+            return
+        g = self._graphs.get(bucket)
+        if g is None:
+            with capture_graph(self.cache.k) as g:
+                self._body(bucket)
+            self._graphs[bucket] = g
+            self.captures += 1
+        self._appends_all &= len(w.captured) == self.cache.layers
+        g.launch()
+
+
+__all__ = ["DecodeBatch", "Readback", "default_buckets"]
