@@ -412,10 +412,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) paged_attention(const Atten
     }
     __syncthreads();
 
-    // (Sizes as locals: the stores below could alias the parameter struct as
-    // far as the compiler knows, and it would reload every field after them.)
     const bool split = p.splits > 1;
-    const u32 queries = p.queries, q_heads = p.q_heads, write_lse = p.write_lse;
     for (u32 idx = threadIdx.x; idx < kHeads * kRowChunks; idx += kThreads) {
         const u32 g = idx / kRowChunks, chunk = idx - g * kRowChunks;
         const u32 e0 = chunk * kVec;
@@ -443,15 +440,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) paged_attention(const Atten
         const float lse_v = all.lse();   // natural log; -inf when the query (or split) sees nothing
         const u32 h = head0 + g;
         if (split) {
-            const u64 row_out = ((u64)blockIdx.z * queries + qi) * q_heads + h;
+            const u64 row_out = ((u64)blockIdx.z * p.queries + qi) * p.q_heads + h;
             float* po = part_out + row_out * Dv + e0;
 #pragma unroll
             for (u32 i = 0; i < kVec; ++i) po[i] = o[i];
             if (chunk == 0) part_lse[row_out] = lse_v;
         } else {
-            const u64 row_out = (u64)qi * q_heads + h;
+            const u64 row_out = (u64)qi * p.q_heads + h;
             *reinterpret_cast<q_chunk_t*>(out + row_out * Dv + e0) = pack(o);
-            if (chunk == 0 && write_lse) lse[row_out] = lse_v;
+            if (chunk == 0 && p.write_lse) lse[row_out] = lse_v;
         }
     }
 }
