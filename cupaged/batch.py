@@ -203,7 +203,7 @@ class DecodeBatch:
         if -(-target // self.cache.page_size) > self.table_width:
             raise PagedAttentionError(f"seq: sequence {seq.id} needs more than {self.table_width} pages "
                                       f"(max_len {self.max_len})")
-        self.cache.reserve([seq], max(0, target - L))  # may raise: nothing changed
+        self.cache._reserve([seq], max(0, target - L))  # may raise: nothing changed
         if slot >= self._bucket:
             self._switch(self._bucket_for(slot + 1))
         seq._batch = self
@@ -248,7 +248,7 @@ class DecodeBatch:
         if short:
             seqs = [self._slot[i].seq for i in short]
             need = [self._target(s.length, self._slot[i].max_len) - s.length for i, s in zip(short, seqs)]
-            self.cache.reserve(seqs, need)              # may raise: nothing changed, nothing launched
+            self.cache._reserve(seqs, need)              # may raise: nothing changed, nothing launched
             for i in short:
                 self._write_row(i, self._slot[i].seq)
         b = self._bucket

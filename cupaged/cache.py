@@ -385,7 +385,10 @@ class PagedKVCache:
         tokens will write (one launch), without building a plan or changing
         a length. Out of pages: raises PagedAttentionError and changes
         nothing. Like ``prepare``, it makes earlier plans of this cache stale.
-        """
+        (A DecodeBatch reserves for its own sequences.)"""
+        return self._reserve(self._check_step_seqs(seqs), tokens)
+
+    def _reserve(self, seqs, tokens) -> StepReport:
         seqs = self._check_step_seqs(seqs, allow_batch=True)
         reserves = self._per_seq("tokens", tokens, len(seqs))
         pages, pairs, taken, evict = self._grow(seqs, [0] * len(seqs), reserves, "reserve")
@@ -601,7 +604,7 @@ class PagedKVCache:
             raise PagedAttentionError("seqs: expected distinct sequences, got one sequence twice")
         if not allow_batch:
             for i, s in enumerate(seqs):
-                self._check_not_in_batch(s, f"seqs[{i}]", "prepare")
+                self._check_not_in_batch(s, f"seqs[{i}]", "prepare or reserve")
         return seqs
 
     @staticmethod

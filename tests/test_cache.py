@@ -3,13 +3,18 @@ long random schedule checked against a pure-Python model of every sequence's
 tokens (and, when the attention kernels are present, attention over the
 cache against reference.paged_attention)."""
 import importlib.util
+import zlib
 
 import numpy as np
 import pytest
 
+import cupaged
+import cupaged.layout
 from cupaged import CompileError, HostPlan, PagedAttentionError, capture_graph, stream_for
+from cupaged import cache as cache_mod
 from cupaged.cache import PagedKVCache, Sequence
 from cupaged.ops import append as append_op
+from cupaged.ops import layers as cupaged_layers
 from cupaged.ops.append import copy_pages as launch_copy_pages
 from cupaged.testing import as_dtype, reference, tolerance
 
@@ -425,6 +430,19 @@ def test_input_errors():
         PagedKVCache(4, 4, 1, 8, "f16", like=[1.0])
     with pytest.raises(PagedAttentionError, match="k: .* elements exceed 32-bit indexing"):
         PagedKVCache(2, 256, 2**17, 256, "f16")      # one page past 32-bit indexing
+    with pytest.raises(PagedAttentionError, match="layers: expected an int in 1..65535, got 0"):
+        PagedKVCache(4, 4, 1, 8, "f16", layers=0)
+    with pytest.raises(PagedAttentionError, match="prefix_cache: expected True or False, got int 1"):
+        PagedKVCache(4, 4, 1, 8, "f16", prefix_cache=1)
+    with pytest.raises(PagedAttentionError, match=r"reserve\[0\]: expected an int in 0..4294967295, got -2"):
+        cache.prepare([a], 1, reserve=[-2])
+    with pytest.raises(PagedAttentionError, match="tokens: expected an integer array"):
+        cache.add_sequence(tokens=[1.5, 2.0])
+    with pytest.raises(PagedAttentionError, match="layer: expected an int in 0..0, got 1"):
+        cache.append(cache.prepare([a], 0)[0], np.zeros((0, 2, 8), np.float16), np.zeros((0, 2, 4), np.float16),
+                     layer=1)
+    with pytest.raises(PagedAttentionError, match=r"k_cache: expected a 4-D array .* pass one layer, cache.k\[layer\]"):
+        cache.prepare([a], 0)[0].attention(np.zeros((0, 2, 8), np.float16), cache.k, cache.v, 0.5)
     assert a.length == 0 and cache.num_free_pages == 8
 
 
@@ -511,3 +529,475 @@ def test_random_schedule_matches_model(xp_backend, page_size, seed):
     # page size 1: every shared page is full, so nothing is ever copied
     assert (copies > 3 if page_size > 1 else copies == 0) and exhausted >= 1, (copies, exhausted)
     assert attention_checks > 0 or not HAVE_ATTENTION
+
+
+# ---------------------------------------------------------------------------
+# Layers, reservations, prefix reuse
+
+
+def count_launches(monkeypatch, like):
+    """A list that collects the kernel of every launch on like's stream."""
+    stream = stream_for(like)
+    seen = []
+    launch = stream.launch
+    monkeypatch.setattr(stream, "launch", lambda *a, **kw: (seen.append(a[0]), launch(*a, **kw))[1])
+    return seen
+
+
+def test_layers_share_one_table_and_copy_in_one_launch(monkeypatch):
+    rng = np.random.default_rng(21)
+    cache = small_cache(layers=3, dtype="bf16")
+    assert cache.k.shape == (3, 8, 4, 2, 8) and cache.v.shape == (3, 8, 4, 2, 4)
+    for layer in range(3):   # each layer's view is contiguous and inside the one allocation
+        assert cache.k[layer].flags.c_contiguous and cache.k[layer].base is cache.k
+    model = Model()
+    a = cache.add_sequence()
+    model.add(a)
+    step(cache, [a], [6], rng, model)
+    b = cache.fork(a)
+    model.fork(a, b)
+    seen = count_launches(monkeypatch, cache.k)
+    _, report, _, _ = step(cache, [a, b], [1, 3], rng, model)
+    assert len(report.copied_pages) == 1 and report.copied_bytes == 3 * 4 * 2 * (8 + 4) * 2
+    assert len(seen) == 1 + 3             # one copy for every layer, then one append per layer
+    model.check(cache, [a, b])
+    check_invariants(cache, [a, b])
+
+
+def test_reserve_holds_pages_and_copies_what_they_will_write():
+    rng = np.random.default_rng(22)
+    cache = small_cache(num_pages=12, layers=2)
+    model = Model()
+    a = cache.add_sequence()
+    model.add(a)
+    plan, report, _, _ = step(cache, [a], [5], rng, model, reserve=6)    # 5 tokens, pages for 11
+    assert a.length == 5 and len(a.pages) == 3 and a.capacity == 12 and report.allocated_pages == 3
+    assert plan.table_width == 3 and plan.host.page_table[0].tolist() == list(a.pages)
+    b = cache.fork(a)                       # shares the pages holding a's 5 tokens, not a's reserve
+    model.fork(a, b)
+    assert b.pages == a.pages[:2] and cache.ref_count(a.pages[2]) == 1
+    # b reserves without adding tokens: its shared, half-full page 1 is what those tokens write
+    report = cache.reserve([b], 4)
+    assert [src for src, _ in report.copied_pages] == [a.pages[1]] and b.length == 5 and b.capacity == 12
+    model.check(cache, [a, b])
+    # later steps use the reserved pages: nothing allocated, nothing copied
+    _, report, _, _ = step(cache, [a, b], [3, 4], rng, model)
+    assert report.allocated_pages == 0 and report.copied_pages == []
+    model.check(cache, [a, b])
+    check_invariants(cache, [a, b])
+    # exhaustion with a reserve changes nothing
+    snap = snapshot(cache, [a, b])
+    with pytest.raises(PagedAttentionError, match=r"prepare: out of pages: this step needs 10 page\(s\) \(10 for "
+                                                  r"new tokens, 0 to copy shared pages\), 7 of 12 free"):
+        cache.prepare([a], 1, reserve=40)
+    with pytest.raises(PagedAttentionError, match=r"reserve: out of pages"):
+        cache.reserve([a, b], [20, 20])
+    _same(snap, snapshot(cache, [a, b]))
+
+
+def kv_of_prefix(cache, tokens):
+    """Rows a model would compute for ``tokens``: row p of every layer is a
+    function of tokens[0..p] (as in a real model), [layers, n, H, D] / Dv."""
+    n = len(tokens)
+    k = np.empty((cache.layers, n, cache.kv_heads, cache.head_dim), cache.dtype)
+    v = np.empty((cache.layers, n, cache.kv_heads, cache.value_dim), cache.dtype)
+    for p in range(n):
+        r = np.random.default_rng(zlib.crc32(np.asarray(tokens[:p + 1], np.int64).tobytes()))
+        k[:, p] = r.standard_normal(k[:, p].shape)
+        v[:, p] = r.standard_normal(v[:, p].shape)
+    return k, v
+
+
+def prefill(cache, seq, tokens, model=None, layers=None):
+    """prepare + append the rows of tokens[seq.length:]; ``layers``: append
+    only these layers (default all). Returns the plan."""
+    n = len(tokens) - seq.length
+    start = seq.length
+    plan, _ = cache.prepare([seq], [n])
+    k, v = kv_of_prefix(cache, tokens)
+    for layer in (range(cache.layers) if layers is None else layers):
+        cache.append(plan, k[layer, start:], v[layer, start:], layer=layer)
+    if model is not None:
+        model.append([seq], [n], k[:, start:], v[:, start:])
+    return plan
+
+
+def test_prefix_hits_share_written_pages_only():
+    cache = small_cache(num_pages=16, layers=2, prefix_cache=True)
+    model = Model()
+    prompt = [7, 1, 9, 4, 4, 2, 8, 3, 5, 6]                     # 2 full pages of 4 + 2 tokens
+    a = cache.add_sequence(tokens=prompt)
+    model.add(a)
+    assert a.cached_tokens == 0 and cache.stats()["misses"] == 2
+    plan = prefill(cache, a, prompt, model, layers=[0])         # one of two layers written: pending
+    assert cache.stats()["indexed_pages"] == 0
+    b = cache.add_sequence(tokens=prompt + [1])
+    assert b.cached_tokens == 0 and b.pages == ()
+    k, v = kv_of_prefix(cache, prompt)
+    cache.append(plan, k[1], v[1], layer=1)                     # every layer written: indexed
+    assert cache.stats()["indexed_pages"] == 2
+    c = cache.add_sequence(tokens=prompt + [1, 2, 3])
+    model.k[c.id], model.v[c.id] = model.k[a.id][:8], model.v[a.id][:8]
+    assert (c.cached_tokens, c.length, c.pages) == (8, 8, a.pages[:2])
+    assert cache.ref_count(a.pages[0]) == 2 and cache.stats()["hits"] == 2
+    model.check(cache, [a, c])
+    # c prefills only the rest, into its own pages; the shared ones are never copied
+    plan = prefill(cache, c, prompt + [1, 2, 3], model)
+    assert plan.queries == 5 and c.pages[:2] == a.pages[:2]
+    model.check(cache, [a, c])
+    # a whole prompt of full pages hits all but its last page (the last token yields logits)
+    d = cache.add_sequence(tokens=prompt[:8])
+    assert d.cached_tokens == 4
+    cache.free(d)
+    check_invariants(cache, [a, b, c])
+
+
+def test_stale_plans_drop_their_pending_pages():
+    cache = small_cache(num_pages=16, layers=2, prefix_cache=True)
+    prompt = list(range(20, 29))
+    a = cache.add_sequence(tokens=prompt)
+    plan = prefill(cache, a, prompt, layers=[0])
+    b = cache.fork(a)                                            # the plan goes stale before layer 1
+    k, v = kv_of_prefix(cache, prompt)
+    with pytest.raises(PagedAttentionError, match="plan: stale"):
+        cache.append(plan, k[1], v[1], layer=1)
+    assert cache.stats()["indexed_pages"] == 0
+    assert cache.add_sequence(tokens=prompt).cached_tokens == 0
+    cache.free(b)
+
+
+def test_freed_pages_stay_cached_and_are_evicted_least_recently_used():
+    cache = small_cache(num_pages=6, layers=1, prefix_cache=True)
+    p1, p2 = [1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3, 2, 1]
+    a = cache.add_sequence(tokens=p1)
+    prefill(cache, a, p1)
+    b = cache.add_sequence(tokens=p2)
+    prefill(cache, b, p2)
+    pa, pb = a.pages, b.pages
+    cache.free(a)                            # a's 2 full pages stay cached, its last page goes free
+    cache.free(b)
+    assert cache.num_cached_pages == 4 and cache.num_free_pages == 6
+    assert cache.stats()["cached_pages"] == 4
+    check_invariants(cache, [])
+    # a hit revives p1's pages (and makes them the most recently used)
+    c = cache.add_sequence(tokens=p1)
+    assert c.pages == pa[:2] and cache.num_cached_pages == 2
+    cache.free(c)                            # p1's pages are now younger than p2's
+    # a new 5-page sequence takes the 2 free pages, then evicts 3 cached ones, oldest first:
+    # b's last full page, then b's first, then (cascade-free) a's second page
+    d = cache.add_sequence(tokens=list(range(40, 60)))
+    rng = np.random.default_rng(3)
+    step(cache, [d], [20], rng)
+    ev = cache.stats()["evictions"]
+    assert ev == 3 and set(pb[:2]) <= set(d.pages) and pa[1] in d.pages and cache.num_cached_pages == 1
+    assert cache.add_sequence(tokens=p2).cached_tokens == 0     # evicted: a miss
+    e = cache.add_sequence(tokens=p1)
+    assert e.cached_tokens == 4 and e.pages == pa[:1]           # p1's first page is still cached
+    check_invariants(cache, [d, e])
+    with pytest.raises(PagedAttentionError, match=r"out of pages: .*0 of 6 free"):
+        cache.prepare([e], 4)
+
+
+def test_hash_collisions_cannot_share_wrong_pages(monkeypatch):
+    """Every key collides: a hit still needs equal token ids and the same
+    parent entry, so other prompts never share a page, and K/V stay exact."""
+    monkeypatch.setattr(cache_mod, "page_key", lambda parent, tokens: b"same")
+    cache = small_cache(num_pages=16, layers=1, prefix_cache=True)
+    model = Model()
+    p1, p2 = [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 5, 5, 6, 7, 8, 9]
+    a = cache.add_sequence(tokens=p1)
+    model.add(a)
+    prefill(cache, a, p1, model)
+    assert cache.stats()["indexed_pages"] == 1       # the second page collides with the first: not indexed
+    b = cache.add_sequence(tokens=p2)
+    assert b.cached_tokens == 0
+    model.add(b)
+    prefill(cache, b, p2, model)
+    c = cache.add_sequence(tokens=p1)
+    assert c.cached_tokens == 4 and c.pages == a.pages[:1]
+    model.k[c.id], model.v[c.id] = model.k[a.id][:4], model.v[a.id][:4]
+    model.check(cache, [a, b, c])
+    check_invariants(cache, [a, b, c])
+
+
+def test_fork_and_copy_on_write_over_shared_prefix_pages():
+    rng = np.random.default_rng(23)
+    cache = small_cache(num_pages=16, layers=2, prefix_cache=True)
+    model = Model()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5]
+    a = cache.add_sequence(tokens=prompt)
+    model.add(a)
+    prefill(cache, a, prompt, model)
+    b = cache.add_sequence(tokens=prompt + [3, 5])
+    model.k[b.id], model.v[b.id] = model.k[a.id][:8], model.v[a.id][:8]
+    prefill(cache, b, prompt + [3, 5], model)
+    c = cache.fork(b)                         # shares b's prefix pages (refcount 3) and its partial page
+    model.fork(b, c)
+    shared = b.pages[2]
+    _, report, _, _ = step(cache, [b, c], [2, 1], rng, model)
+    assert report.copied_pages == [(shared, b.pages[2])] and c.pages[2] == shared   # c, the last holder, in place
+    assert cache.ref_count(a.pages[0]) == 3
+    model.check(cache, [a, b, c])
+    for s in (a, b):
+        cache.free(s)
+    model.check(cache, [c])
+    check_invariants(cache, [c])
+
+
+# ---------------------------------------------------------------------------
+# A random schedule driven through graph decode loops
+
+
+class TokenModel:
+    """The pure-Python model of the graph schedule: every live sequence's
+    token ids and how many of them are written. A step's K/V row of token
+    t in layer l is row t of that layer's table (what the captured step
+    embeds), so every sequence's expected K/V follow from its tokens."""
+
+    def __init__(self, tk, tv, succ):
+        self.tk, self.tv, self.succ = tk, tv, succ
+        self.tokens: dict[int, list] = {}
+        self.written: dict[int, int] = {}
+
+    def add(self, seq, tokens, written):
+        self.tokens[seq.id], self.written[seq.id] = list(tokens), written
+
+    def fork(self, parent, child):
+        self.tokens[child.id] = list(self.tokens[parent.id][:self.written[parent.id]])
+        self.written[child.id] = self.written[parent.id]
+
+    def free(self, seq):
+        del self.tokens[seq.id], self.written[seq.id]
+
+    def next_token(self, seq) -> int:
+        """The token seq feeds next (known, or generated from its last written one)."""
+        toks, w = self.tokens[seq.id], self.written[seq.id]
+        return toks[w] if len(toks) > w else int(self.succ[toks[w - 1]])
+
+    def check(self, cache, seqs):
+        for s in seqs:
+            w = self.written[s.id]
+            assert s.length >= w
+            k, v = tokens(cache, s)
+            toks = np.asarray(self.tokens[s.id][:w], np.int64)
+            exp_k = self.tk[:, toks].reshape(cache.layers, w, cache.kv_heads, cache.head_dim).swapaxes(0, 1)
+            exp_v = self.tv[:, toks].reshape(cache.layers, w, cache.kv_heads, cache.value_dim).swapaxes(0, 1)
+            np.testing.assert_array_equal(bits(k[:w]), bits(exp_k), err_msg=f"k of seq {s.id}")
+            np.testing.assert_array_equal(bits(v[:w]), bits(exp_v), err_msg=f"v of seq {s.id}")
+
+
+def _graph_state(cache, seqs):
+    return snapshot(cache, seqs) + ([s.length for s in seqs], [s._batch for s in seqs])
+
+
+@pytest.mark.parametrize("seed", [31, 32])
+def test_random_schedule_through_graph_decode_loops(seed):
+    """Joins, leaves, forks, prefix hits, evictions and exhaustion on a small
+    prefix-caching cache, every decode step a graph launch (a DecodeBatch over
+    buckets 1/2/4 and cache-driven PagedDecodeLoops), against TokenModel:
+    contents equal, tokens as predicted, no page leaked, failed calls change
+    nothing, no recapture."""
+    rng = np.random.default_rng(seed)
+    V, H, D, DV, layers, ps, k_steps = 24, 1, 4, 2, 2, 4, 3
+    cache = PagedKVCache(27, ps, H, D, "f32", layers=layers, value_dim=DV, prefix_cache=True)
+    tk = rng.standard_normal((layers, V, H * D)).astype(np.float32)
+    tv = rng.standard_normal((layers, V, H * DV)).astype(np.float32)
+    succ = rng.permutation(V)
+    nt = np.zeros((V, V), np.float32)
+    nt[np.arange(V), succ] = 1.0
+    stop = 0
+    model = TokenModel(tk, tv, succ)
+    max_batch = 4
+    nk, nv = np.zeros((max_batch, H * D), np.float32), np.zeros((max_batch, H * DV), np.float32)
+    logits = np.zeros((max_batch, V), np.float32)
+
+    def make_step(token_buf):
+        def step(plan):
+            B = plan.sequences
+            for layer in range(layers):
+                cupaged_layers.embed(token_buf[:B], tk[layer], nk[:B])
+                cupaged_layers.embed(token_buf[:B], tv[layer], nv[:B])
+                cache.append(plan, nk[:B].reshape(B, H, D), nv[:B].reshape(B, H, DV), layer=layer)
+            cupaged_layers.embed(token_buf[:B], nt, logits[:B])
+            return logits[:B]
+        return step
+
+    tok, nxt = np.zeros(max_batch, np.int64), np.zeros(max_batch, np.int64)
+    batch = cupaged.DecodeBatch(cache, make_step(tok), token_buf=tok, next_token=nxt, max_batch=max_batch,
+                                max_len=40, stop_ids=[stop], readback_every=k_steps)
+    live: list[Sequence] = []
+    prompts: list[list] = []
+    device_first: dict[int, int] = {}
+    limits: dict[int, int] = {}
+    counts = dict(hits=0, exhausted=0, joins=0, leaves=0, forks=0, finished=0, loops=0, batch_steps=0)
+    captures0 = cupaged.capture_count()
+    loop_captures = 0
+
+    def idle():
+        return [s for s in live if s._batch is None]
+
+    def fail_unchanged(call, what):
+        before = _graph_state(cache, live)
+        try:
+            call()
+        except PagedAttentionError as e:
+            assert what in str(e), str(e)
+            _same(before, _graph_state(cache, live))
+            counts["exhausted"] += "out of pages" in str(e)
+            return True
+        return False
+
+    def readback():
+        r = batch.readback()
+        for s in list(r.tokens) + list(r.finished):
+            assert s._batch is None or s in batch.members
+        for s in [x for x in live if x._batch is batch or x in r.finished]:
+            # the model's prediction: feed, generate by succ until the stop id or the limit
+            exp, w = [], model.written[s.id]
+            toks = model.tokens[s.id]
+            assert len(toks) == w + 1              # the token it feeds next is known
+            for _ in range(r.steps):
+                w += 1                             # a launch writes the pending token ...
+                toks.append(int(succ[toks[-1]]))   # ... and generates the next one
+                exp.append(toks[-1])
+                if toks[-1] == stop or len(toks) >= limits[s.id]:
+                    break
+            done = bool(exp) and (exp[-1] == stop or len(toks) >= limits[s.id])
+            if s.id in device_first:               # a first token that joined from the device
+                exp.insert(0, device_first.pop(s.id))
+            got = r.tokens.get(s, [])
+            assert got == exp, (s.id, got, exp, r.steps)
+            model.written[s.id] = w
+            assert (s in r.finished) == done, (s.id, r.finished, exp)
+            if done:
+                counts["finished"] += 1
+                assert s.length == w
+            else:
+                assert s.length == w + 1
+        return r
+
+    for it in range(120):
+        r = rng.random()
+        if r < 0.2 or not live:
+            if prompts and rng.random() < 0.5:        # share a prefix of an earlier prompt
+                base = prompts[rng.integers(len(prompts))]
+                prompt = base[:rng.integers(1, len(base) + 1)] + rng.integers(1, V, rng.integers(1, 4)).tolist()
+            else:
+                prompt = rng.integers(1, V, rng.integers(3, 11)).tolist()
+            s = cache.add_sequence(tokens=prompt)
+            counts["hits"] += s.cached_tokens > 0
+            model.add(s, prompt, s.cached_tokens)
+            live.append(s)
+            model.check(cache, [s])                    # a hit's pages hold exactly its prefix
+            start = s.length
+
+            def pre():
+                plan, _ = cache.prepare([s], [len(prompt) - start])
+                toks = np.asarray(prompt[start:], np.int64)
+                for layer in range(layers):
+                    cache.append(plan, tk[layer][toks].reshape(-1, H, D), tv[layer][toks].reshape(-1, H, DV),
+                                 layer=layer)
+            if fail_unchanged(pre, "out of pages"):
+                live.remove(s)
+                cache.free(s)
+                model.free(s)
+                if idle():
+                    victim = idle()[rng.integers(len(idle()))]
+                    live.remove(victim)
+                    cache.free(victim)
+                    model.free(victim)
+                continue
+            model.written[s.id] = len(prompt)
+            prompts.append(prompt)
+        elif r < 0.35 and idle() and batch.launches == batch._read_at:
+            s = idle()[rng.integers(len(idle()))]
+            if s.length + 3 >= 40:
+                continue
+            limit = min(40, s.length + int(rng.integers(3, 14)))
+            first = model.next_token(s)
+            tok_arg = first if rng.random() < 0.5 else np.array([first], np.int64)
+
+            def join():
+                batch.join(s, tok_arg, max_len=limit)
+            if fail_unchanged(join, "out of pages" if len(batch.members) < max_batch else "batch is full"):
+                continue
+            counts["joins"] += 1
+            limits[s.id] = limit
+            if not isinstance(tok_arg, int):
+                device_first[s.id] = first
+            if len(model.tokens[s.id]) == model.written[s.id]:
+                model.tokens[s.id].append(first)
+        elif r < 0.45 and idle():
+            parent = idle()[rng.integers(len(idle()))]
+            child = cache.fork(parent)
+            model.fork(parent, child)
+            live.append(child)
+            counts["forks"] += 1
+        elif r < 0.55 and idle() and len(live) > 2:
+            s = idle()[rng.integers(len(idle()))]
+            live.remove(s)
+            cache.free(s)
+            model.free(s)
+        elif r < 0.65 and batch.members and batch.launches == batch._read_at:
+            s = batch.members[rng.integers(len(batch.members))]
+            batch.leave(s)
+            counts["leaves"] += 1
+            model.tokens[s.id] = model.tokens[s.id][:model.written[s.id] + 1]
+        elif r < 0.75 and idle():
+            group = [s for s in idle() if s.length][:3]
+            if not group:
+                continue
+            reserve = int(rng.integers(0, 4))
+            got = []
+
+            def prep():
+                got.append(cache.prepare(group, 1, reserve=reserve)[0])
+            if fail_unchanged(prep, "out of pages"):
+                continue
+            plan = got[0]
+            tb, nb = np.zeros(len(group), np.int64), np.array([model.next_token(s) for s in group], np.int64)
+            for s, t in zip(group, nb):
+                if len(model.tokens[s.id]) == model.written[s.id]:
+                    model.tokens[s.id].append(int(t))
+            loop = cupaged.PagedDecodeLoop(make_step(tb), plan, token_buf=tb, next_token=nb, cache=cache)
+            loop_captures += 1
+            kv = cupaged.layout.metadata_offsets(len(group), len(group))["kv_len"]
+            for _ in range(loop.steps_left):
+                loop.advance()
+                assert [s.length for s in group] == plan.words[kv:kv + len(group)].tolist()
+                for s, t in zip(group, nb):
+                    model.written[s.id] += 1
+                    model.tokens[s.id].append(int(t))
+            for s in group:
+                assert s.length == model.written[s.id]
+                model.tokens[s.id] = model.tokens[s.id][:model.written[s.id] + 1]
+            counts["loops"] += 1
+        elif batch.members:
+            for _ in range(k_steps):
+                if all(sl.done for sl in batch._slot if sl is not None):
+                    break
+
+                def adv():
+                    batch.advance()
+                if fail_unchanged(adv, "out of pages"):
+                    break
+                counts["batch_steps"] += 1
+            readback()
+        if batch.launches == batch._read_at:
+            model.check(cache, live)
+        check_invariants(cache, live)
+    # drain the batch, free everything: every page comes back (held 0, free or cached)
+    while batch.members:
+        if batch.launches > batch._read_at:
+            readback()
+            continue
+        for s in list(batch.members):
+            batch.leave(s)
+    for s in live:
+        cache.free(s)
+    check_invariants(cache, [])
+    assert cache.num_free_pages == cache.num_pages
+    stats = cache.stats()
+    assert counts["hits"] and stats["hits"] and stats["evictions"] and counts["exhausted"], (counts, stats)
+    assert counts["joins"] and counts["forks"] and counts["loops"] and counts["batch_steps"] > 10, counts
+    assert batch.captures <= 3 and cupaged.capture_count() - captures0 == batch.captures + loop_captures

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import PagedAttentionError
+from cupaged import PagedAttentionError, argmax_into
 from cupaged.demo import tiny
 from cupaged.graph import DecodeLoop, DeviceScalars, PagedDecodeLoop, capture_graph, seed_tokens
 from cupaged.layout import metadata_offsets
@@ -313,3 +313,107 @@ def test_mla_model_graph_equals_eager_and_non_absorbed_reference():
     assert m_graph.cache.k.shape == (2, 40, 4, 1, 24) and m_graph.cache.v.shape == (2, 40, 4, 1, 6)
     np.testing.assert_array_equal(m_graph.cache.k, m_eager.cache.k)
     np.testing.assert_array_equal(m_graph.cache.v, m_eager.cache.v)
+
+
+def _rows(cache, seq):
+    t = np.arange(seq.length)
+    pages = np.asarray(seq.pages, np.int64)[t // cache.page_size]
+    return cache.k[:, pages, t % cache.page_size], cache.v[:, pages, t % cache.page_size]
+
+
+def _prefill(m, seqs, prompts, logits, best, next_token):
+    plan, _ = m.cache.prepare(seqs, [len(p) for p in prompts])
+    m.forward(plan, np.concatenate([np.asarray(p, np.int64) for p in prompts]), logits)
+    argmax_into(logits[:plan.queries], best[:plan.queries])
+    ends = plan.host.q_lens.cumsum() - 1
+    next_token[:] = best[ends]
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_cache_driven_loop_follows_the_device_and_continues_like_eager(weights, graph):
+    """prepare(seqs, 1, reserve=r) + PagedDecodeLoop(cache=...): as many steps
+    as the pages hold (>= 1 + r); after every advance each seq.length equals
+    its kv_len word on the device; a second round continues from there; the
+    tokens and every K/V byte equal a step-by-step eager run."""
+    like = np.zeros(1, np.float32)
+    B = len(PROMPTS)
+    runs = []
+    for driven in (True, False):
+        m = _model(like, weights)
+        seqs = [m.cache.add_sequence() for _ in PROMPTS]
+        logits, best = np.zeros((32, CFG.vocab), np.float32), np.zeros(32, np.int64)
+        token_buf, next_token = np.zeros(B, np.int64), np.zeros(B, np.int64)
+        _prefill(m, seqs, PROMPTS, logits, best, next_token)
+        history = [next_token.copy()]
+        if driven:
+            for reserve in (5, 2):
+                plan, _ = m.cache.prepare(seqs, 1, reserve=reserve)
+                L = np.array([s.length for s in seqs]) - 1
+                loop = PagedDecodeLoop(lambda p: (m.forward(p, token_buf, logits), logits[:B])[1], plan,
+                                       token_buf=token_buf, next_token=next_token, cache=m.cache, seqs=seqs,
+                                       graph=graph)
+                steps = loop.steps_left
+                assert steps == min(s.capacity - int(n) for s, n in zip(seqs, L)) and steps >= 1 + reserve
+                kv = metadata_offsets(B, B)["kv_len"]
+                for t in range(steps):
+                    loop.advance()
+                    history.append(next_token.copy())
+                    assert [s.length for s in seqs] == plan.words[kv:kv + B].tolist()
+                assert [s.length for s in seqs] == (L + steps).tolist()
+                with pytest.raises(PagedAttentionError, match="reserve more pages"):
+                    loop.advance()
+            n_steps = len(history) - 1
+        else:
+            for _ in range(n_steps):
+                token_buf[:] = next_token
+                plan, _ = m.cache.prepare(seqs, 1)
+                m.forward(plan, token_buf, logits)
+                argmax_into(logits[:B], next_token)
+                history.append(next_token.copy())
+        runs.append((np.array(history), [_rows(m.cache, s) for s in seqs], [s.length for s in seqs]))
+    (h1, r1, l1), (h2, r2, l2) = runs
+    np.testing.assert_array_equal(h1, h2)
+    assert l1 == l2
+    for (k1, v1), (k2, v2) in zip(r1, r2):
+        np.testing.assert_array_equal(k1.view(np.uint8), k2.view(np.uint8))
+        np.testing.assert_array_equal(v1.view(np.uint8), v2.view(np.uint8))
+
+
+def test_cache_driven_loop_misuse_and_finish(weights):
+    like = np.zeros(1, np.float32)
+    m = _model(like, weights)
+    seqs = [m.cache.add_sequence() for _ in PROMPTS[:2]]
+    logits, best = np.zeros((32, CFG.vocab), np.float32), np.zeros(32, np.int64)
+    token_buf, next_token = np.zeros(2, np.int64), np.zeros(2, np.int64)
+    _prefill(m, seqs, PROMPTS[:2], logits, best, next_token)
+
+    def step(p):
+        m.forward(p, token_buf, logits)
+        return logits[:2]
+    plan, _ = m.cache.prepare(seqs, 1, reserve=6)
+    with pytest.raises(PagedAttentionError, match=r"seqs: expected the plan's sequences \(plan.seqs\), in row order"):
+        PagedDecodeLoop(step, plan, token_buf=token_buf, next_token=next_token, cache=m.cache, seqs=seqs[::-1])
+    with pytest.raises(PagedAttentionError, match="active: a loop driven by a cache decodes every sequence"):
+        PagedDecodeLoop(step, plan, token_buf=token_buf, next_token=next_token, cache=m.cache, active=[1, 0])
+    hand = HostPlan.build(plan.host.page_table, plan.host.kv_lens, [1, 1], 4, 40).upload(like)
+    with pytest.raises(PagedAttentionError, match="plan: expected a plan made by cache.prepare of the given cache"):
+        PagedDecodeLoop(step, hand, token_buf=token_buf, next_token=next_token, cache=m.cache)
+    loop = PagedDecodeLoop(step, plan, token_buf=token_buf, next_token=next_token, cache=m.cache)
+    for _ in range(3):
+        loop.advance()
+    lengths = [s.length for s in seqs]
+    loop.finish()                    # the token prepared for step 4 is not written: lengths drop it
+    assert [s.length for s in seqs] == [n - 1 for n in lengths] and loop.steps_left == 0
+    with pytest.raises(PagedAttentionError, match="the loop was finished"):
+        loop.advance()
+    # a later prepare makes a loop stale: advance raises before issuing anything
+    plan, _ = m.cache.prepare(seqs, 1, reserve=2)
+    loop = PagedDecodeLoop(step, plan, token_buf=token_buf, next_token=next_token, cache=m.cache)
+    loop.advance()
+    other = m.cache.add_sequence()
+    m.cache.prepare([other], 3)
+    before = (plan.words.copy(), token_buf.copy(), [s.length for s in seqs])
+    with pytest.raises(PagedAttentionError, match="plan: stale"):
+        loop.advance()
+    assert np.array_equal(before[0], plan.words) and np.array_equal(before[1], token_buf)
+    assert before[2] == [s.length for s in seqs]

@@ -1,0 +1,279 @@
+"""cupaged.DecodeBatch: continuous batching on stable buffers, one graph per
+batch bucket, stop tokens and length limits on the device, tokens read back
+every k launches. Checked on the tiny decoder against each sequence decoded
+alone, step by step, eagerly (tokens and every K/V byte equal), plus the
+membership rules, no recapture, no device allocation on the hot paths and
+every misuse (which changes nothing)."""
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import DecodeBatch, PagedAttentionError, argmax_into, stream_for
+from cupaged._runtime import arrays as runtime_arrays
+from cupaged.demo import tiny
+
+CFG = tiny.TinyConfig(vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ffn=48, max_pos=256)
+PROMPTS = [[5, 17, 3, 88, 40, 2, 9], [1, 2, 3], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71],
+           [9, 9, 9, 9], [33, 21, 8, 90, 4, 4]]
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return tiny.rounded(tiny.init_weights(CFG, seed=3), np.float32)
+
+
+def rows(cache, seq, n=None):
+    """K and V of seq's first n (default: length) tokens, every layer."""
+    n = seq.length if n is None else n
+    t = np.arange(n)
+    pages = np.asarray(seq.pages, np.int64)[t // cache.page_size]
+    return cache.k[:, pages, t % cache.page_size].copy(), cache.v[:, pages, t % cache.page_size].copy()
+
+
+class Engine:
+    """A tiny model, its cache and the step a DecodeBatch captures."""
+
+    def __init__(self, weights, num_pages=60, max_batch=4, **kw):
+        like = np.zeros(1, np.float32)
+        self.model = tiny.TinyModel(CFG, weights, like, dtype=np.float32, num_pages=num_pages, page_size=PAGE,
+                                    max_rows=32)
+        self.cache = self.model.cache
+        self.tok = np.zeros(max_batch, np.int64)
+        self.nxt = np.zeros(max_batch, np.int64)
+        self.logits = np.zeros((32, CFG.vocab), np.float32)
+        self.best = np.zeros(32, np.int64)
+        self.steps = 0
+
+        def step(plan):
+            self.steps += 1
+            self.model.forward(plan, self.tok, self.logits)
+            return self.logits[:plan.sequences]
+        self.batch = DecodeBatch(self.cache, step, token_buf=self.tok, next_token=self.nxt, max_batch=max_batch,
+                                 **kw)
+
+    def prefill(self, prompt):
+        """A prefilled sequence and its first token (a 1-element device array)."""
+        s = self.cache.add_sequence(tokens=prompt)
+        plan, _ = self.cache.prepare([s], [len(prompt)])
+        self.model.forward(plan, np.asarray(prompt, np.int64), self.logits)
+        argmax_into(self.logits[:len(prompt)], self.best[:len(prompt)])
+        return s, self.best[len(prompt) - 1:len(prompt)].copy()
+
+
+def eager(weights, prompt, n, stop=()):
+    """Decode ``prompt`` alone, one prepare + forward per token: (tokens, K, V
+    of the written tokens)."""
+    m = tiny.TinyModel(CFG, weights, np.zeros(1, np.float32), dtype=np.float32, num_pages=60, page_size=PAGE,
+                       max_rows=32)
+    c = m.cache
+    logits = np.zeros((32, CFG.vocab), np.float32)
+    best = np.zeros(32, np.int64)
+    s = c.add_sequence()
+    plan, _ = c.prepare([s], [len(prompt)])
+    m.forward(plan, np.asarray(prompt, np.int64), logits)
+    argmax_into(logits[:len(prompt)], best[:len(prompt)])
+    out = [int(best[len(prompt) - 1])]
+    tok = np.zeros(1, np.int64)
+    while len(out) < n and out[-1] not in stop:
+        tok[0] = out[-1]
+        plan, _ = c.prepare([s], 1)
+        m.forward(plan, tok, logits)
+        argmax_into(logits[:1], best[:1])
+        out.append(int(best[0]))
+    k, v = rows(c, s)
+    return out, k, v
+
+
+def test_changing_membership_equals_each_sequence_decoded_alone(weights):
+    """Sequences join every few launches (the first token from the device or
+    from the host), finish by length limit at different times, the batch
+    grows through buckets 1, 2, 4 and shrinks again; each sequence's tokens
+    and K/V bytes equal an eager decode of it alone."""
+    limits = [7, 12, 9, 10, 8]           # generated tokens per prompt
+    e = Engine(weights, max_len=40, readback_every=3)
+    got, seqs, order = {}, {}, list(range(len(PROMPTS)))
+    captures0 = cupaged.capture_count()
+    buckets_seen = set()
+    while order or e.batch.members:
+        if order and len(e.batch.members) < 4:
+            i = order.pop(0)
+            s, first = e.prefill(PROMPTS[i])
+            seqs[s] = i
+            e.batch.join(s, first if i % 2 else int(first[0]), max_len=len(PROMPTS[i]) + limits[i])
+            got[i] = [] if i % 2 else [int(first[0])]
+        for _ in range(3):
+            if any(not sl.done for sl in e.batch._slot if sl is not None):
+                buckets_seen.add(e.batch.bucket)
+                e.batch.advance()
+        r = e.batch.readback()
+        for s, toks in r.tokens.items():
+            got[seqs[s]].extend(toks)
+        for s, why in r.finished.items():
+            assert why == "max_len" and s.length == len(PROMPTS[seqs[s]]) + limits[seqs[s]] - 1
+            assert s._batch is None and s not in e.batch.members
+            i = seqs[s]
+            exp, k, v = eager(weights, PROMPTS[i], limits[i])
+            assert got[i] == exp, (i, got[i], exp)
+            gk, gv = rows(e.cache, s)
+            np.testing.assert_array_equal(gk.view(np.uint8), k.view(np.uint8))
+            np.testing.assert_array_equal(gv.view(np.uint8), v.view(np.uint8))
+            e.cache.free(s)
+    assert set(got) == set(range(len(PROMPTS)))
+    assert buckets_seen == {1, 2, 4} and e.batch.captures == 3
+    assert cupaged.capture_count() - captures0 == 3
+    assert e.cache.num_free_pages == e.cache.num_pages
+
+
+def test_stop_tokens_finish_on_the_device(weights):
+    """A stop id ends a sequence inside the graph: it stops advancing (its
+    length word padded), later launches leave its pages alone, and the host
+    learns it at the readback, with its exact length; the other sequence
+    goes on (and moves to slot 0, the bucket shrinking to 1)."""
+    exp, _, _ = eager(weights, PROMPTS[1], 12)
+    at = next(i for i in range(3, 12) if exp[i] not in exp[:i])
+    stop = exp[at]                                  # first generated at decode step `at`
+    for j in (0, 2, 3, 4):      # a sequence that does not meet the stop id
+        exp0, _, _ = eager(weights, PROMPTS[j], at + 6)
+        if stop not in exp0:
+            break
+    else:
+        pytest.fail("no prompt avoids the stop token")
+    e = Engine(weights, max_len=40, readback_every=12, stop_ids=[stop, 1000])
+    s, first = e.prefill(PROMPTS[1])
+    other, ofirst = e.prefill(PROMPTS[j])
+    e.batch.join(s, int(first[0]))
+    e.batch.join(other, ofirst)
+    for _ in range(at + 2):
+        e.batch.advance()
+    assert s.length == len(PROMPTS[1]) + 1 + at + 2     # the host does not know yet
+    snap = e.cache.k[:, list(s.pages)].copy()
+    r = e.batch.readback()
+    assert r.finished == {s: "stop"} and r.tokens[s] == exp[1:at + 1]
+    assert s.length == len(PROMPTS[1]) + at and s not in e.batch.members   # `at` decode steps wrote `at` tokens
+    _, k, v = eager(weights, PROMPTS[1], at + 1)
+    gk, gv = rows(e.cache, s)
+    np.testing.assert_array_equal(gk.view(np.uint8), k.view(np.uint8))
+    np.testing.assert_array_equal(gv.view(np.uint8), v.view(np.uint8))
+    assert e.batch.bucket == 1 and e.batch.slot_of(other) == 0
+    for _ in range(3):
+        e.batch.advance()
+    assert np.array_equal(e.cache.k[:, list(s.pages)], snap)        # nothing written for s since it stopped
+    r2 = e.batch.readback()
+    assert r.tokens[other][0] == exp0[0] and r.tokens[other][1:] + r2.tokens[other] == exp0[1:]
+
+
+def test_graph_and_eager_batches_agree_and_replay_without_recapture(weights):
+    runs = []
+    for graph in (True, False):
+        e = Engine(weights, max_len=30, readback_every=4, graph=graph)
+        out = {}
+        for i in (0, 2):
+            s, first = e.prefill(PROMPTS[i])
+            e.batch.join(s, first)
+            out[s.id] = []
+        for _ in range(3):
+            for _ in range(4):
+                e.batch.advance()
+            for s, toks in e.batch.readback().tokens.items():
+                out[s.id].extend(toks)
+        runs.append((out, e.cache.k.copy(), e.batch.captures, e.steps))
+    (g, gk, gcap, gsteps), (q, qk, qcap, qsteps) = runs
+    assert g == q and np.array_equal(gk.view(np.uint8), qk.view(np.uint8))
+    assert gcap == 1 and gsteps == 1 and qcap == 0 and qsteps == 12   # captured once, replayed 12 times
+
+
+def test_hot_paths_allocate_nothing(weights, monkeypatch):
+    """After the first launch of a bucket, join, advance and leave issue
+    only stream work on existing buffers."""
+    e = Engine(weights, max_len=30, readback_every=2)
+    a, fa = e.prefill(PROMPTS[0])
+    b, fb = e.prefill(PROMPTS[1])
+    c, fc = e.prefill(PROMPTS[3])
+    e.batch.join(a, fa)
+    e.batch.join(b, fb)
+    e.batch.advance()                 # bucket 2 captured
+    e.batch.readback()
+
+    def refuse(*args, **kw):
+        raise AssertionError("allocation on a hot path")
+    monkeypatch.setattr(runtime_arrays, "_new", refuse)
+    e.batch.leave(b)
+    e.batch.join(c, fc)
+    e.batch.advance()
+    e.batch.advance()
+    monkeypatch.undo()
+    assert set(e.batch.readback().tokens) == {a, c}
+
+
+def test_misuse_raises_and_changes_nothing(weights):
+    e = Engine(weights, num_pages=8, max_len=24, readback_every=5, max_batch=2)
+    a, fa = e.prefill(PROMPTS[0])                          # 7 tokens: 2 pages
+    b, fb = e.prefill(PROMPTS[2])                          # 12 tokens: 3 pages
+    with pytest.raises(PagedAttentionError, match="advance: no sequence to decode"):
+        e.batch.advance()
+    e.batch.join(a, fa)
+    with pytest.raises(PagedAttentionError, match="seq: sequence 0 is already in a DecodeBatch"):
+        e.batch.join(a, fa)
+    for call, msg in [(lambda: e.cache.free(a), "seq: sequence 0 sits in a DecodeBatch slot"),
+                      (lambda: e.cache.fork(a), "seq: sequence 0 sits in a DecodeBatch slot"),
+                      (lambda: e.cache.prepare([a], 1), r"seqs\[0\]: sequence 0 sits in a DecodeBatch slot"),
+                      (lambda: e.cache.reserve([a], 1), r"seqs\[0\]: sequence 0 sits in a DecodeBatch slot"),
+                      (lambda: e.batch.join(b, fb, max_len=13), "max_len: sequence 1 holds 12 tokens"),
+                      (lambda: e.batch.join(b, 1.5), "token: expected an int or a 1-element int64 array"),
+                      (lambda: e.batch.leave(b), "seq: sequence 1 is not in this batch")]:
+        snap = (e.cache.k.copy(), list(e.cache._free), [s.length for s in (a, b)], e.batch.bucket)
+        with pytest.raises(PagedAttentionError, match=msg):
+            call()
+        assert np.array_equal(snap[0], e.cache.k) and snap[1:] == (list(e.cache._free), [a.length, b.length],
+                                                                    e.batch.bucket)
+    # out of pages on join: b needs 2 more pages for its next 5 steps, 1 is free
+    words = e.batch.plan(2).words.copy()
+    with pytest.raises(PagedAttentionError, match="reserve: out of pages"):
+        e.batch.join(b, fb)
+    assert b._batch is None and b.length == 12 and e.batch.bucket == 1
+    assert np.array_equal(words, e.batch.plan(2).words)
+    e.batch.advance()
+    with pytest.raises(PagedAttentionError, match=r"leave: the batch ran since its last readback\(\)"):
+        e.batch.leave(a)
+    for _ in range(4):
+        e.batch.advance()
+    with pytest.raises(PagedAttentionError, match=r"advance: 5 launches since the last readback fill the token ring"):
+        e.batch.advance()
+    e.batch.readback()
+    n = a.length
+    e.batch.leave(a)
+    assert a.length == n - 1 and a._batch is None and e.batch.members == ()
+    e.cache.free(a)                                        # allowed now
+    e.batch.join(b, fb)
+    e.batch.advance()
+    assert e.batch.readback().tokens[b]
+
+
+def test_exhaustion_during_advance_launches_nothing(weights):
+    """A slot whose next step needs a page when none is free: advance raises
+    before any stream work; after a readback the engine preempts one."""
+    e = Engine(weights, num_pages=8, max_len=40, readback_every=2)
+    a, fa = e.prefill(PROMPTS[0])      # 7 tokens
+    b, fb = e.prefill(PROMPTS[1])      # 3 tokens
+    e.batch.join(a, fa)
+    e.batch.join(b, fb)
+    launched = 0
+    while True:
+        try:
+            before = (e.cache.k.copy(), e.batch.launches, [a.length, b.length], list(e.cache._free))
+            e.batch.advance()
+            launched += 1
+        except PagedAttentionError as err:
+            assert "reserve: out of pages" in str(err)
+            assert np.array_equal(before[0], e.cache.k) and before[1:] == (e.batch.launches, [a.length, b.length],
+                                                                          list(e.cache._free))
+            break
+        if e.batch.launches - e.batch._read_at == 2:
+            e.batch.readback()
+    assert launched > 5
+    e.batch.readback()
+    e.batch.leave(b)
+    e.cache.free(b)
+    e.batch.advance()                  # a goes on with b's pages
+    assert e.batch.readback().tokens[a]
