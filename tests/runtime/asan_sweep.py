@@ -18,7 +18,9 @@ import cupaged  # noqa: E402
 from cupaged.cache import PagedKVCache  # noqa: E402
 from cupaged.layout import metadata_offsets  # noqa: E402
 from cupaged.ops import layers  # noqa: E402
-from cupaged.ops.advance import advance_plan  # noqa: E402
+from cupaged.ops.advance import SlotBuffers, advance_plan, advance_slots  # noqa: E402
+from cupaged.ops.append import copy_pages as launch_copy_pages  # noqa: E402
+from cupaged.ops.append import launch_write_slots  # noqa: E402
 from cupaged.testing import make_mla_case, make_paged_case  # noqa: E402
 
 rng = np.random.default_rng(0)
@@ -77,8 +79,28 @@ def append_and_pages():
     plan, _ = cache.prepare([a, b], [1, 1])          # copy-on-write of the shared last page
     cache.append(plan, new[:2], new[:2])
     garble(plan)
-    plan.append(new[:2], new[:2], cache.k, cache.v)
+    plan.append(new[:2], new[:2], cache.k[0], cache.v[0])
     advance_plan(plan)
+
+
+def engine_kernels():
+    """Layered page copies, writes by slot mapping and the slot advance, on
+    ids, slots and state words no check would let through (the kernels skip
+    them: the host checks are bypassed here)."""
+    cache = PagedKVCache(6, 4, 2, 8, "f16", layers=3)
+    stream = cupaged.stream_for(cache.k)
+    bad_pairs = np.array([[0, 5], [2**31, 1], [1, 0xFFFFFFFF], [3, 3]], np.uint32)
+    launch_copy_pages(stream, cache.k, cache.v, bad_pairs, len(bad_pairs))
+    new = rng.standard_normal((4, 2, 8)).astype(np.float16)
+    launch_write_slots(stream, new, new, cache.k[2], cache.v[2], np.array([-5, 24, 2**40, 23], np.int64), 4)
+    a = cache.add_sequence()
+    plan, _ = cache.prepare([a], [3], reserve=2)
+    slots = SlotBuffers(plan.words, 1, stop_ids=[3, 7], ring_rows=2)
+    for fill in (0xFFFFFFFF, 1):
+        slots.words[:] = fill
+        garble(plan)
+        advance_slots(plan, slots, np.array([3], np.int64), full_finishes=True)
+        advance_slots(plan, slots, np.array([9], np.int64))
 
 
 def small_ops():
@@ -103,6 +125,7 @@ for name, fn in [
      lambda: attention("f16", 64, [1] * 6 + [40] + [1] * 6 + [33], 8, 2, 3)),
     ("mla bf16 tensor-core", lambda: mla("bf16", 16, [1, 3])),
     ("append + copy_pages + advance_plan", append_and_pages),
+    ("layered copy_pages + write_slots + advance_slots", engine_kernels),
     ("argmax + layers", small_ops),
 ]:
     fn()
