@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 import benchlib  # noqa: I001
+import cupaged
 from cupaged.demo import tiny
 
 
@@ -58,7 +59,6 @@ def run(be, cfg, batch, steps, graph):
 def run_batch(be, cfg, batch, steps, changing):
     """(median advance seconds, mean leave+join seconds, launches per token,
     captures of the batch, captures in the process during the run)."""
-    import cupaged
     like = be.asarray(np.zeros(1, np.float32))
     w = tiny.rounded(tiny.init_weights(cfg, seed=0), np.float32)
     prompt, k = 8, 8
