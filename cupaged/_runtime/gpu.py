@@ -58,8 +58,13 @@ def driver_module():
     if _drv is None:
         try:
             from cuda.bindings import driver
-        except ImportError:  # cuda-python < 12.6
-            from cuda import cuda as driver
+        except ImportError:  # cuda-python < 12.6, or none
+            try:
+                from cuda import cuda as driver
+            except ImportError:
+                raise PagedAttentionError(
+                    f"the GPU backend (CuPy arrays) needs cuda-python for its driver streams and graphs, "
+                    f"which is not installed: {_nvrtc.gpu_extra_hint()}") from None
         _drv = driver
     return _drv
 
@@ -69,7 +74,10 @@ def _driver():
     global _drv_ready
     drv = driver_module()
     if not _drv_ready:
-        _check(drv.cuInit(0), "cuInit")
+        err = drv.cuInit(0)[0]
+        if int(err) != 0:
+            raise RuntimeError(f"cuInit failed: {_error_text(err)}; the GPU backend needs an NVIDIA driver (the CPU "
+                               f"backend runs on NumPy arrays without one)")
         _drv_ready = True
     return drv
 

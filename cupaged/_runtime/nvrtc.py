@@ -49,13 +49,32 @@ REQUIRED_HEADERS: tuple[str, ...] = ("cuda_fp16.h", "cuda_bf16.h")
 INCLUDE_ENV = "CUPAGED_CUDA_INCLUDE"
 
 
+def gpu_extra_hint() -> str:
+    """Which pip extra brings the GPU pieces: the one of CuPy's CUDA line
+    when CuPy can tell, else both."""
+    major = None
+    try:
+        import cupy
+        major = int(cupy.cuda.runtime.runtimeGetVersion()) // 1000
+    except Exception:   # no CuPy, or one that cannot reach its runtime
+        pass
+    if major in (12, 13):
+        return f"pip install 'cupaged[cuda{major}]' (CuPy here is built for CUDA {major})"
+    return "pip install 'cupaged[cuda12]' (CUDA 12) or 'cupaged[cuda13]' (CUDA 13)"
+
+
 def nvrtc_module():
     """``cuda.bindings.nvrtc`` (cuda-python 12.6+ and 13.x), else the older
-    ``cuda.nvrtc`` of early 12.x releases."""
+    ``cuda.nvrtc`` of early 12.x releases. Without cuda-python: CompileError
+    naming the extra to install."""
     try:
         from cuda.bindings import nvrtc
-    except ImportError:  # cuda-python < 12.6
-        from cuda import nvrtc
+    except ImportError:  # cuda-python < 12.6, or none
+        try:
+            from cuda import nvrtc
+        except ImportError:
+            raise CompileError(f"NVRTC needs cuda-python, which is not installed: {gpu_extra_hint()}, or "
+                               f"pip install 'cupaged[gate]' for the NVRTC gate alone") from None
     return nvrtc
 
 
@@ -228,8 +247,8 @@ def find_header_dir() -> str:
     found = header_dir_candidates()
     if not found:
         raise CompileError(
-            "cuda_fp16.h / cuda_bf16.h not found; install nvidia-cuda-runtime-cu12 (CUDA 12) or "
-            f"nvidia-cuda-runtime (CUDA 13), or set ${INCLUDE_ENV}. Searched: " + "; ".join(searched_locations()))
+            f"cuda_fp16.h / cuda_bf16.h not found: {gpu_extra_hint()} (they bring nvidia-cuda-runtime-cu12 / "
+            f"nvidia-cuda-runtime), or set ${INCLUDE_ENV}. Searched: " + "; ".join(searched_locations()))
     return found[0].path
 
 

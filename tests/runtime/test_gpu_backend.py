@@ -713,3 +713,23 @@ def test_emulated_stream_cache_follows_stream_objects(emu):
     del other
     fake_cupy.current = FakeCupyStream(0)
     assert _gpu.current_stream(a) is not s0      # another object with handle 0: a new wrapper
+
+
+def test_missing_gpu_pieces_name_the_extra():
+    """Without cuda-python, the GPU backend and NVRTC say which extra to install."""
+    code = ("import sys\n"
+            "sys.modules['cuda'] = None\n"                      # as if cuda-python were not installed
+            "sys.modules['cuda.bindings'] = None\n"
+            "from cupaged import PagedAttentionError, CompileError\n"
+            "from cupaged._runtime import gpu, nvrtc\n"
+            "for f, err in ((gpu.driver_module, PagedAttentionError), (nvrtc.nvrtc_module, CompileError)):\n"
+            "    try:\n"
+            "        f()\n"
+            "        print('no error')\n"
+            "    except err as e:\n"
+            "        print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and len(lines) == 2, (r.stdout, r.stderr[-2000:])
+    assert "needs cuda-python" in lines[0] and "pip install 'cupaged[cuda1" in lines[0], lines[0]
+    assert "needs cuda-python" in lines[1] and "cupaged[gate]" in lines[1], lines[1]

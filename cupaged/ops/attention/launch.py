@@ -4,6 +4,8 @@ synchronizes or reads device data on the host.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ... import dtypes
@@ -55,15 +57,20 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
     aligned = all(address(a) % VECTOR_BYTES == 0 for a in (q, k_cache, v_cache, out))
     aligned_tc = aligned and (not rot_dim or all(address(a) % VECTOR_BYTES == 0 for a in (q_rot, k_rot)))
     launches = plan_launches(host, dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, opts.score)
+    splits = 1 if workspace is None else int(workspace.splits)
+    split = splits > 1
+    # Every grid of the step (attention launches and the merge) is checked
+    # before the first launch: a merge that could not launch must not find
+    # the split kernels' partials already written.
     tiles = max(launch.tiles for launch in launches)
     if hkv * tiles > 65535:
         raise PagedAttentionError(f"q: expected at most 65535 KV heads x head tiles in a launch, got "
                                   f"{hkv} x {tiles}")
     if queries > 2 ** 31 - 1:
         raise PagedAttentionError(f"q: expected at most {2 ** 31 - 1} queries in a launch, got {queries}")
-
-    splits = 1 if workspace is None else int(workspace.splits)
-    split = splits > 1
+    if split and -(-hq // MERGE_HEADS_PER_BLOCK) > 65535:
+        raise PagedAttentionError(f"q: expected at most {65535 * MERGE_HEADS_PER_BLOCK} query heads for the "
+                                  f"split merge, got {hq}")
     refs = [a for a in (q, k_cache, v_cache, q_rot, k_rot, plan.words, out, lse) if a is not None]
     if split:
         refs += [workspace.partial_out, workspace.partial_lse]
@@ -79,15 +86,19 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
         rot_dim=rot_dim, splits=splits, causal=int(opts.causal), write_lse=int(lse is not None),
         scale=opts.scale)
 
-    for launch in launches:
-        kernel = get_kernel(q, launch.source, launch.kernel, launch.defines)
-        values["q_begin"], values["q_count"] = launch.q_begin, launch.q_count
-        args = params.pack(values, refs)
-        stream.launch(kernel, (launch.blocks, hkv * launch.tiles, splits), (launch.threads,), (args,),
-                      shared_mem=launch.smem)
-    if split:   # every attention module compiles the merge: the last launch's module serves it
-        merge = get_kernel(q, launch.source, "attention_split_merge", launch.defines)
-        u32 = np.uint32
-        stream.launch(merge, (queries, -(-hq // MERGE_HEADS_PER_BLOCK)), (THREADS,), (
-            workspace.partial_out, workspace.partial_lse, out, out if lse is None else lse,
-            u32(queries), u32(hq), u32(dv), u32(splits), u32(lse is not None)))
+    kernels = [get_kernel(q, launch.source, launch.kernel, launch.defines) for launch in launches]
+    # every attention module compiles the merge: the last launch's module serves it
+    merge = get_kernel(q, launches[-1].source, "attention_split_merge", launches[-1].defines) if split else None
+    # A workspace is held from the first split kernel to the merge: threads
+    # sharing one run one step after the other (on the GPU, also in stream order).
+    with workspace.lock if split else contextlib.nullcontext():
+        for launch, kernel in zip(launches, kernels):
+            values["q_begin"], values["q_count"] = launch.q_begin, launch.q_count
+            args = params.pack(values, refs)
+            stream.launch(kernel, (launch.blocks, hkv * launch.tiles, splits), (launch.threads,), (args,),
+                          shared_mem=launch.smem)
+        if split:
+            u32 = np.uint32
+            stream.launch(merge, (queries, -(-hq // MERGE_HEADS_PER_BLOCK)), (THREADS,), (
+                workspace.partial_out, workspace.partial_lse, out, out if lse is None else lse,
+                u32(queries), u32(hq), u32(dv), u32(splits), u32(lse is not None)))

@@ -7,6 +7,7 @@ combines them (docs/layout.md, "Split-KV workspace").
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -26,6 +27,10 @@ class SplitWorkspace:
     ``partial_lse`` [splits, queries, heads] float32, on the backend, device
     and stream of ``like``. Reusable by every plan with the same queries,
     heads and value dim on that device and stream (docs/layout.md).
+
+    An attention call holds ``lock`` from its first split kernel to its
+    merge, so threads sharing one workspace take turns instead of
+    overwriting each other's partials.
     """
 
     def __init__(self, queries: int, heads: int, value_dim: int, splits: int, like):
@@ -42,6 +47,7 @@ class SplitWorkspace:
         self.device = device_id(like)
         self.partial_out = empty(like, (self.splits, self.queries, self.heads, self.value_dim), np.float32)
         self.partial_lse = empty(like, (self.splits, self.queries, self.heads), np.float32)
+        self.lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (f"SplitWorkspace(queries={self.queries}, heads={self.heads}, value_dim={self.value_dim}, "
