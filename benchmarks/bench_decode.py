@@ -135,10 +135,6 @@ def main(argv=None) -> int:
                              tokens_per_s=f"{tps:.0f}", **modeled))
             print(benchlib.table([rows[-1]], list(rows[-1])).splitlines()[-1], flush=True)
     print()
-    print(benchlib.table(rows, ["batch", "mode", "host_us_per_step", "tokens_per_s", "modeled_ms",
-                                "modeled_tokens_per_s", "modeled_bound"]))
-    print(modeler.legend() + " (device time of one step; eager mode adds host time the model leaves out)")
-    print()
     print("continuous batching (DecodeBatch, readback every 8 launches; changing: one sequence replaced per readback)")
     brows = []
     for b in ([2] if args.cpu else [4, 16]):
@@ -150,6 +146,10 @@ def main(argv=None) -> int:
             print(benchlib.table([brows[-1]], list(brows[-1])).splitlines()[-1], flush=True)
     print()
     print(benchlib.table(brows, list(brows[0])))
+    print()
+    print(benchlib.table(rows, ["batch", "mode", "host_us_per_step", "tokens_per_s", "modeled_ms",
+                                "modeled_tokens_per_s", "modeled_bound"]))
+    print(modeler.legend() + " (device time of one step; eager mode adds host time the model leaves out)")
     return 0
 
 

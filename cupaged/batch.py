@@ -240,7 +240,8 @@ class DecodeBatch:
         (captured at its first use). No host data, no synchronization."""
         live = [i for i, s in enumerate(self._slot) if s is not None and not s.done]
         if not live:
-            raise PagedAttentionError("advance: no sequence to decode; join one first")
+            raise PagedAttentionError("advance: no sequence to decode; join one first (sequences that reached "
+                                      "their limit leave at the next readback())")
         if self.launches - self._read_at >= self.k:
             raise PagedAttentionError(f"advance: {self.k} launches since the last readback fill the token ring; "
                                       f"call readback() first")

@@ -198,7 +198,7 @@ class PagedKVCache:
         self._stats = {"hits": 0, "misses": 0, "evictions": 0}
         self._writes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # plan -> _Writes
         self._next_id = 0
-        self._pairs = None      # the last copy's device page list, kept alive with the cache
+        self._pairs = None      # the device page list of copies (GPU), kept with the cache
         self._generation = 0    # bumped by every fork, free, prepare and reserve: older plans are stale
 
     def __repr__(self) -> str:
@@ -531,12 +531,15 @@ class PagedKVCache:
             stream = stream_for(self.k)
         pairs_host = np.array(pairs, np.uint32)              # [copies, 2]
         if self.backend == GPU:
-            pairs_dev = empty(self.k, pairs_host.shape, np.uint32)
+            # one device page list, reused in stream order (the copy that
+            # refills it runs after the kernel that read it); it grows rarely
+            if self._pairs is None or self._pairs.shape[0] < len(pairs):
+                self._pairs = empty(self.k, (max(64, 2 * len(pairs)), 2), np.uint32)
+            pairs_dev = self._pairs[:len(pairs)]
             stream.copy_from_host(pairs_dev, pairs_host)
         else:
             pairs_dev = pairs_host
         copy_pages(stream, self.k, self.v, pairs_dev, len(pairs))
-        self._pairs = pairs_dev
 
     def _commit(self, seqs, pages, pairs, taken, evict) -> None:
         """Apply ``_grow``'s result (nothing here can fail); earlier plans go stale."""

@@ -41,8 +41,8 @@ advance_plan(u32* words, u32 queries, u32 sequences, u32 table_width, u32 page_s
 //    kv_len += q_len and each of its queries' q_pos += q_len; without room it
 //    stays where it is (the host never launches past a slot's pages).
 // Then clock += 1. Word layout: docs/layout.md, plan_words.cuh.
-// Launch: grid 1, block up to 1024 threads (threads stride over the slots).
-extern "C" __global__ void __launch_bounds__(1024)
+// Launch: grid 1, block up to 256 threads (threads stride over the slots).
+extern "C" __global__ void __launch_bounds__(256)
 advance_slots(u32* words, u32 queries, u32 sequences, u32 table_width, u32 page_size, u32* state, u32 stride,
               u32* clock, const long long* __restrict__ tokens, const long long* __restrict__ stop, u32 num_stop,
               long long* ring, u32 ring_rows, u32 full_finishes) {

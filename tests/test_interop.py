@@ -210,6 +210,17 @@ def test_kv_cache(torch):
                                           [6, 3], [6, 3])
     ref, _ = reference.paged_attention(q, k_ref, v_ref, table, [6, 3], [6, 3], 0.25, True)
     assert_close(_np(out), ref, "f16", "cache attention")
+    # two layers: one table, one plan, each layer's rows in its own view of the one allocation
+    layered = interop.TorchKVCache(num_pages=8, page_size=4, kv_heads=2, head_dim=16, dtype=torch.float16,
+                                   layers=2, like=torch.empty(0))
+    c = layered.add_sequence()
+    plan, _ = layered.prepare([c], [6], reserve=2)
+    assert tuple(layered.k.shape) == (2, 8, 4, 2, 16) and c.capacity == 8
+    for layer in range(2):
+        layered.append(plan, torch.from_numpy(nk[:6] * (layer + 1)), torch.from_numpy(nv[:6]), layer=layer)
+    pages = list(c.pages)
+    got = _np(layered.k[1])[pages].reshape(-1, 2, 16)[:6]
+    np.testing.assert_array_equal(got, nk[:6] * 2)
 
 
 # ------------------------------------------------------------------ overlap

@@ -19,7 +19,7 @@ from ..errors import PagedAttentionError
 
 THREADS = 128
 #: Threads of advance_slots' one block (they stride over the slots).
-SLOT_THREADS = 1024
+SLOT_THREADS = 256
 #: Most stop tokens a SlotBuffers holds.
 MAX_STOP_IDS = 64
 register("advance", [{}])
