@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import DecodeBatch, PagedAttentionError, argmax_into, stream_for
+from cupaged import DecodeBatch, PagedAttentionError, argmax_into
 from cupaged._runtime import arrays as runtime_arrays
 from cupaged.demo import tiny
 

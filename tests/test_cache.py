@@ -876,7 +876,7 @@ def test_random_schedule_through_graph_decode_loops(seed):
                 assert s.length == w + 1
         return r
 
-    for it in range(120):
+    for _ in range(120):
         r = rng.random()
         if r < 0.2 or not live:
             if prompts and rng.random() < 0.5:        # share a prefix of an earlier prompt

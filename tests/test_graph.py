@@ -355,7 +355,7 @@ def test_cache_driven_loop_follows_the_device_and_continues_like_eager(weights, 
                 steps = loop.steps_left
                 assert steps == min(s.capacity - int(n) for s, n in zip(seqs, L)) and steps >= 1 + reserve
                 kv = metadata_offsets(B, B)["kv_len"]
-                for t in range(steps):
+                for _ in range(steps):
                     loop.advance()
                     history.append(next_token.copy())
                     assert [s.length for s in seqs] == plan.words[kv:kv + B].tolist()
