@@ -61,10 +61,13 @@ class Readback:
     that generated since the last readback to its new tokens in order (a
     first token that joined from the device comes first); ``finished`` maps
     each sequence that finished to ``"stop"``, ``"max_len"`` or
-    ``"no_room"`` (it has left the batch); ``steps``: launches covered."""
+    ``"no_room"`` (it has left the batch) and ``finished_at`` to the launch
+    (0-based, counting every launch of the batch, ``batch.launches``) that
+    generated its last token; ``steps``: launches covered."""
 
     tokens: dict = field(default_factory=dict)
     finished: dict = field(default_factory=dict)
+    finished_at: dict = field(default_factory=dict)
     steps: int = 0
 
 
@@ -111,6 +114,9 @@ class DecodeBatch:
                  stop_ids=(), readback_every: int = 8, buckets=None, graph: bool = True):
         if not isinstance(cache, PagedKVCache):
             raise PagedAttentionError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
+        if not callable(step):
+            raise PagedAttentionError(f"step: expected a callable step(plan) -> logits [B, vocab], got "
+                                      f"{type(step).__name__}")
         self.cache = cache
         self.max_batch = checks.host_int("max_batch", max_batch, 1, 1024)
         self.max_len = checks.host_int("max_len", max_len, 2, MAX_VISIBLE_LEN)
@@ -308,6 +314,7 @@ class DecodeBatch:
                 out.tokens[seq] = toks
             if reason:
                 out.finished[seq] = reason
+                out.finished_at[seq] = end - 1
                 self._release(i)
             else:
                 s.start, s.len0, s.written0 = self.launches, seq.length, written

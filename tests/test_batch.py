@@ -149,7 +149,7 @@ def test_stop_tokens_finish_on_the_device(weights):
     assert s.length == len(PROMPTS[1]) + 1 + at + 2     # the host does not know yet
     snap = e.cache.k[:, list(s.pages)].copy()
     r = e.batch.readback()
-    assert r.finished == {s: "stop"} and r.tokens[s] == exp[1:at + 1]
+    assert r.finished == {s: "stop"} and r.tokens[s] == exp[1:at + 1] and r.finished_at == {s: at - 1}
     assert s.length == len(PROMPTS[1]) + at and s not in e.batch.members   # `at` decode steps wrote `at` tokens
     _, k, v = eager(weights, PROMPTS[1], at + 1)
     gk, gv = rows(e.cache, s)
@@ -212,6 +212,14 @@ def test_misuse_raises_and_changes_nothing(weights):
     b, fb = e.prefill(PROMPTS[2])                          # 12 tokens: 3 pages
     with pytest.raises(PagedAttentionError, match="advance: no sequence to decode"):
         e.batch.advance()
+    with pytest.raises(PagedAttentionError, match=r"step: expected a callable step\(plan\)"):
+        DecodeBatch(e.cache, None, token_buf=e.tok, next_token=e.nxt, max_batch=2, max_len=24)
+    with pytest.raises(PagedAttentionError, match=r"token_buf: expected shape \[4\], got \[2\]"):
+        DecodeBatch(e.cache, print, token_buf=e.tok, next_token=e.nxt, max_batch=4, max_len=24)
+    with pytest.raises(PagedAttentionError, match=r"buckets: expected batch sizes in 1..2 ending at max_batch"):
+        DecodeBatch(e.cache, print, token_buf=e.tok, next_token=e.nxt, max_batch=2, max_len=24, buckets=[1])
+    with pytest.raises(PagedAttentionError, match="stop_ids: expected an integer array"):
+        DecodeBatch(e.cache, print, token_buf=e.tok, next_token=e.nxt, max_batch=2, max_len=24, stop_ids=[0.5])
     e.batch.join(a, fa)
     with pytest.raises(PagedAttentionError, match="seq: sequence 0 is already in a DecodeBatch"):
         e.batch.join(a, fa)
