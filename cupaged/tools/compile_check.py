@@ -216,7 +216,7 @@ def check(variants=None, archs=DEFAULT_ARCHS, *, filter: str | None = None, jobs
 
     req = tuple(require_v4)
     results: list[Result] = []
-    for ((source, defines, name, text, keep), arch), c in zip(work, compiled):
+    for ((source, defines, name, _text, keep), arch), c in zip(work, compiled):
         common = dict(variant=name, arch=arch, seconds=c.seconds, source=source, defines=defines,
                       log=c.log, ptx=c.ptx, cached=c.cached)
         if not c.ok:
