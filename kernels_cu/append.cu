@@ -8,6 +8,8 @@
 //
 // Defines: CP_VEC_BYTES (16, 8, 4 or 2): the copy unit. The host picks the
 // widest unit that divides every row (or page) size and every base address.
+// Every unit is read and written through ldv / stv (common.cuh): the CPU
+// backend checks each address is aligned to the unit, as a GPU requires.
 #include "common.cuh"
 #include "plan_words.cuh"
 
@@ -55,13 +57,13 @@ __device__ __forceinline__ void copy_row(const unit_t* __restrict__ src_k, const
     u32 u = threadIdx.x;
     for (; u + blockDim.x < units; u += 2u * blockDim.x) {
         const u32 w = u + blockDim.x;
-        const unit_t a = u < units_k ? src_k[u] : src_v[u - units_k];
-        const unit_t b = w < units_k ? src_k[w] : src_v[w - units_k];
-        if (u < units_k) dst_k[u] = a; else dst_v[u - units_k] = a;
-        if (w < units_k) dst_k[w] = b; else dst_v[w - units_k] = b;
+        const unit_t a = ldv(u < units_k ? src_k + u : src_v + (u - units_k));
+        const unit_t b = ldv(w < units_k ? src_k + w : src_v + (w - units_k));
+        stv(u < units_k ? dst_k + u : dst_v + (u - units_k), a);
+        stv(w < units_k ? dst_k + w : dst_v + (w - units_k), b);
     }
     if (u < units) {
-        if (u < units_k) dst_k[u] = src_k[u]; else dst_v[u - units_k] = src_v[u - units_k];
+        if (u < units_k) stv(dst_k + u, ldv(src_k + u)); else stv(dst_v + (u - units_k), ldv(src_v + (u - units_k)));
     }
 }
 
@@ -139,13 +141,13 @@ extern "C" __global__ void copy_pages(unit_t* __restrict__ k_cache, unit_t* __re
         u32 u = blockIdx.y * blockDim.x + threadIdx.x;
         for (; u + stride < units; u += 2u * stride) {
             const u32 w = u + stride;
-            const unit_t a = u < page_units_k ? sk[u] : sv[u - page_units_k];
-            const unit_t b = w < page_units_k ? sk[w] : sv[w - page_units_k];
-            if (u < page_units_k) dk[u] = a; else dv[u - page_units_k] = a;
-            if (w < page_units_k) dk[w] = b; else dv[w - page_units_k] = b;
+            const unit_t a = ldv(u < page_units_k ? sk + u : sv + (u - page_units_k));
+            const unit_t b = ldv(w < page_units_k ? sk + w : sv + (w - page_units_k));
+            stv(u < page_units_k ? dk + u : dv + (u - page_units_k), a);
+            stv(w < page_units_k ? dk + w : dv + (w - page_units_k), b);
         }
         if (u < units) {
-            if (u < page_units_k) dk[u] = sk[u]; else dv[u - page_units_k] = sv[u - page_units_k];
+            if (u < page_units_k) stv(dk + u, ldv(sk + u)); else stv(dv + (u - page_units_k), ldv(sv + (u - page_units_k)));
         }
     }
 }

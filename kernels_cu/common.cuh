@@ -45,6 +45,29 @@ typedef CP_CAT(cp_type_, CP_KV_DTYPE) kv_t;
 __device__ __forceinline__ float kv_to_float(kv_t x) { return to_float(x); }
 #endif
 
+// Vector accesses to global memory: every 16-byte (and 8-byte) load or store
+// of a vector type (uint4, float4, uint2, float2) in a kernel goes through
+// ldv / stv. Under NVRTC they are a plain dereference (the same PTX as
+// `*p`, ld.global.nc kept for __restrict__ pointers). Under the CPU shim they
+// first check that p is aligned to sizeof(V), as a GPU requires (x86 would
+// tolerate the access), and raise a KernelError naming the kernel, the block,
+// the thread and the caller's source line: the shim defines
+// CUPAGED_SRC_LOC (a defaulted std::source_location parameter) and
+// CUPAGED_CHECK_ALIGNED. cp.async's 16-byte copies get the same check in
+// ptx.cuh (ptx::cp_async_16).
+#ifndef CUPAGED_SRC_LOC
+#define CUPAGED_SRC_LOC
+#define CUPAGED_CHECK_ALIGNED(p, bytes, what) ((void)0)
+#endif
+template <typename V> __device__ __forceinline__ V ldv(const V* p CUPAGED_SRC_LOC) {
+    CUPAGED_CHECK_ALIGNED(p, sizeof(V), "load");
+    return *p;
+}
+template <typename V> __device__ __forceinline__ void stv(V* p, const V& v CUPAGED_SRC_LOC) {
+    CUPAGED_CHECK_ALIGNED(p, sizeof(V), "store");
+    *p = v;
+}
+
 // -inf without <cfloat> or INFINITY, identical under both compilers.
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 

@@ -15,6 +15,13 @@
 // the latest point a GPU allows, so a read that comes too early reads stale
 // data on the CPU too; the __syncthreads a kernel needs after the wait on a
 // GPU stays in the kernel (it also publishes the copies to other threads).
+// Built with CUPAGED_CP_ASYNC_EAGER (the CPU backend's
+// CUPAGED_CPU_CP_ASYNC=eager, a per-process choice) copies land instead at
+// issue, the earliest point a GPU allows: a copy issued into a buffer that
+// is still being read then overwrites it, so a pipeline that refills a
+// stage before its readers are done fails there. The test suite runs every
+// tensor-core kernel in both modes. Both addresses of a copy are checked for
+// 16-byte alignment (a GPU faults on a misaligned cp.async; x86 would not).
 // The CPU versions also count what they execute (cpu::Counter below: one
 // count per warp-wide mma / ldmatrix, one per thread's cp.async), readable
 // from Python through cupaged_ptx_counters() in the module; the performance
@@ -204,8 +211,14 @@ inline void async_wait(unsigned keep) {
 }
 }  // namespace cpu
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid CUPAGED_SRC_LOC) {
     cpu::count(valid ? cpu::kCpAsync16 : cpu::kCpAsync16Zero);
+    CUPAGED_CHECK_ALIGNED(smem, 16, "cp.async shared-memory destination");
+    if (valid) CUPAGED_CHECK_ALIGNED(gmem, 16, "cp.async global source");
+#ifdef CUPAGED_CP_ASYNC_EAGER
+    cpu::land(cpu::AsyncCopy{smem, valid ? gmem : nullptr, 0u});   // lands at issue
+    return;
+#endif
     cpu::AsyncQueue& aq = cpu::async_queue();
     if (aq.n == cpu::kMaxAsync) {   // full: the oldest copy lands now (a GPU may land any copy early)
         cpu::land(aq.q[0]);

@@ -111,13 +111,14 @@ extern "C" __global__ void row_argmax(const scalar_t* __restrict__ logits, long 
     const uint4* body = reinterpret_cast<const uint4*>(row + head);
     u32 v = tid;
     for (; v + 3u * nthreads < nvec; v += 4u * nthreads) {
-        const uint4 a = body[v], b = body[v + nthreads], c = body[v + 2u * nthreads], d = body[v + 3u * nthreads];
+        const uint4 a = ldv(body + v), b = ldv(body + v + nthreads), c = ldv(body + v + 2u * nthreads),
+                    d = ldv(body + v + 3u * nthreads);
         argmax_visit_vec(best_key, best_idx, a, head + v * CP_VEC_ELEMS);
         argmax_visit_vec(best_key, best_idx, b, head + (v + nthreads) * CP_VEC_ELEMS);
         argmax_visit_vec(best_key, best_idx, c, head + (v + 2u * nthreads) * CP_VEC_ELEMS);
         argmax_visit_vec(best_key, best_idx, d, head + (v + 3u * nthreads) * CP_VEC_ELEMS);
     }
-    for (; v < nvec; v += nthreads) argmax_visit_vec(best_key, best_idx, body[v], head + v * CP_VEC_ELEMS);
+    for (; v < nvec; v += nthreads) argmax_visit_vec(best_key, best_idx, ldv(body + v), head + v * CP_VEC_ELEMS);
 
     for (u32 i = tail + tid; i < vocab; i += nthreads) argmax_visit(best_key, best_idx, row[i], i);
 

@@ -23,6 +23,12 @@ Environment:
   this process may run on); parsed once, by ``configured_workers``.
 * ``CUPAGED_CPU_CXXFLAGS``: extra flags for kernel modules (e.g. ``-g -O0``).
 * ``CUPAGED_CPU_FIBERS=ucontext``: the portable (slower) context switch.
+* ``CUPAGED_CPU_CP_ASYNC=eager``: ``cp.async`` copies (``kernels_cu/ptx.cuh``)
+  land at issue, the earliest point a GPU allows, instead of at the
+  ``cp.async.wait_group`` that covers them (``late``, the default, the latest
+  point): a pipeline that refills a shared-memory stage still being read
+  gives wrong results in one mode or the other. A per-process choice (part
+  of the module flags, so of the cache key).
 * ``CUPAGED_CPU_ASAN=1``: build runtime and kernels with AddressSanitizer, so
   that a kernel reading or writing outside a NumPy array stops with a report
   naming the kernel's source line. Python itself is not built with ASan, so
@@ -97,9 +103,18 @@ def _asan() -> bool:
     return os.environ.get("CUPAGED_CPU_ASAN", "").strip() not in ("", "0")
 
 
+def cp_async_mode() -> str:
+    """``CUPAGED_CPU_CP_ASYNC``: ``"late"`` (default) or ``"eager"``."""
+    mode = os.environ.get("CUPAGED_CPU_CP_ASYNC", "").strip().lower() or "late"
+    if mode not in ("late", "eager"):
+        raise PagedAttentionError(f"CUPAGED_CPU_CP_ASYNC: expected 'late' or 'eager', got {mode!r}")
+    return mode
+
+
 def _module_flags() -> tuple[str, ...]:
     extra = tuple(shlex.split(os.environ.get("CUPAGED_CPU_CXXFLAGS", "")))
-    return MODULE_FLAGS + (ASAN_FLAGS if _asan() else ()) + extra
+    eager = ("-DCUPAGED_CP_ASYNC_EAGER=1",) if cp_async_mode() == "eager" else ()
+    return MODULE_FLAGS + (ASAN_FLAGS if _asan() else ()) + eager + extra
 
 
 def _runtime_flags() -> tuple[str, ...]:

@@ -212,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) paged_attention(const Atten
         for (u32 c = 0; c < kChunks; ++c) {
             const u32 e = (x + c * kLanes) * kVec;
             q_chunk_t ch = zero_chunk<q_chunk_t>();
-            if (g < heads && (HEAD_DIM || e < D)) ch = *reinterpret_cast<const q_chunk_t*>(qrow + e);
+            if (g < heads && (HEAD_DIM || e < D)) ch = ldv(reinterpret_cast<const q_chunk_t*>(qrow + e));
             unpack_q(ch, &qf[g][c * kVec]);
 #pragma unroll
             for (u32 i = 0; i < kVec; ++i) qf[g][c * kVec + i] *= qscale;
@@ -285,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) paged_attention(const Atten
 #pragma unroll
             for (u32 c = 0; c < kChunks; ++c) {
                 const u32 e = (x + c * kLanes) * kVec;
-                kc[u][c] = (ok[u] && (HEAD_DIM || e < D)) ? *reinterpret_cast<const kv_chunk_t*>(krow + e)
+                kc[u][c] = (ok[u] && (HEAD_DIM || e < D)) ? ldv(reinterpret_cast<const kv_chunk_t*>(krow + e))
                                                            : zero_chunk<kv_chunk_t>();
             }
 #if !ROT_CAP
@@ -293,7 +293,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) paged_attention(const Atten
 #pragma unroll
             for (u32 c = 0; c < kChunks; ++c) {
                 const u32 e = (x + c * kLanes) * kVec;
-                vc[u][c] = (ok[u] && (HEAD_DIM || e < Dv)) ? *reinterpret_cast<const kv_chunk_t*>(vrow + e)
+                vc[u][c] = (ok[u] && (HEAD_DIM || e < Dv)) ? ldv(reinterpret_cast<const kv_chunk_t*>(vrow + e))
                                                             : zero_chunk<kv_chunk_t>();
             }
 #else
@@ -447,7 +447,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) paged_attention(const Atten
             if (chunk == 0) part_lse[row_out] = lse_v;
         } else {
             const u64 row_out = (u64)qi * p.q_heads + h;
-            *reinterpret_cast<q_chunk_t*>(out + row_out * Dv + e0) = pack(o);
+            stv(reinterpret_cast<q_chunk_t*>(out + row_out * Dv + e0), pack(o));
             if (chunk == 0 && p.write_lse) lse[row_out] = lse_v;
         }
     }

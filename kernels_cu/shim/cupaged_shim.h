@@ -233,6 +233,21 @@ extern "C" __attribute__((visibility("hidden"), noreturn)) inline void __assert_
 #define assert(e) ((e) ? (void)0 : __assert_fail(#e, __FILE__, __LINE__, __PRETTY_FUNCTION__))
 #endif
 
+// ---- alignment of vector accesses (common.cuh's ldv / stv, ptx.cuh's cp_async_16) ----
+// A GPU faults on a vector access that is not aligned to its size; x86 does
+// not. These raise a KernelError naming the access and the caller's line.
+#define CUPAGED_SRC_LOC , CUPAGED_LOC
+#define CUPAGED_CHECK_ALIGNED(p, bytes, what) ::cupaged::check_aligned((p), (bytes), (what), cupaged_loc)
+namespace cupaged {
+inline void check_aligned(const void* p, unsigned bytes, const char* what, const std::source_location& loc) {
+    if (__builtin_expect(reinterpret_cast<std::uintptr_t>(p) % bytes == 0, 1)) return;
+    char msg[192];
+    snprintf(msg, sizeof msg, "misaligned %u-byte %s at address %p (a GPU faults: expected a multiple of %u)",
+             bytes, what, p, bytes);
+    cupaged_rt_trap(msg, loc.file_name(), loc.line(), loc.function_name());
+}
+}  // namespace cupaged
+
 // ---- memory fences and cache-hinted loads/stores ------------------------------------
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
