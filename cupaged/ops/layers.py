@@ -1,5 +1,6 @@
 """Dense decoder-step kernels (``kernels_cu/layers.cu``): embedding, RMSNorm,
-linear (+ residual accumulate), rotary embedding by device positions, SwiGLU.
+linear (+ residual accumulate), one linear per head (MLA's absorbed
+up-projections), bias add, rotary embedding by device positions, SwiGLU.
 
 They exist so that a whole decoder step is stream work on either backend and
 can be captured into one graph (on the CPU backend only cupaged's stream work
@@ -15,6 +16,8 @@ from .._runtime import backend_of, checks, get_kernel, register, stream_for
 from ..errors import PagedAttentionError
 
 THREADS = 128
+#: A CUDA grid's y and z dimensions (rows and heads of linear_heads).
+MAX_GRID_Y = 65535
 register("layers", [{"CP_DTYPE": t} for t in dtypes.QUERY_TOKENS])
 
 
@@ -70,6 +73,44 @@ def linear(x, weight, out, *, accumulate: bool = False) -> None:
     m, n = x.shape[0], weight.shape[0]
     stream_for(x).launch(_kernel(x, "linear"), ((n + THREADS // 32 - 1) // (THREADS // 32), m), (THREADS,),
                          (x, weight, out, np.uint32(n), np.uint32(x.shape[1]), np.uint32(bool(accumulate))))
+
+
+def linear_heads(x, weight, out, *, accumulate: bool = False) -> None:
+    """One linear layer per head: out[m, h] = x[m, h] @ weight[h].T (or +=
+    with ``accumulate``). x [M, H, K], weight [H, N, K], out [M, H, N];
+    float32 accumulation. MLA's absorbed form uses it for the query through
+    W_UK^T and the latent attention output through W_UV."""
+    checks.float_array("x", x, 3)
+    checks.float_array("weight", weight, 3)
+    checks.float_array("out", out, 3)
+    _same("x", x, weight=weight, out=out)
+    m, h, k = (int(d) for d in x.shape)
+    if weight.shape[0] != h or weight.shape[2] != k:
+        raise PagedAttentionError(f"weight: expected [{h}, N, {k}] (heads and K like x), got "
+                                  f"{checks.shape_str(weight.shape)}")
+    n = int(weight.shape[1])
+    checks.shape_is("out", out, (m, h, n))
+    checks.no_overlap("out", out, x=x, weight=weight)
+    if m > MAX_GRID_Y or h > MAX_GRID_Y:
+        raise PagedAttentionError(f"x: expected at most {MAX_GRID_Y} rows and heads (grid limits), got "
+                                  f"{checks.shape_str(x.shape)}")
+    if m == 0 or n == 0:
+        return
+    stream_for(x).launch(_kernel(x, "linear_heads"), ((n + THREADS // 32 - 1) // (THREADS // 32), m, h),
+                         (THREADS,), (x, weight, out, np.uint32(n), np.uint32(k), np.uint32(h * k), np.uint32(k),
+                                      np.uint32(h * n), np.uint32(n), np.uint32(bool(accumulate))))
+
+
+def bias_add(x, bias) -> None:
+    """x[r] += bias in place: x [rows, n], bias [n] (a linear layer's bias)."""
+    checks.float_array("x", x, 2)
+    checks.float_array("bias", bias, 1)
+    _same("x", x, bias=bias)
+    checks.shape_is("bias", bias, x.shape[1:])
+    checks.no_overlap("x", x, bias=bias)
+    if x.shape[0] == 0:
+        return
+    stream_for(x).launch(_kernel(x, "bias_add"), (x.shape[0],), (THREADS,), (x, bias, np.uint32(x.shape[1])))
 
 
 def rope(x, positions, cos, sin, *, position_stride: int = 1) -> None:

@@ -326,6 +326,12 @@ def apply_rope(x, cos, sin, interleaved: bool = False) -> np.ndarray:
     return out
 
 
+def linear_heads(x, w) -> np.ndarray:
+    """One linear layer per head, float64: x [M, H, K], w [H, N, K] ->
+    out [M, H, N] with out[m, h] = w[h] @ x[m, h]."""
+    return np.einsum("mhk,hnk->mhn", _f64(x), _f64(w))
+
+
 def silu(x) -> np.ndarray:
     """x * sigmoid(x), float64."""
     x = _f64(x)

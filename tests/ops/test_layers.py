@@ -104,3 +104,44 @@ def test_layer_errors():
                     np.zeros((4, 2), np.float32), position_stride=2)
     with pytest.raises(PagedAttentionError, match=r"out: expected shape \[2, 3\]"):
         layers.silu_mul(np.zeros((2, 6), np.float32), np.zeros((2, 4), np.float32))
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("m,h,n,k", [(1, 1, 5, 7), (3, 4, 33, 16), (5, 2, 9, 130)])
+def test_linear_heads_and_accumulate(dt, m, h, n, k):
+    rng = np.random.default_rng(m * h * n * k)
+    x = _rand(rng, (m, h, k), dt)
+    w = _rand(rng, (h, n, k), dt, 1 / np.sqrt(k))
+    out = np.full((m, h, n), np.nan, as_dtype(dt))
+    layers.linear_heads(x, w, out)
+    exp = reference.linear_heads(x, w)
+    assert_close(out, exp, dt)
+    base = out.astype(np.float64)
+    layers.linear_heads(x, w, out, accumulate=True)
+    atol = 1e-4 if dt == "f32" else 3e-2
+    np.testing.assert_allclose(out.astype(np.float64), base + exp, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_bias_add(dt):
+    rng = np.random.default_rng(6)
+    x = _rand(rng, (5, 37), dt)
+    b = _rand(rng, (37,), dt)
+    got = x.copy()
+    layers.bias_add(got, b)
+    assert_close(got, x.astype(np.float64) + b.astype(np.float64), dt)
+    layers.bias_add(got[:0], b)                  # no rows: nothing launched
+
+
+def test_linear_heads_and_bias_errors():
+    x = np.zeros((2, 3, 8), np.float32)
+    with pytest.raises(PagedAttentionError, match=r"weight: expected \[3, N, 8\]"):
+        layers.linear_heads(x, np.zeros((2, 4, 8), np.float32), np.zeros((2, 3, 4), np.float32))
+    with pytest.raises(PagedAttentionError, match=r"out: expected shape \[2, 3, 4\]"):
+        layers.linear_heads(x, np.zeros((3, 4, 8), np.float32), np.zeros((2, 3, 5), np.float32))
+    with pytest.raises(PagedAttentionError, match="out: expected memory disjoint from x"):
+        layers.linear_heads(x, np.zeros((3, 8, 8), np.float32), x)
+    with pytest.raises(PagedAttentionError, match=r"bias: expected shape \[8\]"):
+        layers.bias_add(np.zeros((2, 8), np.float32), np.zeros(7, np.float32))
+    with pytest.raises(PagedAttentionError, match="bias: expected dtype float32 like x"):
+        layers.bias_add(np.zeros((2, 8), np.float32), np.zeros(8, np.float16))
