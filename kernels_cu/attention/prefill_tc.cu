@@ -1,39 +1,49 @@
 // prefill_tc.cu: paged_prefill_tc, chunked-prefill attention on tensor cores,
 // plus attention_split_merge (merge.cuh). Layout, positions, metadata words,
 // LSE and the split workspace: docs/layout.md. The argument is one
-// AttentionParams (params.cuh); the block's rows, the K/V tile pipeline and
-// the passes are shared with paged_mla_tc (tc_common.cuh), the inline PTX
-// lives in ptx.cuh.
+// AttentionParams (params.cuh); the block's rows, the K/V tile ring and the
+// passes are shared with paged_mla_tc (tc_common.cuh), the inline PTX lives
+// in ptx.cuh.
 //
 // paged_prefill_tc: FlashAttention-2 style, f16 / bf16, D == Dv == HEAD_DIM.
-//   grid (ceil(q_count / qt), kv_heads * head_tiles, splits), block 128 (4 warps),
-//   dynamic shared memory prefill_smem_bytes(D) (ops/attention/variants.py): 36 / 68 / 99 KiB
-//   at D = 64 / 128 / 256.
-//   Rows (the M dimension, 64 per block, 16 per warp) are (query, head)
-//   pairs: ht = min(G, 64) query heads of one KV head's GQA group for each of
-//   qt = 64 / ht consecutive packed queries (blocks tile the launch's range
-//   from q_begin), so a K/V row read serves qt * ht rows. Q is staged once
-//   (cp.async) and kept as mma A fragments in registers (D <= 128) or
-//   re-read from shared memory by ldmatrix (D = 256).
-//   K and V tiles of kN tokens (64, or 32 at D = 256) are copied page by page
-//   with cp.async into two buffers (the next tile in flight while one
-//   computes); S = Q K^T and O += P V run on mma.sync m16n8k16 with f32
-//   accumulation; the online softmax (softmax_state.cuh) runs in f32 in the
-//   log2 domain on the S fragments (a row's max and sum live in the 4 lanes
-//   of a quad).
+//   grid (ceil(q_count / qt), kv_heads * head_tiles, splits), block 32 * TC_WARPS,
+//   dynamic shared memory prefill_smem_bytes (ops/attention/variants.py, per variant).
+//   Rows (the M dimension, kRows = 16 * TC_MTILES * TC_WARPS per block) are
+//   (query, head) pairs: ht = min(G, kRows) query heads of one KV head's GQA
+//   group for each of qt = kRows / ht consecutive packed queries (blocks tile
+//   the launch's range from q_begin), so a K/V row read serves qt * ht rows.
+//   Warp w owns rows 16 * TC_MTILES * w .. + 16 * TC_MTILES - 1: TC_MTILES
+//   m-tiles of 16 rows, so each K (and V) fragment loaded by ldmatrix feeds
+//   TC_MTILES mma (D <= 128: two m-tiles, 0.375 ldmatrix per mma). Q is
+//   staged once (cp.async) and read by ldmatrix each k-step, or kept as mma
+//   A fragments in registers when they fit (TC_MTILES * D <= 128).
+//   K and V tiles of kN = TC_KV_TILE tokens are copied page by page with
+//   cp.async through a ring of TC_STAGES buffers (kS - 1 tiles in flight
+//   while one computes, one barrier a tile); S = Q K^T and O += P V run on
+//   mma.sync m16n8k16 with f32 accumulation; the online softmax
+//   (softmax_state.cuh) runs in f32 in the log2 domain on the S fragments
+//   (a row's max and sum live in the 4 lanes of a quad).
 //   Each row sees positions [lo, hi) of its query (the visibility hook and the
-//   split share, span.cuh); a warp whose 16 rows see nothing of a tile skips
-//   its products. Positions past the pass's end and page ids >= num_pages are
+//   split share, span.cuh); a warp whose rows see nothing of a tile skips its
+//   products. Positions past the pass's end and page ids >= num_pages are
 //   zero-filled (never read) and masked, so no unused slot reaches the output.
+//   A valid token a row cannot see (past its causal position, outside its
+//   split share, another sequence's row) contributes exactly nothing, also
+//   when its value row holds Inf or NaN (tc::pv_step: only k-steps where
+//   some row misses a valid token check V, and only a slice with a
+//   non-finite value leaves the tensor cores).
 //
 // Memory traffic: K/V are read once per block instead of once per query, about
-// ceil(q_len * G / 64) * L * (D + Dv) * sizeof(kv_t) bytes per sequence and KV
-// head; q and the outputs once.
+// ceil(q_len * G / kRows) * L * (D + Dv) * sizeof(kv_t) bytes per sequence and
+// KV head; q and the outputs once.
 //
-// Defines (cupaged/ops/attention/variants.py Variant):
+// Defines (cupaged/ops/attention/variants.py Variant; the tile table there):
 //   CP_DTYPE, CP_KV_DTYPE  f16 | bf16 (one type: the mma takes Q and K alike)
 //   CP_SCORE               the score variant (variant.cuh)
 //   HEAD_DIM               64 | 128 | 256: D == Dv
+//   TC_WARPS, TC_MTILES    warps per block, m-tiles (16 rows) per warp
+//   TC_KV_TILE, TC_STAGES  tokens per K/V tile, tile buffers in the ring
+//   TC_MIN_BLOCKS          resident blocks per SM designed for (__launch_bounds__)
 #include "../common.cuh"
 #include "../plan_words.cuh"
 #include "../ptx.cuh"
@@ -45,22 +55,27 @@
 
 namespace tcp {
 constexpr u32 kD = HEAD_DIM;
-constexpr u32 kN = kD <= 128 ? 64 : 32;     // tokens per K/V tile
-constexpr u32 kWarps = 4, kThreads = 32 * kWarps;
+constexpr u32 kMT = TC_MTILES;              // m-tiles per warp
+constexpr u32 kWarps = TC_WARPS, kThreads = 32 * kWarps;
+constexpr u32 kRows = 16 * kMT * kWarps;    // (query, head) rows per block
+constexpr u32 kN = TC_KV_TILE;              // tokens per K/V tile
+constexpr u32 kS = TC_STAGES;               // tile buffers
 constexpr u32 kPitch = kD + 8;              // shared row pitch (elements): conflict-free ldmatrix
 constexpr u32 kChunks = kD / 8;             // 16-byte chunks per row
 constexpr u32 kKSteps = kD / 16;            // k-steps of S = Q K^T
 constexpr u32 kSTiles = kN / 8;             // n-tiles of S
 constexpr u32 kOTiles = kD / 8;             // n-tiles of O
-constexpr bool kQInRegs = kD <= 128;
+constexpr bool kQInRegs = kMT * kD <= 128;  // Q's A fragments: kMT * kKSteps * 4 registers
 constexpr u32 kRowStep = kThreads / kChunks;   // rows one pass of the block's threads copies
 static_assert(kD == 64 || kD == 128 || kD == 256, "HEAD_DIM: 64, 128 or 256");
-static_assert(tc::kRows == 16 * kWarps, "16 rows per warp");
+static_assert(kMT == 1 || kMT == 2, "one or two m-tiles per warp");
+static_assert(kN == 16 || kN == 32 || kN == 64, "K/V tiles of 16, 32 or 64 tokens");
+static_assert(kN % kRowStep == 0 || kRowStep % kN == 0, "whole rows per copy pass");
 // Q and K meet in one mma, and the K/V tiles are copied raw into shared memory.
 static_assert(sizeof(kv_t) == sizeof(scalar_t) && sizeof(kv_t) == 2, "f16 / bf16 q and caches");
 }  // namespace tcp
 
-extern "C" __global__ void __launch_bounds__(128, 1) paged_prefill_tc(const AttentionParams p) {
+extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged_prefill_tc(const AttentionParams p) {
     // The arrays as __restrict__ locals (NVVM keeps restrict on these, not on
     // struct members: read-only loads stay ld.global.nc).
     const scalar_t* __restrict__ const q = p.q;
@@ -73,19 +88,20 @@ extern "C" __global__ void __launch_bounds__(128, 1) paged_prefill_tc(const Atte
     float* __restrict__ const part_lse = p.part_lse;
     using namespace tcp;
     using tc::kNone;
-    using tc::kRows;
     CUPAGED_DYNAMIC_SHARED(scalar_t, smem);
-    // Q [kRows][kPitch], then K [2][kN][kPitch] and V [2][kN][kPitch]. With Q
+    // Q [kRows][kPitch], then K [kS][kN][kPitch] and V [kS][kN][kPitch]. With Q
     // held in registers its staging area is reused by the K/V buffers (the
     // first copy into them follows a barrier after the fragments are loaded).
     scalar_t* const sQ = smem;
     scalar_t* const sK = kQInRegs ? smem : sQ + kRows * kPitch;
-    __shared__ tc::Rows rows;
-    __shared__ tc::Stage<kN> st;
+    scalar_t* const sV = sK + kS * kN * kPitch;
+    __shared__ tc::RowSet<kRows> rows;
+    __shared__ tc::Ring<kN, kS> st;
 
     const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
     const u32 g = lane >> 2, tq = lane & 3u;             // mma fragment coordinates
     const u32 r8 = lane & 7u, tile = lane >> 3;          // ldmatrix: row within a tile, tile of the x4
+    const u32 row0 = warp * 16 * kMT;                    // the warp's first row
     const u32 q_heads = p.q_heads, kv_heads = p.kv_heads;
     const u32 group = q_heads / kv_heads;
     const u32 ht = group < kRows ? group : kRows;        // heads per block
@@ -108,179 +124,277 @@ extern "C" __global__ void __launch_bounds__(128, 1) paged_prefill_tc(const Atte
         ptx::cp_async_16(sQ + r * kPitch + ch * 8, ok ? src : q, ok);
     }
     ptx::cp_async_commit();
-    tc::setup_rows(rows, p, q0, qt, q_end);
+    tc::setup_row_set(rows, p, q0, qt, q_end);
     ptx::cp_async_wait<0>();
     __syncthreads();
 
-    u32 qf[kQInRegs ? kKSteps : 1][4];
-    if (kQInRegs) {
+    u32 qf[kQInRegs ? kMT : 1][kQInRegs ? kKSteps : 1][4];
+    if constexpr (kQInRegs) {
 #pragma unroll
-        for (u32 ks = 0; ks < kKSteps; ++ks)
-            ptx::ldmatrix_x4(qf[ks], sQ + (warp * 16 + r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
+        for (u32 mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (u32 ks = 0; ks < kKSteps; ++ks)
+                ptx::ldmatrix_x4(qf[mt][ks],
+                                 sQ + (row0 + 16 * mt + r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
     }
 
-    // This thread's two rows (g and g + 8 of its warp's 16): query slot, or kNone.
-    u32 my_slot[2];
+    // This thread's rows (g and g + 8 of each m-tile): query slot, or kNone.
+    u32 my_slot[kMT][2];
 #pragma unroll
-    for (u32 h = 0; h < 2; ++h) {
-        const u32 r = warp * 16 + g + 8 * h, slot = r / ht, hl = r - slot * ht;
-        my_slot[h] = (slot < qt && q0 + slot < q_end && hl < heads) ? slot : kNone;
-    }
+    for (u32 mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            const u32 r = row0 + 16 * mt + g + 8 * h, slot = r / ht, hl = r - slot * ht;
+            my_slot[mt][h] = (slot < qt && q0 + slot < q_end && hl < heads) ? slot : kNone;
+        }
 
     const float qscale = p.scale * softmax::kLog2e;
-    softmax::State sm[2];
-    float o[kOTiles][4];
+    softmax::State sm[kMT][2];
+    float o[kMT][kOTiles][4];
 #pragma unroll
-    for (u32 h = 0; h < 2; ++h) sm[h].clear();
+    for (u32 mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-    for (u32 n = 0; n < kOTiles; ++n)
+        for (u32 h = 0; h < 2; ++h) sm[mt][h].clear();
 #pragma unroll
-        for (u32 i = 0; i < 4; ++i) o[n][i] = 0.0f;
+        for (u32 n = 0; n < kOTiles; ++n)
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) o[mt][n][i] = 0.0f;
+    }
 
     const u64 k_page = (u64)p.page_size * kv_heads * kD;   // elements per page
     const u32* const tables = words + pw::page_table(p.queries, p.sequences);
 
-    tc::for_each_pass(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
-        u32 rlo[2], rhi[2];   // this thread's rows' positions in this pass
-        u32 rpos[2], rhead[2];   // and, for a score variant, their query's position and head
+    tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
+        u32 rlo[kMT][2], rhi[kMT][2];     // this thread's rows' positions in this pass
+        u32 rpos[kMT][2], rhead[kMT][2];  // and, for a score variant, their query's position and head
 #pragma unroll
-        for (u32 h = 0; h < 2; ++h) {
-            const u32 s = my_slot[h];
-            const bool in = s != kNone && s >= slot_lo && s < slot_hi;
-            rlo[h] = in ? rows.lo[s] : 0u;
-            rhi[h] = in ? rows.hi[s] : 0u;
-            rpos[h] = in ? rows.position(s) : 0u;
-            rhead[h] = head0 + (warp * 16 + g + 8 * h - (in ? s : 0u) * ht);
-        }
-        auto issue = [&](u32 b) {
+        for (u32 mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                const u32 s = my_slot[mt][h];
+                const bool in = s != kNone && s >= slot_lo && s < slot_hi;
+                rlo[mt][h] = in ? rows.lo[s] : 0u;
+                rhi[mt][h] = in ? rows.hi[s] : 0u;
+                rpos[mt][h] = in ? rows.position(s) : 0u;
+                rhead[mt][h] = head0 + (row0 + 16 * mt + g + 8 * h - (in ? s : 0u) * ht);
+            }
+        auto issue = [&](u32 sb, u32 b) {
             // Thread tid copies chunk tid % kChunks of rows tid / kChunks + i * kRowStep.
 #pragma unroll
-            for (u32 i = 0; i < kN / kRowStep; ++i) {
+            for (u32 i = 0; i < (kN + kRowStep - 1) / kRowStep; ++i) {
                 const u32 r = tid / kChunks + i * kRowStep, ch = tid % kChunks;
-                const u32 page = st.page[b][r];
+                if (kN % kRowStep != 0 && r >= kN) break;
+                const u32 page = st.page[sb][r];
                 const bool ok = page != kNone;
-                const u64 off = (u64)page * k_page + ((u64)st.slot[b][r] * kv_heads + kvh) * kD + ch * 8;
-                kv_t* const dk = reinterpret_cast<kv_t*>(sK) + (b * kN + r) * kPitch + ch * 8;
-                ptx::cp_async_16(dk, ok ? k_cache + off : k_cache, ok);
-                ptx::cp_async_16(dk + 2 * kN * kPitch, ok ? v_cache + off : v_cache, ok);   // V buffer b
+                const u64 off = (u64)page * k_page + ((u64)st.slot[sb][r] * kv_heads + kvh) * kD + ch * 8;
+                const u32 dst = (b * kN + r) * kPitch + ch * 8;
+                ptx::cp_async_16(sK + dst, ok ? k_cache + off : k_cache, ok);
+                ptx::cp_async_16(sV + dst, ok ? v_cache + off : v_cache, ok);
             }
         };
         auto compute = [&](u32 b, u32 t0) {
-            // Bit dt of vis[h]: row h sees token t0 + dt (its share, and a valid page).
+            // Bit dt of vis[mt][h]: row (mt, h) sees token t0 + dt (its share, and a valid page).
             u64 vbits = st.valid[b][0];
-            if (kN > 32) vbits |= (u64)st.valid[b][kN > 32 ? 1 : 0] << 32;
-            u64 vis[2];
+            if constexpr (kN > 32) vbits |= (u64)st.valid[b][kN > 32 ? 1 : 0] << 32;
+            u64 vis[kMT][2];
+            bool any = false;
 #pragma unroll
-            for (u32 h = 0; h < 2; ++h) vis[h] = vbits & tc::row_bits(rlo[h], rhi[h], t0, kN);
-            if (!__any_sync(CP_FULL_MASK, (vis[0] | vis[1]) != 0)) return;   // none of the warp's rows sees this tile
+            for (u32 mt = 0; mt < kMT; ++mt)
 #pragma unroll
-            for (u32 h = 0; h < 2; ++h) vis[h] >>= 2 * tq;   // now bit n * 8 + e: this lane's column e of n-tile n
+                for (u32 h = 0; h < 2; ++h) {
+                    vis[mt][h] = tc::tile_vis<kN>(vbits, rlo[mt][h], rhi[mt][h], t0);
+                    any |= vis[mt][h] != 0;
+                }
+            if (!__any_sync(CP_FULL_MASK, any)) return;   // none of the warp's rows sees this tile
 
-            // S = Q K^T: [16 x kN] per warp.
+            // S = Q K^T: [16 kMT x kN] per warp; each K fragment feeds kMT mma.
             const scalar_t* const kt = sK + b * kN * kPitch;
-            float s[kSTiles][4];
+            float s[kMT][kSTiles][4];
 #pragma unroll
-            for (u32 n = 0; n < kSTiles; ++n)
+            for (u32 mt = 0; mt < kMT; ++mt)
 #pragma unroll
-                for (u32 i = 0; i < 4; ++i) s[n][i] = 0.0f;
+                for (u32 n = 0; n < kSTiles; ++n)
+#pragma unroll
+                    for (u32 i = 0; i < 4; ++i) s[mt][n][i] = 0.0f;
 #pragma unroll
             for (u32 ks = 0; ks < kKSteps; ++ks) {
-                u32 a[4];
-                if (kQInRegs) {
+                u32 a[kMT][4];
 #pragma unroll
-                    for (u32 i = 0; i < 4; ++i) a[i] = qf[kQInRegs ? ks : 0][i];
-                } else {
-                    ptx::ldmatrix_x4(a, sQ + (warp * 16 + r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
+                for (u32 mt = 0; mt < kMT; ++mt) {
+                    if constexpr (kQInRegs) {
+#pragma unroll
+                        for (u32 i = 0; i < 4; ++i) a[mt][i] = qf[kQInRegs ? mt : 0][kQInRegs ? ks : 0][i];
+                    } else {
+                        ptx::ldmatrix_x4(a[mt], sQ + (row0 + 16 * mt + r8 + 8 * (tile & 1u)) * kPitch + ks * 16 +
+                                                    8 * (tile >> 1));
+                    }
                 }
 #pragma unroll
                 for (u32 np = 0; np < kSTiles / 2; ++np) {
                     u32 bq[4];
                     ptx::ldmatrix_x4(bq, kt + (np * 16 + r8 + 8 * (tile >> 1)) * kPitch + ks * 16 + 8 * (tile & 1u));
                     const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
-                    ptx::mma_16816<scalar_t>(s[2 * np], a, b0);
-                    ptx::mma_16816<scalar_t>(s[2 * np + 1], a, b1);
+#pragma unroll
+                    for (u32 mt = 0; mt < kMT; ++mt) {
+                        ptx::mma_16816<scalar_t>(s[mt][2 * np], a[mt], b0);
+                        ptx::mma_16816<scalar_t>(s[mt][2 * np + 1], a[mt], b1);
+                    }
                 }
             }
 
             // Scale into the log2 domain, the score hook, mask; online softmax per row.
-            float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-            for (u32 n = 0; n < kSTiles; ++n)
+            for (u32 mt = 0; mt < kMT; ++mt) {
+                float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-                for (u32 i = 0; i < 4; ++i) {
-                    const u32 h = i >> 1;
-                    float v = s[n][i] * qscale;
-                    if constexpr (!variant::kPlainScore)
-                        v = variant::score(v, rpos[h], t0 + n * 8 + 2 * tq + (i & 1u), rhead[h]);
-                    s[n][i] = ((vis[h] >> (n * 8 + (i & 1u))) & 1u) ? v : neg_inf();
-                    mx[h] = fmaxf(mx[h], s[n][i]);
+                for (u32 n = 0; n < kSTiles; ++n)
+#pragma unroll
+                    for (u32 i = 0; i < 4; ++i) {
+                        const u32 h = i >> 1, col = n * 8 + 2 * tq + (i & 1u);
+                        float v = s[mt][n][i] * qscale;
+                        if constexpr (!variant::kPlainScore)
+                            v = variant::score(v, rpos[mt][h], t0 + col, rhead[mt][h]);
+                        s[mt][n][i] = ((vis[mt][h] >> col) & 1u) ? v : neg_inf();
+                        mx[h] = fmaxf(mx[h], s[mt][n][i]);
+                    }
+                float alpha[2], mu[2];
+#pragma unroll
+                for (u32 h = 0; h < 2; ++h) {
+                    mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 1));
+                    mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 2));
+                    alpha[h] = sm[mt][h].raise(mx[h]);
+                    mu[h] = sm[mt][h].offset();   // exp2(-inf - mu) = 0 for masked scores
                 }
-            float alpha[2], mu[2];
+                float ps[2] = {0.0f, 0.0f};
 #pragma unroll
-            for (u32 h = 0; h < 2; ++h) {
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 1));
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 2));
-                alpha[h] = sm[h].raise(mx[h]);
-                mu[h] = sm[h].offset();   // exp2(-inf - mu) = 0 for masked scores
+                for (u32 n = 0; n < kSTiles; ++n)
+#pragma unroll
+                    for (u32 i = 0; i < 4; ++i) {
+                        s[mt][n][i] = exp2f(s[mt][n][i] - mu[i >> 1]);
+                        ps[i >> 1] += s[mt][n][i];
+                    }
+#pragma unroll
+                for (u32 h = 0; h < 2; ++h) sm[mt][h].add(alpha[h], ps[h]);   // this lane's part of the row sum
+#pragma unroll
+                for (u32 n = 0; n < kOTiles; ++n)
+#pragma unroll
+                    for (u32 i = 0; i < 4; ++i) o[mt][n][i] *= alpha[i >> 1];
             }
-            float ps[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (u32 n = 0; n < kSTiles; ++n)
-#pragma unroll
-                for (u32 i = 0; i < 4; ++i) {
-                    s[n][i] = exp2f(s[n][i] - mu[i >> 1]);
-                    ps[i >> 1] += s[n][i];
-                }
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h) sm[h].add(alpha[h], ps[h]);   // this lane's part of the row sum
-#pragma unroll
-            for (u32 n = 0; n < kOTiles; ++n)
-#pragma unroll
-                for (u32 i = 0; i < 4; ++i) o[n][i] *= alpha[i >> 1];
 
             // O += P V: P's S fragments are its A fragments (two n-tiles per k-step).
-            const scalar_t* const vt = sK + (2 + b) * kN * kPitch;
+            const scalar_t* const vt = sV + b * kN * kPitch;
+            // A tile where a stored row misses a valid token (the causal
+            // diagonal, split edges, another sequence's rows) takes the careful
+            // loop, which keeps masked value rows out even when they hold Inf
+            // or NaN (tc::pv_step); every other tile the plain products.
+            bool miss = false;
 #pragma unroll
-            for (u32 kk = 0; kk < kN / 16; ++kk) {
-                const u32 a[4] = {ptx::pack2<scalar_t>(s[2 * kk][0], s[2 * kk][1]),
-                                  ptx::pack2<scalar_t>(s[2 * kk][2], s[2 * kk][3]),
-                                  ptx::pack2<scalar_t>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                  ptx::pack2<scalar_t>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            for (u32 mt = 0; mt < kMT; ++mt)
 #pragma unroll
-                for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
-                    u32 bq[4];
-                    ptx::ldmatrix_x4_trans(bq, vt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + dp * 16 + 8 * (tile >> 1));
-                    const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
-                    ptx::mma_16816<scalar_t>(o[2 * dp], a, b0);
-                    ptx::mma_16816<scalar_t>(o[2 * dp + 1], a, b1);
+                for (u32 h = 0; h < 2; ++h) miss |= my_slot[mt][h] != kNone && vis[mt][h] != vbits;
+            if (!__any_sync(CP_FULL_MASK, miss)) {
+#pragma unroll
+                for (u32 kk = 0; kk < kN / 16; ++kk) {
+                    u32 a[kMT][4];
+#pragma unroll
+                    for (u32 mt = 0; mt < kMT; ++mt) {
+                        a[mt][0] = ptx::pack2<scalar_t>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                        a[mt][1] = ptx::pack2<scalar_t>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                        a[mt][2] = ptx::pack2<scalar_t>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                        a[mt][3] = ptx::pack2<scalar_t>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                    }
+#pragma unroll
+                    for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
+                        u32 bq[4];
+                        ptx::ldmatrix_x4_trans(bq, vt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + dp * 16 +
+                                                       8 * (tile >> 1));
+                        const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+#pragma unroll
+                        for (u32 mt = 0; mt < kMT; ++mt) {
+                            ptx::mma_16816<scalar_t>(o[mt][2 * dp], a[mt], b0);
+                            ptx::mma_16816<scalar_t>(o[mt][2 * dp + 1], a[mt], b1);
+                        }
+                    }
+                }
+            } else {
+#pragma unroll 1
+                for (u32 kk = 0; kk < kN / 16; ++kk) {
+                    u32 a[kMT][4];
+                    u32 kv[kMT][2];   // this lane's rows' visibility of the k-step's 16 tokens
+                    bool mixed[kMT];
+                    const u32 valid16 = (u32)(vbits >> (16 * kk)) & 0xffffu;
+#pragma unroll
+                    for (u32 mt = 0; mt < kMT; ++mt) {
+                        float p[2][4];   // S n-tiles 2 kk, 2 kk + 1, picked without indexing by kk
+#pragma unroll
+                        for (u32 i = 0; i < 4; ++i) {
+                            p[0][i] = s[mt][0][i];
+                            p[1][i] = s[mt][1][i];
+                        }
+#pragma unroll
+                        for (u32 k2 = 1; k2 < kN / 16; ++k2)
+                            if (kk == k2) {
+#pragma unroll
+                                for (u32 i = 0; i < 4; ++i) {
+                                    p[0][i] = s[mt][2 * k2][i];
+                                    p[1][i] = s[mt][2 * k2 + 1][i];
+                                }
+                            }
+                        a[mt][0] = ptx::pack2<scalar_t>(p[0][0], p[0][1]);
+                        a[mt][1] = ptx::pack2<scalar_t>(p[0][2], p[0][3]);
+                        a[mt][2] = ptx::pack2<scalar_t>(p[1][0], p[1][1]);
+                        a[mt][3] = ptx::pack2<scalar_t>(p[1][2], p[1][3]);
+                        bool m = false;
+#pragma unroll
+                        for (u32 h = 0; h < 2; ++h) {
+                            kv[mt][h] = (u32)(vis[mt][h] >> (16 * kk)) & 0xffffu;
+                            m |= my_slot[mt][h] != kNone && kv[mt][h] != valid16;
+                        }
+                        mixed[mt] = __any_sync(CP_FULL_MASK, m);
+                    }
+#pragma unroll
+                    for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
+                        u32 bq[4];
+                        ptx::ldmatrix_x4_trans(bq, vt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + dp * 16 +
+                                                       8 * (tile >> 1));
+#pragma unroll
+                        for (u32 mt = 0; mt < kMT; ++mt)
+                            tc::pv_step<scalar_t>(o[mt][2 * dp], o[mt][2 * dp + 1], a[mt], bq, mixed[mt], kv[mt][0],
+                                                  kv[mt][1], vt + kk * 16 * kPitch, kPitch, dp * 16);
+                    }
                 }
             }
         };
-        tc::run_tiles<kN>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue, compute);
+        tc::run_ring<kN, kS>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue,
+                             compute);
     });
 
     // ---- normalize and write ----
     const bool split = p.splits > 1;
 #pragma unroll
-    for (u32 h = 0; h < 2; ++h) {
-        sm[h].l += __shfl_xor_sync(CP_FULL_MASK, sm[h].l, 1);
-        sm[h].l += __shfl_xor_sync(CP_FULL_MASK, sm[h].l, 2);
-        const u32 slot = my_slot[h];
-        if (slot == kNone) continue;
-        const u32 r = warp * 16 + g + 8 * h;
-        const u64 row = (q0 + slot) * q_heads + head0 + (r - slot * ht);
-        const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
-        const float inv = sm[h].inv_sum();
-        const float lse_v = sm[h].lse();
+    for (u32 mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (u32 n = 0; n < kOTiles; ++n)
-            tc::store_pair(out, part_out, row_out * kD + n * 8 + 2 * tq, split, o[n][2 * h] * inv,
-                           o[n][2 * h + 1] * inv);
-        if (tq == 0) {
-            if (split) part_lse[row_out] = lse_v;
-            else if (p.write_lse) lse[row] = lse_v;
+        for (u32 h = 0; h < 2; ++h) {
+            float l = sm[mt][h].l;
+            l += __shfl_xor_sync(CP_FULL_MASK, l, 1);
+            l += __shfl_xor_sync(CP_FULL_MASK, l, 2);
+            sm[mt][h].l = l;
+            const u32 slot = my_slot[mt][h];
+            if (slot == kNone) continue;
+            const u32 r = row0 + 16 * mt + g + 8 * h;
+            const u64 row = (q0 + slot) * q_heads + head0 + (r - slot * ht);
+            const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
+            const float inv = sm[mt][h].inv_sum();
+            const float lse_v = sm[mt][h].lse();
+#pragma unroll
+            for (u32 n = 0; n < kOTiles; ++n)
+                tc::store_pair(out, part_out, row_out * kD + n * 8 + 2 * tq, split, o[mt][n][2 * h] * inv,
+                               o[mt][n][2 * h + 1] * inv);
+            if (tq == 0) {
+                if (split) part_lse[row_out] = lse_v;
+                else if (p.write_lse) lse[row] = lse_v;
+            }
         }
-    }
 }
 
 #include "merge.cuh"

@@ -17,52 +17,6 @@ using att::min_u32;
 constexpr u32 kRows = 64;             // (query, head) rows per block: the M dimension
 constexpr u32 kNone = CP_NO_PAGE;     // no sequence / no page
 
-// The absolute position of each slot's query, kept only for a score variant
-// that reads it (an empty base otherwise: no shared memory, no loads).
-template <bool kKeep>
-struct RowPositions {
-    u32 pos[kRows];
-    __device__ __forceinline__ u32 position(u32 i) const { return pos[i]; }
-    __device__ __forceinline__ void set_position(u32 i, u32 v) { pos[i] = v; }
-};
-template <>
-struct RowPositions<false> {
-    __device__ __forceinline__ u32 position(u32) const { return 0u; }
-    __device__ __forceinline__ void set_position(u32, u32) {}
-};
-
-// The rows of a block: kRows / ht query slots of ht heads each; slot i is
-// query q0 + i. Filled once per block from the device words.
-struct Rows : RowPositions<!variant::kPlainScore> {
-    u32 seq[kRows];   // sequence of the slot's query, kNone when none (past the queries, bad index)
-    u32 lo[kRows];    // this split's share [lo, hi) of the query's visible positions
-    u32 hi[kRows];
-};
-
-// Visible positions of query slot i (threads i < kRows): att::query_span,
-// the same rules as paged_attention. Slots at or past q_end (the launch's
-// range, <= queries) hold no query.
-__device__ __forceinline__ void setup_rows(Rows& R, const AttentionParams& p, u64 q0, u32 qt, u32 q_end) {
-    const u32* __restrict__ const words = p.words;
-    for (u32 i = threadIdx.x; i < kRows; i += blockDim.x) {
-        u32 seq = kNone, lo = 0, hi = 0;
-        if (i < qt && q0 + i < q_end) {
-            const u32 qi = (u32)(q0 + i);
-            const u32 s = words[pw::q_seq(p.queries) + qi];
-            if (s < p.sequences) {
-                seq = s;
-                const att::Span sp = att::query_span(p, qi, s, blockIdx.z);
-                lo = sp.lo;
-                hi = sp.hi;
-                if constexpr (!variant::kPlainScore) R.set_position(i, words[pw::q_pos(p.queries) + qi]);
-            }
-        }
-        R.seq[i] = seq;
-        R.lo[i] = lo;
-        R.hi[i] = hi;
-    }
-}
-
 // Page staging of a K/V tile: the page id and slot of each of its kN tokens
 // (kNone past `hi` or for a page id >= num_pages) and a bit per valid token.
 template <u32 kN>
@@ -140,30 +94,6 @@ __device__ __forceinline__ void run_tiles(Stage<kN>& st, const u32* __restrict__
     }
 }
 
-// The rows of query slots [i, j) with a visible share form one pass; rows
-// of other slots see nothing in it. Calls pass(seq, slot_lo, slot_hi, lo, hi)
-// for each maximal run of slots of one sequence (queries are packed in
-// sequence order, so a block has one pass per sequence it touches; words
-// that break that order only give more passes, each row still in one).
-template <typename Pass>
-__device__ __forceinline__ void for_each_pass(const Rows& R, u32 qt, Pass&& pass) {
-    for (u32 i = 0; i < qt;) {
-        const u32 cur = R.seq[i];
-        u32 j = i + 1;
-        while (j < qt && R.seq[j] == cur) ++j;
-        if (cur != kNone) {
-            u32 lo = kNone, hi = 0;
-            for (u32 k = i; k < j; ++k)
-                if (R.lo[k] < R.hi[k]) {
-                    lo = min_u32(lo, R.lo[k]);
-                    hi = R.hi[k] > hi ? R.hi[k] : hi;
-                }
-            if (lo < hi) pass(cur, i, j, lo, hi);
-        }
-        i = j;
-    }
-}
-
 // Bits a .. e-1 of a tile's token mask (0 <= a, e <= 64; none when e <= a).
 __device__ __forceinline__ u64 span_bits(u32 a, u32 e) {
     const u64 upto_e = e >= 64 ? ~0ull : ((1ull << e) - 1);
@@ -191,4 +121,244 @@ __device__ __forceinline__ void store_pair(scalar_t* __restrict__ out, float* __
     }
 }
 
+
+// ---------------------------------------------------------------------------
+// Generic pieces (paged_prefill_tc, paged_mla_tc): a block of kR rows, a ring
+// of kS K/V tile buffers, and the per-row visibility that keeps a masked
+// token's value row out of a row's output even when it is Inf or NaN.
+
+// The rows of a block of kR rows (as Rows above, any row count).
+template <u32 kR, bool kKeep>
+struct RowPositionsN {
+    u32 pos[kR];
+    __device__ __forceinline__ u32 position(u32 i) const { return pos[i]; }
+    __device__ __forceinline__ void set_position(u32 i, u32 v) { pos[i] = v; }
+};
+template <u32 kR>
+struct RowPositionsN<kR, false> {
+    __device__ __forceinline__ u32 position(u32) const { return 0u; }
+    __device__ __forceinline__ void set_position(u32, u32) {}
+};
+template <u32 kR>
+struct RowSet : RowPositionsN<kR, !variant::kPlainScore> {
+    static constexpr u32 kSize = kR;
+    u32 seq[kR];   // sequence of the slot's query, kNone when none
+    u32 lo[kR];    // this split's share [lo, hi) of the query's visible positions
+    u32 hi[kR];
+};
+
+// setup_rows for a RowSet: query slots i < qt (threads i < kR).
+template <u32 kR>
+__device__ __forceinline__ void setup_row_set(RowSet<kR>& R, const AttentionParams& p, u64 q0, u32 qt, u32 q_end) {
+    const u32* __restrict__ const words = p.words;
+    for (u32 i = threadIdx.x; i < kR; i += blockDim.x) {
+        u32 seq = kNone, lo = 0, hi = 0;
+        if (i < qt && q0 + i < q_end) {
+            const u32 qi = (u32)(q0 + i);
+            const u32 s = words[pw::q_seq(p.queries) + qi];
+            if (s < p.sequences) {
+                seq = s;
+                const att::Span sp = att::query_span(p, qi, s, blockIdx.z);
+                lo = sp.lo;
+                hi = sp.hi;
+                if constexpr (!variant::kPlainScore) R.set_position(i, words[pw::q_pos(p.queries) + qi]);
+            }
+        }
+        R.seq[i] = seq;
+        R.lo[i] = lo;
+        R.hi[i] = hi;
+    }
+}
+
+// for_each_pass over a RowSet (same rule as for Rows).
+template <u32 kR, typename Pass>
+__device__ __forceinline__ void for_each_pass_of(const RowSet<kR>& R, u32 qt, Pass&& pass) {
+    for (u32 i = 0; i < qt;) {
+        const u32 cur = R.seq[i];
+        u32 j = i + 1;
+        while (j < qt && R.seq[j] == cur) ++j;
+        if (cur != kNone) {
+            u32 lo = kNone, hi = 0;
+            for (u32 k = i; k < j; ++k)
+                if (R.lo[k] < R.hi[k]) {
+                    lo = min_u32(lo, R.lo[k]);
+                    hi = R.hi[k] > hi ? R.hi[k] : hi;
+                }
+            if (lo < hi) pass(cur, i, j, lo, hi);
+        }
+        i = j;
+    }
+}
+
+// Page staging of a ring of kS tile buffers of kN tokens: the page id and
+// slot of each token of the next tile to issue (two staging buffers), and a
+// bit per valid token of each tile buffer.
+template <u32 kN, u32 kS>
+struct Ring {
+    static constexpr u32 kWords = (kN + 31) / 32;
+    u32 page[2][kN];
+    u32 slot[2][kN];
+    u32 valid[kS][kWords];
+};
+
+// The tiles of one pass, positions [lo, hi) of one sequence in tiles of kN
+// tokens, through kS shared-memory buffers: kS - 1 tiles in flight (cp.async)
+// while one computes; one block barrier per tile.
+//   issue(sb, buf): start the copies of the tile staged in staging buffer sb
+//                   into tile buffer buf (every thread)
+//   compute(buf, t0): use the tile of positions t0 .. t0 + kN - 1 in buffer buf
+//                   (its valid bits: st.valid[buf])
+// Every thread of the block calls this with the same lo, hi. Threads
+// tid < kN look up the page of token tid of each tile: the page-table word
+// of tile n + 1 is loaded while tile n is staged (two tiles ahead of its
+// issue), its page id and slot staged in shared memory for the copies.
+// Iteration j: stage tile n = j + kS - 1, wait for tile j, barrier (tile j
+// visible; every warp is done with tile j - 1, whose buffer n reuses), issue
+// tile n, compute tile j.
+template <u32 kN, u32 kS, typename Issue, typename Compute>
+__device__ __forceinline__ void run_ring(Ring<kN, kS>& st, const u32* __restrict__ table, u32 lo, u32 hi,
+                                         u32 page_size, u32 num_pages, Issue&& issue, Compute&& compute) {
+    static_assert(kS >= 2 && kS <= 4, "2 to 4 stages");
+    constexpr u32 kWords = Ring<kN, kS>::kWords;
+    const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    u32 raw = kNone, slot = 0;   // token tid of a later tile: page-table word (kNone past hi) and slot
+    auto fetch = [&](u32 t) {
+        raw = kNone;
+        slot = 0;
+        if (tid < kN && t < hi) {
+            const u32 j = t / page_size;
+            raw = table[j];
+            slot = t - j * page_size;
+        }
+    };
+    auto stage = [&](u32 sb) -> bool {
+        const bool ok = raw < num_pages;
+        if (tid < kN) {
+            st.page[sb][tid] = ok ? raw : kNone;
+            st.slot[sb][tid] = slot;
+        }
+        return ok;
+    };
+    // Valid bits of tile buffer b (warps < kWords; tokens tid >= kN never valid).
+    auto publish = [&](u32 b, bool ok) {
+        if (warp < kWords) {
+            const u32 bits = __ballot_sync(CP_FULL_MASK, ok && tid < kN);
+            if (lane == 0) st.valid[b][warp] = bits;
+        }
+    };
+    const u32 ntiles = (hi - lo + kN - 1) / kN;
+    __syncthreads();   // the previous pass is done with every buffer and the staging arrays
+    fetch(lo + tid);
+#pragma unroll
+    for (u32 i = 0; i + 1 < kS; ++i) {
+        const bool ok = stage(i & 1u);
+        fetch(lo + (i + 1) * kN + tid);
+        __syncthreads();
+        if (i < ntiles) {
+            publish(i, ok);
+            issue(i & 1u, i);
+        }
+        ptx::cp_async_commit();   // possibly empty: one group per tile
+    }
+    for (u32 j = 0; j < ntiles; ++j) {
+        const u32 n = j + kS - 1;
+        const u32 b = j % kS, nb = n % kS;
+        const bool ok = stage(n & 1u);
+        fetch(lo + (n + 1) * kN + tid);
+        ptx::cp_async_wait<kS - 2>();   // tile j has landed (the kS - 2 after it may still be in flight)
+        __syncthreads();
+        if (n < ntiles) {
+            publish(nb, ok);   // compute(j - 1) read these bits; it is done
+            issue(n & 1u, nb);
+        }
+        ptx::cp_async_commit();
+        compute(b, lo + j * kN);
+    }
+}
+
+// Bits of the tokens t0 .. t0 + kN - 1 of a tile (kN <= 64) that a row with
+// positions [rlo, rhi) sees and that are valid (vbits), as a mask of kN bits.
+template <u32 kN>
+__device__ __forceinline__ u64 tile_vis(u64 vbits, u32 rlo, u32 rhi, u32 t0) {
+    return vbits & row_bits(rlo, rhi, t0, kN);
+}
+
+// Whether a 16-bit element pair (one u32 of an mma fragment) holds an Inf or
+// a NaN: exponent all ones in either half (f16: 5 bits, bf16: 8 bits).
+template <typename T> __device__ __forceinline__ bool nonfinite2(u32 x);
+template <> __device__ __forceinline__ bool nonfinite2<__half>(u32 x) {
+    return ((x & 0x7c00u) == 0x7c00u) || ((x & 0x7c000000u) == 0x7c000000u);
+}
+template <> __device__ __forceinline__ bool nonfinite2<__nv_bfloat16>(u32 x) {
+    return ((x & 0x7f80u) == 0x7f80u) || ((x & 0x7f800000u) == 0x7f800000u);
+}
+
+// Element (lo half when hi == 0) of a 16-bit pair as float.
+template <typename T> __device__ __forceinline__ float half_of(u32 x, u32 hi);
+template <> __device__ __forceinline__ float half_of<__half>(u32 x, u32 hi) {
+    return __half2float(__ushort_as_half((unsigned short)(hi ? x >> 16 : x & 0xffffu)));
+}
+template <> __device__ __forceinline__ float half_of<__nv_bfloat16>(u32 x, u32 hi) {
+    return __bfloat162float(__ushort_as_bfloat16((unsigned short)(hi ? x >> 16 : x & 0xffffu)));
+}
+
+// Masked tokens contribute exactly nothing to O += P V, also when a value row
+// holds Inf or NaN (0 x Inf is NaN in an mma). The product of one k-step (16
+// tokens, P as the A fragment a of a 16-row m-tile) with one 16-column slice
+// of V (bq from ldmatrix.trans; o0, o1 its two n-tiles) goes through the
+// tensor cores unless the k-step is `mixed` (some row of the m-tile that is
+// stored misses a valid token of it) and the slice holds a non-finite value;
+// then each lane adds p * v itself, for the tokens its rows see only. vis0 /
+// vis1: this lane's rows' (g, g + 8) visibility of the 16 tokens (bit u:
+// token u of the k-step); vrow: the k-step's first value row in shared memory
+// (pitch elements a row), col0: the slice's first column. Every lane of the
+// warp calls this with the same mixed.
+template <typename T>
+__device__ __forceinline__ void pv_step(float (&o0)[4], float (&o1)[4], const u32 (&a)[4], const u32 (&bq)[4],
+                                        bool mixed, u32 vis0, u32 vis1, const T* vrow, u32 pitch, u32 col0) {
+    const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+    if (mixed) {
+        const bool bad = nonfinite2<T>(bq[0]) | nonfinite2<T>(bq[1]) | nonfinite2<T>(bq[2]) | nonfinite2<T>(bq[3]);
+        if (__any_sync(CP_FULL_MASK, bad)) {
+            const u32 lane = threadIdx.x & 31u, g = lane >> 2, tq = lane & 3u;
+#pragma unroll 1
+            for (u32 u = 0; u < 16; ++u) {
+                // P of rows g and g + 8 for token u: a[0] / a[1] (tokens 2t, 2t+1) or a[2] / a[3] (8 + 2t, ...)
+                // of lane 4g + (u & 7) / 2.
+                const u32 src = 4 * g + ((u & 7u) >> 1);
+                const u32 r0 = __shfl_sync(CP_FULL_MASK, u < 8 ? a[0] : a[2], src);
+                const u32 r1 = __shfl_sync(CP_FULL_MASK, u < 8 ? a[1] : a[3], src);
+                const float p0 = half_of<T>(r0, u & 1u), p1 = half_of<T>(r1, u & 1u);
+                const u32 v0 = *reinterpret_cast<const u32*>(vrow + u * pitch + col0 + 2 * tq);
+                const u32 v1 = *reinterpret_cast<const u32*>(vrow + u * pitch + col0 + 8 + 2 * tq);
+                const bool s0 = (vis0 >> u) & 1u, s1 = (vis1 >> u) & 1u;
+                if (s0) {
+                    o0[0] += p0 * half_of<T>(v0, 0);
+                    o0[1] += p0 * half_of<T>(v0, 1);
+                    o1[0] += p0 * half_of<T>(v1, 0);
+                    o1[1] += p0 * half_of<T>(v1, 1);
+                }
+                if (s1) {
+                    o0[2] += p1 * half_of<T>(v0, 0);
+                    o0[3] += p1 * half_of<T>(v0, 1);
+                    o1[2] += p1 * half_of<T>(v1, 0);
+                    o1[3] += p1 * half_of<T>(v1, 1);
+                }
+            }
+            return;
+        }
+    }
+    ptx::mma_16816<T>(o0, a, b0);
+    ptx::mma_16816<T>(o1, a, b1);
+}
+
+// The 64-row block of paged_mla_tc.
+using Rows = RowSet<kRows>;
+template <typename Pass>
+__device__ __forceinline__ void for_each_pass(const Rows& R, u32 qt, Pass&& pass) {
+    for_each_pass_of(R, qt, static_cast<Pass&&>(pass));
+}
+__device__ __forceinline__ void setup_rows(Rows& R, const AttentionParams& p, u64 q0, u32 qt, u32 q_end) {
+    setup_row_set(R, p, q0, qt, q_end);
+}
 }  // namespace tc

@@ -152,9 +152,11 @@ def test_tc_capture_and_replay(xp_backend, kernels_used):
 
 def test_tc_selection():
     """Which variant runs when the step's packing suits the tensor-core
-    kernels: f16 / bf16 at a fast dim, or MLA at 512 / 64."""
+    kernels: f16 / bf16 at a fast dim (the first tile of PREFILL_TILES), or
+    MLA at 512 / 64."""
     tc = variants.select_tensor_core
-    assert tc("bf16", 128, 128, True, True) == variants.Variant("paged_prefill_tc", "bf16", "bf16", head_dim=128)
+    assert tc("bf16", 128, 128, True, True) == variants.Variant("paged_prefill_tc", "bf16", "bf16", head_dim=128,
+                                                                 tile=variants.PREFILL_TILES[128][0])
     assert tc("f16", 64, 64, True, True).head_dim == 64
     assert tc("f16", 256, 256, True, True).head_dim == 256
     assert tc("f16", 128, 128, True, False) is None      # packing unsuited (tc_schedule_ok)
@@ -162,8 +164,8 @@ def test_tc_selection():
     assert tc("f16", 96, 96, True, True) is None         # not a fast dim
     assert tc("f16", 128, 64, True, True) is None        # Dv != D
     assert tc("f16", 128, 128, False, True) is None      # misaligned
-    assert tc("bf16", 512, 512, True, True, rot_dim=64) == variants.Variant("paged_mla_tc", "bf16", "bf16",
-                                                                             latent_dim=512, rope_dim=64)
+    mla = tc("bf16", 512, 512, True, True, rot_dim=64)
+    assert (mla.kernel, mla.latent_dim, mla.rope_dim) == ("paged_mla_tc", 512, 64)
     assert tc("bf16", 512, 512, True, True, rot_dim=32) is None       # other rotary dim
     assert tc("bf16", 576, 576, True, True, rot_dim=64) is None
     registered = {tuple(sorted(v.defines().items())) for v in variants.VARIANTS}
@@ -172,6 +174,71 @@ def test_tc_selection():
             assert tuple(sorted(tc(dt, d, d, True, True).defines().items())) in registered
         for r, p in variants.TC_MLA_DIMS:
             assert tuple(sorted(tc(dt, r, r, True, True, rot_dim=p).defines().items())) in registered
+
+
+def _poison(case, seq, positions, cache="v_cache", values=(np.inf, np.nan, -np.inf)):
+    """Put Inf / NaN into one element of the value rows of ``seq``'s tokens
+    at ``positions`` (all KV heads), in place."""
+    arr = getattr(case, cache)
+    ps = case.page_size
+    for n, t in enumerate(positions):
+        page = case.page_table[seq, t // ps]
+        arr[page, t % ps, :, (7 * n) % arr.shape[3]] = values[n % len(values)]
+
+
+def _sees(case, causal):
+    """[queries, sequences, positions] is not needed: (q_seq, q_pos) of every packed query."""
+    seq = np.repeat(np.arange(len(case.q_lens)), case.q_lens)
+    pos = np.concatenate([np.arange(k - q, k) for k, q in zip(case.kv_lens, case.q_lens)])
+    return seq, pos
+
+
+def check_nonfinite(case, o, lse, causal, dtype, poisoned, what):
+    """Rows that see no poisoned token: finite and close to the reference
+    (out and lse); rows that see one: the reference's Inf / NaN pattern and
+    values (out; their lse too when the reference's is finite)."""
+    ref_out, ref_lse = case.reference(causal)
+    seq, pos = _sees(case, causal)
+    sees = np.zeros(len(seq), bool)
+    for s, t in poisoned:
+        sees |= (seq == s) & ((pos >= t) if causal else True)
+    clean = ~sees
+    assert np.isfinite(o[clean].astype(np.float64)).all(), f"{what}: a masked Inf/NaN reached a row"
+    assert_close(o[clean], ref_out[clean], dtype, f"{what} clean out")
+    assert not np.isfinite(ref_out[sees]).all() if sees.any() else True
+    assert_close(o[sees], ref_out[sees], dtype, f"{what} seeing rows out")
+    if lse is not None:
+        keep = clean[:, None] | np.isfinite(ref_lse)
+        assert_close(lse[keep], ref_lse[keep], dtype, f"{what} lse")
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+@pytest.mark.parametrize("shape", [(16, 64, 4, 1), (8, 128, 8, 2), (4, 256, 2, 2)],
+                         ids=lambda s: "ps{}-d{}-h{}x{}".format(*s))
+def test_tc_prefill_masked_nonfinite_values(xp_backend, kernels_used, dtype, shape):
+    """Issue #12 item 7: Inf / NaN in the value rows of tokens later in a
+    chunk never reach the earlier queries, which cannot see them (0 x Inf
+    would be NaN in an mma), causal, with and without splits; blocks holding
+    two sequences keep one's poison out of the other's rows; rows that see a
+    poisoned token match the float64 reference (Inf where it has Inf, NaN
+    where it has NaN). Non-causal, every row of the poisoned sequence sees
+    them."""
+    page_size, d, hq, hkv = shape
+    rng = np.random.default_rng([7, *shape])
+    kv_lens = np.array([70, 45, 38], np.int32)
+    q_lens = np.array([40, 13, 30], np.int32)
+    case = make_paged_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=page_size, num_q_heads=hq,
+                           num_kv_heads=hkv, head_dim=d, dtype=dtype)
+    # Sequence 0: tokens past its first queries; sequence 2: its last token.
+    poisoned = [(0, 45), (0, 52), (0, 69), (2, 37)]
+    for s, t in poisoned:
+        _poison(case, s, [t])
+    plan = None
+    for causal in (True, False):
+        for splits in (None, 3):
+            o, lse, plan = run(xp_backend, case, causal, splits=splits, plan=plan)
+            check_nonfinite(case, o, lse, causal, dtype, poisoned, f"{shape} causal={causal} splits={splits}")
+    assert set(kernels_used) == {"paged_prefill_tc", "attention_split_merge"}
 
 
 @pytest.mark.parametrize("what", ["decode", "f32", "dim96", "small-chunk"])

@@ -12,6 +12,12 @@ from cupaged.testing import assert_close, make_paged_case
 from attention_helpers import TC_DTYPES, _to_device, run, check, check_capture_replay, _host, Q_MIXED, MIXED_TC
 
 
+def _prefill_qpb(group: int, head_dim: int) -> int:
+    """Queries per paged_prefill_tc block: its tile's rows (the first tile of
+    PREFILL_TILES) over min(G, rows)."""
+    return variants.tc_queries_per_block(group, variants.PREFILL_TILES[head_dim][0].rows)
+
+
 def test_block_passes():
     """Sequences meeting in a block of consecutive packed queries, from the
     host plan (sequences without queries do not count): (most, total)."""
@@ -121,7 +127,8 @@ def test_segments_are_cached_and_sum_the_grids(monkeypatch):
     host = _host(Q_MIXED)
     assert schedule.tc_segments(host, 4) is schedule.tc_segments(host, 4)
     # bf16, D 128, 8 x 2 heads: 12 decode blocks and ceil(40 / 16) + ceil(33 / 16) tensor-core blocks per KV head.
-    assert schedule.unsplit_blocks(host, 8, 2, 128, 128, "bf16") == (12 + 3 + 3) * 2
+    qpb = _prefill_qpb(4, 128)   # queries of G = 4 in one block of the D = 128 prefill tile
+    assert schedule.unsplit_blocks(host, 8, 2, 128, 128, "bf16") == (12 + -(-40 // qpb) + -(-33 // qpb)) * 2
     assert schedule.unsplit_blocks(host, 8, 2, 128, 128, np.float32) == 85 * 2    # f32: one CUDA-core launch
     assert calls == [4]
 
@@ -137,7 +144,7 @@ def test_whole_steps_are_one_launch(xp_backend, launches, q_lens):
     o, lse, plan = run(xp_backend, case, True)
     check(case, o, lse, True, "f16", f"whole step {q_lens.tolist()}")
     n = plan.queries
-    assert launches == ([("paged_attention", 0, n, n)] if n == 5 else [("paged_prefill_tc", 0, n, -(-n // 16))])
+    assert launches == ([("paged_attention", 0, n, n)] if n == 5 else [("paged_prefill_tc", 0, n, -(-n // _prefill_qpb(4, 64)))])
 
 
 # (page_size, head_dim, q_heads, kv_heads, q_lens, launches (kernel, q_begin, q_count))
@@ -163,7 +170,7 @@ def test_mixed_steps(xp_backend, launches, dtype, shape):
     kv_lens = (q_lens + rng.integers(1, 70, q_lens.size)).astype(np.int32)
     case = make_paged_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=page_size, num_q_heads=hq,
                            num_kv_heads=hkv, head_dim=d, dtype=dtype)
-    qpb = variants.tc_queries_per_block(hq // hkv)
+    qpb = _prefill_qpb(hq // hkv, d)
     grids = [(n, b, c, -(-c // qpb) if n == "paged_prefill_tc" else c) for n, b, c in expect]
     plan = None
     for causal in (True, False):
@@ -254,7 +261,7 @@ def test_launch_range_is_clamped(xp_backend, monkeypatch, kernel):
         lse = xp_backend.xp.full((n, 4), 5.0, dtype=np.float32)
         plan.attention(q, k, v, case.scale, True, out=out, lse=lse)
         o, l = xp_backend.to_numpy(out), xp_backend.to_numpy(lse)
-        per_block = variants.tc_queries_per_block(4) if kernel == "paged_prefill_tc" else 1
+        per_block = _prefill_qpb(4, 64) if kernel == "paged_prefill_tc" else 1
         hit = np.zeros(n, bool)
         if begin < n:
             hit[begin:min(n, begin + count, begin + blocks * per_block)] = True

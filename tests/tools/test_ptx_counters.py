@@ -75,8 +75,9 @@ def test_cp_async_groups(mod):
 def test_probe_of_an_attention_launch():
     """A one-block probe of the tensor-core prefill kernel (D 128, bf16):
     per K/V token the block copies one K and one V row (2 x 256 bytes = 32
-    cp.async of 16 bytes) and its 64 rows x 1 token of S = Q K^T and of
-    P V take 64 x 128 x 2 FLOP each: 2 x 64 x 128 x 2 / 4096 = 8 mma."""
+    cp.async of 16 bytes) and its rows (128 with the D = 128 tile) x 1 token
+    of S = Q K^T and of P V take rows x 128 x 2 FLOP each:
+    2 x rows x 128 x 2 / 4096 = rows / 8 mma."""
     from cupaged import HostPlan
     from cupaged.ops.attention import plan_launches
     kv = 4096
@@ -86,5 +87,6 @@ def test_probe_of_an_attention_launch():
         pytest.skip(f"prefill runs on {launches[0].kernel} now")
     p = counters.probe(launches[0], dtype="bf16", hq=32, hkv=8, d=128, dv=128, rot=0, page_size=16, use_cache=False)
     assert p.slope["cp_async_16"] == pytest.approx(32)
-    assert p.slope["mma_16816"] == pytest.approx(8)
+    from cupaged.ops.attention import variants
+    assert p.slope["mma_16816"] == pytest.approx(variants.PREFILL_TILES[128][0].rows / 8)
     assert p.slope["cp_async_16_zero"] == 0

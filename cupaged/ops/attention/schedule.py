@@ -250,7 +250,10 @@ class Launch(NamedTuple):
     ``source`` (a ``kernels_cu`` stem: ``"attention/decode"``, ...) and
     ``kernel`` name it, ``defines`` its variant; ``threads`` per block and
     ``smem`` dynamic shared bytes; the grid is ``(blocks, kv_heads * tiles,
-    splits)``; it serves packed queries ``[q_begin, q_begin + q_count)``."""
+    splits)``; it serves packed queries ``[q_begin, q_begin + q_count)``.
+    ``min_blocks``: resident blocks per SM the kernel is designed for (its
+    ``__launch_bounds__`` minimum; ``variants.resident_blocks``), 0 when the
+    occupancy rules alone decide (paged_attention)."""
 
     source: str
     kernel: str
@@ -261,6 +264,7 @@ class Launch(NamedTuple):
     tiles: int
     q_begin: int
     q_count: int
+    min_blocks: int = 0
 
 
 _launches_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -291,12 +295,14 @@ def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int
     launches = []
     for on_tc, begin, count in segs:
         if on_tc:
-            # 64 rows per block: qt queries x ht heads of one KV head's group.
-            v, tiles, blocks = tc, -(-group // min(group, TC_ROWS)), -(-count // tc_queries_per_block(group))
+            # v.rows rows per block: qt queries x ht heads of one KV head's group.
+            v, rows = tc, tc.rows
+            tiles, blocks = -(-group // min(group, rows)), -(-count // tc_queries_per_block(group, rows))
         else:
             v = select_variant(dtype, d, dv, aligned, group, rot_dim, score=score)
             tiles, blocks = -(-group // v.group_tile), count
-        launches.append(Launch(v.source, v.kernel, v.defines(), v.threads, v.smem, blocks, tiles, begin, count))
+        launches.append(Launch(v.source, v.kernel, v.defines(), v.threads, v.smem, blocks, tiles, begin, count,
+                               v.resident_blocks))
     return tuple(launches)
 
 

@@ -48,11 +48,55 @@ TC_DTYPES = dtypes.TC_TOKENS
 TC_PREFILL_DIMS = (64, 128, 256)
 #: (R, P) latent and rotary dims of the tensor-core MLA kernel.
 TC_MLA_DIMS = ((512, 64),)
-#: (query, head) rows per block of the tensor-core kernels (16 per warp of S).
+#: (query, head) rows per block of paged_mla_tc, and the row unit of the
+#: tensor-core segment rules (schedule.py); paged_prefill_tc's blocks have
+#: the rows of their tile (PREFILL_TILES).
 TC_ROWS = 64
-#: Threads per block of paged_prefill_tc and paged_mla_tc.
+#: Threads per block of paged_mla_tc (paged_prefill_tc: its tile's warps).
 TC_PREFILL_THREADS = 128
 TC_MLA_THREADS = 256
+#: Shared memory the tensor-core kernels declare statically (their rows'
+#: spans and the page staging of the tile ring) stays within this budget;
+#: selection adds it to the dynamic bytes when it checks an arch's limit, and
+#: the gate's launch check uses the real figure (tests/attention/test_arch_select.py
+#: checks the budget against the compiled kernels).
+TC_STATIC_SMEM_BUDGET = 4096
+
+
+class TcTile(NamedTuple):
+    """The tile of one paged_prefill_tc build: ``warps`` per block, each with
+    ``mtiles`` m-tiles of 16 rows (rows per block: 16 x mtiles x warps), K/V
+    tiles of ``kv_tile`` tokens through a ring of ``stages`` shared-memory
+    buffers, and ``min_blocks`` resident blocks per SM it is designed for
+    (its ``__launch_bounds__`` minimum: registers are capped so that many
+    fit)."""
+
+    warps: int
+    mtiles: int
+    kv_tile: int
+    stages: int
+    min_blocks: int
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.mtiles * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+#: paged_prefill_tc tiles built per head dim, preferred first; selection
+#: takes the first that can launch on the device's arch (the later ones
+#: exist for archs with less shared memory per block: sm_86 / sm_89, 99 KiB).
+#: D <= 128: 128 rows, two m-tiles per warp (each K / V fragment feeds two
+#: mma), 3 stages; D = 256 holds 16 rows x 256 f32 accumulators per warp, so
+#: one m-tile per warp.
+PREFILL_TILES: dict[int, tuple[TcTile, ...]] = {
+    64: (TcTile(4, 2, 64, 3, 2),),
+    128: (TcTile(4, 2, 32, 3, 2),),
+    256: (TcTile(8, 1, 32, 2, 1), TcTile(4, 1, 16, 3, 1)),
+}
 VECTOR_BYTES = 16
 
 
@@ -114,6 +158,7 @@ class Variant:
     rot_cap: int = 0             # ROT_CAP: MLA rotary capacity P (paged_attention)
     latent_dim: int = 0          # LATENT_DIM: R (paged_mla_tc)
     rope_dim: int = 0            # ROPE_DIM: P (paged_mla_tc)
+    tile: TcTile | None = None   # TC_*: paged_prefill_tc's tile (PREFILL_TILES)
 
     @property
     def source(self) -> str:
@@ -122,13 +167,24 @@ class Variant:
 
     @property
     def threads(self) -> int:
-        return KERNELS[self.kernel].threads
+        return self.tile.threads if self.tile else KERNELS[self.kernel].threads
+
+    @property
+    def rows(self) -> int:
+        """(query, head) rows per block of a tensor-core variant."""
+        return self.tile.rows if self.tile else TC_ROWS
+
+    @property
+    def resident_blocks(self) -> int:
+        """Blocks per SM the variant is designed for (its ``__launch_bounds__``
+        minimum; ``RESIDENT_BLOCKS``)."""
+        return resident_blocks(self)
 
     @property
     def smem(self) -> int:
         """Dynamic shared memory bytes of a launch."""
         if self.kernel == PREFILL_TC.name:
-            return prefill_smem_bytes(self.head_dim)
+            return prefill_smem_bytes(self.head_dim, self.tile)
         if self.kernel == MLA_TC.name:
             return mla_smem_bytes(self.latent_dim, self.rope_dim)
         return 0
@@ -144,7 +200,9 @@ class Variant:
                 if self.rot_cap:
                     d["ROT_CAP"] = self.rot_cap
         elif self.kernel == PREFILL_TC.name:
-            d["HEAD_DIM"] = self.head_dim
+            t = self.tile
+            d.update(HEAD_DIM=self.head_dim, TC_WARPS=t.warps, TC_MTILES=t.mtiles, TC_KV_TILE=t.kv_tile,
+                     TC_STAGES=t.stages, TC_MIN_BLOCKS=t.min_blocks)
         else:
             d.update(LATENT_DIM=self.latent_dim, ROPE_DIM=self.rope_dim)
         return d
@@ -254,7 +312,8 @@ def _built() -> list[Variant]:
                                        group_tile=max_group_tile(cap, vec, rot)))
         if dt in TC_DTYPES and kv in TC_DTYPES:
             for d in TC_PREFILL_DIMS:
-                out.append(Variant(PREFILL_TC.name, dt, kv, head_dim=d))
+                for t in PREFILL_TILES[d]:
+                    out.append(Variant(PREFILL_TC.name, dt, kv, head_dim=d, tile=t))
             for r, p in TC_MLA_DIMS:
                 out.append(Variant(MLA_TC.name, dt, kv, latent_dim=r, rope_dim=p))
     return out
@@ -287,19 +346,20 @@ def _pick(tensor_core: bool, shape: Shape, score: str) -> Variant | None:
 # What runs
 # ---------------------------------------------------------------------------
 
-def prefill_tile_tokens(head_dim: int) -> int:
-    """K/V tokens per tile of paged_prefill_tc (tcp::kN)."""
-    return 64 if head_dim <= 128 else 32
+def prefill_q_in_registers(head_dim: int, tile: TcTile) -> bool:
+    """Whether paged_prefill_tc keeps Q's fragments in registers (tcp::kQInRegs)."""
+    return tile.mtiles * head_dim <= 128
 
 
-def prefill_smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of paged_prefill_tc: two buffers of K and V
-    [kN][D + 8], 16-bit, and Q [64][D + 8] before them when Q stays in shared
-    memory (D = 256; below, Q moves to registers and its staging area is
-    reused by the K/V buffers)."""
-    kv_rows = 4 * prefill_tile_tokens(head_dim)       # K and V, two buffers each
-    rows = kv_rows if head_dim <= 128 else TC_ROWS + kv_rows
-    return rows * (head_dim + 8) * 2
+def prefill_smem_bytes(head_dim: int, tile: TcTile | None = None) -> int:
+    """Dynamic shared memory of paged_prefill_tc: ``stages`` buffers of K and
+    V [kv_tile][D + 8], 16-bit, after Q [rows][D + 8], whose area the K/V
+    buffers reuse when Q's fragments move to registers."""
+    t = tile or PREFILL_TILES[head_dim][0]
+    pitch = (head_dim + 8) * 2
+    kv = 2 * t.stages * t.kv_tile * pitch
+    q = t.rows * pitch
+    return max(q, kv) if prefill_q_in_registers(head_dim, t) else q + kv
 
 
 def mla_smem_bytes(latent_dim: int, rope_dim: int) -> int:
@@ -331,9 +391,30 @@ def select_variant(dtype: str, head_dim: int, value_dim: int, aligned: bool, gro
     return v
 
 
-def tc_queries_per_block(group: int) -> int:
-    """Queries a tensor-core block serves: 64 rows of min(G, 64) heads each."""
-    return TC_ROWS // min(group, TC_ROWS)
+def tc_queries_per_block(group: int, rows: int = TC_ROWS) -> int:
+    """Queries a tensor-core block of ``rows`` rows serves (64 by default:
+    paged_mla_tc and the segment rules): min(G, rows) heads each."""
+    return rows // min(group, rows)
+
+
+def resident_blocks(v: Variant) -> int:
+    """Blocks per SM a variant is designed for: for the tensor-core kernels
+    their ``__launch_bounds__`` minimum (RESIDENT_BLOCKS), which caps their
+    registers so that many fit; shared memory may allow fewer on a small
+    arch (sm_86 / sm_89). 0: not fixed by the kernel (paged_attention; the
+    occupancy rules decide)."""
+    if v.kernel == PREFILL_TC.name:
+        return v.tile.min_blocks
+    return RESIDENT_BLOCKS.get(v.kernel, 0)
+
+
+#: Resident blocks per SM of each tensor-core kernel by design (the second
+#: ``__launch_bounds__`` argument; paged_prefill_tc: per tile, PREFILL_TILES),
+#: for rules that size grids to the device (choose_splits: resident slots =
+#: this x SMs). Read it through ``resident_blocks(variant)``.
+RESIDENT_BLOCKS: dict[str, int] = {
+    "paged_mla_tc": 1,
+}
 
 
 def select_tensor_core(dtype: str, head_dim: int, value_dim: int, aligned: bool, schedule_ok: bool,
