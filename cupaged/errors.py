@@ -18,3 +18,19 @@ class KernelError(RuntimeError):
 class CompileError(RuntimeError):
     """A kernel variant failed to compile (g++ for the CPU backend, NVRTC for
     the GPU backend). The message holds the compiler log."""
+
+
+class ConfigError(ValueError):
+    """A model's ``config.json`` that ``cupaged.Engine`` cannot run: an
+    unsupported architecture, a missing field, or a field whose value it
+    does not implement (an unknown rope scaling type, mixture-of-experts
+    layers, a quantization config, ...). Raised while loading, before any
+    weight is read; the message names the architecture, the field, what is
+    supported and what came."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or state dict that ``cupaged.Engine`` cannot load:
+    a missing ``config.json`` or ``*.safetensors`` file, a truncated or
+    malformed safetensors file, a missing tensor or one of the wrong shape.
+    The message names the file (or tensor), what was expected and what came."""

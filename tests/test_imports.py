@@ -18,7 +18,7 @@ LAYERS = [
     ("runtime", ["_runtime"]),
     ("ops", ["ops"]),
     ("concepts", ["plan", "cache", "graph", "batch"]),
-    ("users", ["testing", "demo", "interop", "tools", "__main__"]),
+    ("users", ["testing", "demo", "interop", "tools", "engine", "__main__"]),
 ]
 
 

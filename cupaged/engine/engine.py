@@ -1,0 +1,300 @@
+"""``Engine``: Hugging Face checkpoints on the page manager, the decode graphs
+and the attention kernels (see the package docstring)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .. import dtypes
+from .._runtime import GPU, array_backend, checks, stream_for
+from ..batch import DecodeBatch
+from ..cache import PagedKVCache
+from ..errors import PagedAttentionError
+from ..layout import MAX_PAGE_SIZE
+from ..ops.advance import MAX_STOP_IDS
+from .checkpoint import Checkpoint
+from .config import ModelConfig, parse_config
+from .dense import DenseLM
+from .mla import MlaLM
+from .scheduler import Scheduler
+
+#: The CPU backend's default cache: ``max_batch`` sequences of this many
+#: tokens (or the model's longest, if shorter).
+CPU_DEFAULT_TOKENS = 2048
+#: The GPU's default cache takes this share of the free memory left after
+#: the weights and buffers (as vLLM's gpu_memory_utilization).
+GPU_MEMORY_SHARE = 0.9
+#: Memory left aside on the GPU for cuBLAS workspaces, graphs and kernels.
+GPU_RESERVE_BYTES = 512 << 20
+#: Decode batches kept per engine (one per distinct set of stop tokens).
+MAX_BATCHES = 4
+
+
+class Engine:
+    """A model of a supported architecture (``cupaged.engine.ARCHITECTURES``)
+    with its paged cache, serving greedy generation with continuous batching.
+
+    Build with ``Engine.from_pretrained(folder, like=...)`` or
+    ``Engine.from_transformers(model, like=...)``; ``like`` (a NumPy or CuPy
+    array) picks the backend: NumPy runs everything on the CPU backend (the
+    same CUDA C kernels through g++), CuPy on the GPU (projections on
+    cuBLAS, captured into the decode graphs with the kernels).
+
+    Options (keyword): ``dtype`` (weights, activations and cache: float32,
+    float16 or bfloat16; default the checkpoint's), ``page_size`` (tokens per
+    page), ``num_pages`` (None: on the GPU 90% of the free memory left after
+    weights and buffers; on the CPU enough for ``max_batch`` sequences of
+    min(2048, max_model_len) tokens), ``max_batch`` (sequences decoding at
+    once: the largest decode graph's batch), ``prefix_cache`` (full pages of
+    known prompts are shared: docs/layout.md "Prefix reuse"),
+    ``prefill_chunk`` (most prompt tokens per prefill step), ``max_model_len``
+    (the longest sequence, prompt and generated tokens; default the model's,
+    capped by a sliding window and by the cache), ``readback_every`` (decode
+    launches between token readbacks), ``graph`` (False: decode eagerly).
+
+    Attributes: ``config`` (ModelConfig), ``model`` (the family's CausalLM:
+    weights and buffers), ``cache`` (the PagedKVCache), ``max_model_len``,
+    ``eos_token_ids`` (the default stop tokens), ``stats`` (the last
+    generate's token counts and times).
+    """
+
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, *, like, dtype=None, page_size: int = 16,
+                 num_pages: int | None = None, max_batch: int = 8, prefix_cache: bool = True,
+                 prefill_chunk: int = 256, max_model_len: int | None = None, readback_every: int = 8,
+                 graph: bool = True, eos_token_ids=None, embed_dtype=None):
+        if array_backend(like) is None:
+            raise PagedAttentionError(f"like: expected a NumPy or CuPy array (it picks the backend), got "
+                                      f"{type(like).__name__}")
+        if dtype is None:
+            dtype = embed_dtype
+        dt = dtypes.lookup(dtype)
+        if dt is None or not dt.query:
+            raise PagedAttentionError(f"dtype: expected float32, float16 or bfloat16 (or None: the checkpoint's), "
+                                      f"got {dtype!r}" + (" (the checkpoint's)" if dtype is embed_dtype else ""))
+        self.page_size = checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
+        self.max_batch = checks.host_int("max_batch", max_batch, 1, 1024)
+        self.prefill_chunk = checks.host_int("prefill_chunk", prefill_chunk, 1, 65535)
+        self.readback_every = checks.host_int("readback_every", readback_every, 1, 1 << 16)
+        self.graph = checks.boolean("graph", graph)
+        prefix_cache = checks.boolean("prefix_cache", prefix_cache)
+        if num_pages is not None:
+            num_pages = checks.host_int("num_pages", num_pages, 1, (1 << 31) - 1)
+        limit = cfg.max_len
+        if max_model_len is not None:
+            limit = checks.host_int("max_model_len", max_model_len, 2, cfg.max_len)
+        elif num_pages is not None:
+            limit = max(2, min(limit, num_pages * self.page_size))
+        elif array_backend(like) != GPU:
+            limit = max(2, min(limit, CPU_DEFAULT_TOKENS))
+        self.config, self.like, self.dtype = cfg, like, dt.np_dtype
+        self.eos_token_ids = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        family = {"dense": DenseLM, "mla": MlaLM}[cfg.family]
+        rows = max(self.prefill_chunk, self.max_batch)
+        self.model = family(cfg, ckpt, like, dt.np_dtype, max_rows=rows, max_logits=self.max_batch,
+                            max_len=limit)
+        heads, d, dv = self.model.cache_layout()
+        page_bytes = cfg.layers * self.page_size * heads * (d + dv) * dt.itemsize
+        if num_pages is None:
+            num_pages = self._default_pages(limit, page_bytes)
+        self.cache = PagedKVCache(num_pages, self.page_size, heads, d, dt.np_dtype, layers=cfg.layers,
+                                  value_dim=dv, like=like, prefix_cache=prefix_cache)
+        self.model.attach(self.cache)
+        self.num_pages = num_pages
+        self.max_model_len = min(limit, num_pages * self.page_size) if max_model_len is None else limit
+        self.max_model_len = max(2, self.max_model_len)
+        self.stream = stream_for(like)
+        self._batches: dict = {}
+        self.stats: dict = {}
+
+    # -- construction -----------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path, *, like, dtype=None, page_size: int = 16, num_pages: int | None = None,
+                        max_batch: int = 8, prefix_cache: bool = True, **options) -> "Engine":
+        """An engine from a local model folder: ``config.json`` and the
+        ``*.safetensors`` files ``save_pretrained`` writes (nothing is
+        downloaded), read through memory maps; the stop tokens default to
+        ``generation_config.json``'s eos_token_id, else config.json's. Further
+        options: see the class docstring. Raises CheckpointError (files) or
+        ConfigError (an architecture or field it cannot run) before reading
+        any weight."""
+        ckpt, raw = Checkpoint.from_folder(path)
+        cfg = parse_config(raw)
+        eos = options.pop("eos_token_ids", None)
+        if eos is None:
+            eos = _generation_eos(Path(path))
+        return cls(cfg, ckpt, like=like, dtype=dtype, page_size=page_size, num_pages=num_pages,
+                   max_batch=max_batch, prefix_cache=prefix_cache, eos_token_ids=eos,
+                   embed_dtype=ckpt.dtype_of("model.embed_tokens.weight") if "model.embed_tokens.weight" in ckpt
+                   else None, **options)
+
+    @classmethod
+    def from_transformers(cls, model, *, like, dtype=None, page_size: int = 16, num_pages: int | None = None,
+                          max_batch: int = 8, prefix_cache: bool = True, **options) -> "Engine":
+        """An engine from a ``transformers`` model object in memory: its
+        config (``model.config.to_dict()``; the architecture is the model's
+        class name when the config names none), its state dict (copied to the
+        backend) and its generation config's eos_token_id."""
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(model, "state_dict"):
+            raise PagedAttentionError(f"model: expected a transformers model (with .config and .state_dict()), got "
+                                      f"{type(model).__name__}")
+        raw = config.to_dict()
+        arch = None if raw.get("architectures") else type(model).__name__
+        cfg = parse_config(raw, arch)
+        ckpt = Checkpoint.from_state_dict(model.state_dict(), where=f"{type(model).__name__} state dict")
+        eos = options.pop("eos_token_ids", None)
+        if eos is None:
+            gen = getattr(model, "generation_config", None)
+            eos = _eos_list(getattr(gen, "eos_token_id", None)) if gen is not None else None
+        return cls(cfg, ckpt, like=like, dtype=dtype, page_size=page_size, num_pages=num_pages,
+                   max_batch=max_batch, prefix_cache=prefix_cache, eos_token_ids=eos,
+                   embed_dtype=ckpt.dtype_of("model.embed_tokens.weight") if "model.embed_tokens.weight" in ckpt
+                   else None, **options)
+
+    def _default_pages(self, limit: int, page_bytes: int) -> int:
+        per_seq = -(-limit // self.page_size)
+        if array_backend(self.like) != GPU:
+            return self.max_batch * per_seq
+        import cupy          # the GPU backend: CuPy is loaded
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        budget = int(free * GPU_MEMORY_SHARE) - GPU_RESERVE_BYTES
+        pages = budget // page_bytes
+        if pages < per_seq:
+            raise PagedAttentionError(f"num_pages: the free GPU memory ({free / 2**30:.1f} GiB after the weights) "
+                                      f"holds {max(pages, 0)} pages of {page_bytes} bytes, fewer than one sequence of "
+                                      f"max_model_len {limit} needs ({per_seq}); pass num_pages or max_model_len")
+        return int(pages)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Engine({c.architecture}, layers={c.layers}, hidden={c.hidden}, dtype={self.dtype.name}, "
+                f"backend={array_backend(self.like)}, pages={self.num_pages}x{self.page_size}, "
+                f"max_batch={self.max_batch}, max_model_len={self.max_model_len})")
+
+    # -- generation -------------------------------------------------------------
+    def generate(self, prompts, max_new_tokens: int, *, stop_token_ids=None, return_logits: bool = False,
+                 on_tokens=None):
+        """Greedy generation: a list, per prompt (token-id sequences), of its
+        generated token ids: ``max_new_tokens`` of them, or fewer when a stop
+        token came (it is included, as in transformers' greedy generate).
+
+        stop_token_ids: tokens that end a sequence (default: the model's eos
+        tokens, ``self.eos_token_ids``; ``()`` for none). on_tokens(index,
+        tokens): called with each prompt's new tokens as they are read back.
+        return_logits: also return, per prompt, float32 logits [generated,
+        vocab] of every step (for checking; it reads back after every decode
+        launch, so it is slow): the result is then (tokens, logits).
+
+        Continuous batching: prompts are admitted in order while fewer than
+        ``max_batch`` run and the cache holds every page they may need;
+        prefill runs in chunks of ``prefill_chunk`` tokens between decode
+        rounds of the running sequences; finished sequences make room for
+        waiting ones (``cupaged.engine.scheduler``). Every input is checked
+        before anything is launched (PagedAttentionError)."""
+        prompts, max_new, stop = self._check_generate(prompts, max_new_tokens, stop_token_ids)
+        return_logits = checks.boolean("return_logits", return_logits)
+        if on_tokens is not None and not callable(on_tokens):
+            raise PagedAttentionError(f"on_tokens: expected a callable on_tokens(index, tokens), got "
+                                      f"{type(on_tokens).__name__}")
+        sched = Scheduler(self, prompts, max_new, stop, return_logits=return_logits, on_tokens=on_tokens)
+        try:
+            out = sched.run()
+        finally:
+            self.stats = sched.stats
+        if return_logits:
+            return out, [np.stack(r.logits) if r.logits else np.zeros((0, self.config.vocab), np.float32)
+                         for r in sched.requests]
+        return out
+
+    def _check_generate(self, prompts, max_new_tokens, stop_token_ids):
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+            raise PagedAttentionError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
+        max_new = checks.host_int("max_new_tokens", max_new_tokens, 1, self.max_model_len - 1)
+        vocab, out = self.config.vocab, []
+        for i, p in enumerate(prompts):
+            if isinstance(p, (str, bytes)):
+                raise PagedAttentionError(f"prompts[{i}]: expected token ids (ints), got a {type(p).__name__}; "
+                                          f"tokenize it first")
+            ids = checks.host_int_array(f"prompts[{i}]", p, 1)
+            if ids.shape[0] == 0:
+                raise PagedAttentionError(f"prompts[{i}]: expected at least one token, got none")
+            bad = (ids < 0) | (ids >= vocab)
+            if bad.any():
+                j = int(np.argmax(bad))
+                raise PagedAttentionError(f"prompts[{i}][{j}]: expected a token id in 0..{vocab - 1}, got {ids[j]}")
+            n = int(ids.shape[0])
+            if n + max_new > self.max_model_len:
+                raise PagedAttentionError(
+                    f"prompts[{i}]: {n} tokens + max_new_tokens {max_new} = {n + max_new} exceed the engine's "
+                    f"max_model_len {self.max_model_len} (the longest sequence its cache and rotary tables hold)")
+            pages = -(-(n + max_new - 1) // self.page_size)
+            if pages > self.num_pages:
+                raise PagedAttentionError(f"prompts[{i}]: needs {pages} pages of {self.page_size} tokens, the cache "
+                                          f"has {self.num_pages} (num_pages)")
+            out.append([int(t) for t in ids])
+        if stop_token_ids is None:
+            stop = tuple(self.eos_token_ids)
+        else:
+            arr = checks.host_int_array("stop_token_ids", list(stop_token_ids), 1)
+            if (arr < 0).any():
+                raise PagedAttentionError(f"stop_token_ids: expected token ids >= 0, got {arr.tolist()}")
+            stop = tuple(int(t) for t in arr)
+        stop = tuple(sorted(set(stop)))
+        if len(stop) > MAX_STOP_IDS:
+            raise PagedAttentionError(f"stop_token_ids: expected at most {MAX_STOP_IDS} tokens, got {len(stop)}")
+        return out, max_new, stop
+
+    # -- decode batches ---------------------------------------------------------
+    def _batch_for(self, stop: tuple) -> DecodeBatch:
+        """The DecodeBatch (with its captured graphs) of this set of stop
+        tokens, made on first use."""
+        b = self._batches.pop(stop, None)
+        if b is None:
+            xp = self.model.xp
+            token_buf, next_token = xp.zeros(self.max_batch, np.int64), xp.zeros(self.max_batch, np.int64)
+            model = self.model
+
+            def step(plan):
+                return model.forward(plan, token_buf, plan.sequences)
+
+            b = DecodeBatch(self.cache, step, token_buf=token_buf, next_token=next_token,
+                            max_batch=self.max_batch, max_len=self.max_model_len, stop_ids=stop,
+                            readback_every=self.readback_every, graph=self.graph)
+            if model.gpu and self.graph:
+                # run each bucket's step once eagerly (every slot padded: it
+                # reads and writes no cache row) so cuBLAS and the kernels are
+                # set up before the step is captured
+                for bucket in b.buckets:
+                    model.forward(b.plan(bucket), token_buf, bucket)
+            if len(self._batches) >= MAX_BATCHES:
+                self._batches.pop(next(iter(self._batches)))
+        self._batches[stop] = b
+        return b
+
+    def _join(self, batch: DecodeBatch, seq, token, max_len: int) -> None:
+        batch.join(seq, token, max_len=max_len)
+
+
+def _eos_list(e):
+    if e is None:
+        return None
+    if isinstance(e, int):
+        return (e,)
+    return tuple(int(t) for t in e)
+
+
+def _generation_eos(folder: Path):
+    """eos_token_id of the folder's generation_config.json (None: absent)."""
+    p = folder / "generation_config.json"
+    if not p.is_file():
+        return None
+    try:
+        e = json.loads(p.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(e, bool) or not (e is None or isinstance(e, int) or (isinstance(e, list)
+                                                                        and all(isinstance(t, int) for t in e))):
+        return None
+    return _eos_list(e)

@@ -1,0 +1,209 @@
+"""Continuous batching for ``Engine.generate``: one scheduler per call.
+
+The loop, until every request is done:
+
+1. **Admit** waiting requests in order while fewer than ``max_batch`` are
+   running (prefilling or decoding) and the cache can hold every page each
+   running request may still need (its prompt and generated tokens, less the
+   pages it holds): so no step ever runs out of pages and nothing is ever
+   preempted. ``cache.add_sequence(tokens=prompt)`` shares the longest cached
+   prefix (prefix reuse); only the rest is prefilled.
+2. **Prefill one chunk**: up to ``prefill_chunk`` prompt tokens, taken from
+   the prefilling requests in admission order, in one ``cache.prepare`` plan
+   and one eager forward pass; each request whose prompt ends in the chunk
+   gets its first token from the argmax of its last row and joins the
+   ``DecodeBatch`` with that token on the device (``join(seq, best[i:i+1])``).
+3. **Decode one round**: up to ``readback_every`` launches of the batch's
+   captured graph (one per token for every member), then the one readback:
+   new tokens, and which requests finished (a stop token or their
+   ``max_new_tokens``; they leave the batch, their sequence is freed and its
+   full pages stay in the prefix cache), so waiting requests take their place
+   at the next admission.
+
+Steps 2 and 3 alternate, so new prompts are prefilled in chunks between the
+decode rounds of running ones. A stop token is checked on the device every
+step; the engine also cuts a request's output after its first stop token
+(the prefill's token can be one), so outputs end at a stop token or at
+``max_new_tokens``, as transformers' greedy ``generate``.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..ops.sampling import argmax_into
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt of a generate call and what it produced."""
+
+    index: int
+    prompt: list
+    max_new: int
+    seq: object = None
+    prefilled: int = 0                 # prompt tokens in the cache (a shared prefix included)
+    need_pages: int = 0                # pages its whole life needs
+    out: list = field(default_factory=list)
+    launches: int = 0                  # decode launches it took part in
+    done: bool = False
+    logits: list = field(default_factory=list)
+
+
+class Scheduler:
+    """One ``Engine.generate`` call (see the module docstring)."""
+
+    def __init__(self, engine, prompts, max_new: int, stop_ids: tuple, *, return_logits: bool = False,
+                 on_tokens=None):
+        self.e = engine
+        self.cache, self.model = engine.cache, engine.model
+        self.stream = engine.stream
+        self.stop = set(stop_ids)
+        self.batch = engine._batch_for(tuple(sorted(self.stop)))
+        self.return_logits, self.on_tokens = return_logits, on_tokens
+        ps = self.cache.page_size
+        self.requests = [Request(i, list(p), max_new) for i, p in enumerate(prompts)]
+        for r in self.requests:
+            r.need_pages = -(-(len(r.prompt) + max_new - 1) // ps)
+        self.waiting = deque(self.requests)
+        self.prefilling: list[Request] = []
+        self.decoding: dict = {}           # seq -> Request
+        self._try_admit = True
+        self.stats = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0,
+                      "prefill_chunks": 0, "decode_launches": 0, "readbacks": 0, "cached_prompt_tokens": 0}
+
+    # -- the loop -----------------------------------------------------------------
+    def run(self) -> list:
+        while self.waiting or self.prefilling or self.decoding:
+            self._admit()
+            if self.prefilling:
+                self._prefill_chunk()
+            if self.decoding:
+                self._decode_round()
+            if self.waiting and not (self.prefilling or self.decoding) and not self._try_admit:
+                raise RuntimeError("scheduler: nothing runs and nothing can be admitted")   # (cannot happen)
+        return [r.out for r in self.requests]
+
+    def _running(self):
+        return self.prefilling + list(self.decoding.values())
+
+    def _admit(self) -> None:
+        if not self._try_admit:
+            return
+        cache = self.cache
+        while self.waiting and len(self.prefilling) + len(self.decoding) < self.e.max_batch:
+            r = self.waiting[0]
+            outstanding = sum(max(0, q.need_pages - len(q.seq.pages)) for q in self._running())
+            seq = cache.add_sequence(tokens=r.prompt)
+            if r.need_pages - len(seq.pages) + outstanding > cache.num_free_pages:
+                cache.free(seq)              # back to waiting; retried once pages are freed
+                self._try_admit = False
+                return
+            self.waiting.popleft()
+            r.seq, r.prefilled = seq, seq.length
+            self.stats["cached_prompt_tokens"] += seq.length
+            self.prefilling.append(r)
+
+    def _prefill_chunk(self) -> None:
+        t0 = time.perf_counter()
+        model, stream = self.model, self.stream
+        budget = self.e.prefill_chunk
+        reqs, counts = [], []
+        for r in self.prefilling:
+            if budget == 0:
+                break
+            c = min(len(r.prompt) - r.prefilled, budget)
+            reqs.append(r)
+            counts.append(c)
+            budget -= c
+        plan, _ = self.cache.prepare([r.seq for r in reqs], counts)
+        tokens = np.concatenate([np.asarray(r.prompt[r.prefilled:r.prefilled + c], np.int64)
+                                 for r, c in zip(reqs, counts)])
+        n = int(tokens.shape[0])
+        stream.copy_from_host(model.tokens, tokens)
+        ends, row = [], 0
+        for r, c in zip(reqs, counts):
+            row += c
+            r.prefilled += c
+            if r.prefilled == len(r.prompt):
+                ends.append((r, row - 1))
+        m = len(ends)
+        if m:
+            stream.copy_from_host(model.idx, np.array([row for _, row in ends], np.int64))
+        logits = model.forward(plan, model.tokens, n, gather=m)
+        if m:
+            argmax_into(logits, model.best[:m])
+            host_logits = stream.read(logits) if self.return_logits else None
+            host_best = stream.read(model.best[:m]) if any(r.max_new == 1 for r, _ in ends) else None
+            for i, (r, _) in enumerate(ends):
+                self.prefilling.remove(r)
+                if host_logits is not None:
+                    r.logits.append(np.asarray(host_logits[i], np.float32))
+                if r.max_new == 1:
+                    self._emit(r, [int(host_best[i])])
+                    self._finish(r)
+                else:
+                    self.e._join(self.batch, r.seq, model.best[i:i + 1], len(r.prompt) + r.max_new)
+                    self.decoding[r.seq] = r
+        stream.synchronize()          # (for the prefill / decode time split in stats)
+        self.stats["prefill_tokens"] += n
+        self.stats["prefill_chunks"] += 1
+        self.stats["prefill_seconds"] += time.perf_counter() - t0
+
+    def _decode_round(self) -> None:
+        t0 = time.perf_counter()
+        batch, k = self.batch, (1 if self.return_logits else self.batch.k)
+        remaining = {r: r.max_new - 1 - r.launches for r in self.decoding.values()}
+        steps = min(k, max(remaining.values()))
+        for _ in range(steps):
+            live = [r for r in self.decoding.values() if r.launches < r.max_new - 1]
+            bucket = batch.bucket
+            batch.advance()
+            for r in live:
+                r.launches += 1
+            self.stats["decode_launches"] += 1
+            self.stats["decode_tokens"] += len(live)
+            if self.return_logits:
+                rows = self.stream.read(self.model.logits[:bucket])
+                for r in live:
+                    r.logits.append(np.asarray(rows[batch.slot_of(r.seq)], np.float32))
+        rb = batch.readback()
+        self.stats["readbacks"] += 1
+        for seq, toks in rb.tokens.items():
+            self._emit(self.decoding[seq], toks)
+        for seq in list(self.decoding):
+            r = self.decoding[seq]
+            if seq in rb.finished or r.done:
+                if seq not in rb.finished:
+                    batch.leave(seq)         # the engine saw a stop token the device did not check
+                del self.decoding[seq]
+                self._finish(r)
+        self.stats["decode_seconds"] += time.perf_counter() - t0
+
+    # -- outputs ------------------------------------------------------------------
+    def _emit(self, r: Request, toks) -> None:
+        """Append a request's new tokens, cut after the first stop token and
+        at max_new; report them to ``on_tokens``."""
+        new = []
+        for t in toks:
+            if r.done or len(r.out) >= r.max_new:
+                break
+            r.out.append(int(t))
+            new.append(int(t))
+            if int(t) in self.stop:
+                r.done = True
+        if len(r.out) >= r.max_new:
+            r.done = True
+        if self.return_logits:
+            del r.logits[len(r.out):]
+        if new and self.on_tokens is not None:
+            self.on_tokens(r.index, new)
+
+    def _finish(self, r: Request) -> None:
+        r.done = True
+        if r.seq is not None and r.seq.alive:
+            self.cache.free(r.seq)
+        self._try_admit = True
