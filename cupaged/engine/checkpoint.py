@@ -122,11 +122,9 @@ class Checkpoint:
         self.where = where
         self.files = tuple(files)
 
-    @classmethod
-    def from_folder(cls, path) -> tuple["Checkpoint", dict]:
-        """(checkpoint, config dict) of a model folder: ``config.json`` and
-        every ``*.safetensors`` file (``model.safetensors.index.json``, when
-        present, must name only files that exist)."""
+    @staticmethod
+    def read_config(path) -> dict:
+        """The ``config.json`` dict of a model folder."""
         root = Path(path)
         if not root.is_dir():
             raise CheckpointError(f"path: expected a model folder (config.json and *.safetensors), got {str(path)!r}"
@@ -135,9 +133,16 @@ class Checkpoint:
         if not cfg_path.is_file():
             raise CheckpointError(f"{root}: missing config.json (a folder written by save_pretrained has one)")
         try:
-            config = json.loads(cfg_path.read_text())
+            return json.loads(cfg_path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{cfg_path}: not readable JSON: {e}") from None
+
+    @classmethod
+    def from_folder(cls, path) -> "Checkpoint":
+        """The tensors of every ``*.safetensors`` file of a model folder
+        (``model.safetensors.index.json``, when present, must name only files
+        that exist); each file's header is checked, no data is read."""
+        root = Path(path)
         files = sorted(root.glob("*.safetensors"))
         index = root / "model.safetensors.index.json"
         if index.is_file():
@@ -159,7 +164,7 @@ class Checkpoint:
             st = SafetensorsFile(p)
             for name in st.names:
                 tensors.setdefault(name, (st, name))
-        return cls(tensors, str(root), files), config
+        return cls(tensors, str(root), files)
 
     @classmethod
     def from_state_dict(cls, state: dict, where: str = "state dict") -> "Checkpoint":

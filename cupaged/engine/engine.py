@@ -117,10 +117,11 @@ class Engine:
         downloaded), read through memory maps; the stop tokens default to
         ``generation_config.json``'s eos_token_id, else config.json's. Further
         options: see the class docstring. Raises CheckpointError (files) or
-        ConfigError (an architecture or field it cannot run) before reading
-        any weight."""
-        ckpt, raw = Checkpoint.from_folder(path)
+        ConfigError (an architecture or field it cannot run): the config
+        is checked before any safetensors file is opened."""
+        raw = Checkpoint.read_config(path)
         cfg = parse_config(raw)
+        ckpt = Checkpoint.from_folder(path)
         eos = options.pop("eos_token_ids", None)
         if eos is None:
             eos = _generation_eos(Path(path))
@@ -201,6 +202,10 @@ class Engine:
         sched = Scheduler(self, prompts, max_new, stop, return_logits=return_logits, on_tokens=on_tokens)
         try:
             out = sched.run()
+        except BaseException:
+            if not sched.abort():
+                self._batches = {k: b for k, b in self._batches.items() if b is not sched.batch}
+            raise
         finally:
             self.stats = sched.stats
         if return_logits:

@@ -72,6 +72,7 @@ class Scheduler:
         self.prefilling: list[Request] = []
         self.decoding: dict = {}           # seq -> Request
         self._try_admit = True
+        self._pending = 0                  # decode launches since the last readback
         self.stats = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0,
                       "prefill_chunks": 0, "decode_launches": 0, "readbacks": 0, "cached_prompt_tokens": 0}
 
@@ -162,6 +163,7 @@ class Scheduler:
             live = [r for r in self.decoding.values() if r.launches < r.max_new - 1]
             bucket = batch.bucket
             batch.advance()
+            self._pending += 1
             for r in live:
                 r.launches += 1
             self.stats["decode_launches"] += 1
@@ -171,6 +173,7 @@ class Scheduler:
                 for r in live:
                     r.logits.append(np.asarray(rows[batch.slot_of(r.seq)], np.float32))
         rb = batch.readback()
+        self._pending = 0
         self.stats["readbacks"] += 1
         for seq, toks in rb.tokens.items():
             self._emit(self.decoding[seq], toks)
@@ -182,6 +185,25 @@ class Scheduler:
                 del self.decoding[seq]
                 self._finish(r)
         self.stats["decode_seconds"] += time.perf_counter() - t0
+
+    def abort(self) -> bool:
+        """After an error or an interrupt: take every running sequence out of
+        the batch (reading back what it launched) and free it, so the engine
+        serves the next call. Returns False when that failed too (the batch
+        is then dropped; its sequences' pages stay held)."""
+        ok = True
+        try:
+            if self._pending:
+                self.batch.readback()
+                self._pending = 0
+            for seq in list(self.batch.members):
+                self.batch.leave(seq)
+        except Exception:       # noqa: BLE001 -- best effort after the first error, which is re-raised
+            ok = False
+        for r in self.requests:
+            if r.seq is not None and r.seq.alive and r.seq._batch is None:
+                self.cache.free(r.seq)
+        return ok
 
     # -- outputs ------------------------------------------------------------------
     def _emit(self, r: Request, toks) -> None:
