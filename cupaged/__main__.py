@@ -1,4 +1,5 @@
-"""Command line: ``python -m cupaged demo`` and ``python -m cupaged check OP``.
+"""Command line: ``python -m cupaged demo``, ``python -m cupaged check OP`` and
+``python -m cupaged generate --model DIR --prompt TEXT``.
 
 demo: a tiny Llama-style decoder with seeded random weights prefills a batch
 of prompts in chunks, then decodes greedily through the paged decode graph,
@@ -7,18 +8,27 @@ CuPy sees one, else the CPU backend (the same CUDA C kernels through g++).
 
 check: one kernel on random data against the float64 reference, with its
 error and time: the standalone kernel test.
+
+generate: greedy generation with a local Hugging Face model folder through
+cupaged.Engine: text in and out with the folder's tokenizer.json when the
+``tokenizers`` package is installed, token ids otherwise; tokens print as
+they are read back, then a line with prefill and decode tokens/s.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from . import HostPlan, PagedAttentionError, SplitWorkspace, argmax_into, stream_for
+from . import CheckpointError, ConfigError, Engine, HostPlan, PagedAttentionError, SplitWorkspace, argmax_into, \
+    stream_for
 from ._runtime import xp_of
 from .demo import tiny
+from .engine import parse_config
 from .testing import as_dtype, make_mla_case, make_paged_case, reference, tolerance
 
 
@@ -158,6 +168,79 @@ def cmd_check(args) -> int:
     print(f"append: {plan.queries} rows x {args.kv_heads} heads x d{args.head_dim} {args.dtype} on {backend}: "
           f"{'bit-exact' if same else 'MISMATCH'}, {t * 1e3:.3f} ms")
     return 0 if same else 1
+
+
+def _tokenizer(folder: str):
+    """The folder's tokenizer.json through ``tokenizers`` (None: either is missing)."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        import tokenizers      # the optional `tokenizers` extra
+    except ImportError:
+        return None
+    return tokenizers.Tokenizer.from_file(str(path))
+
+
+def _prompt_ids(text: str) -> list[int] | None:
+    parts = text.replace(",", " ").split()
+    if not parts or not all(p.isdigit() for p in parts):
+        return None
+    return [int(p) for p in parts]
+
+
+def cmd_generate(args) -> int:
+    prog = "python -m cupaged generate"
+    like, backend = _like(args.cpu)
+    tok = None if args.ids else _tokenizer(args.model)
+    if tok is not None:
+        ids = tok.encode(args.prompt).ids
+    else:
+        ids = _prompt_ids(args.prompt)
+        if ids is None:
+            why = "--ids was given" if args.ids else (
+                "the model folder has no tokenizer.json" if not (Path(args.model) / "tokenizer.json").is_file()
+                else "the tokenizers package is not installed (pip install 'cupaged[tokenizers]')")
+            print(f"{prog}: --prompt: expected token ids like '1 2 3' ({why}), got {args.prompt!r}", file=sys.stderr)
+            return 2
+    dtype = {None: None, "f32": "float32", "f16": "float16", "bf16": "bfloat16"}[args.dtype]
+    engine = Engine.from_pretrained(args.model, like=like, dtype=dtype, max_batch=1, page_size=args.page_size,
+                                    max_model_len=min(len(ids) + args.max_new_tokens, _model_limit(args.model))
+                                    if args.max_model_len is None else args.max_model_len)
+    c = engine.config
+    print(f"{c.architecture} on the {backend} backend: {c.layers} layers, hidden {c.hidden}, "
+          f"{engine.dtype.name}; prompt {len(ids)} tokens, up to {args.max_new_tokens} new", flush=True)
+    state = {"ids": list(ids), "text": tok.decode(ids, skip_special_tokens=True) if tok is not None else ""}
+
+    def show(_, new):
+        if tok is None:
+            print(" ".join(map(str, new)), end=" ", flush=True)
+            return
+        state["ids"].extend(new)
+        text = tok.decode(state["ids"], skip_special_tokens=True)
+        done = state["text"]
+        print(text[len(done):] if text.startswith(done) else text, end="", flush=True)
+        state["text"] = text
+
+    if tok is not None:
+        print(state["text"], end="", flush=True)      # the prompt as the tokenizer reads it
+    engine.generate([ids], args.max_new_tokens, on_tokens=show)
+    s = engine.stats
+    print()
+    pre = s["prefill_tokens"] / s["prefill_seconds"] if s["prefill_seconds"] else float("inf")
+    dec = s["decode_tokens"] / s["decode_seconds"] if s["decode_seconds"] else float("inf")
+    print(f"prefill: {s['prefill_tokens']} tokens in {s['prefill_seconds']:.3f} s ({pre:.1f} tokens/s); "
+          f"decode: {s['decode_tokens']} tokens in {s['decode_seconds']:.3f} s ({dec:.1f} tokens/s, "
+          f"{s['decode_launches']} graph launches)")
+    return 0
+
+
+def _model_limit(folder: str) -> int:
+    """The model's longest sequence (engine checks come later, with the config)."""
+    try:
+        return parse_config(json.loads((Path(folder) / "config.json").read_text())).max_len
+    except Exception:       # noqa: BLE001 -- the engine reports the real error with its message
+        return 1 << 30
 
 
 def _host(a):
@@ -301,11 +384,31 @@ def _check_check(p, args) -> None:
         p.error(f"--kv-heads: expected a divisor of --heads {heads}, got {args.kv_heads}")
 
 
+def _generate_parser(sub):
+    g = sub.add_parser("generate", help="greedy generation with a local Hugging Face model folder",
+                       description="Greedy generation with a local Hugging Face model folder (config.json, "
+                                   "*.safetensors; tokenizer.json for text) through cupaged.Engine: tokens print "
+                                   "as they come, then prefill and decode tokens/s.")
+    g.add_argument("--model", required=True, metavar="DIR", help="the model folder")
+    g.add_argument("--prompt", required=True, help="text (with the folder's tokenizer.json and the tokenizers "
+                                                   "package), or token ids like '1 2 3'")
+    _opt(g, "--max-new-tokens", _int_in(1, 1 << 20), 32, "tokens to generate")
+    g.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"], help="(default: the checkpoint's)")
+    _opt(g, "--page-size", _int_in(1, 256), 16, "tokens per page")
+    g.add_argument("--max-model-len", type=_int_in(2, 1 << 24), default=None,
+                   help="longest sequence the cache holds (default: prompt + new tokens)")
+    g.add_argument("--ids", action="store_true", help="read --prompt as token ids and print ids, even with a "
+                                                      "tokenizer")
+    g.add_argument("--cpu", action="store_true", help="use the CPU backend even when a GPU is present")
+    g.set_defaults(fn=cmd_generate, checks=None)
+
+
 def main(argv=None) -> int:
     p = _Parser(prog="python -m cupaged", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     _demo_parser(sub)
     _check_parsers(sub)
+    _generate_parser(sub)
     args, extra = p.parse_known_args(argv)
     prog = f"python -m cupaged {args.cmd}" + (f" {args.op}" if getattr(args, "op", None) else "")
     if extra:
@@ -314,7 +417,7 @@ def main(argv=None) -> int:
         args.checks(_Parser(prog=prog), args)
     try:
         return args.fn(args)
-    except PagedAttentionError as e:      # an input the kernels refuse: one line, no traceback
+    except (PagedAttentionError, ConfigError, CheckpointError) as e:   # a refused input: one line, no traceback
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
 
