@@ -53,10 +53,12 @@ struct State {
         l = l * a + o.l * b;
         m = mn;
     }
-    // 1 / l, the output scale; 0 when nothing was seen (out = 0).
-    __device__ __forceinline__ float inv_sum() const { return l > 0.0f ? 1.0f / l : 0.0f; }
-    // Natural-log LSE; -inf when nothing was seen.
-    __device__ __forceinline__ float lse() const { return l > 0.0f ? m * kLn2 + logf(l) : neg_inf(); }
+    // 1 / l, the output scale; 0 when nothing was seen (out = 0). A NaN sum
+    // (a NaN score reached it) stays NaN: out and lse are NaN, as in the
+    // reference.
+    __device__ __forceinline__ float inv_sum() const { return l == 0.0f ? 0.0f : 1.0f / l; }
+    // Natural-log LSE; -inf when nothing was seen, NaN after a NaN score.
+    __device__ __forceinline__ float lse() const { return l == 0.0f ? neg_inf() : m * kLn2 + logf(l); }
 };
 
 __device__ __forceinline__ State make_state(float m, float l) {

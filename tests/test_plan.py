@@ -3,7 +3,6 @@
 Each bad input must raise PagedAttentionError naming the argument, before any
 launch, and leave preallocated outputs untouched.
 """
-import math
 
 import ml_dtypes
 import numpy as np
@@ -122,15 +121,73 @@ def test_choose_splits_with_its_documented_defaults():
 
 
 def test_choose_splits_rule():
+    """Splits fill the device's resident slots (blocks per SM the kernel is
+    built for x SMs) in one wave: slots // blocks, at most MAX_SPLITS and
+    one split per 256 tokens; none when the grid already fills the slots.
+    Without shapes the per-query kernels' floor (paged_attention's 2) counts."""
+    from cupaged.ops.attention.variants import RESIDENT_BLOCKS
+    per_sm = RESIDENT_BLOCKS["paged_attention"]
     long = HostPlan.build([[0] * 64], [4096], [1], 64, 1)
-    # 1 query x 8 kv heads = 8 blocks; 132 SMs -> ceil(264 / 8) = 33 but 4096 / 256 = 16
-    assert cupaged.choose_splits(long, 8, multiprocessors=132) == 16
+    # 1 query x 8 kv heads = 8 blocks; 2 x 132 slots -> 264 // 8 = 33, but 4096 / 256 = 16
+    assert cupaged.choose_splits(long, 8, multiprocessors=132) == min(per_sm * 132 // 8, 16) == 16
     assert cupaged.choose_splits(long, 1, multiprocessors=1000) == 16
     short = HostPlan.build([[0] * 4], [200], [1], 64, 1)
     assert cupaged.choose_splits(short, 8, multiprocessors=132) == 1
     many = HostPlan.build([[0] * 64] * 64, [4096] * 64, [1] * 64, 64, 1)
-    assert cupaged.choose_splits(many, 8, multiprocessors=132) == 1  # 512 blocks fill 132 SMs
-    assert cupaged.choose_splits(many, 1, multiprocessors=132) == math.ceil(264 / 64)
+    assert cupaged.choose_splits(many, 8, multiprocessors=132) == 1  # 512 blocks fill 264 slots
+    assert cupaged.choose_splits(many, 1, multiprocessors=132) == per_sm * 132 // 64 == 4
+
+
+def test_choose_splits_from_the_kernel_that_runs():
+    """With shapes, the blocks and the resident slots are those of the
+    launches that will run: paged_decode_tc (6 blocks per SM) at batch 1,
+    ctx 32k, 32/8 heads gets MAX_SPLITS (512 blocks in 792 slots, one
+    wave); at batch 64 (512 blocks) none; f32 runs paged_attention (2 per SM)."""
+    from cupaged.ops.attention.variants import RESIDENT_BLOCKS
+    b1 = HostPlan.build(np.arange(2048).reshape(1, 2048), [32768], [1], 16, 2048)
+    split = cupaged.choose_splits(b1, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype=BF16)
+    assert split == min(cupaged.MAX_SPLITS, RESIDENT_BLOCKS["paged_decode_tc"] * 132 // 8) == 64
+    assert cupaged.choose_splits(b1, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype=np.float32) == \
+        RESIDENT_BLOCKS["paged_attention"] * 132 // 8 == 33
+    b64 = HostPlan.build(np.arange(64 * 256).reshape(64, 256), [4096] * 64, [1] * 64, 16, 64 * 256)
+    assert cupaged.choose_splits(b64, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype=BF16) == 1
+    b16 = HostPlan.build(np.arange(16 * 256).reshape(16, 256), [4096] * 16, [1] * 16, 16, 16 * 256)
+    # 128 blocks, 792 slots: 6 splits (768 blocks, one wave)
+    assert cupaged.choose_splits(b16, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype=BF16) == 6
+
+
+def test_choose_splits_counts_the_grid_of_the_kernel_that_runs():
+    # MLA decode, 64 queries x 16 heads: the tensor-core kernel serves 4 queries x 16 heads per block,
+    # so the unsplit grid is 16 blocks, not 64; it is built for RESIDENT_BLOCKS["paged_mla_tc"] blocks per SM.
+    from cupaged.ops.attention.variants import RESIDENT_BLOCKS
+    plan = HostPlan.build(np.arange(64 * 64).reshape(64, 64) % 4096, [4000] * 64, [1] * 64, 64, 4096)
+    from cupaged.ops.attention import unsplit_blocks
+    assert unsplit_blocks(plan, 16, 1, 512, 512, "bf16", rot_dim=64) == 16
+    assert cupaged.choose_splits(plan, 1, multiprocessors=132, q_heads=16, head_dim=512, dtype=BF16,
+                                 rot_dim=64) == min(RESIDENT_BLOCKS["paged_mla_tc"] * 132 // 16, 16)
+    assert cupaged.choose_splits(plan, 1, multiprocessors=132) == RESIDENT_BLOCKS["paged_attention"] * 132 // 64
+    # f32 stays on the CUDA-core kernel: one block per query and tile of 2 heads (R = 512)
+    assert unsplit_blocks(plan, 16, 1, 512, 512, np.float32, rot_dim=64) == 64 * 8
+    with pytest.raises(PagedAttentionError, match="head_dim, dtype"):
+        cupaged.choose_splits(plan, 1, multiprocessors=132, q_heads=16)
+
+
+def test_choose_splits_mla_no_splits_when_the_grid_covers_the_sms():
+    """MLA at H 128 (two head tiles of 64 a query): batch 64 and 128 fill the
+    SMs at the kernel's resident blocks, so no split (issue #11)."""
+    from cupaged.ops.attention.variants import RESIDENT_BLOCKS
+    for batch in (64, 128):
+        plan = HostPlan.build(np.arange(batch * 64).reshape(batch, 64), [4096] * batch, [1] * batch, 64,
+                              batch * 64)
+        blocks = unsplit_blocks_of(plan)
+        slots = RESIDENT_BLOCKS["paged_mla_tc"] * 132
+        assert cupaged.choose_splits(plan, 1, multiprocessors=132, q_heads=128, head_dim=512, dtype=BF16,
+                                     rot_dim=64) == max(1, slots // blocks if blocks < slots else 1) == 1
+
+
+def unsplit_blocks_of(plan):
+    from cupaged.ops.attention import unsplit_blocks
+    return unsplit_blocks(plan, 128, 1, 512, 512, "bf16", rot_dim=64)
 
 
 # ---------------------------------------------------------------------------
@@ -278,16 +335,3 @@ def test_mla_errors():
     _bad_mla(plan, q, qp, lat[:5].copy(), kp, out, r"latent: expected shape \[6, 4, ...\]")
 
 
-def test_choose_splits_counts_the_grid_of_the_kernel_that_runs():
-    # MLA decode, 64 queries x 16 heads: the tensor-core kernel serves 4 queries x 16 heads per block,
-    # so the unsplit grid is 16 blocks, not 64.
-    plan = HostPlan.build(np.arange(64 * 64).reshape(64, 64) % 4096, [4000] * 64, [1] * 64, 64, 4096)
-    from cupaged.ops.attention import unsplit_blocks
-    assert unsplit_blocks(plan, 16, 1, 512, 512, "bf16", rot_dim=64) == 16
-    assert cupaged.choose_splits(plan, 1, multiprocessors=132, q_heads=16, head_dim=512, dtype=BF16,
-                                 rot_dim=64) == min(math.ceil(264 / 16), math.ceil(4000 / 256))
-    assert cupaged.choose_splits(plan, 1, multiprocessors=132) == math.ceil(264 / 64)
-    # f32 stays on the CUDA-core kernel: one block per query and tile of 2 heads (R = 512)
-    assert unsplit_blocks(plan, 16, 1, 512, 512, np.float32, rot_dim=64) == 64 * 8
-    with pytest.raises(PagedAttentionError, match="head_dim, dtype"):
-        cupaged.choose_splits(plan, 1, multiprocessors=132, q_heads=16)

@@ -288,7 +288,10 @@ def build_cfg(fn: Function) -> Cfg:
             t = fn.index_of(last.target)
             if t is not None:
                 succ.append(first[t])
-            if last.pred and b.end < n:        # conditional: may fall through
+            # Conditional: may fall through. BRA.DIV (taken only when the warp
+            # is diverged, to the slow path of a warp collective) is too,
+            # though it carries no predicate.
+            if (last.pred or ".DIV" in last.opcode) and b.end < n:
                 succ.append(first[b.end])
         elif not _ends_path(last) and b.end < n:
             succ.append(first[b.end])

@@ -154,10 +154,14 @@ __device__ __forceinline__ q_chunk_t pack(const float* f) {
 
 // Reads p.q, p.k_cache, p.v_cache (p.q_rot, p.k_rot when ROT_CAP) and the
 // words; writes p.out and p.lse (splits == 1) or the partials (splits > 1).
-// __launch_bounds__(128, 1): with (128) alone ptxas spills a few bytes in
-// some runtime-dim variants at 64-72 registers; (128, 1) lets it use what it
-// needs (every variant stays under 255 registers without a spill).
-extern "C" __global__ void __launch_bounds__(128, 1) paged_attention(const AttentionParams p) {
+// __launch_bounds__(128, 2): with (128) alone ptxas spills a few bytes in
+// some runtime-dim variants at 64-72 registers; a minimum of 2 blocks per SM
+// caps nothing below the 255 registers a thread may have anyway, so ptxas
+// uses what it needs (every variant stays under 255 registers without a
+// spill), and two blocks always fit (shared memory: at most 33 KiB a block).
+// choose_splits counts on 2 (variants.RESIDENT_BLOCKS); most variants fit
+// more.
+extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const AttentionParams p) {
     using namespace att;
     // The arrays as __restrict__ locals (NVVM keeps restrict on these, not on
     // struct members: read-only loads stay ld.global.nc).
@@ -361,12 +365,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) paged_attention(const Atten
                 if (!ok[u]) s[u][g] = neg_inf();
                 mx = fmaxf(mx, s[u][g]);
             }
-            if (mx == neg_inf()) continue;   // nothing visible yet in this row group
-            const float alpha = st[g].move_to(mx);
+            // No skip when mx is -inf: a NaN score (a NaN query, a NaN in a
+            // visible K row) is ignored by fmaxf and must still reach the
+            // sum, as it does in the reference (issue #12, item 9).
+            const float alpha = st[g].move_to(mx);   // 0 while the row group has seen nothing
+            const float mu = st[g].offset();         // mx, or 0 while it is -inf
             float p_[kU], psum = 0.0f;
 #pragma unroll
             for (u32 u = 0; u < kU; ++u) {
-                p_[u] = ok[u] ? exp2f(s[u][g] - mx) : 0.0f;
+                p_[u] = ok[u] ? exp2f(s[u][g] - mu) : 0.0f;
                 psum += p_[u];
             }
             st[g].add(alpha, psum);

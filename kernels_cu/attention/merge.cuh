@@ -3,12 +3,22 @@
 // compiled attention module has its merge (the launch takes it from the
 // module of the step's last launch).
 //
-// One warp per (query, head), 4 heads per block: grid (queries, ceil(Hq / 4)),
-// block 128.
+// One block of 128 threads per (query, head): grid (queries, Hq).
 // part_out [splits, queries, Hq, Dv] f32, part_lse [splits, queries, Hq] f32
 //   -> out [queries, Hq, Dv] scalar_t, lse [queries, Hq] f32 (when write_lse).
 // lse = log(sum_z exp(lse_z)), out = sum_z exp(lse_z - lse) * out_z; a split
-// with lse -inf adds nothing; all empty gives out 0, lse -inf.
+// with lse -inf adds nothing; all empty gives out 0, lse -inf; a NaN partial
+// gives NaN.
+//
+// Every split's loads are in flight at once: the row's Dv values are C
+// chunks of 4 floats (16-byte loads when Dv is a multiple of 4 and the
+// partials are 16-byte aligned; else C = Dv single floats); the block's
+// threads form G = 128 / C groups of C threads (G = 1 when C >= 128), group
+// g takes splits g, g + G, ..., eight at a time: eight partial chunks and
+// their LSEs are loaded before any is used, and summed as an online softmax
+// (softmax_state.cuh). The groups' states then meet in shared memory. At Dv =
+// 128 and 64 splits: 4 groups of 32 threads, 16 splits each, two rounds of
+// eight loads per thread.
 // (Its few arguments stay positional: as fields of AttentionParams, loaded
 // where used, they cost ptxas 8 more registers on sm_90.)
 #pragma once
@@ -17,41 +27,124 @@
 #include "../softmax_state.cuh"
 #include "span.cuh"
 
+namespace merge {
+constexpr u32 kThreads = 128;
+constexpr u32 kBatch = 8;   // splits a thread loads before using any
+
+// Group g's online-softmax state and sum over its splits of chunk c (W floats).
+template <u32 W>
+__device__ __forceinline__ void sum_splits(const float* __restrict__ part_out, const float* __restrict__ part_lse,
+                                           u64 stride, u64 rowi, u32 value_dim, u32 nsplit, u32 g, u32 G, u32 c,
+                                           softmax::State& st, float (&acc)[W]) {
+    st.clear();
+#pragma unroll
+    for (u32 i = 0; i < W; ++i) acc[i] = 0.0f;
+    for (u32 z0 = g; z0 < nsplit; z0 += G * kBatch) {
+        float l2[kBatch], v[kBatch][W];
+#pragma unroll
+        for (u32 b = 0; b < kBatch; ++b) {
+            const u32 z = z0 + b * G;
+            const bool in = z < nsplit;
+            const u64 row = (u64)z * stride + rowi;
+            l2[b] = in ? part_lse[row] * softmax::kLog2e : neg_inf();
+            if constexpr (W == 4) {
+                float4 f;
+                f.x = f.y = f.z = f.w = 0.0f;
+                if (in) f = ldv(reinterpret_cast<const float4*>(part_out + row * value_dim) + c);
+                v[b][0] = f.x;
+                v[b][1] = f.y;
+                v[b][2] = f.z;
+                v[b][3] = f.w;
+            } else {
+                v[b][0] = in ? part_out[row * value_dim + c] : 0.0f;
+            }
+        }
+        float mb = neg_inf();
+#pragma unroll
+        for (u32 b = 0; b < kBatch; ++b) mb = fmaxf(mb, l2[b]);
+        const float alpha = st.raise(mb);
+        float psum = 0.0f;
+#pragma unroll
+        for (u32 i = 0; i < W; ++i) acc[i] *= alpha;
+#pragma unroll
+        for (u32 b = 0; b < kBatch; ++b) {
+            const float w = softmax::rescale(l2[b], st.m);   // 0 for an empty split, NaN for a NaN one
+            psum += w;
+#pragma unroll
+            for (u32 i = 0; i < W; ++i) acc[i] = fmaf(w, v[b][i], acc[i]);
+        }
+        st.add(alpha, psum);
+    }
+}
+
+template <u32 W>
+__device__ __forceinline__ void merge_row(const float* __restrict__ part_out, const float* __restrict__ part_lse,
+                                          scalar_t* __restrict__ out, float* __restrict__ lse, u64 stride,
+                                          u64 rowi, u32 value_dim, u32 nsplit, u32 write_lse, float* s_m,
+                                          float* s_l, float* s_acc) {
+    const u32 tid = threadIdx.x;
+    const u32 C = (value_dim + W - 1) / W;     // chunks of the row
+    const u32 G = C >= kThreads ? 1u : kThreads / C;
+    const u32 g = G == 1 ? 0u : tid / C;
+    const u32 c0 = G == 1 ? tid : tid - g * C;
+    softmax::State st;
+    float acc[W];
+    if (G == 1) {   // every thread: chunks tid, tid + 128, ... over all splits
+        for (u32 c = c0; c < C; c += kThreads) {
+            sum_splits<W>(part_out, part_lse, stride, rowi, value_dim, nsplit, 0u, 1u, c, st, acc);
+            const float inv = st.inv_sum();
+#pragma unroll
+            for (u32 i = 0; i < W; ++i)
+                if (c * W + i < value_dim) out[rowi * value_dim + c * W + i] = from_float<scalar_t>(acc[i] * inv);
+            if (c == 0 && write_lse) lse[rowi] = st.lse();
+        }
+        return;   // G is uniform over the block: no barrier below is skipped by some threads only
+    }
+    if (g < G) {
+        sum_splits<W>(part_out, part_lse, stride, rowi, value_dim, nsplit, g, G, c0, st, acc);
+        if (c0 == 0) {
+            s_m[g] = st.m;
+            s_l[g] = st.l;
+        }
+#pragma unroll
+        for (u32 i = 0; i < W; ++i) s_acc[tid * W + i] = acc[i];
+    }
+    __syncthreads();
+    if (tid < C) {   // group 0's threads: the groups' states as one
+        float mx = neg_inf();
+        for (u32 k = 0; k < G; ++k) mx = fmaxf(mx, s_m[k]);
+        float total = 0.0f, o[W];
+#pragma unroll
+        for (u32 i = 0; i < W; ++i) o[i] = 0.0f;
+        for (u32 k = 0; k < G; ++k) {
+            const float w = softmax::rescale(s_m[k], mx);
+            total += s_l[k] * w;
+#pragma unroll
+            for (u32 i = 0; i < W; ++i) o[i] = fmaf(w, s_acc[(k * C + tid) * W + i], o[i]);
+        }
+        const softmax::State all = softmax::make_state(mx, total);
+        const float inv = all.inv_sum();
+#pragma unroll
+        for (u32 i = 0; i < W; ++i)
+            if (tid * W + i < value_dim) out[rowi * value_dim + tid * W + i] = from_float<scalar_t>(o[i] * inv);
+        if (tid == 0 && write_lse) lse[rowi] = all.lse();
+    }
+}
+}  // namespace merge
+
 extern "C" __global__ void __launch_bounds__(128)
 attention_split_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                       scalar_t* __restrict__ out, float* __restrict__ lse, u32 queries, u32 q_heads,
                       u32 value_dim, u32 splits, u32 write_lse) {
-    constexpr u32 kMaxSplits = CP_MAX_SPLITS;
-    __shared__ float s_w[4][kMaxSplits];
-    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
-    const u32 qi = blockIdx.x, h = blockIdx.y * 4 + warp;
-    if (h >= q_heads) return;   // no block-wide barrier below
-    const u32 nsplit = att::min_u32(splits, kMaxSplits);
+    __shared__ float s_m[merge::kThreads], s_l[merge::kThreads];   // each group's state
+    __shared__ __align__(16) float s_acc[merge::kThreads * 4];       // and its sums
+    const u32 qi = blockIdx.x, h = blockIdx.y;
+    if (qi >= queries || h >= q_heads) return;   // the whole block: before any barrier
+    const u32 nsplit = att::min_u32(splits, CP_MAX_SPLITS);
     const u64 stride = (u64)queries * q_heads;   // between splits, in (query, head) rows
     const u64 rowi = (u64)qi * q_heads + h;
-
-    // The splits' LSEs (natural log) as one softmax state in the log2 domain:
-    // m the largest, l the sum of the weights exp2(lse_z - m).
-    float mx = neg_inf();
-    for (u32 z = lane; z < nsplit; z += 32) mx = fmaxf(mx, part_lse[z * stride + rowi] * softmax::kLog2e);
-    mx = warp_max(mx);
-    float total = 0.0f;
-    for (u32 z = lane; z < nsplit; z += 32) {
-        const float w = softmax::rescale(part_lse[z * stride + rowi] * softmax::kLog2e, mx);
-        s_w[warp][z] = w;
-        total += w;
-    }
-    total = warp_sum(total);
-    __syncwarp();
-    const softmax::State st = softmax::make_state(mx, total);
-    const float inv = st.inv_sum();
-    for (u32 e = lane; e < value_dim; e += 32) {
-        float a = 0.0f;
-        for (u32 z = 0; z < nsplit; ++z) {
-            const float w = s_w[warp][z];
-            if (w != 0.0f) a = fmaf(w, part_out[(z * stride + rowi) * value_dim + e], a);
-        }
-        out[rowi * value_dim + e] = from_float<scalar_t>(a * inv);
-    }
-    if (lane == 0 && write_lse) lse[rowi] = st.lse();
+    if (value_dim % 4 == 0 && (reinterpret_cast<u64>(part_out) & 15u) == 0)
+        merge::merge_row<4>(part_out, part_lse, out, lse, stride, rowi, value_dim, nsplit, write_lse, s_m, s_l, s_acc);
+    else
+        merge::merge_row<1>(part_out, part_lse, out, lse, stride, rowi, value_dim, nsplit, write_lse, s_m, s_l, s_acc);
 }

@@ -92,7 +92,10 @@ def _host(q_lens):
 # queries of a small group (CUDA-core kernel) runs as segments: one launch
 # per contiguous run of sequences, each on its kernel (schedule.tc_segments).
 
-#: Six decodes, a chunk of 40, six decodes, a chunk of 33: C T C T at G = 4.
+#: The per-query kernel of f16 / bf16 decodes at D 64 / 128 with aligned
+#: arrays (variants.select_variant): the tensor-core decode kernel.
+DECODE_TC = "paged_decode_tc"
+#: Six decodes, a chunk of 40, six decodes, a chunk of 33: D T D T at G = 4
+#: (decode segments on the per-query kernel, chunks on paged_prefill_tc).
 Q_MIXED = [1] * 6 + [40] + [1] * 6 + [33]
-MIXED_TC = [("paged_attention", 0, 6), ("paged_prefill_tc", 6, 40), ("paged_attention", 46, 6),
-            ("paged_prefill_tc", 52, 33)]
+MIXED_TC = [(DECODE_TC, 0, 6), ("paged_prefill_tc", 6, 40), (DECODE_TC, 46, 6), ("paged_prefill_tc", 52, 33)]

@@ -20,6 +20,16 @@ from cupaged.testing import assert_close, make_paged_case, reference
 from attention_helpers import DTYPES, _to_device, run, check
 
 
+@pytest.fixture(autouse=True)
+def cuda_core_kernel(monkeypatch, kernels_used):
+    """Every test here runs paged_attention: the one selection rule would give
+    f16 / bf16 decodes at D 64 / 128 to paged_decode_tc (test_decode_tc.py),
+    so its smallest group is moved out of reach for this file."""
+    monkeypatch.setattr(variants, "DECODE_TC_MIN_GROUP", 1 << 30)
+    yield
+    assert "paged_decode_tc" not in kernels_used
+
+
 # ----------------------------------------------------------------- decode
 
 # (page_size, head_dim, head_dim_v, q_heads, kv_heads): fast dims 64/128/256,
@@ -268,6 +278,28 @@ def test_nan_never_reaches_the_output(xp_backend):
         for causal in (True, False):
             o, lse, _ = run(xp_backend, case, causal)
             check(case, o, lse, causal, "bf16", f"page_size={page_size}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_query_propagates(xp_backend, kernels_used, dtype):
+    """A NaN in one query row gives that row NaN output and lse, as the
+    reference does; the kernel used to skip a row group whose scores were
+    all NaN (fmaxf drops NaN) and return 0 with lse -inf (issue #12 item 9).
+    Every other row is unchanged."""
+    rng = np.random.default_rng(72)
+    case = make_paged_case(rng, kv_lens=np.array([40, 70], np.int32), page_size=16, num_q_heads=8,
+                           num_kv_heads=2, head_dim=64, dtype=dtype)
+    case.q[1, 5, 17] = np.nan
+    ref_out, ref_lse = case.reference(True)
+    assert np.isnan(ref_out[1, 5]).all() and np.isnan(ref_lse[1, 5])
+    for splits in (None, 3):
+        o, lse, _ = run(xp_backend, case, True, splits=splits)
+        assert np.isnan(o[1, 5].astype(np.float32)).all() and np.isnan(lse[1, 5]), splits
+        mask = np.ones(o.shape[:2], bool)
+        mask[1, 5] = False
+        assert_close(o[mask], ref_out[mask], dtype, f"other rows, splits={splits}")
+        assert_close(lse[mask], ref_lse[mask], dtype)
+    assert "paged_attention" in kernels_used
 
 
 def test_capture_and_replay(xp_backend):

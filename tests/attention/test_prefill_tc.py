@@ -243,10 +243,11 @@ def test_tc_prefill_masked_nonfinite_values(xp_backend, kernels_used, dtype, sha
 
 @pytest.mark.parametrize("what", ["decode", "f32", "dim96", "small-chunk"])
 def test_tc_falls_back(xp_backend, kernels_used, what):
-    """Shapes off the tensor-core path still run, on the CUDA-core kernel:
-    decode steps, f32, other dims, and a step mixing a chunk too small for
-    a tensor-core segment (6 queries x 2 heads) with six decode queries of a
-    small group (seven sequences in one block)."""
+    """Shapes off the tensor-core prefill path still run, on a per-query
+    kernel: decode steps, f32, other dims, and a step mixing a chunk too
+    small for a tensor-core segment (6 queries x 2 heads) with six decode
+    queries of a small group (seven sequences in one block). f16 at D 64
+    goes to the tensor-core decode kernel, f32 and D 96 to the CUDA-core one."""
     rng = np.random.default_rng(25)
     dtype = "f32" if what == "f32" else "f16"
     d = 96 if what == "dim96" else 64
@@ -256,4 +257,5 @@ def test_tc_falls_back(xp_backend, kernels_used, what):
                            num_q_heads=4, num_kv_heads=2, head_dim=d, dtype=dtype)
     o, lse, _ = run(xp_backend, case, True)
     check(case, o, lse, True, dtype, what)
-    assert kernels_used == ["paged_attention"]
+    assert kernels_used == [{"decode": "paged_decode_tc", "small-chunk": "paged_decode_tc"}.get(what,
+                                                                                            "paged_attention")]

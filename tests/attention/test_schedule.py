@@ -9,7 +9,8 @@ import cupaged
 from cupaged.layout import metadata_offsets
 from cupaged.ops.attention import launch, schedule, variants
 from cupaged.testing import assert_close, make_paged_case
-from attention_helpers import TC_DTYPES, _to_device, run, check, check_capture_replay, _host, Q_MIXED, MIXED_TC
+from attention_helpers import (TC_DTYPES, _to_device, run, check, check_capture_replay, _host, Q_MIXED, MIXED_TC,
+                               DECODE_TC)
 
 
 def _prefill_qpb(group: int, head_dim: int) -> int:
@@ -126,7 +127,8 @@ def test_segments_are_cached_and_sum_the_grids(monkeypatch):
     monkeypatch.setattr(schedule, "_segment", lambda host, group: calls.append(group) or real(host, group))
     host = _host(Q_MIXED)
     assert schedule.tc_segments(host, 4) is schedule.tc_segments(host, 4)
-    # bf16, D 128, 8 x 2 heads: 12 decode blocks and ceil(40 / 16) + ceil(33 / 16) tensor-core blocks per KV head.
+    # bf16, D 128, 8 x 2 heads: 12 decode blocks (paged_decode_tc: one per query, its 4 heads in one tile)
+    # and ceil(40 / 16) + ceil(33 / 16) tensor-core prefill blocks per KV head.
     qpb = _prefill_qpb(4, 128)   # queries of G = 4 in one block of the D = 128 prefill tile
     assert schedule.unsplit_blocks(host, 8, 2, 128, 128, "bf16") == (12 + -(-40 // qpb) + -(-33 // qpb)) * 2
     assert schedule.unsplit_blocks(host, 8, 2, 128, 128, np.float32) == 85 * 2    # f32: one CUDA-core launch
@@ -144,7 +146,8 @@ def test_whole_steps_are_one_launch(xp_backend, launches, q_lens):
     o, lse, plan = run(xp_backend, case, True)
     check(case, o, lse, True, "f16", f"whole step {q_lens.tolist()}")
     n = plan.queries
-    assert launches == ([("paged_attention", 0, n, n)] if n == 5 else [("paged_prefill_tc", 0, n, -(-n // _prefill_qpb(4, 64)))])
+    expect = [(DECODE_TC, 0, n, n)] if n == 5 else [("paged_prefill_tc", 0, n, -(-n // _prefill_qpb(4, 64)))]
+    assert launches == expect
 
 
 # (page_size, head_dim, q_heads, kv_heads, q_lens, launches (kernel, q_begin, q_count))
@@ -152,15 +155,15 @@ MIXED_SHAPES = [
     (16, 64, 8, 2, Q_MIXED, MIXED_TC),
     (8, 128, 8, 2, Q_MIXED, MIXED_TC),
     (16, 64, 4, 4, [1, 1, 40, 1, 33, 1, 1],
-     [("paged_attention", 0, 2), ("paged_prefill_tc", 2, 74), ("paged_attention", 76, 2)]),
-    (4, 128, 4, 1, [40, 0, 24] + [1] * 8, [("paged_prefill_tc", 0, 64), ("paged_attention", 64, 8)]),
+     [(DECODE_TC, 0, 2), ("paged_prefill_tc", 2, 74), (DECODE_TC, 76, 2)]),
+    (4, 128, 4, 1, [40, 0, 24] + [1] * 8, [("paged_prefill_tc", 0, 64), (DECODE_TC, 64, 8)]),
 ]
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 @pytest.mark.parametrize("shape", MIXED_SHAPES, ids=lambda s: "ps{}-d{}-h{}x{}-q{}".format(*s[:4], len(s[4])))
 def test_mixed_steps(xp_backend, launches, dtype, shape):
-    """Decode queries on the CUDA-core kernel and prefill chunks on tensor
+    """Decode queries on the per-query kernel and prefill chunks on tensor
     cores in one step: each segment's launch covers its own queries, every
     query matches the float64 reference (out and lse, causal and not, with
     and without splits: one merge over all queries)."""
@@ -210,7 +213,7 @@ def test_mixed_step_bad_metadata(xp_backend, kernels_used):
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 4, case.num_pages).upload(q)
     off = metadata_offsets(plan.queries, plan.sequences)
     words = plan.words
-    words[off["kv_len"] + 2] = 0                     # decode query 2 (CUDA-core segment): nothing visible
+    words[off["kv_len"] + 2] = 0                     # decode query 2 (per-query segment): nothing visible
     words[off["q_seq"] + 60] = 0xFFFFFFFF            # query 60 (chunk of 33, tensor cores): bad index
     ref_out, ref_lse = case.reference(True)
     dead = np.zeros(plan.queries, bool)
@@ -231,10 +234,10 @@ def test_mixed_step_bad_metadata(xp_backend, kernels_used):
     words[off["page_table"]:] = xp_backend.asarray(table.astype(np.uint32))
     for causal in (True, False):
         plan.attention(q, k, v, case.scale, causal, return_lse=True)   # must simply not crash
-    assert {"paged_attention", "paged_prefill_tc"} <= set(kernels_used)
+    assert {DECODE_TC, "paged_prefill_tc"} <= set(kernels_used)
 
 
-@pytest.mark.parametrize("kernel", ["paged_attention", "paged_prefill_tc"])
+@pytest.mark.parametrize("kernel", ["paged_attention", DECODE_TC, "paged_prefill_tc"])
 def test_launch_range_is_clamped(xp_backend, monkeypatch, kernel):
     """q_begin / q_count are host arguments, clamped anyway: a range running
     past the plan's queries (or starting past them, or wrapping 32 bits) with
@@ -251,8 +254,10 @@ def test_launch_range_is_clamped(xp_backend, monkeypatch, kernel):
         first = schedule.plan_launches(plan.host, "f16", 4, 1, 64, 64, 0, True, True)[0]
         assert first.kernel == kernel
     else:
-        var = variants.select_variant("f16", 64, 64, True, 4)
-        first = schedule.Launch(var.source, kernel, var.defines(), variants.THREADS, 0, 0, 0, 0, 0)
+        var = (variants.select_variant("f16", 64, 64, True, 4) if kernel == DECODE_TC
+               else variants.Variant(kernel, "f16", "f16", head_dim=64, group_tile=4))
+        assert var.kernel == kernel
+        first = schedule.Launch(var.source, kernel, var.defines(), var.threads, var.smem, 0, 0, 0, 0)
     for begin, count, blocks in ((n - 5, 2 ** 32 - 1, 9), (n + 3, 4, 2), (2 ** 32 - 2, 5, 3), (3, 6, 20)):
         # One launch of `blocks` blocks along x over [begin, begin + count) (one head tile: G = 4).
         one = first._replace(blocks=blocks, tiles=1, q_begin=begin, q_count=count)

@@ -9,6 +9,7 @@ import pytest
 
 import cupaged
 from cupaged import PagedAttentionError
+from cupaged.ops.attention import variants
 from cupaged.testing import assert_close, make_paged_case, reference
 
 
@@ -47,7 +48,7 @@ def test_threads_sharing_one_workspace_get_their_own_results():
 def test_merge_grid_checked_before_the_split_kernel_runs():
     """A head count the merge's grid cannot hold fails before any launch:
     the split kernels must not run for nothing and leave partials behind."""
-    hq, d = 65535 * 4 + 4, 8
+    hq, d = 65535 * variants.MERGE_HEADS_PER_BLOCK + 1, 8
     rng = np.random.default_rng(41)
     case = make_paged_case(rng, kv_lens=np.array([40], np.int32), page_size=16, num_q_heads=hq, num_kv_heads=1,
                            head_dim=d, dtype="f32")
@@ -56,8 +57,8 @@ def test_merge_grid_checked_before_the_split_kernel_runs():
     ws.partial_out.fill(3.0)
     ws.partial_lse.fill(3.0)
     out = np.full((1, hq, d), 7, np.float32)
-    with pytest.raises(PagedAttentionError, match=r"q: expected at most 262140 query heads for the split merge, "
-                                                  r"got 262144"):
+    with pytest.raises(PagedAttentionError, match=rf"q: expected at most {hq - 1} query heads for the split "
+                                                  rf"merge, got {hq}"):
         plan.attention(case.q, case.k_cache, case.v_cache, case.scale, workspace=ws, out=out)
     assert (ws.partial_out == 3.0).all() and (ws.partial_lse == 3.0).all() and (out == 7).all()
     # without splits the same call runs

@@ -87,6 +87,8 @@ def run(case, q, k, v, causal, score, splits=None, q_rot=None, k_rot=None):
 @pytest.mark.parametrize("what, dtype, d, kernel", [
     ("decode", "f32", 64, "paged_attention"),            # HEAD_DIM fast path, GQA 4
     ("decode", "bf16", 96, "paged_attention"),           # runtime dims (DIM_CAP)
+    ("decode", "bf16", 128, "paged_decode_tc"),          # tensor-core decode
+    ("decode", "f16", 64, "paged_decode_tc"),
     ("prefill", "f16", 64, "paged_prefill_tc"),          # tensor cores
     ("mixed", "f16", 64, None),                          # segments: both kernels in one step
 ])
@@ -94,7 +96,7 @@ def run(case, q, k, v, causal, score, splits=None, q_rot=None, k_rot=None):
 @pytest.mark.parametrize("splits", [None, 3])
 def test_toy_score_variant(toy_score, what, dtype, d, kernel, causal, splits):
     rng = np.random.default_rng(zlib.crc32(f"{what}/{dtype}/{d}".encode()))
-    # mixed: six decodes, a chunk of 40, six decodes, a chunk of 33 (C T C T at G = 4).
+    # mixed: six decodes, a chunk of 40, six decodes, a chunk of 33 (D T D T at G = 4).
     q_lens = {"decode": [1, 1, 1], "prefill": [40, 20, 33], "mixed": [1] * 6 + [40] + [1] * 6 + [33]}[what]
     kv_lens = {"decode": [70, 33, 90], "prefill": [70, 33, 90],
                "mixed": [20, 3, 35, 9, 17, 5, 50, 7, 30, 2, 18, 40, 6, 45]}[what]
@@ -106,7 +108,7 @@ def test_toy_score_variant(toy_score, what, dtype, d, kernel, causal, splits):
     assert_close(o, ref_o, dtype, f"{what} out")
     assert_close(lse, ref_lse, dtype, f"{what} lse")
     attention_kernels = {k for k, _ in toy_score if k != "attention_split_merge"}
-    assert attention_kernels == ({kernel} if kernel else {"paged_attention", "paged_prefill_tc"})
+    assert attention_kernels == ({kernel} if kernel else {"paged_decode_tc", "paged_prefill_tc"})
     assert {s for _, s in toy_score} == {"test_bias"}
     # The plain variant of the same step is the unbiased reference.
     plain_o, _ = run(case, case.q, case.k_cache, case.v_cache, causal, "plain", splits)
@@ -168,11 +170,12 @@ def test_worked_example_in_docs():
     assert eval("{" + row + "}", {"Score": variants.Score}) == {TEST_BIAS.name: TEST_BIAS}, \
         "the doc's table row is not the one this test adds"
     assert "SCORES: dict[str, Score] = {" in (REPO / "cupaged/ops/attention/variants.py").read_text()
-    # One call site of each hook per kernel (visible: through att::query_span, shared by all three).
+    # One call site of each hook per kernel (visible: through att::query_span, shared by all four).
     att = kernel_dir() / "attention"
-    for name in ("decode.cu", "prefill_tc.cu", "mla_tc.cu"):
+    for name in ("decode.cu", "decode_tc.cu", "prefill_tc.cu", "mla_tc.cu"):
         text = (att / name).read_text()
         assert text.count("variant::score(") == 1, name
         assert text.count("softmax::State") >= 1, name
     assert (att / "span.cuh").read_text().count("variant::visible(") == 1
-    assert sum((att / n).read_text().count("query_span(p") for n in ("decode.cu", "tc_common.cuh")) == 2
+    assert sum((att / n).read_text().count("query_span(p") for n in ("decode.cu", "decode_tc.cu",
+                                                                        "tc_common.cuh")) == 3

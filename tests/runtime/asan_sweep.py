@@ -121,6 +121,8 @@ for name, fn in [
     ("attention f32 d64 decode, splits 4", lambda: attention("f32", 64, [1, 1, 1], 4, 2, 4)),
     ("attention f16 d96 prefill", lambda: attention("f16", 96, [5, 1, 7], 2, 1, 1)),
     ("attention f16 d64 tensor-core prefill, splits 3", lambda: attention("f16", 64, [16, 20, 17], 2, 1, 3)),
+    ("attention bf16 d128 tensor-core decode, splits 3", lambda: attention("bf16", 128, [1, 1, 2], 8, 2, 3)),
+    ("attention f16 d64 tensor-core decode, 3-query sequence", lambda: attention("f16", 64, [1, 3, 1], 4, 1, 1)),
     ("attention f16 d64 mixed step (segmented launches), splits 3",
      lambda: attention("f16", 64, [1] * 6 + [40] + [1] * 6 + [33], 8, 2, 3)),
     ("mla bf16 tensor-core", lambda: mla("bf16", 16, [1, 3])),

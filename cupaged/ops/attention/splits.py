@@ -12,9 +12,11 @@ import threading
 import numpy as np
 
 from ..._runtime import array_backend, check_not_capturing, checks, device_id, empty, multiprocessor_count, stream_for
+from ... import dtypes
 from ...errors import PagedAttentionError
 from ...layout import MAX_HEAD_DIM, MAX_SPLITS, U32_MAX
-from .schedule import unsplit_blocks
+from .schedule import plan_launches, unsplit_blocks
+from .variants import DECODE, RESIDENT_BLOCKS
 
 #: Tokens per split below which splitting does not pay (see choose_splits).
 MIN_TOKENS_PER_SPLIT = 256
@@ -59,35 +61,43 @@ def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None
                   dtype=None, rot_dim: int = 0) -> int:
     """Split count for a plan (HostPlan or DevicePlan) with ``kv_heads``.
 
-    Rule: let ``blocks`` be the unsplit grid's block count. If that is at
-    least twice the multiprocessor count, or no sequence has more than
+    Rule: let ``blocks`` be the unsplit grid's block count and ``slots`` the
+    device's resident slots, ``resident x SMs``, where ``resident`` is the
+    blocks per SM the kernel that runs is built for (its
+    ``__launch_bounds__`` minimum, ``variants.RESIDENT_BLOCKS``; the smallest
+    of the step's kernels when it has several launches). If ``blocks`` already
+    fills the slots (the grid covers the SMs), or no sequence has more than
     ``MIN_TOKENS_PER_SPLIT`` (256) tokens, return 1. Otherwise return
-    ``min(MAX_SPLITS, ceil(2 * SMs / blocks), ceil(max_kv_len / 256))``, so
-    the grid roughly fills the device twice and no split gets fewer than
-    about 256 tokens.
+    ``min(MAX_SPLITS, slots // blocks, ceil(max_kv_len / 256))``: the split
+    grid fits the resident slots in one wave (no ragged last wave) and no
+    split gets fewer than about 256 tokens.
 
-    ``blocks`` is ``queries * kv_heads`` (one block per query and KV head),
-    unless the shapes are given (``q_heads``, ``head_dim``, ``value_dim``,
-    ``dtype``, and ``rot_dim`` for MLA): then it is the grid of the kernel
-    that will run (``schedule.unsplit_blocks``), which for the
-    tensor-core kernels serves several queries per block. Host data only;
-    no synchronization. The SM count is ``multiprocessors`` when given,
-    else that of ``like``'s device, else (default) that of the plan's own
-    words: a DevicePlan's device, or for a HostPlan the CPU backend's
-    workers.
+    ``blocks`` is ``queries * kv_heads`` (one block per query and KV head)
+    and ``resident`` that of the per-query kernels (paged_attention's, the
+    smaller), unless the shapes are given (``q_heads``, ``head_dim``,
+    ``value_dim``, ``dtype``, and ``rot_dim`` for MLA): then both come from
+    the launches that will run (``schedule.plan_launches``, 16-byte aligned
+    arrays assumed); the tensor-core prefill and MLA kernels serve several
+    queries per block. Host data only; no synchronization. The SM count is
+    ``multiprocessors`` when given, else that of ``like``'s device, else
+    (default) that of the plan's own words: a DevicePlan's device, or for a
+    HostPlan the CPU backend's workers.
     """
     host = getattr(plan, "host", plan)   # a DevicePlan's host plan, or a HostPlan
     if multiprocessors is None:
         multiprocessors = multiprocessor_count(plan.words if like is None else like)
     if q_heads is None:
         blocks = host.queries * int(kv_heads)
+        resident = RESIDENT_BLOCKS[DECODE.name]
     else:
         if head_dim is None or dtype is None:
             raise PagedAttentionError("head_dim, dtype: expected both with q_heads")
-        blocks = unsplit_blocks(host, int(q_heads), int(kv_heads), int(head_dim),
-                                int(head_dim if value_dim is None else value_dim), dtype, int(rot_dim))
-    target = 2 * int(multiprocessors)
-    if blocks == 0 or blocks >= target or host.max_kv_len <= MIN_TOKENS_PER_SPLIT:
+        dv = int(head_dim if value_dim is None else value_dim)
+        blocks = unsplit_blocks(host, int(q_heads), int(kv_heads), int(head_dim), dv, dtype, int(rot_dim))
+        launches = plan_launches(host, dtypes.token(dtype), int(q_heads), int(kv_heads), int(head_dim), dv,
+                                 int(rot_dim), True, True) if host.queries else ()
+        resident = min((launch.min_blocks or 1 for launch in launches), default=1)
+    slots = max(1, int(resident)) * int(multiprocessors)
+    if blocks == 0 or blocks >= slots or host.max_kv_len <= MIN_TOKENS_PER_SPLIT:
         return 1
-    return int(max(1, min(MAX_SPLITS, math.ceil(target / blocks),
-                          math.ceil(host.max_kv_len / MIN_TOKENS_PER_SPLIT))))
+    return int(max(1, min(MAX_SPLITS, slots // blocks, math.ceil(host.max_kv_len / MIN_TOKENS_PER_SPLIT))))

@@ -24,8 +24,9 @@ from ..._runtime import register
 SPLIT_TILE = layout.SPLIT_TILE
 #: Threads per block of paged_attention and attention_split_merge.
 THREADS = 128
-#: Query heads of one GQA group the merge kernel serves per block (one warp each).
-MERGE_HEADS_PER_BLOCK = THREADS // 32
+#: Query heads the split merge serves per block (merge.cuh: one (query, head)
+#: per block of THREADS threads, every split's loads in flight).
+MERGE_HEADS_PER_BLOCK = 1
 
 #: (q / out dtype, K/V cache dtype) pairs the kernels are built for: today
 #: the caches always have q's dtype (a quantized cache is a new pair here, a
@@ -98,6 +99,15 @@ PREFILL_TILES: dict[int, tuple[TcTile, ...]] = {
     256: (TcTile(8, 1, 32, 2, 1), TcTile(4, 1, 16, 3, 1)),
 }
 VECTOR_BYTES = 16
+#: Head dims (D == Dv) of the tensor-core decode kernel paged_decode_tc.
+DECODE_TC_DIMS = (64, 128)
+#: Threads per block of paged_decode_tc (two warps, each with its own K/V ring).
+DECODE_TC_THREADS = 64
+#: Query heads per paged_decode_tc block: the 16 rows of one mma tile.
+DECODE_TC_HEADS = 16
+#: Smallest GQA group paged_decode_tc serves (below, paged_attention):
+#: the selection rule for decode (one block per query) between the two.
+DECODE_TC_MIN_GROUP = 1
 
 
 # ---------------------------------------------------------------------------
@@ -115,7 +125,12 @@ class Kernel(NamedTuple):
 DECODE = Kernel("paged_attention", "attention/decode", THREADS)
 PREFILL_TC = Kernel("paged_prefill_tc", "attention/prefill_tc", TC_PREFILL_THREADS)
 MLA_TC = Kernel("paged_mla_tc", "attention/mla_tc", TC_MLA_THREADS)
-KERNELS = {k.name: k for k in (DECODE, PREFILL_TC, MLA_TC)}
+DECODE_TC = Kernel("paged_decode_tc", "attention/decode_tc", DECODE_TC_THREADS)
+KERNELS = {k.name: k for k in (DECODE, PREFILL_TC, MLA_TC, DECODE_TC)}
+#: Kernels with one block per query (and KV head, head tile, split), any
+#: packing of the step: selection picks among them for queries the
+#: row-packed tensor-core kernels (prefill_tc, mla_tc) do not take.
+PER_QUERY_KERNELS = (DECODE.name, DECODE_TC.name)
 
 
 @dataclass(frozen=True)
@@ -187,6 +202,8 @@ class Variant:
             return prefill_smem_bytes(self.head_dim, self.tile)
         if self.kernel == MLA_TC.name:
             return mla_smem_bytes(self.latent_dim, self.rope_dim)
+        if self.kernel == DECODE_TC.name:
+            return decode_tc_smem_bytes(self.head_dim)
         return 0
 
     def defines(self) -> dict:
@@ -199,6 +216,8 @@ class Variant:
                 d.update(DIM_CAP=self.dim_cap, VEC_LOADS=self.vec_loads, GROUP_TILE=self.group_tile)
                 if self.rot_cap:
                     d["ROT_CAP"] = self.rot_cap
+        elif self.kernel == DECODE_TC.name:
+            d["HEAD_DIM"] = self.head_dim
         elif self.kernel == PREFILL_TC.name:
             t = self.tile
             d.update(HEAD_DIM=self.head_dim, TC_WARPS=t.warps, TC_MTILES=t.mtiles, TC_KV_TILE=t.kv_tile,
@@ -218,6 +237,9 @@ class Variant:
             if max(s.head_dim, s.value_dim) > self.dim_cap or self.vec_loads > s.vec_ok:
                 return False
             return self.rot_cap >= s.rot_dim if s.rot_dim else not self.rot_cap
+        if self.kernel == DECODE_TC.name:   # cp.async and 16-byte stores: vec_ok means aligned arrays
+            return (not s.rot_dim and s.vec_ok and s.head_dim == s.value_dim == self.head_dim
+                    and s.group >= DECODE_TC_MIN_GROUP)
         if not (s.aligned_tc and s.schedule_ok):
             return False
         if self.kernel == PREFILL_TC.name:
@@ -245,11 +267,15 @@ class Shape(NamedTuple):
 
 def _cost(v: Variant, group: int) -> tuple:
     """Order of preference among the variants that serve a shape: the
-    compile-time-dim path, then the smallest capacities, 16-byte loads; then
-    as few head tiles as possible (each re-reads the K/V rows), then the
-    smallest tile covering ``ceil(group / tiles)`` heads."""
+    tensor-core decode kernel wherever it serves (``Variant.serves``: f16 /
+    bf16, D == Dv in DECODE_TC_DIMS, aligned, a group of at least
+    DECODE_TC_MIN_GROUP); then the compile-time-dim path, the smallest
+    capacities, 16-byte loads; then as few head tiles as possible (each
+    re-reads the K/V rows), then the smallest tile covering
+    ``ceil(group / tiles)`` heads."""
     tile = v.group_tile or 1
-    return (not v.head_dim, v.dim_cap, -v.vec_loads, v.rot_cap, -(-group // tile), tile)
+    return (v.kernel != DECODE_TC.name, not v.head_dim, v.dim_cap, -v.vec_loads, v.rot_cap, -(-group // tile),
+            tile)
 
 
 # ---------------------------------------------------------------------------
@@ -311,6 +337,8 @@ def _built() -> list[Variant]:
                     out.append(Variant(DECODE.name, dt, kv, dim_cap=cap, vec_loads=vec_loads, rot_cap=rot,
                                        group_tile=max_group_tile(cap, vec, rot)))
         if dt in TC_DTYPES and kv in TC_DTYPES:
+            for d in DECODE_TC_DIMS:
+                out.append(Variant(DECODE_TC.name, dt, kv, head_dim=d, group_tile=DECODE_TC_HEADS))
             for d in TC_PREFILL_DIMS:
                 for t in PREFILL_TILES[d]:
                     out.append(Variant(PREFILL_TC.name, dt, kv, head_dim=d, tile=t))
@@ -321,7 +349,7 @@ def _built() -> list[Variant]:
 
 _TABLE: dict[tuple[bool, str, str], list[Variant]] = {}
 for _v in _built():
-    _TABLE.setdefault((_v.kernel != DECODE.name, _v.dtype, _v.kv_dtype), []).append(_v)
+    _TABLE.setdefault((_v.kernel not in PER_QUERY_KERNELS, _v.dtype, _v.kv_dtype), []).append(_v)
 del _v
 
 #: Every variant built: each shape variant with each built score.
@@ -362,6 +390,12 @@ def prefill_smem_bytes(head_dim: int, tile: TcTile | None = None) -> int:
     return max(q, kv) if prefill_q_in_registers(head_dim, t) else q + kv
 
 
+def decode_tc_smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of paged_decode_tc: per warp, two stages of K
+    and V [16][D + 8], 16-bit (decode_tc.cu: dtc::kWarpElems)."""
+    return (DECODE_TC_THREADS // 32) * 2 * 2 * 16 * (head_dim + 8) * 2
+
+
 def mla_smem_bytes(latent_dim: int, rope_dim: int) -> int:
     """Dynamic shared memory of paged_mla_tc: Q [64][R + P + 8], two K
     buffers [32][R + P + 8] and P [64][32 + 8], 16-bit."""
@@ -377,8 +411,9 @@ def vec_ok(dtype: str, head_dim: int, value_dim: int, aligned: bool) -> bool:
 
 def select_variant(dtype: str, head_dim: int, value_dim: int, aligned: bool, group: int, rot_dim: int = 0,
                    *, kv_dtype: str | None = None, score: str = "plain") -> Variant:
-    """The paged_attention variant that runs (dtype, D, Dv, GQA group size,
-    rotary dim P; the caches' dtype, q's unless given; the score variant).
+    """The per-query variant that runs (dtype, D, Dv, GQA group size,
+    rotary dim P; the caches' dtype, q's unless given; the score variant):
+    paged_decode_tc where it serves, else paged_attention (``_cost``).
 
     ``aligned``: every array the kernel reads or writes with 16-byte loads
     (q, k_cache, v_cache, out) starts on a 16-byte boundary.
@@ -387,7 +422,7 @@ def select_variant(dtype: str, head_dim: int, value_dim: int, aligned: bool, gro
     shape = Shape(dtype, kv, head_dim, value_dim, rot_dim, group, vec_ok(kv, head_dim, value_dim, aligned))
     v = _pick(False, shape, score)
     if v is None:
-        raise ValueError(f"no paged_attention variant is built for {shape}")
+        raise ValueError(f"no per-query attention variant is built for {shape}")
     return v
 
 
@@ -401,8 +436,8 @@ def resident_blocks(v: Variant) -> int:
     """Blocks per SM a variant is designed for: for the tensor-core kernels
     their ``__launch_bounds__`` minimum (RESIDENT_BLOCKS), which caps their
     registers so that many fit; shared memory may allow fewer on a small
-    arch (sm_86 / sm_89). 0: not fixed by the kernel (paged_attention; the
-    occupancy rules decide)."""
+    arch (sm_86 / sm_89). paged_attention: 2, a floor (its registers vary
+    with the variant; most fit more). 0: not fixed by the kernel."""
     if v.kernel == PREFILL_TC.name:
         return v.tile.min_blocks
     return RESIDENT_BLOCKS.get(v.kernel, 0)
@@ -414,6 +449,8 @@ def resident_blocks(v: Variant) -> int:
 #: this x SMs). Read it through ``resident_blocks(variant)``.
 RESIDENT_BLOCKS: dict[str, int] = {
     "paged_mla_tc": 1,
+    "paged_decode_tc": 6,
+    "paged_attention": 2,
 }
 
 

@@ -8,20 +8,20 @@
 // out[t] = the 16 bytes at base + offset + 16 t (a 16-byte vector load).
 extern "C" __global__ void load16_at(const unsigned char* __restrict__ base, u32 offset, uint4* __restrict__ out) {
     const uint4* p = reinterpret_cast<const uint4*>(base + offset) + threadIdx.x;
-    out[threadIdx.x] = ldv(p);   // @LOAD16
+    out[threadIdx.x] = ldv(p);  // @LOAD16
 }
 
 // The 16 bytes at base + offset + 16 t = (t, t, t, t) (a 16-byte vector store).
 extern "C" __global__ void store16_at(unsigned char* __restrict__ base, u32 offset) {
     uint4 v;
     v.x = v.y = v.z = v.w = threadIdx.x;
-    stv(reinterpret_cast<uint4*>(base + offset) + threadIdx.x, v);   // @STORE16
+    stv(reinterpret_cast<uint4*>(base + offset) + threadIdx.x, v);  // @STORE16
 }
 
 // out[t] = the 16 bytes at base + offset + 16 t, through cp.async into shared memory.
 extern "C" __global__ void cp_async_at(const unsigned char* __restrict__ base, u32 offset, uint4* __restrict__ out) {
     __shared__ __align__(16) uint4 s[32];
-    ptx::cp_async_16(&s[threadIdx.x], reinterpret_cast<const uint4*>(base + offset) + threadIdx.x, true);   // @CPASYNC
+    ptx::cp_async_16(&s[threadIdx.x], reinterpret_cast<const uint4*>(base + offset) + threadIdx.x, true);  // @CPASYNC
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     __syncwarp();
@@ -45,11 +45,11 @@ extern "C" __global__ void ring_sum(const uint4* __restrict__ src, u32 tiles, u3
     for (u32 j = 0; j < tiles; ++j) {
         if (j + 1 < tiles) ptx::cp_async_16(&ring[(j + 1) % stages][lane], src + (j + 1) * 32 + lane, true);
         ptx::cp_async_commit();
-        ptx::cp_async_wait<1>();   // tile j has landed; tile j + 1 may be in flight
+        ptx::cp_async_wait<1>();  // tile j has landed; tile j + 1 may be in flight
         __syncwarp();
         const uint4 v = ring[j % stages][(lane + 1) & 31u];
         acc += (unsigned long long)v.x + v.y + v.z + v.w;
-        __syncwarp();              // every lane has read stage j % stages before it is refilled
+        __syncwarp();  // every lane has read stage j % stages before it is refilled
     }
     out[lane] = acc;
 }

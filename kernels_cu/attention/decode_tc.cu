@@ -1,0 +1,370 @@
+// decode_tc.cu: paged_decode_tc, decode attention on tensor cores (the design
+// of FlashInfer's tensor-core decode and FlashDecoding), plus
+// attention_split_merge (merge.cuh). Layout, positions, metadata words, LSE
+// and the split workspace: docs/layout.md. The argument is one
+// AttentionParams (params.cuh); the inline PTX lives in ptx.cuh.
+//
+// paged_decode_tc: f16 / bf16, D == Dv == HEAD_DIM (64 or 128), 16-byte
+// aligned arrays. It serves any query (decode, or a query of a short chunk)
+// exactly as paged_attention does, with the same grid:
+//   grid (q_count, kv_heads * head_tiles, splits), block 64 (2 warps),
+//   dynamic shared memory decode_tc_smem_bytes(D) (ops/attention/variants.py):
+//   18 KiB at D = 64, 34 KiB at D = 128; __launch_bounds__(64, 6): six
+//   blocks per SM (the resident slots choose_splits fills, variants.KERNELS).
+//   Block x serves query q_begin + x; block y the KV head y / tiles and its
+//   query heads (y % tiles) * 16 .. + 15 (a tile of up to 16 heads of the
+//   GQA group).
+//
+// Tiling. The tile's heads are the M dimension of mma.sync m16n8k16: 16 rows
+// (rows past the tile's heads are zero queries, never written). Q is staged
+// once (cp.async) and held as A fragments in registers. The query's visible
+// positions [lo, hi) of its split are cut into tiles of 16 tokens; warp w
+// takes tiles w, w + 2, w + 4, ... and runs its own pipeline, with no block
+// barrier inside the loop:
+//   * a two-stage cp.async ring per warp in shared memory: while the warp
+//     computes tile k from one stage, tile k + 1 (its K and V rows, 16 x D
+//     each, rows padded by 8 elements for conflict-free ldmatrix) is in
+//     flight into the other; each copy instruction moves two (D = 128) or
+//     four (D = 64) whole 256 / 128-byte rows;
+//   * the page walk keeps, per lane of the first 16, its token's page column
+//     and slot and advances them by 32 tokens a tile (no division in the
+//     loop: the one division is at the start); the page-table word of tile
+//     k + 2 loads while tile k computes, and each token's row offset is
+//     staged in shared memory for the lanes that copy it;
+//   * S = Q K^T (8 / 16 mma a tile at D = 64 / 128), the online softmax
+//     (softmax_state.cuh) on the S fragments in f32, log2 domain, a row's max
+//     and sum in the 4 lanes of a quad; O += P V with P's fragments as the A
+//     operand (8 / 16 mma). Every row of a block belongs to one query, so a
+//     token is visible to all rows or to none: tokens past hi and page ids
+//     >= num_pages are zero-filled, never read, and their scores are -inf,
+//     so P is 0 exactly where V is 0 (no unused slot, Inf or NaN reaches an
+//     output). A NaN query gives NaN rows, as the reference does.
+//   At the end the two warps' states and O tiles meet in shared memory (the
+//   ring, reused) and each (head, 8 values) is written once: out / lse, or
+//   with splits > 1 the FP32 partials attention_split_merge combines.
+//
+// Memory traffic per block: the visible K and V rows of its split once,
+// L * 2 * D * sizeof(kv_t) bytes, for all its heads; q and the outputs are
+// small beside them. In flight: one 16-token tile per warp (8 KiB at D = 128)
+// while one computes; six blocks per SM hold up to 96 KiB in flight
+// against the ~23 KiB Little's law asks of an H200 SM (4.3 TB/s x 700 ns /
+// 132). The grid of a batch-64 decode with 8 KV heads (512 blocks) fits the
+// 792 resident slots of an H200 in one wave.
+//
+// Defines (cupaged/ops/attention/variants.py Variant):
+//   CP_DTYPE, CP_KV_DTYPE  f16 | bf16 (one type: the mma takes Q and K alike)
+//   CP_SCORE               the score variant (variant.cuh)
+//   HEAD_DIM               64 | 128: D == Dv
+#include "../common.cuh"
+#include "../plan_words.cuh"
+#include "../ptx.cuh"
+#include "../softmax_state.cuh"
+#include "params.cuh"
+#include "variant.cuh"
+#include "span.cuh"
+
+namespace dtc {
+constexpr u32 kD = HEAD_DIM;
+constexpr u32 kRows = 16;  // M: query heads of one block (one mma row tile)
+constexpr u32 kN = 16;  // tokens per warp tile
+constexpr u32 kWarps = 2, kThreads = 32 * kWarps;
+constexpr u32 kMinBlocks = 6;  // __launch_bounds__ minimum (variants.KERNELS)
+constexpr u32 kPitch = kD + 8;  // shared row pitch (elements): conflict-free ldmatrix
+constexpr u32 kChunks = kD / 8;  // 16-byte chunks per row
+constexpr u32 kKSteps = kD / 16;  // k-steps of S = Q K^T
+constexpr u32 kOTiles = kD / 8;  // n-tiles of O
+constexpr u32 kStageElems = 2 * kN * kPitch;  // one stage: K [kN][kPitch], then V [kN][kPitch]
+constexpr u32 kWarpElems = 2 * kStageElems;  // two stages per warp
+constexpr u32 kRowsPerCopy = 32 / kChunks;  // rows one warp-wide copy instruction covers (2 or 4)
+constexpr u32 kRowsPerLane = kN / kRowsPerCopy;  // K (and V) rows of a tile each lane copies a chunk of
+constexpr u32 kNone = CP_NO_PAGE;
+static_assert(kD == 64 || kD == 128, "HEAD_DIM: 64 or 128");
+static_assert((kN * kChunks) % 32 == 0, "a tile's K rows are whole copy instructions");
+// The end-of-kernel merge reuses the ring: each warp's O [kRows][kD] f32 and its m, l.
+static_assert((kRows * kD + 2 * kRows) * 4 <= kWarpElems * 2, "merge area fits a warp's ring");
+static_assert(sizeof(kv_t) == sizeof(scalar_t) && sizeof(kv_t) == 2, "f16 / bf16 q and caches");
+}  // namespace dtc
+
+// Reads p.q, p.k_cache, p.v_cache and the words; writes p.out and p.lse
+// (splits == 1) or the partials (splits > 1).
+extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) paged_decode_tc(const AttentionParams p) {
+    using namespace dtc;
+    // The arrays as __restrict__ locals (NVVM keeps restrict on these, not on
+    // struct members).
+    const scalar_t* __restrict__ const q = p.q;
+    const kv_t* __restrict__ const k_cache = p.k_cache;
+    const kv_t* __restrict__ const v_cache = p.v_cache;
+    const u32* __restrict__ const words = p.words;
+    scalar_t* __restrict__ const out = p.out;
+    float* __restrict__ const lse = p.lse;
+    float* __restrict__ const part_out = p.part_out;
+    float* __restrict__ const part_lse = p.part_lse;
+    CUPAGED_DYNAMIC_SHARED(scalar_t, smem);  // kWarps rings of two stages
+    __shared__ u64 s_off[kWarps][2][kN];  // element offset of each staged token's row (0 when invalid)
+
+    const u32 qi = p.q_begin + blockIdx.x;  // see paged_attention: the whole block leaves before any barrier
+    if (blockIdx.x >= p.q_count || qi >= p.queries || qi < p.q_begin) return;
+    const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
+    const u32 g = lane >> 2, tq = lane & 3u;  // mma fragment coordinates
+    const u32 r8 = lane & 7u, tile = lane >> 3;  // ldmatrix: row within a tile, tile of the x4
+    const u32 q_heads = p.q_heads, kv_heads = p.kv_heads;
+    const u32 group = q_heads / kv_heads;
+    const u32 ht = group < kRows ? group : kRows;  // heads per tile
+    const u32 tiles = (group + ht - 1) / ht;
+    const u32 kvh = blockIdx.y / tiles;
+    const u32 head0 = kvh * group + (blockIdx.y - kvh * tiles) * ht;
+    const u32 heads = att::min_u32(ht, (kvh + 1) * group - head0);  // real rows of the block
+
+    // ---- this split's share [lo, hi) of the query's visible positions ----
+    const u32 seq = words[pw::q_seq(p.queries) + qi];
+    u32 lo = 0, hi = 0;
+    const u32* table = words;
+    if (seq < p.sequences) {
+        const att::Span sp = att::query_span(p, qi, seq, blockIdx.z);
+        lo = sp.lo;
+        hi = sp.hi;
+        table = words + pw::page_table(p.queries, p.sequences) + (u64)seq * p.table_width;
+    }
+    u32 q_pos = 0;  // for a score variant that reads it
+    if constexpr (!variant::kPlainScore) q_pos = words[pw::q_pos(p.queries) + qi];
+
+    // ---- Q: staged in the first ring, then A fragments in registers ----
+    for (u32 c = tid; c < kRows * kChunks; c += kThreads) {
+        const u32 r = c / kChunks, ch = c - r * kChunks;
+        const bool ok = r < heads;
+        const scalar_t* src = q + ((u64)qi * q_heads + head0 + r) * kD + ch * 8;
+        ptx::cp_async_16(smem + r * kPitch + ch * 8, ok ? src : q, ok);
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+    u32 qf[kKSteps][4];
+#pragma unroll
+    for (u32 ks = 0; ks < kKSteps; ++ks)
+        ptx::ldmatrix_x4(qf[ks], smem + (r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
+    __syncthreads();  // every warp holds Q before the rings overwrite it
+
+    const float qscale = p.scale * softmax::kLog2e;
+    softmax::State sm[2];  // rows g and g + 8
+    float o[kOTiles][4];
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) sm[h].clear();
+#pragma unroll
+    for (u32 n = 0; n < kOTiles; ++n)
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) o[n][i] = 0.0f;
+
+    // ---- this warp's tiles: w, w + kWarps, ... of the share ----
+    scalar_t* const ring = smem + warp * kWarpElems;
+    const u32 ntiles = (hi - lo + kN - 1) / kN;
+    const u32 nk = ntiles > warp ? (ntiles - warp + kWarps - 1) / kWarps : 0u;
+    const u32 ps = p.page_size, num_pages = p.num_pages;
+    const u64 row_bytes = (u64)kv_heads * kD * sizeof(kv_t);  // between a page's slots
+    const u64 page_bytes = (u64)ps * row_bytes;
+    // This lane's part of every copy: chunk ch of rows r0, r0 + kRowsPerCopy, ...
+    // of a tile (K and V), from its KV head's row.
+    const u32 ch = lane % kChunks, r0 = lane / kChunks;
+    const char* const k_lane = reinterpret_cast<const char*>(k_cache + (u64)kvh * kD + ch * 8);
+    const char* const v_lane = reinterpret_cast<const char*>(v_cache + (u64)kvh * kD + ch * 8);
+    scalar_t* const dst_lane = ring + r0 * kPitch + ch * 8;
+    // Page walk of token tok = lo + (k * kWarps + warp) * kN + lane (lanes < kN):
+    // its page-table column pj and slot psl, advanced by kStep tokens a tile.
+    constexpr u32 kStep = kN * kWarps;
+    const u32 step_j = kStep / ps, step_s = kStep - step_j * ps;
+    u32 tok = lo + warp * kN + lane;
+    u32 pj = tok / ps, psl = tok - pj * ps;
+    u32 raw = kNone;  // page-table word of tok (kNone past hi), loaded one tile ahead
+    auto fetch = [&] { raw = (lane < kN && tok < hi) ? table[pj] : kNone; };
+    auto advance = [&] {
+        tok += kStep;
+        pj += step_j;
+        psl += step_s;
+        if (psl >= ps) {
+            psl -= ps;
+            ++pj;
+        }
+    };
+    // Stage the fetched token's row (byte offset from its KV head's row in
+    // page 0; 0 when invalid) for stage b; returns the tile's valid bits.
+    auto stage = [&](u32 b) -> u32 {
+        const bool ok = lane < kN && raw < num_pages;
+        if (lane < kN) s_off[warp][b][lane] = ok ? (u64)raw * page_bytes + psl * row_bytes : 0ull;
+        return __ballot_sync(CP_FULL_MASK, ok);
+    };
+    // The copies of stage b (after a __syncwarp made its offsets visible): a
+    // warp-wide instruction moves kRowsPerCopy whole K (or V) rows. An invalid
+    // row's offset is 0 (a row inside the cache, never read: zero fill).
+    auto issue = [&](u32 b, u32 valid) {
+        scalar_t* const d = dst_lane + b * kStageElems;
+        const u32 vb = valid >> r0;
+#pragma unroll
+        for (u32 u = 0; u < kRowsPerLane; ++u) {
+            const u64 off = s_off[warp][b][u * kRowsPerCopy + r0];
+            const bool ok = (vb >> (u * kRowsPerCopy)) & 1u;
+            ptx::cp_async_16(d + u * kRowsPerCopy * kPitch, k_lane + off, ok);
+            ptx::cp_async_16(d + (kN + u * kRowsPerCopy) * kPitch, v_lane + off, ok);
+        }
+    };
+    auto compute = [&](u32 b, u32 valid, u32 t0) {
+        const scalar_t* const kt = ring + b * kStageElems;
+        const scalar_t* const vt = kt + kN * kPitch;
+        // S = Q K^T: [16 heads x 16 tokens].
+        float s[2][4];
+#pragma unroll
+        for (u32 n = 0; n < 2; ++n)
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) s[n][i] = 0.0f;
+#pragma unroll
+        for (u32 ks = 0; ks < kKSteps; ++ks) {
+            u32 bq[4];
+            ptx::ldmatrix_x4(bq, kt + (r8 + 8 * (tile >> 1)) * kPitch + ks * 16 + 8 * (tile & 1u));
+            const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+            ptx::mma_16816<scalar_t>(s[0], qf[ks], b0);
+            ptx::mma_16816<scalar_t>(s[1], qf[ks], b1);
+        }
+        // Scale into the log2 domain, the score hook, mask; online softmax per row.
+        const u32 vis = valid >> (2 * tq);  // bit n * 8 + e: this lane's column e of n-tile n
+        float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (u32 n = 0; n < 2; ++n)
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u32 h = i >> 1;
+                float v = s[n][i] * qscale;
+                if constexpr (!variant::kPlainScore)
+                    v = variant::score(v, q_pos, t0 + n * 8 + 2 * tq + (i & 1u), head0 + g + 8 * h);
+                s[n][i] = ((vis >> (n * 8 + (i & 1u))) & 1u) ? v : neg_inf();
+                mx[h] = fmaxf(mx[h], s[n][i]);
+            }
+        float alpha[2], mu[2];
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 2));
+            alpha[h] = sm[h].raise(mx[h]);
+            mu[h] = sm[h].offset();  // exp2(-inf - mu) = 0 for masked scores
+        }
+        float psum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (u32 n = 0; n < 2; ++n)
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                s[n][i] = exp2f(s[n][i] - mu[i >> 1]);
+                psum[i >> 1] += s[n][i];
+            }
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) sm[h].add(alpha[h], psum[h]);  // this lane's part of the row sum
+#pragma unroll
+        for (u32 n = 0; n < kOTiles; ++n)
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) o[n][i] *= alpha[i >> 1];
+        // O += P V: P's S fragments are its A fragments (one k-step of 16 tokens).
+        const u32 a[4] = {ptx::pack2<scalar_t>(s[0][0], s[0][1]), ptx::pack2<scalar_t>(s[0][2], s[0][3]),
+                          ptx::pack2<scalar_t>(s[1][0], s[1][1]), ptx::pack2<scalar_t>(s[1][2], s[1][3])};
+#pragma unroll
+        for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
+            u32 bq[4];
+            ptx::ldmatrix_x4_trans(bq, vt + (r8 + 8 * (tile & 1u)) * kPitch + dp * 16 + 8 * (tile >> 1));
+            const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+            ptx::mma_16816<scalar_t>(o[2 * dp], a, b0);
+            ptx::mma_16816<scalar_t>(o[2 * dp + 1], a, b1);
+        }
+    };
+
+    if (nk > 0) {
+        fetch();
+        u32 valid_cur = stage(0u), valid_next = 0;
+        advance();
+        fetch();  // tile 1's page word loads while tile 0 is issued
+        __syncwarp();
+        issue(0u, valid_cur);
+        ptx::cp_async_commit();
+        for (u32 k = 0; k < nk; ++k) {
+            const u32 b = k & 1u;
+            if (k + 1 < nk) {
+                valid_next = stage(b ^ 1u);  // stage b ^ 1 was last read by tile k - 1's compute
+                advance();
+                fetch();  // tile k + 2's page word loads while tile k computes
+                __syncwarp();
+                issue(b ^ 1u, valid_next);
+            }
+            ptx::cp_async_commit();  // possibly empty: one group per tile
+            ptx::cp_async_wait<1>();  // tile k has landed (tile k + 1 may be in flight)
+            __syncwarp();
+            if (valid_cur) compute(b, valid_cur, lo + (k * kWarps + warp) * kN);
+            __syncwarp();  // every lane is done with stage b before it is refilled
+            valid_cur = valid_next;
+        }
+    }
+    ptx::cp_async_wait<0>();
+    __syncthreads();  // both rings are free: the merge area reuses them
+
+    // ---- the warps' states and O tiles meet in shared memory ----
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        sm[h].l += __shfl_xor_sync(CP_FULL_MASK, sm[h].l, 1);
+        sm[h].l += __shfl_xor_sync(CP_FULL_MASK, sm[h].l, 2);
+    }
+    float* const mine = reinterpret_cast<float*>(smem + warp * kWarpElems);  // O [kRows][kD], m [kRows], l [kRows]
+#pragma unroll
+    for (u32 n = 0; n < kOTiles; ++n)
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            float2 v;
+            v.x = o[n][2 * h];
+            v.y = o[n][2 * h + 1];
+            *reinterpret_cast<float2*>(mine + (g + 8 * h) * kD + n * 8 + 2 * tq) = v;
+        }
+    if (tq == 0) {
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            mine[kRows * kD + g + 8 * h] = sm[h].m;
+            mine[kRows * kD + kRows + g + 8 * h] = sm[h].l;
+        }
+    }
+    __syncthreads();
+
+    const bool split = p.splits > 1;
+    for (u32 idx = tid; idx < heads * kChunks; idx += kThreads) {
+        const u32 r = idx / kChunks, e0 = (idx - r * kChunks) * 8;
+        const float* w0 = reinterpret_cast<const float*>(smem);
+        float mx = neg_inf(), wt[kWarps], total = 0.0f;
+#pragma unroll
+        for (u32 w = 0; w < kWarps; ++w) mx = fmaxf(mx, w0[w * kWarpElems / 2 + kRows * kD + r]);
+#pragma unroll
+        for (u32 w = 0; w < kWarps; ++w) {
+            const float* ws = w0 + w * kWarpElems / 2 + kRows * kD;
+            wt[w] = softmax::rescale(ws[r], mx);
+            total += ws[kRows + r] * wt[w];
+        }
+        const softmax::State all = softmax::make_state(mx, total);
+        const float inv = all.inv_sum();
+        float v[8];
+#pragma unroll
+        for (u32 i = 0; i < 8; ++i) v[i] = 0.0f;
+#pragma unroll
+        for (u32 w = 0; w < kWarps; ++w)
+#pragma unroll
+            for (u32 i = 0; i < 8; ++i) v[i] = fmaf(w0[w * kWarpElems / 2 + r * kD + e0 + i], wt[w], v[i]);
+        const u32 h = head0 + r;
+        const float lse_v = all.lse();  // natural log; -inf when the query (or split) sees nothing
+        if (split) {
+            const u64 row_out = ((u64)blockIdx.z * p.queries + qi) * q_heads + h;
+            float* po = part_out + row_out * kD + e0;
+#pragma unroll
+            for (u32 i = 0; i < 8; ++i) po[i] = v[i] * inv;
+            if (e0 == 0) part_lse[row_out] = lse_v;
+        } else {
+            const u64 row_out = (u64)qi * q_heads + h;
+            uint4 packed;
+            packed.x = ptx::pack2<scalar_t>(v[0] * inv, v[1] * inv);
+            packed.y = ptx::pack2<scalar_t>(v[2] * inv, v[3] * inv);
+            packed.z = ptx::pack2<scalar_t>(v[4] * inv, v[5] * inv);
+            packed.w = ptx::pack2<scalar_t>(v[6] * inv, v[7] * inv);
+            stv(reinterpret_cast<uint4*>(out + row_out * kD + e0), packed);
+            if (e0 == 0 && p.write_lse) lse[row_out] = lse_v;
+        }
+    }
+}
+
+#include "merge.cuh"

@@ -1,0 +1,254 @@
+"""The tensor-core decode kernel (paged_decode_tc, kernels_cu/attention/decode_tc.cu)
+against the float64 reference, on the CPU backend (mma.sync, ldmatrix and
+cp.async through the fragment-exact emulation of kernels_cu/ptx.cuh) and,
+unchanged, on a GPU: GQA groups 1 to 24 (two head tiles), page sizes 1 to
+64, D 64 / 128, f16 / bf16, causal and not, every split count, multi-query
+sequences, mixed steps, lengths from the device words, padded and absurd
+metadata, NaN-poisoned unused slots, Inf / NaN in rows only later queries
+see, a NaN query, capture and replay; and which per-query kernel the one
+selection rule picks.
+
+P is rounded to the storage type before O += P V, as in FlashAttention; the
+dtype tolerances cover it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged.layout import metadata_offsets
+from cupaged.ops.attention import variants
+from cupaged.testing import assert_close, make_paged_case, reference
+from attention_helpers import DECODE_TC, TC_DTYPES, _to_device, run, check, check_capture_replay
+
+@pytest.fixture(autouse=True)
+def per_query_only(monkeypatch):
+    """Every query of these steps on the per-query kernel: sequences bringing
+    16 or more (query, head) rows (a group of 20, a 3-query sequence at
+    G = 8) would otherwise go to paged_prefill_tc by the segment rules
+    (schedule.tc_segments), which test_schedule.py covers."""
+    from cupaged.ops.attention import schedule
+    monkeypatch.setattr(schedule, "select_tensor_core", lambda *a, **k: None)
+
+
+# (page_size, head_dim, q_heads, kv_heads): GQA 4 (the benchmark's 32/8),
+# 8, 1, 3, 12 and 20 (two head tiles, 16 + 4 heads), page sizes 1 / 3 / 5 / 16 / 64.
+SHAPES = [
+    (16, 128, 32, 8),
+    (1, 64, 8, 1),
+    (3, 128, 4, 4),
+    (5, 64, 6, 2),
+    (64, 64, 24, 2),
+    (16, 128, 20, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "ps{}-d{}-h{}x{}".format(*s))
+def test_decode_tc(xp_backend, kernels_used, dtype, shape):
+    """Decode steps (one query per sequence) and a few short multi-query
+    sequences (each query its own block), causal and not, with and without
+    splits."""
+    page_size, d, hq, hkv = shape
+    rng = np.random.default_rng(list(shape))
+    kv_lens = np.array([70, 1, 33, 150, 16], np.int32)
+    q_lens = np.array([1, 1, 3, 1, 2], np.int32)
+    case = make_paged_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=page_size, num_q_heads=hq,
+                           num_kv_heads=hkv, head_dim=d, dtype=dtype)
+    plan = None
+    for causal in (True, False):
+        for splits in (None, 3):
+            o, lse, plan = run(xp_backend, case, causal, splits=splits, plan=plan)
+            check(case, o, lse, causal, dtype, f"decode_tc {shape} causal={causal} splits={splits}")
+    assert set(kernels_used) == {DECODE_TC, "attention_split_merge"}
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_every_split_count(xp_backend, kernels_used, dtype):
+    """Split z of a query covers [z c, min(L, (z + 1) c)): counts 1 .. 12 and
+    64 (most splits empty) on lengths around the tiles' 16 tokens."""
+    rng = np.random.default_rng(3)
+    case = make_paged_case(rng, kv_lens=np.array([150, 61, 3, 97, 32], np.int32), page_size=16, num_q_heads=8,
+                           num_kv_heads=2, head_dim=64, dtype=dtype)
+    plan = None
+    for splits in list(range(1, 13)) + [cupaged.MAX_SPLITS]:
+        for causal in (True, False):
+            o, lse, plan = run(xp_backend, case, causal, splits=splits, plan=plan)
+            check(case, o, lse, causal, dtype, f"splits={splits} causal={causal}")
+    assert set(kernels_used) == {DECODE_TC, "attention_split_merge"}
+
+
+def test_split_partials_follow_layout(xp_backend, kernels_used):
+    """paged_decode_tc's partials are the layout's (reference.split_attention_partials)."""
+    rng = np.random.default_rng(8)
+    kv_lens = np.array([100, 33], np.int32)
+    case = make_paged_case(rng, kv_lens=kv_lens, page_size=16, num_q_heads=4, num_kv_heads=1, head_dim=128,
+                           dtype="bf16")
+    splits, tile = 3, variants.SPLIT_TILE
+    q, k, v = (_to_device(xp_backend, a) for a in (case.q, case.k_cache, case.v_cache))
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
+                                  case.num_pages).upload(q)
+    ws = cupaged.SplitWorkspace(plan.queries, 4, 128, splits, q)
+    plan.attention(q, k, v, case.scale, False, workspace=ws)
+    size = [((int(n) + splits - 1) // splits + tile - 1) // tile * tile for n in kv_lens]
+    ref_out, ref_lse = reference.split_attention_partials(case.q, case.k_cache, case.v_cache, case.page_table,
+                                                          case.kv_lens, case.q_lens, case.scale, size, splits,
+                                                          causal=False)
+    assert_close(xp_backend.to_numpy(ws.partial_lse), ref_lse, "bf16", "partial lse")
+    assert_close(xp_backend.to_numpy(ws.partial_out), ref_out, "bf16", "partial out")
+    assert kernels_used[0] == DECODE_TC
+
+
+def test_lengths_read_from_device_words(xp_backend, kernels_used):
+    """Lengths and positions advanced on the device give the reference for
+    the new lengths (nothing about lengths is baked into the launch)."""
+    rng = np.random.default_rng(10)
+    full = make_paged_case(rng, kv_lens=np.array([40, 25], np.int32), page_size=8, num_q_heads=8,
+                           num_kv_heads=2, head_dim=64, dtype="f16")
+    q, k, v = (_to_device(xp_backend, a) for a in (full.q, full.k_cache, full.v_cache))
+    shorter = np.array([33, 18], np.int32)
+    plan = cupaged.HostPlan.build(full.page_table, shorter, full.q_lens, 8, full.num_pages).upload(q)
+    off = metadata_offsets(plan.queries, plan.sequences)
+    o1 = xp_backend.to_numpy(plan.attention(q, k, v, full.scale, True))
+    ref1, _ = reference.paged_attention(full.q, full.k_cache, full.v_cache, full.page_table, shorter,
+                                        full.q_lens, full.scale, True)
+    assert_close(o1, ref1, "f16", "before")
+    plan.words[off["kv_len"]:off["kv_len"] + 2] = xp_backend.asarray(np.array([40, 25], np.uint32))
+    plan.words[off["q_pos"]:off["q_pos"] + 2] = xp_backend.asarray(np.array([39, 24], np.uint32))
+    o2 = xp_backend.to_numpy(plan.attention(q, k, v, full.scale, True))
+    assert_close(o2, full.reference(True)[0], "f16", "after")
+    assert set(kernels_used) == {DECODE_TC}
+
+
+def test_nothing_visible_and_bad_metadata(xp_backend, kernels_used):
+    """A sequence of length 0 and a sequence index out of range give out 0
+    and lse -inf; absurd lengths, positions and page ids never make the
+    kernel leave its arrays (the ASan sweep runs this kernel too)."""
+    rng = np.random.default_rng(13)
+    case = make_paged_case(rng, kv_lens=np.array([20, 30, 10], np.int32), page_size=4, num_q_heads=4,
+                           num_kv_heads=1, head_dim=128, dtype="bf16")
+    q, k, v = (_to_device(xp_backend, a) for a in (case.q, case.k_cache, case.v_cache))
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 4, case.num_pages).upload(q)
+    off = metadata_offsets(plan.queries, plan.sequences)
+    words = plan.words
+    words[off["kv_len"]] = 0
+    words[off["q_seq"] + 1] = 0xFFFFFFFF
+    for splits in (None, 4):
+        ws = None if splits is None else cupaged.SplitWorkspace(3, 4, 128, splits, q)
+        o, lse = plan.attention(q, k, v, case.scale, True, return_lse=True, workspace=ws)
+        o, lse = xp_backend.to_numpy(o), xp_backend.to_numpy(lse)
+        assert (o[:2] == 0).all() and (lse[:2] == -np.inf).all()
+        ref_out, ref_lse = case.reference(True)
+        assert_close(o[2], ref_out[2], "bf16")
+        assert_close(lse[2], ref_lse[2], "bf16")
+    words[off["kv_len"]:off["q_start"]] = 0xFFFFFFFF
+    words[off["q_pos"]:off["kv_len"]] = 0xFFFFFFFF
+    words[off["q_seq"]:off["q_pos"]] = xp_backend.asarray(np.array([0, 1, 2], np.uint32))
+    table = rng.integers(0, 2 ** 32, size=int(plan.words.size) - off["page_table"], dtype=np.uint64)
+    table[::3] = rng.integers(0, case.num_pages, size=table[::3].size)
+    words[off["page_table"]:] = xp_backend.asarray(table.astype(np.uint32))
+    for causal in (True, False):
+        plan.attention(q, k, v, case.scale, causal, return_lse=True)   # must simply not crash
+    assert set(kernels_used) == {DECODE_TC, "attention_split_merge"}
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_nan_never_reaches_the_output(xp_backend, kernels_used, page_size):
+    """Every unused slot is NaN (the tail of each last page, the extra pages)."""
+    rng = np.random.default_rng(page_size)
+    case = make_paged_case(rng, sequences=3, max_kv_len=70, page_size=page_size, num_q_heads=8, num_kv_heads=2,
+                           head_dim=128, dtype="bf16", extra_pages=3)
+    assert np.isnan(case.k_cache.astype(np.float32)).any()
+    for causal in (True, False):
+        o, lse, _ = run(xp_backend, case, causal)
+        check(case, o, lse, causal, "bf16", f"page_size={page_size}")
+    assert set(kernels_used) == {DECODE_TC}
+
+
+@pytest.mark.parametrize("splits", [None, 2])
+def test_rows_only_later_queries_see(xp_backend, kernels_used, splits):
+    """Inf in the V row and NaN in the K row of tokens only later queries of
+    their sequence see (causal, in the same 16-token tile as tokens they do
+    see): the earlier queries' outputs are exactly the reference's, finite."""
+    rng = np.random.default_rng(71)
+    kv_lens, q_lens = np.array([37, 20], np.int32), np.array([3, 2], np.int32)
+    case = make_paged_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=16, num_q_heads=8, num_kv_heads=2,
+                           head_dim=64, dtype="f16")
+    # Sequence 0: tokens 35 (seen by queries 1, 2) and 36 (query 2 only); sequence 1: token 19 (query 4 only).
+    for s, t, what in ((0, 36, "v"), (0, 35, "k"), (1, 19, "v")):
+        page, slot = case.page_table[s, t // 16], t % 16
+        cache = case.v_cache if what == "v" else case.k_cache
+        cache[page, slot] = np.inf if what == "v" else np.nan
+    o, lse, _ = run(xp_backend, case, True, splits=splits)
+    ref_out, ref_lse = case.reference(True)
+    clean = np.array([True, False, False, True, False])
+    assert np.isfinite(o[clean].astype(np.float64)).all()
+    assert_close(o[clean], ref_out[clean], "f16", "earlier queries")
+    assert_close(lse[clean], ref_lse[clean], "f16", "earlier queries' lse")
+    assert not np.isfinite(o[~clean].astype(np.float64)).all()        # the later ones do see them
+    assert DECODE_TC in kernels_used
+
+
+def test_nan_query_propagates(xp_backend, kernels_used):
+    """A NaN in one query row gives that row NaN output and lse, as the
+    reference does (issue #12 item 9); every other row is unchanged."""
+    rng = np.random.default_rng(72)
+    case = make_paged_case(rng, kv_lens=np.array([40, 70], np.int32), page_size=16, num_q_heads=8,
+                           num_kv_heads=2, head_dim=128, dtype="bf16")
+    case.q[1, 5, 17] = np.nan
+    ref_out, ref_lse = case.reference(True)
+    assert np.isnan(ref_out[1, 5]).all() and np.isnan(ref_lse[1, 5])
+    for splits in (None, 3):
+        o, lse, _ = run(xp_backend, case, True, splits=splits)
+        assert np.isnan(o[1, 5].astype(np.float32)).all() and np.isnan(lse[1, 5]), splits
+        mask = np.ones(o.shape[:2], bool)
+        mask[1, 5] = False
+        assert_close(o[mask], ref_out[mask], "bf16", f"other rows, splits={splits}")
+        assert_close(lse[mask], ref_lse[mask], "bf16")
+    assert DECODE_TC in kernels_used
+
+
+def test_capture_and_replay(xp_backend, kernels_used):
+    if xp_backend.name != "cpu":
+        pytest.skip("GPU capture is covered by the graph tests")
+    rng = np.random.default_rng(14)
+    case = make_paged_case(rng, sequences=3, max_kv_len=60, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                           dtype="f16")
+    check_capture_replay(rng, case, "f16", "replay")
+    assert DECODE_TC in kernels_used
+
+
+def test_selection_rule():
+    """One rule (variants.select_variant, _cost): paged_decode_tc for f16 /
+    bf16 queries with D == Dv in DECODE_TC_DIMS, 16-byte aligned arrays and
+    a group of at least DECODE_TC_MIN_GROUP; paged_attention otherwise. Every
+    selectable variant is registered for the NVRTC gate."""
+    sel = variants.select_variant
+    for dt in TC_DTYPES:
+        for d in variants.DECODE_TC_DIMS:
+            for g in (variants.DECODE_TC_MIN_GROUP, 4, 8, 16, 20):
+                v = sel(dt, d, d, True, g)
+                assert v == variants.Variant(DECODE_TC, dt, dt, head_dim=d, group_tile=variants.DECODE_TC_HEADS)
+                assert v.defines() == {"CP_DTYPE": dt, "CP_KV_DTYPE": dt, "CP_SCORE": "plain", "HEAD_DIM": d}
+                assert v.threads == variants.DECODE_TC_THREADS and v.smem == variants.decode_tc_smem_bytes(d)
+    assert variants.decode_tc_smem_bytes(128) == 34816 and variants.decode_tc_smem_bytes(64) == 18432
+    for args in (("f32", 128, 128, True, 4), ("f16", 96, 96, True, 4), ("f16", 128, 128, False, 4),
+                 ("bf16", 256, 256, True, 4), ("f16", 128, 64, True, 4), ("bf16", 64, 64, True, 4, 16)):
+        assert sel(*args).kernel == "paged_attention", args
+    registered = {tuple(sorted(v.defines().items())) for v in variants.VARIANTS if v.kernel == DECODE_TC}
+    assert registered == {tuple(sorted({"CP_DTYPE": dt, "CP_KV_DTYPE": dt, "CP_SCORE": "plain",
+                                        "HEAD_DIM": d}.items())) for dt in TC_DTYPES for d in variants.DECODE_TC_DIMS}
+    assert variants.resident_blocks(sel("bf16", 128, 128, True, 4)) == variants.RESIDENT_BLOCKS[DECODE_TC]
+
+
+def test_launch_bounds_match_the_table():
+    """The resident blocks choose_splits counts on are the kernels' own
+    __launch_bounds__ minimum."""
+    from cupaged._runtime.source import kernel_dir
+    text = (kernel_dir() / "attention" / "decode_tc.cu").read_text()
+    assert f"constexpr u32 kMinBlocks = {variants.RESIDENT_BLOCKS[DECODE_TC]};" in text
+    assert "__launch_bounds__(dtc::kThreads, dtc::kMinBlocks)" in text
+    assert f"constexpr u32 kWarps = {variants.DECODE_TC_THREADS // 32}" in text
+    text = (kernel_dir() / "attention" / "decode.cu").read_text()
+    assert f"__launch_bounds__(128, {variants.RESIDENT_BLOCKS['paged_attention']}) paged_attention" in text
