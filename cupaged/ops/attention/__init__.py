@@ -30,7 +30,16 @@ Memory traffic per (query, KV head, tile): read the visible K and V rows,
 workspace of ``S > 1`` splits the partials add ``S * G * (Dv + 1) * 4``
 bytes written and read again by the merge.
 
-Tensor-core kernels (f16 / bf16, ``select_tensor_core``; ``prefill_tc.cu``, ``mla_tc.cu``):
+Tensor-core decode kernel ``paged_decode_tc`` (``kernels_cu/attention/decode_tc.cu``; f16 /
+bf16, D == Dv in ``DECODE_TC_DIMS``, aligned arrays: ``select_variant``
+picks it over ``paged_attention`` by one rule): the same grid as
+``paged_attention`` (one 64-thread block per query, KV head, tile of up to
+16 query heads, split); the tile's heads are the M dimension of
+``mma.sync`` m16n8k16, two warps take alternate 16-token tiles through
+their own two-stage ``cp.async`` rings, and meet at the end. Memory
+traffic as ``paged_attention``'s, with 6 blocks per SM resident.
+
+Row-packed tensor-core kernels (f16 / bf16, ``select_tensor_core``; ``prefill_tc.cu``, ``mla_tc.cu``):
 
 * ``paged_prefill_tc`` (D == Dv in ``TC_PREFILL_DIMS``, a step packed as
   ``tc_schedule_ok`` asks): one 128-thread block per 64 (query, head) rows
@@ -45,7 +54,7 @@ Tensor-core kernels (f16 / bf16, ``select_tensor_core``; ``prefill_tc.cu``, ``ml
   latent row is read once per 64 heads (``L * (R + P) * itemsize`` bytes per
   block) where the CUDA-core kernel reads it once per ``GROUP_TILE`` heads.
 
-All three take the one ``AttentionParams`` struct (``params.py``), call the
+All four take the one ``AttentionParams`` struct (``params.py``), call the
 one variant hook (``variant.cuh``: score and visibility) and keep the one
 online-softmax state (``softmax_state.cuh``), write the same split partials
 (so ``attention_split_merge`` serves them) and read lengths and positions
