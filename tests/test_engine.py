@@ -290,3 +290,20 @@ def test_mla_checkpoint_with_biases_and_q_lora(tmp_path):
     e = cupaged.Engine.from_pretrained(folder, like=LIKE, max_batch=2, prefill_chunk=8, num_pages=32)
     out = e.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11]], 5)
     assert [len(o) for o in out] == [5, 5]
+
+
+def test_prefill_chunks_interleave_with_decode_rounds(llama_folder):
+    """prefill_per_round 8 = one chunk of 8 between decode rounds: the short
+    prompt decodes while the long one is still being prefilled."""
+    e = cupaged.Engine.from_pretrained(llama_folder, like=LIKE, max_batch=2, prefill_chunk=8, prefill_per_round=8,
+                                       num_pages=32)
+    prompts = [[7], list(range(1, 41))]
+    when = {}
+
+    def seen(i, toks):
+        when.setdefault(i, e.stats["prefill_tokens"])
+    out = e.generate(prompts, 12, stop_token_ids=(), on_tokens=seen)
+    assert when[0] < 41 and when[1] == 41            # prompt 0's tokens came before prompt 1 was prefilled
+    assert e.stats["prefill_chunks"] == 6 and e.stats["readbacks"] >= 4
+    solo = cupaged.Engine.from_pretrained(llama_folder, like=LIKE, max_batch=1, num_pages=32)
+    assert out == [solo.generate([p], 12, stop_token_ids=())[0] for p in prompts]

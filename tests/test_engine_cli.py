@@ -75,3 +75,19 @@ class _no_exit:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_bench_engine_cpu_smoke():
+    """benchmarks/bench_engine.py --cpu runs and reports its columns."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    bench = Path(__file__).parents[1] / "benchmarks" / "bench_engine.py"
+    r = subprocess.run([sys.executable, str(bench), "--cpu", "--batches", "1,2", "--prompt", "8", "--new", "4"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    header = next(ln for ln in r.stdout.splitlines() if ln.startswith("batch"))
+    for col in ("prefill_tok_s", "decode_tok_s", "host_us_per_step", "graph_launches_per_token", "kernels_per_step"):
+        assert col in header
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln.split() and ln.split()[0] in ("1", "2")]
+    assert rows[-1][5] == "0.500" and rows[-1][6] == "31", r.stdout       # one launch per step serves 2 tokens

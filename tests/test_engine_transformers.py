@@ -5,8 +5,9 @@ at every step.
 
 Each case runs six prompts (lengths 1, 7, 40, 3, 18, 25) with max_batch 2 or
 4 (so waiting prompts replace finished ones: continuous batching) and a
-prefill chunk of 16 (the 40-token prompt takes three chunks, interleaved with
-decode rounds). Logits: ``max |engine - transformers| <= LOGIT_RTOL *
+prefill chunk of 16 (the 40-token prompt takes three chunks; with
+prefill_per_round 16 each chunk is followed by a decode round of the running
+sequences). Logits: ``max |engine - transformers| <= LOGIT_RTOL *
 max(1, max |logit|)`` at every generated step of one prompt (float32 on
 both sides; the differences are summation order, about 1e-5 here).
 
@@ -39,7 +40,7 @@ CASES = [
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
-     dict(max_batch=2, page_size=16)),
+     dict(max_batch=2, page_size=16, prefill_per_round=16)),
     ("llama-mha-bias-linear", "LlamaConfig", dict(
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=32, attention_bias=True,
         mlp_bias=True, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
@@ -56,13 +57,13 @@ CASES = [
     ("qwen3-gqa4-d128-qknorm", "Qwen3Config", dict(
         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-     dict(max_batch=2, page_size=16)),
+     dict(max_batch=2, page_size=16, prefill_per_round=16)),
     ("deepseek_v3-qlora-yarn-R64-P16", "DeepseekV3Config", dict(
         num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=64, q_lora_rank=48, qk_nope_head_dim=32,
         qk_rope_head_dim=16, v_head_dim=32, **_MOE_OFF,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 32}),
-     dict(max_batch=2, page_size=16)),
+     dict(max_batch=2, page_size=16, prefill_per_round=16)),
     ("deepseek_v3-R512-P64-halves", "DeepseekV3Config", dict(
         num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=512, q_lora_rank=64, qk_nope_head_dim=32,
         qk_rope_head_dim=64, v_head_dim=128, rope_interleave=False, **_MOE_OFF),

@@ -49,7 +49,9 @@ class Engine:
     min(2048, max_model_len) tokens), ``max_batch`` (sequences decoding at
     once: the largest decode graph's batch), ``prefix_cache`` (full pages of
     known prompts are shared: docs/layout.md "Prefix reuse"),
-    ``prefill_chunk`` (most prompt tokens per prefill step), ``max_model_len``
+    ``prefill_chunk`` (most prompt tokens per prefill forward pass),
+    ``prefill_per_round`` (most prompt tokens prefilled between two decode
+    rounds, in chunks; vLLM's default token budget), ``max_model_len``
     (the longest sequence, prompt and generated tokens; default the model's,
     capped by a sliding window and by the cache), ``readback_every`` (decode
     launches between token readbacks), ``graph`` (False: decode eagerly).
@@ -57,12 +59,17 @@ class Engine:
     Attributes: ``config`` (ModelConfig), ``model`` (the family's CausalLM:
     weights and buffers), ``cache`` (the PagedKVCache), ``max_model_len``,
     ``eos_token_ids`` (the default stop tokens), ``stats`` (the last
-    generate's token counts and times).
+    generate's counts and times: prefill tokens, chunks and seconds, each
+    chunk timed to its end on the device; decode tokens, launches, readbacks
+    and seconds, up to each round's readback; ``advance_seconds``: host time
+    of the decode launches alone; ``cached_prompt_tokens``: prompt tokens
+    shared from the prefix cache).
     """
 
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, *, like, dtype=None, page_size: int = 16,
                  num_pages: int | None = None, max_batch: int = 8, prefix_cache: bool = True,
-                 prefill_chunk: int = 256, max_model_len: int | None = None, readback_every: int = 8,
+                 prefill_chunk: int = 256, prefill_per_round: int = 2048, max_model_len: int | None = None,
+                 readback_every: int = 8,
                  graph: bool = True, eos_token_ids=None, embed_dtype=None):
         if array_backend(like) is None:
             raise PagedAttentionError(f"like: expected a NumPy or CuPy array (it picks the backend), got "
@@ -76,6 +83,7 @@ class Engine:
         self.page_size = checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
         self.max_batch = checks.host_int("max_batch", max_batch, 1, 1024)
         self.prefill_chunk = checks.host_int("prefill_chunk", prefill_chunk, 1, 65535)
+        self.prefill_per_round = checks.host_int("prefill_per_round", prefill_per_round, 1, 1 << 30)
         self.readback_every = checks.host_int("readback_every", readback_every, 1, 1 << 16)
         self.graph = checks.boolean("graph", graph)
         prefix_cache = checks.boolean("prefix_cache", prefix_cache)
@@ -200,14 +208,13 @@ class Engine:
             raise PagedAttentionError(f"on_tokens: expected a callable on_tokens(index, tokens), got "
                                       f"{type(on_tokens).__name__}")
         sched = Scheduler(self, prompts, max_new, stop, return_logits=return_logits, on_tokens=on_tokens)
+        self.stats = sched.stats           # updated as the call runs
         try:
             out = sched.run()
         except BaseException:
             if not sched.abort():
                 self._batches = {k: b for k, b in self._batches.items() if b is not sched.batch}
             raise
-        finally:
-            self.stats = sched.stats
         if return_logits:
             return out, [np.stack(r.logits) if r.logits else np.zeros((0, self.config.vocab), np.float32)
                          for r in sched.requests]

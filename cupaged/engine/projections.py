@@ -4,23 +4,32 @@ product per head, MLA's absorbed up-projections).
 
 * CPU backend (NumPy arrays): the CPU kernels, ``ops.layers.linear`` and
   ``ops.layers.linear_heads`` (the same CUDA C through g++).
-* GPU backend (CuPy arrays): cuBLAS through CuPy's bindings
-  (``cublasGemmEx`` / ``cublasGemmStridedBatchedEx``, float32 accumulation,
-  beta = 1 for the residual add), on CuPy's current stream, which is the
-  stream cupaged captures: the products are recorded into the decode graph
-  like every kernel. Nothing is allocated and nothing synchronizes; alpha and
-  beta are host scalars read at capture (pointer mode host).
+* GPU backend (CuPy arrays): cuBLAS (``cublasGemmEx`` /
+  ``cublasGemmStridedBatchedEx``, float32 accumulation, beta = 1 for the
+  residual add) on the stream cupaged captures, so the products are recorded
+  into the decode graph with the kernels. Nothing is allocated and nothing
+  synchronizes per call; alpha and beta are host scalars read at capture
+  (pointer mode host).
 
-The GPU path is written against cuBLAS's column-major convention: a
-row-major ``out[M, N] = x[M, K] @ W[N, K].T`` is the column-major
-``out^T = op_T(W^T-storage) @ x^T``, i.e. ``gemm(T, N, m=N, n=M, k=K, A=W,
-lda=K, B=x, ldb=K, C=out, ldc=N)``.
+Why not ``cupy.matmul(..., out=)``: CuPy's cuBLAS bindings refuse to run
+while a stream is capturing (``cublas.setStream`` raises NotImplementedError
+during capture, CuPy 13/14), and ``cupy.matmul`` has no beta for the
+residual add. So the engine calls libcublas directly through ctypes, found
+the way CuPy finds it (``cuda.pathfinder``), with its own handle bound to
+the engine's stream and its own workspace (``cublasSetWorkspace``, as the
+cuBLAS documentation asks for graph capture), set outside any capture.
+
+The GPU path follows cuBLAS's column-major convention: a row-major
+``out[M, N] = x[M, K] @ W[N, K].T`` is the column-major product
+``gemm(T, N, m=N, n=M, k=K, A=W, lda=K, B=x, ldb=K, C=out, ldc=N)``.
 """
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
-from .._runtime import GPU, array_backend
+from .._runtime import GPU, array_backend, stream_for, zeros
 from ..errors import PagedAttentionError
 from ..ops import layers
 
@@ -30,6 +39,75 @@ _CUDA_R = {"float32": 0, "float16": 2, "bfloat16": 14}
 _COMPUTE_32F = 68
 _GEMM_DEFAULT = -1
 _POINTER_MODE_HOST = 0
+#: cuBLAS workspace the engine's handle uses (32 MiB: NVIDIA's advice for Hopper).
+WORKSPACE_BYTES = 32 << 20
+
+
+def _load_cublas():
+    """libcublas through ctypes, found as CuPy finds it."""
+    errors = []
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib     # comes with cuda-python / CuPy 14
+        return ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)
+    except Exception as e:  # noqa: BLE001 -- try the loader's search path next
+        errors.append(str(e))
+    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError as e:
+            errors.append(str(e))
+    raise PagedAttentionError(
+        f"like: the engine's GPU projections run on cuBLAS, which was not found ({'; '.join(errors)}); install the "
+        f"CUDA line's cuBLAS (pip install nvidia-cublas-cu12, or nvidia-cublas for CUDA 13)")
+
+
+class _Cublas:
+    """A cuBLAS handle of one device with its own workspace, bound to a stream."""
+
+    def __init__(self, like):
+        lib = self.lib = _load_cublas()
+        vp, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasDestroy_v2.argtypes = [vp]
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+        lib.cublasSetPointerMode_v2.argtypes = [vp, i]
+        lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+        lib.cublasGemmStridedBatchedEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, ll, vp, i, i, ll, vp, vp, i, i,
+                                                   ll, i, i, i]
+        import cupy     # the GPU backend: CuPy is loaded
+        with cupy.cuda.Device(like.device.id):
+            h = vp()
+            self._check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+        self.handle = h
+        self.workspace = zeros(like, WORKSPACE_BYTES, np.uint8)
+        self._stream = None
+        self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed: cuBLAS status {status}")
+
+    def bind(self, stream) -> None:
+        """Use ``stream`` (a cupaged GpuStream); setting the stream resets the
+        workspace, so both are set together, only when the stream changes."""
+        if self._stream == stream.ptr:
+            return
+        lib, h = self.lib, self.handle
+        self._check(lib.cublasSetStream_v2(h, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
+        self._check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(int(self.workspace.data.ptr)), WORKSPACE_BYTES),
+                    "cublasSetWorkspace")
+        self._check(lib.cublasSetPointerMode_v2(h, _POINTER_MODE_HOST), "cublasSetPointerMode")
+        self._stream = stream.ptr
+
+    def __del__(self):
+        h = getattr(self, "handle", None)
+        if h is not None:
+            try:
+                self.lib.cublasDestroy_v2(h)
+            except Exception:  # noqa: BLE001 -- interpreter shutdown
+                pass
 
 
 class Projections:
@@ -37,20 +115,10 @@ class Projections:
 
     def __init__(self, like):
         self.gpu = array_backend(like) == GPU
-        if self.gpu:
-            try:
-                from cupy.cuda import device
-                from cupy_backends.cuda.libs import cublas
-            except Exception as e:      # noqa: BLE001 -- any failure to load cuBLAS means the same to the user
-                raise PagedAttentionError(
-                    f"like: the engine's GPU projections run on cuBLAS, which CuPy cannot load ({e}); install the "
-                    f"CUDA line's cuBLAS (pip install nvidia-cublas-cu12, or nvidia-cublas for CUDA 13)") from None
-            self._cublas, self._device = cublas, device
-            # host scalars for alpha / beta, alive as long as this object
-            self._one = np.ones(1, np.float32)
-            self._zero = np.zeros(1, np.float32)
+        self._blas = _Cublas(like) if self.gpu else None
 
-    def _dtype(self, *arrays) -> int:
+    @staticmethod
+    def _dtype(*arrays) -> int:
         name = str(arrays[0].dtype)
         if name not in _CUDA_R or any(str(a.dtype) != name for a in arrays):
             raise PagedAttentionError(f"linear: expected float32, float16 or bfloat16 operands of one dtype, got "
@@ -71,12 +139,12 @@ class Projections:
         if m == 0:
             return
         dt = self._dtype(x, w, out)
-        cb = self._cublas
-        handle = self._device.get_cublas_handle()
-        cb.setPointerMode(handle, _POINTER_MODE_HOST)
-        beta = self._one if accumulate else self._zero
-        cb.gemmEx(handle, _OP_T, _OP_N, n, m, k, self._one.ctypes.data, w.data.ptr, dt, k, x.data.ptr, dt, k,
-                  beta.ctypes.data, out.data.ptr, dt, n, _COMPUTE_32F, _GEMM_DEFAULT)
+        b = self._blas
+        b.bind(stream_for(out))
+        vp = ctypes.c_void_p
+        b._check(b.lib.cublasGemmEx(b.handle, _OP_T, _OP_N, n, m, k, ctypes.byref(b.one), vp(w.data.ptr), dt, k,
+                                    vp(x.data.ptr), dt, k, ctypes.byref(b.one if accumulate else b.zero),
+                                    vp(out.data.ptr), dt, n, _COMPUTE_32F, _GEMM_DEFAULT), "cublasGemmEx")
 
     def linear_heads(self, x, w, out, *, accumulate: bool = False) -> None:
         """out[M, H, N] (+)= x[M, H, K] @ w[H, N, K].T per head; C-contiguous."""
@@ -92,12 +160,12 @@ class Projections:
         if m == 0:
             return
         dt = self._dtype(x, w, out)
-        cb = self._cublas
-        handle = self._device.get_cublas_handle()
-        cb.setPointerMode(handle, _POINTER_MODE_HOST)
-        beta = self._one if accumulate else self._zero
-        # per head h: A = w[h] (stride N*K), B = rows of head h of x (ldb = H*K,
-        # stride K), C = rows of head h of out (ldc = H*N, stride N)
-        cb.gemmStridedBatchedEx(handle, _OP_T, _OP_N, n, m, k, self._one.ctypes.data,
-                                w.data.ptr, dt, k, n * k, x.data.ptr, dt, h * k, k,
-                                beta.ctypes.data, out.data.ptr, dt, h * n, n, h, _COMPUTE_32F, _GEMM_DEFAULT)
+        b = self._blas
+        b.bind(stream_for(out))
+        vp = ctypes.c_void_p
+        # per head: A = w[h] (stride N*K), B = head h's rows of x (ldb H*K,
+        # stride K), C = head h's rows of out (ldc H*N, stride N)
+        b._check(b.lib.cublasGemmStridedBatchedEx(
+            b.handle, _OP_T, _OP_N, n, m, k, ctypes.byref(b.one), vp(w.data.ptr), dt, k, n * k,
+            vp(x.data.ptr), dt, h * k, k, ctypes.byref(b.one if accumulate else b.zero), vp(out.data.ptr), dt, h * n,
+            n, h, _COMPUTE_32F, _GEMM_DEFAULT), "cublasGemmStridedBatchedEx")

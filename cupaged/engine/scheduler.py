@@ -8,11 +8,15 @@ The loop, until every request is done:
    pages it holds): so no step ever runs out of pages and nothing is ever
    preempted. ``cache.add_sequence(tokens=prompt)`` shares the longest cached
    prefix (prefix reuse); only the rest is prefilled.
-2. **Prefill one chunk**: up to ``prefill_chunk`` prompt tokens, taken from
-   the prefilling requests in admission order, in one ``cache.prepare`` plan
-   and one eager forward pass; each request whose prompt ends in the chunk
-   gets its first token from the argmax of its last row and joins the
-   ``DecodeBatch`` with that token on the device (``join(seq, best[i:i+1])``).
+2. **Prefill** up to ``prefill_per_round`` prompt tokens (admitting more
+   requests as prompts complete), in chunks: a chunk is up to
+   ``prefill_chunk`` prompt tokens, taken from the prefilling requests in
+   admission order, in one ``cache.prepare`` plan and one eager forward pass;
+   each request whose prompt ends in the chunk gets its first token from the
+   argmax of its last row and joins the ``DecodeBatch`` with that token on the
+   device (``join(seq, best[i:i+1])``). A longer backlog waits for the next
+   round, so running sequences keep decoding (as vLLM's token budget per
+   step, ``max_num_batched_tokens``, whose default of 2048 this follows).
 3. **Decode one round**: up to ``readback_every`` launches of the batch's
    captured graph (one per token for every member), then the one readback:
    new tokens, and which requests finished (a stop token or their
@@ -74,14 +78,17 @@ class Scheduler:
         self._try_admit = True
         self._pending = 0                  # decode launches since the last readback
         self.stats = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0,
-                      "prefill_chunks": 0, "decode_launches": 0, "readbacks": 0, "cached_prompt_tokens": 0}
+                      "prefill_chunks": 0, "decode_launches": 0, "readbacks": 0, "cached_prompt_tokens": 0,
+                      "advance_seconds": 0.0}
 
     # -- the loop -----------------------------------------------------------------
     def run(self) -> list:
         while self.waiting or self.prefilling or self.decoding:
             self._admit()
-            if self.prefilling:
-                self._prefill_chunk()
+            done = 0
+            while self.prefilling and done < self.e.prefill_per_round:
+                done += self._prefill_chunk(self.e.prefill_per_round - done)
+                self._admit()
             if self.decoding:
                 self._decode_round()
             if self.waiting and not (self.prefilling or self.decoding) and not self._try_admit:
@@ -108,10 +115,11 @@ class Scheduler:
             self.stats["cached_prompt_tokens"] += seq.length
             self.prefilling.append(r)
 
-    def _prefill_chunk(self) -> None:
+    def _prefill_chunk(self, budget: int) -> int:
+        """Prefill up to min(budget, prefill_chunk) prompt tokens; returns how many."""
         t0 = time.perf_counter()
         model, stream = self.model, self.stream
-        budget = self.e.prefill_chunk
+        budget = min(budget, self.e.prefill_chunk)
         reqs, counts = [], []
         for r in self.prefilling:
             if budget == 0:
@@ -153,6 +161,7 @@ class Scheduler:
         self.stats["prefill_tokens"] += n
         self.stats["prefill_chunks"] += 1
         self.stats["prefill_seconds"] += time.perf_counter() - t0
+        return n
 
     def _decode_round(self) -> None:
         t0 = time.perf_counter()
@@ -162,7 +171,9 @@ class Scheduler:
         for _ in range(steps):
             live = [r for r in self.decoding.values() if r.launches < r.max_new - 1]
             bucket = batch.bucket
+            ta = time.perf_counter()
             batch.advance()
+            self.stats["advance_seconds"] += time.perf_counter() - ta
             self._pending += 1
             for r in live:
                 r.launches += 1
