@@ -284,6 +284,15 @@ def test_engine_option_errors(llama_folder):
             cupaged.Engine.from_pretrained(llama_folder, **{"like": LIKE, **kw})
 
 
+def test_checkpoint_dtype_must_be_a_storage_dtype(tmp_path):
+    folder = write_random_checkpoint(tmp_path, dtype="float64")
+    with pytest.raises(PagedAttentionError, match=r"dtype: expected float32, float16 or bfloat16 \(or None: the "
+                                                  r"checkpoint's\), got float64 \(the checkpoint's; pass dtype=\)"):
+        cupaged.Engine.from_pretrained(folder, like=LIKE)
+    e = cupaged.Engine.from_pretrained(folder, like=LIKE, dtype="float16", num_pages=8)
+    assert e.dtype == np.float16 and len(e.generate([[1, 2]], 3)[0]) == 3
+
+
 def test_mla_checkpoint_with_biases_and_q_lora(tmp_path):
     folder = write_random_checkpoint(tmp_path, "DeepseekV3ForCausalLM", q_lora_rank=24, attention_bias=True,
                                      kv_lora_rank=48, qk_rope_head_dim=8)

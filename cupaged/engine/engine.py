@@ -70,16 +70,19 @@ class Engine:
                  num_pages: int | None = None, max_batch: int = 8, prefix_cache: bool = True,
                  prefill_chunk: int = 256, prefill_per_round: int = 2048, max_model_len: int | None = None,
                  readback_every: int = 8,
-                 graph: bool = True, eos_token_ids=None, embed_dtype=None):
+                 graph: bool = True, eos_token_ids=None):
         if array_backend(like) is None:
             raise PagedAttentionError(f"like: expected a NumPy or CuPy array (it picks the backend), got "
                                       f"{type(like).__name__}")
-        if dtype is None:
-            dtype = embed_dtype
+        stored = dtype is None
+        if stored:     # the checkpoint's: its embedding's dtype
+            name = "model.embed_tokens.weight"
+            dtype = ckpt.dtype_of(name) if name in ckpt else np.dtype(np.float32)
         dt = dtypes.lookup(dtype)
         if dt is None or not dt.query:
             raise PagedAttentionError(f"dtype: expected float32, float16 or bfloat16 (or None: the checkpoint's), "
-                                      f"got {dtype!r}" + (" (the checkpoint's)" if dtype is embed_dtype else ""))
+                                      f"got {dtypes.dtype_name(dtype)}" + (" (the checkpoint's; pass dtype=)"
+                                                                           if stored else ""))
         self.page_size = checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
         self.max_batch = checks.host_int("max_batch", max_batch, 1, 1024)
         self.prefill_chunk = checks.host_int("prefill_chunk", prefill_chunk, 1, 65535)
@@ -134,9 +137,7 @@ class Engine:
         if eos is None:
             eos = _generation_eos(Path(path))
         return cls(cfg, ckpt, like=like, dtype=dtype, page_size=page_size, num_pages=num_pages,
-                   max_batch=max_batch, prefix_cache=prefix_cache, eos_token_ids=eos,
-                   embed_dtype=ckpt.dtype_of("model.embed_tokens.weight") if "model.embed_tokens.weight" in ckpt
-                   else None, **options)
+                   max_batch=max_batch, prefix_cache=prefix_cache, eos_token_ids=eos, **options)
 
     @classmethod
     def from_transformers(cls, model, *, like, dtype=None, page_size: int = 16, num_pages: int | None = None,
@@ -158,9 +159,7 @@ class Engine:
             gen = getattr(model, "generation_config", None)
             eos = _eos_list(getattr(gen, "eos_token_id", None)) if gen is not None else None
         return cls(cfg, ckpt, like=like, dtype=dtype, page_size=page_size, num_pages=num_pages,
-                   max_batch=max_batch, prefix_cache=prefix_cache, eos_token_ids=eos,
-                   embed_dtype=ckpt.dtype_of("model.embed_tokens.weight") if "model.embed_tokens.weight" in ckpt
-                   else None, **options)
+                   max_batch=max_batch, prefix_cache=prefix_cache, eos_token_ids=eos, **options)
 
     def _default_pages(self, limit: int, page_bytes: int) -> int:
         per_seq = -(-limit // self.page_size)
