@@ -106,7 +106,11 @@ DECODE_TC_THREADS = 64
 #: Query heads per paged_decode_tc block: the 16 rows of one mma tile.
 DECODE_TC_HEADS = 16
 #: Smallest GQA group paged_decode_tc serves (below, paged_attention):
-#: the selection rule for decode (one block per query) between the two.
+#: the selection rule for decode (one block per query) between the two. 1:
+#: at group 1 the model (perf_model gqa_g1, sm_90) has both HBM-bound at the
+#: copy bandwidth, paged_decode_tc with its issue (62 us) and latency (90 us)
+#: bounds further below HBM's 250 us than paged_attention's (129 / 124 us),
+#: so the tensor-core kernel serves every group it can.
 DECODE_TC_MIN_GROUP = 1
 
 
