@@ -252,3 +252,8 @@ def test_launch_bounds_match_the_table():
     assert f"constexpr u32 kWarps = {variants.DECODE_TC_THREADS // 32}" in text
     text = (kernel_dir() / "attention" / "decode.cu").read_text()
     assert f"__launch_bounds__(128, {variants.RESIDENT_BLOCKS['paged_attention']}) paged_attention" in text
+    # The GPU backend reads kernel names from the raw text, launch bounds and all.
+    from cupaged._runtime import source
+    names = source.kernel_names(source.assemble("attention/decode_tc", {"CP_DTYPE": "bf16", "CP_KV_DTYPE": "bf16",
+                                                                          "HEAD_DIM": 128}))
+    assert sorted(names) == ["attention_split_merge", "paged_decode_tc"]
