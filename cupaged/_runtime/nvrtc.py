@@ -287,10 +287,13 @@ class Compiled:
 def _get_bytes(nvrtc, prog, size_fn, get_fn, call: str) -> bytes:
     err, n = size_fn(prog)
     _check_nvrtc(nvrtc, err, call + "Size")
-    buf = b" " * n
+    # NVRTC writes into this buffer: it must be a fresh object. ``b" " * 1``
+    # is CPython's shared one-byte b" " (and ``b" " * 0`` the shared b""): an
+    # empty log (size 1) once overwrote every b" " in the process with NUL.
+    buf = b" " * (n + 2)
     (err,) = get_fn(prog, buf)
     _check_nvrtc(nvrtc, err, call)
-    return buf
+    return buf[:n]
 
 
 def compile_source(text: str, arch: str, *, name: str = "cupaged.cu",
