@@ -316,3 +316,32 @@ def test_prefill_chunks_interleave_with_decode_rounds(llama_folder):
     assert e.stats["prefill_chunks"] == 6 and e.stats["readbacks"] >= 4
     solo = cupaged.Engine.from_pretrained(llama_folder, like=LIKE, max_batch=1, num_pages=32)
     assert out == [solo.generate([p], 12, stop_token_ids=())[0] for p in prompts]
+
+
+# ---------------------------------------------------------------------------
+# the GPU path (skipped without a GPU): the same tokens as the CPU backend
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch,overrides", [
+    ("LlamaForCausalLM", {"tie_word_embeddings": True}),
+    ("Qwen2ForCausalLM", {}),
+    ("DeepseekV3ForCausalLM", {"q_lora_rank": 24}),                            # W_UK folded, W_UV per head
+    ("DeepseekV2ForCausalLM", {"kv_lora_rank": 128, "qk_nope_head_dim": 8}),   # both per head
+])
+def test_gpu_engine_matches_the_cpu_backend(tmp_path, arch, overrides):
+    """cuBLAS projections, captured decode graphs and the kernels on CuPy
+    arrays give the CPU backend's tokens (float32, decisive random logits);
+    bfloat16 runs and stops at max_new_tokens."""
+    import cupy
+    folder = write_random_checkpoint(tmp_path, arch, **overrides)
+    prompts = [[1, 2, 3], list(range(5, 45)), [7], [9, 9, 9, 9]]
+    kw = dict(max_batch=2, prefill_chunk=16, num_pages=32)
+    cpu = cupaged.Engine.from_pretrained(folder, like=LIKE, **kw).generate(prompts, 8)
+    with cupy.cuda.Stream(non_blocking=True):      # capture needs a stream other than the legacy default
+        like = cupy.zeros(1, cupy.float32)
+        gpu = cupaged.Engine.from_pretrained(folder, like=like, **kw)
+        assert gpu.generate(prompts, 8) == cpu
+        assert gpu.generate(prompts, 8) == cpu                      # graphs replayed, prefix cache hit
+        bf16 = cupaged.Engine.from_pretrained(folder, like=like, dtype="bfloat16", **kw)
+        assert [len(t) for t in bf16.generate(prompts, 8, stop_token_ids=())] == [8] * 4

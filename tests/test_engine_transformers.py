@@ -249,6 +249,8 @@ def test_bfloat16_checkpoint_loads_as_float32(tmp_path):
     prompts = prompts_for(seed=6, lens=(4, 13))
     assert engine.generate(prompts, NEW) == [hf_generate(ref, p) for p in prompts]
     assert [len(t) for t in bf16.generate(prompts, 4)] == [4, 4]
+    mem = cupaged.Engine.from_transformers(model, like=LIKE, max_batch=2, num_pages=64)   # bf16 tensors in memory
+    assert mem.dtype.name == "bfloat16" and mem.generate(prompts, 4) == bf16.generate(prompts, 4)
 
 
 def test_from_transformers_refuses_a_moe_model():
