@@ -204,9 +204,10 @@ def cmd_generate(args) -> int:
             print(f"{prog}: --prompt: expected token ids like '1 2 3' ({why}), got {args.prompt!r}", file=sys.stderr)
             return 2
     dtype = {None: None, "f32": "float32", "f16": "float16", "bf16": "bfloat16"}[args.dtype]
+    max_len = min(len(ids) + args.max_new_tokens, _model_limit(args.model)) if args.max_model_len is None \
+        else args.max_model_len
     engine = Engine.from_pretrained(args.model, like=like, dtype=dtype, max_batch=1, page_size=args.page_size,
-                                    max_model_len=min(len(ids) + args.max_new_tokens, _model_limit(args.model))
-                                    if args.max_model_len is None else args.max_model_len)
+                                    max_model_len=max_len, num_pages=-(-max_len // args.page_size) + 1)
     c = engine.config
     print(f"{c.architecture} on the {backend} backend: {c.layers} layers, hidden {c.hidden}, "
           f"{engine.dtype.name}; prompt {len(ids)} tokens, up to {args.max_new_tokens} new", flush=True)

@@ -156,6 +156,8 @@ class CausalLM:
             self.proj.linear(act, lw["down"], x, accumulate=True)
             if cfg.mlp_bias:
                 layers.bias_add(x, lw["down_bias"])
+        if gather == 0:               # a prefill chunk that ends no prompt needs no logits
+            return self.logits[:0]
         if gather is None:
             if n > self.max_logits:
                 raise PagedAttentionError(f"plan: {n} logit rows exceed the model's {self.max_logits}")
