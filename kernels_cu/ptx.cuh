@@ -277,4 +277,578 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 }
 #endif
 
+// ============================================================================
+// wgmma (sm_90a): warpgroup matrix products with shared-memory operand
+// descriptors. A separate block from the helpers above (it has its own CPU
+// emulation and counters); GPU versions exist only when compiling for sm_90a
+// (the kernels that use them are registered for sm_90a alone).
+//
+// PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"
+// (9.7.15): a warpgroup is 4 consecutive warps (warp w of a block is warp
+// w % 4 of warpgroup w / 4); wgmma.mma_async.m64nNk16 computes
+// D [64 x N] (+)= A [64 x 16] B [16 x N] with f32 D in registers, A from
+// registers or shared memory, B from shared memory. Fragments:
+//   D: warp w4 of the warpgroup holds rows 16 w4 .. 16 w4 + 15; lane 4g + t
+//      holds d[4j + 0], d[4j + 1] = row g, cols 8j + 2t, 8j + 2t + 1 and
+//      d[4j + 2], d[4j + 3] = row g + 8, same cols (j < N / 8): the mma.sync
+//      C fragment repeated along N.
+//   A from registers: warp w4 holds rows 16 w4 .. + 15 in the mma.sync
+//      m16n8k16 A fragment (a[0] row g cols 2t.., a[1] row g + 8, a[2] row g
+//      cols 8 + 2t.., a[3] row g + 8 cols 8 + 2t..).
+// Shared-memory operands (9.7.15.5.1.2) are described by a 64-bit matrix
+// descriptor: bits 0-13 start address, 16-29 leading dimension byte offset
+// (LBO), 32-45 stride dimension byte offset (SBO), each (x & 0x3FFFF) >> 4;
+// 49-51 base offset (0 here: every swizzle pattern starts on its own
+// boundary); 62-63 swizzle (0 none, 1 128-byte, 2 64-byte, 3 32-byte). The
+// canonical layouts, in elements of 16 bits (T = 8 elements = 16 bytes) and
+// CuTe notation, with the swizzle Swizzle<B, 4, 3> on byte addresses (bits
+// 4 .. 4 + B of the address XOR bits 7 .. 7 + B; B = 3 / 2 / 1 / 0 for 128 /
+// 64 / 32-byte / none):
+//   K-major, none:     ((8, m), (T, 2k)) : ((T, SBO), (1, LBO))
+//   K-major, swizzled: ((8, m), (T, 2k)) : ((2^B T, SBO), (1, T))
+//   MN-major, none:    ((T, 1, m), (8, k)) : ((1, T, SBO), (T, LBO))
+//   MN-major, swizzled:((T, 2^B, m), (8, k)) : ((1, T, LBO), (2^B T, SBO))
+// where the first mode is the M (A) or N (B) index and the second the K
+// index; K-major is imm-trans = 0, MN-major imm-trans = 1 (16-bit types).
+// wgmma.fence orders register accesses before the first wgmma of a
+// sequence; commit_group closes a group of this warp's wgmma; wait_group<N>
+// waits until at most N groups are pending: only then may D be read, and
+// the operands' shared memory be written.
+//
+// CPU emulation: every warp computes its 16 rows through
+// cupaged_warp_collective (the last lane to arrive reads A and B with the
+// layouts above, from the calling worker's shared memory window); the
+// product is queued per warp and runs at the wait_group that covers it, the
+// latest point a GPU allows (so D read before the wait, or an operand
+// overwritten before it, shows on the CPU too). Counted per warp part:
+// wgmma (instructions), wgmma_flop (2 x 16 x N x 16) and wgmma_smem_bytes
+// (A from shared memory: 16 rows x 32 bytes; B: N x 32 bytes shared by the
+// warpgroup's 4 warps, a quarter each), readable through
+// cupaged_wgmma_counters().
+
+enum : u32 { kSwizzleNone = 0u, kSwizzle128B = 1u, kSwizzle64B = 2u, kSwizzle32B = 3u };
+
+__device__ __forceinline__ u64 wgmma_encode(u32 x) { return (u64)((x & 0x3FFFFu) >> 4); }
+
+#ifdef CUPAGED_CPU
+namespace cpu {
+enum WgCounter : int { kWgmma, kWgmmaFlop, kWgmmaSmemBytes, kNumWgCounters };
+inline unsigned long long wg_counters[kNumWgCounters];
+inline void wg_count(WgCounter c, unsigned long long n) { __atomic_fetch_add(&wg_counters[c], n, __ATOMIC_RELAXED); }
+// The shared-memory window of the calling worker: its dynamic shared memory,
+// from a 1024-byte boundary, so that address bits 4-9 (the swizzles) are the
+// pointer's own.
+inline unsigned char* wg_window() {
+    return reinterpret_cast<unsigned char*>(reinterpret_cast<uintptr_t>(cupaged_rt_dynamic_shared()) & ~(uintptr_t)1023);
+}
+inline u32 wg_shared_address(const void* p) {
+    return (u32)(static_cast<const unsigned char*>(p) - wg_window());
+}
+// Element (mn, k) of a shared-memory operand (16-bit elements): its byte
+// address in the window, from the descriptor and the canonical layouts.
+inline u32 wg_address(u64 desc, u32 mn, u32 k, u32 trans) {
+    const u32 start = (u32)(desc & 0x3FFFu) << 4;
+    const u32 lbo = (u32)((desc >> 16) & 0x3FFFu) << 4;
+    const u32 sbo = (u32)((desc >> 32) & 0x3FFFu) << 4;
+    const u32 mode = (u32)(desc >> 62) & 3u;
+    const u32 b = mode == 1u ? 3u : mode == 2u ? 2u : mode == 3u ? 1u : 0u;
+    u32 off;
+    if (!trans) {   // K-major
+        off = b ? (mn % 8) * (16u << b) + (mn / 8) * sbo + (k % 8) * 2 + (k / 8) * 16
+                : (mn % 8) * 16 + (mn / 8) * sbo + (k % 8) * 2 + (k / 8) * lbo;
+    } else {        // MN-major
+        const u32 w = 8u << b;   // elements along MN in one swizzle row
+        off = b ? (mn % w) * 2 + (mn / w) * lbo + (k % 8) * (16u << b) + (k / 8) * sbo
+                : (mn % 8) * 2 + (mn / 8) * sbo + (k % 8) * 16 + (k / 8) * lbo;
+    }
+    const u32 a = start + off;
+    const u32 mask = (1u << b) - 1u;
+    return a ^ (((a >> 7) & mask) << 4);
+}
+template <typename T> inline float wg_elem(u64 desc, u32 mn, u32 k, u32 trans) {
+    unsigned short bits;
+    memcpy(&bits, wg_window() + wg_address(desc, mn, k, trans), 2);
+    return half_bits_to_float(bits, (T*)nullptr);
+}
+
+struct WgLane {
+    float* d;
+    u32 a[4];
+    u64 da, db;
+    u32 warp4;   // this warp within its warpgroup
+};
+struct WgOp {
+    float* d[32];
+    u32 a[32][4];
+    u64 da, db;
+    u32 n, warp4, group;
+    bool rs, acc;
+    unsigned char ta, tb, bf16;
+};
+constexpr unsigned kMaxWgOps = 48;   // queued per warp; beyond, the oldest runs at once
+struct WgQueue {
+    const char* kernel;
+    uint3 bid;
+    unsigned n, committed;
+    WgOp q[kMaxWgOps];
+};
+inline WgQueue& wg_queue() {
+    static thread_local WgQueue* table[::cupaged::kMaxThreadsPerBlock / 32] = {};
+    const ::cupaged::FiberPub* f = ::cupaged::cur();
+    WgQueue*& slot = table[f->linear / 32];
+    if (!slot) slot = static_cast<WgQueue*>(calloc(1, sizeof(WgQueue)));
+    const uint3 b = f->block->bid;
+    if (slot->kernel != f->block->kernel || slot->bid.x != b.x || slot->bid.y != b.y || slot->bid.z != b.z) {
+        slot->kernel = f->block->kernel;
+        slot->bid = b;
+        slot->n = slot->committed = 0;
+    }
+    return *slot;
+}
+template <typename T> inline void wg_run_t(const WgOp& op) {
+    float A[16][16];
+    for (int r = 0; r < 16; ++r)
+        for (int k = 0; k < 16; ++k) {
+            if (op.rs) {
+                const int l = 4 * (r % 8) + (k % 8) / 2, reg = (r / 8) + 2 * (k / 8);
+                A[r][k] = elem<T>(op.a[l][reg], k & 1);
+            } else {
+                A[r][k] = wg_elem<T>(op.da, 16 * op.warp4 + r, k, op.ta);
+            }
+        }
+    float B[16][256];
+    for (u32 k = 0; k < 16; ++k)
+        for (u32 c = 0; c < op.n; ++c) B[k][c] = wg_elem<T>(op.db, c, k, op.tb);
+    for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        float* d = op.d[l];
+        for (u32 j = 0; j < op.n / 8; ++j)
+            for (int i = 0; i < 4; ++i) {
+                const int row = g + 8 * (i >> 1), col = 8 * j + 2 * t + (i & 1);
+                float acc = op.acc ? d[4 * j + i] : 0.0f;   // 16-bit products are exact in f32; only the sum rounds
+                for (int k = 0; k < 16; ++k) acc = fmaf(A[row][k], B[k][col], acc);
+                d[4 * j + i] = acc;
+            }
+    }
+    wg_count(kWgmma, 1);
+    wg_count(kWgmmaFlop, 2ull * 16 * op.n * 16);
+    wg_count(kWgmmaSmemBytes, (op.rs ? 0u : 16u * 32u) + op.n * 32u / 4u);
+}
+inline void wg_run(const WgOp& op) {
+    if (op.bf16) wg_run_t<__nv_bfloat16>(op);
+    else wg_run_t<__half>(op);
+}
+struct WgIssue {
+    u32 n;
+    bool rs, acc;
+    unsigned char ta, tb, bf16;
+};
+inline void wg_issue_warp(void** lanes, unsigned, void* ctx) {
+    const WgIssue& is = *static_cast<const WgIssue*>(ctx);
+    WgQueue& wq = wg_queue();
+    if (wq.n == kMaxWgOps) {   // full: the oldest runs now (a GPU may complete any wgmma early)
+        wg_run(wq.q[0]);
+        memmove(&wq.q[0], &wq.q[1], (kMaxWgOps - 1) * sizeof(WgOp));
+        --wq.n;
+    }
+    WgOp& op = wq.q[wq.n++];
+    const WgLane* l0 = static_cast<const WgLane*>(lanes[0]);
+    for (int l = 0; l < 32; ++l) {
+        const WgLane* p = static_cast<const WgLane*>(lanes[l]);
+        op.d[l] = p->d;
+        for (int i = 0; i < 4; ++i) op.a[l][i] = p->a[i];
+    }
+    op.da = l0->da;
+    op.db = l0->db;
+    op.n = is.n;
+    op.warp4 = l0->warp4;
+    op.group = wq.committed;
+    op.rs = is.rs;
+    op.acc = is.acc;
+    op.ta = is.ta;
+    op.tb = is.tb;
+    op.bf16 = is.bf16;
+}
+inline void wg_commit_warp(void**, unsigned, void*) { ++wg_queue().committed; }
+// Run every queued product of a group older than the newest `keep` committed ones.
+inline void wg_wait_warp(void**, unsigned, void* ctx) {
+    const unsigned keep = *static_cast<const unsigned*>(ctx);
+    WgQueue& wq = wg_queue();
+    unsigned m = 0;
+    for (unsigned i = 0; i < wq.n; ++i) {
+        if (wq.q[i].group + keep < wq.committed) wg_run(wq.q[i]);
+        else wq.q[m++] = wq.q[i];
+    }
+    wq.n = m;
+}
+template <typename T> constexpr unsigned char wg_is_bf16 = 0;
+template <> constexpr unsigned char wg_is_bf16<__nv_bfloat16> = 1;
+}  // namespace cpu
+
+extern "C" __attribute__((visibility("default"), used)) inline unsigned long long* cupaged_wgmma_counters() {
+    return cpu::wg_counters;
+}
+extern "C" __attribute__((visibility("default"), used)) inline const char* cupaged_wgmma_counter_names() {
+    return "wgmma,wgmma_flop,wgmma_smem_bytes";
+}
+
+__device__ __forceinline__ u64 wgmma_desc(const void* smem, u32 lbo, u32 sbo, u32 swizzle) {
+    return wgmma_encode(cpu::wg_shared_address(smem)) | wgmma_encode(lbo) << 16 | wgmma_encode(sbo) << 32 |
+           (u64)swizzle << 62;
+}
+__device__ __forceinline__ void wgmma_fence() {}
+template <typename T, u32 kN, u32 kTransA, u32 kTransB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], u64 desc_a, u64 desc_b, bool accumulate) {
+    static_assert(kN % 8 == 0 && kN >= 8 && kN <= 256, "N: a multiple of 8 up to 256");
+    cpu::WgLane me{d, {0u, 0u, 0u, 0u}, desc_a, desc_b, (threadIdx.x >> 5) & 3u};
+    cpu::WgIssue is{kN, false, accumulate, (unsigned char)kTransA, (unsigned char)kTransB, cpu::wg_is_bf16<T>};
+    cupaged_warp_collective(CP_FULL_MASK, &me, &cpu::wg_issue_warp, &is);
+}
+template <typename T, u32 kN, u32 kTransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const u32 (&a)[4], u64 desc_b, bool accumulate) {
+    static_assert(kN % 8 == 0 && kN >= 8 && kN <= 256, "N: a multiple of 8 up to 256");
+    cpu::WgLane me{d, {a[0], a[1], a[2], a[3]}, 0ull, desc_b, (threadIdx.x >> 5) & 3u};
+    cpu::WgIssue is{kN, true, accumulate, 0, (unsigned char)kTransB, cpu::wg_is_bf16<T>};
+    cupaged_warp_collective(CP_FULL_MASK, &me, &cpu::wg_issue_warp, &is);
+}
+__device__ __forceinline__ void wgmma_commit() {
+    int me = 0;
+    cupaged_warp_collective(CP_FULL_MASK, &me, &cpu::wg_commit_warp, nullptr);
+}
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    static_assert(N >= 0 && N <= 7, "wait_group 0 .. 7");
+    unsigned keep = (unsigned)N;
+    int me = 0;
+    cupaged_warp_collective(CP_FULL_MASK, &me, &cpu::wg_wait_warp, &keep);
+}
+template <u32 kN> __device__ __forceinline__ void wgmma_fence_operand(float (&)[kN]) {}
+
+#elif defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ u64 wgmma_desc(const void* smem, u32 lbo, u32 sbo, u32 swizzle) {
+    return wgmma_encode(smem_addr(smem)) | wgmma_encode(lbo) << 16 | wgmma_encode(sbo) << 32 | (u64)swizzle << 62;
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+// Keep the compiler from moving accesses of accumulator registers across a
+// wgmma issue or wait (they are read and written asynchronously).
+template <u32 kN> __device__ __forceinline__ void wgmma_fence_operand(float (&d)[kN]) {
+#pragma unroll
+    for (u32 i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// One specialization per (type, N) (generated: N = 32, 64, 256; SS: A and B
+// from descriptors, RS: A from registers).
+template <typename T, u32 kN, u32 kTransA, u32 kTransB> struct WgSS;
+template <typename T, u32 kN, u32 kTransB> struct WgRS;
+template <u32 kTransA, u32 kTransB>
+struct WgSS<__half, 32, kTransA, kTransB> {
+    __device__ __forceinline__ static void run(float (&d)[16], u64 da, u64 db, bool acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                     "%16, %17, p, 1, 1, %19, %20;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+              "+f"(d[15])
+            : "l"(da), "l"(db), "r"((u32)acc), "n"(kTransA), "n"(kTransB)
+            : "memory");
+    }
+};
+template <u32 kTransA, u32 kTransB>
+struct WgSS<__nv_bfloat16, 32, kTransA, kTransB> {
+    __device__ __forceinline__ static void run(float (&d)[16], u64 da, u64 db, bool acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                     "%16, %17, p, 1, 1, %19, %20;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+              "+f"(d[15])
+            : "l"(da), "l"(db), "r"((u32)acc), "n"(kTransA), "n"(kTransB)
+            : "memory");
+    }
+};
+template <u32 kTransA, u32 kTransB>
+struct WgSS<__half, 64, kTransA, kTransB> {
+    __device__ __forceinline__ static void run(float (&d)[32], u64 da, u64 db, bool acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "%32, %33, p, 1, 1, %35, %36;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+              "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+              "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+              "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(da), "l"(db), "r"((u32)acc), "n"(kTransA), "n"(kTransB)
+            : "memory");
+    }
+};
+template <u32 kTransA, u32 kTransB>
+struct WgSS<__nv_bfloat16, 64, kTransA, kTransB> {
+    __device__ __forceinline__ static void run(float (&d)[32], u64 da, u64 db, bool acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "%32, %33, p, 1, 1, %35, %36;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+              "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+              "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+              "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(da), "l"(db), "r"((u32)acc), "n"(kTransA), "n"(kTransB)
+            : "memory");
+    }
+};
+template <u32 kTransA, u32 kTransB>
+struct WgSS<__half, 256, kTransA, kTransB> {
+    __device__ __forceinline__ static void run(float (&d)[128], u64 da, u64 db, bool acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+                     "%128, %129, p, 1, 1, %131, %132;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+              "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+              "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+              "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),
+              "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+              "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+              "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+              "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]),
+              "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+              "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]),
+              "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
+              "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]),
+              "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+              "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]),
+              "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),
+              "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]),
+              "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+            : "l"(da), "l"(db), "r"((u32)acc), "n"(kTransA), "n"(kTransB)
+            : "memory");
+    }
+};
+template <u32 kTransA, u32 kTransB>
+struct WgSS<__nv_bfloat16, 256, kTransA, kTransB> {
+    __device__ __forceinline__ static void run(float (&d)[128], u64 da, u64 db, bool acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+                     "%128, %129, p, 1, 1, %131, %132;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+              "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+              "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+              "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),
+              "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+              "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+              "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+              "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]),
+              "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+              "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]),
+              "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
+              "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]),
+              "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+              "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]),
+              "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),
+              "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]),
+              "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+            : "l"(da), "l"(db), "r"((u32)acc), "n"(kTransA), "n"(kTransB)
+            : "memory");
+    }
+};
+template <u32 kTransB>
+struct WgRS<__half, 32, kTransB> {
+    __device__ __forceinline__ static void run(float (&d)[16], const u32 (&a)[4], u64 db, bool acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                     "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+              "+f"(d[15])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"((u32)acc), "n"(kTransB)
+            : "memory");
+    }
+};
+template <u32 kTransB>
+struct WgRS<__nv_bfloat16, 32, kTransB> {
+    __device__ __forceinline__ static void run(float (&d)[16], const u32 (&a)[4], u64 db, bool acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                     "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+              "+f"(d[15])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"((u32)acc), "n"(kTransB)
+            : "memory");
+    }
+};
+template <u32 kTransB>
+struct WgRS<__half, 64, kTransB> {
+    __device__ __forceinline__ static void run(float (&d)[32], const u32 (&a)[4], u64 db, bool acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+              "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+              "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+              "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"((u32)acc), "n"(kTransB)
+            : "memory");
+    }
+};
+template <u32 kTransB>
+struct WgRS<__nv_bfloat16, 64, kTransB> {
+    __device__ __forceinline__ static void run(float (&d)[32], const u32 (&a)[4], u64 db, bool acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+              "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+              "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+              "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"((u32)acc), "n"(kTransB)
+            : "memory");
+    }
+};
+template <u32 kTransB>
+struct WgRS<__half, 256, kTransB> {
+    __device__ __forceinline__ static void run(float (&d)[128], const u32 (&a)[4], u64 db, bool acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+                     "{%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+              "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+              "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+              "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),
+              "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+              "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+              "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+              "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]),
+              "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+              "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]),
+              "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
+              "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]),
+              "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+              "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]),
+              "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),
+              "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]),
+              "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"((u32)acc), "n"(kTransB)
+            : "memory");
+    }
+};
+template <u32 kTransB>
+struct WgRS<__nv_bfloat16, 256, kTransB> {
+    __device__ __forceinline__ static void run(float (&d)[128], const u32 (&a)[4], u64 db, bool acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+                     "{%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+              "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+              "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+              "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),
+              "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+              "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+              "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+              "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]),
+              "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+              "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]),
+              "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
+              "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]),
+              "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+              "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]),
+              "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),
+              "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]),
+              "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"((u32)acc), "n"(kTransB)
+            : "memory");
+    }
+};
+template <typename T, u32 kN, u32 kTransA, u32 kTransB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], u64 desc_a, u64 desc_b, bool accumulate) {
+    WgSS<T, kN, kTransA, kTransB>::run(d, desc_a, desc_b, accumulate);
+}
+template <typename T, u32 kN, u32 kTransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const u32 (&a)[4], u64 desc_b, bool accumulate) {
+    WgRS<T, kN, kTransB>::run(d, a, desc_b, accumulate);
+}
+#endif
+
+// ============================================================================
+// Cold-path marker. ptx::cold_path() sits in the body of code that runs only
+// on rare inputs (the careful paths that keep masked Inf / NaN values out of
+// the tensor-core products), executed by whole warps. On a GPU it is
+// `pmevent 7` (SASS PMTRIG, a performance-monitor trigger with no effect
+// outside profiling); on the CPU it counts once per warp (lane 0), readable
+// through cupaged_marker_counters(), so the performance model
+// (cupaged/tools/model.py) learns how often the SASS regions holding a PMTRIG
+// run instead of assuming once per iteration of the loop around them.
+#ifdef CUPAGED_CPU
+namespace cpu {
+inline unsigned long long marker_counters[1];
+}  // namespace cpu
+extern "C" __attribute__((visibility("default"), used)) inline unsigned long long* cupaged_marker_counters() {
+    return cpu::marker_counters;
+}
+extern "C" __attribute__((visibility("default"), used)) inline const char* cupaged_marker_counter_names() {
+    return "cold_path";
+}
+__device__ __forceinline__ void cold_path() {
+    if ((threadIdx.x & 31u) == 0) __atomic_fetch_add(&cpu::marker_counters[0], 1ull, __ATOMIC_RELAXED);
+}
+#else
+__device__ __forceinline__ void cold_path() { asm volatile("pmevent 7;"); }
+#endif
+
 }  // namespace ptx

@@ -8,7 +8,8 @@ Ops import from here; nothing here imports an op or a public concept.
 """
 from __future__ import annotations
 
-from . import checks, registry
+from . import archs, checks, registry
+from .archs import cpu_arch_override, device_arch, launchable
 from .arrays import CPU, GPU, address, array_backend, backend_of, device_id, empty, xp_of, zeros
 from .dispatch import get_kernel, multiprocessor_count, stream_for
 from .registry import register
@@ -17,5 +18,5 @@ from .stream import CpuStream, Graph, Stream, check_not_capturing
 __all__ = [
     "CPU", "GPU", "address", "array_backend", "backend_of", "device_id", "empty", "xp_of", "zeros", "checks",
     "registry", "register", "get_kernel", "multiprocessor_count", "stream_for", "Stream", "Graph", "CpuStream",
-    "check_not_capturing",
+    "check_not_capturing", "archs", "cpu_arch_override", "device_arch", "launchable",
 ]

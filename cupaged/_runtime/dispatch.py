@@ -36,7 +36,8 @@ def get_kernel(like, source_path: str | Path, kernel: str, defines: dict | None 
     if backend == CPU:
         fn = cpu.load_module(text, variant).get_function(kernel)
     elif backend == GPU:
-        fn = gpu.load_module(text, variant, dev).get_function(kernel)
+        target = str((defines or {}).get("CP_TARGET", "")) or None   # an arch-specific build (sm_90a)
+        fn = gpu.load_module(text, variant, dev, target).get_function(kernel)
     else:
         raise PagedAttentionError(f"like: expected a NumPy or CuPy array, got {type(like).__name__}")
     _kernels[key] = fn

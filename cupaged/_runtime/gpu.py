@@ -181,16 +181,21 @@ def module_key(source_text: str, variant: str, device: int) -> tuple:
 _modules: dict[tuple, "GpuModule"] = {}
 
 
-def load_module(source_text: str, variant: str, device: int) -> "GpuModule":
+def load_module(source_text: str, variant: str, device: int, target: str | None = None) -> "GpuModule":
     """The module of ``source_text`` (an assembled variant) compiled by NVRTC
-    for ``device``; raises CompileError with the NVRTC log on failure."""
-    key = module_key(source_text, variant, device)
+    for ``device``; raises CompileError with the NVRTC log on failure.
+    ``target``: an arch-specific compile target (``sm_90a``, the variant's
+    ``CP_TARGET``), which CuPy's RawModule cannot pass: such a module is
+    compiled by NVRTC for that target here and loaded with cuModuleLoadData
+    (``TargetModule``)."""
+    key = module_key(source_text, variant, device) + ((target,) if target else ())
     mod = _modules.get(key)
     if mod is None:
         with _lock:
             mod = _modules.get(key)
             if mod is None:
-                mod = GpuModule(source_text, variant, int(device))
+                mod = (TargetModule(source_text, variant, int(device), target) if target else
+                       GpuModule(source_text, variant, int(device)))
                 _modules[key] = mod
     return mod
 
@@ -228,6 +233,44 @@ class GpuModule:
                 static_smem = int(raw_kernel.shared_size_bytes)
             fn = GpuFunction(name, int(cufn.ptr), self.device, self, static_smem=static_smem)
             fn._cupy_function = cufn   # holds its CUmodule, independently of CuPy's memo cache
+            self._functions[name] = fn
+        return fn
+
+
+class TargetModule:
+    """One variant compiled for an arch-specific target (``sm_90a``) on one
+    device: NVRTC (``nvrtc.compile_source`` with the GPU options and the
+    target) to a cubin, loaded through the driver. The device's arch must be
+    the target's (sm_90a code runs on compute capability 9.0 only)."""
+
+    def __init__(self, source_text: str, variant: str, device: int, target: str):
+        import cupy
+        self.variant = variant
+        self.device = device
+        self.kernel_names = _source.kernel_names(source_text)
+        self._functions: dict[str, GpuFunction] = {}
+        cc = cupy.cuda.Device(device).compute_capability
+        if f"sm_{cc}" != target.rstrip("af"):
+            raise CompileError(f"{variant} is built for {target} only; device {device} is sm_{cc}")
+        opts = module_options() + _nvrtc.CUPY_APPENDED_OPTIONS + (f"--gpu-architecture={target}",)
+        c = _nvrtc.compile_source(source_text, target, name=f"{variant}.cu", options=opts)
+        if not c.ok:
+            raise CompileError(f"NVRTC could not compile {variant} for {target}:\n{c.log}")
+        drv = _driver()
+        with _OnDevice(device):
+            self._module = _check(drv.cuModuleLoadData(c.cubin), f"cuModuleLoadData({variant})")
+
+    def get_function(self, name: str) -> "GpuFunction":
+        fn = self._functions.get(name)
+        if fn is None:
+            if name not in self.kernel_names:
+                raise KeyError(f"kernel {name!r} is not in {self.variant}; it has {self.kernel_names}")
+            drv = _driver()
+            with _OnDevice(self.device):
+                cufn = _check(drv.cuModuleGetFunction(self._module, name.encode()), f"cuModuleGetFunction({name})")
+                attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+                static_smem = int(_check(drv.cuFuncGetAttribute(attr, cufn), f"cuFuncGetAttribute({name})"))
+            fn = GpuFunction(name, int(cufn), self.device, self, static_smem=static_smem)
             self._functions[name] = fn
         return fn
 

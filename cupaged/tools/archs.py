@@ -7,13 +7,18 @@ variant launch on this arch?), the occupancy calculator
 (``occupancy.py``) and the model. docs/performance.md lists the same
 assumptions with the same sources; change both together.
 
-Kernel owners: call ``launchable(arch, static_smem, dynamic_smem, threads)``
-(or ``launch_problems`` for the reasons) when choosing a variant per arch.
+The per-block launch limits (threads, shared memory with the opt-in,
+registers) live in ``cupaged._runtime.archs.LIMITS``, which kernel selection
+reads too (a variant a device cannot launch is not selected there); the
+rows below take them from it, and ``launch_problems`` / ``launchable`` are
+the runtime's.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+
+from .._runtime import archs as _rt
 
 KIB = 1024
 
@@ -33,6 +38,9 @@ SOURCES = {
                "~790 TFLOP/s dense bf16 matrix product",
     "fa3": "FlashAttention-3 (Shah et al., arXiv 2407.08608), section 2: without wgmma, mma.sync reaches about 2/3 "
            "of Hopper's tensor-core peak",
+    "wgmma": "FlashAttention-3 (Shah et al., arXiv 2407.08608), section 2: wgmma is the instruction that reaches "
+             "Hopper's dense tensor-core peak (modeled at the datasheet's peak; its shared-memory operand reads are "
+             "counted at 128 B/clk like ldmatrix)",
     "throughput": "CUDA C++ Programming Guide, 'Arithmetic Instructions' throughput table (results per clock per "
                   "SM: fp32 add/mul/fma 64 on 8.0, 128 on 8.6/8.9/9.0; 32-bit integer 64; shuffle 32; "
                   "exp2/log2/rcp (MUFU) 16; conversions 16)",
@@ -84,6 +92,7 @@ class Arch:
     issue_per_clk: int = 4                    # warp instructions per clock per SM
     lanes_per_clk: dict = field(default_factory=dict)   # instruction class -> results per clock per SM
     mma_sync_flops: float | None = None       # dense 16-bit mma.sync, FLOP/s (the modeled tensor rate)
+    wgmma_flops: float | None = None          # dense 16-bit wgmma.mma_async (sm_90a), FLOP/s
     tensor_ceiling: float | None = None       # dense bf16 FLOP/s figures are reported against
     launch_us: float | None = None            # per kernel in a graph
     sources: dict = field(default_factory=dict)
@@ -117,6 +126,9 @@ class Arch:
              SOURCES["throughput"]),
             ("tensor rate, mma.sync dense 16-bit", f"{self.mma_sync_flops / 1e12:.0f} TFLOP/s",
              self.sources.get("mma", "")),
+            ("tensor rate, wgmma dense 16-bit (sm_90a)",
+             f"{self.wgmma_flops / 1e12:.0f} TFLOP/s" if self.wgmma_flops else "n/a (no wgmma)",
+             self.sources.get("wgmma", "PTX ISA: wgmma.mma_async requires sm_90a")),
             ("tensor figure reported against", f"{self.tensor_ceiling / 1e12:.0f} TFLOP/s",
              self.sources.get("ceiling", "")),
             ("kernel launch in a graph", f"{self.launch_us:.1f} us", SOURCES["launch"]),
@@ -136,10 +148,10 @@ _PIPES_90 = {"fp32": 128, "imad": 64, "alu": 64, "mufu": 16, "shfl": 32, "conv":
 #: gate's launch check); sm_80 and sm_90 also the model's assumptions.
 ARCHS: dict[str, Arch] = {
     "sm_70": Arch("sm_70", "V100 SXM2", 80, max_threads_per_sm=2048, max_blocks_per_sm=32, smem_per_sm=96 * KIB,
-                  smem_optin_per_block=96 * KIB, smem_reserved_per_block=0, smem_alloc_unit=256,
+                  smem_optin_per_block=_rt.LIMITS["sm_70"].smem_optin_per_block, smem_reserved_per_block=0, smem_alloc_unit=256,
                   sources={"limits": SOURCES["cc"] + "; " + SOURCES["occ"]}),
     "sm_80": Arch("sm_80", "A100 80GB SXM", 108, max_threads_per_sm=2048, max_blocks_per_sm=32,
-                  smem_per_sm=164 * KIB, smem_optin_per_block=163 * KIB,
+                  smem_per_sm=164 * KIB, smem_optin_per_block=_rt.LIMITS["sm_80"].smem_optin_per_block,
                   clock_ghz=1.41, hbm_nominal=2.039e12, copy_bw=1.80e12, latency_ns=700.0, l2_latency_ns=300.0,
                   l2_bw=3.6e12,
                   l2_bytes=40 << 20, lanes_per_clk=_PIPES_80, mma_sync_flops=312e12, tensor_ceiling=312e12,
@@ -151,18 +163,19 @@ ARCHS: dict[str, Arch] = {
                            "mma": SOURCES["a100"] + " (mma.sync is Ampere's full-rate tensor instruction)",
                            "ceiling": SOURCES["a100"]}),
     "sm_86": Arch("sm_86", "RTX A6000", 84, max_threads_per_sm=1536, max_blocks_per_sm=16, smem_per_sm=100 * KIB,
-                  smem_optin_per_block=99 * KIB, sources={"limits": SOURCES["cc"] + "; " + SOURCES["occ"]}),
+                  smem_optin_per_block=_rt.LIMITS["sm_86"].smem_optin_per_block, sources={"limits": SOURCES["cc"] + "; " + SOURCES["occ"]}),
     "sm_89": Arch("sm_89", "L40S", 142, max_threads_per_sm=1536, max_blocks_per_sm=24, smem_per_sm=100 * KIB,
-                  smem_optin_per_block=99 * KIB, sources={"limits": SOURCES["cc"] + "; " + SOURCES["occ"]}),
+                  smem_optin_per_block=_rt.LIMITS["sm_89"].smem_optin_per_block, sources={"limits": SOURCES["cc"] + "; " + SOURCES["occ"]}),
     "sm_90": Arch("sm_90", "H200 SXM", 132, max_threads_per_sm=2048, max_blocks_per_sm=32,
-                  smem_per_sm=228 * KIB, smem_optin_per_block=227 * KIB,
+                  smem_per_sm=228 * KIB, smem_optin_per_block=_rt.LIMITS["sm_90"].smem_optin_per_block,
                   clock_ghz=1.83, hbm_nominal=4.8e12, copy_bw=4.3e12, latency_ns=700.0, l2_latency_ns=300.0,
                   l2_bw=8.6e12,
-                  l2_bytes=50 << 20, lanes_per_clk=_PIPES_90, mma_sync_flops=989.4e12 * 2 / 3,
+                  l2_bytes=50 << 20, lanes_per_clk=_PIPES_90, mma_sync_flops=989.4e12 * 2 / 3, wgmma_flops=989.4e12,
                   tensor_ceiling=790e12, launch_us=2.0,
                   sources={"limits": SOURCES["cc"] + "; " + SOURCES["occ"], "sms": SOURCES["h200"],
                            "hbm": SOURCES["h200"], "copy": SOURCES["anchors"],
                            "mma": SOURCES["fa3"] + "; of " + SOURCES["h200"],
+                           "wgmma": SOURCES["wgmma"] + "; " + SOURCES["h200"],
                            "ceiling": SOURCES["anchors"]}),
 }
 
@@ -194,29 +207,12 @@ def known(arch: str) -> bool:
 
 def launch_problems(arch: str, static_smem: int, dynamic_smem: int, threads: int,
                     registers: int | None = None) -> list[str]:
-    """Why a block of ``threads`` threads with ``static_smem`` +
-    ``dynamic_smem`` bytes of shared memory (and ``registers`` per thread,
-    when given) cannot launch on ``arch``; empty when it can (with the
-    shared-memory opt-in, as cupaged's GPU backend sets it)."""
-    a = get(arch)
-    out = []
-    if not 1 <= threads <= a.max_threads_per_block:
-        out.append(f"{threads} threads per block: {a.name} allows 1..{a.max_threads_per_block}")
-    if static_smem > a.static_smem_limit:
-        out.append(f"static shared memory {static_smem} B > {a.static_smem_limit} B ({a.name})")
-    total = static_smem + dynamic_smem
-    if total > a.smem_optin_per_block:
-        out.append(f"shared memory {static_smem} static + {dynamic_smem} dynamic = {total} B > "
-                   f"{a.smem_optin_per_block} B opt-in limit per block on {a.name} ({a.device})")
-    if registers is not None:
-        warps = -(-threads // 32)
-        per_warp = -(-registers * 32 // a.reg_alloc_unit) * a.reg_alloc_unit
-        if registers > a.max_regs_per_thread:
-            out.append(f"{registers} registers per thread > {a.max_regs_per_thread} ({a.name})")
-        elif per_warp * (-(-warps // a.sub_partitions) * a.sub_partitions) > a.regs_per_block:
-            out.append(f"{registers} registers x {threads} threads exceed {a.regs_per_block} registers per block "
-                       f"({a.name})")
-    return out
+    """Why a block cannot launch on ``arch`` (``cupaged._runtime.archs.launch_problems``:
+    threads, static and opt-in shared memory, registers); KeyError for an
+    arch this table does not know."""
+    get(arch)
+    return [p.replace(f"on {get(arch).name}", f"on {get(arch).name} ({get(arch).device})")
+            for p in _rt.launch_problems(arch, static_smem, dynamic_smem, threads, registers)]
 
 
 def launchable(arch: str, static_smem: int, dynamic_smem: int, threads: int, registers: int | None = None) -> bool:

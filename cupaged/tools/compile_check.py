@@ -8,7 +8,8 @@ Every variant the package registers (``cupaged._runtime.registry.all_variants()`
 assembled exactly as the GPU backend assembles it (``cupaged._runtime.source``) and
 compiled through ``cuda.bindings.nvrtc`` with the GPU backend's options
 (``cupaged._runtime.nvrtc.gate_options``) to PTX and cubin for each architecture; no
-GPU and no driver are needed. For each kernel the table shows registers,
+GPU and no driver are needed. An arch-specific variant (``CP_TARGET=sm_90a``: the
+wgmma MLA kernel) compiles for its target alone, in place of sm_90. For each kernel the table shows registers,
 spill stores / loads, stack frame and static shared memory from the ptxas
 report, and whether the PTX has a 128-bit global load (``ld.global[.nc].v4.*``
 of 32-bit elements, ``.v2`` of 64-bit ones, or a 16-byte ``cp.async``);
@@ -204,7 +205,7 @@ def check(variants=None, archs=DEFAULT_ARCHS, *, filter: str | None = None, jobs
                 continue
         units.append((str(source), defines, name, text, keep))
 
-    work = [(u, arch) for u in units for arch in archs]
+    work = [(u, arch) for u in units for arch in _unit_archs(u[1], archs)]
 
     calls = [(text, arch, f"{name}.cu", include_dir, cache_dir, keep_ptx)
              for (source, defines, name, text, keep), arch in work]
@@ -246,6 +247,17 @@ def check(variants=None, archs=DEFAULT_ARCHS, *, filter: str | None = None, jobs
         r.problems.extend(problems)
     results.sort(key=lambda r: (r.kernel, r.variant, r.arch))
     return results
+
+
+def _unit_archs(defines: dict, archs: tuple) -> tuple:
+    """The archs one variant compiles for: all of ``archs``, or for an
+    arch-specific build (``CP_TARGET``, e.g. sm_90a: wgmma) its target alone,
+    when one of ``archs`` is that target's arch (sm_90 or sm_90a)."""
+    target = str(defines.get("CP_TARGET", ""))
+    if not target:
+        return archs
+    base = re.sub(r"[af]$", "", target)
+    return (target,) if any(re.sub(r"[af]$", "", a) == base for a in archs) else ()
 
 
 def unmatched(patterns, results: list[Result]) -> list[str]:
@@ -410,7 +422,7 @@ def main(argv=None) -> int:
               + (f"; {summary['cached']} results from the cache (--no-cache recompiles)" if summary["cached"] else ""))
         if warnings:
             print(f"\nwarning: {len(warnings)} selected launch(es) could not launch on archs not compiled here "
-                  f"(selection is not arch-aware yet; limits in cupaged/tools/archs.py):")
+                  f"(limits in cupaged/_runtime/archs.py):")
             for w in warnings:
                 print(f"  {w}")
         for pat in missing:

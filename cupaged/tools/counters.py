@@ -17,6 +17,7 @@ when it does not.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -26,17 +27,22 @@ from pathlib import Path
 import numpy as np
 
 from .. import dtypes
-from .._runtime import get_kernel
+from .._runtime import cpu_arch_override, get_kernel
 from .._runtime import source as _source
 from ..ops.attention import plan_launches
 from ..plan import HostPlan
 
 NAMES_FALLBACK = ("mma_16816", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16", "cp_async_16_zero")
 #: Bytes of shared memory one counted operation reads or writes (per warp
-#: for ldmatrix.x4: four 8x8 tiles of 16-bit; per thread for cp.async).
-SMEM_BYTES = {"ldmatrix_x4": 512, "ldmatrix_x4_trans": 512, "cp_async_16": 16, "cp_async_16_zero": 16}
+#: for ldmatrix.x4: four 8x8 tiles of 16-bit; per thread for cp.async; the
+#: wgmma counter counts its operand bytes itself, see ptx.cuh).
+SMEM_BYTES = {"ldmatrix_x4": 512, "ldmatrix_x4_trans": 512, "cp_async_16": 16, "cp_async_16_zero": 16,
+              "wgmma_smem_bytes": 1}
 #: FLOP of one m16n8k16 product.
 MMA_FLOP = 2 * 16 * 8 * 16
+#: The wgmma counters (ptx.cuh's sm_90a block, cupaged_wgmma_counters()):
+#: warp-part instructions, their FLOP, their shared-memory operand bytes.
+WGMMA_NAMES = ("wgmma", "wgmma_flop", "wgmma_smem_bytes")
 
 
 def _lib(module) -> ctypes.CDLL:
@@ -44,38 +50,53 @@ def _lib(module) -> ctypes.CDLL:
     return ctypes.CDLL(str(module.path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
 
 
-def names(module) -> tuple[str, ...] | None:
-    """Counter names of a CPU module, or None when it has no ptx.cuh counters."""
+def names(module, which: str = "ptx") -> tuple[str, ...] | None:
+    """Counter names of a CPU module (``which``: "ptx", the mma / ldmatrix /
+    cp.async block; "wgmma"; "marker", the cold-path marker), or None when
+    it has no such counters."""
     lib = _lib(module)
     try:
-        fn = lib.cupaged_ptx_counter_names
+        fn = getattr(lib, f"cupaged_{which}_counter_names")
     except AttributeError:
         return None
     fn.restype = ctypes.c_char_p
     return tuple(fn().decode().split(","))
 
 
-def _array(module):
+def _arrays(module):
     lib = _lib(module)
-    n = names(module)
-    if n is None:
-        return None, None
-    fn = lib.cupaged_ptx_counters
-    fn.restype = ctypes.POINTER(ctypes.c_ulonglong * len(n))
-    return n, fn().contents
+    out = []
+    for which in ("ptx", "wgmma", "marker"):
+        n = names(module, which)
+        if n is None:
+            continue
+        fn = getattr(lib, f"cupaged_{which}_counters")
+        fn.restype = ctypes.POINTER(ctypes.c_ulonglong * len(n))
+        out.append((n, fn().contents))
+    return out
 
 
 def read(module) -> dict | None:
-    """``{name: count}`` of a CPU module's ptx.cuh counters (None without them)."""
-    n, arr = _array(module)
-    if n is None:
+    """``{name: count}`` of a CPU module's mma / ldmatrix / cp.async
+    counters (ptx.cuh), None without them."""
+    arrays = _arrays(module)
+    if not arrays or arrays[0][0] != names(module, "ptx"):
         return None
+    n, arr = arrays[0]
     return {k: int(v) for k, v in zip(n, arr)}
 
 
+def read_all(module) -> dict | None:
+    """``read`` plus the wgmma and cold-path marker counters of ptx.cuh's
+    sm_90a and marker blocks, None without any."""
+    arrays = _arrays(module)
+    if not arrays:
+        return None
+    return {k: int(v) for n, arr in arrays for k, v in zip(n, arr)}
+
+
 def reset(module) -> None:
-    n, arr = _array(module)
-    if n is not None:
+    for n, arr in _arrays(module):
         for i in range(len(n)):
             arr[i] = 0
 
@@ -125,8 +146,8 @@ def _plan_for(tokens: int, q_len: int, page_size: int):
     return HostPlan.build(table, [tokens], [q_len], page_size, pages)
 
 
-def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int):
-    return plan_launches(host, dtype, hq, hkv, d, dv, rot, True, True)
+def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, arch: str | None = None):
+    return plan_launches(host, dtype, hq, hkv, d, dv, rot, True, True, arch=arch)
 
 
 def _run(host, np_dtype, hq, hkv, d, dv, rot, seed=0) -> None:
@@ -145,18 +166,19 @@ def _run(host, np_dtype, hq, hkv, d, dv, rot, seed=0) -> None:
 
 
 def probe(launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, page_size: int,
-          lengths=(256, 512), use_cache: bool = True) -> Probe:
+          lengths=(256, 512), use_cache: bool = True, arch: str | None = None) -> Probe:
     """Counts per block of ``launch`` (a ``plan_launches`` record of the
-    modeled shape): one sequence with the launch's queries per block, one KV
-    head with its whole group (``hq // hkv`` query heads), non-causal, at
-    each of ``lengths`` tokens, on the CPU backend; cached on disk by the
-    kernel source and the probe shape. ProbeError when the CPU module has
-    no counters or the probe plan selects another kernel."""
+    modeled shape, for ``arch``): one sequence with the launch's queries per
+    block, one KV head with its whole group (``hq // hkv`` query heads),
+    non-causal, at each of ``lengths`` tokens, on the CPU backend standing
+    in for ``arch`` (so it runs the build that arch selects); cached on disk
+    by the kernel source and the probe shape. ProbeError when the CPU module
+    has no counters or the probe plan selects another kernel."""
     group = hq // hkv
     qpb = max(1, -(-launch.q_count // launch.blocks))
     text = _source.assemble(launch.source, launch.defines)
     key = _source.digest(text, json.dumps([launch.kernel, dtype, group, d, dv, rot, page_size, qpb, list(lengths)]),
-                         "counters-v1")
+                         "counters-v2")
     path = _cache_dir() / f"counters-{key}.json"
     if use_cache:
         try:
@@ -168,7 +190,7 @@ def probe(launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, p
     counts, blocks = [], 1
     for tokens in lengths:
         host = _plan_for(tokens, qpb, page_size)
-        ls = _launches(host, dtype, group, 1, d, dv, rot)
+        ls = _launches(host, dtype, group, 1, d, dv, rot, arch)
         if len(ls) != 1 or ls[0].kernel != launch.kernel or ls[0].defines != launch.defines:
             got = "; ".join(f"{x.kernel} {x.defines}" for x in ls)
             raise ProbeError(f"the probe plan selects {got}, not {launch.kernel} {launch.defines}")
@@ -182,8 +204,9 @@ def probe(launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, p
                            "no ptx.cuh helpers in this kernel's module")
             break
         reset(mod)
-        _run(host, np_dtype, group, 1, d, dv, rot)
-        counts.append(read(mod))
+        with (cpu_arch_override(arch) if arch else contextlib.nullcontext()):
+            _run(host, np_dtype, group, 1, d, dv, rot)
+        counts.append(read_all(mod))
     else:
         result = None
     if result is None:

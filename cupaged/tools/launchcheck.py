@@ -9,9 +9,9 @@ dtype and head dim, decode and prefill, GQA groups 1 / 4 / 8, MLA at 16 and
 memory) it would launch; ``arch_problems`` checks those against
 ``archs.launch_problems`` with the static figures of the gate's compile.
 
-Selection is not arch-aware yet (``plan_launches`` takes no arch); when it
-accepts an ``arch`` keyword, the probes pass it, so a variant the owners
-stop selecting on an arch stops being checked there.
+Selection is arch-aware (``plan_launches(..., arch=)``): each arch's rows
+are checked against what that arch selects (a smaller prefill tile or the
+CUDA-core MLA kernel on sm_86 / sm_89, the wgmma MLA build on sm_90).
 """
 from __future__ import annotations
 
@@ -105,14 +105,19 @@ def arch_problems(results, archs, selected=None) -> list[tuple]:
     rows = [r for r in results if r.compiled and r.is_entry and r.kernel]
     if not rows:
         return []
-    if selected is None:
-        if all(str(r.source).endswith(".cu") for r in rows):
-            return []          # --source files: nothing the package selects
-        selected = selected_launches()
-    by = {(s.variant, s.kernel): s for s in selected}
+    if selected is None and all(str(r.source).endswith(".cu") for r in rows):
+        return []          # --source files: nothing the package selects
+    per_arch: dict = {}
+
+    def by_arch(arch: str) -> dict:
+        if arch not in per_arch:
+            sel = selected if selected is not None else selected_launches(arch)
+            per_arch[arch] = {(s.variant, s.kernel): s for s in sel}
+        return per_arch[arch]
+
     out = []
     for r in rows:
-        s = by.get((r.variant, r.kernel))
+        s = by_arch(r.arch).get((r.variant, r.kernel))
         if s is None or not r.arch.startswith("sm_") or not _archs.known(r.arch):
             continue
         probs = _archs.launch_problems(r.arch, r.smem, s.dynamic_smem, s.threads, r.registers)
@@ -129,16 +134,14 @@ def arch_warnings(results, compiled_archs, warn_archs=_archs.WARN_ARCHS, selecte
     rows = [r for r in results if r.compiled and r.is_entry and r.kernel and r.arch.startswith("sm_")]
     if not todo or not rows:
         return []
-    if selected is None:
-        if all(str(r.source).endswith(".cu") for r in rows):
-            return []
-        selected = selected_launches()
-    by = {(s.variant, s.kernel): s for s in selected}
+    if selected is None and all(str(r.source).endswith(".cu") for r in rows):
+        return []
     ref: dict = {}
     for r in sorted(rows, key=lambda r: (r.arch != "sm_80", r.arch)):
         ref.setdefault((r.variant, r.kernel), r)
     out = []
     for arch in todo:
+        by = {(s.variant, s.kernel): s for s in (selected if selected is not None else selected_launches(arch))}
         for (variant, kernel), r in sorted(ref.items()):
             s = by.get((variant, kernel))
             if s is None:

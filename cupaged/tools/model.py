@@ -176,16 +176,18 @@ class Rates:
 
 
 def solve_rates(hot: _sass.HotLoop, bytes_per_token: float, mma_per_token: float | None,
-                ldsm_per_token: float | None) -> Rates:
+                ldsm_per_token: float | None, cold_per_token: float | None = None) -> Rates:
     """Executions per token (per warp) of each region of the hot loop.
 
     Unknowns: ``y[j]`` for the hot loop's own region and each nested loop
-    that holds a counted instruction (16-byte loads, HMMA, LDSM); a nested
-    loop with none runs once per iteration of its parent. Equations, per
-    token per warp: K/V bytes loaded = ``bytes_per_token``; HMMA = the
-    counters' mma; LDSM = the counters' ldmatrix. Least squares; when the
-    equations cannot tell two unknowns apart, the deeper one runs once per
-    parent iteration."""
+    that holds a counted instruction (16-byte loads, HMMA / HGMMA, LDSM, the
+    cold-path marker PMTRIG); a nested loop with none runs once per
+    iteration of its parent. Equations, per token per warp: K/V bytes
+    loaded = ``bytes_per_token``; HMMA = the counters' mma (and wgmma);
+    LDSM = the counters' ldmatrix; PMTRIG = the counters' cold-path marks
+    (``ptx::cold_path``: rare paths, never run by the probe). Least squares;
+    when the equations cannot tell two unknowns apart, the deeper one runs
+    once per parent iteration."""
     R = hot.regions
     use_wide = any(r.wide_load_bytes for r in R)
     load = [r.wide_load_bytes if use_wide else r.global_load_bytes for r in R]
@@ -194,7 +196,20 @@ def solve_rates(hot: _sass.HotLoop, bytes_per_token: float, mma_per_token: float
         eqs.append(([r.hmma for r in R], mma_per_token))
     if ldsm_per_token is not None and any(r.ldsm for r in R):
         eqs.append(([r.ldsm for r in R], ldsm_per_token))
-    counted = [j for j in range(len(R)) if j == 0 or load[j] or R[j].hmma or R[j].ldsm]
+    # Cold paths the probe never ran (no mark counted): their regions, and the loops nested in them,
+    # run 0 times (non-negative trip counts summing to 0); otherwise the marks are one more equation.
+    cold = set()
+    if cold_per_token is not None and cold_per_token <= 0:
+        cold = {j for j in range(len(R)) if R[j].pmtrig and j != 0}
+        grew = True
+        while grew:
+            new = {j for j in range(len(R)) if R[j].parent in cold and R[j].parent >= 0} - cold
+            grew = bool(new)
+            cold |= new
+    elif cold_per_token is not None and any(r.pmtrig for r in R):
+        eqs.append(([r.pmtrig for r in R], cold_per_token))
+    counted = [j for j in range(len(R)) if j not in cold and (j == 0 or load[j] or R[j].hmma or R[j].ldsm
+                                                              or (cold_per_token and R[j].pmtrig))]
 
     def owner(j: int, free: list) -> int:
         while j not in free:
@@ -208,18 +223,21 @@ def solve_rates(hot: _sass.HotLoop, bytes_per_token: float, mma_per_token: float
         A = np.zeros((len(eqs), len(free)))
         for e, (coef, _) in enumerate(eqs):
             for j, c in enumerate(coef):
-                A[e, col[owner(j, free)]] += c
+                if j not in cold:
+                    A[e, col[owner(j, free)]] += c
         b = np.array([rhs for _, rhs in eqs], float)
         if np.linalg.matrix_rank(A) >= len(free) or len(free) == 1:
             break
         drop = max(free[1:], key=lambda j: (R[j].depth, j))
         free.remove(drop)
         note = "some nested-loop trip counts assumed 1 per parent iteration"
-    scale = np.maximum(np.abs(b), 1e-30)
+    # each equation relative to its right side; one whose right side is 0 (a cold path the probe never
+    # ran) relative to its coefficients, so that it weighs like the others
+    scale = np.where(np.abs(b) > 0, np.abs(b), np.maximum(np.abs(A).max(axis=1), 1.0))
     sol, *_ = np.linalg.lstsq(A / scale[:, None], b / scale, rcond=None)
     sol = np.maximum(sol, 0.0)
     resid = float(np.max(np.abs(A @ sol - b) / scale)) if len(b) else 0.0
-    y = [float(sol[col[owner(j, free)]]) for j in range(len(R))]
+    y = [0.0 if j in cold else float(sol[col[owner(j, free)]]) for j in range(len(R))]
     classes: dict = defaultdict(float)
     for j, r in enumerate(R):
         for k, v in r.classes.items():
@@ -254,8 +272,10 @@ def split_chunk(visible: int, splits: int, tile: int = 16) -> int:
 
 def attention_blocks(launch, host, *, hkv: int, hq: int, d: int, dv: int, rot: int, itemsize: int, splits: int,
                      causal: bool, x_reversed: bool) -> list[Block]:
-    """Every block of ``launch`` in launch order (x fastest, then y =
-    KV head x tiles + tile, then z = split)."""
+    """Every block of ``launch`` in launch order (x fastest, then y, then z =
+    split): x = query block and y = KV head x tiles + tile, or with
+    ``launch.tiles_in_x`` x = query block x tiles + tile and y = KV head (the
+    head tiles of one query block dispatched side by side)."""
     X, tiles = launch.blocks, launch.tiles
     group = hq // hkv
     heads = -(-group // tiles)
@@ -270,19 +290,21 @@ def attention_blocks(launch, host, *, hkv: int, hq: int, d: int, dv: int, rot: i
         xs.append([(int(seq[q]), int(pos[q]) + 1 if causal else int(kvl[seq[q]])) for q in qs])
     out = []
     part = splits > 1
+    if getattr(launch, "tiles_in_x", False):
+        order = [(kvh, per_q) for kvh in range(hkv) for per_q in xs for _ in range(tiles)]
+    else:
+        order = [(y // tiles, per_q) for y in range(hkv * tiles) for per_q in xs]
     for z in range(splits):
-        for y in range(hkv * tiles):
-            kvh = y // tiles
-            for per_q in xs:
-                most: dict = {}
-                for s, vis in per_q:
-                    c = split_chunk(vis, splits) if part else vis
-                    t = max(0, min(vis, (z + 1) * c) - z * c) if part else vis
-                    most[s] = max(most.get(s, 0), t)
-                rows = len(per_q) * heads
-                keys = [((s, kvh, z), t) for s, t in most.items()]
-                ob = rows * (dv + 1) * 4 if part else rows * dv * itemsize
-                out.append(Block(keys, sum(most.values()), rows, rows * (d + rot) * itemsize, ob))
+        for kvh, per_q in order:
+            most: dict = {}
+            for s, vis in per_q:
+                c = split_chunk(vis, splits) if part else vis
+                t = max(0, min(vis, (z + 1) * c) - z * c) if part else vis
+                most[s] = max(most.get(s, 0), t)
+            rows = len(per_q) * heads
+            keys = [((s, kvh, z), t) for s, t in most.items()]
+            ob = rows * (dv + 1) * 4 if part else rows * dv * itemsize
+            out.append(Block(keys, sum(most.values()), rows, rows * (d + rot) * itemsize, ob))
     return out
 
 
@@ -487,10 +509,12 @@ def model_launch(arch: _archs.Arch, facts: KernelFacts, desc: _kernels.KernelDes
 
     rates = None
     if facts.hot is not None:
-        mma_t = probe.slope.get("mma_16816") / warps if probe else None
+        # wgmma instructions (per warp part) are HGMMA in the SASS, which the solver counts with HMMA
+        mma_t = (probe.slope.get("mma_16816", 0.0) + probe.slope.get("wgmma", 0.0)) / warps if probe else None
         ldsm_t = ((probe.slope.get("ldmatrix_x4", 0) + probe.slope.get("ldmatrix_x4_trans", 0)) / warps
                   if probe else None)
-        rates = solve_rates(facts.hot, kv_bytes_per_token / warps, mma_t, ldsm_t)
+        cold_t = probe.slope.get("cold_path", 0.0) / warps if probe else None
+        rates = solve_rates(facts.hot, kv_bytes_per_token / warps, mma_t, ldsm_t, cold_t)
         if rates.note:
             notes.append(rates.note)
     else:
@@ -527,8 +551,14 @@ def model_launch(arch: _archs.Arch, facts: KernelFacts, desc: _kernels.KernelDes
         mma = np.array([probe.per_block("mma_16816", t) for t in tokens])
         ldm = np.array([probe.per_block("ldmatrix_x4", t) + probe.per_block("ldmatrix_x4_trans", t) for t in tokens])
         smem = np.array([probe.smem_bytes(t) for t in tokens])
-        if mma.any():
+        wg_flop = np.array([probe.per_block("wgmma_flop", t) for t in tokens])
+        if mma.any() or wg_flop.any():
             demands["tensor"] = mma * _counters.MMA_FLOP / (arch.mma_sync_flops / arch.sms)
+            if wg_flop.any():
+                if not arch.wgmma_flops:
+                    notes.append(f"{facts.kernel}: wgmma has no rate on {arch.name}; modeled at the mma.sync rate")
+                demands["tensor"] = demands["tensor"] + wg_flop / ((arch.wgmma_flops or arch.mma_sync_flops) / arch.sms)
+            mma = mma + wg_flop / _counters.MMA_FLOP   # reported in m16n8k16 equivalents
     if rates is not None:
         smem = smem + warps * tokens * rates.smem_bytes
     if smem.any():
@@ -569,7 +599,8 @@ def model_launch(arch: _archs.Arch, facts: KernelFacts, desc: _kernels.KernelDes
     instr = float((warps * tokens * rates.instr).sum()) if rates is not None else None
     per_tile = {}
     if probe is not None:
-        per_tile = {"tokens": 64, "mma": 64 * probe.slope.get("mma_16816", 0.0),
+        per_tile = {"tokens": 64, "mma": 64 * (probe.slope.get("mma_16816", 0.0)
+                                               + probe.slope.get("wgmma_flop", 0.0) / _counters.MMA_FLOP),
                     "ldmatrix": 64 * (probe.slope.get("ldmatrix_x4", 0.0) + probe.slope.get("ldmatrix_x4_trans", 0.0)),
                     "smem_bytes": 64 * (sum(_counters.SMEM_BYTES[k] * probe.slope.get(k, 0.0)
                                             for k in _counters.SMEM_BYTES)

@@ -157,21 +157,24 @@ def _launch_models(shape: Shape, arch: _archs.Arch, host, token: str, *, use_cac
     if splits is None:
         splits = choose_splits(host, shape.hkv, multiprocessors=arch.sms, q_heads=shape.hq, head_dim=shape.d,
                                value_dim=shape.dv, dtype=token, rot_dim=shape.rot)
-    launches = plan_launches(host, token, shape.hq, shape.hkv, shape.d, shape.dv, shape.rot, True, True)
+    launches = plan_launches(host, token, shape.hq, shape.hkv, shape.d, shape.dv, shape.rot, True, True,
+                             arch=arch.name)
     kv_bpt = _kv_bpt(shape, itemsize)
     unique_kv = float(np.asarray(host.kv_lens).sum()) * kv_bpt * (1 if shape.rot else shape.hkv)
     fits = unique_kv <= (arch.l2_bytes or 0) / 2
     out = []
     last = None
     for L in launches:
-        facts = _model.kernel_facts(L.source, L.defines, L.kernel, arch.name, use_cache)
+        # an arch-specific build (CP_TARGET=sm_90a) compiles for its target
+        facts = _model.kernel_facts(L.source, L.defines, L.kernel, str(L.defines.get("CP_TARGET", arch.name)),
+                                    use_cache)
         uses_cp = bool(facts.hot and any(r.ldgsts for r in facts.hot.regions))
         desc = _kernels.desc(L.kernel, uses_cp)
         notes, probe = [], None
         if probes:
             try:
                 probe = _counters.probe(L, dtype=token, hq=shape.hq, hkv=shape.hkv, d=shape.d, dv=shape.dv,
-                                        rot=shape.rot, page_size=shape.page, use_cache=use_cache)
+                                        rot=shape.rot, page_size=shape.page, use_cache=use_cache, arch=arch.name)
                 if probe.note:
                     notes.append(probe.note)
             except Exception as e:  # noqa: BLE001 (no g++, a probe the plan cannot reproduce, ...: reported)
@@ -180,14 +183,15 @@ def _launch_models(shape: Shape, arch: _archs.Arch, host, token: str, *, use_cac
             notes.append("counters not run (--no-counters)")
         blocks = _model.attention_blocks(L, host, hkv=shape.hkv, hq=shape.hq, d=shape.d, dv=shape.dv, rot=shape.rot,
                                          itemsize=itemsize, splits=splits, causal=True, x_reversed=desc.x_reversed)
-        lm = _model.model_launch(arch, facts, desc, grid=(L.blocks, shape.hkv * L.tiles, splits), threads=L.threads,
+        lm = _model.model_launch(arch, facts, desc, grid=L.grid(shape.hkv, splits), threads=L.threads,
                                  dynamic_smem=L.smem, blocks=blocks, kv_bytes_per_token=kv_bpt, probe=probe,
                                  latency_ns=arch.latency_ns, fits_l2=fits, extra_notes=notes)
         out.append(lm)
         last = L
     if splits > 1 and last is not None:
         heads_pb, threads = _kernels.merge_geometry()
-        facts = _model.kernel_facts(last.source, last.defines, _kernels.MERGE_KERNEL, arch.name, use_cache)
+        facts = _model.kernel_facts(last.source, last.defines, _kernels.MERGE_KERNEL,
+                                    str(last.defines.get("CP_TARGET", arch.name)), use_cache)
         desc = _kernels.desc(_kernels.MERGE_KERNEL)
         part = float(splits) * host.queries * shape.hq * (shape.dv + 1) * 4
         in_l2 = part <= (arch.l2_bytes or 0) / 2

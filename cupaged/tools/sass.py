@@ -440,12 +440,13 @@ class Region:
     wide_load_bytes: int         # per warp: 16-byte-per-lane global loads / copies x 32 lanes
     global_load_bytes: int       # per warp: every global load / copy
     smem_bytes: int              # per warp: LDS / STS (not LDSM)
-    hmma: int
+    hmma: int                    # HMMA and HGMMA (mma.sync, wgmma)
     ldsm: int
     ldgsts: int
+    pmtrig: int = 0              # cold-path markers (ptx::cold_path: pmevent)
 
     def count(self, what: str) -> int:
-        return {"hmma": self.hmma, "ldsm": self.ldsm, "ldgsts": self.ldgsts}[what]
+        return {"hmma": self.hmma, "ldsm": self.ldsm, "ldgsts": self.ldgsts, "pmtrig": self.pmtrig}[what]
 
 
 @dataclass
@@ -477,7 +478,8 @@ class HotLoop:
         return Region(self.first_offset, self.regions[0].depth, -1, self.instructions, dict(cls),
                       sum(r.wide_load_bytes for r in self.regions), sum(r.global_load_bytes for r in self.regions),
                       sum(r.smem_bytes for r in self.regions), sum(r.hmma for r in self.regions),
-                      sum(r.ldsm for r in self.regions), sum(r.ldgsts for r in self.regions))
+                      sum(r.ldsm for r in self.regions), sum(r.ldgsts for r in self.regions),
+                      sum(r.pmtrig for r in self.regions))
 
     def as_dict(self) -> dict:
         return {"function": self.function, "first_offset": self.first_offset, "last_offset": self.last_offset,
@@ -498,8 +500,8 @@ def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int) -> Region:
                   sum(32 * access_bytes(i) for i in ins if is_wide_global_load(i)),
                   sum(32 * access_bytes(i) for i in glob),
                   sum(32 * access_bytes(i) for i in ins if i.base in ("LDS", "STS")),
-                  sum(1 for i in ins if i.base in ("HMMA",)), sum(1 for i in ins if i.base == "LDSM"),
-                  sum(1 for i in ins if i.base == "LDGSTS"))
+                  sum(1 for i in ins if i.base in ("HMMA", "HGMMA")), sum(1 for i in ins if i.base == "LDSM"),
+                  sum(1 for i in ins if i.base == "LDGSTS"), sum(1 for i in ins if i.base == "PMTRIG"))
 
 
 def _all_inside(loop: Loop):

@@ -8,7 +8,9 @@
 //
 // paged_mla_tc: f16 / bf16, R = LATENT_DIM latent dims (the values too) +
 // P = ROPE_DIM rotary dims, one shared KV head.
-//   grid (ceil(q_count / qt), head_tiles, splits), block 256 (8 warps),
+//   grid (head_tiles * ceil(q_count / qt), 1, splits): the head tile is the
+//   fastest block index, so one query's head tiles run side by side and its
+//   latent rows come from HBM once (the second read hits L2); block 256 (8 warps),
 //   dynamic shared memory mla_smem_bytes(R, P) (ops/attention/variants.py): 151 KiB at 512 / 64.
 //   Rows are (query, head) pairs as in paged_prefill_tc: ht = min(H, 64)
 //   heads of qt = 64 / ht queries, so each latent row read serves up to 64
@@ -22,7 +24,12 @@
 //   splits R across warps the same way), rescaling its O rows with the
 //   maxima every warp derives identically (softmax_state.cuh). O: 64 x 64
 //   f32 per warp, 128 registers a lane. Tiles are double-buffered with
-//   cp.async as in paged_prefill_tc.
+//   cp.async (tc::run_ring, two buffers).
+//   A valid token a stored row cannot see contributes nothing, also when its
+//   latent row holds Inf or NaN: a tile where some stored row misses a valid
+//   token runs its P V k-step by k-step (tc::pv_step: a 16-column slice with
+//   a non-finite value leaves the tensor cores for exact per-lane sums).
+//   On sm_90 devices paged_mla_wgmma (mla_wgmma.cu) serves the same shapes.
 //
 // Memory traffic: L * (R + P) * sizeof(kv_t) bytes per block, each latent row
 // serving up to 64 heads (the CUDA-core kernel reads it once per GROUP_TILE
@@ -78,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
     scalar_t* const sKV = sQ + kRows * kPitch;           // [2][kN][kPitch]  latent | k_pos
     scalar_t* const sP = sKV + 2 * kN * kPitch;          // [kRows][kPPitch] softmax numerators
     __shared__ tc::Rows rows;
-    __shared__ tc::Stage<kN> st;
+    __shared__ tc::Ring<kN, 2> st;
     __shared__ float s_max[2][kRows], s_sum[2][kRows];   // per token half of the tile
 
     const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
@@ -87,12 +94,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
     const u32 q_heads = p.q_heads;
     const u32 ht = q_heads < kRows ? q_heads : kRows;
     const u32 qt = kRows / ht;
-    const u32 head0 = blockIdx.y * ht;
+    const u32 tiles = (q_heads + ht - 1) / ht;
+    const u32 qblk = blockIdx.x / tiles;   // the head tile is the fastest block index
+    const u32 head0 = (blockIdx.x - qblk * tiles) * ht;
     const u32 heads = tc::min_u32(ht, q_heads - head0);
     // Queries q0 .. q0 + qt - 1 of the launch's range [q_begin, q_end); last
     // queries first: under a causal mask they see the most.
     const u32 q_end = att::range_end(p.queries, p.q_begin, p.q_count);
-    const u64 q0 = (u64)p.q_begin + (u64)(gridDim.x - 1 - blockIdx.x) * qt;
+    const u64 q0 = (u64)p.q_begin + (u64)(gridDim.x / tiles - 1 - qblk) * qt;
 
     // ---- Q rows: [q (R) | q_pos (P)] ----
     for (u32 c = tid; c < kRows * kChunks; c += kThreads) {
@@ -151,12 +160,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
             rpos[h] = in ? rows.position(s) : 0u;
             rhead[h] = head0 + (srow0 + g + 8 * h - (in ? s : 0u) * ht);
         }
-        auto issue = [&](u32 b) {
+        auto issue = [&](u32 sb, u32 b) {
             for (u32 c = tid; c < kN * kChunks; c += kThreads) {
                 const u32 r = c / kChunks, ch = c - r * kChunks;
-                const u32 page = st.page[b][r];
+                const u32 page = st.page[sb][r];
                 const bool ok = page != kNone;
-                const u64 slot = st.slot[b][r];
+                const u64 slot = st.slot[sb][r];
                 const kv_t* src = ch < kRChunks ? k_cache + (u64)page * lat_page + slot * kR + ch * 8
                                                 : k_rot + (u64)page * rot_page + slot * kP + (ch - kRChunks) * 8;
                 ptx::cp_async_16(sKV + (b * kN + r) * kPitch + ch * 8, ok ? src : k_cache, ok);
@@ -166,10 +175,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
             const scalar_t* const kt = sKV + b * kN * kPitch;
             // ---- S for rows srow0.., tokens t0 + 16 th .. +15 ----
             // Bit dt of vis[h]: row h sees token t0 + 16 th + dt.
-            const u32 vbits = st.valid[b][0] >> (16 * th);
+            const u32 vbits = (st.valid[b][0] >> (16 * th)) & 0xffffu;
             u32 vis[2];
+            bool miss = false;   // a stored row of this warp misses a valid token of its half
 #pragma unroll
-            for (u32 h = 0; h < 2; ++h) vis[h] = vbits & (u32)tc::row_bits(rlo[h], rhi[h], t0 + 16 * th, 16);
+            for (u32 h = 0; h < 2; ++h) {
+                vis[h] = vbits & (u32)tc::row_bits(rlo[h], rhi[h], t0 + 16 * th, 16);
+                miss |= s_slot[h] != kNone && vis[h] != vbits;
+            }
             const bool mine = (vis[0] | vis[1]) != 0;
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) vis[h] >>= 2 * tq;
@@ -208,7 +221,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
                 mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 2));
                 if (tq == 0) s_max[th][srow0 + g + 8 * h] = mx[h];
             }
-            __syncthreads();
+            // The maxima meet; and whether any stored row of the block misses a valid token.
+            const bool mixed = __syncthreads_or(miss) != 0;
             // ---- P = exp2(S - m) into shared memory, row sums ----
             float ps[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -244,26 +258,64 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
                         o[mt][n][2 * h + 1] *= alpha;
                     }
                 }
+            if (!mixed) {
 #pragma unroll
-            for (u32 kk = 0; kk < kN / 16; ++kk) {
-                u32 a[kMTiles][4];
+                for (u32 kk = 0; kk < kN / 16; ++kk) {
+                    u32 a[kMTiles][4];
 #pragma unroll
-                for (u32 mt = 0; mt < kMTiles; ++mt)
-                    ptx::ldmatrix_x4(a[mt], sP + (mt * 16 + r8 + 8 * (tile & 1u)) * kPPitch + kk * 16 + 8 * (tile >> 1));
+                    for (u32 mt = 0; mt < kMTiles; ++mt)
+                        ptx::ldmatrix_x4(a[mt], sP + (mt * 16 + r8 + 8 * (tile & 1u)) * kPPitch + kk * 16 + 8 * (tile >> 1));
 #pragma unroll
-                for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
-                    u32 bq[4];
-                    ptx::ldmatrix_x4_trans(bq, kt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + c0 + dp * 16 + 8 * (tile >> 1));
-                    const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+                    for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
+                        u32 bq[4];
+                        ptx::ldmatrix_x4_trans(bq, kt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + c0 + dp * 16 +
+                                                       8 * (tile >> 1));
+                        const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+#pragma unroll
+                        for (u32 mt = 0; mt < kMTiles; ++mt) {
+                            ptx::mma_16816<scalar_t>(o[mt][2 * dp], a[mt], b0);
+                            ptx::mma_16816<scalar_t>(o[mt][2 * dp + 1], a[mt], b1);
+                        }
+                    }
+                }
+            } else {
+                // Careful k-steps: every row's visibility of the k-step's 16 tokens, from the block's spans.
+                const u32 valid_all = st.valid[b][0];
+#pragma unroll 1
+                for (u32 kk = 0; kk < kN / 16; ++kk) {
+                    const u32 valid16 = (valid_all >> (16 * kk)) & 0xffffu;
+                    u32 a[kMTiles][4];
+                    u32 kv[kMTiles][2];
+                    bool mx16[kMTiles];
 #pragma unroll
                     for (u32 mt = 0; mt < kMTiles; ++mt) {
-                        ptx::mma_16816<scalar_t>(o[mt][2 * dp], a[mt], b0);
-                        ptx::mma_16816<scalar_t>(o[mt][2 * dp + 1], a[mt], b1);
+                        ptx::ldmatrix_x4(a[mt], sP + (mt * 16 + r8 + 8 * (tile & 1u)) * kPPitch + kk * 16 + 8 * (tile >> 1));
+                        bool m = false;
+#pragma unroll
+                        for (u32 h = 0; h < 2; ++h) {
+                            const u32 r = mt * 16 + g + 8 * h, slot = r / ht, hl = r - slot * ht;
+                            const bool stored = slot < qt && q0 + slot < q_end && hl < heads;
+                            const bool in = stored && slot >= slot_lo && slot < slot_hi;
+                            kv[mt][h] = in ? valid16 & (u32)tc::row_bits(rows.lo[slot], rows.hi[slot], t0 + 16 * kk, 16)
+                                           : 0u;
+                            m |= stored && kv[mt][h] != valid16;
+                        }
+                        mx16[mt] = __any_sync(CP_FULL_MASK, m);
+                    }
+#pragma unroll
+                    for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
+                        u32 bq[4];
+                        ptx::ldmatrix_x4_trans(bq, kt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + c0 + dp * 16 +
+                                                       8 * (tile >> 1));
+#pragma unroll
+                        for (u32 mt = 0; mt < kMTiles; ++mt)
+                            tc::pv_step<scalar_t>(o[mt][2 * dp], o[mt][2 * dp + 1], a[mt], bq, mx16[mt], kv[mt][0],
+                                                  kv[mt][1], kt + kk * 16 * kPitch, kPitch, c0 + dp * 16);
                     }
                 }
             }
         };
-        tc::run_tiles<kN>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue, compute);
+        tc::run_ring<kN, 2>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue, compute);
     });
 
     // ---- normalize and write: every warp its value columns of all rows ----

@@ -1,8 +1,9 @@
-// tc_common.cuh: what the two tensor-core attention kernels share
-// (paged_prefill_tc in prefill_tc.cu, paged_mla_tc in mla_tc.cu): the rows
-// of a block, the double-buffered page-by-page K/V tile pipeline, the passes
-// over the sequences a block touches, token masks and the output store. The
-// inline PTX they use lives in ptx.cuh.
+// tc_common.cuh: what the row-packed tensor-core attention kernels share
+// (paged_prefill_tc in prefill_tc.cu, paged_mla_tc in mla_tc.cu,
+// paged_mla_wgmma in mla_wgmma.cu): the rows of a block, the page-by-page
+// K/V tile ring (cp.async), the passes over the sequences a block touches,
+// token masks, the P V step that keeps masked Inf / NaN values out, and the
+// output store. The inline PTX they use lives in ptx.cuh.
 #pragma once
 #include "../common.cuh"
 #include "../plan_words.cuh"
@@ -16,83 +17,6 @@ using att::min_u32;
 
 constexpr u32 kRows = 64;             // (query, head) rows per block: the M dimension
 constexpr u32 kNone = CP_NO_PAGE;     // no sequence / no page
-
-// Page staging of a K/V tile: the page id and slot of each of its kN tokens
-// (kNone past `hi` or for a page id >= num_pages) and a bit per valid token.
-template <u32 kN>
-struct Stage {
-    u32 page[2][kN];
-    u32 slot[2][kN];
-    u32 valid[2][kN / 32];
-};
-
-// The tiles of one pass: positions [lo, hi) of one sequence in tiles of kN,
-// two buffers, the next tile's cp.async in flight while this one computes.
-//   issue(buf): start the copies of the staged tile into buffer buf (every thread)
-//   compute(buf, t0): use the tile of positions t0 .. t0+kN-1 in buffer buf
-// Every thread of the block calls this with the same lo, hi. Threads
-// tid < kN look up the page of token tid of each tile: the page-table
-// word of tile j+2 is loaded while tile j computes and staged in shared
-// memory (page id, slot, valid bit) for the copies of tile j+1.
-template <u32 kN, typename Issue, typename Compute>
-__device__ __forceinline__ void run_tiles(Stage<kN>& st, const u32* __restrict__ table, u32 lo, u32 hi,
-                                          u32 page_size, u32 num_pages, Issue&& issue, Compute&& compute) {
-    const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-    u32 raw = kNone, slot = 0;   // token tid of a later tile: page-table word (kNone past hi) and slot
-    auto fetch = [&](u32 t) {
-        raw = kNone;
-        slot = 0;
-        if (tid < kN && t < hi) {
-            const u32 j = t / page_size;
-            raw = table[j];
-            slot = t - j * page_size;
-        }
-    };
-    // Stage the fetched token into buffer b (threads tid < kN); returns its validity.
-    auto stage = [&](u32 b) -> bool {
-        const bool ok = raw < num_pages;
-        if (tid < kN) {
-            st.page[b][tid] = ok ? raw : kNone;
-            st.slot[b][tid] = slot;
-        }
-        return ok;
-    };
-    // The valid bits of buffer b (warps < kN / 32; a barrier must follow before compute).
-    auto publish = [&](u32 b, bool ok) {
-        if (warp < kN / 32) {
-            const u32 bits = __ballot_sync(CP_FULL_MASK, ok);
-            if (lane == 0) st.valid[b][warp] = bits;
-        }
-    };
-    const u32 ntiles = (hi - lo + kN - 1) / kN;
-    __syncthreads();   // the previous pass is done with every buffer and the staging arrays
-    fetch(lo + tid);
-    publish(0u, stage(0u));
-    fetch(lo + kN + tid);
-    __syncthreads();
-    issue(0u);
-    ptx::cp_async_commit();
-    for (u32 j = 0; j < ntiles; ++j) {
-        const u32 t0 = lo + j * kN, b = j & 1u;
-        const bool more = j + 1 < ntiles;
-        // Page ids and slots of buffer b^1 are read only by issue(), last for
-        // tile j-1 before the previous iteration's barriers: restage them now.
-        bool ok = false;
-        if (more) {
-            ok = stage(b ^ 1u);
-            fetch(t0 + 2 * kN + tid);
-        }
-        __syncthreads();   // staging of tile j+1 visible; every warp is done computing tile j-1
-        if (more) {
-            publish(b ^ 1u, ok);   // compute(j-1) read these bits; it is done
-            issue(b ^ 1u);
-        }
-        ptx::cp_async_commit();     // possibly empty: keeps one group per tile
-        ptx::cp_async_wait<1>();    // tile j has landed (tile j+1 may still be in flight)
-        __syncthreads();
-        compute(b, t0);
-    }
-}
 
 // Bits a .. e-1 of a tile's token mask (0 <= a, e <= 64; none when e <= a).
 __device__ __forceinline__ u64 span_bits(u32 a, u32 e) {
@@ -323,6 +247,7 @@ __device__ __forceinline__ void pv_step(float (&o0)[4], float (&o1)[4], const u3
             const u32 lane = threadIdx.x & 31u, g = lane >> 2, tq = lane & 3u;
 #pragma unroll 1
             for (u32 u = 0; u < 16; ++u) {
+                ptx::cold_path();
                 // P of rows g and g + 8 for token u: a[0] / a[1] (tokens 2t, 2t+1) or a[2] / a[3] (8 + 2t, ...)
                 // of lane 4g + (u & 7) / 2.
                 const u32 src = 4 * g + ((u & 7u) >> 1);

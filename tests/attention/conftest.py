@@ -41,3 +41,22 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(attention, "launch_attention", lambda stream, *a, **k: real(Spy(stream), *a, **k))
     return log
+
+
+@pytest.fixture(params=["sm_90", "sm_80"])
+def mla_arch(request, xp_backend):
+    """Each MLA tensor-core build on its arch: sm_90 runs paged_mla_wgmma
+    (wgmma, sm_90a), sm_80 paged_mla_tc (mma.sync). The CPU backend stands in
+    for the arch (cupaged._runtime.cpu_arch_override); on a GPU the device's
+    own arch decides, and the other parameter is skipped. Yields the kernel
+    name the step should launch."""
+    from cupaged._runtime import archs
+    kernel = {"sm_90": "paged_mla_wgmma", "sm_80": "paged_mla_tc"}[request.param]
+    if xp_backend.name == "gpu":
+        import cupy
+        if archs.device_arch(cupy.zeros(1)) != request.param:
+            pytest.skip(f"the GPU is not {request.param}")
+        yield kernel
+        return
+    with archs.cpu_arch_override(request.param):
+        yield kernel

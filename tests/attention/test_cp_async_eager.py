@@ -1,4 +1,5 @@
-"""Every tensor-core kernel (paged_decode_tc, paged_prefill_tc, paged_mla_tc)
+"""Every tensor-core kernel (paged_decode_tc, paged_prefill_tc, paged_mla_tc,
+paged_mla_wgmma)
 with cp.async copies landing at issue (CUPAGED_CPU_CP_ASYNC=eager), the
 earliest point a GPU allows, against the float64 reference. The rest of the
 suite runs them with copies landing at the wait that covers them, the
@@ -16,6 +17,7 @@ import pytest
 
 import cupaged
 from cupaged._runtime import cpu as _cpu
+from cupaged._runtime import cpu_arch_override
 from cupaged._runtime import dispatch
 from cupaged.testing import assert_close, make_mla_case, make_paged_case, reference
 from attention_helpers import check, run
@@ -68,17 +70,19 @@ def test_prefill_tc_eager(eager, d):
     assert "paged_prefill_tc" in eager
 
 
-def test_mla_tc_eager(eager):
+@pytest.mark.parametrize("arch, kernel", [("sm_80", "paged_mla_tc"), ("sm_90", "paged_mla_wgmma")])
+def test_mla_tc_eager(eager, arch, kernel):
     rng = np.random.default_rng(5)
     case = make_mla_case(rng, kv_lens=np.array([70, 33], np.int32), q_lens=np.array([1, 20]), page_size=16,
                          num_heads=16, latent_dim=512, pos_dim=64, dtype="bf16")
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
     for splits in (None, 2):
         ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, 16, 512, splits, case.q)
-        o, lse = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, True, workspace=ws,
-                          return_lse=True)
+        with cpu_arch_override(arch):
+            o, lse = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, True, workspace=ws,
+                              return_lse=True)
         ref_o, ref_lse = reference.paged_mla(case.q, case.q_pos, case.latent, case.k_pos, case.page_table,
                                              case.kv_lens, case.q_lens, case.scale, True)
         assert_close(o, ref_o, "bf16", f"eager mla out splits={splits}")
         assert_close(lse, ref_lse, "bf16", f"eager mla lse splits={splits}")
-    assert "paged_mla_tc" in eager
+    assert kernel in eager

@@ -7,7 +7,7 @@ import pytest
 
 import cupaged
 from cupaged.ops.attention import AttentionOptions, launch, variants
-from cupaged.testing import make_mla_case, make_paged_case
+from cupaged.testing import assert_close, make_mla_case, make_paged_case
 from attention_helpers import DTYPES, TC_DTYPES, _to_device, check
 
 
@@ -53,10 +53,11 @@ def test_rotary_part_needs_one_latent_cache():
 
 
 # MLA at DeepSeek's R = 512, P = 64: 16 heads (4 queries a block, blocks
-# straddling sequences) and 128 (two head tiles a query).
+# straddling sequences) and 128 (two head tiles a query), on each
+# tensor-core build (mla_arch: wgmma on sm_90, mma.sync on sm_80).
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 @pytest.mark.parametrize("heads", [16, 128])
-def test_tc_mla(xp_backend, kernels_used, dtype, heads):
+def test_tc_mla(xp_backend, mla_arch, kernels_used, dtype, heads):
     rng = np.random.default_rng(heads)
     case = make_mla_case(rng, kv_lens=np.array([45, 3, 30], np.int32), q_lens=np.array([1, 3, 2]),
                          page_size=16, num_heads=heads, latent_dim=512, pos_dim=64, dtype=dtype)
@@ -68,7 +69,7 @@ def test_tc_mla(xp_backend, kernels_used, dtype, heads):
             o, lse = plan.mla(q, qp, lat, kp, case.scale, causal, return_lse=True, workspace=ws)
             check(case, xp_backend.to_numpy(o), xp_backend.to_numpy(lse), causal, dtype,
                   f"tc mla h={heads} causal={causal} splits={splits}")
-    assert set(kernels_used) == {"paged_mla_tc", "attention_split_merge"}
+    assert set(kernels_used) == {mla_arch, "attention_split_merge"}
 
 
 @pytest.mark.parametrize("shape", [("bf16", 512, 64, 8, 1), ("f16", 512, 32, 16, 4), ("f32", 512, 64, 16, 4)],
@@ -91,7 +92,7 @@ def test_tc_mla_falls_back(xp_backend, kernels_used, shape):
                                    ("f16", 8, [1] * 6 + [24, 1],
                                     [("paged_attention", 0, 6), ("paged_mla_tc", 6, 24), ("paged_attention", 30, 1)])],
                          ids=lambda s: "{}-h{}".format(*s[:2]))
-def test_mla_mixed(xp_backend, launches, shape):
+def test_mla_mixed(xp_backend, mla_arch, launches, shape):
     """MLA steps mixing chunks and decodes: at 16 heads every decode query
     already brings 16 tensor-core rows, so the step stays one paged_mla_tc
     launch; at 8 heads the decodes run on the CUDA-core kernel around it."""
@@ -103,7 +104,9 @@ def test_mla_mixed(xp_backend, launches, shape):
     q, qp, lat, kp = (_to_device(xp_backend, a) for a in (case.q, case.q_pos, case.latent, case.k_pos))
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
     qpb = variants.tc_queries_per_block(heads)
-    grids = [(n, b, c, -(-c // qpb) if n == "paged_mla_tc" else c) for n, b, c in expect]
+    expect = [(mla_arch if n == "paged_mla_tc" else n, b, c) for n, b, c in expect]
+    # the MLA kernels' grid x: head tiles (one at 8 or 16 heads) x query blocks
+    grids = [(n, b, c, -(-c // qpb) if n == mla_arch else c) for n, b, c in expect]
     for causal, splits in ((True, None), (False, 3)):
         launches.clear()
         ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, heads, 512, splits, q)
@@ -112,3 +115,46 @@ def test_mla_mixed(xp_backend, launches, shape):
               f"mla mixed h={heads} causal={causal} splits={splits}")
         merge = [("attention_split_merge", None, None, plan.queries)] if splits else []
         assert launches == grids + merge
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+@pytest.mark.parametrize("heads", [16])
+def test_tc_mla_masked_nonfinite_latent(xp_backend, mla_arch, kernels_used, dtype, heads):
+    """Issue #12 item 7 on the MLA kernels: Inf / NaN in latent rows (the
+    values, and the keys) of tokens later in a chunk never reach the queries
+    that cannot see them, causal, with and without splits, also across the
+    sequences sharing a block (16 heads: 4 queries a block, so rows of one
+    block see different tokens; with 64 heads or more a block holds one
+    query, whose rows all see the same tokens); the rows that see them match
+    the float64 reference (its Inf / NaN where it has them; lse checked
+    where the reference's is finite)."""
+    rng = np.random.default_rng([heads, 12])
+    kv_lens, q_lens = np.array([40, 29, 20], np.int32), np.array([21, 7, 12], np.int32)
+    case = make_mla_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=16, num_heads=heads, latent_dim=512,
+                         pos_dim=64, dtype=dtype)
+    poisoned = [(0, 30, np.inf), (0, 37, np.nan), (2, 19, -np.inf), (1, 27, np.nan)]
+    for s, t, val in poisoned:
+        page = case.page_table[s, t // 16]
+        case.latent[page, t % 16, 0, (37 * t) % 512] = val
+    q, qp, lat, kp = (_to_device(xp_backend, a) for a in (case.q, case.q_pos, case.latent, case.k_pos))
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
+    seq = np.repeat(np.arange(3), q_lens)
+    pos = np.concatenate([np.arange(k - n, k) for k, n in zip(kv_lens, q_lens)])
+    for causal in (True, False):
+        ref_out, ref_lse = case.reference(causal)
+        sees = np.zeros(plan.queries, bool)
+        for s, t, _ in poisoned:
+            sees |= (seq == s) & ((pos >= t) if causal else True)
+        for splits in (None, 3):
+            ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, heads, 512, splits, q)
+            o, lse = plan.mla(q, qp, lat, kp, case.scale, causal, return_lse=True, workspace=ws)
+            o, lse = xp_backend.to_numpy(o), xp_backend.to_numpy(lse)
+            what = f"h={heads} causal={causal} splits={splits}"
+            assert np.isfinite(o[~sees].astype(np.float64)).all(), f"{what}: a masked Inf/NaN reached a row"
+            assert_close(o[~sees], ref_out[~sees], dtype, f"{what} clean rows")
+            assert_close(lse[~sees], ref_lse[~sees], dtype, f"{what} clean lse")
+            assert not np.isfinite(ref_out[sees]).all()
+            assert_close(o[sees], ref_out[sees], dtype, f"{what} rows that see a poisoned token")
+            keep = np.isfinite(ref_lse[sees])
+            assert_close(lse[sees][keep], ref_lse[sees][keep], dtype, f"{what} lse of rows that see one")
+    assert set(kernels_used) == {mla_arch, "attention_split_merge"}

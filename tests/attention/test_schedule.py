@@ -261,7 +261,7 @@ def test_launch_range_is_clamped(xp_backend, monkeypatch, kernel):
     for begin, count, blocks in ((n - 5, 2 ** 32 - 1, 9), (n + 3, 4, 2), (2 ** 32 - 2, 5, 3), (3, 6, 20)):
         # One launch of `blocks` blocks along x over [begin, begin + count) (one head tile: G = 4).
         one = first._replace(blocks=blocks, tiles=1, q_begin=begin, q_count=count)
-        monkeypatch.setattr(launch, "plan_launches", lambda *a, one=one: [one])
+        monkeypatch.setattr(launch, "plan_launches", lambda *a, one=one, **k: [one])
         out = xp_backend.xp.full((n, 4, 64), 7, dtype=q.dtype)
         lse = xp_backend.xp.full((n, 4), 5.0, dtype=np.float32)
         plan.attention(q, k, v, case.scale, True, out=out, lse=lse)

@@ -15,6 +15,7 @@ import pytest
 
 import cupaged
 from cupaged import PagedAttentionError
+from cupaged._runtime import cpu_arch_override
 from cupaged._runtime.source import kernel_dir
 from cupaged.ops.attention import AttentionOptions, launch, variants
 from cupaged.testing import assert_close, make_mla_case, make_paged_case, reference
@@ -115,16 +116,18 @@ def test_toy_score_variant(toy_score, what, dtype, d, kernel, causal, splits):
     assert_close(plain_o, case.reference(causal)[0], dtype, f"{what} plain")
 
 
-@pytest.mark.parametrize("dtype, r, p, heads, kernel", [
-    ("f32", 64, 16, 4, "paged_attention"),    # the CUDA-core kernel's rotary part (ROT_CAP)
-    ("bf16", 512, 64, 16, "paged_mla_tc"),
+@pytest.mark.parametrize("dtype, r, p, heads, kernel, arch", [
+    ("f32", 64, 16, 4, "paged_attention", "sm_90"),    # the CUDA-core kernel's rotary part (ROT_CAP)
+    ("bf16", 512, 64, 16, "paged_mla_tc", "sm_80"),    # mma.sync
+    ("bf16", 512, 64, 16, "paged_mla_wgmma", "sm_90"),  # wgmma (sm_90a), emulated on the CPU
 ])
-def test_toy_score_variant_mla(toy_score, dtype, r, p, heads, kernel):
+def test_toy_score_variant_mla(toy_score, dtype, r, p, heads, kernel, arch):
     rng = np.random.default_rng(r + p)
     case = make_mla_case(rng, kv_lens=[40, 70], q_lens=[1, 20], page_size=16, num_heads=heads, latent_dim=r,
                          pos_dim=p, dtype=dtype)
-    o, lse = run(case, case.q, case.latent, case.latent, True, "test_bias", None, q_rot=case.q_pos,
-                 k_rot=case.k_pos)
+    with cpu_arch_override(arch):
+        o, lse = run(case, case.q, case.latent, case.latent, True, "test_bias", None, q_rot=case.q_pos,
+                     k_rot=case.k_pos)
     q_all, keys, values = reference.mla_as_attention(case.q, case.q_pos, case.latent, case.k_pos)
     ref_o, ref_lse = biased_reference(q_all, keys, values, case.page_table, case.kv_lens, case.q_lens, case.scale,
                                       True)
@@ -172,7 +175,7 @@ def test_worked_example_in_docs():
     assert "SCORES: dict[str, Score] = {" in (REPO / "cupaged/ops/attention/variants.py").read_text()
     # One call site of each hook per kernel (visible: through att::query_span, shared by all four).
     att = kernel_dir() / "attention"
-    for name in ("decode.cu", "decode_tc.cu", "prefill_tc.cu", "mla_tc.cu"):
+    for name in ("decode.cu", "decode_tc.cu", "prefill_tc.cu", "mla_tc.cu", "mla_wgmma.cu"):
         text = (att / name).read_text()
         assert text.count("variant::score(") == 1, name
         assert text.count("softmax::State") >= 1, name

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupaged  # noqa: E402
 from cupaged.cache import PagedKVCache  # noqa: E402
+from cupaged._runtime import cpu_arch_override  # noqa: E402
 from cupaged.layout import metadata_offsets  # noqa: E402
 from cupaged.ops import layers  # noqa: E402
 from cupaged.ops.advance import SlotBuffers, advance_plan, advance_slots  # noqa: E402
@@ -67,6 +68,11 @@ def mla(dtype, heads, q_lens):
         plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, True, workspace=ws, return_lse=True)
         garble(plan)
         plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, False, workspace=ws, return_lse=True)
+
+
+def mla_on(arch, *args):
+    with cpu_arch_override(arch):
+        mla(*args)
 
 
 def append_and_pages():
@@ -125,7 +131,8 @@ for name, fn in [
     ("attention f16 d64 tensor-core decode, 3-query sequence", lambda: attention("f16", 64, [1, 3, 1], 4, 1, 1)),
     ("attention f16 d64 mixed step (segmented launches), splits 3",
      lambda: attention("f16", 64, [1] * 6 + [40] + [1] * 6 + [33], 8, 2, 3)),
-    ("mla bf16 tensor-core", lambda: mla("bf16", 16, [1, 3])),
+    ("mla bf16 tensor-core, wgmma (the CPU as sm_90)", lambda: mla("bf16", 16, [1, 3])),
+    ("mla f16 tensor-core, mma.sync (the CPU as sm_80)", lambda: mla_on("sm_80", "f16", 16, [2, 3])),
     ("append + copy_pages + advance_plan", append_and_pages),
     ("layered copy_pages + write_slots + advance_slots", engine_kernels),
     ("argmax + layers", small_ops),

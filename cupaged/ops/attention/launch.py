@@ -9,7 +9,7 @@ import contextlib
 import numpy as np
 
 from ... import dtypes
-from ..._runtime import address, get_kernel
+from ..._runtime import address, device_arch, get_kernel
 from ...errors import PagedAttentionError
 from . import params
 from .checks import AttentionOptions
@@ -56,7 +56,8 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
     dtype = dtypes.token(q.dtype)
     aligned = all(address(a) % VECTOR_BYTES == 0 for a in (q, k_cache, v_cache, out))
     aligned_tc = aligned and (not rot_dim or all(address(a) % VECTOR_BYTES == 0 for a in (q_rot, k_rot)))
-    launches = plan_launches(host, dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, opts.score)
+    launches = plan_launches(host, dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, opts.score,
+                             arch=device_arch(q))
     splits = 1 if workspace is None else int(workspace.splits)
     split = splits > 1
     # Every grid of the step (attention launches and the merge) is checked
@@ -68,6 +69,11 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
                                   f"{hkv} x {tiles}")
     if queries > 2 ** 31 - 1:
         raise PagedAttentionError(f"q: expected at most {2 ** 31 - 1} queries in a launch, got {queries}")
+    for launch in launches:
+        gx, gy, _ = launch.grid(hkv, splits)
+        if gx > 2 ** 31 - 1 or gy > 65535:
+            raise PagedAttentionError(f"q: {launch.kernel}'s grid ({gx}, {gy}) exceeds (2^31 - 1, 65535) for "
+                                      f"{queries} queries and {hq} query heads")
     if split and -(-hq // MERGE_HEADS_PER_BLOCK) > 65535:
         raise PagedAttentionError(f"q: expected at most {65535 * MERGE_HEADS_PER_BLOCK} query heads for the "
                                   f"split merge, got {hq}")
@@ -95,8 +101,7 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
         for launch, kernel in zip(launches, kernels):
             values["q_begin"], values["q_count"] = launch.q_begin, launch.q_count
             args = params.pack(values, refs)
-            stream.launch(kernel, (launch.blocks, hkv * launch.tiles, splits), (launch.threads,), (args,),
-                          shared_mem=launch.smem)
+            stream.launch(kernel, launch.grid(hkv, splits), (launch.threads,), (args,), shared_mem=launch.smem)
         if split:
             u32 = np.uint32
             stream.launch(merge, (queries, -(-hq // MERGE_HEADS_PER_BLOCK)), (THREADS,), (

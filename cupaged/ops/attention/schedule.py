@@ -250,7 +250,10 @@ class Launch(NamedTuple):
     ``source`` (a ``kernels_cu`` stem: ``"attention/decode"``, ...) and
     ``kernel`` name it, ``defines`` its variant; ``threads`` per block and
     ``smem`` dynamic shared bytes; the grid is ``(blocks, kv_heads * tiles,
-    splits)``; it serves packed queries ``[q_begin, q_begin + q_count)``.
+    splits)``, or with ``tiles_in_x`` ``(blocks * tiles, kv_heads, splits)``
+    (the head tile the fastest block index: the MLA kernels, whose head
+    tiles of one query then run side by side and share its latent rows in
+    L2); it serves packed queries ``[q_begin, q_begin + q_count)``.
     ``min_blocks``: resident blocks per SM the kernel is designed for (its
     ``__launch_bounds__`` minimum; ``variants.resident_blocks``), 0 when the
     occupancy rules alone decide (paged_attention)."""
@@ -265,19 +268,29 @@ class Launch(NamedTuple):
     q_begin: int
     q_count: int
     min_blocks: int = 0
+    tiles_in_x: bool = False
+
+    def grid(self, kv_heads: int, splits: int) -> tuple[int, int, int]:
+        """The launch grid for ``kv_heads`` KV heads and ``splits`` splits."""
+        if self.tiles_in_x:
+            return (self.blocks * self.tiles, kv_heads, splits)
+        return (self.blocks, kv_heads * self.tiles, splits)
 
 
 _launches_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
-                  aligned_tc: bool, score: str = "plain") -> tuple[Launch, ...]:
+                  aligned_tc: bool, score: str = "plain", arch: str | None = None) -> tuple[Launch, ...]:
     """The unsplit launches for these shapes, one per segment
     (``tc_segments``), each with its ``variants.Variant``'s source, kernel,
-    defines, block and shared memory. Host plan data only (static per
-    schedule); cached per plan and shapes, so the hot path is one lookup."""
+    defines, block and shared memory. ``arch``: the device's
+    (``cupaged._runtime.device_arch``; launch_attention passes it): only
+    builds that launch there are chosen (``select_tensor_core``); None
+    checks no arch. Host plan data only (static per schedule); cached per
+    plan, shapes and arch, so the hot path is one lookup."""
     per_plan = _launches_cache.setdefault(host, {})
-    key = (dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, score)
+    key = (dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, score, arch)
     launches = per_plan.get(key)
     if launches is None:
         launches = per_plan[key] = _launches(host, *key)
@@ -285,11 +298,12 @@ def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim:
 
 
 def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
-              aligned_tc: bool, score: str) -> tuple[Launch, ...]:
+              aligned_tc: bool, score: str, arch: str | None) -> tuple[Launch, ...]:
     """plan_launches without the cache."""
     group = hq // hkv
     segs = tc_segments(host, group)
-    tc = select_tensor_core(dtype, d, dv, aligned_tc, any(seg[0] for seg in segs), rot_dim, score=score)
+    tc = select_tensor_core(dtype, d, dv, aligned_tc, any(seg[0] for seg in segs), rot_dim, score=score,
+                            arch=arch)
     if tc is None:
         segs = ((False, 0, host.queries),)
     launches = []
@@ -302,7 +316,7 @@ def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int
             v = select_variant(dtype, d, dv, aligned, group, rot_dim, score=score)
             tiles, blocks = -(-group // v.group_tile), count
         launches.append(Launch(v.source, v.kernel, v.defines(), v.threads, v.smem, blocks, tiles, begin, count,
-                               v.resident_blocks))
+                               v.resident_blocks, bool(on_tc and rot_dim)))
     return tuple(launches)
 
 

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from ... import dtypes, layout
 from ..._runtime import register
+from ..._runtime.archs import base_arch, launchable
 
 #: Split chunks are rounded up to a multiple of this many positions (docs/layout.md).
 SPLIT_TILE = layout.SPLIT_TILE
@@ -49,6 +50,8 @@ TC_DTYPES = dtypes.TC_TOKENS
 TC_PREFILL_DIMS = (64, 128, 256)
 #: (R, P) latent and rotary dims of the tensor-core MLA kernel.
 TC_MLA_DIMS = ((512, 64),)
+#: (R, P) of the wgmma MLA kernel (sm_90a).
+TC_MLA_WGMMA_DIMS = ((512, 64),)
 #: (query, head) rows per block of paged_mla_tc, and the row unit of the
 #: tensor-core segment rules (schedule.py); paged_prefill_tc's blocks have
 #: the rows of their tile (PREFILL_TILES).
@@ -129,8 +132,13 @@ class Kernel(NamedTuple):
 DECODE = Kernel("paged_attention", "attention/decode", THREADS)
 PREFILL_TC = Kernel("paged_prefill_tc", "attention/prefill_tc", TC_PREFILL_THREADS)
 MLA_TC = Kernel("paged_mla_tc", "attention/mla_tc", TC_MLA_THREADS)
+#: MLA on wgmma.mma_async (sm_90a only; mla_wgmma.cu): two warpgroups.
+MLA_WGMMA = Kernel("paged_mla_wgmma", "attention/mla_wgmma", 256)
+#: Compile targets of arch-specific builds: the variant runs only on devices
+#: of the arch it names without the suffix (sm_90a code on sm_90 devices).
+TARGETS = ("sm_90a",)
 DECODE_TC = Kernel("paged_decode_tc", "attention/decode_tc", DECODE_TC_THREADS)
-KERNELS = {k.name: k for k in (DECODE, PREFILL_TC, MLA_TC, DECODE_TC)}
+KERNELS = {k.name: k for k in (DECODE, PREFILL_TC, MLA_TC, DECODE_TC, MLA_WGMMA)}
 #: Kernels with one block per query (and KV head, head tile, split), any
 #: packing of the step: selection picks among them for queries the
 #: row-packed tensor-core kernels (prefill_tc, mla_tc) do not take.
@@ -178,6 +186,7 @@ class Variant:
     latent_dim: int = 0          # LATENT_DIM: R (paged_mla_tc)
     rope_dim: int = 0            # ROPE_DIM: P (paged_mla_tc)
     tile: TcTile | None = None   # TC_*: paged_prefill_tc's tile (PREFILL_TILES)
+    target: str = ""             # CP_TARGET: the arch-specific compile target ("sm_90a"), "" for any arch
 
     @property
     def source(self) -> str:
@@ -204,6 +213,8 @@ class Variant:
         """Dynamic shared memory bytes of a launch."""
         if self.kernel == PREFILL_TC.name:
             return prefill_smem_bytes(self.head_dim, self.tile)
+        if self.kernel == MLA_WGMMA.name:
+            return mla_wgmma_smem_bytes(self.latent_dim, self.rope_dim)
         if self.kernel == MLA_TC.name:
             return mla_smem_bytes(self.latent_dim, self.rope_dim)
         if self.kernel == DECODE_TC.name:
@@ -228,6 +239,8 @@ class Variant:
                      TC_STAGES=t.stages, TC_MIN_BLOCKS=t.min_blocks)
         else:
             d.update(LATENT_DIM=self.latent_dim, ROPE_DIM=self.rope_dim)
+        if self.target:
+            d["CP_TARGET"] = self.target
         return d
 
     def serves(self, s: "Shape") -> bool:
@@ -249,6 +262,19 @@ class Variant:
         if self.kernel == PREFILL_TC.name:
             return not s.rot_dim and s.head_dim == s.value_dim == self.head_dim
         return s.value_dim == s.head_dim == self.latent_dim and s.rot_dim == self.rope_dim
+
+    def runs_on(self, arch: str | None) -> bool:
+        """Whether this build can launch on a device of ``arch`` (None: no
+        device limits known, and no arch-specific build): its target's arch,
+        and its block and shared memory within the arch's limits (the static
+        shared memory of the tensor-core kernels counted at
+        TC_STATIC_SMEM_BUDGET)."""
+        if arch is None:
+            return not self.target
+        if self.target and base_arch(self.target) != base_arch(arch):
+            return False
+        static = TC_STATIC_SMEM_BUDGET if self.kernel not in PER_QUERY_KERNELS else 0
+        return launchable(arch, static, self.smem, self.threads)
 
 
 class Shape(NamedTuple):
@@ -348,6 +374,8 @@ def _built() -> list[Variant]:
                     out.append(Variant(PREFILL_TC.name, dt, kv, head_dim=d, tile=t))
             for r, p in TC_MLA_DIMS:
                 out.append(Variant(MLA_TC.name, dt, kv, latent_dim=r, rope_dim=p))
+                if (r, p) in TC_MLA_WGMMA_DIMS:
+                    out.append(Variant(MLA_WGMMA.name, dt, kv, latent_dim=r, rope_dim=p, target="sm_90a"))
     return out
 
 
@@ -364,13 +392,22 @@ for _k in KERNELS.values():
 del _k
 
 
-def _pick(tensor_core: bool, shape: Shape, score: str) -> Variant | None:
-    """The cheapest built variant (of one kernel kind) serving ``shape``,
-    with ``score``; None when none does."""
-    rows = [v for v in _TABLE.get((tensor_core, shape.dtype, shape.kv_dtype), ()) if v.serves(shape)]
+def _tc_cost(v: Variant) -> tuple:
+    """Order of preference among the tensor-core builds serving a shape: an
+    arch-specific build (wgmma) first, then the tile order of PREFILL_TILES."""
+    tiles = PREFILL_TILES.get(v.head_dim, ())
+    return (not v.target, tiles.index(v.tile) if v.tile in tiles else 0)
+
+
+def _pick(tensor_core: bool, shape: Shape, score: str, arch: str | None = None) -> Variant | None:
+    """The cheapest built variant (of one kernel kind) serving ``shape`` that
+    runs on ``arch`` (``Variant.runs_on``), with ``score``; None when none
+    does."""
+    rows = [v for v in _TABLE.get((tensor_core, shape.dtype, shape.kv_dtype), ())
+            if v.serves(shape) and (not tensor_core or v.runs_on(arch))]
     if not rows:
         return None
-    best = min(rows, key=lambda v: _cost(v, shape.group))
+    best = min(rows, key=(lambda v: _tc_cost(v)) if tensor_core else (lambda v: _cost(v, shape.group)))
     return best if score == best.score else replace(best, score=score)
 
 
@@ -398,6 +435,13 @@ def decode_tc_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of paged_decode_tc: per warp, two stages of K
     and V [16][D + 8], 16-bit (decode_tc.cu: dtc::kWarpElems)."""
     return (DECODE_TC_THREADS // 32) * 2 * 2 * 16 * (head_dim + 8) * 2
+
+
+def mla_wgmma_smem_bytes(latent_dim: int, rope_dim: int) -> int:
+    """Dynamic shared memory of paged_mla_wgmma (mla_wgmma.cu, mwg::kSmemBytes):
+    1024 bytes of alignment, Q's latent part [64][R], two tiles of
+    [64][R + P] and P [64][64], 16-bit, and the row maxima [2][64] f32."""
+    return 1024 + TC_ROWS * latent_dim * 2 + 2 * 64 * (latent_dim + rope_dim) * 2 + TC_ROWS * 64 * 2 + 2 * TC_ROWS * 4
 
 
 def mla_smem_bytes(latent_dim: int, rope_dim: int) -> int:
@@ -453,19 +497,25 @@ def resident_blocks(v: Variant) -> int:
 #: this x SMs). Read it through ``resident_blocks(variant)``.
 RESIDENT_BLOCKS: dict[str, int] = {
     "paged_mla_tc": 1,
+    "paged_mla_wgmma": 1,
     "paged_decode_tc": 6,
     "paged_attention": 2,
 }
 
 
 def select_tensor_core(dtype: str, head_dim: int, value_dim: int, aligned: bool, schedule_ok: bool,
-                       rot_dim: int = 0, *, kv_dtype: str | None = None, score: str = "plain") -> Variant | None:
-    """The tensor-core variant that runs, or None for the CUDA-core kernel
+                       rot_dim: int = 0, *, kv_dtype: str | None = None, score: str = "plain",
+                       arch: str | None = None) -> Variant | None:
+    """The tensor-core variant that runs, or None for the per-query kernels
     (``select_variant``).
 
     ``schedule_ok``: ``tc_schedule_ok(host, group)``; ``aligned``: every
     array copied by cp.async (q, caches, q_rot, k_rot) and out start on a
-    16-byte boundary.
+    16-byte boundary. ``arch``: the device's (``cupaged._runtime.device_arch``):
+    only a build that launches there (``Variant.runs_on``) is chosen, an
+    arch-specific one first (paged_mla_wgmma on sm_90), then the first
+    prefill tile that fits (PREFILL_TILES); None without an arch: no
+    arch-specific build, no limit checked.
     """
     kv = dtype if kv_dtype is None else kv_dtype
-    return _pick(True, Shape(dtype, kv, head_dim, value_dim, rot_dim, 1, False, aligned, schedule_ok), score)
+    return _pick(True, Shape(dtype, kv, head_dim, value_dim, rot_dim, 1, False, aligned, schedule_ok), score, arch)

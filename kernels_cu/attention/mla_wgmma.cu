@@ -1,0 +1,365 @@
+// mla_wgmma.cu: paged_mla_wgmma, DeepSeek-style latent attention (absorbed
+// form) on Hopper's warpgroup tensor-core instructions (wgmma.mma_async,
+// sm_90a only), plus attention_split_merge (merge.cuh). Same arguments,
+// rows, passes, masks and outputs as paged_mla_tc (mla_tc.cu): one
+// AttentionParams (params.cuh); q [queries, H, R], q_rot [queries, H, P],
+// k_cache the latent cache [pages, page_size, 1, R] (also the values),
+// k_rot [pages, page_size, 1, P]. Layout, positions, metadata words, LSE and
+// the split workspace: docs/layout.md.
+//
+// paged_mla_wgmma: f16 / bf16, R = LATENT_DIM = 512, P = ROPE_DIM = 64.
+//   grid (head_tiles * ceil(q_count / qt), 1, splits): the head tile is the
+//   fastest block index, so the blocks of one query's head tiles run side by
+//   side and its latent rows come from HBM once (the second read hits L2).
+//   block 256 = two warpgroups; __launch_bounds__(256, 1); dynamic shared
+//   memory mla_wgmma_smem_bytes (ops/attention/variants.py): 217 KiB.
+//   Rows: ht = min(H, 64) heads of qt = 64 / ht queries, as paged_mla_tc.
+//   Shared memory, all in the 128-byte-swizzled K-major layout of wgmma
+//   (ptx.cuh; rows of 128 bytes = 64 elements, 16-byte chunk c of row r at
+//   chunk c ^ (r % 8), column blocks of 64 elements one after the other):
+//     sQ  [8 column blocks][64 rows][128 B]       the latent part of Q (64 KiB)
+//     sK  [2][9 column blocks][64 tokens][128 B]  latent | rotary rows of a tile
+//     sP  [64 rows][64 tokens]                    P of the tile (8 KiB)
+//   The rotary part of Q lives in registers as wgmma A fragments (16 a thread).
+//   Per tile of kN = 64 tokens (two buffers: the next tile's cp.async copies
+//   in flight while one computes; tc::run_ring):
+//     S: warpgroup w computes S [64 x 32] for tokens 32 w .. 32 w + 31 of the
+//        tile: 32 wgmma m64n32k16 with Q and K from shared memory, then 4 with
+//        Q's rotary fragments from registers (36 k-steps over R + P).
+//     softmax: each warpgroup's row maxima meet in shared memory (one
+//        barrier); both compute the same new maxima; P = exp2(S - m) as bf16
+//        / f16 A fragments (kept) and into sP (for the other warpgroup).
+//     O += P V: warpgroup w owns value columns 256 w .. 256 w + 255 of all 64
+//        rows (128 f32 registers a thread): 4 wgmma m64n256k16, two with its
+//        own P from registers, two with the other half of P from sP; V is the
+//        latent tile itself, read N-major (the same bytes serve S K-major).
+//   Per 64-token tile and block: 9.4 MFLOP in 288 wgmma warp-parts; the
+//   shared-memory operand reads are 64 rows x 32 B of Q and 32 x 32 B of K
+//   per S k-step and warpgroup, and 256 x 32 B of V (plus P) per P V k-step.
+//   A valid token a stored row cannot see contributes nothing, also when its
+//   latent row holds Inf or NaN: a tile where some stored row misses a valid
+//   token runs its P V k-step by k-step, and a k-step whose value rows hold
+//   a non-finite element leaves the tensor cores for exact per-lane sums over
+//   the tokens each row sees.
+//
+// Memory traffic: L * (R + P) * sizeof(kv_t) bytes per block (each latent row
+// serving up to 64 heads), the two head tiles of H = 128 sharing them in L2.
+//
+// Defines (cupaged/ops/attention/variants.py Variant):
+//   CP_DTYPE, CP_KV_DTYPE  f16 | bf16 (one type)
+//   CP_SCORE               the score variant (variant.cuh)
+//   LATENT_DIM, ROPE_DIM   512, 64
+//   CP_TARGET              sm_90a (compiled for that arch only)
+#include "../common.cuh"
+#include "../plan_words.cuh"
+#include "../ptx.cuh"
+#include "../softmax_state.cuh"
+#include "params.cuh"
+#include "variant.cuh"
+#include "span.cuh"
+#include "tc_common.cuh"
+
+namespace mwg {
+constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM;
+constexpr u32 kN = 64;                      // tokens per tile
+constexpr u32 kS = 2;                       // tile buffers
+constexpr u32 kThreads = 256;
+constexpr u32 kRows = tc::kRows;            // 64
+constexpr u32 kRBlocks = kR / 64, kBlocks = (kR + kP) / 64;   // 128-byte column blocks (8 latent, 9 in all)
+constexpr u32 kColBytes = 64 * 128;         // one column block of 64 rows (or tokens)
+constexpr u32 kQBytes = kRBlocks * kColBytes;
+constexpr u32 kKBytes = kBlocks * kColBytes;
+constexpr u32 kPBytes = kColBytes;
+// Dynamic shared memory: the layout above and the row maxima, after up to 1023 bytes of alignment
+// (variants.mla_wgmma_smem_bytes).
+constexpr u32 kSmemBytes = 1024 + kQBytes + kS * kKBytes + kPBytes + 2 * kRows * 4;
+constexpr u32 kChunks = (kR + kP) / 8;      // 16-byte chunks of a latent | rotary row
+static_assert(kR == 512 && kP == 64, "LATENT_DIM 512, ROPE_DIM 64");
+static_assert(sizeof(kv_t) == sizeof(scalar_t) && sizeof(kv_t) == 2, "f16 / bf16 q and caches");
+
+// Byte offset of 16-byte chunk c (0 .. 7) of row r in a 128-byte-swizzled column block.
+__device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7u)) << 4); }
+}  // namespace mwg
+
+extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const AttentionParams p) {
+    const scalar_t* __restrict__ const q = p.q;
+    const scalar_t* __restrict__ const q_rot = p.q_rot;
+    const kv_t* __restrict__ const k_cache = p.k_cache;
+    const kv_t* __restrict__ const k_rot = p.k_rot;
+    const u32* __restrict__ const words = p.words;
+    scalar_t* __restrict__ const out = p.out;
+    float* __restrict__ const lse = p.lse;
+    float* __restrict__ const part_out = p.part_out;
+    float* __restrict__ const part_lse = p.part_lse;
+    using namespace mwg;
+    using tc::kNone;
+    CUPAGED_DYNAMIC_SHARED(unsigned char, smem_raw);
+    // The swizzle patterns start on 1024-byte boundaries (descriptor base offset 0). The offset is
+    // added to the shared array itself, so the compiler keeps shared-memory accesses (LDS / STS).
+    unsigned char* const sQ = smem_raw + ((0u - (u32)reinterpret_cast<u64>(smem_raw)) & 1023u);
+    unsigned char* const sK = sQ + kQBytes;                  // [kS][kBlocks][64][128 B]
+    unsigned char* const sP = sK + kS * kKBytes;             // [64][128 B]
+    float* const s_max = reinterpret_cast<float*>(sP + kPBytes);   // [2][kRows]: each warpgroup's row maxima
+    __shared__ tc::RowSet<kRows> rows;
+    __shared__ tc::Ring<kN, kS> st;
+
+    const u32 tid = threadIdx.x, wg = tid >> 7, warp4 = (tid >> 5) & 3u, lane = tid & 31u;
+    const u32 g = lane >> 2, tq = lane & 3u;
+    const u32 q_heads = p.q_heads;
+    const u32 ht = q_heads < kRows ? q_heads : kRows;
+    const u32 qt = kRows / ht;
+    const u32 tiles = (q_heads + ht - 1) / ht;
+    const u32 qblk = blockIdx.x / tiles;                     // head tile fastest: blocks x, x+1 share a query block
+    const u32 head0 = (blockIdx.x - qblk * tiles) * ht;
+    const u32 heads = tc::min_u32(ht, q_heads - head0);
+    const u32 q_end = att::range_end(p.queries, p.q_begin, p.q_count);
+    const u64 q0 = (u64)p.q_begin + (u64)(gridDim.x / tiles - 1 - qblk) * qt;   // last queries first
+    auto row_ok = [&](u32 r, u32& slot, u32& hl) {
+        slot = r / ht;
+        hl = r - slot * ht;
+        return slot < qt && q0 + slot < q_end && hl < heads;
+    };
+
+    // ---- Q: the latent part into sQ (swizzled), the rotary part as A fragments ----
+    for (u32 c = tid; c < kRows * kRBlocks * 8; c += kThreads) {
+        const u32 r = c / (kRBlocks * 8), ch = c - r * (kRBlocks * 8);   // chunk ch of row r
+        u32 slot, hl;
+        const bool ok = row_ok(r, slot, hl);
+        const scalar_t* src = q + ((q0 + slot) * q_heads + head0 + hl) * kR + ch * 8;
+        ptx::cp_async_16(sQ + (ch >> 3) * kColBytes + swz(r, ch & 7u), ok ? src : q, ok);
+    }
+    ptx::cp_async_commit();
+    // Rows 16 warp4 + g (+ 8) of this thread in every wgmma fragment (both warpgroups: the same rows).
+    u32 my_slot[2];
+    u32 qr[kP / 16][4];   // A fragments of Q's rotary part, k-steps of 16 dims
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        u32 slot, hl;
+        const u32 r = 16 * warp4 + g + 8 * h;
+        const bool ok = row_ok(r, slot, hl);
+        my_slot[h] = ok ? slot : kNone;
+        const scalar_t* src = q_rot + ((q0 + slot) * q_heads + head0 + hl) * kP;
+#pragma unroll
+        for (u32 kr = 0; kr < kP / 16; ++kr)
+#pragma unroll
+            for (u32 c = 0; c < 2; ++c)   // a[h + 2 c]: row g (+ 8), dims 16 kr + 8 c + 2 tq, + 1
+                qr[kr][h + 2 * c] = ok ? *reinterpret_cast<const u32*>(src + 16 * kr + 8 * c + 2 * tq) : 0u;
+    }
+    tc::setup_row_set(rows, p, q0, qt, q_end);
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+
+    const float qscale = p.scale * softmax::kLog2e;
+    softmax::State sm[2];   // rows g, g + 8: the max (shared by both warpgroups) and this lane's part of its half's sum
+    float o[128];           // O [64 x 256]: value columns 256 wg + 8 j + 2 tq (+ 1), rows as above
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) sm[h].clear();
+#pragma unroll
+    for (u32 i = 0; i < 128; ++i) o[i] = 0.0f;
+
+    const u64 lat_page = (u64)p.page_size * kR, rot_page = (u64)p.page_size * kP;
+    const u32* const tables = words + pw::page_table(p.queries, p.sequences);
+    constexpr u32 kSw = ptx::kSwizzle128B;
+
+    tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
+        u32 rlo[2], rhi[2], rpos[2], rhead[2];
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            const u32 s = my_slot[h];
+            const bool in = s != kNone && s >= slot_lo && s < slot_hi;
+            rlo[h] = in ? rows.lo[s] : 0u;
+            rhi[h] = in ? rows.hi[s] : 0u;
+            rpos[h] = in ? rows.position(s) : 0u;
+            rhead[h] = head0 + (16 * warp4 + g + 8 * h - (in ? s : 0u) * ht);
+        }
+        auto issue = [&](u32 sb, u32 b) {
+            unsigned char* const kt = sK + b * kKBytes;
+            for (u32 c = tid; c < kN * kChunks; c += kThreads) {
+                const u32 r = c / kChunks, ch = c - r * kChunks;
+                const u32 page = st.page[sb][r];
+                const bool ok = page != kNone;
+                const u64 slot = st.slot[sb][r];
+                const kv_t* src = ch < kR / 8 ? k_cache + (u64)page * lat_page + slot * kR + ch * 8
+                                              : k_rot + (u64)page * rot_page + slot * kP + (ch - kR / 8) * 8;
+                ptx::cp_async_16(kt + (ch >> 3) * kColBytes + swz(r, ch & 7u), ok ? src : k_cache, ok);
+            }
+        };
+        auto compute = [&](u32 b, u32 t0) {
+            unsigned char* const kt = sK + b * kKBytes;
+            const u64 vbits = (u64)st.valid[b][0] | (u64)st.valid[b][1] << 32;
+            u64 vis[2];
+            bool miss = false;
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                vis[h] = tc::tile_vis<kN>(vbits, rlo[h], rhi[h], t0);
+                miss |= my_slot[h] != kNone && vis[h] != vbits;
+            }
+
+            // ---- S [64 x 32] of this warpgroup's tokens 32 wg .. + 31 ----
+            float s[16];
+            // Descriptors move along K by adding the byte offset >> 4 to the start address field.
+            const u64 dq = ptx::wgmma_desc(sQ, 16, 1024, kSw);
+            const u64 dk = ptx::wgmma_desc(kt + wg * 32 * 128, 16, 1024, kSw);
+            ptx::wgmma_fence();
+#pragma unroll
+            for (u32 ks = 0; ks < kR / 16; ++ks) {
+                const u32 k_off = ((ks >> 2) * kColBytes + (ks & 3u) * 32) >> 4;
+                ptx::wgmma_ss<scalar_t, 32, 0, 0>(s, dq + k_off, dk + k_off, ks > 0);
+            }
+#pragma unroll
+            for (u32 kr = 0; kr < kP / 16; ++kr)
+                ptx::wgmma_rs<scalar_t, 32, 0>(s, qr[kr], dk + ((kRBlocks * kColBytes + kr * 32) >> 4), true);
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<0>();
+            ptx::wgmma_fence_operand(s);
+
+            // Scale into the log2 domain, the score hook, mask; this half's row maxima.
+            float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+            for (u32 i = 0; i < 16; ++i) {
+                const u32 h = (i >> 1) & 1u, col = 32 * wg + 8 * (i >> 2) + 2 * tq + (i & 1u);
+                float v = s[i] * qscale;
+                if constexpr (!variant::kPlainScore) v = variant::score(v, rpos[h], t0 + col, rhead[h]);
+                s[i] = ((vis[h] >> col) & 1u) ? v : neg_inf();
+                mx[h] = fmaxf(mx[h], s[i]);
+            }
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 2));
+                if (tq == 0) s_max[wg * kRows + 16 * warp4 + g + 8 * h] = mx[h];
+            }
+            // The maxima meet; and whether any stored row of the block misses a valid token.
+            const bool mixed = __syncthreads_or(miss) != 0;
+
+            // ---- P = exp2(S - m): A fragments (own half) and sP (for the other warpgroup) ----
+            float alpha[2];
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                const u32 r = 16 * warp4 + g + 8 * h;
+                alpha[h] = sm[h].raise(fmaxf(s_max[r], s_max[kRows + r]));
+                const float mu = sm[h].offset();
+                float ps = 0.0f;
+#pragma unroll
+                for (u32 i = 0; i < 16; ++i)
+                    if (((i >> 1) & 1u) == h) {
+                        s[i] = exp2f(s[i] - mu);
+                        ps += s[i];
+                    }
+                sm[h].add(alpha[h], ps);   // this lane's part of its half of the row sum
+            }
+            // P of this half into sP: S fragment element i is row g (+ 8 for i & 2), token 8 (i / 4) + 2 tq (+ 1).
+#pragma unroll
+            for (u32 i = 0; i < 16; i += 2) {
+                const u32 r = 16 * warp4 + g + 4 * (i & 2u), c = 32 * wg + 8 * (i >> 2) + 2 * tq;
+                *reinterpret_cast<u32*>(sP + swz(r, c >> 3) + (c & 7u) * 2) = ptx::pack2<scalar_t>(s[i], s[i + 1]);
+            }
+#pragma unroll
+            for (u32 i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1u];
+            // A tile where some stored row misses a valid token: its value rows' Inf / NaN must reach
+            // only the rows that see them. Each lane adds p * v itself for every non-finite element of
+            // its columns and a token its row sees; then those elements become 0 in the tile, so the
+            // products below add the finite rest (masked P is 0, and 0 x a finite value is 0).
+            bool bad = false;
+            if (mixed) {
+#pragma unroll 1
+                for (u32 c = tid; c < kN * kRBlocks * 8; c += kThreads) {   // every 16-byte chunk of the values
+                    ptx::cold_path();
+                    const uint4 x = *reinterpret_cast<const uint4*>(kt + c * 16);
+                    bad |= tc::nonfinite2<scalar_t>(x.x) | tc::nonfinite2<scalar_t>(x.y) |
+                           tc::nonfinite2<scalar_t>(x.z) | tc::nonfinite2<scalar_t>(x.w);
+                }
+                bad = __syncthreads_or(bad) != 0;   // also: sP complete
+            } else {
+                __syncthreads();   // sP complete
+            }
+            if (bad) {
+#pragma unroll 1
+                for (u32 tok = 0; tok < kN; ++tok) {
+                    ptx::cold_path();
+                    const bool see0 = (vis[0] >> tok) & 1u, see1 = (vis[1] >> tok) & 1u;
+                    const u32 r0 = 16 * warp4 + g;
+                    const float p0 = tc::half_of<scalar_t>(
+                        *reinterpret_cast<const u32*>(sP + swz(r0, tok >> 3) + (tok & 6u) * 2), tok & 1u);
+                    const float p1 = tc::half_of<scalar_t>(
+                        *reinterpret_cast<const u32*>(sP + swz(r0 + 8, tok >> 3) + (tok & 6u) * 2), tok & 1u);
+#pragma unroll
+                    for (u32 j = 0; j < 32; ++j) {   // unrolled: o stays in registers
+                        const u32 col = 256 * wg + 8 * j + 2 * tq;   // value columns col, col + 1
+                        // volatile: one value at a time (no register pressure from early loads)
+                        const u32 vb = *reinterpret_cast<const volatile u32*>(
+                            kt + (col >> 6) * kColBytes + swz(tok, (col >> 3) & 7u) + (col & 7u) * 2);
+                        if (!tc::nonfinite2<scalar_t>(vb)) continue;
+#pragma unroll
+                        for (u32 e = 0; e < 2; ++e)
+                            if (tc::nonfinite2<scalar_t>(e ? vb >> 16 : vb & 0xffffu)) {
+                                const float v = tc::half_of<scalar_t>(vb, e);
+                                if (see0) o[4 * j + e] += p0 * v;
+                                if (see1) o[4 * j + 2 + e] += p1 * v;
+                            }
+                    }
+                }
+                __syncthreads();   // every lane has read the tile's non-finite values
+#pragma unroll 1
+                for (u32 c = tid; c < kN * kRBlocks * 8 * 4; c += kThreads) {   // every 32-bit pair
+                    ptx::cold_path();
+                    u32* const w = reinterpret_cast<u32*>(kt) + c;
+                    const u32 x = *w;
+                    const u32 lo = tc::nonfinite2<scalar_t>(x & 0xffffu) ? 0u : (x & 0xffffu);
+                    const u32 hi = tc::nonfinite2<scalar_t>(x >> 16) ? 0u : (x & 0xffff0000u);
+                    *w = lo | hi;
+                }
+                __syncthreads();
+            }
+
+            // ---- O [64 x 256] += P V: P (both halves) from sP, V N-major from the tile ----
+            const u64 dv = ptx::wgmma_desc(kt + 4 * wg * kColBytes, kColBytes, 1024, kSw);
+            const u64 dp = ptx::wgmma_desc(sP, 16, 1024, kSw);
+            ptx::wgmma_fence_operand(o);
+            ptx::wgmma_fence();
+#pragma unroll
+            for (u32 kk = 0; kk < kN / 16; ++kk)
+                ptx::wgmma_ss<scalar_t, 256, 0, 1>(o, dp + ((32 * kk) >> 4), dv + ((16 * kk * 128) >> 4), true);
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<0>();
+            ptx::wgmma_fence_operand(o);
+        };
+        tc::run_ring<kN, kS>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue,
+                             compute);
+    });
+
+    // ---- normalize and write: warpgroup w its value columns of every row ----
+    // Row sums: this lane's part of its half, over the quad, then both halves (through s_max).
+    __syncthreads();   // every warpgroup is done reading s_max
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        float l = sm[h].l;
+        l += __shfl_xor_sync(CP_FULL_MASK, l, 1);
+        l += __shfl_xor_sync(CP_FULL_MASK, l, 2);
+        sm[h].l = l;
+        if (tq == 0) s_max[wg * kRows + 16 * warp4 + g + 8 * h] = l;
+    }
+    __syncthreads();
+    const bool split = p.splits > 1;
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        const u32 r = 16 * warp4 + g + 8 * h;
+        sm[h].l = s_max[r] + s_max[kRows + r];
+        const u32 slot = my_slot[h];
+        if (slot == kNone) continue;
+        const u64 row = (q0 + slot) * q_heads + head0 + (r - slot * ht);
+        const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
+        const float inv = sm[h].inv_sum();
+#pragma unroll
+        for (u32 j = 0; j < 32; ++j)
+            tc::store_pair(out, part_out, row_out * kR + 256 * wg + 8 * j + 2 * tq, split, o[4 * j + 2 * h] * inv,
+                           o[4 * j + 2 * h + 1] * inv);
+        if (wg == 0 && tq == 0) {
+            const float lse_v = sm[h].lse();
+            if (split) part_lse[row_out] = lse_v;
+            else if (p.write_lse) lse[row] = lse_v;
+        }
+    }
+}
+
+#include "merge.cuh"
