@@ -186,8 +186,9 @@ def main(argv=None) -> int:
     print()
     print(benchlib.table(rows, list(rows[0])))
     if args.cpu:
-        print("(CPU backend: the figures above are the emulator's, not a GPU's; kernels_per_step and the launch "
-              "counts are what the GPU replays too)")
+        print("(CPU backend: the figures above are the emulator's, not a GPU's; its stream runs the kernels inside "
+              "advance(), so host_us includes them; kernels_per_step and the launch counts are what the GPU "
+              "replays too)")
     return 0
 
 
