@@ -120,7 +120,8 @@ def test_kernel_names_with_launch_bounds_after_void():
     backend scans preprocessed text, without it)."""
     layers = _source.assemble("layers", {"CP_DTYPE": "f32"})
     assert "void __launch_bounds__(" in layers
-    assert _source.kernel_names(layers) == ["bias_add", "embed", "linear", "linear_heads", "rms_norm", "rope", "silu_mul"]
+    assert _source.kernel_names(layers) == ["bias_add", "embed", "linear", "linear_heads", "rms_norm", "rope",
+                                            "silu_mul"]
     assert _source.kernel_names(_source.assemble("advance", {})) == ["advance_plan", "advance_slots"]
     att = _source.kernel_names(_source.assemble("attention/decode", {"CP_DTYPE": "bf16", "CP_KV_DTYPE": "bf16",
                                                                      "HEAD_DIM": 128, "GROUP_TILE": 4}))
