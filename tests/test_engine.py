@@ -345,3 +345,11 @@ def test_gpu_engine_matches_the_cpu_backend(tmp_path, arch, overrides):
         assert gpu.generate(prompts, 8) == cpu                      # graphs replayed, prefix cache hit
         bf16 = cupaged.Engine.from_pretrained(folder, like=like, dtype="bfloat16", **kw)
         assert [len(t) for t in bf16.generate(prompts, 8, stop_token_ids=())] == [8] * 4
+
+
+def test_prompt_needing_more_pages_than_the_cache(llama_folder):
+    e = cupaged.Engine.from_pretrained(llama_folder, like=LIKE, num_pages=2, page_size=8, max_model_len=64)
+    with pytest.raises(PagedAttentionError, match=r"prompts\[1\]: needs 3 pages of 8 tokens, the cache has 2 "
+                                                  r"\(num_pages\)"):
+        e.generate([[1, 2], [3] * 20], 4)
+    assert e.cache.num_free_pages == 2 and e.generate([[1, 2]], 4, stop_token_ids=()) != []
