@@ -499,7 +499,8 @@ def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int) -> Region:
     return Region(min((i.offset for i in ins), default=0), depth, parent, len(ins), dict(cls),
                   sum(32 * access_bytes(i) for i in ins if is_wide_global_load(i)),
                   sum(32 * access_bytes(i) for i in glob),
-                  sum(32 * access_bytes(i) for i in ins if i.base in ("LDS", "STS")),
+                  # "@!PT LDS RZ, [RZ]" (ptxas' never-true placeholders beside LDGSTS) moves no bytes
+                  sum(32 * access_bytes(i) for i in ins if i.base in ("LDS", "STS") and i.pred != "@!PT"),
                   sum(1 for i in ins if i.base in ("HMMA", "HGMMA")), sum(1 for i in ins if i.base == "LDSM"),
                   sum(1 for i in ins if i.base == "LDGSTS"), sum(1 for i in ins if i.base == "PMTRIG"))
 

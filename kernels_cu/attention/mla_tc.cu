@@ -163,9 +163,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
         auto issue = [&](u32 sb, u32 b) {
             for (u32 c = tid; c < kN * kChunks; c += kThreads) {
                 const u32 r = c / kChunks, ch = c - r * kChunks;
-                const u32 page = st.page[sb][r];
+                const uint2 ps = st.row[sb][r];   // page, slot
+                const u32 page = ps.x;
                 const bool ok = page != kNone;
-                const u64 slot = st.slot[sb][r];
+                const u64 slot = ps.y;
                 const kv_t* src = ch < kRChunks ? k_cache + (u64)page * lat_page + slot * kR + ch * 8
                                                 : k_rot + (u64)page * rot_page + slot * kP + (ch - kRChunks) * 8;
                 ptx::cp_async_16(sKV + (b * kN + r) * kPitch + ch * 8, ok ? src : k_cache, ok);

@@ -73,7 +73,6 @@ constexpr u32 kPBytes = kColBytes;
 // Dynamic shared memory: the layout above and the row maxima, after up to 1023 bytes of alignment
 // (variants.mla_wgmma_smem_bytes).
 constexpr u32 kSmemBytes = 1024 + kQBytes + kS * kKBytes + kPBytes + 2 * kRows * 4;
-constexpr u32 kChunks = (kR + kP) / 8;      // 16-byte chunks of a latent | rotary row
 static_assert(kR == 512 && kP == 64, "LATENT_DIM 512, ROPE_DIM 64");
 static_assert(sizeof(kv_t) == sizeof(scalar_t) && sizeof(kv_t) == 2, "f16 / bf16 q and caches");
 
@@ -172,16 +171,27 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
             rpos[h] = in ? rows.position(s) : 0u;
             rhead[h] = head0 + (16 * warp4 + g + 8 * h - (in ? s : 0u) * ht);
         }
+        // Thread tid copies latent chunk tid % 64 of rows tid / 64 + 4 i (i < 16) and rotary chunk
+        // tid % 8 of rows tid / 8 + 32 i (i < 2): the same chunk column every tile, the swizzle
+        // known up to the row's parity of 4.
+        const u32 lch = tid & 63u, lr0 = tid >> 6, rch = tid & 7u, rr0 = tid >> 3;
+        unsigned char* const ldst0 = sK + (lch >> 3) * kColBytes + lr0 * 128 + (((lch & 7u) ^ lr0) << 4);
+        unsigned char* const ldst1 = sK + (lch >> 3) * kColBytes + lr0 * 128 + (((lch & 7u) ^ (lr0 + 4)) << 4);
+        unsigned char* const rdst = sK + kRBlocks * kColBytes + rr0 * 128 + ((rch ^ (rr0 & 7u)) << 4);
         auto issue = [&](u32 sb, u32 b) {
-            unsigned char* const kt = sK + b * kKBytes;
-            for (u32 c = tid; c < kN * kChunks; c += kThreads) {
-                const u32 r = c / kChunks, ch = c - r * kChunks;
-                const u32 page = st.page[sb][r];
-                const bool ok = page != kNone;
-                const u64 slot = st.slot[sb][r];
-                const kv_t* src = ch < kR / 8 ? k_cache + (u64)page * lat_page + slot * kR + ch * 8
-                                              : k_rot + (u64)page * rot_page + slot * kP + (ch - kR / 8) * 8;
-                ptx::cp_async_16(kt + (ch >> 3) * kColBytes + swz(r, ch & 7u), ok ? src : k_cache, ok);
+#pragma unroll
+            for (u32 i = 0; i < kN / 4; ++i) {
+                const uint2 ps = st.row[sb][lr0 + 4 * i];   // page, slot
+                const bool ok = ps.x != kNone;
+                const kv_t* src = k_cache + (u64)ps.x * lat_page + (u64)ps.y * kR + lch * 8;
+                ptx::cp_async_16((i & 1u ? ldst1 : ldst0) + b * kKBytes + 4 * i * 128, ok ? src : k_cache, ok);
+            }
+#pragma unroll
+            for (u32 i = 0; i < kN / 32; ++i) {
+                const uint2 ps = st.row[sb][rr0 + 32 * i];
+                const bool ok = ps.x != kNone;
+                const kv_t* src = k_rot + (u64)ps.x * rot_page + (u64)ps.y * kP + rch * 8;
+                ptx::cp_async_16(rdst + b * kKBytes + 32 * i * 128, ok ? src : k_cache, ok);
             }
         };
         auto compute = [&](u32 b, u32 t0) {

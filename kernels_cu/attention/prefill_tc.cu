@@ -184,9 +184,9 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             for (u32 i = 0; i < (kN + kRowStep - 1) / kRowStep; ++i) {
                 const u32 r = tid / kChunks + i * kRowStep, ch = tid % kChunks;
                 if (kN % kRowStep != 0 && r >= kN) break;
-                const u32 page = st.page[sb][r];
-                const bool ok = page != kNone;
-                const u64 off = (u64)page * k_page + ((u64)st.slot[sb][r] * kv_heads + kvh) * kD + ch * 8;
+                const uint2 ps = st.row[sb][r];   // page, slot
+                const bool ok = ps.x != kNone;
+                const u64 off = (u64)ps.x * k_page + ((u64)ps.y * kv_heads + kvh) * kD + ch * 8;
                 const u32 dst = (b * kN + r) * kPitch + ch * 8;
                 ptx::cp_async_16(sK + dst, ok ? k_cache + off : k_cache, ok);
                 ptx::cp_async_16(sV + dst, ok ? v_cache + off : v_cache, ok);
@@ -246,6 +246,8 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
 #pragma unroll
             for (u32 mt = 0; mt < kMT; ++mt) {
                 float mx[2] = {neg_inf(), neg_inf()};
+                // This lane's columns 2 tq, 2 tq + 1 of each n-tile: bits n * 8 + e after the shift.
+                const u64 lv[2] = {vis[mt][0] >> (2 * tq), vis[mt][1] >> (2 * tq)};
 #pragma unroll
                 for (u32 n = 0; n < kSTiles; ++n)
 #pragma unroll
@@ -254,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                         float v = s[mt][n][i] * qscale;
                         if constexpr (!variant::kPlainScore)
                             v = variant::score(v, rpos[mt][h], t0 + col, rhead[mt][h]);
-                        s[mt][n][i] = ((vis[mt][h] >> col) & 1u) ? v : neg_inf();
+                        s[mt][n][i] = ((lv[h] >> (n * 8 + (i & 1u))) & 1u) ? v : neg_inf();
                         mx[h] = fmaxf(mx[h], s[mt][n][i]);
                     }
                 float alpha[2], mu[2];

@@ -115,13 +115,12 @@ __device__ __forceinline__ void for_each_pass_of(const RowSet<kR>& R, u32 qt, Pa
 }
 
 // Page staging of a ring of kS tile buffers of kN tokens: the page id and
-// slot of each token of the next tile to issue (two staging buffers), and a
-// bit per valid token of each tile buffer.
+// slot of each token of the next tile to issue ({page, slot}: one 8-byte
+// load; two staging buffers), and a bit per valid token of each tile buffer.
 template <u32 kN, u32 kS>
 struct Ring {
     static constexpr u32 kWords = (kN + 31) / 32;
-    u32 page[2][kN];
-    u32 slot[2][kN];
+    uint2 row[2][kN];   // .x page id (kNone: no page), .y slot
     u32 valid[kS][kWords];
 };
 
@@ -158,8 +157,10 @@ __device__ __forceinline__ void run_ring(Ring<kN, kS>& st, const u32* __restrict
     auto stage = [&](u32 sb) -> bool {
         const bool ok = raw < num_pages;
         if (tid < kN) {
-            st.page[sb][tid] = ok ? raw : kNone;
-            st.slot[sb][tid] = slot;
+            uint2 v;
+            v.x = ok ? raw : kNone;
+            v.y = slot;
+            st.row[sb][tid] = v;
         }
         return ok;
     };
