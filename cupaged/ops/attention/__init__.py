@@ -39,22 +39,29 @@ picks it over ``paged_attention`` by one rule): the same grid as
 their own two-stage ``cp.async`` rings, and meet at the end. Memory
 traffic as ``paged_attention``'s, with 6 blocks per SM resident.
 
-Row-packed tensor-core kernels (f16 / bf16, ``select_tensor_core``; ``prefill_tc.cu``, ``mla_tc.cu``):
+Row-packed tensor-core kernels (f16 / bf16, ``select_tensor_core``; ``prefill_tc.cu``, ``mla_tc.cu``,
+``mla_wgmma.cu``), chosen per arch (``plan_launches(..., arch=)``: a build
+that cannot launch on the device's arch, or targets another, is never
+chosen; ``Variant.runs_on``):
 
 * ``paged_prefill_tc`` (D == Dv in ``TC_PREFILL_DIMS``, a step packed as
-  ``tc_schedule_ok`` asks): one 128-thread block per 64 (query, head) rows
-  (``64 // G`` queries x the ``G`` heads of one KV head's group) and split;
-  K/V tiles go through shared memory by ``cp.async`` and S = Q K^T,
-  O += P V run on ``mma.sync`` m16n8k16 (FlashAttention-2 style). K/V are
-  read once per block instead of once per query: about
-  ``ceil(q_len * G / 64) * L * (D + Dv) * itemsize`` bytes per sequence and
+  ``tc_schedule_ok`` asks): one block per 128 (query, head) rows (``128 // G``
+  queries x the ``G`` heads of one KV head's group) and split, the tile of
+  ``PREFILL_TILES`` (warps x m-tiles of 16 rows, K/V tile tokens, ring
+  stages, resident blocks); K/V tiles go through a ``cp.async`` ring and
+  S = Q K^T, O += P V run on ``mma.sync`` m16n8k16 (FlashAttention-2
+  style). K/V are read once per block instead of once per query: about
+  ``ceil(q_len * G / 128) * L * (D + Dv) * itemsize`` bytes per sequence and
   KV head.
-* ``paged_mla_tc`` (R, P in ``TC_MLA_DIMS``): one 256-thread block per 64
-  (query, head) rows and split, the heads in the M dimension, so each
-  latent row is read once per 64 heads (``L * (R + P) * itemsize`` bytes per
-  block) where the CUDA-core kernel reads it once per ``GROUP_TILE`` heads.
+* MLA (R, P in ``TC_MLA_DIMS``): one 256-thread block per 64 (query, head)
+  rows and split, the heads in the M dimension, so each latent row is read
+  once per 64 heads (``L * (R + P) * itemsize`` bytes per block); the head
+  tile is the fastest grid index, so the two head tiles of H = 128 share
+  their latent rows in L2. ``paged_mla_wgmma`` (sm_90a: ``wgmma.mma_async``,
+  two warpgroups) on sm_90, ``paged_mla_tc`` (``mma.sync``) elsewhere where
+  it fits; neither on sm_86 / sm_89 (99 KiB), where MLA runs per query.
 
-All four take the one ``AttentionParams`` struct (``params.py``), call the
+All five take the one ``AttentionParams`` struct (``params.py``), call the
 one variant hook (``variant.cuh``: score and visibility) and keep the one
 online-softmax state (``softmax_state.cuh``), write the same split partials
 (so ``attention_split_merge`` serves them) and read lengths and positions
