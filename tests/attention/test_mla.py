@@ -7,7 +7,7 @@ import pytest
 
 import cupaged
 from cupaged.ops.attention import AttentionOptions, launch, variants
-from cupaged.testing import assert_close, make_mla_case, make_paged_case
+from cupaged.testing import assert_close, make_mla_case, make_paged_case, reference
 from attention_helpers import DTYPES, TC_DTYPES, _to_device, check
 
 
@@ -158,3 +158,27 @@ def test_tc_mla_masked_nonfinite_latent(xp_backend, mla_arch, kernels_used, dtyp
             keep = np.isfinite(ref_lse[sees])
             assert_close(lse[sees][keep], ref_lse[sees][keep], dtype, f"{what} lse of rows that see one")
     assert set(kernels_used) == {mla_arch, "attention_split_merge"}
+
+
+def test_tc_mla_lengths_read_from_device_words(xp_backend, mla_arch, kernels_used):
+    """An MLA plan whose device words are advanced (lengths and positions 5
+    further, same queries, grid unchanged) gives the reference for the new
+    lengths, on each tensor-core build."""
+    from cupaged.layout import metadata_offsets
+    rng = np.random.default_rng(31)
+    full = make_mla_case(rng, kv_lens=np.array([45, 30], np.int32), q_lens=np.array([3, 1]), page_size=16,
+                         num_heads=16, latent_dim=512, pos_dim=64, dtype="bf16")
+    q, qp, lat, kp = (_to_device(xp_backend, a) for a in (full.q, full.q_pos, full.latent, full.k_pos))
+    shorter = full.kv_lens - 5
+    plan = cupaged.HostPlan.build(full.page_table, shorter, full.q_lens, 16, full.num_pages).upload(q)
+    o1 = xp_backend.to_numpy(plan.mla(q, qp, lat, kp, full.scale, True))
+    ref1, _ = reference.paged_mla(full.q, full.q_pos, full.latent, full.k_pos, full.page_table, shorter,
+                                  full.q_lens, full.scale, True)
+    assert_close(o1, ref1, "bf16", "before")
+    off = metadata_offsets(plan.queries, plan.sequences)
+    plan.words[off["kv_len"]:off["kv_len"] + 2] = xp_backend.asarray(full.kv_lens.astype(np.uint32))
+    pos = np.asarray(xp_backend.to_numpy(plan.words[off["q_pos"]:off["kv_len"]])) + 5
+    plan.words[off["q_pos"]:off["kv_len"]] = xp_backend.asarray(pos.astype(np.uint32))
+    o2 = xp_backend.to_numpy(plan.mla(q, qp, lat, kp, full.scale, True))
+    assert_close(o2, full.reference(True)[0], "bf16", "after")
+    assert set(kernels_used) == {mla_arch}
