@@ -28,6 +28,7 @@ import numpy as np
 import benchlib  # noqa: I001 (adds the source tree to sys.path)
 import cupaged
 from cupaged import HostPlan, SplitWorkspace
+from cupaged._runtime import device_arch
 from cupaged.testing import random_page_table
 
 
@@ -147,7 +148,8 @@ def main(argv=None) -> int:
                 continue
             plan, table, q, k, v = paged(be, rng, [L] * B, [1] * B, hq, hkv, d, dt, ps)
             dplan = plan.upload(q)
-            splits = cupaged.choose_splits(plan, hkv, multiprocessors=be.sms, q_heads=hq, head_dim=d, dtype=dt)
+            splits = cupaged.choose_splits(plan, hkv, multiprocessors=be.sms, q_heads=hq, head_dim=d, dtype=dt,
+                                           arch=device_arch(q))
             ws = SplitWorkspace(plan.queries, hq, d, splits, q) if splits > 1 else None
             out = be.empty((plan.queries, hq, d), dt)
             scale = d ** -0.5

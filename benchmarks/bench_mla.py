@@ -21,6 +21,7 @@ import benchlib  # noqa: I001
 import cupaged
 from bench_attention import fill_cache
 from cupaged import HostPlan, SplitWorkspace
+from cupaged._runtime import device_arch
 from cupaged.testing import random_page_table
 
 
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
             q, q_pos = be.random((B, h, R), dt, 3), be.random((B, h, P), dt, 4)
             dplan = plan.upload(q)
             splits = cupaged.choose_splits(plan, 1, multiprocessors=be.sms, q_heads=h, head_dim=R, dtype=dt,
-                                           rot_dim=P)
+                                           rot_dim=P, arch=device_arch(q))
             ws = SplitWorkspace(B, h, R, splits, q) if splits > 1 else None
             out = be.empty((B, h, R), dt)
             scale = (128 + 64) ** -0.5

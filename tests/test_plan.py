@@ -149,6 +149,9 @@ def test_choose_splits_from_the_kernel_that_runs():
     assert split == min(cupaged.MAX_SPLITS, RESIDENT_BLOCKS["paged_decode_tc"] * 132 // 8) == 64
     assert cupaged.choose_splits(b1, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype=np.float32) == \
         RESIDENT_BLOCKS["paged_attention"] * 132 // 8 == 33
+    for arch in ("sm_80", "sm_90"):       # the decode kernel runs on either: the same answer
+        assert cupaged.choose_splits(b1, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype=BF16,
+                                     arch=arch) == 64
     b64 = HostPlan.build(np.arange(64 * 256).reshape(64, 256), [4096] * 64, [1] * 64, 16, 64 * 256)
     assert cupaged.choose_splits(b64, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype=BF16) == 1
     b16 = HostPlan.build(np.arange(16 * 256).reshape(16, 256), [4096] * 16, [1] * 16, 16, 16 * 256)
@@ -174,15 +177,18 @@ def test_choose_splits_counts_the_grid_of_the_kernel_that_runs():
 
 def test_choose_splits_mla_no_splits_when_the_grid_covers_the_sms():
     """MLA at H 128 (two head tiles of 64 a query): batch 64 and 128 fill the
-    SMs at the kernel's resident blocks, so no split (issue #11)."""
+    SMs at the kernel's resident blocks, so no split (issue #11), whichever
+    MLA kernel the arch runs (paged_mla_tc, or paged_mla_wgmma on sm_90)."""
     from cupaged.ops.attention.variants import RESIDENT_BLOCKS
     for batch in (64, 128):
         plan = HostPlan.build(np.arange(batch * 64).reshape(batch, 64), [4096] * batch, [1] * batch, 64,
                               batch * 64)
         blocks = unsplit_blocks_of(plan)
         slots = RESIDENT_BLOCKS["paged_mla_tc"] * 132
-        assert cupaged.choose_splits(plan, 1, multiprocessors=132, q_heads=128, head_dim=512, dtype=BF16,
-                                     rot_dim=64) == max(1, slots // blocks if blocks < slots else 1) == 1
+        assert max(1, slots // blocks if blocks < slots else 1) == 1
+        for arch in (None, "sm_80", "sm_90"):
+            assert cupaged.choose_splits(plan, 1, multiprocessors=132, q_heads=128, head_dim=512, dtype=BF16,
+                                         rot_dim=64, arch=arch) == 1, (batch, arch)
 
 
 def unsplit_blocks_of(plan):

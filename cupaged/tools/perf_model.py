@@ -156,7 +156,7 @@ def _launch_models(shape: Shape, arch: _archs.Arch, host, token: str, *, use_cac
     itemsize = dtypes.row("dtype", token, kv=True).itemsize if shape.kv_dtype else dtypes.np_dtype(token).itemsize
     if splits is None:
         splits = choose_splits(host, shape.hkv, multiprocessors=arch.sms, q_heads=shape.hq, head_dim=shape.d,
-                               value_dim=shape.dv, dtype=token, rot_dim=shape.rot)
+                               value_dim=shape.dv, dtype=token, rot_dim=shape.rot, arch=arch.name)
     launches = plan_launches(host, token, shape.hq, shape.hkv, shape.d, shape.dv, shape.rot, True, True,
                              arch=arch.name)
     kv_bpt = _kv_bpt(shape, itemsize)

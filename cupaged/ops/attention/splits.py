@@ -11,11 +11,12 @@ import threading
 
 import numpy as np
 
-from ..._runtime import array_backend, check_not_capturing, checks, device_id, empty, multiprocessor_count, stream_for
+from ..._runtime import (array_backend, check_not_capturing, checks, device_arch, device_id, empty,
+                         multiprocessor_count, stream_for)
 from ... import dtypes
 from ...errors import PagedAttentionError
 from ...layout import MAX_HEAD_DIM, MAX_SPLITS, U32_MAX
-from .schedule import plan_launches, unsplit_blocks
+from .schedule import plan_launches
 from .variants import DECODE, RESIDENT_BLOCKS
 
 #: Tokens per split below which splitting does not pay (see choose_splits).
@@ -58,7 +59,7 @@ class SplitWorkspace:
 
 def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None = None,
                   q_heads: int | None = None, head_dim: int | None = None, value_dim: int | None = None,
-                  dtype=None, rot_dim: int = 0) -> int:
+                  dtype=None, rot_dim: int = 0, arch: str | None = None) -> int:
     """Split count for a plan (HostPlan or DevicePlan) with ``kv_heads``.
 
     Rule: let ``blocks`` be the unsplit grid's block count and ``slots`` the
@@ -77,15 +78,20 @@ def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None
     smaller), unless the shapes are given (``q_heads``, ``head_dim``,
     ``value_dim``, ``dtype``, and ``rot_dim`` for MLA): then both come from
     the launches that will run (``schedule.plan_launches``, 16-byte aligned
-    arrays assumed); the tensor-core prefill and MLA kernels serve several
-    queries per block. Host data only; no synchronization. The SM count is
-    ``multiprocessors`` when given, else that of ``like``'s device, else
-    (default) that of the plan's own words: a DevicePlan's device, or for a
-    HostPlan the CPU backend's workers.
+    arrays assumed, for the device's ``arch``); the tensor-core prefill and
+    MLA kernels serve several queries per block. Host data only; no
+    synchronization. The SM count is ``multiprocessors`` when given, else
+    that of ``like``'s device, else (default) that of the plan's own words:
+    a DevicePlan's device, or for a HostPlan the CPU backend's workers;
+    ``arch`` (``"sm_90"``, ...) is that device's unless given (with
+    ``multiprocessors`` given and no ``arch``, no arch is assumed).
     """
     host = getattr(plan, "host", plan)   # a DevicePlan's host plan, or a HostPlan
     if multiprocessors is None:
-        multiprocessors = multiprocessor_count(plan.words if like is None else like)
+        device = plan.words if like is None else like
+        multiprocessors = multiprocessor_count(device)
+        if arch is None:
+            arch = device_arch(device)
     if q_heads is None:
         blocks = host.queries * int(kv_heads)
         resident = RESIDENT_BLOCKS[DECODE.name]
@@ -93,9 +99,9 @@ def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None
         if head_dim is None or dtype is None:
             raise PagedAttentionError("head_dim, dtype: expected both with q_heads")
         dv = int(head_dim if value_dim is None else value_dim)
-        blocks = unsplit_blocks(host, int(q_heads), int(kv_heads), int(head_dim), dv, dtype, int(rot_dim))
         launches = plan_launches(host, dtypes.token(dtype), int(q_heads), int(kv_heads), int(head_dim), dv,
-                                 int(rot_dim), True, True) if host.queries else ()
+                                 int(rot_dim), True, True, arch=arch) if host.queries else ()
+        blocks = sum(launch.blocks * int(kv_heads) * launch.tiles for launch in launches)
         resident = min((launch.min_blocks or 1 for launch in launches), default=1)
     slots = max(1, int(resident)) * int(multiprocessors)
     if blocks == 0 or blocks >= slots or host.max_kv_len <= MIN_TOKENS_PER_SPLIT:
