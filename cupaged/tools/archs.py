@@ -148,7 +148,8 @@ _PIPES_90 = {"fp32": 128, "imad": 64, "alu": 64, "mufu": 16, "shfl": 32, "conv":
 #: gate's launch check); sm_80 and sm_90 also the model's assumptions.
 ARCHS: dict[str, Arch] = {
     "sm_70": Arch("sm_70", "V100 SXM2", 80, max_threads_per_sm=2048, max_blocks_per_sm=32, smem_per_sm=96 * KIB,
-                  smem_optin_per_block=_rt.LIMITS["sm_70"].smem_optin_per_block, smem_reserved_per_block=0, smem_alloc_unit=256,
+                  smem_optin_per_block=_rt.LIMITS["sm_70"].smem_optin_per_block, smem_reserved_per_block=0,
+                  smem_alloc_unit=256,
                   sources={"limits": SOURCES["cc"] + "; " + SOURCES["occ"]}),
     "sm_80": Arch("sm_80", "A100 80GB SXM", 108, max_threads_per_sm=2048, max_blocks_per_sm=32,
                   smem_per_sm=164 * KIB, smem_optin_per_block=_rt.LIMITS["sm_80"].smem_optin_per_block,
@@ -163,9 +164,11 @@ ARCHS: dict[str, Arch] = {
                            "mma": SOURCES["a100"] + " (mma.sync is Ampere's full-rate tensor instruction)",
                            "ceiling": SOURCES["a100"]}),
     "sm_86": Arch("sm_86", "RTX A6000", 84, max_threads_per_sm=1536, max_blocks_per_sm=16, smem_per_sm=100 * KIB,
-                  smem_optin_per_block=_rt.LIMITS["sm_86"].smem_optin_per_block, sources={"limits": SOURCES["cc"] + "; " + SOURCES["occ"]}),
+                  smem_optin_per_block=_rt.LIMITS["sm_86"].smem_optin_per_block,
+                  sources={"limits": SOURCES["cc"] + "; " + SOURCES["occ"]}),
     "sm_89": Arch("sm_89", "L40S", 142, max_threads_per_sm=1536, max_blocks_per_sm=24, smem_per_sm=100 * KIB,
-                  smem_optin_per_block=_rt.LIMITS["sm_89"].smem_optin_per_block, sources={"limits": SOURCES["cc"] + "; " + SOURCES["occ"]}),
+                  smem_optin_per_block=_rt.LIMITS["sm_89"].smem_optin_per_block,
+                  sources={"limits": SOURCES["cc"] + "; " + SOURCES["occ"]}),
     "sm_90": Arch("sm_90", "H200 SXM", 132, max_threads_per_sm=2048, max_blocks_per_sm=32,
                   smem_per_sm=228 * KIB, smem_optin_per_block=_rt.LIMITS["sm_90"].smem_optin_per_block,
                   clock_ghz=1.83, hbm_nominal=4.8e12, copy_bw=4.3e12, latency_ns=700.0, l2_latency_ns=300.0,
