@@ -157,6 +157,17 @@ class PagedKVCache:
     kv_heads=1, head_dim=R (latent), value_dim=P (k_pos). One page table
     serves every layer.
 
+    ``dtype``: float32, float16, bfloat16, or an fp8 format (``"e4m3"``,
+    ``"e5m2"``, or vLLM's names ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``):
+    then ``k`` / ``v`` hold fp8 codes (``ml_dtypes`` fp8 arrays on NumPy, raw
+    uint8 on CuPy; ``kv_dtype`` names the format) and ``k_scale`` /
+    ``v_scale`` are float32 arrays on the cache's device, [layers] (a scale
+    per layer) or [layers, kv_heads] (per KV head), from the arguments of the
+    same names (a number, or host / device data of either shape; default 1),
+    writable in place. ``append`` quantizes with them; pass
+    ``**cache.kv_args(layer)`` to ``plan.attention`` (or ``plan.mla``) to
+    read a layer back.
+
     ``prefix_cache=True``: full pages are indexed by a hash chain of their
     token ids once their K/V are written (docs/layout.md, "Prefix reuse");
     ``add_sequence(tokens=ids)`` shares the longest cached prefix; a page
@@ -169,7 +180,8 @@ class PagedKVCache:
     """
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, *,
-                 layers: int = 1, value_dim: int | None = None, like=None, prefix_cache: bool = False):
+                 layers: int = 1, value_dim: int | None = None, like=None, prefix_cache: bool = False,
+                 k_scale=None, v_scale=None):
         self.num_pages = checks.host_int("num_pages", num_pages, 1, U32_MAX - 1)
         self.page_size = checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
         self.kv_heads = checks.host_int("kv_heads", kv_heads, 1, U32_MAX)
@@ -177,11 +189,19 @@ class PagedKVCache:
         self.value_dim = self.head_dim if value_dim is None else checks.host_int("value_dim", value_dim, 1, U32_MAX)
         self.layers = checks.host_int("layers", layers, 1, MAX_LAYERS)
         self.prefix_cache = checks.boolean("prefix_cache", prefix_cache)
-        self.dtype = dtypes.row("dtype", dtype, kv=True).np_dtype
+        fmt = dtypes.row("dtype", dtype, kv=True)
+        #: The K/V format's token ("bf16", "e4m3", ...).
+        self.kv_dtype = fmt.token
         if like is None:
             like = np.zeros(0, np.float32)
         if array_backend(like) is None:
             raise PagedAttentionError(f"like: expected a NumPy or CuPy array, got {type(like).__name__}")
+        # The storage dtype of k / v: the format's, except fp8 on CuPy (raw uint8).
+        self.dtype = np.dtype(np.uint8) if fmt.scaled and array_backend(like) == GPU else fmt.np_dtype
+        for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if val is not None and not fmt.scaled:
+                raise PagedAttentionError(f"{name}: expected None for a {fmt.name} cache (scales belong to fp8 "
+                                          f"caches: dtype e4m3 / e5m2)")
         k_shape = (self.layers, self.num_pages, self.page_size, self.kv_heads, self.head_dim)
         v_shape = k_shape[:4] + (self.value_dim,)
         # per-page sizes must fit 32-bit indexing; page offsets are 64-bit (docs/layout.md)
@@ -190,6 +210,8 @@ class PagedKVCache:
         self.backend = array_backend(like)
         self.k = zeros(like, k_shape, self.dtype)
         self.v = zeros(like, v_shape, self.dtype)
+        self.k_scale = self._scale("k_scale", k_scale, like) if fmt.scaled else None
+        self.v_scale = self._scale("v_scale", v_scale, like) if fmt.scaled else None
         self._refs = [0] * self.num_pages
         self._free = list(range(self.num_pages - 1, -1, -1))   # a stack: page 0 is handed out first
         self._lru: OrderedDict[int, None] = OrderedDict()     # cached pages no sequence holds, oldest first
@@ -201,10 +223,41 @@ class PagedKVCache:
         self._pairs = None      # the device page list of copies (GPU), kept with the cache
         self._generation = 0    # bumped by every fork, free, prepare and reserve: older plans are stale
 
+    def _scale(self, name: str, val, like):
+        """A [layers] or [layers, kv_heads] float32 scale array on the cache's device."""
+        host = np.ones(self.layers, np.float32) if val is None else val
+        if array_backend(host) == GPU:
+            host = host.get()
+        if isinstance(host, (int, float, np.integer, np.floating)) and not isinstance(host, bool):
+            host = np.full(self.layers, host, np.float32)
+        host = np.asarray(host)
+        if host.dtype.kind not in "fiu" or host.shape not in ((self.layers,), (self.layers, self.kv_heads)):
+            raise PagedAttentionError(f"{name}: expected a number or float data of shape [{self.layers}] (per layer) "
+                                      f"or [{self.layers}, {self.kv_heads}] (per layer and KV head), got "
+                                      f"{host.dtype} {checks.shape_str(host.shape)}")
+        out = zeros(like, host.shape, np.float32)
+        if array_backend(out) == GPU:
+            out.set(host.astype(np.float32))
+        else:
+            out[...] = host
+        return out
+
+    def kv_args(self, layer: int) -> dict:
+        """The keyword arguments that read layer ``layer`` of these caches with
+        ``plan.attention`` / ``plan.mla`` (and write it with ``plan.append`` /
+        ``write_slots``): ``kv_dtype``, ``k_scale`` and ``v_scale`` for fp8
+        caches, nothing otherwise."""
+        layer = checks.host_int("layer", layer, 0, self.layers - 1)
+        if self.k_scale is None:
+            return {}
+        def at(s):   # [1] (per tensor) or [kv_heads]: views, so later writes to the scales are seen
+            return s[layer:layer + 1] if s.ndim == 1 else s[layer]
+        return dict(kv_dtype=self.kv_dtype, k_scale=at(self.k_scale), v_scale=at(self.v_scale))
+
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, kv_heads={self.kv_heads}, "
                 f"head_dim={self.head_dim}, value_dim={self.value_dim}, layers={self.layers}, "
-                f"dtype={self.dtype.name}, backend={self.backend!r}, free={self.num_free_pages}"
+                f"dtype={dtypes.lookup(self.kv_dtype).name}, backend={self.backend!r}, free={self.num_free_pages}"
                 f"{f', cached={len(self._lru)}' if self.prefix_cache else ''})")
 
     # -- queries ------------------------------------------------------------
@@ -402,7 +455,7 @@ class PagedKVCache:
         appended, its tokens count as written (the prefix index takes their
         full pages)."""
         layer = checks.host_int("layer", layer, 0, self.layers - 1)
-        plan.append(new_k, new_v, self.k[layer], self.v[layer])
+        plan.append(new_k, new_v, self.k[layer], self.v[layer], **self.kv_args(layer))
         w = self._writes.get(plan)
         if w is None:
             return

@@ -1,11 +1,20 @@
 """The one dtype table: every storage type cupaged knows, by every name.
 
 Each row says what a dtype is called (the kernels' token, the NumPy name,
-aliases), its item size, the NumPy dtype (``ml_dtypes`` for bfloat16), the
-torch dtype's name, and where it may appear: as queries / outputs (and every
-dense layer kernel), or as K/V cache storage. The kernels see the token as
-``CP_DTYPE`` (q, out) and ``CP_KV_DTYPE`` (caches); ``kernels_cu/common.cuh``
-maps tokens to C types.
+aliases), its item size, the NumPy dtype (``ml_dtypes`` for bfloat16 and the
+fp8 formats), the torch dtype's name, and where it may appear: as queries /
+outputs (and every dense layer kernel), or as K/V cache storage. The kernels
+see the token as ``CP_DTYPE`` (q, out) and ``CP_KV_DTYPE`` (caches);
+``kernels_cu/common.cuh`` maps tokens to C types.
+
+The two fp8 rows (``e4m3``: OCP E4M3FN, ``e5m2``: OCP E5M2) are K/V storage
+only, with a float32 scale per tensor or per KV head (``scaled``): a stored
+code c means ``c * scale``. Appends quantize ``x / scale`` to the nearest
+code (ties to even), saturating to ``max_finite``; NaN stays NaN. On NumPy a
+cache holds ``ml_dtypes.float8_e4m3fn`` / ``float8_e5m2`` elements; any cache
+may also be raw ``uint8`` storage (CuPy has no fp8 dtype) with the format
+named by the ops' ``kv_dtype=`` argument (``kv_storage``), as vLLM's
+``kv_cache_dtype`` does.
 
 Nothing here imports the rest of the package.
 """
@@ -27,7 +36,10 @@ class DType:
     torch_name: str       # attribute of the torch module ("bfloat16")
     query: bool           # may be q / out / a dense layer's storage
     kv: bool              # may be K/V cache storage
-    tensor_core: bool     # the tensor-core kernels take it (16-bit)
+    tensor_core: bool     # the tensor-core kernels take it (16-bit q, 16-bit or fp8 K/V)
+    scaled: bool = False  # fp8: stored codes times a float32 scale (k_scale / v_scale)
+    max_finite: float = 0.0   # fp8: the largest finite value (appends saturate to it)
+    aliases: tuple = ()   # other names users pass ("fp8", vLLM's kv_cache_dtype names)
 
     @property
     def itemsize(self) -> int:
@@ -38,17 +50,24 @@ TABLE: tuple[DType, ...] = (
     DType("f32", "float32", np.dtype(np.float32), "float32", query=True, kv=True, tensor_core=False),
     DType("f16", "float16", np.dtype(np.float16), "float16", query=True, kv=True, tensor_core=True),
     DType("bf16", "bfloat16", np.dtype(ml_dtypes.bfloat16), "bfloat16", query=True, kv=True, tensor_core=True),
+    DType("e4m3", "float8_e4m3fn", np.dtype(ml_dtypes.float8_e4m3fn), "float8_e4m3fn", query=False, kv=True,
+          tensor_core=True, scaled=True, max_finite=448.0, aliases=("fp8", "fp8_e4m3")),
+    DType("e5m2", "float8_e5m2", np.dtype(ml_dtypes.float8_e5m2), "float8_e5m2", query=False, kv=True,
+          tensor_core=True, scaled=True, max_finite=57344.0, aliases=("fp8_e5m2",)),
 )
 
-_BY_NAME = {**{d.token: d for d in TABLE}, **{d.name: d for d in TABLE}}
+_BY_NAME = {**{d.token: d for d in TABLE}, **{d.name: d for d in TABLE},
+            **{a: d for d in TABLE for a in d.aliases}}
 
 #: Tokens of the dtypes kernels are built for, in table order.
 TOKENS = tuple(d.token for d in TABLE)
 #: Tokens of the query / output dtypes, and of the K/V cache dtypes.
 QUERY_TOKENS = tuple(d.token for d in TABLE if d.query)
 KV_TOKENS = tuple(d.token for d in TABLE if d.kv)
-#: Tokens of the tensor-core kernels' dtypes.
+#: Tokens of the tensor-core kernels' dtypes (q: the 16-bit ones; K/V: those and fp8).
 TC_TOKENS = tuple(d.token for d in TABLE if d.tensor_core)
+#: Tokens of the scaled (fp8) K/V storage types.
+FP8_TOKENS = tuple(d.token for d in TABLE if d.scaled)
 
 
 def lookup(dtype) -> DType | None:
@@ -66,6 +85,44 @@ def names(rows=TABLE) -> str:
     """``"float32, float16 or bfloat16"`` for error messages."""
     ns = [d.name for d in rows]
     return ns[0] if len(ns) == 1 else ", ".join(ns[:-1]) + " or " + ns[-1]
+
+
+def kv_storage(name: str, dtype, kv_dtype=None) -> DType:
+    """The K/V format of a cache array of dtype ``dtype`` (its ``name`` for
+    messages), given the ops' ``kv_dtype`` argument: None takes the array's
+    own dtype (a K/V row: float32, float16, bfloat16, or on NumPy an
+    ``ml_dtypes`` fp8 dtype); a name (``"e4m3"``, ``"fp8_e5m2"``,
+    ``"float8_e4m3fn"``, ...) says which format the array holds, which must
+    be that dtype itself or, for fp8, raw ``uint8`` storage (CuPy caches).
+    PagedAttentionError naming the argument otherwise."""
+    if kv_dtype is not None:
+        d = lookup(kv_dtype) if isinstance(kv_dtype, str) else lookup(kv_dtype)
+        kv_rows = tuple(r for r in TABLE if r.kv)
+        if d is None or not d.kv:
+            raise PagedAttentionError(f"kv_dtype: expected one of {', '.join(repr(r.token) for r in kv_rows)} "
+                                      f"(or aliases {', '.join(repr(a) for r in kv_rows for a in r.aliases)}), "
+                                      f"got {kv_dtype!r}")
+        got = np.dtype(dtype) if not isinstance(dtype, str) else None
+        if got is not None and (got == d.np_dtype or (d.scaled and got == np.dtype(np.uint8))):
+            return d
+        want = f"{d.name}" + (" or uint8 (raw fp8 storage)" if d.scaled else "")
+        raise PagedAttentionError(f"{name}: expected dtype {want} for kv_dtype={kv_dtype!r}, got "
+                                  f"{dtype_name(dtype)}")
+    d = lookup(dtype)
+    if d is None or not d.kv:
+        if not isinstance(dtype, str) and _is_uint8(dtype):
+            raise PagedAttentionError(f"{name}: uint8 is raw fp8 storage: name its format with "
+                                      f"kv_dtype='e4m3' or kv_dtype='e5m2'")
+        raise PagedAttentionError(f"{name}: expected dtype {names(tuple(r for r in TABLE if r.kv))} (or uint8 "
+                                  f"with kv_dtype=), got {dtype_name(dtype)}")
+    return d
+
+
+def _is_uint8(dtype) -> bool:
+    try:
+        return np.dtype(dtype) == np.dtype(np.uint8)
+    except TypeError:
+        return False
 
 
 def row(name: str, dtype, *, kv: bool = False) -> DType:

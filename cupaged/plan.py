@@ -269,11 +269,14 @@ class DevicePlan:
         return attention_op.mla(self, q, q_pos, latent, k_pos, scale, causal, workspace=workspace, out=out,
                                 lse=lse, return_lse=return_lse)
 
-    def append(self, new_k, new_v, k_cache, v_cache) -> None:
+    def append(self, new_k, new_v, k_cache, v_cache, *, kv_dtype=None, k_scale=None, v_scale=None) -> None:
         """Write new_k [queries, Hkv, D] and new_v [queries, Hkv, Dv] into the
         cache slot of each query's absolute position (page
         page_table[s, p // page_size], offset p % page_size), in place, in one
-        kernel. Serves MLA caches too (Hkv = 1, D = R, Dv = P). See
+        kernel. Serves MLA caches too (Hkv = 1, D = R, Dv = P; new_v and
+        v_cache None without a rotary part). Caches may be views whose
+        innermost dim is contiguous; an fp8 cache (``kv_dtype`` for uint8
+        storage) gets the rows quantized with ``k_scale`` / ``v_scale``. See
         ``cupaged.ops.append.append``."""
         self._fresh()
-        append_op.append(self, new_k, new_v, k_cache, v_cache)
+        append_op.append(self, new_k, new_v, k_cache, v_cache, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)

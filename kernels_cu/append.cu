@@ -2,120 +2,189 @@
 // for copy-on-write. Layout of caches, positions and metadata words:
 // docs/layout.md.
 //
-// Both kernels move raw bytes: a row is copied bit for bit whatever its
-// dtype (NaN payloads and -0.0 included), so one variant serves f32, f16 and
-// bf16 alike.
+// paged_append and write_slots take one AppendParams (append_params.cuh,
+// generated from cupaged/ops/append.py). A row is one (token, KV head): D
+// contiguous elements (the innermost dim of every array is contiguous); rows
+// are found through strides, so the caches may be any such view (HND, one
+// half of a combined [pages, 2, page_size, Hkv, D] tensor, the latent or
+// rotary columns of a 576-wide MLA cache) and the new rows too (slices of a
+// fused qkv projection).
 //
-// Defines: CP_VEC_BYTES (16, 8, 4 or 2): the copy unit. The host picks the
-// widest unit that divides every row (or page) size and every base address.
+// Two builds of each:
+//   * a copy (CP_VEC_BYTES = 16, 8, 4, 2 or 1, the copy unit): the cache has
+//     the new rows' dtype and rows are copied bit for bit whatever it is (NaN
+//     payloads and -0.0 included), so one variant serves every dtype. The
+//     host picks the widest unit that divides every row size, stride and
+//     base address.
+//   * a quantizing build (CP_QUANT = 1, CP_DTYPE the new rows' dtype,
+//     CP_KV_DTYPE the fp8 cache's, CP_QVEC = 8, 4, 2 or 1 elements a step):
+//     each element x of KV head h becomes the fp8 code of x / scale[h]
+//     (fp8::encode: nearest, ties to even, saturating; NaN stays NaN), with
+//     scale = k_scale / v_scale (one, or one per KV head; 1 when absent).
+// copy_pages moves raw bytes (CP_VEC_BYTES) of whole pages.
 // Every unit is read and written through ldv / stv (common.cuh): the CPU
 // backend checks each address is aligned to the unit, as a GPU requires.
 #include "common.cuh"
 #include "plan_words.cuh"
+#include "append_params.cuh"
 
-#ifndef CP_VEC_BYTES
-#error "CP_VEC_BYTES (16, 8, 4 or 2) must be defined"
+#ifndef CP_QUANT
+#define CP_QUANT 0
 #endif
 
-#if CP_VEC_BYTES == 16
-typedef uint4 unit_t;
-#elif CP_VEC_BYTES == 8
-typedef uint2 unit_t;
-#elif CP_VEC_BYTES == 4
-typedef u32 unit_t;
-#elif CP_VEC_BYTES == 2
-typedef unsigned short unit_t;
+template <u32 N> struct Bytes;
+template <> struct Bytes<1> {
+    typedef unsigned char T;
+};
+template <> struct Bytes<2> {
+    typedef unsigned short T;
+};
+template <> struct Bytes<4> {
+    typedef u32 T;
+};
+template <> struct Bytes<8> {
+    typedef uint2 T;
+};
+template <> struct Bytes<16> {
+    typedef uint4 T;
+};
+
+#if CP_QUANT
+#ifndef CP_QVEC
+#error "CP_QVEC (8, 4, 2 or 1) must be defined with CP_QUANT"
+#endif
+typedef scalar_t src_t;   // the new rows
+typedef kv_t dst_t;       // the fp8 cache
+constexpr u32 kVec = CP_QVEC;   // elements a unit
+static_assert(kVec == 1 || kVec == 2 || kVec == 4 || kVec == 8, "CP_QVEC: 1, 2, 4 or 8");
+static_assert(kKvScaled, "a quantizing append writes an fp8 cache");
+constexpr u32 kSrcBytes = kVec * (u32)sizeof(scalar_t);
+// A unit of the new row: kVec elements, one vector access (two 16-byte ones for 8 f32).
+struct Unit {
+    scalar_t e[kVec];
+};
+constexpr u32 kLoadBytes = kSrcBytes < 16 ? kSrcBytes : 16u;
+__device__ __forceinline__ Unit load_unit(const src_t* p) {
+    typedef typename Bytes<kLoadBytes>::T V;
+    Unit u;
+#pragma unroll
+    for (u32 i = 0; i < kSrcBytes / kLoadBytes; ++i)
+        reinterpret_cast<V*>(u.e)[i] = ldv(reinterpret_cast<const V*>(p) + i);
+    return u;
+}
+__device__ __forceinline__ void store_unit(dst_t* p, const Unit& u, float scale) {
+    typedef typename Bytes<kVec>::T V;
+    V v;
+    dst_t* c = reinterpret_cast<dst_t*>(&v);
+#pragma unroll
+    for (u32 i = 0; i < kVec; ++i) c[i] = fp8::encode<kv_t>(to_float(u.e[i]) / scale);
+    stv(reinterpret_cast<V*>(p), v);
+}
 #else
-#error "CP_VEC_BYTES must be 16, 8, 4 or 2"
+#ifndef CP_VEC_BYTES
+#error "CP_VEC_BYTES (16, 8, 4, 2 or 1) must be defined"
+#endif
+typedef typename Bytes<CP_VEC_BYTES>::T unit_t;
+typedef unit_t src_t;
+typedef unit_t dst_t;
+constexpr u32 kVec = 1;
+typedef unit_t Unit;
+__device__ __forceinline__ Unit load_unit(const src_t* p) { return ldv(p); }
+__device__ __forceinline__ void store_unit(dst_t* p, const Unit& u, float) { stv(p, u); }
 #endif
 
-// The cache slot (page * page_size + offset) query q writes, or
-// 0xffffffffffffffff when the words do not name a valid one. Reads only
-// words[0 .. 17 + 2*queries + 2*sequences + sequences*table_width), the size
-// the host sized them with; never trusts a word for memory safety.
-__device__ __forceinline__ u64 append_slot(const u32* __restrict__ words, u32 q, u32 queries, u32 sequences,
-                                           u32 table_width, u32 page_size, u32 num_pages) {
+// The page and offset query q writes, or false when the words do not name a
+// valid slot. Reads only words[0 .. 17 + 2*queries + 2*sequences +
+// sequences*table_width), the size the host sized them with; never trusts a
+// word for memory safety.
+__device__ __forceinline__ bool append_slot(const u32* __restrict__ words, u32 q, u32 queries, u32 sequences,
+                                            u32 table_width, u32 page_size, u32 num_pages, u32& page, u32& off) {
     const u64 table = pw::page_table(queries, sequences);
     const u32 s = words[pw::q_seq(queries) + q];
     const u32 p = words[pw::q_pos(queries) + q];
-    if (s >= sequences) return ~0ull;                         // padded or corrupt entry
-    if (p >= words[pw::kv_len(queries) + s]) return ~0ull;    // at or past its kv_len: a padded entry (length 0)
+    if (s >= sequences) return false;                         // padded or corrupt entry
+    if (p >= words[pw::kv_len(queries) + s]) return false;    // at or past its kv_len: a padded entry (length 0)
     const u32 col = p / page_size;
-    if (col >= table_width) return ~0ull;                    // past the table
-    const u32 page = words[table + (u64)s * table_width + col];
-    if (page >= num_pages) return ~0ull;                     // includes CP_NO_PAGE
-    return (u64)page * page_size + (p - col * page_size);
+    if (col >= table_width) return false;                     // past the table
+    page = words[table + (u64)s * table_width + col];
+    if (page >= num_pages) return false;                      // includes CP_NO_PAGE
+    off = p - col * page_size;
+    return true;
 }
 
-// Copy one K row (units_k units) and one V row (units_v units): the block's
-// bx lanes (threadIdx.x) stride over the units of the K row then the V row,
-// two independent loads per lane in flight.
-__device__ __forceinline__ void copy_row(const unit_t* __restrict__ src_k, const unit_t* __restrict__ src_v,
-                                         unit_t* __restrict__ dst_k, unit_t* __restrict__ dst_v, u32 units_k,
-                                         u32 units_v) {
-    const u32 units = units_k + units_v;
+// One head row of `units` units: the block's bx lanes (threadIdx.x) stride
+// over it, two independent loads per lane in flight.
+__device__ __forceinline__ void put_row(const src_t* __restrict__ src, dst_t* __restrict__ dst, u32 units,
+                                        float scale) {
     u32 u = threadIdx.x;
     for (; u + blockDim.x < units; u += 2u * blockDim.x) {
         const u32 w = u + blockDim.x;
-        const unit_t a = ldv(u < units_k ? src_k + u : src_v + (u - units_k));
-        const unit_t b = ldv(w < units_k ? src_k + w : src_v + (w - units_k));
-        stv(u < units_k ? dst_k + u : dst_v + (u - units_k), a);
-        stv(w < units_k ? dst_k + w : dst_v + (w - units_k), b);
+        const Unit a = load_unit(src + (u64)u * kVec);
+        const Unit b = load_unit(src + (u64)w * kVec);
+        store_unit(dst + (u64)u * kVec, a, scale);
+        store_unit(dst + (u64)w * kVec, b, scale);
     }
-    if (u < units) {
-        if (u < units_k) stv(dst_k + u, ldv(src_k + u)); else stv(dst_v + (u - units_k), ldv(src_v + (u - units_k)));
+    if (u < units) store_unit(dst + (u64)u * kVec, load_unit(src + (u64)u * kVec), scale);
+}
+
+// Token t's rows (every KV head, K then V) into page `page`, offset `off`.
+__device__ __forceinline__ void put_token(const AppendParams& p, u64 t, u32 page, u32 off) {
+    const src_t* const nk = static_cast<const src_t*>(p.new_k);
+    const src_t* const nv = static_cast<const src_t*>(p.new_v);
+    dst_t* const kc = static_cast<dst_t*>(p.k_cache);
+    dst_t* const vc = static_cast<dst_t*>(p.v_cache);
+    const u64 kbase = (u64)page * p.dst_page_k + (u64)off * p.dst_slot_k;
+    const u64 vbase = (u64)page * p.dst_page_v + (u64)off * p.dst_slot_v;
+    for (u32 h = 0; h < p.heads; ++h) {
+        float ks = 1.0f, vs = 1.0f;
+#if CP_QUANT
+        if (p.k_scale) ks = p.k_scale[h * p.k_scale_stride];
+        if (p.v_scale) vs = p.v_scale[h * p.v_scale_stride];
+#endif
+        put_row(nk + t * p.src_tok_k + (u64)h * p.src_head_k, kc + kbase + (u64)h * p.dst_head_k, p.units_k, ks);
+        if (p.units_v)
+            put_row(nv + t * p.src_tok_v + (u64)h * p.src_head_v, vc + vbase + (u64)h * p.dst_head_v, p.units_v, vs);
     }
 }
 
-// new_k:   [queries, Hkv, D]      as units_k copy units per row
-// new_v:   [queries, Hkv, Dv]     as units_v copy units per row
-// k_cache: [pages, page_size, Hkv, D]   (a slot is one row of units_k)
-// v_cache: [pages, page_size, Hkv, Dv]  (a slot is one row of units_v)
+// new_k:   [queries, Hkv, D] rows (strides src_tok_k, src_head_k), new_v alike with Dv
+// k_cache: [pages, page_size, Hkv, D] rows (strides dst_page_k, dst_slot_k, dst_head_k), v_cache alike
 // words:   the plan's metadata (docs/layout.md); q_seq, q_pos and the page
 //          table are read on the device, so a graph replays with new positions.
 // Launch:  block (bx, by), grid ceil(queries / by): thread row y of a block
 //          handles query blockIdx.x * by + y, its bx lanes stride over the
-//          units_k + units_v units of the K row then the V row.
+//          units of each KV head's K row, then its V row (units_v = 0: no V).
 // A query whose sequence, column or page is out of range writes nothing.
-extern "C" __global__ void paged_append(const unit_t* __restrict__ new_k, const unit_t* __restrict__ new_v,
-                                        unit_t* __restrict__ k_cache, unit_t* __restrict__ v_cache,
-                                        const u32* __restrict__ words, u32 queries, u32 sequences,
-                                        u32 table_width, u32 page_size, u32 num_pages, u32 units_k,
-                                        u32 units_v) {
+extern "C" __global__ void paged_append(const AppendParams p) {
     const u32 q = blockIdx.x * blockDim.y + threadIdx.y;
-    if (q >= queries) return;
-    const u64 slot = append_slot(words, q, queries, sequences, table_width, page_size, num_pages);
-    if (slot == ~0ull) return;
-
-    copy_row(new_k + (u64)q * units_k, new_v + (u64)q * units_v, k_cache + slot * units_k,
-             v_cache + slot * units_v, units_k, units_v);
+    if (q >= p.tokens) return;
+    u32 page, off;
+    if (!append_slot(p.words, q, p.tokens, p.sequences, p.table_width, p.page_size, p.num_pages, page, off)) return;
+    put_token(p, q, page, off);
 }
 
-// Write rows by an explicit slot mapping (vLLM's reshape_and_cache on the
-// [pages, page_size, Hkv, D] layout): row t of new_k / new_v goes to slot
-// slots[t] = page * page_size + offset of k_cache / v_cache. A slot < 0
-// (vLLM's -1: a padded token) or >= num_slots writes nothing.
-// new_k:   [tokens, units_k] units; new_v: [tokens, units_v] units.
-// slots:   int64 [tokens].
+// Write rows by an explicit slot mapping (vLLM's reshape_and_cache_flash on
+// the [pages, page_size, Hkv, D] layout, any strides): token t goes to slot
+// slots[t] = page * page_size + offset. A slot < 0 (vLLM's -1: a padded
+// token) or >= num_slots writes nothing.
 // Launch:  as paged_append: block (bx, by), grid ceil(tokens / by).
-extern "C" __global__ void write_slots(const unit_t* __restrict__ new_k, const unit_t* __restrict__ new_v,
-                                       unit_t* __restrict__ k_cache, unit_t* __restrict__ v_cache,
-                                       const long long* __restrict__ slots, u32 tokens, u64 num_slots,
-                                       u32 units_k, u32 units_v) {
+extern "C" __global__ void write_slots(const AppendParams p) {
     const u32 t = blockIdx.x * blockDim.y + threadIdx.y;
-    if (t >= tokens) return;
-    const long long s = slots[t];
-    if (s < 0 || (u64)s >= num_slots) return;
-    const u64 slot = (u64)s;
-    copy_row(new_k + (u64)t * units_k, new_v + (u64)t * units_v, k_cache + slot * units_k,
-             v_cache + slot * units_v, units_k, units_v);
+    if (t >= p.tokens) return;
+    const long long s = p.slots[t];
+    if (s < 0 || (u64)s >= p.num_slots) return;
+    const u64 page = (u64)s / p.page_size;
+    put_token(p, t, (u32)page, (u32)((u64)s - page * p.page_size));
 }
 
+#if !CP_QUANT
 // Copy whole pages inside both caches, in every layer: for each pair i,
 // page pairs[2i] of each layer of k_cache and v_cache is copied to page
 // pairs[2i + 1] of the same layer.
-// k_cache: [layers, pages, page_units_k] units; v_cache: [layers, pages, page_units_v] units
-//          (layer-major; page offsets are 64-bit, so a cache may exceed 2^32 units).
+// k_cache: [layers, pages, ...] with each page one contiguous block of
+//          page_units_k units, pages page_k units apart and layers layer_k
+//          units apart (64-bit offsets, so a cache may exceed 2^32 units);
+//          v_cache alike.
 // pairs:   [num_pairs, 2] (src, dst) page ids; a pair naming a page
 //          >= num_pages is skipped. Destinations must be distinct and no
 //          destination may be a source (the page manager and
@@ -125,7 +194,8 @@ extern "C" __global__ void write_slots(const unit_t* __restrict__ new_k, const u
 //          strided by chunks*blockDim.x over page_units_k + page_units_v.
 extern "C" __global__ void copy_pages(unit_t* __restrict__ k_cache, unit_t* __restrict__ v_cache,
                                       const u32* __restrict__ pairs, u32 num_pairs, u32 num_pages, u32 layers,
-                                      u32 page_units_k, u32 page_units_v) {
+                                      u32 page_units_k, u32 page_units_v, u64 page_k, u64 page_v, u64 layer_k,
+                                      u64 layer_v) {
     const u32 i = blockIdx.x;
     if (i >= num_pairs) return;
     const u32 src = pairs[2u * i], dst = pairs[2u * i + 1u];
@@ -133,11 +203,10 @@ extern "C" __global__ void copy_pages(unit_t* __restrict__ k_cache, unit_t* __re
     const u32 units = page_units_k + page_units_v;
     const u32 stride = gridDim.y * blockDim.x;
     for (u32 layer = blockIdx.z; layer < layers; layer += gridDim.z) {
-        const u64 base = (u64)layer * num_pages;
-        const unit_t* sk = k_cache + (base + src) * page_units_k;
-        const unit_t* sv = v_cache + (base + src) * page_units_v;
-        unit_t* dk = k_cache + (base + dst) * page_units_k;
-        unit_t* dv = v_cache + (base + dst) * page_units_v;
+        const unit_t* sk = k_cache + layer * layer_k + src * page_k;
+        const unit_t* sv = v_cache + layer * layer_v + src * page_v;
+        unit_t* dk = k_cache + layer * layer_k + dst * page_k;
+        unit_t* dv = v_cache + layer * layer_v + dst * page_v;
         u32 u = blockIdx.y * blockDim.x + threadIdx.x;
         for (; u + stride < units; u += 2u * stride) {
             const u32 w = u + stride;
@@ -151,3 +220,4 @@ extern "C" __global__ void copy_pages(unit_t* __restrict__ k_cache, unit_t* __re
         }
     }
 }
+#endif

@@ -4,8 +4,9 @@
 // Compile-time choices arrive as #defines from the Python side (see
 // cupaged/_runtime/source.py). CP_DTYPE is one of the tokens of
 // cupaged/dtypes.py (f32, f16, bf16) and selects scalar_t below: the storage
-// of q / out and of every dense kernel. CP_KV_DTYPE (attention) selects kv_t,
-// the K/V cache storage, read through kv_to_float.
+// of q / out and of every dense kernel. CP_KV_DTYPE (attention, appends)
+// selects kv_t, the K/V cache storage (those three, or the fp8 formats e4m3 /
+// e5m2 of fp8.cuh), read through kv_to_float.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -38,10 +39,17 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+#include "fp8.cuh"
+__device__ __forceinline__ float to_float(cp_fp8_e4m3 x) { return fp8::to_float(x); }
+__device__ __forceinline__ float to_float(cp_fp8_e5m2 x) { return fp8::to_float(x); }
+template <> __device__ __forceinline__ cp_fp8_e4m3 from_float<cp_fp8_e4m3>(float x) { return fp8::encode<cp_fp8_e4m3>(x); }
+template <> __device__ __forceinline__ cp_fp8_e5m2 from_float<cp_fp8_e5m2>(float x) { return fp8::encode<cp_fp8_e5m2>(x); }
+
 #ifdef CP_KV_DTYPE
 typedef CP_CAT(cp_type_, CP_KV_DTYPE) kv_t;
-// A K/V cache element as float: the one place a quantized cache type (a new
-// row of cupaged/dtypes.py) would dequantize. Today's types convert exactly.
+// True for an fp8 cache: its codes are scaled by k_scale / v_scale (fp8.cuh).
+constexpr bool kKvScaled = fp8::is_fp8<kv_t>::value;
+// A K/V cache element as float, exactly (an fp8 code without its scale).
 __device__ __forceinline__ float kv_to_float(kv_t x) { return to_float(x); }
 #endif
 

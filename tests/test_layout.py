@@ -59,18 +59,34 @@ def test_header_matches_the_words_a_plan_writes():
 
 
 def test_dtype_table():
-    assert dtypes.TOKENS == ("f32", "f16", "bf16")
+    assert dtypes.TOKENS == ("f32", "f16", "bf16", "e4m3", "e5m2")
+    assert dtypes.QUERY_TOKENS == ("f32", "f16", "bf16") and dtypes.FP8_TOKENS == ("e4m3", "e5m2")
     for d in dtypes.TABLE:
         assert dtypes.lookup(d.token) is d and dtypes.lookup(d.name) is d and dtypes.lookup(d.np_dtype) is d
         assert dtypes.token(d.np_dtype) == d.token and dtypes.np_dtype(d.token) == d.np_dtype
     assert dtypes.np_dtype("bf16") == np.dtype(ml_dtypes.bfloat16)
     assert dtypes.lookup(np.int8) is None and dtypes.lookup("f64") is None
-    assert set(dtypes.TC_TOKENS) == {"f16", "bf16"}
+    assert set(dtypes.TC_TOKENS) == {"f16", "bf16", "e4m3", "e5m2"}
+    assert dtypes.lookup("fp8") is dtypes.lookup("fp8_e4m3") is dtypes.lookup(ml_dtypes.float8_e4m3fn)
+    assert dtypes.lookup("fp8_e5m2").token == "e5m2" and dtypes.lookup(np.uint8) is None
     with pytest.raises(PagedAttentionError, match="x: expected dtype float32, float16 or bfloat16, got int32"):
         dtypes.row("x", np.int32)
-    with pytest.raises(PagedAttentionError, match="dtype: expected float32, float16 or bfloat16, got 'int8'"):
+    with pytest.raises(PagedAttentionError, match="dtype: expected float32, float16, bfloat16, float8_e4m3fn or "
+                                                  "float8_e5m2, got 'int8'"):
         dtypes.row("dtype", "int8", kv=True)
+    with pytest.raises(PagedAttentionError, match="x: expected dtype float32, float16 or bfloat16, got float8_e4m3fn"):
+        dtypes.row("x", ml_dtypes.float8_e4m3fn)
+    # raw uint8 storage names its format
+    assert dtypes.kv_storage("k", np.uint8, "fp8_e5m2").token == "e5m2"
+    assert dtypes.kv_storage("k", ml_dtypes.float8_e4m3fn).token == "e4m3"
+    with pytest.raises(PagedAttentionError, match="k: uint8 is raw fp8 storage: name its format with kv_dtype="):
+        dtypes.kv_storage("k", np.uint8)
+    with pytest.raises(PagedAttentionError, match=r"k: expected dtype float8_e5m2 or uint8 \(raw fp8 storage\) for "
+                                                  "kv_dtype='e5m2', got float16"):
+        dtypes.kv_storage("k", np.float16, "e5m2")
+    with pytest.raises(PagedAttentionError, match="kv_dtype: expected one of 'f32'"):
+        dtypes.kv_storage("k", np.uint8, "int4")
     # The kernels map every token to a C type.
-    common = (kernel_dir() / "common.cuh").read_text()
+    common = (kernel_dir() / "common.cuh").read_text() + (kernel_dir() / "fp8.cuh").read_text()
     for t in dtypes.TOKENS:
         assert f"cp_type_{t}" in common

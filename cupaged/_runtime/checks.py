@@ -80,18 +80,61 @@ def boolean(name: str, v) -> bool:
 
 
 def _span(a) -> tuple[int, int]:
+    """The bytes [lo, hi) an array's elements reach (its strides may be any,
+    negative ones included)."""
     ptr = _backend.address(a)
-    return ptr, ptr + int(a.nbytes)
+    lo = ptr + sum((int(n) - 1) * int(s) for n, s in zip(a.shape, a.strides) if s < 0)
+    hi = ptr + sum((int(n) - 1) * int(s) for n, s in zip(a.shape, a.strides) if s > 0) + int(a.itemsize)
+    return lo, hi
+
+
+def _lattice_hit(off: int, dims: list, lo: int, hi: int) -> bool:
+    """Whether some ``d = sum(i_k * s_k)`` with ``|i_k| < n_k`` over ``dims``
+    ((stride, count) pairs, largest stride first, each at least the reach of
+    the smaller ones) has ``lo < off - d < hi``."""
+    if not dims:
+        return lo < off < hi
+    (s, n), rest = dims[0], dims[1:]
+    reach = sum((c - 1) * t for t, c in rest) + max(abs(lo), abs(hi))
+    base = off // s
+    for i in range(base - 1, base + 3):
+        if abs(i) < n and abs(off - i * s) <= reach + s and _lattice_hit(off - i * s, rest, lo, hi):
+            return True
+    return False
+
+
+def _overlap(a, b) -> bool:
+    """Whether arrays ``a`` and ``b`` share a byte. Exact for arrays whose
+    spans are disjoint, and for two views of one layout (equal shapes and
+    strides, rows contiguous and not overlapping themselves: the latent and
+    rotary columns of one MLA cache, the K and V halves of a combined KV
+    tensor); any other pair whose spans meet counts as overlapping."""
+    lo, hi = _span(a)
+    olo, ohi = _span(b)
+    if not (lo < ohi and olo < hi):
+        return False
+    if (tuple(a.shape[:-1]) != tuple(b.shape[:-1]) or tuple(a.strides[:-1]) != tuple(b.strides[:-1])
+            or a.ndim == 0 or int(a.strides[-1]) != a.itemsize or int(b.strides[-1]) != b.itemsize):
+        return True
+    wa, wb = int(a.shape[-1]) * a.itemsize, int(b.shape[-1]) * b.itemsize
+    dims = sorted(((int(s), int(n)) for n, s in zip(a.shape[:-1], a.strides[:-1]) if int(n) > 1), reverse=True)
+    reach = max(wa, wb)
+    for s, n in reversed(dims):          # each stride must clear the reach of the smaller ones
+        if s < reach:
+            return True
+        reach += (n - 1) * s
+    off = _backend.address(b) - _backend.address(a)
+    # rows of a at x and of b at off + y meet when -wb < off - (x - y) < wa for some x, y
+    return _lattice_hit(off, dims, -wb, wa)
 
 
 def no_overlap(name: str, a, **others) -> None:
-    """``a`` shares no byte with any of ``others`` (None entries skipped)."""
-    lo, hi = _span(a)
+    """``a`` shares no byte with any of ``others`` (None entries skipped).
+    Views of one layout are compared element-wise (``_overlap``)."""
     for oname, o in others.items():
         if o is None or o.nbytes == 0 or a.nbytes == 0:
             continue
-        olo, ohi = _span(o)
-        if lo < ohi and olo < hi:
+        if _overlap(a, o):
             raise PagedAttentionError(f"{name}: expected memory disjoint from {oname}, but they overlap")
 
 
@@ -160,3 +203,103 @@ def plan_cache(plan, name: str, cache, heads: int | None = None) -> None:
             f"got {shape_str(cache.shape)}")
     if heads is not None and cache.shape[2] != heads:
         raise PagedAttentionError(f"{name}: expected {heads} head(s) in dim 2, got shape {shape_str(cache.shape)}")
+
+
+# -- strided views (caches, new K/V rows) ------------------------------------
+def row_view(name: str, a) -> tuple[int, ...]:
+    """``a`` (any rank >= 1) has a contiguous innermost dim and non-negative
+    strides, each a multiple of the item size, that keep its rows (innermost
+    runs) apart; returns its strides in elements (0 for a dim of size 1).
+    PagedAttentionError naming ``name`` otherwise."""
+    item = int(a.itemsize)
+    shape = tuple(int(n) for n in a.shape)
+    strides = tuple(int(s) for s in a.strides)
+    if 0 in shape:       # no element: any strides; report the C-contiguous ones
+        return tuple(int(math.prod(shape[i + 1:])) if shape[i] > 1 else 0 for i in range(len(shape) - 1)) + (1,)
+    if shape[-1] > 1 and strides[-1] != item:
+        raise PagedAttentionError(
+            f"{name}: expected a contiguous innermost dim (stride {item} bytes), got strides {strides} for shape "
+            f"{shape_str(shape)}; pass a view whose last dim is contiguous (e.g. .copy() this one)")
+    out = []
+    for n, s in zip(shape[:-1], strides[:-1]):
+        if n > 1 and (s < 0 or s % item):
+            raise PagedAttentionError(f"{name}: expected non-negative strides that are multiples of the item size "
+                                      f"{item}, got strides {strides}")
+        out.append(s // item if n > 1 else 0)
+    reach = shape[-1]
+    for s, n in sorted(((s, n) for s, n in zip(out, shape[:-1]) if n > 1)):
+        if s < reach:
+            raise PagedAttentionError(f"{name}: expected rows that do not overlap one another, got strides "
+                                      f"{strides} for shape {shape_str(shape)}")
+        reach += (n - 1) * s
+    return tuple(out) + (1,)
+
+
+def cache_view(name: str, a, *, kv_dtype=None, ndim: int = 4):
+    """A K/V cache argument: a NumPy or CuPy array of rank ``ndim`` whose
+    innermost dim is contiguous (``row_view``: any strides otherwise, so HND
+    views, halves of a combined KV tensor and column ranges of an MLA cache
+    pass) and whose dtype is a K/V format (``dtypes.kv_storage``: fp8 as
+    ml_dtypes arrays or uint8 with ``kv_dtype``); one page may span at most
+    2^32 elements. Returns (the format's row, element strides)."""
+    if _backend.array_backend(a) is None:
+        raise PagedAttentionError(f"{name}: expected a NumPy or CuPy array, got {type(a).__name__}")
+    if a.ndim != ndim:
+        raise PagedAttentionError(f"{name}: expected a {ndim}-D array, got shape {shape_str(a.shape)} ({a.ndim}-D)")
+    row = dtypes.kv_storage(name, a.dtype, kv_dtype)
+    strides = row_view(name, a)
+    u32_size(name, a.shape, total=False)
+    page = sum((int(n) - 1) * s for n, s in zip(a.shape[1:], strides[1:])) + 1
+    if page > U32_MAX or strides[0] > U32_MAX:
+        raise PagedAttentionError(f"{name}: expected pages that span at most {U32_MAX} elements (32-bit "
+                                  f"offsets inside a page), got strides {tuple(int(s) for s in a.strides)}")
+    return row, strides
+
+
+def aligned(a, nbytes: int = 16) -> bool:
+    """``a`` starts on an ``nbytes`` boundary and every stride of a dim
+    longer than 1 is a multiple of it."""
+    return _backend.address(a) % nbytes == 0 and all(
+        int(s) % nbytes == 0 for n, s in zip(a.shape, a.strides) if int(n) > 1)
+
+
+def kv_scale(name: str, s, kv_heads: int, like) -> int:
+    """A dequantization scale of an fp8 cache (``k_scale`` / ``v_scale``): a
+    float32 array on ``like``'s backend and device, one value (shape () or
+    [1]: per tensor) or one per KV head ([kv_heads]). Returns its stride in
+    the kernels' indexing (0: one scale, 1: per head)."""
+    if _backend.array_backend(s) is None:
+        raise PagedAttentionError(f"{name}: expected a float32 NumPy or CuPy array (one scale, or one per KV head), "
+                                  f"got {type(s).__name__}")
+    if _backend.array_backend(s) != _backend.array_backend(like) or _backend.device_id(s) != _backend.device_id(like):
+        raise PagedAttentionError(f"{name}: expected an array on the caches' {_backend.array_backend(like)} backend, "
+                                  f"device {_backend.device_id(like)}, got {_backend.array_backend(s)} backend, "
+                                  f"device {_backend.device_id(s)}")
+    if str(s.dtype) != "float32":
+        raise PagedAttentionError(f"{name}: expected dtype float32, got {dtypes.dtype_name(s.dtype)}")
+    shape = tuple(int(n) for n in s.shape)
+    if shape in ((), (1,)):
+        return 0
+    if shape == (int(kv_heads),) and s.flags.c_contiguous:
+        return 1
+    raise PagedAttentionError(f"{name}: expected shape [] or [1] (per tensor) or [{int(kv_heads)}] (per KV head, "
+                              f"contiguous), got {shape_str(shape)}")
+
+
+def dense_pages(name: str, a, inner: int = 3) -> None:
+    """The last ``inner`` dims of ``a`` (one page) fill a contiguous block of
+    memory in some order (any page and layer strides around it): pages can
+    be copied as bytes."""
+    dims = sorted((int(s), int(n)) for n, s in zip(a.shape[-inner:], a.strides[-inner:]) if int(n) > 1)
+    step = int(a.itemsize)
+    for s, n in dims:
+        if s != step:
+            raise PagedAttentionError(f"{name}: expected each page ({inner} last dims) to fill one contiguous "
+                                      f"block, got strides {tuple(int(x) for x in a.strides)} for shape "
+                                      f"{shape_str(a.shape)}")
+        step *= n
+    for s, n in sorted((int(s), int(n)) for n, s in zip(a.shape[:-inner], a.strides[:-inner]) if int(n) > 1):
+        if s < step or s % int(a.itemsize):
+            raise PagedAttentionError(f"{name}: expected pages that do not overlap, got strides "
+                                      f"{tuple(int(x) for x in a.strides)} for shape {shape_str(a.shape)}")
+        step += (n - 1) * s

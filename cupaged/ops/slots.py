@@ -9,28 +9,38 @@
   ``src[i]`` to page ``dst[i]`` in K and V, every layer of layer-major 5-D
   caches in one launch.
 
-Both move raw bytes (bit-exact for every dtype) in one launch on the caches'
-stream, and check every input before launching (PagedAttentionError naming
-the argument; nothing is written after a failed check).
+Both run one launch on the caches' stream and check every input before
+launching (PagedAttentionError naming the argument; nothing is written after
+a failed check). ``copy_pages`` moves raw bytes (bit-exact for every dtype,
+fp8 included); ``write_slots`` copies rows bit for bit into a cache of their
+dtype and quantizes them into an fp8 one.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .. import dtypes
 from .._runtime import GPU, array_backend, backend_of, check_not_capturing, checks, empty, stream_for
 from ..errors import PagedAttentionError
+from .append import check_kv_write
 from .append import copy_pages as launch_copy_pages
-from .append import launch_write_slots
+from .append import launch_kv_write
 
 
 def _caches(k_cache, v_cache, ranks) -> None:
+    """copy_pages' caches: NumPy or CuPy arrays of one K/V dtype (or raw
+    uint8 fp8 storage), each page a contiguous block (any page and layer
+    strides), all but the last dim alike."""
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if array_backend(c) is None:
             raise PagedAttentionError(f"{name}: expected a NumPy or CuPy array, got {type(c).__name__}")
         if c.ndim not in ranks:
             want = " or ".join(f"{r}-D" for r in ranks)
             raise PagedAttentionError(f"{name}: expected a {want} array, got shape {checks.shape_str(c.shape)}")
-        checks.float_array(name, c, c.ndim, total=False)
+        if str(c.dtype) != "uint8":
+            dtypes.kv_storage(name, c.dtype)
+        checks.row_view(name, c)
+        checks.dense_pages(name, c)
         checks.u32_size(name, c.shape[-3:])
     checks.same_dtype("k_cache", k_cache, v_cache=v_cache)
     if v_cache.ndim != k_cache.ndim or tuple(v_cache.shape[:-1]) != tuple(k_cache.shape[:-1]):
@@ -56,12 +66,22 @@ def check_slot_mapping(slots: np.ndarray, num_slots: int, name: str = "slot_mapp
                                   f"expected each slot at most once")
 
 
-def write_slots(new_k, new_v, k_cache, v_cache, slot_mapping, *, validate: bool = False) -> None:
+def write_slots(new_k, new_v, k_cache, v_cache, slot_mapping, *, validate: bool = False, kv_dtype=None,
+                k_scale=None, v_scale=None) -> None:
     """Write new_k [tokens, Hkv, D] and new_v [tokens, Hkv, Dv] into
     k_cache [pages, page_size, Hkv, D] and v_cache [pages, page_size, Hkv, Dv]
     (one layer, e.g. ``cache.k[layer]``) at ``slot_mapping`` int64 [tokens]:
     token t goes to page ``slot // page_size``, offset ``slot % page_size``;
-    -1 skips it (a padded token). Rows are copied bit for bit, in one launch.
+    -1 skips it (a padded token). One launch.
+
+    Caches of the new rows' dtype get them bit for bit; an fp8 cache (its
+    dtype, or ``kv_dtype`` ``"e4m3"`` / ``"e5m2"`` for uint8 storage, as
+    vLLM's ``kv_cache_dtype``) gets ``code(x / scale)`` with ``k_scale`` /
+    ``v_scale`` (float32 on the caches' device, one or one per KV head; 1
+    when None): nearest, ties to even, saturating; NaN stays NaN. Caches and
+    new rows may be any views whose innermost dim is contiguous (HND, the
+    K / V halves of a combined [pages, 2, page_size, Hkv, D] tensor, slices
+    of a fused qkv output).
 
     A host ``slot_mapping`` (NumPy) is checked in full before the launch
     (every slot -1 or inside the cache, no slot twice) and, for CuPy caches,
@@ -70,16 +90,11 @@ def write_slots(new_k, new_v, k_cache, v_cache, slot_mapping, *, validate: bool 
     and shape are checked, and the kernel skips any slot outside the cache;
     ``validate=True`` reads it back (a synchronization) for the full checks.
     """
-    _caches(k_cache, v_cache, (4,))
-    backend_of(new_k=new_k, new_v=new_v, k_cache=k_cache, v_cache=v_cache)
-    checks.float_array("new_k", new_k, 3)
-    checks.float_array("new_v", new_v, 3)
-    checks.same_dtype("k_cache", k_cache, new_k=new_k, new_v=new_v)
+    if new_v is None or v_cache is None:
+        raise PagedAttentionError("new_v, v_cache: expected arrays (write_slots writes K and V)")
+    w = check_kv_write(new_k, new_v, k_cache, v_cache, None, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale,
+                       ref="k_cache")
     tokens = int(new_k.shape[0])
-    checks.shape_is("new_k", new_k, (tokens,) + tuple(k_cache.shape[2:]))
-    checks.shape_is("new_v", new_v, (tokens,) + tuple(v_cache.shape[2:]))
-    for name, a in (("new_k", new_k), ("new_v", new_v)):
-        checks.no_overlap(name, a, k_cache=k_cache, v_cache=v_cache)
     num_slots = int(k_cache.shape[0]) * int(k_cache.shape[1])
     stream = stream_for(k_cache)
     device_map = array_backend(slot_mapping) == GPU
@@ -102,7 +117,9 @@ def write_slots(new_k, new_v, k_cache, v_cache, slot_mapping, *, validate: bool 
             stream.copy_from_host(slots_dev, host)
         else:
             slots_dev = np.ascontiguousarray(host, np.int64)
-    launch_write_slots(stream, new_k, new_v, k_cache, v_cache, slots_dev, tokens)
+    if tokens:
+        launch_kv_write(stream, "write_slots", w, tokens, slots=slots_dev, page_size=int(k_cache.shape[1]),
+                        num_slots=num_slots)
 
 
 def copy_pages(k_cache, v_cache, src, dst) -> None:

@@ -45,10 +45,28 @@ def as_dtype(dtype) -> np.dtype:
     return np.dtype(dtype)
 
 
+#: (atol, rtol) of an fp8 round trip, x against dequantize(quantize(x)), for
+#: |x / scale| within the format's range: half a unit in the last place of
+#: 3 (e4m3) / 2 (e5m2) mantissa bits relative, half the smallest subnormal
+#: (2^-10 / 2^-17, times the scale) absolute. Attention over an fp8 cache is
+#: compared with the float64 reference on the dequantized cache
+#: (reference.dequantize_fp8) at the query dtype's tolerance: decoding is
+#: exact and the scales apply in f32, so the kernels' error budget is that
+#: of their f16 / bf16 operands (tolerance(q.dtype)).
+FP8_ROUND_TRIP = {
+    "float8_e4m3fn": (2.0 ** -10, 2.0 ** -4),
+    "float8_e5m2": (2.0 ** -17, 2.0 ** -3),
+}
+
+
 def tolerance(dtype) -> tuple[float, float]:
     """(atol, rtol) for comparing a kernel result computed from ``dtype``
-    inputs (and stored in ``dtype``) with the float64 reference."""
+    inputs (and stored in ``dtype``) with the float64 reference; for an fp8
+    format, the round trip of a value through it (FP8_ROUND_TRIP, atol for a
+    scale of 1)."""
     name = as_dtype(dtype).name
+    if name in FP8_ROUND_TRIP:
+        return FP8_ROUND_TRIP[name]
     if name not in _TOLERANCE:
         raise ValueError(f"dtype: no tolerance for {name}")
     return _TOLERANCE[name]

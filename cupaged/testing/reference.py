@@ -263,6 +263,46 @@ def paged_append(new_k, new_v, k_cache, v_cache, page_table, kv_lens, q_lens) ->
 
 
 # --------------------------------------------------------------------------
+# fp8 K/V storage
+# --------------------------------------------------------------------------
+
+def _fp8_type(fmt):
+    import ml_dtypes
+    names = {"e4m3": ml_dtypes.float8_e4m3fn, "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "fp8": ml_dtypes.float8_e4m3fn,
+             "fp8_e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "float8_e5m2": ml_dtypes.float8_e5m2,
+             "fp8_e5m2": ml_dtypes.float8_e5m2}
+    t = names.get(fmt) if isinstance(fmt, str) else np.dtype(fmt).type
+    if t not in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
+        raise ValueError(f"expected an fp8 format (e4m3 / e5m2), got {fmt!r}")
+    return t
+
+
+def quantize_fp8(x, fmt, scale=1.0) -> np.ndarray:
+    """The fp8 codes appends store for ``x`` (any float array) with ``scale``
+    (a number or an array broadcasting against x): ``x / scale`` divided in
+    float32, clamped to +-max finite (saturation; NaN stays NaN) and rounded
+    to the nearest code, ties to even, by ml_dtypes. Returns an ml_dtypes
+    fp8 array of x's shape."""
+    import ml_dtypes
+    t = _fp8_type(fmt)
+    mx = np.float32(ml_dtypes.finfo(t).max)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        y = np.asarray(x).astype(np.float32) / np.asarray(scale, np.float32)
+        return np.clip(y, -mx, mx).astype(t)
+
+
+def dequantize_fp8(codes, fmt=None, scale=1.0) -> np.ndarray:
+    """The float64 values fp8 ``codes`` stand for: code * scale. ``codes``:
+    an ml_dtypes fp8 array, or uint8 storage with ``fmt`` ("e4m3" / "e5m2");
+    ``scale`` broadcasts against them (e.g. [Hkv, 1] for per-head scales of a
+    [pages, page_size, Hkv, D] cache)."""
+    c = np.asarray(codes)
+    if c.dtype == np.uint8:
+        c = c.view(_fp8_type(fmt))
+    return _f64(c) * np.asarray(scale, np.float64)
+
+
+# --------------------------------------------------------------------------
 # Row-wise
 # --------------------------------------------------------------------------
 

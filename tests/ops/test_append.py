@@ -250,15 +250,17 @@ def test_dtype_and_layout_errors():
     _bad(plan, nk.astype(np.int32), nv, k, v, "new_k: expected dtype float32, float16 or bfloat16, got int32")
     _bad(plan, nk, nv.astype(np.float16), k, v, "new_v: expected dtype float32 like new_k, got float16")
     _bad(plan, nk, nv, k.astype(BF16), v, "k_cache: expected dtype float32 like new_k, got bfloat16")
-    _bad(plan, nk, nv, k, v.astype(np.float64), "v_cache: expected dtype float32, float16 or bfloat16, got float64")
+    _bad(plan, nk, nv, k, v.astype(np.float64),
+         r"v_cache: expected dtype float32, float16, bfloat16, float8_e4m3fn or float8_e5m2 \(or uint8 with kv_dtype=\), "
+         "got float64")
     _bad(plan, nk.astype(np.float16), nv.astype(np.float16), k, v,
          "k_cache: expected dtype float16 like new_k, got float32")
-    nkt = np.ascontiguousarray(nk.transpose(1, 0, 2)).transpose(1, 0, 2)
-    _bad(plan, nkt, nv, k, v, "new_k: expected a C-contiguous array")
-    kt = np.ascontiguousarray(k.transpose(1, 0, 2, 3)).transpose(1, 0, 2, 3)
-    _bad(plan, nk, nv, kt, v, "k_cache: expected a C-contiguous array")
+    # strided views are fine as long as the innermost dim is contiguous (tests/ops/test_append_fp8.py)
+    _bad(plan, np.asfortranarray(nk), nv, k, v, r"new_k: expected a contiguous innermost dim")
+    _bad(plan, nk, nv, np.asfortranarray(k), v, r"k_cache: expected a contiguous innermost dim")
     _bad(plan, nk.tolist(), nv, k, v, "new_k: expected a NumPy or CuPy array")
-    _bad(plan, nk, nv, k, None, "v_cache: expected a NumPy or CuPy array")
+    _bad(plan, nk, nv, k, None, "new_v, v_cache: expected both or neither")
+    _bad(plan, nk, nv, k, v.tolist(), "v_cache: expected a NumPy or CuPy array")
 
 
 def test_shape_errors():

@@ -16,7 +16,9 @@ import pytest
 
 import cupaged
 from cupaged._runtime import cpu as _cpu
-from cupaged._runtime import get_kernel
+from cupaged._runtime import address, get_kernel
+from cupaged._runtime.structs import StructArg
+from cupaged.ops import append as append_op
 from cupaged._runtime import source as _source
 from cupaged.errors import KernelError, PagedAttentionError
 
@@ -85,8 +87,13 @@ def test_a_real_kernel_traps_on_a_misaligned_cache():
     new = np.ones((1, 64), np.uint32)
     plan = cupaged.HostPlan.build([[1]], [1], [1], 2, 4).upload(new)
     fn = get_kernel(new, "append", "paged_append", {"CP_VEC_BYTES": 16})
-    args = (new, new, k, k, plan.words, np.uint32(1), np.uint32(1), np.uint32(1), np.uint32(2), np.uint32(4),
-            np.uint32(16), np.uint32(16))
+    values = {n: 0 for n in append_op.NAMES}
+    values.update(new_k=address(new), new_v=address(new), k_cache=address(k), v_cache=address(k),
+                  words=address(plan.words), tokens=1, sequences=1, table_width=1, page_size=2, num_pages=4, heads=1,
+                  units_k=16, units_v=16, src_tok_k=16, src_tok_v=16, dst_page_k=32, dst_slot_k=16, dst_page_v=32,
+                  dst_slot_v=16)
+    args = (StructArg(np.array(tuple(values[n] for n in append_op.NAMES), dtype=append_op.DTYPE)[()],
+                      (new, k, plan.words)),)
     with pytest.raises(KernelError, match=r"'paged_append' .*misaligned 16-byte store .* at append.cu:\d+"):
         fn.bind((1, 1, 1), (32, 1, 1), 0, args)()
 
