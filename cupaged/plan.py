@@ -48,6 +48,12 @@ class HostPlan:
     #: maintained by their owner (``DecodeBatch``), not described by the host
     #: copies above (all padded).
     stable: bool = False
+    #: False when some sequence has more queries than keys (q_len > kv_len >
+    #: 0): its first queries sit at negative positions, and the plan serves
+    #: non-causal attention only (docs/layout.md); ``non_causal_sequence`` is
+    #: the first such sequence (-1 when none).
+    causal_ok: bool = True
+    non_causal_sequence: int = -1
 
     @classmethod
     def slots(cls, slots: int, table_width: int, page_size: int, num_pages: int) -> "HostPlan":
@@ -91,6 +97,11 @@ class HostPlan:
         kv_lens [sequences]: tokens visible this step, new tokens included.
         q_lens [sequences]: new queries this step, 0 <= q_lens <= kv_lens;
         query i of sequence s sits at position kv_lens[s] - q_lens[s] + i.
+        A sequence may have more queries than keys (q_lens > kv_lens, the
+        first q_lens - kv_lens queries then at negative positions): with
+        kv_lens 0 its queries see nothing (output 0, lse -inf, causal or
+        not); with kv_lens > 0 the plan is for non-causal attention only
+        (``causal_ok`` False; cross-attention style) and writes no K/V.
         """
         page_size = checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
         num_pages = checks.host_int("num_pages", num_pages, 1, U32_MAX - 1)
@@ -115,8 +126,9 @@ class HostPlan:
             if kv[s] < 0 or kv[s] > capacity:
                 raise PagedAttentionError(
                     f"kv_lens[{s}]: expected 0..{capacity} (table_width {width} x page_size {page_size}), got {kv[s]}")
-            if ql[s] < 0 or ql[s] > kv[s]:
-                raise PagedAttentionError(f"q_lens[{s}]: expected 0..kv_lens[{s}]={kv[s]}, got {ql[s]}")
+            if ql[s] < 0 or ql[s] > MAX_VISIBLE_LEN:
+                raise PagedAttentionError(f"q_lens[{s}]: expected 0..{MAX_VISIBLE_LEN} (more than kv_lens[{s}]="
+                                          f"{kv[s]} for non-causal attention only), got {ql[s]}")
         used = -(-kv // page_size)  # pages inside each sequence's length
         inside = np.arange(width)[None, :] < used[:, None]
         bad = inside & ((table < 0) | (table >= num_pages))
@@ -140,14 +152,16 @@ class HostPlan:
                                                          num_pages)
         words[layout.W_OFFSETS:layout.W_OFFSETS + len(layout.ARRAYS)] = [off[a] for a in layout.ARRAYS]
         words[off["q_seq"]:off["q_pos"]] = q_seq
-        words[off["q_pos"]:off["kv_len"]] = q_pos
+        words[off["q_pos"]:off["kv_len"]] = q_pos & 0xFFFFFFFF   # signed 32-bit: negative when q_len > kv_len
         words[off["kv_len"]:off["q_start"]] = kv
         words[off["q_start"]:off["page_table"]] = q_start
         valid = (table >= 0) & (table < num_pages)
         words[off["page_table"]:] = np.where(valid, table, U32_MAX).reshape(-1)
+        cross = np.nonzero((ql > kv) & (kv > 0))[0]
         return cls(queries=queries, sequences=sequences, table_width=width, page_size=page_size,
                    pages=num_pages, max_kv_len=int(kv.max()) if sequences else 0, words=words,
-                   page_table=table, kv_lens=kv, q_lens=ql, q_seq=q_seq, q_pos=q_pos)
+                   page_table=table, kv_lens=kv, q_lens=ql, q_seq=q_seq, q_pos=q_pos,
+                   causal_ok=not len(cross), non_causal_sequence=int(cross[0]) if len(cross) else -1)
 
     def write_slots(self) -> tuple[np.ndarray, np.ndarray]:
         """(page [queries], offset [queries]) each query's new K/V goes to."""
@@ -161,6 +175,12 @@ class HostPlan:
         Plans of ``HostPlan.slots`` are checked by their owner instead."""
         if self.queries == 0 or self.stable:
             return
+        if (self.q_pos < 0).any():
+            i = int(np.argmax(self.q_pos < 0))
+            s = int(self.q_seq[i])
+            raise PagedAttentionError(
+                f"query {i}: sits at position {self.q_pos[i]} (sequence {s} has q_lens={self.q_lens[s]} > "
+                f"kv_lens={self.kv_lens[s]}), which has no cache slot; expected q_lens <= kv_lens to write K/V")
         cols = self.q_pos // self.page_size
         if (cols >= self.table_width).any():
             i = int(np.argmax(cols >= self.table_width))
@@ -227,28 +247,43 @@ class DevicePlan:
         self._fresh()
 
     def attention(self, q, k_cache, v_cache, scale: float, causal: bool = True, *,
-                  workspace: SplitWorkspace | None = None, out=None, lse=None, return_lse: bool = False):
+                  workspace: SplitWorkspace | None = None, out=None, lse=None, return_lse: bool = False,
+                  soft_cap: float | None = None, window: int | None = None, sinks=None, alibi_slopes=None):
         """Paged attention for the plan's packed queries.
 
         q [queries, Hq, D]; k_cache [pages, page_size, Hkv, D];
         v_cache [pages, page_size, Hkv, Dv]; Hq % Hkv == 0 and query head h
         reads KV head h // (Hq // Hkv). ``causal``: the query at absolute
         position p sees positions 0..p of its sequence; otherwise all
-        kv_lens[s]. ``scale`` multiplies q.k before the softmax.
+        kv_lens[s] (a plan with q_lens > kv_lens > 0 is non-causal only).
+        ``scale`` multiplies q.k before the softmax.
+
+        Score variants (docs/layout.md, "Score variants and visibility"; each
+        a compile-time choice of the kernels, none costs anything when off):
+        ``soft_cap`` (> 0): logit = cap * tanh(scale * q.k / cap) (Gemma 2);
+        ``window`` (>= 1): the query at p sees no position below
+        p - window + 1 (vLLM's sliding_window, FlashInfer's window_left + 1;
+        the pages before are never read); ``sinks`` float32 [Hq]: a
+        per-head logit in the softmax denominator (gpt-oss), counted by the
+        lse; ``alibi_slopes`` float32 [Hq]: logit += slope[h] * (k_pos -
+        q_pos) (BLOOM / MPT).
 
         Returns out [queries, Hq, Dv] in q's dtype, or (out, lse) with
         ``return_lse`` (or a given ``lse``): lse float32 [queries, Hq], natural
-        log of the sum of exp(scale * q.k). ``out``/``lse``: preallocated
-        outputs written in place (must not overlap any input). ``workspace``:
-        a SplitWorkspace to split the visible history over
-        ``workspace.splits`` blocks and merge (no host sync).
+        log of the sum of exp(logit) over the visible positions (and the
+        sink). ``out``/``lse``: preallocated outputs written in place (must
+        not overlap any input). ``workspace``: a SplitWorkspace to split the
+        visible history over ``workspace.splits`` blocks and merge (no host
+        sync).
         """
         self._fresh()
         return attention_op.attention(self, q, k_cache, v_cache, scale, causal, workspace=workspace, out=out,
-                                      lse=lse, return_lse=return_lse)
+                                      lse=lse, return_lse=return_lse, soft_cap=soft_cap, window=window,
+                                      sinks=sinks, alibi_slopes=alibi_slopes)
 
     def mla(self, q, q_pos, latent, k_pos, scale: float, causal: bool = True, *,
-            workspace: SplitWorkspace | None = None, out=None, lse=None, return_lse: bool = False):
+            workspace: SplitWorkspace | None = None, out=None, lse=None, return_lse: bool = False,
+            soft_cap: float | None = None, window: int | None = None, sinks=None, alibi_slopes=None):
         """DeepSeek-style multi-head latent attention, absorbed form.
 
         q [queries, H, R]: the absorbed query (q_nope times the key
@@ -263,11 +298,14 @@ class DevicePlan:
         1/sqrt(128 + 64) for DeepSeek-V3), not from R. The caller applies the
         value and output projections to the current queries only. Both caches
         are written by ``append`` (heads = 1, D = R, Dv = P). Causal masking,
-        chunked prefill, split workspaces and outputs work as in ``attention``.
+        chunked prefill, split workspaces, outputs and the score variants
+        (``soft_cap``, ``window``, ``sinks``, ``alibi_slopes`` [H]) work as in
+        ``attention``.
         """
         self._fresh()
         return attention_op.mla(self, q, q_pos, latent, k_pos, scale, causal, workspace=workspace, out=out,
-                                lse=lse, return_lse=return_lse)
+                                lse=lse, return_lse=return_lse, soft_cap=soft_cap, window=window, sinks=sinks,
+                                alibi_slopes=alibi_slopes)
 
     def append(self, new_k, new_v, k_cache, v_cache, *, kv_dtype=None, k_scale=None, v_scale=None) -> None:
         """Write new_k [queries, Hkv, D] and new_v [queries, Hkv, Dv] into the

@@ -59,6 +59,19 @@ struct State {
     __device__ __forceinline__ float inv_sum() const { return l == 0.0f ? 0.0f : 1.0f / l; }
     // Natural-log LSE; -inf when nothing was seen, NaN after a NaN score.
     __device__ __forceinline__ float lse() const { return l == 0.0f ? neg_inf() : m * kLn2 + logf(l); }
+    // Fold in one more key of log2 score `sink` whose value row is zero (an
+    // attention sink, variant.cuh): returns the factor the accumulator must
+    // be scaled by. A sink of -inf changes nothing (factor 1); a state that
+    // saw nothing gets m = sink, l = 1 (out 0, lse = the sink). A NaN sink or
+    // sum stays NaN.
+    __device__ __forceinline__ float add_sink(float sink) {
+        const float mn = fmaxf(m, sink);
+        if (mn == neg_inf()) return 1.0f;
+        const float a = rescale(m, mn);
+        l = l * a + exp2f(sink - mn);
+        m = mn;
+        return a;
+    }
 };
 
 __device__ __forceinline__ State make_state(float m, float l) {

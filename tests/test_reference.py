@@ -370,7 +370,8 @@ def test_make_paged_case_options():
     gpu_like = case.map(lambda a: a.copy())
     assert gpu_like is not case and np.array_equal(gpu_like.page_table, case.page_table)
     with pytest.raises(ValueError, match="q_lens"):
-        testing.make_paged_case(rng, kv_lens=[2], q_lens=[3])
+        testing.make_paged_case(rng, kv_lens=[2], q_lens=[-1])
+    assert testing.make_paged_case(rng, kv_lens=[2], q_lens=[3]).num_queries == 3   # a non-causal-only case
 
 
 def test_tolerance():

@@ -152,6 +152,67 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: flo
                                    lambda s: (0, np.iinfo(np.int64).max))
 
 
+def scored_attention(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: float, causal: bool = True, *,
+                     soft_cap=None, window=None, sinks=None, alibi_slopes=None) -> tuple[np.ndarray, np.ndarray]:
+    """Paged attention with the score variants (docs/layout.md, "Score
+    variants and visibility"), written from their definitions; shapes as in
+    ``paged_attention``. Query i of sequence s sits at position
+    ``p = kv_lens[s] - q_lens[s] + i``, negative when ``q_lens > kv_lens``
+    (allowed here when not causal, or when kv_lens[s] is 0).
+
+    * visible keys: ``0 .. p`` when causal, else ``0 .. kv_lens[s] - 1``;
+      with ``window`` only those ``>= p - window + 1``;
+    * logit of key k for head h: ``x = scale * q.k``; ``x = soft_cap *
+      tanh(x / soft_cap)``; ``x += alibi_slopes[h] * (k - p)``;
+    * ``sinks`` [Hq] (natural-unit logits): ``out = sum_k exp(x_k) v_k /
+      (exp(sinks[h]) + sum_k exp(x_k))`` and ``lse = log(exp(sinks[h]) +
+      sum_k exp(x_k))``; a query that sees nothing gets out 0 and lse
+      ``sinks[h]`` (``-inf`` without sinks).
+
+    Returns (out [queries, Hq, Dv], lse [queries, Hq]), float64.
+    """
+    q, k_cache, v_cache = np.asarray(q), np.asarray(k_cache), np.asarray(v_cache)
+    kv = np.asarray(kv_lens, dtype=np.int64)
+    ql = np.asarray(q_lens, dtype=np.int64)
+    if kv.ndim != 1 or ql.shape != kv.shape or np.any(ql < 0) or np.any(kv < 0):
+        raise ValueError(f"expected kv_lens and q_lens of one length, >= 0; got {kv.tolist()}, {ql.tolist()}")
+    if causal and np.any((ql > kv) & (kv > 0)):
+        raise ValueError("causal attention needs q_lens <= kv_lens where kv_lens > 0")
+    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3] or q.shape[0] != ql.sum():
+        raise ValueError(f"shapes do not match: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}, "
+                         f"q_lens sum {int(ql.sum())}")
+    hq, hkv, dv = q.shape[1], k_cache.shape[2], v_cache.shape[3]
+    kv_head = np.arange(hq) // (hq // hkv)
+    q64 = _f64(q)
+    sink = None if sinks is None else _f64(sinks).reshape(hq)
+    slopes = None if alibi_slopes is None else _f64(alibi_slopes).reshape(hq)
+    out = np.zeros((q.shape[0], hq, dv))
+    lse = np.full((q.shape[0], hq), -np.inf) if sink is None else np.tile(sink, (q.shape[0], 1))
+    i = 0
+    for s in range(len(kv)):
+        keys = gather_kv(k_cache, page_table, s, kv[s])[:, kv_head]      # [kv_len, Hq, D]
+        values = gather_kv(v_cache, page_table, s, kv[s])[:, kv_head]    # [kv_len, Hq, Dv]
+        for j in range(ql[s]):
+            p = int(kv[s] - ql[s] + j)
+            hi = min(p + 1, int(kv[s])) if causal else int(kv[s])
+            lo = 0 if window is None else max(0, p - int(window) + 1)
+            if lo < hi:
+                pos = np.arange(lo, hi)
+                x = scale * np.einsum("hd,nhd->hn", q64[i], keys[lo:hi])           # [Hq, n]
+                if soft_cap is not None:
+                    x = soft_cap * np.tanh(x / soft_cap)
+                if slopes is not None:
+                    x = x + slopes[:, None] * (pos[None, :] - p)
+                cols = x if sink is None else np.concatenate([x, sink[:, None]], axis=1)
+                m = cols.max(axis=1, keepdims=True)
+                e = np.exp(cols - m)
+                total = e.sum(axis=1)
+                out[i] = np.einsum("hn,nhd->hd", e[:, :hi - lo], values[lo:hi]) / total[:, None]
+                lse[i] = m[:, 0] + np.log(total)
+            i += 1
+    return out, lse
+
+
 def mla_as_attention(q, q_pos, latent, k_pos) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """MLA operands as plain attention operands, so every attention reference
     (``paged_attention``, ``split_attention_partials``) serves MLA too.

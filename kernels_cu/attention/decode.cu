@@ -43,7 +43,10 @@
 // Defines (compile-time choices, cupaged/ops/attention/variants.py Variant):
 //   CP_DTYPE    f32 | f16 | bf16: scalar_t, the type of q and out.
 //   CP_KV_DTYPE the type of the caches, kv_t (today always CP_DTYPE).
-//   CP_SCORE    the score variant (variant.cuh), plain unless a test asks.
+//   CP_SCORE    the score variant (variant.cuh), plain unless a test asks;
+//   CP_SOFT_CAP, CP_WINDOW, CP_SINKS, CP_ALIBI: its features (variant.cuh).
+//               A window starts the page walk at the window's first
+//               position: the pages before it are never read.
 //   HEAD_DIM    64 | 128 | 256: fast path with D == Dv == HEAD_DIM; 0 (or
 //               absent) for runtime D and Dv up to DIM_CAP.
 //   DIM_CAP     64 .. 1024 (power of two): capacity of the runtime-dim path.
@@ -237,9 +240,15 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
                            : 0.0f;
         }
 #endif
-    // The query's absolute position, for a score variant that uses it.
-    u32 q_pos = 0;
-    if constexpr (!variant::kPlainScore) q_pos = words[pw::q_pos(p.queries) + qi];
+    // The score's arguments and each head's row (query position, head,
+    // ALiBi slope), for a score variant that uses them.
+    const variant::Scorer sc(p);
+    variant::ScoreRow srow[kHeads];
+    if constexpr (!variant::kPlainScore) {
+        const u32 q_pos = words[pw::q_pos(p.queries) + qi];
+#pragma unroll
+        for (u32 g = 0; g < kHeads; ++g) srow[g] = sc.row(q_pos, head0 + g);
+    }
 
     // ---- online softmax over this split's tokens ----
     softmax::State st[kHeads];
@@ -341,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
             for (u32 u = 0; u < kU; ++u)
 #pragma unroll
                 for (u32 g = 0; g < kHeads; ++g)
-                    s[u][g] = variant::score(s[u][g], q_pos, base + my_row + u * kRows, head0 + g);
+                    s[u][g] = variant::score(sc, srow[g], s[u][g], base + my_row + u * kRows);
         }
 
         // Values of the step's rows (zeros for skipped tokens).
@@ -434,8 +443,14 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
             wt[w] = softmax::rescale(s_m[w][g], mx);
             total += s_l[w][g] * wt[w];
         }
-        const softmax::State all = softmax::make_state(mx, total);
-        const float inv = all.inv_sum();
+        softmax::State all = softmax::make_state(mx, total);
+        float inv = all.inv_sum();
+        if constexpr (variant::kSinks) {
+            if (!split) {   // the head's sink, once (split partials leave it to the merge)
+                const float a = variant::fold_sink(all, sc.sink2(head0 + g));
+                inv = all.inv_sum() * a;
+            }
+        }
         float o[kVec];
 #pragma unroll
         for (u32 i = 0; i < kVec; ++i) {

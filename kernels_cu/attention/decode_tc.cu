@@ -54,6 +54,8 @@
 // Defines (cupaged/ops/attention/variants.py Variant):
 //   CP_DTYPE, CP_KV_DTYPE  f16 | bf16 (one type: the mma takes Q and K alike)
 //   CP_SCORE               the score variant (variant.cuh)
+//   CP_SOFT_CAP, CP_WINDOW, CP_SINKS, CP_ALIBI  its features (variant.cuh); a window starts the
+//                          share [lo, hi) past 0, so the pages before lo are never read
 //   HEAD_DIM               64 | 128: D == Dv
 #include "../common.cuh"
 #include "../plan_words.cuh"
@@ -125,8 +127,14 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
         hi = sp.hi;
         table = words + pw::page_table(p.queries, p.sequences) + (u64)seq * p.table_width;
     }
-    u32 q_pos = 0;  // for a score variant that reads it
-    if constexpr (!variant::kPlainScore) q_pos = words[pw::q_pos(p.queries) + qi];
+    // For a score variant: its arguments, and the rows (query position, head, slope) of this lane's heads g, g + 8.
+    const variant::Scorer sc(p);
+    variant::ScoreRow srow[2];
+    if constexpr (!variant::kPlainScore) {
+        const u32 q_pos = words[pw::q_pos(p.queries) + qi];
+        srow[0] = sc.row(q_pos, head0 + g);
+        srow[1] = sc.row(q_pos, head0 + g + 8);
+    }
 
     // ---- Q: staged in the first ring, then A fragments in registers ----
     for (u32 c = tid; c < kRows * kChunks; c += kThreads) {
@@ -232,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
                 const u32 h = i >> 1;
                 float v = s[n][i] * qscale;
                 if constexpr (!variant::kPlainScore)
-                    v = variant::score(v, q_pos, t0 + n * 8 + 2 * tq + (i & 1u), head0 + g + 8 * h);
+                    v = variant::score(sc, srow[h], v, t0 + n * 8 + 2 * tq + (i & 1u));
                 s[n][i] = ((vis >> (n * 8 + (i & 1u))) & 1u) ? v : neg_inf();
                 mx[h] = fmaxf(mx[h], s[n][i]);
             }
@@ -337,8 +345,14 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
             wt[w] = softmax::rescale(ws[r], mx);
             total += ws[kRows + r] * wt[w];
         }
-        const softmax::State all = softmax::make_state(mx, total);
-        const float inv = all.inv_sum();
+        softmax::State all = softmax::make_state(mx, total);
+        float inv = all.inv_sum();
+        if constexpr (variant::kSinks) {
+            if (!split) {  // the head's sink, once (split partials leave it to the merge)
+                const float a = variant::fold_sink(all, sc.sink2(head0 + r));
+                inv = all.inv_sum() * a;
+            }
+        }
         float v[8];
 #pragma unroll
         for (u32 i = 0; i < 8; ++i) v[i] = 0.0f;

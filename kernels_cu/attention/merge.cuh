@@ -8,7 +8,10 @@
 //   -> out [queries, Hq, Dv] scalar_t, lse [queries, Hq] f32 (when write_lse).
 // lse = log(sum_z exp(lse_z)), out = sum_z exp(lse_z - lse) * out_z; a split
 // with lse -inf adds nothing; all empty gives out 0, lse -inf; a NaN partial
-// gives NaN.
+// gives NaN. With CP_SINKS the partials leave the head's sink out and the
+// merge folds it in once (variant::fold_sink): lse = log(exp(sink) +
+// sum_z exp(lse_z)), out scaled to match; all empty then gives out 0, lse =
+// the sink.
 //
 // Every split's loads are in flight at once: the row's Dv values are C
 // chunks of 4 floats (16-byte loads when Dv is a multiple of 4 and the
@@ -26,6 +29,7 @@
 #include "../plan_words.cuh"
 #include "../softmax_state.cuh"
 #include "span.cuh"
+#include "variant.cuh"
 
 namespace merge {
 constexpr u32 kThreads = 128;
@@ -81,7 +85,7 @@ template <u32 W>
 __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                                           scalar_t* __restrict__ out, float* __restrict__ lse, u64 stride,
                                           u64 rowi, u32 value_dim, u32 nsplit, u32 write_lse, float* s_m,
-                                          float* s_l, float* s_acc) {
+                                          float* s_l, float* s_acc, float sink) {
     const u32 tid = threadIdx.x;
     const u32 C = (value_dim + W - 1) / W;     // chunks of the row
     const u32 G = C >= kThreads ? 1u : kThreads / C;
@@ -92,7 +96,13 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
     if (G == 1) {   // every thread: chunks tid, tid + 128, ... over all splits
         for (u32 c = c0; c < C; c += kThreads) {
             sum_splits<W>(part_out, part_lse, stride, rowi, value_dim, nsplit, 0u, 1u, c, st, acc);
-            const float inv = st.inv_sum();
+            float inv;
+            if constexpr (variant::kSinks) {
+                const float a = variant::fold_sink(st, sink);
+                inv = st.inv_sum() * a;
+            } else {
+                inv = st.inv_sum();
+            }
 #pragma unroll
             for (u32 i = 0; i < W; ++i)
                 if (c * W + i < value_dim) out[rowi * value_dim + c * W + i] = from_float<scalar_t>(acc[i] * inv);
@@ -122,8 +132,14 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
 #pragma unroll
             for (u32 i = 0; i < W; ++i) o[i] = fmaf(w, s_acc[(k * C + tid) * W + i], o[i]);
         }
-        const softmax::State all = softmax::make_state(mx, total);
-        const float inv = all.inv_sum();
+        softmax::State all = softmax::make_state(mx, total);
+        float inv;
+        if constexpr (variant::kSinks) {
+            const float a = variant::fold_sink(all, sink);
+            inv = all.inv_sum() * a;
+        } else {
+            inv = all.inv_sum();
+        }
 #pragma unroll
         for (u32 i = 0; i < W; ++i)
             if (tid * W + i < value_dim) out[rowi * value_dim + tid * W + i] = from_float<scalar_t>(o[i] * inv);
@@ -135,7 +151,7 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
 extern "C" __global__ void __launch_bounds__(128)
 attention_split_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                       scalar_t* __restrict__ out, float* __restrict__ lse, u32 queries, u32 q_heads,
-                      u32 value_dim, u32 splits, u32 write_lse) {
+                      u32 value_dim, u32 splits, u32 write_lse, const float* __restrict__ sinks) {
     __shared__ float s_m[merge::kThreads], s_l[merge::kThreads];   // each group's state
     __shared__ __align__(16) float s_acc[merge::kThreads * 4];       // and its sums
     const u32 qi = blockIdx.x, h = blockIdx.y;
@@ -143,8 +159,12 @@ attention_split_merge(const float* __restrict__ part_out, const float* __restric
     const u32 nsplit = att::min_u32(splits, CP_MAX_SPLITS);
     const u64 stride = (u64)queries * q_heads;   // between splits, in (query, head) rows
     const u64 rowi = (u64)qi * q_heads + h;
+    // sinks [q_heads] (natural units), read with CP_SINKS only; the log2-domain sink of head h
+    const float sink = variant::kSinks ? sinks[h] * softmax::kLog2e : neg_inf();
     if (value_dim % 4 == 0 && (reinterpret_cast<u64>(part_out) & 15u) == 0)
-        merge::merge_row<4>(part_out, part_lse, out, lse, stride, rowi, value_dim, nsplit, write_lse, s_m, s_l, s_acc);
+        merge::merge_row<4>(part_out, part_lse, out, lse, stride, rowi, value_dim, nsplit, write_lse, s_m, s_l, s_acc,
+                            sink);
     else
-        merge::merge_row<1>(part_out, part_lse, out, lse, stride, rowi, value_dim, nsplit, write_lse, s_m, s_l, s_acc);
+        merge::merge_row<1>(part_out, part_lse, out, lse, stride, rowi, value_dim, nsplit, write_lse, s_m, s_l, s_acc,
+                            sink);
 }

@@ -38,6 +38,7 @@
 // Defines (cupaged/ops/attention/variants.py Variant):
 //   CP_DTYPE, CP_KV_DTYPE  f16 | bf16 (one type: the mma takes Q and K alike)
 //   CP_SCORE               the score variant (variant.cuh)
+//   CP_SOFT_CAP, CP_WINDOW, CP_SINKS, CP_ALIBI  its features (variant.cuh)
 //   LATENT_DIM, ROPE_DIM   R (a multiple of 128) and P (of 16)
 #include "../common.cuh"
 #include "../plan_words.cuh"
@@ -147,18 +148,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
 
     const u64 lat_page = (u64)p.page_size * kR, rot_page = (u64)p.page_size * kP;
     const u32* const tables = words + pw::page_table(p.queries, p.sequences);
+    const variant::Scorer sc(p);   // a score variant's arguments
 
     tc::for_each_pass(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
         u32 rlo[2], rhi[2];
-        u32 rpos[2], rhead[2];   // for a score variant: the rows' query position and head
+        variant::ScoreRow srow[2];   // for a score variant: the rows' query position, head, slope
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) {
             const u32 s = s_slot[h];
             const bool in = s != kNone && s >= slot_lo && s < slot_hi;
             rlo[h] = in ? rows.lo[s] : 0u;
             rhi[h] = in ? rows.hi[s] : 0u;
-            rpos[h] = in ? rows.position(s) : 0u;
-            rhead[h] = head0 + (srow0 + g + 8 * h - (in ? s : 0u) * ht);
+            if constexpr (!variant::kPlainScore)
+                srow[h] = sc.row(in ? rows.position(s) : 0u, head0 + (srow0 + g + 8 * h - (in ? s : 0u) * ht));
         }
         auto issue = [&](u32 sb, u32 b) {
             for (u32 c = tid; c < kN * kChunks; c += kThreads) {
@@ -212,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
                     const u32 h = i >> 1;
                     float v = s[n][i] * qscale;
                     if constexpr (!variant::kPlainScore)
-                        v = variant::score(v, rpos[h], t0 + 16 * th + n * 8 + 2 * tq + (i & 1u), rhead[h]);
+                        v = variant::score(sc, srow[h], v, t0 + 16 * th + n * 8 + 2 * tq + (i & 1u));
                     s[n][i] = ((vis[h] >> (n * 8 + (i & 1u))) & 1u) ? v : neg_inf();
                     mx[h] = fmaxf(mx[h], s[n][i]);
                 }
@@ -329,7 +331,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
             if (!(slot < qt && q0 + slot < q_end && hl < heads)) continue;
             const u64 row = (q0 + slot) * q_heads + head0 + hl;
             const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
-            const float inv = so[mt][h].inv_sum();
+            float inv = so[mt][h].inv_sum();
+            if constexpr (variant::kSinks) {
+                if (!split) {   // the head's sink, once (split partials leave it to the merge)
+                    const float a = variant::fold_sink(so[mt][h], sc.sink2(head0 + hl));
+                    inv = so[mt][h].inv_sum() * a;
+                }
+            }
 #pragma unroll
             for (u32 n = 0; n < kOTiles; ++n)
                 tc::store_pair(out, part_out, row_out * kR + c0 + n * 8 + 2 * tq, split, o[mt][n][2 * h] * inv,

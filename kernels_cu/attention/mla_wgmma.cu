@@ -48,6 +48,7 @@
 // Defines (cupaged/ops/attention/variants.py Variant):
 //   CP_DTYPE, CP_KV_DTYPE  f16 | bf16 (one type)
 //   CP_SCORE               the score variant (variant.cuh)
+//   CP_SOFT_CAP, CP_WINDOW, CP_SINKS, CP_ALIBI  its features (variant.cuh)
 //   LATENT_DIM, ROPE_DIM   512, 64
 //   CP_TARGET              sm_90a (compiled for that arch only)
 #include "../common.cuh"
@@ -159,17 +160,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
     const u64 lat_page = (u64)p.page_size * kR, rot_page = (u64)p.page_size * kP;
     const u32* const tables = words + pw::page_table(p.queries, p.sequences);
     constexpr u32 kSw = ptx::kSwizzle128B;
+    const variant::Scorer sc(p);   // a score variant's arguments
 
     tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
-        u32 rlo[2], rhi[2], rpos[2], rhead[2];
+        u32 rlo[2], rhi[2];
+        variant::ScoreRow srow[2];   // for a score variant: the rows' query position, head, slope
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) {
             const u32 s = my_slot[h];
             const bool in = s != kNone && s >= slot_lo && s < slot_hi;
             rlo[h] = in ? rows.lo[s] : 0u;
             rhi[h] = in ? rows.hi[s] : 0u;
-            rpos[h] = in ? rows.position(s) : 0u;
-            rhead[h] = head0 + (16 * warp4 + g + 8 * h - (in ? s : 0u) * ht);
+            if constexpr (!variant::kPlainScore)
+                srow[h] = sc.row(in ? rows.position(s) : 0u, head0 + (16 * warp4 + g + 8 * h - (in ? s : 0u) * ht));
         }
         // Thread tid copies latent chunk tid % 64 of rows tid / 64 + 4 i (i < 16) and rotary chunk
         // tid % 8 of rows tid / 8 + 32 i (i < 2): the same chunk column every tile, the swizzle
@@ -229,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
             for (u32 i = 0; i < 16; ++i) {
                 const u32 h = (i >> 1) & 1u, col = 32 * wg + 8 * (i >> 2) + 2 * tq + (i & 1u);
                 float v = s[i] * qscale;
-                if constexpr (!variant::kPlainScore) v = variant::score(v, rpos[h], t0 + col, rhead[h]);
+                if constexpr (!variant::kPlainScore) v = variant::score(sc, srow[h], v, t0 + col);
                 s[i] = ((vis[h] >> col) & 1u) ? v : neg_inf();
                 mx[h] = fmaxf(mx[h], s[i]);
             }
@@ -359,7 +362,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
         if (slot == kNone) continue;
         const u64 row = (q0 + slot) * q_heads + head0 + (r - slot * ht);
         const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
-        const float inv = sm[h].inv_sum();
+        float inv = sm[h].inv_sum();
+        if constexpr (variant::kSinks) {
+            if (!split) {   // the head's sink, once (split partials leave it to the merge)
+                const float a = variant::fold_sink(sm[h], sc.sink2(head0 + (r - slot * ht)));
+                inv = sm[h].inv_sum() * a;
+            }
+        }
 #pragma unroll
         for (u32 j = 0; j < 32; ++j)
             tc::store_pair(out, part_out, row_out * kR + 256 * wg + 8 * j + 2 * tq, split, o[4 * j + 2 * h] * inv,

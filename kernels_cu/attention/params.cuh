@@ -32,5 +32,10 @@ struct AttentionParams {
     u32 causal;                                 // 1: the query at position p sees positions 0 .. p
     u32 write_lse;                              // 1: write lse (when splits == 1)
     float scale;                                // score = scale * q.k
+    float soft_cap;                             // CP_SOFT_CAP: cap * log2(e); logit = cap * tanh(logit / cap)
+    float inv_soft_cap;                         // CP_SOFT_CAP: 1 / (cap * log2(e))
+    u32 window;                                 // CP_WINDOW: the query at p sees positions >= p - window + 1
+    const float* __restrict__ sinks;            // CP_SINKS: [Hq] per-head sink logits (natural units)
+    const float* __restrict__ alibi_slopes;     // CP_ALIBI: [Hq] slopes; logit += slope * (k_pos - q_pos)
 };
-static_assert(sizeof(AttentionParams) == 144, "AttentionParams: the NumPy dtype packs 144 bytes");
+static_assert(sizeof(AttentionParams) == 176, "AttentionParams: the NumPy dtype packs 176 bytes");

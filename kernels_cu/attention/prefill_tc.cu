@@ -40,6 +40,9 @@
 // Defines (cupaged/ops/attention/variants.py Variant; the tile table there):
 //   CP_DTYPE, CP_KV_DTYPE  f16 | bf16 (one type: the mma takes Q and K alike)
 //   CP_SCORE               the score variant (variant.cuh)
+//   CP_SOFT_CAP, CP_WINDOW, CP_SINKS, CP_ALIBI  its features (variant.cuh). With a window the rows of
+//                          a block see different ranges: a pass reads [min lo, max hi) of its rows
+//                          (pages wholly before every row's window are never read) and masks per row
 //   HEAD_DIM               64 | 128 | 256: D == Dv
 //   TC_WARPS, TC_MTILES    warps per block, m-tiles (16 rows) per warp
 //   TC_KV_TILE, TC_STAGES  tokens per K/V tile, tile buffers in the ring
@@ -125,6 +128,8 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
     }
     ptx::cp_async_commit();
     tc::setup_row_set(rows, p, q0, qt, q_end);
+    const variant::Scorer sc(p);   // a score variant's arguments
+    tc::setup_slopes(rows, sc, head0);
     ptx::cp_async_wait<0>();
     __syncthreads();
 
@@ -166,7 +171,6 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
 
     tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
         u32 rlo[kMT][2], rhi[kMT][2];     // this thread's rows' positions in this pass
-        u32 rpos[kMT][2], rhead[kMT][2];  // and, for a score variant, their query's position and head
 #pragma unroll
         for (u32 mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -175,8 +179,6 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                 const bool in = s != kNone && s >= slot_lo && s < slot_hi;
                 rlo[mt][h] = in ? rows.lo[s] : 0u;
                 rhi[mt][h] = in ? rows.hi[s] : 0u;
-                rpos[mt][h] = in ? rows.position(s) : 0u;
-                rhead[mt][h] = head0 + (row0 + 16 * mt + g + 8 * h - (in ? s : 0u) * ht);
             }
         auto issue = [&](u32 sb, u32 b) {
             // Thread tid copies chunk tid % kChunks of rows tid / kChunks + i * kRowStep.
@@ -242,7 +244,17 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                 }
             }
 
-            // Scale into the log2 domain, the score hook, mask; online softmax per row.
+            // Scale into the log2 domain, the score hook, mask; online softmax per row. A score
+            // variant's rows (query position, head, ALiBi slope) come from shared memory each tile:
+            // held across the tile loop they would take registers the kernel does not have.
+            variant::ScoreRow srow[kMT][2];
+            if constexpr (!variant::kPlainScore) {
+#pragma unroll
+                for (u32 mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                    for (u32 h = 0; h < 2; ++h)
+                        srow[mt][h] = tc::score_row(rows, my_slot[mt][h], row0 + 16 * mt + g + 8 * h, ht, head0, qt);
+            }
 #pragma unroll
             for (u32 mt = 0; mt < kMT; ++mt) {
                 float mx[2] = {neg_inf(), neg_inf()};
@@ -255,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                         const u32 h = i >> 1, col = n * 8 + 2 * tq + (i & 1u);
                         float v = s[mt][n][i] * qscale;
                         if constexpr (!variant::kPlainScore)
-                            v = variant::score(v, rpos[mt][h], t0 + col, rhead[mt][h]);
+                            v = variant::score(sc, srow[mt][h], v, t0 + col);
                         s[mt][n][i] = ((lv[h] >> (n * 8 + (i & 1u))) & 1u) ? v : neg_inf();
                         mx[h] = fmaxf(mx[h], s[mt][n][i]);
                     }
@@ -386,7 +398,13 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             const u32 r = row0 + 16 * mt + g + 8 * h;
             const u64 row = (q0 + slot) * q_heads + head0 + (r - slot * ht);
             const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
-            const float inv = sm[mt][h].inv_sum();
+            float inv = sm[mt][h].inv_sum();
+            if constexpr (variant::kSinks) {
+                if (!split) {   // the head's sink, once (split partials leave it to the merge)
+                    const float a = variant::fold_sink(sm[mt][h], sc.sink2(head0 + (r - slot * ht)));
+                    inv = sm[mt][h].inv_sum() * a;
+                }
+            }
             const float lse_v = sm[mt][h].lse();
 #pragma unroll
             for (u32 n = 0; n < kOTiles; ++n)

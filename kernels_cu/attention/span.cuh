@@ -26,7 +26,8 @@ struct Span {
 
 // The positions [lo, hi) split z covers of packed query qi of sequence seq
 // (seq < sequences): the positions the query sees (variant::visible, its
-// sequence's length clamped to the page table's capacity, hi to kMaxLen);
+// sequence's length clamped to the page table's capacity, hi to kMaxLen; lo
+// past 0 with a window, whose pages are then never read);
 // with splits > 1, split z takes [lo + z c, lo + (z + 1) c) of them, c the
 // visible count / splits rounded up to kSplitTile (an empty share past hi).
 __device__ __forceinline__ Span query_span(const AttentionParams& p, u32 qi, u32 seq, u32 z) {
@@ -34,7 +35,8 @@ __device__ __forceinline__ Span query_span(const AttentionParams& p, u32 qi, u32
     u64 L = words[pw::kv_len(p.queries) + seq];
     const u64 cap = (u64)p.table_width * p.page_size;
     if (L > cap) L = cap;
-    const variant::Range v = variant::visible(L, p.causal, [&] { return words[pw::q_pos(p.queries) + qi]; });
+    const variant::Range v =
+        variant::visible(L, p.causal, p.window, [&] { return words[pw::q_pos(p.queries) + qi]; });
     const u32 hi = (u32)(v.hi < kMaxLen ? v.hi : kMaxLen);
     Span r;
     r.lo = (u32)(v.lo < hi ? v.lo : hi);

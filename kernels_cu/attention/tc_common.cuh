@@ -63,8 +63,22 @@ struct RowPositionsN<kR, false> {
     __device__ __forceinline__ u32 position(u32) const { return 0u; }
     __device__ __forceinline__ void set_position(u32, u32) {}
 };
+// The ALiBi slopes (log2 domain) of a block's heads head0 + i, for a variant
+// with CP_ALIBI only (the tensor-core prefill reads them per tile rather than
+// hold them in registers).
+template <u32 kR, bool kKeep>
+struct RowSlopesN {
+    float slope[kR];
+    __device__ __forceinline__ float slope_of(u32 i) const { return slope[i]; }
+    __device__ __forceinline__ void set_slope(u32 i, float v) { slope[i] = v; }
+};
 template <u32 kR>
-struct RowSet : RowPositionsN<kR, !variant::kPlainScore> {
+struct RowSlopesN<kR, false> {
+    __device__ __forceinline__ float slope_of(u32) const { return 0.0f; }
+    __device__ __forceinline__ void set_slope(u32, float) {}
+};
+template <u32 kR>
+struct RowSet : RowPositionsN<kR, !variant::kPlainScore>, RowSlopesN<kR, variant::kAlibi> {
     static constexpr u32 kSize = kR;
     u32 seq[kR];   // sequence of the slot's query, kNone when none
     u32 lo[kR];    // this split's share [lo, hi) of the query's visible positions
@@ -92,6 +106,28 @@ __device__ __forceinline__ void setup_row_set(RowSet<kR>& R, const AttentionPara
         R.lo[i] = lo;
         R.hi[i] = hi;
     }
+}
+
+// The slopes of heads head0 .. head0 + kR - 1 into R (CP_ALIBI; threads i < kR).
+template <u32 kR>
+__device__ __forceinline__ void setup_slopes(RowSet<kR>& R, const variant::Scorer& sc, u32 head0) {
+    if constexpr (variant::kAlibi)
+        for (u32 i = threadIdx.x; i < kR; i += blockDim.x) R.set_slope(i, sc.row(0u, head0 + i).slope);
+}
+
+// The score row of block row r, whose query slot is `slot` (kNone, or a slot
+// >= qt, for a row without a query: any row, its scores are masked), from
+// shared memory: its query's position, head head0 + (r - slot * ht), slope.
+template <u32 kR>
+__device__ __forceinline__ variant::ScoreRow score_row(const RowSet<kR>& R, u32 slot, u32 r, u32 ht, u32 head0,
+                                                       u32 qt) {
+    const u32 s = slot < qt ? slot : 0u;
+    const u32 hl = r - s * ht;
+    variant::ScoreRow x;
+    x.q_pos = R.position(s);
+    x.head = head0 + hl;
+    x.slope = R.slope_of(hl);
+    return x;
 }
 
 // for_each_pass over a RowSet (same rule as for Rows).

@@ -63,7 +63,9 @@ def _valid(c) -> bool:
         return False
     cap = len(c["table"][0]) * ps
     for s, (k, q) in enumerate(zip(c["kv"], c["ql"])):
-        if not 0 <= q <= k <= cap:
+        if not (0 <= k <= cap and q >= 0):
+            return False
+        if q > k > 0 and c["causal"]:      # more queries than keys: non-causal only (docs/layout.md)
             return False
         for j in range(-(-k // ps)):
             if not 0 <= c["table"][s][j] < c["num_pages"]:
@@ -99,8 +101,8 @@ def test_random_plans_raise_or_match_reference(c):
         np.testing.assert_array_equal(out, 7.0)
         return
     assert valid, f"an invalid case was accepted: {c}"
-    exp, exp_lse = reference.paged_attention(q, k, v, np.array(c["table"]), c["kv"], c["ql"], c["scale"],
-                                             c["causal"])
+    exp, exp_lse = reference.scored_attention(q, k, v, np.array(c["table"]), c["kv"], c["ql"], c["scale"],
+                                              c["causal"])
     assert got is out
     assert_close(got, exp, np.float32)
     assert_close(lse, exp_lse, np.float32)

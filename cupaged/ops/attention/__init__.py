@@ -93,26 +93,36 @@ __all__ = ["attention", "mla", "AttentionOptions", "SplitWorkspace", "choose_spl
 
 
 def attention(plan, q, k_cache, v_cache, scale, causal=True, *, workspace=None, out=None, lse=None,
-              return_lse: bool = False):
+              return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None):
     """``DevicePlan.attention`` (its docstring has the shapes): check, then launch."""
     checks.attention_inputs(plan, q, k_cache, v_cache)
-    opts = AttentionOptions.checked(scale, causal)
+    opts = AttentionOptions.checked(scale, causal, soft_cap=soft_cap, window=window, sinks=sinks,
+                                    alibi_slopes=alibi_slopes, plan=plan, heads=int(q.shape[1]))
+    opts.check_plan(plan, "attention")
     want_lse = return_lse or lse is not None
     o = checks.outputs(plan, q, out, lse, want_lse, int(q.shape[1]), int(v_cache.shape[3]), workspace,
-                       dict(q=q, k_cache=k_cache, v_cache=v_cache))
+                       dict(q=q, k_cache=k_cache, v_cache=v_cache, **_score_arrays(opts)))
     launch_attention(plan.stream, plan, q, k_cache, v_cache, o.out, opts, lse=o.lse, workspace=o.workspace)
     return (o.out, o.lse) if want_lse else o.out
 
 
 def mla(plan, q, q_pos, latent, k_pos, scale, causal=True, *, workspace=None, out=None, lse=None,
-        return_lse: bool = False):
+        return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None):
     """``DevicePlan.mla`` (its docstring has the shapes): check, then launch."""
     checks.mla_inputs(plan, q, q_pos, latent, k_pos)
-    opts = AttentionOptions.checked(scale, causal)
+    opts = AttentionOptions.checked(scale, causal, soft_cap=soft_cap, window=window, sinks=sinks,
+                                    alibi_slopes=alibi_slopes, plan=plan, heads=int(q.shape[1]))
+    opts.check_plan(plan, "mla")
     want_lse = return_lse or lse is not None
     h, r = int(q.shape[1]), int(q.shape[2])
     o = checks.outputs(plan, q, out, lse, want_lse, h, r, workspace, dict(q=q, q_pos=q_pos, latent=latent,
-                                                                           k_pos=k_pos))
+                                                                           k_pos=k_pos, **_score_arrays(opts)))
     launch_attention(plan.stream, plan, q, latent, latent, o.out, opts, q_rot=q_pos,
                      k_rot=k_pos, lse=o.lse, workspace=o.workspace)
     return (o.out, o.lse) if want_lse else o.out
+
+
+def _score_arrays(opts: AttentionOptions) -> dict:
+    """The options' arrays (sinks, ALiBi slopes) given, by name: inputs the
+    outputs must not overlap."""
+    return {k: a for k, a in (("sinks", opts.sinks), ("alibi_slopes", opts.alibi_slopes)) if a is not None}

@@ -7,40 +7,94 @@ and ``stream`` (a DevicePlan).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..._runtime import check_not_capturing, checks, empty
+from ..._runtime import array_backend, check_not_capturing, checks, empty
 from ...errors import PagedAttentionError
-from ...layout import MAX_HEAD_DIM, MAX_ROPE_DIM, MAX_SPLITS
+from ...layout import MAX_HEAD_DIM, MAX_ROPE_DIM, MAX_SPLITS, U32_MAX
 from .splits import SplitWorkspace
-from .variants import SCORES
+from .variants import FEATURES, SCORES
 
 
 @dataclass(frozen=True)
 class AttentionOptions:
     """The score and visibility choices of one attention call, checked: the
-    Python side of ``kernels_cu/attention/variant.cuh``. ``scale`` and
-    ``causal`` go into the kernels' argument struct (``params.py``);
-    ``score`` picks the compiled score variant.
+    Python side of ``kernels_cu/attention/variant.cuh``. ``scale``,
+    ``causal``, ``soft_cap``, ``window`` and the arrays' addresses go into
+    the kernels' argument struct (``params.py``); ``score`` and the features
+    that are on (``features``) pick the compiled variant (docs/layout.md,
+    "Score variants and visibility").
 
     ``scale`` multiplies q.k before the softmax; ``causal``: the query at
     absolute position p sees positions 0..p of its sequence, otherwise all
     kv_lens[s]; ``score``: a name in ``variants.SCORES`` ("plain":
-    softmax(scale * q.k)).
+    softmax(scale * q.k)); ``soft_cap``: logit = cap * tanh(logit / cap);
+    ``window``: the query at p also sees nothing below p - window + 1;
+    ``sinks`` float32 [Hq]: a per-head logit in the softmax denominator;
+    ``alibi_slopes`` float32 [Hq]: logit += slope[h] * (k_pos - q_pos).
     """
 
     scale: float
     causal: bool = True
     score: str = "plain"
+    soft_cap: float | None = None
+    window: int | None = None
+    sinks: object = field(default=None, compare=False, repr=False)
+    alibi_slopes: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The score / visibility features that are on, as ``variants.FEATURES``
+        names (each a compile-time flag of the kernels)."""
+        on = dict(soft_cap=self.soft_cap is not None, window=self.window is not None,
+                  sinks=self.sinks is not None, alibi=self.alibi_slopes is not None)
+        return tuple(f for f in FEATURES if on[f])
 
     @classmethod
-    def checked(cls, scale, causal, score: str = "plain") -> "AttentionOptions":
-        opts = cls(checks.positive_scale(scale), checks.boolean("causal", causal), score)
+    def checked(cls, scale, causal, score: str = "plain", *, soft_cap=None, window=None, sinks=None,
+                alibi_slopes=None, plan=None, heads: int | None = None) -> "AttentionOptions":
+        """Every option checked; ``sinks`` / ``alibi_slopes`` against ``plan``
+        (backend, device, stream) and ``heads`` (Hq), which they then need."""
+        opts = cls(checks.positive_scale(scale), checks.boolean("causal", causal), score,
+                   None if soft_cap is None else checks.positive_scale(soft_cap, "soft_cap"),
+                   None if window is None else checks.host_int("window", window, 1, U32_MAX),
+                   sinks, alibi_slopes)
         if not isinstance(score, str) or score not in SCORES:
             raise PagedAttentionError(f"score: expected one of {', '.join(map(repr, SCORES))}, got {score!r}")
+        for name, a in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+            if a is not None:
+                if plan is None or heads is None:
+                    raise ValueError(f"{name}: AttentionOptions.checked needs plan= and heads= to check it")
+                head_array(plan, name, a, heads)
         return opts
+
+    def check_plan(self, plan, what: str = "attention") -> None:
+        """A plan with a sequence whose queries outnumber its keys (q_len >
+        kv_len > 0) is non-causal only (docs/layout.md)."""
+        if self.causal and not plan.host.causal_ok:
+            s = plan.host.non_causal_sequence
+            raise PagedAttentionError(
+                f"causal: expected False for this plan (sequence {s} has q_lens={int(plan.host.q_lens[s])} > "
+                f"kv_lens={int(plan.host.kv_lens[s])} > 0: its first queries sit at negative positions), got True "
+                f"({what})")
+
+
+def head_array(plan, name: str, a, heads: int) -> None:
+    """``a``: a C-contiguous float32 [heads] array on the plan's backend and
+    device (sinks, ALiBi slopes)."""
+    if array_backend(a) is None:
+        raise PagedAttentionError(f"{name}: expected a NumPy or CuPy float32 array [{heads}], got "
+                                  f"{type(a).__name__}")
+    checks.plan_arrays(plan, **{name: a})
+    if str(a.dtype) != "float32":
+        raise PagedAttentionError(f"{name}: expected float32 [{heads}] (one value per query head), got {a.dtype}")
+    if tuple(a.shape) != (heads,):
+        raise PagedAttentionError(f"{name}: expected shape [{heads}] (one value per query head), got shape "
+                                  f"{checks.shape_str(a.shape)}")
+    if not a.flags.c_contiguous:
+        raise PagedAttentionError(f"{name}: expected a contiguous array, got strides {tuple(a.strides)}")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ synchronizes or reads device data on the host.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 
@@ -16,11 +17,15 @@ from .checks import AttentionOptions
 from .schedule import plan_launches
 from .variants import MERGE_HEADS_PER_BLOCK, ROT_CAPS, THREADS, VECTOR_BYTES
 
+#: log2(e): the kernels' scores are in the log2 domain (softmax_state.cuh).
+LOG2E = 1.0 / math.log(2.0)
+
 
 def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOptions, *,
                      q_rot=None, k_rot=None, lse=None, workspace=None) -> None:
     """Launch paged attention for ``plan`` (arguments already validated;
-    ``opts``: scale, causal and score variant, ``AttentionOptions.checked``).
+    ``opts``: scale, causal, score variant and its features (soft cap,
+    window, sinks, ALiBi slopes), ``AttentionOptions.checked``).
 
     q [queries, Hq, D]; k_cache [pages, page_size, Hkv, D];
     v_cache [pages, page_size, Hkv, Dv]; out [queries, Hq, Dv] (q's dtype);
@@ -57,7 +62,7 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
     aligned = all(address(a) % VECTOR_BYTES == 0 for a in (q, k_cache, v_cache, out))
     aligned_tc = aligned and (not rot_dim or all(address(a) % VECTOR_BYTES == 0 for a in (q_rot, k_rot)))
     launches = plan_launches(host, dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, opts.score,
-                             arch=device_arch(q))
+                             arch=device_arch(q), features=opts.features)
     splits = 1 if workspace is None else int(workspace.splits)
     split = splits > 1
     # Every grid of the step (attention launches and the merge) is checked
@@ -77,7 +82,8 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
     if split and -(-hq // MERGE_HEADS_PER_BLOCK) > 65535:
         raise PagedAttentionError(f"q: expected at most {65535 * MERGE_HEADS_PER_BLOCK} query heads for the "
                                   f"split merge, got {hq}")
-    refs = [a for a in (q, k_cache, v_cache, q_rot, k_rot, plan.words, out, lse) if a is not None]
+    refs = [a for a in (q, k_cache, v_cache, q_rot, k_rot, plan.words, out, lse, opts.sinks, opts.alibi_slopes)
+            if a is not None]
     if split:
         refs += [workspace.partial_out, workspace.partial_lse]
     # Pointers a launch never reads are 0 (no rotary part, no lse, no split).
@@ -90,7 +96,13 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
         queries=host.queries, q_begin=0, q_count=0, sequences=host.sequences, table_width=host.table_width,
         page_size=host.page_size, num_pages=host.pages, q_heads=hq, kv_heads=hkv, head_dim=d, value_dim=dv,
         rot_dim=rot_dim, splits=splits, causal=int(opts.causal), write_lse=int(lse is not None),
-        scale=opts.scale)
+        scale=opts.scale,
+        # the score group (variant.cuh): 0 where the feature is off
+        soft_cap=0.0 if opts.soft_cap is None else opts.soft_cap * LOG2E,
+        inv_soft_cap=0.0 if opts.soft_cap is None else 1.0 / (opts.soft_cap * LOG2E),
+        window=0 if opts.window is None else opts.window,
+        sinks=0 if opts.sinks is None else address(opts.sinks),
+        alibi_slopes=0 if opts.alibi_slopes is None else address(opts.alibi_slopes))
 
     kernels = [get_kernel(q, launch.source, launch.kernel, launch.defines) for launch in launches]
     # every attention module compiles the merge: the last launch's module serves it
@@ -106,4 +118,5 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
             u32 = np.uint32
             stream.launch(merge, (queries, -(-hq // MERGE_HEADS_PER_BLOCK)), (THREADS,), (
                 workspace.partial_out, workspace.partial_lse, out, out if lse is None else lse,
-                u32(queries), u32(hq), u32(dv), u32(splits), u32(lse is not None)))
+                u32(queries), u32(hq), u32(dv), u32(splits), u32(lse is not None),
+                opts.sinks if opts.sinks is not None else np.uint64(0)))

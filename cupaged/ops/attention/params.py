@@ -47,6 +47,12 @@ FIELDS: tuple[Field, ...] = (
     Field("causal", "u32", "1: the query at position p sees positions 0 .. p"),
     Field("write_lse", "u32", "1: write lse (when splits == 1)"),
     Field("scale", "float", "score = scale * q.k"),
+    # Score variants (variant.cuh): read only by the variants whose feature is on.
+    Field("soft_cap", "float", "CP_SOFT_CAP: cap * log2(e); logit = cap * tanh(logit / cap)"),
+    Field("inv_soft_cap", "float", "CP_SOFT_CAP: 1 / (cap * log2(e))"),
+    Field("window", "u32", "CP_WINDOW: the query at p sees positions >= p - window + 1"),
+    Field("sinks", "const float*", "CP_SINKS: [Hq] per-head sink logits (natural units)"),
+    Field("alibi_slopes", "const float*", "CP_ALIBI: [Hq] slopes; logit += slope * (k_pos - q_pos)"),
 )
 
 #: The NumPy structured dtype of AttentionParams (C alignment, pointers as uint64).

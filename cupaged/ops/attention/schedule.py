@@ -281,16 +281,19 @@ _launches_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
-                  aligned_tc: bool, score: str = "plain", arch: str | None = None) -> tuple[Launch, ...]:
+                  aligned_tc: bool, score: str = "plain", arch: str | None = None,
+                  features: tuple[str, ...] = ()) -> tuple[Launch, ...]:
     """The unsplit launches for these shapes, one per segment
     (``tc_segments``), each with its ``variants.Variant``'s source, kernel,
-    defines, block and shared memory. ``arch``: the device's
+    defines, block and shared memory; ``score`` and ``features``
+    (``variants.FEATURES`` names) are compile-time columns of every launch's
+    variant and change no choice. ``arch``: the device's
     (``cupaged._runtime.device_arch``; launch_attention passes it): only
     builds that launch there are chosen (``select_tensor_core``); None
     checks no arch. Host plan data only (static per schedule); cached per
     plan, shapes and arch, so the hot path is one lookup."""
     per_plan = _launches_cache.setdefault(host, {})
-    key = (dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, score, arch)
+    key = (dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, score, arch, tuple(features))
     launches = per_plan.get(key)
     if launches is None:
         launches = per_plan[key] = _launches(host, *key)
@@ -298,12 +301,12 @@ def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim:
 
 
 def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
-              aligned_tc: bool, score: str, arch: str | None) -> tuple[Launch, ...]:
+              aligned_tc: bool, score: str, arch: str | None, features: tuple[str, ...]) -> tuple[Launch, ...]:
     """plan_launches without the cache."""
     group = hq // hkv
     segs = tc_segments(host, group)
     tc = select_tensor_core(dtype, d, dv, aligned_tc, any(seg[0] for seg in segs), rot_dim, score=score,
-                            arch=arch)
+                            arch=arch, features=features)
     if tc is None:
         segs = ((False, 0, host.queries),)
     launches = []
@@ -313,7 +316,7 @@ def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int
             v, rows = tc, tc.rows
             tiles, blocks = -(-group // min(group, rows)), -(-count // tc_queries_per_block(group, rows))
         else:
-            v = select_variant(dtype, d, dv, aligned, group, rot_dim, score=score)
+            v = select_variant(dtype, d, dv, aligned, group, rot_dim, score=score, features=features)
             tiles, blocks = -(-group // v.group_tile), count
         launches.append(Launch(v.source, v.kernel, v.defines(), v.threads, v.smem, blocks, tiles, begin, count,
                                v.resident_blocks, bool(on_tc and rot_dim)))

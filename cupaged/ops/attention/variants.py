@@ -163,6 +163,18 @@ SCORES: dict[str, Score] = {
     "plain": Score("plain", True, "softmax(scale * q.k)"),
 }
 
+#: Score and visibility features (variant.cuh; docs/layout.md, "Score
+#: variants and visibility"): each a compile-time flag of every kernel, off
+#: by default (the variant then compiles to the code it had without it),
+#: composed with any score above. ``Variant`` fields of these names; defines
+#: CP_SOFT_CAP, CP_WINDOW, CP_SINKS, CP_ALIBI.
+FEATURES = ("soft_cap", "window", "sinks", "alibi")
+#: Feature sets the NVRTC gate builds besides none: each alone and all on,
+#: for every kernel family and dtype at the fast dims (the compile-time-dim
+#: paged_attention builds, every tensor-core build); other combinations and
+#: the runtime-dim builds compile when a launch first asks for them.
+GATE_FEATURES: tuple[tuple[str, ...], ...] = tuple((f,) for f in FEATURES) + (FEATURES,)
+
 
 # ---------------------------------------------------------------------------
 # Variant: every compile-time choice of one build
@@ -187,6 +199,10 @@ class Variant:
     rope_dim: int = 0            # ROPE_DIM: P (paged_mla_tc)
     tile: TcTile | None = None   # TC_*: paged_prefill_tc's tile (PREFILL_TILES)
     target: str = ""             # CP_TARGET: the arch-specific compile target ("sm_90a"), "" for any arch
+    soft_cap: bool = False       # CP_SOFT_CAP (FEATURES)
+    window: bool = False         # CP_WINDOW
+    sinks: bool = False          # CP_SINKS
+    alibi: bool = False          # CP_ALIBI
 
     @property
     def source(self) -> str:
@@ -196,6 +212,11 @@ class Variant:
     @property
     def threads(self) -> int:
         return self.tile.threads if self.tile else KERNELS[self.kernel].threads
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The FEATURES that are on."""
+        return tuple(f for f in FEATURES if getattr(self, f))
 
     @property
     def rows(self) -> int:
@@ -241,11 +262,13 @@ class Variant:
             d.update(LATENT_DIM=self.latent_dim, ROPE_DIM=self.rope_dim)
         if self.target:
             d["CP_TARGET"] = self.target
+        for f in self.features:
+            d[f"CP_{f.upper()}"] = 1
         return d
 
     def serves(self, s: "Shape") -> bool:
         """Whether this variant computes attention for shape ``s`` (any
-        score: the score column is set after selection)."""
+        score and features: those columns are set after selection)."""
         if (self.dtype, self.kv_dtype) != (s.dtype, s.kv_dtype):
             return False
         if self.kernel == DECODE.name:
@@ -384,9 +407,26 @@ for _v in _built():
     _TABLE.setdefault((_v.kernel not in PER_QUERY_KERNELS, _v.dtype, _v.kv_dtype), []).append(_v)
 del _v
 
-#: Every variant built: each shape variant with each built score.
-VARIANTS: tuple[Variant, ...] = tuple(replace(v, score=s.name) for rows in _TABLE.values() for v in rows
-                                      for s in SCORES.values() if s.built)
+
+
+def _gate_fast(v: Variant) -> bool:
+    """A shape variant the gate builds with GATE_FEATURES: the fast dims of
+    each kernel family (paged_attention's compile-time dims, every
+    tensor-core build)."""
+    return v.kernel != DECODE.name or bool(v.head_dim)
+
+
+def with_features(v: Variant, features) -> Variant:
+    """``v`` with exactly ``features`` (FEATURES names) on."""
+    return replace(v, **{f: f in features for f in FEATURES})
+
+
+#: Every variant built: each shape variant with each built score, and the
+#: fast ones (``_gate_fast``) with each of GATE_FEATURES too.
+VARIANTS: tuple[Variant, ...] = tuple(
+    [replace(v, score=s.name) for rows in _TABLE.values() for v in rows for s in SCORES.values() if s.built]
+    + [with_features(replace(v, score=s.name), fs) for rows in _TABLE.values() for v in rows if _gate_fast(v)
+       for s in SCORES.values() if s.built for fs in GATE_FEATURES])
 for _k in KERNELS.values():
     register(_k.source, [v.defines() for v in VARIANTS if v.kernel == _k.name])
 del _k
@@ -399,16 +439,19 @@ def _tc_cost(v: Variant) -> tuple:
     return (not v.target, tiles.index(v.tile) if v.tile in tiles else 0)
 
 
-def _pick(tensor_core: bool, shape: Shape, score: str, arch: str | None = None) -> Variant | None:
+def _pick(tensor_core: bool, shape: Shape, score: str, arch: str | None = None,
+          features: tuple[str, ...] = ()) -> Variant | None:
     """The cheapest built variant (of one kernel kind) serving ``shape`` that
-    runs on ``arch`` (``Variant.runs_on``), with ``score``; None when none
-    does."""
+    runs on ``arch`` (``Variant.runs_on``), with ``score`` and ``features``
+    (FEATURES names); None when none does."""
     rows = [v for v in _TABLE.get((tensor_core, shape.dtype, shape.kv_dtype), ())
             if v.serves(shape) and (not tensor_core or v.runs_on(arch))]
     if not rows:
         return None
     best = min(rows, key=(lambda v: _tc_cost(v)) if tensor_core else (lambda v: _cost(v, shape.group)))
-    return best if score == best.score else replace(best, score=score)
+    if score == best.score and not features:
+        return best
+    return with_features(replace(best, score=score), features)
 
 
 # ---------------------------------------------------------------------------
@@ -458,17 +501,18 @@ def vec_ok(dtype: str, head_dim: int, value_dim: int, aligned: bool) -> bool:
 
 
 def select_variant(dtype: str, head_dim: int, value_dim: int, aligned: bool, group: int, rot_dim: int = 0,
-                   *, kv_dtype: str | None = None, score: str = "plain") -> Variant:
+                   *, kv_dtype: str | None = None, score: str = "plain", features: tuple[str, ...] = ()) -> Variant:
     """The per-query variant that runs (dtype, D, Dv, GQA group size,
-    rotary dim P; the caches' dtype, q's unless given; the score variant):
-    paged_decode_tc where it serves, else paged_attention (``_cost``).
+    rotary dim P; the caches' dtype, q's unless given; the score variant and
+    its features): paged_decode_tc where it serves, else paged_attention
+    (``_cost``).
 
     ``aligned``: every array the kernel reads or writes with 16-byte loads
     (q, k_cache, v_cache, out) starts on a 16-byte boundary.
     """
     kv = dtype if kv_dtype is None else kv_dtype
     shape = Shape(dtype, kv, head_dim, value_dim, rot_dim, group, vec_ok(kv, head_dim, value_dim, aligned))
-    v = _pick(False, shape, score)
+    v = _pick(False, shape, score, features=features)
     if v is None:
         raise ValueError(f"no per-query attention variant is built for {shape}")
     return v
@@ -505,7 +549,7 @@ RESIDENT_BLOCKS: dict[str, int] = {
 
 def select_tensor_core(dtype: str, head_dim: int, value_dim: int, aligned: bool, schedule_ok: bool,
                        rot_dim: int = 0, *, kv_dtype: str | None = None, score: str = "plain",
-                       arch: str | None = None) -> Variant | None:
+                       arch: str | None = None, features: tuple[str, ...] = ()) -> Variant | None:
     """The tensor-core variant that runs, or None for the per-query kernels
     (``select_variant``).
 
@@ -518,4 +562,5 @@ def select_tensor_core(dtype: str, head_dim: int, value_dim: int, aligned: bool,
     arch-specific build, no limit checked.
     """
     kv = dtype if kv_dtype is None else kv_dtype
-    return _pick(True, Shape(dtype, kv, head_dim, value_dim, rot_dim, 1, False, aligned, schedule_ok), score, arch)
+    return _pick(True, Shape(dtype, kv, head_dim, value_dim, rot_dim, 1, False, aligned, schedule_ok), score, arch,
+                 features)
