@@ -123,6 +123,40 @@ def test_mla(torch, dt):
     assert_close(_np(lse), ref_lse, dt, "mla lse")
 
 
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_score_variants(torch, dt):
+    """soft_cap, window, sinks and alibi_slopes (float32 tensors) through the
+    adapter, split and not, attention and MLA; a sinks tensor that overlaps
+    lse, or of the wrong dtype, is refused."""
+    case = _case(dt)
+    q, k, v = (_t(torch, a) for a in (case.q, case.k_cache, case.v_cache))
+    plan = _plan(torch, case, q)
+    sinks = torch.linspace(-1.0, 2.0, 4)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    kw = dict(soft_cap=5.0, window=3, sinks=sinks, alibi_slopes=slopes)
+    ref = reference.scored_attention(case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens,
+                                     case.scale, True, soft_cap=5.0, window=3, sinks=sinks.numpy(),
+                                     alibi_slopes=slopes.numpy())
+    for ws in (None, plan.workspace(4, 64, 3)):
+        out, lse = plan.attention(q, k, v, case.scale, True, return_lse=True, workspace=ws, **kw)
+        assert_close(_np(out), ref[0], dt, "out")
+        assert_close(_np(lse), ref[1], dt, "lse")
+    buf = torch.zeros(2 * plan.queries * 4)
+    with pytest.raises(PagedAttentionError, match="lse: expected memory disjoint from sinks"):
+        plan.attention(q, k, v, case.scale, lse=buf[:plan.queries * 4].view(plan.queries, 4), sinks=buf[:4])
+    with pytest.raises(PagedAttentionError, match=r"alibi_slopes: expected float32 \[4\].*got float16"):
+        plan.attention(q, k, v, case.scale, alibi_slopes=slopes.half())
+    mcase = make_mla_case(np.random.default_rng(4), kv_lens=np.array([30, 9], np.int32), q_lens=[1, 4],
+                          num_heads=4, latent_dim=64, pos_dim=16, dtype=dt)
+    mq, mq_pos, latent, k_pos = (_t(torch, a) for a in (mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos))
+    mplan = _plan(torch, mcase, mq)
+    out = mplan.mla(mq, mq_pos, latent, k_pos, mcase.scale, window=5, sinks=sinks)
+    qa, keys, values = reference.mla_as_attention(mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos)
+    ref = reference.scored_attention(qa, keys, values, mcase.page_table, mcase.kv_lens, mcase.q_lens, mcase.scale,
+                                     True, window=5, sinks=sinks.numpy())
+    assert_close(_np(out), ref[0], dt, "mla out")
+
+
 @pytest.mark.parametrize("dt", DTYPES)
 def test_append(torch, dt):
     case = _case(dt)
@@ -364,6 +398,25 @@ def test_gpu_attention_on_a_torch_stream(torch, dt):
     s.synchronize()
     assert_close(_np(y), case.reference(True)[0], dt, "gpu out")
     assert_close(_np(lse), case.reference(True)[1], dt, "gpu lse")
+
+
+@pytest.mark.gpu
+def test_gpu_score_variants_on_cuda_tensors(torch):
+    """sinks / alibi_slopes as CUDA tensors on the plan's stream (unchecked here: no GPU)."""
+    _cuda(torch, "f16")
+    case = _case("f16")
+    q, k, v = (_t(torch, a, "cuda") for a in (case.q, case.k_cache, case.v_cache))
+    plan = _plan(torch, case, q)
+    sinks = torch.linspace(-1.0, 2.0, 4, device="cuda")
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
+    out, lse = plan.attention(q, k, v, case.scale, True, return_lse=True, soft_cap=5.0, window=3, sinks=sinks,
+                              alibi_slopes=slopes)
+    torch.cuda.synchronize()
+    ref = reference.scored_attention(case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens,
+                                     case.scale, True, soft_cap=5.0, window=3, sinks=sinks.cpu().numpy(),
+                                     alibi_slopes=slopes.cpu().numpy())
+    assert_close(_np(out), ref[0], "f16", "gpu out")
+    assert_close(_np(lse), ref[1], "f16", "gpu lse")
 
 
 @pytest.mark.gpu

@@ -297,6 +297,12 @@ def _views(args: dict) -> dict:
     return {k: (None if v is None else as_array(v, k)) for k, v in args.items()}
 
 
+def _score_views(arrays: dict) -> dict:
+    """sinks / alibi_slopes as arrays: a tensor's view; anything else as it
+    came (the op's checks name what is wrong with it)."""
+    return {k: as_array(v, k) if is_torch(v) else v for k, v in arrays.items()}
+
+
 # ---------------------------------------------------------------------------
 # Plans
 
@@ -331,30 +337,37 @@ class TorchPlan:
         return torch_stream(self.plan.device)
 
     def attention(self, q, k_cache, v_cache, scale: float, causal: bool = True, *, workspace=None, out=None,
-                  lse=None, return_lse: bool = False):
+                  lse=None, return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None):
         """``DevicePlan.attention`` on tensors: q [queries, Hq, D];
-        k_cache [pages, page_size, Hkv, D]; v_cache [pages, page_size, Hkv, Dv].
-        Returns out [queries, Hq, Dv] (and float32 lse [queries, Hq] with
-        ``return_lse`` or ``lse``): the ``out``/``lse`` passed, else new tensors."""
+        k_cache [pages, page_size, Hkv, D]; v_cache [pages, page_size, Hkv, Dv];
+        the score variants ``soft_cap``, ``window`` and float32 [Hq] tensors
+        ``sinks`` / ``alibi_slopes`` as there. Returns out [queries, Hq, Dv]
+        (and float32 lse [queries, Hq] with ``return_lse`` or ``lse``): the
+        ``out``/``lse`` passed, else new tensors."""
         return self._attend("attention", dict(q=q, k_cache=k_cache, v_cache=v_cache), scale, causal,
-                            workspace, out, lse, return_lse)
+                            workspace, out, lse, return_lse,
+                            dict(soft_cap=soft_cap, window=window, sinks=sinks, alibi_slopes=alibi_slopes))
 
     def mla(self, q, q_pos, latent, k_pos, scale: float, causal: bool = True, *, workspace=None, out=None,
-            lse=None, return_lse: bool = False):
+            lse=None, return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None):
         """``DevicePlan.mla`` on tensors: q [queries, H, R]; q_pos
         [queries, H, P]; latent [pages, page_size, 1, R]; k_pos
-        [pages, page_size, 1, P]. Returns out [queries, H, R] (and lse
-        [queries, H]) as ``attention`` does."""
+        [pages, page_size, 1, P]; the score variants as ``attention``'s.
+        Returns out [queries, H, R] (and lse [queries, H]) as ``attention``
+        does."""
         return self._attend("mla", dict(q=q, q_pos=q_pos, latent=latent, k_pos=k_pos), scale, causal,
-                            workspace, out, lse, return_lse)
+                            workspace, out, lse, return_lse,
+                            dict(soft_cap=soft_cap, window=window, sinks=sinks, alibi_slopes=alibi_slopes))
 
-    def _attend(self, op, inputs, scale, causal, workspace, out, lse, return_lse):
-        _check_operands(dict(out=out, lse=lse), inputs)
+    def _attend(self, op, inputs, scale, causal, workspace, out, lse, return_lse, scores):
+        # sinks / alibi_slopes: tensors (or arrays) read like the inputs; the scalars pass as they are.
+        arrays = {k: v for k, v in scores.items() if k in ("sinks", "alibi_slopes") and v is not None}
+        _check_operands(dict(out=out, lse=lse), {**inputs, **arrays})
         with self._context():
             a = _views(inputs)
             o, l_ = _views(dict(out=out, lse=lse)).values()
             res = getattr(self.plan, op)(*a.values(), scale, causal, workspace=workspace, out=o, lse=l_,
-                                         return_lse=return_lse)
+                                         return_lse=return_lse, **{**scores, **_score_views(arrays)})
             if not (return_lse or lse is not None):
                 return out if out is not None else as_torch(res)
             return (out if out is not None else as_torch(res[0]), lse if lse is not None else as_torch(res[1]))

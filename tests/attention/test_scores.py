@@ -400,3 +400,17 @@ def test_gate_builds_each_feature_on_each_family():
             assert not any(k in v.defines() for k in ("CP_SOFT_CAP", "CP_WINDOW", "CP_SINKS", "CP_ALIBI"))
     kernels = {v.kernel for v in variants.VARIANTS if v.features == variants.FEATURES}
     assert kernels == set(variants.KERNELS)
+
+
+def test_choose_splits_counts_the_window():
+    """choose_splits(window=): a query sees at most the window, so a 32k
+    decode with a 4k window splits as a 4k one would, and a window under
+    MIN_TOKENS_PER_SPLIT not at all."""
+    host = cupaged.HostPlan.build(np.arange(2048)[None, :] % 64, [32768], [1], 16, 64)
+    short = cupaged.HostPlan.build(np.arange(256)[None, :] % 64, [4096], [1], 16, 64)
+    assert cupaged.choose_splits(host, 8, multiprocessors=132) == 33
+    assert cupaged.choose_splits(host, 8, multiprocessors=132, window=4096) == \
+        cupaged.choose_splits(short, 8, multiprocessors=132) == 16
+    assert cupaged.choose_splits(host, 8, multiprocessors=132, window=200) == 1
+    with pytest.raises(PagedAttentionError, match="window: expected an int in 1"):
+        cupaged.choose_splits(host, 8, multiprocessors=132, window=0)

@@ -43,31 +43,44 @@ def garble(plan, keep_seq=False):
     w[off["page_table"]:] = table.astype(np.uint32)
 
 
-def attention(dtype, d, q_lens, heads, kv_heads, splits):
+def score_features(heads):
+    """Every score variant on (soft cap, window, sinks, ALiBi slopes): arrays of exactly [heads]."""
+    return dict(soft_cap=3.0, window=5, sinks=rng.standard_normal(heads).astype(np.float32),
+                alibi_slopes=rng.random(heads).astype(np.float32))
+
+
+def attention(dtype, d, q_lens, heads, kv_heads, splits, features=None, kv_lens=None):
     q_lens = np.array(q_lens)
-    case = make_paged_case(rng, kv_lens=(q_lens + 9).astype(np.int32), q_lens=q_lens, page_size=4,
+    kv = (q_lens + 9) if kv_lens is None else np.array(kv_lens)
+    case = make_paged_case(rng, kv_lens=kv.astype(np.int32), q_lens=q_lens, page_size=4,
                            num_q_heads=heads, num_kv_heads=kv_heads, head_dim=d, dtype=dtype)
-    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 4, case.num_pages).upload(case.q)
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 4, max(case.num_pages, 1)).upload(case.q)
     ws = cupaged.SplitWorkspace(plan.queries, heads, d, splits, case.q) if splits > 1 else None
     out = np.empty((plan.queries, heads, d), case.q.dtype)
-    plan.attention(case.q, case.k_cache, case.v_cache, case.scale, True, out=out, return_lse=True, workspace=ws)
-    for causal in (True, False):
+    kw = features or {}
+    causals = (True, False) if plan.host.causal_ok else (False,)
+    plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causals[0], out=out, return_lse=True,
+                   workspace=ws, **kw)
+    for causal in causals:
         garble(plan)
         plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causal, out=out, return_lse=True,
-                       workspace=ws)
+                       workspace=ws, **kw)
         garble(plan, keep_seq=True)
-        plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causal, out=out, workspace=ws)
+        plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causal, out=out, workspace=ws, **kw)
 
 
-def mla(dtype, heads, q_lens):
+def mla(dtype, heads, q_lens, features=None):
     case = make_mla_case(rng, kv_lens=np.array([40, 9], np.int32), q_lens=np.array(q_lens), page_size=16,
                          num_heads=heads, latent_dim=512, pos_dim=64, dtype=dtype)
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
+    kw = features or {}
     for splits in (1, 3):
         ws = cupaged.SplitWorkspace(plan.queries, heads, 512, splits, case.q) if splits > 1 else None
-        plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, True, workspace=ws, return_lse=True)
+        plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, True, workspace=ws, return_lse=True,
+                 **kw)
         garble(plan)
-        plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, False, workspace=ws, return_lse=True)
+        plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, False, workspace=ws, return_lse=True,
+                 **kw)
 
 
 def mla_on(arch, *args):
@@ -133,6 +146,18 @@ for name, fn in [
      lambda: attention("f16", 64, [1] * 6 + [40] + [1] * 6 + [33], 8, 2, 3)),
     ("mla bf16 tensor-core, wgmma (the CPU as sm_90)", lambda: mla("bf16", 16, [1, 3])),
     ("mla f16 tensor-core, mma.sync (the CPU as sm_80)", lambda: mla_on("sm_80", "f16", 16, [2, 3])),
+    # Score variants (soft cap, window, sinks, ALiBi all on) on every family, garbled positions included;
+    # a non-causal plan whose queries outnumber their keys, with a sequence without keys.
+    ("score variants: attention f32 d64 decode, splits 4",
+     lambda: attention("f32", 64, [1, 1, 1], 4, 2, 4, score_features(4))),
+    ("score variants: attention bf16 d128 tensor-core decode, splits 3",
+     lambda: attention("bf16", 128, [1, 1, 2], 8, 2, 3, score_features(8))),
+    ("score variants: attention f16 d64 tensor-core prefill, splits 3",
+     lambda: attention("f16", 64, [16, 20, 17], 2, 1, 3, score_features(2))),
+    ("score variants: mla bf16 wgmma (sm_90), mla f16 mma.sync (sm_80)",
+     lambda: (mla("bf16", 16, [1, 3], score_features(16)), mla_on("sm_80", "f16", 16, [2, 3], score_features(16)))),
+    ("queries outnumbering keys (non-causal), a sequence without keys, f16 d64 tensor-core prefill",
+     lambda: attention("f16", 64, [20, 3, 18], 4, 2, 3, score_features(4), kv_lens=[5, 0, 30])),
     ("append + copy_pages + advance_plan", append_and_pages),
     ("layered copy_pages + write_slots + advance_slots", engine_kernels),
     ("argmax + layers", small_ops),

@@ -59,7 +59,7 @@ class SplitWorkspace:
 
 def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None = None,
                   q_heads: int | None = None, head_dim: int | None = None, value_dim: int | None = None,
-                  dtype=None, rot_dim: int = 0, arch: str | None = None) -> int:
+                  dtype=None, rot_dim: int = 0, arch: str | None = None, window: int | None = None) -> int:
     """Split count for a plan (HostPlan or DevicePlan) with ``kv_heads``.
 
     Rule: let ``blocks`` be the unsplit grid's block count and ``slots`` the
@@ -85,6 +85,8 @@ def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None
     a DevicePlan's device, or for a HostPlan the CPU backend's workers;
     ``arch`` (``"sm_90"``, ...) is that device's unless given (with
     ``multiprocessors`` given and no ``arch``, no arch is assumed).
+    ``window``: the attention's sliding window (``DevicePlan.attention``'s),
+    which caps the positions a query sees, ``max_kv_len`` above included.
     """
     host = getattr(plan, "host", plan)   # a DevicePlan's host plan, or a HostPlan
     if multiprocessors is None:
@@ -104,6 +106,7 @@ def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None
         blocks = sum(launch.blocks * int(kv_heads) * launch.tiles for launch in launches)
         resident = min((launch.min_blocks or 1 for launch in launches), default=1)
     slots = max(1, int(resident)) * int(multiprocessors)
-    if blocks == 0 or blocks >= slots or host.max_kv_len <= MIN_TOKENS_PER_SPLIT:
+    seen = host.max_kv_len if window is None else min(host.max_kv_len, checks.host_int("window", window, 1, U32_MAX))
+    if blocks == 0 or blocks >= slots or seen <= MIN_TOKENS_PER_SPLIT:
         return 1
-    return int(max(1, min(MAX_SPLITS, slots // blocks, math.ceil(host.max_kv_len / MIN_TOKENS_PER_SPLIT))))
+    return int(max(1, min(MAX_SPLITS, slots // blocks, math.ceil(seen / MIN_TOKENS_PER_SPLIT))))
