@@ -91,12 +91,25 @@ def test_both_rope_config_formats():
     assert a == b and a.type == "llama3" and a.theta == 5e5
 
 
-def test_sliding_window_caps_the_sequence_length():
-    assert parse_config(tiny_config("MistralForCausalLM", sliding_window=100)).max_len == 100
-    assert parse_config(tiny_config("MistralForCausalLM", sliding_window=None)).max_len == 512
-    q = tiny_config("Qwen2ForCausalLM", sliding_window=64)
-    assert parse_config(q).max_len == 512                        # use_sliding_window false: no window
-    assert parse_config(dict(q, use_sliding_window=True)).max_len == 64
+def test_sliding_windows_per_layer():
+    """A sliding window is each layer's attention window, as transformers
+    applies it (Mistral: every layer; Qwen2 / Qwen3: layer_types, else the
+    layers at or past max_window_layers, 28 by default); it caps no length."""
+    m = parse_config(tiny_config("MistralForCausalLM", sliding_window=100))
+    assert m.max_len == 512 and m.sliding_window == 100 and m.layer_windows == (100, 100)
+    assert parse_config(tiny_config("MistralForCausalLM", sliding_window=None)).layer_windows == (None, None)
+    for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        q = tiny_config(arch, sliding_window=64, num_hidden_layers=3)
+        assert parse_config(q).layer_windows == (None,) * 3             # use_sliding_window false: no window
+        on = dict(q, use_sliding_window=True)
+        assert parse_config(on).layer_windows == (None,) * 3            # all below max_window_layers (28)
+        assert parse_config(dict(on, max_window_layers=1)).layer_windows == (None, 64, 64)
+        types = ["sliding_attention", "full_attention", "sliding_attention"]
+        assert parse_config(dict(on, layer_types=types)).layer_windows == (64, None, 64)
+        with pytest.raises(ConfigError, match=r"layer_types: expected a list of 3 of 'sliding_attention', "
+                                              r"'full_attention', got \['sliding_attention'\]"):
+            parse_config(dict(on, layer_types=["sliding_attention"]))
+        assert parse_config(on).max_len == 512
 
 
 def test_deepseek_softmax_scale_has_yarn_mscale():

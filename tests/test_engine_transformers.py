@@ -1,7 +1,8 @@
 """cupaged.Engine against transformers (CPU backend, float32): for every
 supported architecture a randomly initialised small model, whose greedy
 ``generate`` and the engine's give the same tokens, and whose logits agree
-at every step.
+at every step. Two cases run sliding windows shorter than the prompts
+(Mistral's on every layer; Qwen2's on the layers past max_window_layers).
 
 Each case runs six prompts (lengths 1, 7, 40, 3, 18, 25) with max_batch 2 or
 4 (so waiting prompts replace finished ones: continuous batching) and a
@@ -49,6 +50,14 @@ CASES = [
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64, sliding_window=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
      dict(max_batch=2, page_size=16)),
+    # Sliding windows shorter than most prompts (each layer's window, as transformers applies it).
+    ("mistral-window8", "MistralConfig", dict(
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64, sliding_window=8),
+     dict(max_batch=2, page_size=4)),
+    ("qwen2-window12-layer1", "Qwen2Config", dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, use_sliding_window=True,
+        sliding_window=12, max_window_layers=1),
+     dict(max_batch=4, page_size=16, prefill_per_round=16)),
     ("qwen2-mha-bias-yarn", "Qwen2Config", dict(
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,

@@ -16,9 +16,9 @@ implemented exactly):
   default / linear / llama3 / yarn (``dynamic``, ``longrope``, ...), a
   ``partial_rotary_factor`` below 1, an odd rotary dim, query heads that are
   not a multiple of the KV heads;
-* Mistral / Qwen2 / Qwen3 with a sliding window: accepted, with the engine's
-  longest sequence capped at the window (so the window never hides a token
-  and attention is exact);
+* (Mistral / Qwen2 / Qwen3 sliding windows run as transformers runs them:
+  each layer's window, ``ModelConfig.layer_windows``, is the attention's
+  ``window``, and sequences are not capped at it;)
 * DeepSeek-V2 / V3: mixture-of-experts layers (layers at or past
   ``first_k_dense_replace``); the multi-token-prediction layers of V3
   checkpoints are not run (their weights are ignored), as in transformers'
@@ -67,6 +67,9 @@ class ModelConfig:
     ``rope_interleave``: the checkpoint's rotary dims are interleaved pairs.
     ``scale``: the attention softmax scale. ``max_len``: the longest
     sequence (prompt and generated tokens) the model allows here.
+    ``sliding_window``: the configured window (None: none);
+    ``layer_windows``: each layer's (None: full attention), the ``window``
+    its attention runs with (dense family; empty for MLA).
     """
 
     architecture: str
@@ -88,6 +91,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    layer_windows: tuple = ()
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
     qk_nope_dim: int = 0
@@ -259,12 +263,34 @@ def _rope(f: _Fields, dim: int, max_pos: int) -> RopeSpec:
 
 def _sliding(f: _Fields, max_pos: int, *, flag: str | None) -> int | None:
     """The sliding window, when one applies (Mistral: ``sliding_window``;
-    Qwen2/3: only with ``use_sliding_window``). The engine caps its longest
-    sequence at it, so attention stays exact."""
+    Qwen2/3: only with ``use_sliding_window``): the query at position p sees
+    positions p - window + 1 .. p (transformers' mask, the attention's
+    ``window``)."""
     if flag is not None and not f.bool(flag, False):
         return None
     w = f.int("sliding_window", 1, optional=True)
     return w
+
+
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _layer_windows(f: _Fields, layers: int, window: int | None, *, per_layer: bool) -> tuple:
+    """Each layer's window (None: full attention), as transformers runs
+    them: Mistral every layer (``per_layer`` False); Qwen2 / Qwen3 the layers
+    config.json's ``layer_types`` marks "sliding_attention", else those at or
+    past ``max_window_layers`` (transformers' default 28)."""
+    if window is None:
+        return (None,) * layers
+    if not per_layer:
+        return (window,) * layers
+    types = f.raw.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or any(t not in _LAYER_TYPES for t in types):
+            raise f.error("layer_types", f"a list of {layers} of {', '.join(map(repr, _LAYER_TYPES))}", types)
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    first = f.int("max_window_layers", 0, default=28)
+    return tuple(window if i >= first else None for i in range(layers))
 
 
 # ---------------------------------------------------------------------------
@@ -287,12 +313,12 @@ def _dense(f: _Fields, *, qkv_bias=None, qk_norm=False, sliding_flag=None, atten
     rope = _rope(f, head_dim, c["max_pos"])
     bias = f.bool("attention_bias", False) if attention_bias_field else False
     window = _sliding(f, c["max_pos"], flag=sliding_flag)
-    max_len = min(c["max_pos"], window) if window else c["max_pos"]
     return ModelConfig(
         architecture=f.arch, family="dense", vocab=c["vocab"], hidden=c["hidden"], layers=c["layers"], heads=heads,
-        kv_heads=kv_heads, head_dim=head_dim, ffn=c["ffn"], eps=c["eps"], max_len=max_len, rope=rope,
+        kv_heads=kv_heads, head_dim=head_dim, ffn=c["ffn"], eps=c["eps"], max_len=c["max_pos"], rope=rope,
         scale=head_dim ** -0.5, tie_embeddings=c["tie"], qkv_bias=bias if qkv_bias is None else qkv_bias,
         o_bias=bias, mlp_bias=f.bool("mlp_bias", False), qk_norm=qk_norm, sliding_window=window,
+        layer_windows=_layer_windows(f, c["layers"], window, per_layer=sliding_flag is not None),
         eos_token_ids=_eos(f.raw), raw=f.raw)
 
 
@@ -303,12 +329,14 @@ def _llama(f: _Fields) -> ModelConfig:
 
 
 def _mistral(f: _Fields) -> ModelConfig:
-    """Mistral: Llama's layers; a sliding window caps the sequence length."""
+    """Mistral: Llama's layers; a sliding window on every layer."""
     return _dense(f, qkv_bias=False, sliding_flag=None, attention_bias_field=False)
 
 
 def _qwen2(f: _Fields) -> ModelConfig:
-    """Qwen2: q/k/v projections with bias (o without)."""
+    """Qwen2: q/k/v projections with bias (o without); with
+    use_sliding_window, a window on the layers of layer_types /
+    max_window_layers."""
     return _dense(f, qkv_bias=True, sliding_flag="use_sliding_window", attention_bias_field=False)
 
 

@@ -4,7 +4,8 @@ Per layer: q, k, v projections (with biases where configured: Qwen2 always
 on q/k/v, Llama and Qwen3 with ``attention_bias``), Qwen3's per-head RMSNorm
 of q and k (the RMSNorm kernel over ``[rows * heads, head_dim]``), RoPE by
 the plan's device positions (rotate-half, as transformers), the K/V append
-through the page manager and paged attention at ``head_dim ** -0.5``, then
+through the page manager and paged attention at ``head_dim ** -0.5`` (with
+the layer's sliding window, ``ModelConfig.layer_windows``), then
 the output projection added to the residual (fused in the product).
 """
 from __future__ import annotations
@@ -62,7 +63,8 @@ class DenseLM(CausalLM):
         layers.rope(q, positions, self.cos, self.sin)
         layers.rope(k, positions, self.cos, self.sin)
         self.cache.append(plan, k, v, layer=li)
-        plan.attention(q, self.cache.k[li], self.cache.v[li], cfg.scale, True, out=attn)
+        window = cfg.layer_windows[li] if cfg.layer_windows else None     # the layer's sliding window
+        plan.attention(q, self.cache.k[li], self.cache.v[li], cfg.scale, True, out=attn, window=window)
         proj.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)
         if cfg.o_bias:
             layers.bias_add(x, lw["bo"])

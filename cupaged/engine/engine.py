@@ -53,7 +53,8 @@ class Engine:
     ``prefill_per_round`` (most prompt tokens prefilled between two decode
     rounds, in chunks; vLLM's default token budget), ``max_model_len``
     (the longest sequence, prompt and generated tokens; default the model's,
-    capped by a sliding window and by the cache), ``readback_every`` (decode
+    capped by the cache; a sliding window runs as the model's, it caps
+    nothing), ``readback_every`` (decode
     launches between token readbacks), ``graph`` (False: decode eagerly).
 
     Attributes: ``config`` (ModelConfig), ``model`` (the family's CausalLM:
