@@ -14,6 +14,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -305,7 +306,12 @@ def _plan_case(q_lens=(1, 1), kv_lens=(20, 9), heads=4):
     return case, plan
 
 
-ONES = np.ones(4, np.float32)
+class FakeCupy:
+    """Stands for a CuPy array (another backend than the plan's)."""
+    __module__ = "cupy._core.core"
+    data, device, dtype, shape = 0, SimpleNamespace(id=0), np.dtype(np.float32), (4,)
+
+
 BAD = [
     (dict(window=0), r"window: expected an int in 1\.\.4294967295, got 0"),
     (dict(window=-3), r"window: expected an int in 1\.\.4294967295, got -3"),
@@ -326,6 +332,7 @@ BAD = [
     (dict(alibi_slopes=np.ones(3, np.float32)), r"alibi_slopes: expected shape \[4\]"),
     (dict(alibi_slopes=np.ones(4, np.int32)), r"alibi_slopes: expected float32 \[4\].*got int32"),
     (dict(alibi_slopes=0.5), r"alibi_slopes: expected a NumPy or CuPy float32 array \[4\], got float"),
+    (dict(sinks=FakeCupy()), r"sinks: expected an array of the plan's cpu backend, got the gpu backend"),
 ]
 
 
