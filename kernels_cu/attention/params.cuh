@@ -37,5 +37,17 @@ struct AttentionParams {
     u32 window;                                 // CP_WINDOW: the query at p sees positions >= p - window + 1
     const float* __restrict__ sinks;            // CP_SINKS: [Hq] per-head sink logits (natural units)
     const float* __restrict__ alibi_slopes;     // CP_ALIBI: [Hq] slopes; logit += slope * (k_pos - q_pos)
+    u64 k_stride_page;                          // k_cache strides: page, slot, head
+    u64 v_stride_page;                          // v_cache strides
+    u64 rot_stride_page;                        // k_rot strides: page, slot (one head)
+    u32 k_stride_slot;
+    u32 k_stride_head;
+    u32 v_stride_slot;
+    u32 v_stride_head;
+    u32 rot_stride_slot;
+    u32 k_scale_stride;                         // 1: a K scale per KV head, 0: one
+    u32 v_scale_stride;                         // 1: a V scale per KV head, 0: one
+    const float* __restrict__ k_scale;          // fp8 caches: K dequantization scale(s) (kKvScaled)
+    const float* __restrict__ v_scale;          // fp8 caches: V dequantization scale(s)
 };
-static_assert(sizeof(AttentionParams) == 176, "AttentionParams: the NumPy dtype packs 176 bytes");
+static_assert(sizeof(AttentionParams) == 248, "AttentionParams: the NumPy dtype packs 248 bytes");

@@ -21,6 +21,18 @@ from .variants import MERGE_HEADS_PER_BLOCK, ROT_CAPS, THREADS, VECTOR_BYTES
 LOG2E = 1.0 / math.log(2.0)
 
 
+def elem_strides(a) -> tuple[int, ...]:
+    """``a``'s strides in elements."""
+    return tuple(int(s) // int(a.itemsize) for s in a.strides)
+
+
+def cache_strides(name: str, cache) -> dict:
+    """The page / slot / head element strides of a [pages, page_size,
+    heads, dim] cache view, as AttentionParams fields ``{name}_stride_*``."""
+    page, slot, head, _ = elem_strides(cache)
+    return {f"{name}_stride_page": page, f"{name}_stride_slot": slot, f"{name}_stride_head": head}
+
+
 def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOptions, *,
                      q_rot=None, k_rot=None, lse=None, workspace=None) -> None:
     """Launch paged attention for ``plan`` (arguments already validated;
@@ -102,7 +114,11 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
         inv_soft_cap=0.0 if opts.soft_cap is None else 1.0 / (opts.soft_cap * LOG2E),
         window=0 if opts.window is None else opts.window,
         sinks=0 if opts.sinks is None else address(opts.sinks),
-        alibi_slopes=0 if opts.alibi_slopes is None else address(opts.alibi_slopes))
+        alibi_slopes=0 if opts.alibi_slopes is None else address(opts.alibi_slopes),
+        **cache_strides("k", k_cache), **cache_strides("v", v_cache),
+        rot_stride_page=0 if k_rot is None else elem_strides(k_rot)[0],
+        rot_stride_slot=0 if k_rot is None else elem_strides(k_rot)[1],
+        k_scale=0, v_scale=0, k_scale_stride=0, v_scale_stride=0)
 
     kernels = [get_kernel(q, launch.source, launch.kernel, launch.defines) for launch in launches]
     # every attention module compiles the merge: the last launch's module serves it

@@ -53,6 +53,21 @@ FIELDS: tuple[Field, ...] = (
     Field("window", "u32", "CP_WINDOW: the query at p sees positions >= p - window + 1"),
     Field("sinks", "const float*", "CP_SINKS: [Hq] per-head sink logits (natural units)"),
     Field("alibi_slopes", "const float*", "CP_ALIBI: [Hq] slopes; logit += slope * (k_pos - q_pos)"),
+    # Cache storage (docs/layout.md, "Cache views"): element strides of
+    # kv_t (any view whose innermost dim is contiguous), and the
+    # dequantization scales of an fp8 cache (null for 16/32-bit caches).
+    Field("k_stride_page", "u64", "k_cache strides: page, slot, head"),
+    Field("v_stride_page", "u64", "v_cache strides"),
+    Field("rot_stride_page", "u64", "k_rot strides: page, slot (one head)"),
+    Field("k_stride_slot", "u32", ""),
+    Field("k_stride_head", "u32", ""),
+    Field("v_stride_slot", "u32", ""),
+    Field("v_stride_head", "u32", ""),
+    Field("rot_stride_slot", "u32", ""),
+    Field("k_scale_stride", "u32", "1: a K scale per KV head, 0: one"),
+    Field("v_scale_stride", "u32", "1: a V scale per KV head, 0: one"),
+    Field("k_scale", "const float*", "fp8 caches: K dequantization scale(s) (kKvScaled)"),
+    Field("v_scale", "const float*", "fp8 caches: V dequantization scale(s)"),
 )
 
 #: The NumPy structured dtype of AttentionParams (C alignment, pointers as uint64).
