@@ -420,7 +420,8 @@ def test_input_errors():
         cache.prepare([a], [1.5])
     with pytest.raises(PagedAttentionError, match="seq: expected a Sequence of this cache"):
         cache.fork(object())
-    with pytest.raises(PagedAttentionError, match="dtype: expected float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got 'int8'"):
+    with pytest.raises(PagedAttentionError,
+                       match="dtype: expected float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got 'int8'"):
         PagedKVCache(4, 4, 1, 8, "int8")
     with pytest.raises(PagedAttentionError, match="page_size: expected an int in 1..256, got 0"):
         PagedKVCache(4, 0, 1, 8, "f16")

@@ -251,7 +251,8 @@ def test_dtype_and_layout_errors():
     _bad(plan, nk, nv.astype(np.float16), k, v, "new_v: expected dtype float32 like new_k, got float16")
     _bad(plan, nk, nv, k.astype(BF16), v, "k_cache: expected dtype float32 like new_k, got bfloat16")
     _bad(plan, nk, nv, k, v.astype(np.float64),
-         r"v_cache: expected dtype float32, float16, bfloat16, float8_e4m3fn or float8_e5m2 \(or uint8 with kv_dtype=\), "
+         r"v_cache: expected dtype float32, float16, bfloat16, float8_e4m3fn or float8_e5m2 "
+         r"\(or uint8 with kv_dtype=\), "
          "got float64")
     _bad(plan, nk.astype(np.float16), nv.astype(np.float16), k, v,
          "k_cache: expected dtype float16 like new_k, got float32")

@@ -59,7 +59,8 @@ def test_quantize_float32_bit_patterns_and_boundaries(fmt):
     rng = np.random.default_rng(1)
     mx = float(ml_dtypes.finfo(F8[fmt]).max)
     tiny = float(ml_dtypes.finfo(F8[fmt]).smallest_subnormal)
-    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, mx, -mx, np.nextafter(mx, np.inf, dtype=np.float32),
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, mx, -mx,
+                        np.nextafter(mx, np.inf, dtype=np.float32),
                         mx * 1.0625, mx * 1.0625 - 1e-3, mx * 1.03, tiny, tiny / 2, tiny * 1.5, tiny * 2.5,
                         np.nextafter(np.float32(tiny / 2), np.float32(1)), 1e-40, -1e-40, 3e38], np.float32)
     rand = rng.integers(0, 1 << 32, 4096 * 2 - special.size, dtype=np.uint64).astype(np.uint32).view(np.float32)
