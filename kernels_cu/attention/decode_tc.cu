@@ -64,6 +64,7 @@
 #include "params.cuh"
 #include "variant.cuh"
 #include "span.cuh"
+#include "tc_common.cuh"
 
 namespace dtc {
 constexpr u32 kD = HEAD_DIM;
@@ -72,19 +73,35 @@ constexpr u32 kN = 16;  // tokens per warp tile
 constexpr u32 kWarps = 2, kThreads = 32 * kWarps;
 constexpr u32 kMinBlocks = 6;  // __launch_bounds__ minimum (variants.KERNELS)
 constexpr u32 kPitch = kD + 8;  // shared row pitch (elements): conflict-free ldmatrix
-constexpr u32 kChunks = kD / 8;  // 16-byte chunks per row
+constexpr u32 kQChunks = kD / 8;  // 16-byte chunks of a q row
 constexpr u32 kKSteps = kD / 16;  // k-steps of S = Q K^T
 constexpr u32 kOTiles = kD / 8;  // n-tiles of O
-constexpr u32 kStageElems = 2 * kN * kPitch;  // one stage: K [kN][kPitch], then V [kN][kPitch]
-constexpr u32 kWarpElems = 2 * kStageElems;  // two stages per warp
-constexpr u32 kRowsPerCopy = 32 / kChunks;  // rows one warp-wide copy instruction covers (2 or 4)
+// fp8 caches (kKvScaled): the codes of a tile are copied raw (half the bytes)
+// into a ring of their own and decoded, exactly, into one 16-bit tile that
+// the fragments load from: K as scalar_t (Q's type: one mma), V as f16 (P
+// and V meet in an f16 mma, exact for every e4m3 / e5m2 code, P rounded to
+// f16 rather than bf16).
+constexpr bool kFp8 = kKvScaled;
+using tc::v16_t;   // P and V's type in O += P V
+constexpr u32 kChunkElems = 16 / sizeof(kv_t);  // cache elements per 16-byte copy
+constexpr u32 kChunks = kD / kChunkElems;  // 16-byte copies per cache row
+constexpr u32 kTileElems = 2 * kN * kPitch;  // a 16-bit tile: K [kN][kPitch], then V [kN][kPitch]
+// A ring stage, in bytes: 16-bit caches, a 16-bit tile; fp8, the raw codes K [kN][kD], then V [kN][kD].
+constexpr u32 kStageBytes = kFp8 ? 2 * kN * kD : 2 * kTileElems;
+constexpr u32 kDstPitch = kFp8 ? kD : 2 * kPitch;  // bytes between rows of a stage
+// Per warp: two stages (16-bit), or the decoded tile and then two raw stages (fp8).
+constexpr u32 kWarpBytes = (kFp8 ? 2 * kTileElems : 0) + 2 * kStageBytes;
+constexpr u32 kWarpElems = kWarpBytes / 2;  // in scalar_t elements
+constexpr u32 kRowsPerCopy = 32 / kChunks;  // rows one warp-wide copy instruction covers (2, 4 or 8)
 constexpr u32 kRowsPerLane = kN / kRowsPerCopy;  // K (and V) rows of a tile each lane copies a chunk of
 constexpr u32 kNone = CP_NO_PAGE;
 static_assert(kD == 64 || kD == 128, "HEAD_DIM: 64 or 128");
 static_assert((kN * kChunks) % 32 == 0, "a tile's K rows are whole copy instructions");
+static_assert((kN * kD / 8) % 32 == 0, "a tile's K rows are whole 8-code decode steps");
+static_assert(kWarpBytes % 16 == 0 && (2 * kTileElems) % 16 == 0, "16-byte aligned rings");
 // The end-of-kernel merge reuses the ring: each warp's O [kRows][kD] f32 and its m, l.
-static_assert((kRows * kD + 2 * kRows) * 4 <= kWarpElems * 2, "merge area fits a warp's ring");
-static_assert(sizeof(kv_t) == sizeof(scalar_t) && sizeof(kv_t) == 2, "f16 / bf16 q and caches");
+static_assert((kRows * kD + 2 * kRows) * 4 <= kWarpBytes, "merge area fits a warp's ring");
+static_assert(sizeof(scalar_t) == 2 && (kFp8 || sizeof(kv_t) == 2), "f16 / bf16 q; f16 / bf16 / fp8 caches");
 }  // namespace dtc
 
 // Reads p.q, p.k_cache, p.v_cache and the words; writes p.out and p.lse
@@ -102,7 +119,8 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     float* __restrict__ const part_out = p.part_out;
     float* __restrict__ const part_lse = p.part_lse;
     CUPAGED_DYNAMIC_SHARED(scalar_t, smem);  // kWarps rings of two stages
-    __shared__ u64 s_off[kWarps][2][kN];  // element offset of each staged token's row (0 when invalid)
+    __shared__ u64 s_koff[kWarps][2][kN];  // element offset of each staged token's K row (0 when invalid)
+    __shared__ u64 s_voff[kWarps][2][kN];  // and of its V row
 
     const u32 qi = p.q_begin + blockIdx.x;  // see paged_attention: the whole block leaves before any barrier
     if (blockIdx.x >= p.q_count || qi >= p.queries || qi < p.q_begin) return;
@@ -137,8 +155,8 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     }
 
     // ---- Q: staged in the first ring, then A fragments in registers ----
-    for (u32 c = tid; c < kRows * kChunks; c += kThreads) {
-        const u32 r = c / kChunks, ch = c - r * kChunks;
+    for (u32 c = tid; c < kRows * kQChunks; c += kThreads) {
+        const u32 r = c / kQChunks, ch = c - r * kQChunks;
         const bool ok = r < heads;
         const scalar_t* src = q + ((u64)qi * q_heads + head0 + r) * kD + ch * 8;
         ptx::cp_async_16(smem + r * kPitch + ch * 8, ok ? src : q, ok);
@@ -152,7 +170,10 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
         ptx::ldmatrix_x4(qf[ks], smem + (r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
     __syncthreads();  // every warp holds Q before the rings overwrite it
 
-    const float qscale = p.scale * softmax::kLog2e;
+    // An fp8 cache's K scale folds into the score scale, its V scale into the
+    // output (every row of the block reads KV head kvh).
+    float qscale = p.scale * softmax::kLog2e;
+    if constexpr (kFp8) qscale *= p.k_scale[kvh * p.k_scale_stride];
     softmax::State sm[2];  // rows g and g + 8
     float o[kOTiles][4];
 #pragma unroll
@@ -164,17 +185,18 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
 
     // ---- this warp's tiles: w, w + kWarps, ... of the share ----
     scalar_t* const ring = smem + warp * kWarpElems;
+    // The stages the copies land in (fp8: the raw codes, after the decoded tile).
+    char* const stages = reinterpret_cast<char*>(ring) + (kFp8 ? 2 * kTileElems : 0);
     const u32 ntiles = (hi - lo + kN - 1) / kN;
     const u32 nk = ntiles > warp ? (ntiles - warp + kWarps - 1) / kWarps : 0u;
     const u32 ps = p.page_size, num_pages = p.num_pages;
-    const u64 row_bytes = (u64)kv_heads * kD * sizeof(kv_t);  // between a page's slots
-    const u64 page_bytes = (u64)ps * row_bytes;
     // This lane's part of every copy: chunk ch of rows r0, r0 + kRowsPerCopy, ...
-    // of a tile (K and V), from its KV head's row.
+    // of a tile (K and V), from its KV head's row (the views' element strides:
+    // a row of token (page, slot) is page * stride_page + slot * stride_slot).
     const u32 ch = lane % kChunks, r0 = lane / kChunks;
-    const char* const k_lane = reinterpret_cast<const char*>(k_cache + (u64)kvh * kD + ch * 8);
-    const char* const v_lane = reinterpret_cast<const char*>(v_cache + (u64)kvh * kD + ch * 8);
-    scalar_t* const dst_lane = ring + r0 * kPitch + ch * 8;
+    const kv_t* const k_lane = k_cache + (u64)kvh * p.k_stride_head + ch * kChunkElems;
+    const kv_t* const v_lane = v_cache + (u64)kvh * p.v_stride_head + ch * kChunkElems;
+    char* const dst_lane = stages + r0 * kDstPitch + ch * 16;
     // Page walk of token tok = lo + (k * kWarps + warp) * kN + lane (lanes < kN):
     // its page-table column pj and slot psl, advanced by kStep tokens a tile.
     constexpr u32 kStep = kN * kWarps;
@@ -192,30 +214,43 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
             ++pj;
         }
     };
-    // Stage the fetched token's row (byte offset from its KV head's row in
-    // page 0; 0 when invalid) for stage b; returns the tile's valid bits.
+    // Stage the fetched token's K and V rows (element offsets from its KV
+    // head's row in page 0; 0 when invalid) for stage b; returns the tile's
+    // valid bits.
     auto stage = [&](u32 b) -> u32 {
         const bool ok = lane < kN && raw < num_pages;
-        if (lane < kN) s_off[warp][b][lane] = ok ? (u64)raw * page_bytes + psl * row_bytes : 0ull;
+        if (lane < kN) {
+            s_koff[warp][b][lane] = ok ? (u64)raw * p.k_stride_page + (u64)psl * p.k_stride_slot : 0ull;
+            s_voff[warp][b][lane] = ok ? (u64)raw * p.v_stride_page + (u64)psl * p.v_stride_slot : 0ull;
+        }
         return __ballot_sync(CP_FULL_MASK, ok);
     };
     // The copies of stage b (after a __syncwarp made its offsets visible): a
     // warp-wide instruction moves kRowsPerCopy whole K (or V) rows. An invalid
     // row's offset is 0 (a row inside the cache, never read: zero fill).
     auto issue = [&](u32 b, u32 valid) {
-        scalar_t* const d = dst_lane + b * kStageElems;
+        char* const d = dst_lane + b * kStageBytes;
         const u32 vb = valid >> r0;
 #pragma unroll
         for (u32 u = 0; u < kRowsPerLane; ++u) {
-            const u64 off = s_off[warp][b][u * kRowsPerCopy + r0];
+            const u32 row = u * kRowsPerCopy + r0;
             const bool ok = (vb >> (u * kRowsPerCopy)) & 1u;
-            ptx::cp_async_16(d + u * kRowsPerCopy * kPitch, k_lane + off, ok);
-            ptx::cp_async_16(d + (kN + u * kRowsPerCopy) * kPitch, v_lane + off, ok);
+            ptx::cp_async_16(d + u * kRowsPerCopy * kDstPitch, k_lane + s_koff[warp][b][row], ok);
+            ptx::cp_async_16(d + (kN + u * kRowsPerCopy) * kDstPitch, v_lane + s_voff[warp][b][row], ok);
         }
     };
+    // fp8: decode raw stage b into the 16-bit tile (8 codes a step: one 8-byte
+    // shared load, one 16-byte store), K rows as scalar_t, V rows as f16.
+    // Zero-filled rows (invalid tokens) decode to 0.
+    auto decode = [&](u32 b) {
+        const unsigned char* const src = reinterpret_cast<const unsigned char*>(stages + b * kStageBytes);
+        tc::decode_rows<scalar_t, kD, kN, 32>(src, ring, kPitch, lane);
+        tc::decode_rows<v16_t, kD, kN, 32>(src + kN * kD, reinterpret_cast<v16_t*>(ring + kN * kPitch), kPitch,
+                                           lane);
+    };
     auto compute = [&](u32 b, u32 valid, u32 t0) {
-        const scalar_t* const kt = ring + b * kStageElems;
-        const scalar_t* const vt = kt + kN * kPitch;
+        const scalar_t* const kt = kFp8 ? ring : ring + b * kTileElems;
+        const v16_t* const vt = reinterpret_cast<const v16_t*>(kt + kN * kPitch);
         // S = Q K^T: [16 heads x 16 tokens].
         float s[2][4];
 #pragma unroll
@@ -267,15 +302,15 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
 #pragma unroll
             for (u32 i = 0; i < 4; ++i) o[n][i] *= alpha[i >> 1];
         // O += P V: P's S fragments are its A fragments (one k-step of 16 tokens).
-        const u32 a[4] = {ptx::pack2<scalar_t>(s[0][0], s[0][1]), ptx::pack2<scalar_t>(s[0][2], s[0][3]),
-                          ptx::pack2<scalar_t>(s[1][0], s[1][1]), ptx::pack2<scalar_t>(s[1][2], s[1][3])};
+        const u32 a[4] = {ptx::pack2<v16_t>(s[0][0], s[0][1]), ptx::pack2<v16_t>(s[0][2], s[0][3]),
+                          ptx::pack2<v16_t>(s[1][0], s[1][1]), ptx::pack2<v16_t>(s[1][2], s[1][3])};
 #pragma unroll
         for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
             u32 bq[4];
             ptx::ldmatrix_x4_trans(bq, vt + (r8 + 8 * (tile & 1u)) * kPitch + dp * 16 + 8 * (tile >> 1));
             const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
-            ptx::mma_16816<scalar_t>(o[2 * dp], a, b0);
-            ptx::mma_16816<scalar_t>(o[2 * dp + 1], a, b1);
+            ptx::mma_16816<v16_t>(o[2 * dp], a, b0);
+            ptx::mma_16816<v16_t>(o[2 * dp + 1], a, b1);
         }
     };
 
@@ -299,8 +334,14 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
             ptx::cp_async_commit();  // possibly empty: one group per tile
             ptx::cp_async_wait<1>();  // tile k has landed (tile k + 1 may be in flight)
             __syncwarp();
-            if (valid_cur) compute(b, valid_cur, lo + (k * kWarps + warp) * kN);
-            __syncwarp();  // every lane is done with stage b before it is refilled
+            if (valid_cur) {
+                if constexpr (kFp8) {
+                    decode(b);  // the decoded tile was last read by tile k - 1's compute
+                    __syncwarp();
+                }
+                compute(b, valid_cur, lo + (k * kWarps + warp) * kN);
+            }
+            __syncwarp();  // every lane is done with stage b (and the decoded tile) before it is refilled
             valid_cur = valid_next;
         }
     }
@@ -333,8 +374,8 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     __syncthreads();
 
     const bool split = p.splits > 1;
-    for (u32 idx = tid; idx < heads * kChunks; idx += kThreads) {
-        const u32 r = idx / kChunks, e0 = (idx - r * kChunks) * 8;
+    for (u32 idx = tid; idx < heads * kQChunks; idx += kThreads) {
+        const u32 r = idx / kQChunks, e0 = (idx - r * kQChunks) * 8;
         const float* w0 = reinterpret_cast<const float*>(smem);
         float mx = neg_inf(), wt[kWarps], total = 0.0f;
 #pragma unroll
@@ -353,6 +394,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
                 inv = all.inv_sum() * a;
             }
         }
+        if constexpr (kFp8) inv *= p.v_scale[kvh * p.v_scale_stride];  // the cache's V scale
         float v[8];
 #pragma unroll
         for (u32 i = 0; i < 8; ++i) v[i] = 0.0f;

@@ -64,18 +64,35 @@ constexpr u32 kRows = 16 * kMT * kWarps;    // (query, head) rows per block
 constexpr u32 kN = TC_KV_TILE;              // tokens per K/V tile
 constexpr u32 kS = TC_STAGES;               // tile buffers
 constexpr u32 kPitch = kD + 8;              // shared row pitch (elements): conflict-free ldmatrix
-constexpr u32 kChunks = kD / 8;             // 16-byte chunks per row
+constexpr u32 kChunks = kD / 8;             // 16-byte chunks per q row
+// fp8 caches (kKvScaled): the codes of a tile are copied raw (half the
+// bytes) into a ring of their own and, after the tile's barrier, decoded by
+// the block into one 16-bit K / V tile the fragments load from (K as
+// scalar_t, V as f16: tc::v16_t), then a second barrier.
+constexpr bool kFp8 = kKvScaled;
+constexpr u32 kCopyChunks = kD * sizeof(kv_t) / 16;   // 16-byte copies per cache row
+constexpr u32 kCopyElems = 16 / sizeof(kv_t);         // cache elements per copy
 constexpr u32 kKSteps = kD / 16;            // k-steps of S = Q K^T
 constexpr u32 kSTiles = kN / 8;             // n-tiles of S
 constexpr u32 kOTiles = kD / 8;             // n-tiles of O
 constexpr bool kQInRegs = kMT * kD <= 128;  // Q's A fragments: kMT * kKSteps * 4 registers
-constexpr u32 kRowStep = kThreads / kChunks;   // rows one pass of the block's threads copies
+constexpr u32 kRowStep = kThreads / kCopyChunks;   // rows one pass of the block's threads copies
 static_assert(kD == 64 || kD == 128 || kD == 256, "HEAD_DIM: 64, 128 or 256");
 static_assert(kMT == 1 || kMT == 2, "one or two m-tiles per warp");
 static_assert(kN == 16 || kN == 32 || kN == 64, "K/V tiles of 16, 32 or 64 tokens");
 static_assert(kN % kRowStep == 0 || kRowStep % kN == 0, "whole rows per copy pass");
-// Q and K meet in one mma, and the K/V tiles are copied raw into shared memory.
-static_assert(sizeof(kv_t) == sizeof(scalar_t) && sizeof(kv_t) == 2, "f16 / bf16 q and caches");
+// Q and K meet in one mma: 16-bit caches of q's type are copied raw into the
+// 16-bit tiles, fp8 ones decoded into them.
+static_assert(sizeof(scalar_t) == 2 && (kFp8 || sizeof(kv_t) == 2), "f16 / bf16 q; f16 / bf16 / fp8 caches");
+// Shared memory (scalar_t elements): Q [kRows][kPitch]; the K / V tiles, kS
+// of each (16-bit caches) or one of each (fp8: the decoded tile), whose area
+// starts at 0 when Q moves to registers; fp8: then the raw ring, kS stages of
+// K [kN][kD] and V [kN][kD] codes.
+constexpr u32 kQElems = kRows * kPitch;
+constexpr u32 kKvElems = 2 * (kFp8 ? 1 : kS) * kN * kPitch;
+constexpr u32 kRawOff = kQInRegs ? (kQElems > kKvElems ? kQElems : kKvElems) : kQElems + kKvElems;
+constexpr u32 kRawStage = 2 * kN * kD;                // bytes of one raw stage (fp8)
+static_assert((kN * kD / 8) % kThreads == 0, "whole decode steps per thread");
 }  // namespace tcp
 
 extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged_prefill_tc(const AttentionParams p) {
@@ -97,7 +114,8 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
     // first copy into them follows a barrier after the fragments are loaded).
     scalar_t* const sQ = smem;
     scalar_t* const sK = kQInRegs ? smem : sQ + kRows * kPitch;
-    scalar_t* const sV = sK + kS * kN * kPitch;
+    scalar_t* const sV = sK + (kFp8 ? 1 : kS) * kN * kPitch;
+    unsigned char* const sRaw = reinterpret_cast<unsigned char*>(smem + kRawOff);   // fp8: the raw ring
     __shared__ tc::RowSet<kRows> rows;
     __shared__ tc::Ring<kN, kS> st;
 
@@ -153,7 +171,10 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             my_slot[mt][h] = (slot < qt && q0 + slot < q_end && hl < heads) ? slot : kNone;
         }
 
-    const float qscale = p.scale * softmax::kLog2e;
+    // An fp8 cache's K scale folds into the score scale, its V scale into the
+    // output (every row of the block reads KV head kvh).
+    float qscale = p.scale * softmax::kLog2e;
+    if constexpr (kFp8) qscale *= p.k_scale[kvh * p.k_scale_stride];
     softmax::State sm[kMT][2];
     float o[kMT][kOTiles][4];
 #pragma unroll
@@ -166,7 +187,10 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             for (u32 i = 0; i < 4; ++i) o[mt][n][i] = 0.0f;
     }
 
-    const u64 k_page = (u64)p.page_size * kv_heads * kD;   // elements per page
+    // This thread's chunk of its KV head's rows (the views' element strides: the
+    // row of token (page, slot) is page * stride_page + slot * stride_slot).
+    const kv_t* const k_head = k_cache + (u64)kvh * p.k_stride_head + (tid % kCopyChunks) * kCopyElems;
+    const kv_t* const v_head = v_cache + (u64)kvh * p.v_stride_head + (tid % kCopyChunks) * kCopyElems;
     const u32* const tables = words + pw::page_table(p.queries, p.sequences);
 
     tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
@@ -181,20 +205,37 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                 rhi[mt][h] = in ? rows.hi[s] : 0u;
             }
         auto issue = [&](u32 sb, u32 b) {
-            // Thread tid copies chunk tid % kChunks of rows tid / kChunks + i * kRowStep.
+            // Thread tid copies chunk tid % kCopyChunks of rows tid / kCopyChunks + i * kRowStep.
 #pragma unroll
             for (u32 i = 0; i < (kN + kRowStep - 1) / kRowStep; ++i) {
-                const u32 r = tid / kChunks + i * kRowStep, ch = tid % kChunks;
+                const u32 r = tid / kCopyChunks + i * kRowStep, ch = tid % kCopyChunks;
                 if (kN % kRowStep != 0 && r >= kN) break;
                 const uint2 ps = st.row[sb][r];   // page, slot
                 const bool ok = ps.x != kNone;
-                const u64 off = (u64)ps.x * k_page + ((u64)ps.y * kv_heads + kvh) * kD + ch * 8;
-                const u32 dst = (b * kN + r) * kPitch + ch * 8;
-                ptx::cp_async_16(sK + dst, ok ? k_cache + off : k_cache, ok);
-                ptx::cp_async_16(sV + dst, ok ? v_cache + off : v_cache, ok);
+                const u64 koff = (u64)ps.x * p.k_stride_page + (u64)ps.y * p.k_stride_slot;
+                const u64 voff = (u64)ps.x * p.v_stride_page + (u64)ps.y * p.v_stride_slot;
+                if constexpr (kFp8) {
+                    unsigned char* const dst = sRaw + b * kRawStage + r * kD + ch * 16;
+                    ptx::cp_async_16(dst, ok ? k_head + koff : k_cache, ok);
+                    ptx::cp_async_16(dst + kN * kD, ok ? v_head + voff : v_cache, ok);
+                } else {
+                    const u32 dst = (b * kN + r) * kPitch + ch * 8;
+                    ptx::cp_async_16(sK + dst, ok ? k_head + koff : k_cache, ok);
+                    ptx::cp_async_16(sV + dst, ok ? v_head + voff : v_cache, ok);
+                }
             }
         };
         auto compute = [&](u32 b, u32 t0) {
+            if constexpr (kFp8) {
+                // Every warp is past tile j - 1's compute (the ring's barrier): the
+                // block decodes tile j into the 16-bit tiles, then meets again.
+                const unsigned char* const raw = sRaw + b * kRawStage;
+                tc::decode_rows<scalar_t, kD, kN, kThreads>(raw, sK, kPitch, tid);
+                tc::decode_rows<tc::v16_t, kD, kN, kThreads>(raw + kN * kD, reinterpret_cast<tc::v16_t*>(sV),
+                                                             kPitch, tid);
+                __syncthreads();
+            }
+            const u32 tb = kFp8 ? 0u : b;   // the 16-bit tile to read
             // Bit dt of vis[mt][h]: row (mt, h) sees token t0 + dt (its share, and a valid page).
             u64 vbits = st.valid[b][0];
             if constexpr (kN > 32) vbits |= (u64)st.valid[b][kN > 32 ? 1 : 0] << 32;
@@ -210,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             if (!__any_sync(CP_FULL_MASK, any)) return;   // none of the warp's rows sees this tile
 
             // S = Q K^T: [16 kMT x kN] per warp; each K fragment feeds kMT mma.
-            const scalar_t* const kt = sK + b * kN * kPitch;
+            const scalar_t* const kt = sK + tb * kN * kPitch;
             float s[kMT][kSTiles][4];
 #pragma unroll
             for (u32 mt = 0; mt < kMT; ++mt)
@@ -296,7 +337,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             }
 
             // O += P V: P's S fragments are its A fragments (two n-tiles per k-step).
-            const scalar_t* const vt = sV + b * kN * kPitch;
+            const tc::v16_t* const vt = reinterpret_cast<const tc::v16_t*>(sV + tb * kN * kPitch);
             // A tile where a stored row misses a valid token (the causal
             // diagonal, split edges, another sequence's rows) takes the careful
             // loop, which keeps masked value rows out even when they hold Inf
@@ -312,10 +353,10 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                     u32 a[kMT][4];
 #pragma unroll
                     for (u32 mt = 0; mt < kMT; ++mt) {
-                        a[mt][0] = ptx::pack2<scalar_t>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                        a[mt][1] = ptx::pack2<scalar_t>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                        a[mt][2] = ptx::pack2<scalar_t>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                        a[mt][3] = ptx::pack2<scalar_t>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                        a[mt][0] = ptx::pack2<tc::v16_t>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                        a[mt][1] = ptx::pack2<tc::v16_t>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                        a[mt][2] = ptx::pack2<tc::v16_t>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                        a[mt][3] = ptx::pack2<tc::v16_t>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
                     }
 #pragma unroll
                     for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
@@ -325,8 +366,8 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                         const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
 #pragma unroll
                         for (u32 mt = 0; mt < kMT; ++mt) {
-                            ptx::mma_16816<scalar_t>(o[mt][2 * dp], a[mt], b0);
-                            ptx::mma_16816<scalar_t>(o[mt][2 * dp + 1], a[mt], b1);
+                            ptx::mma_16816<tc::v16_t>(o[mt][2 * dp], a[mt], b0);
+                            ptx::mma_16816<tc::v16_t>(o[mt][2 * dp + 1], a[mt], b1);
                         }
                     }
                 }
@@ -354,10 +395,10 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                                     p[1][i] = s[mt][2 * k2 + 1][i];
                                 }
                             }
-                        a[mt][0] = ptx::pack2<scalar_t>(p[0][0], p[0][1]);
-                        a[mt][1] = ptx::pack2<scalar_t>(p[0][2], p[0][3]);
-                        a[mt][2] = ptx::pack2<scalar_t>(p[1][0], p[1][1]);
-                        a[mt][3] = ptx::pack2<scalar_t>(p[1][2], p[1][3]);
+                        a[mt][0] = ptx::pack2<tc::v16_t>(p[0][0], p[0][1]);
+                        a[mt][1] = ptx::pack2<tc::v16_t>(p[0][2], p[0][3]);
+                        a[mt][2] = ptx::pack2<tc::v16_t>(p[1][0], p[1][1]);
+                        a[mt][3] = ptx::pack2<tc::v16_t>(p[1][2], p[1][3]);
                         bool m = false;
 #pragma unroll
                         for (u32 h = 0; h < 2; ++h) {
@@ -373,7 +414,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                                                        8 * (tile >> 1));
 #pragma unroll
                         for (u32 mt = 0; mt < kMT; ++mt)
-                            tc::pv_step<scalar_t>(o[mt][2 * dp], o[mt][2 * dp + 1], a[mt], bq, mixed[mt], kv[mt][0],
+                            tc::pv_step<tc::v16_t>(o[mt][2 * dp], o[mt][2 * dp + 1], a[mt], bq, mixed[mt], kv[mt][0],
                                                   kv[mt][1], vt + kk * 16 * kPitch, kPitch, dp * 16);
                     }
                 }
@@ -405,6 +446,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                     inv = sm[mt][h].inv_sum() * a;
                 }
             }
+            if constexpr (kFp8) inv *= p.v_scale[kvh * p.v_scale_stride];   // the cache's V scale
             const float lse_v = sm[mt][h].lse();
 #pragma unroll
             for (u32 n = 0; n < kOTiles; ++n)

@@ -32,6 +32,42 @@ __device__ __forceinline__ u64 row_bits(u32 rlo, u32 rhi, u32 t0, u32 n) {
     return span_bits(a, e);
 }
 
+// A or B by a compile-time condition (no <type_traits> under NVRTC).
+template <bool C, typename A, typename B> struct Pick {
+    typedef A type;
+};
+template <typename A, typename B> struct Pick<false, A, B> {
+    typedef B type;
+};
+
+// fp8 caches (kKvScaled): the 16-bit types a K/V tile decodes into. K meets
+// Q in one mma, so its codes become scalar_t; V meets P, and its codes
+// become f16 whatever q is (exact for every e4m3 / e5m2 code; P in f16 keeps
+// more bits than in bf16). 16-bit caches: scalar_t for both.
+typedef typename Pick<kKvScaled, __half, scalar_t>::type v16_t;
+
+// Decode rows [r0, r1) of a raw tile of fp8 codes (rows of kD codes, one
+// after the other) into 16-bit rows of `pitch` elements of T, exactly: 8
+// codes a step (an 8-byte shared load, a 16-byte store), steps i, i + kBy, ...
+// for the caller's index i of kBy (a warp's lanes, a block's threads).
+template <typename T, u32 kD, u32 kR, u32 kBy>
+__device__ __forceinline__ void decode_rows(const unsigned char* raw, T* dst, u32 pitch, u32 i) {
+    constexpr u32 kSteps = kR * kD / 8;
+    static_assert(kSteps % kBy == 0, "whole decode steps per thread");
+    if constexpr (kKvScaled) {   // (16-bit caches never call it; nothing to instantiate for them)
+#pragma unroll
+        for (u32 j = 0; j < kSteps / kBy; ++j) {
+            const u32 c = i + j * kBy;
+            const u32 r = c / (kD / 8), e = (c - r * (kD / 8)) * 8;
+            const uint2 x = *reinterpret_cast<const uint2*>(raw + r * kD + e);
+            uint4 y;
+            fp8::x4_to<T, kv_t>(x.x, y.x, y.y);
+            fp8::x4_to<T, kv_t>(x.y, y.z, y.w);
+            *reinterpret_cast<uint4*>(dst + r * pitch + e) = y;
+        }
+    }
+}
+
 // Store two adjacent outputs of one row: scalar_t pair, or f32 pair into the partials.
 __device__ __forceinline__ void store_pair(scalar_t* __restrict__ out, float* __restrict__ part, u64 idx,
                                            bool split, float a, float b) {
