@@ -3,11 +3,21 @@
 // metadata words, LSE and the split workspace: docs/layout.md. The argument is
 // one AttentionParams (params.cuh): q [queries, H, R], q_rot [queries, H, P],
 // k_cache the latent cache [pages, page_size, 1, R] (also the values),
-// k_rot [pages, page_size, 1, P]. The block's rows, the K/V tile pipeline and
+// k_rot [pages, page_size, 1, P], both any view whose rows are contiguous
+// (rows at page * stride_page + slot * stride_slot: the 576-wide DeepSeek
+// cache c [pages, page_size, 1, R + P] as latent = c[..., :R] and
+// k_rot = c[..., R:], no copy). The block's rows, the K/V tile pipeline and
 // the passes are shared with paged_prefill_tc (tc_common.cuh).
 //
-// paged_mla_tc: f16 / bf16, R = LATENT_DIM latent dims (the values too) +
-// P = ROPE_DIM rotary dims, one shared KV head.
+// paged_mla_tc: f16 / bf16 q, R = LATENT_DIM latent dims (the values too) +
+// P = ROPE_DIM rotary dims (0: none, no q_rot / k_rot), one shared KV head.
+// Caches of q's type, or fp8 codes (e4m3 / e5m2, fp8.cuh) with float32
+// scales k_scale (the latent) and v_scale (k_rot, as append writes them):
+// cp.async copies a tile's raw codes (half the bytes) into a ring of two
+// staging buffers, and each tile is converted exactly to q's type in shared
+// memory after its wait, so the mma runs on 16-bit operands; k_scale is
+// folded into the score scale and the output, v_scale / k_scale into the
+// rotary part of Q (rounded to q's type).
 //   grid (head_tiles * ceil(q_count / qt), 1, splits): the head tile is the
 //   fastest block index, so one query's head tiles run side by side and its
 //   latent rows come from HBM once (the second read hits L2); block 256 (8 warps),
@@ -36,10 +46,11 @@
 // heads).
 //
 // Defines (cupaged/ops/attention/variants.py Variant):
-//   CP_DTYPE, CP_KV_DTYPE  f16 | bf16 (one type: the mma takes Q and K alike)
+//   CP_DTYPE               f16 | bf16
+//   CP_KV_DTYPE            CP_DTYPE, or e4m3 | e5m2 (converted in shared memory)
 //   CP_SCORE               the score variant (variant.cuh)
 //   CP_SOFT_CAP, CP_WINDOW, CP_SINKS, CP_ALIBI  its features (variant.cuh)
-//   LATENT_DIM, ROPE_DIM   R (a multiple of 128) and P (of 16)
+//   LATENT_DIM, ROPE_DIM   R (a multiple of 128) and P (of 16, or 0)
 #include "../common.cuh"
 #include "../plan_words.cuh"
 #include "../ptx.cuh"
@@ -55,15 +66,24 @@ constexpr u32 kN = 32;                      // tokens per tile
 constexpr u32 kWarps = 8, kThreads = 32 * kWarps;
 constexpr u32 kPitch = kK + 8;              // shared row pitch of Q and K (elements)
 constexpr u32 kPPitch = kN + 8;             // shared row pitch of P
-constexpr u32 kChunks = kK / 8, kRChunks = kR / 8;
+constexpr u32 kChunks = kK / 8, kRChunks = kR / 8;   // 16-byte chunks of a 16-bit row
+// The tile copies: 16 bytes each, kCopies a token (kRCopies of them latent).
+constexpr u32 kCopyElems = 16 / sizeof(kv_t);
+constexpr u32 kCopies = kK / kCopyElems, kRCopies = kR / kCopyElems;
+// 16-bit tile buffers: two (the ring itself), or one for an fp8 cache,
+// whose ring holds the raw codes [2][kN][kK] and whose tiles are converted
+// into the one 16-bit buffer as they are used.
+constexpr u32 kTileBufs = kKvScaled ? 1 : 2;
 constexpr u32 kKSteps = kK / 16;
 constexpr u32 kCols = kR / kWarps;          // value columns per warp
 constexpr u32 kOTiles = kCols / 8;
 constexpr u32 kMTiles = tc::kRows / 16;
 static_assert(kR % 128 == 0 && kP % 16 == 0, "LATENT_DIM a multiple of 128, ROPE_DIM of 16");
 static_assert(kN == 32 && kWarps == 8, "two warps of 16 tokens per row block");
-// Q and K meet in one mma, and the K tiles are copied raw into shared memory.
-static_assert(sizeof(kv_t) == sizeof(scalar_t) && sizeof(kv_t) == 2, "f16 / bf16 q and caches");
+// Q and K meet in one mma: 16-bit caches of q's type are copied raw into
+// the tile, fp8 codes converted to q's type (exactly).
+static_assert(sizeof(scalar_t) == 2 && (sizeof(kv_t) == sizeof(scalar_t) || kKvScaled),
+              "f16 / bf16 q; caches of q's type or fp8");
 }  // namespace tcm
 
 extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const AttentionParams p) {
@@ -83,8 +103,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
     using tc::kRows;
     CUPAGED_DYNAMIC_SHARED(scalar_t, smem);
     scalar_t* const sQ = smem;                           // [kRows][kPitch]  q | q_pos
-    scalar_t* const sKV = sQ + kRows * kPitch;           // [2][kN][kPitch]  latent | k_pos
-    scalar_t* const sP = sKV + 2 * kN * kPitch;          // [kRows][kPPitch] softmax numerators
+    scalar_t* const sKV = sQ + kRows * kPitch;           // [kTileBufs][kN][kPitch]  latent | k_pos
+    scalar_t* const sP = sKV + kTileBufs * kN * kPitch;  // [kRows][kPPitch] softmax numerators
+    // fp8 caches: [2][kN][kK] raw codes (the ring), after P
+    unsigned char* const sRaw = reinterpret_cast<unsigned char*>(sP + kRows * kPPitch);
     __shared__ tc::Rows rows;
     __shared__ tc::Ring<kN, 2> st;
     __shared__ float s_max[2][kRows], s_sum[2][kRows];   // per token half of the tile
@@ -117,6 +139,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
     tc::setup_rows(rows, p, q0, qt, q_end);
     ptx::cp_async_wait<0>();
     __syncthreads();
+    // fp8: score = scale * k_scale * (q.latent + q_rot.k_pos * v_scale / k_scale) over the codes.
+    float ks = 1.0f;
+    if constexpr (kKvScaled) {
+        ks = p.k_scale ? p.k_scale[0] : 1.0f;
+        if constexpr (kP > 0) {
+            const float vs = p.v_scale ? p.v_scale[0] : 1.0f;
+            if (vs != ks) {   // block-uniform
+                const float ratio = vs / ks;
+                for (u32 c = tid; c < kRows * (kP / 2); c += kThreads) {
+                    const u32 r = c / (kP / 2), e = c - r * (kP / 2);
+                    u32* const x = reinterpret_cast<u32*>(sQ + r * kPitch + kR) + e;
+                    *x = ptx::pack2<scalar_t>(tc::half_of<scalar_t>(*x, 0) * ratio,
+                                              tc::half_of<scalar_t>(*x, 1) * ratio);
+                }
+                __syncthreads();
+            }
+        }
+    }
 
     // S roles: rows srow0 .. +15, token half th of each tile.
     const u32 srow0 = 16 * (warp & 3u), th = warp >> 2;
@@ -128,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
     }
     // O roles: every row (kMTiles x 2 per lane), value columns c0 .. c0 + kCols - 1.
     const u32 c0 = warp * kCols;
-    const float qscale = p.scale * softmax::kLog2e;
+    const float qscale = kKvScaled ? p.scale * ks * softmax::kLog2e : p.scale * softmax::kLog2e;
     // The S rows keep only a running max (for exp2's offset); the O rows keep
     // the states whose sums and accumulators make the output.
     softmax::State ms[2];
@@ -146,7 +186,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
             for (u32 i = 0; i < 4; ++i) o[mt][n][i] = 0.0f;
     }
 
-    const u64 lat_page = (u64)p.page_size * kR, rot_page = (u64)p.page_size * kP;
     const u32* const tables = words + pw::page_table(p.queries, p.sequences);
     const variant::Scorer sc(p);   // a score variant's arguments
 
@@ -163,19 +202,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
                 srow[h] = sc.row(in ? rows.position(s) : 0u, head0 + (srow0 + g + 8 * h - (in ? s : 0u) * ht));
         }
         auto issue = [&](u32 sb, u32 b) {
-            for (u32 c = tid; c < kN * kChunks; c += kThreads) {
-                const u32 r = c / kChunks, ch = c - r * kChunks;
+            for (u32 c = tid; c < kN * kCopies; c += kThreads) {
+                const u32 r = c / kCopies, ch = c - r * kCopies;
                 const uint2 ps = st.row[sb][r];   // page, slot
-                const u32 page = ps.x;
-                const bool ok = page != kNone;
+                const u64 page = ps.x;
+                const bool ok = ps.x != kNone;
                 const u64 slot = ps.y;
-                const kv_t* src = ch < kRChunks ? k_cache + (u64)page * lat_page + slot * kR + ch * 8
-                                                : k_rot + (u64)page * rot_page + slot * kP + (ch - kRChunks) * 8;
-                ptx::cp_async_16(sKV + (b * kN + r) * kPitch + ch * 8, ok ? src : k_cache, ok);
+                const kv_t* src = ch < kRCopies
+                    ? k_cache + page * p.k_stride_page + slot * p.k_stride_slot + ch * kCopyElems
+                    : k_rot + page * p.rot_stride_page + slot * p.rot_stride_slot + (ch - kRCopies) * kCopyElems;
+                void* const dst = kKvScaled ? static_cast<void*>(sRaw + (b * kN + r) * kK + ch * 16)
+                                            : static_cast<void*>(sKV + (b * kN + r) * kPitch + ch * 8);
+                ptx::cp_async_16(dst, ok ? src : k_cache, ok);
             }
         };
         auto compute = [&](u32 b, u32 t0) {
-            const scalar_t* const kt = sKV + b * kN * kPitch;
+            if constexpr (kKvScaled) {
+                // The tile's codes (contiguous, kK a token) into the 16-bit tile, 8 a thread at a time.
+                const unsigned char* const raw = sRaw + b * kN * kK;
+                for (u32 c = tid; c < kN * kChunks; c += kThreads) {
+                    const u32 r = c / kChunks, ch = c - r * kChunks;
+                    const uint2 x = *reinterpret_cast<const uint2*>(raw + c * 8);
+                    uint4 y;
+                    fp8::x4_to<scalar_t, kv_t>(x.x, y.x, y.y);
+                    fp8::x4_to<scalar_t, kv_t>(x.y, y.z, y.w);
+                    *reinterpret_cast<uint4*>(sKV + r * kPitch + ch * 8) = y;
+                }
+                __syncthreads();
+            }
+            const scalar_t* const kt = sKV + (kKvScaled ? 0u : b) * kN * kPitch;
             // ---- S for rows srow0.., tokens t0 + 16 th .. +15 ----
             // Bit dt of vis[h]: row h sees token t0 + 16 th + dt.
             const u32 vbits = (st.valid[b][0] >> (16 * th)) & 0xffffu;
@@ -338,6 +393,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
                     inv = so[mt][h].inv_sum() * a;
                 }
             }
+            if constexpr (kKvScaled) inv *= ks;   // V is the latent: its codes times k_scale
 #pragma unroll
             for (u32 n = 0; n < kOTiles; ++n)
                 tc::store_pair(out, part_out, row_out * kR + c0 + n * 8 + 2 * tq, split, o[mt][n][2 * h] * inv,

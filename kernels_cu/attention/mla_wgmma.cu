@@ -4,10 +4,18 @@
 // rows, passes, masks and outputs as paged_mla_tc (mla_tc.cu): one
 // AttentionParams (params.cuh); q [queries, H, R], q_rot [queries, H, P],
 // k_cache the latent cache [pages, page_size, 1, R] (also the values),
-// k_rot [pages, page_size, 1, P]. Layout, positions, metadata words, LSE and
-// the split workspace: docs/layout.md.
+// k_rot [pages, page_size, 1, P], views with contiguous rows read through
+// their strides (the 576-wide cache c as c[..., :512] and c[..., 512:]).
+// Layout, positions, metadata words, LSE and the split workspace:
+// docs/layout.md.
 //
-// paged_mla_wgmma: f16 / bf16, R = LATENT_DIM = 512, P = ROPE_DIM = 64.
+// paged_mla_wgmma: f16 / bf16 q, R = LATENT_DIM = 512, P = ROPE_DIM = 64 or
+// 0 (no rotary part). Caches of q's type, or fp8 codes (e4m3 / e5m2) with
+// k_scale (latent) and v_scale (k_rot), as paged_mla_tc: the ring holds a
+// tile's raw codes ([2][64 tokens][R + P] bytes, cp.async, half the bytes),
+// converted exactly into the one swizzled 16-bit tile below as each tile is
+// used (the same shared memory as two 16-bit tiles); k_scale folds into the
+// score scale and the output, v_scale / k_scale into Q's rotary fragments.
 //   grid (head_tiles * ceil(q_count / qt), 1, splits): the head tile is the
 //   fastest block index, so the blocks of one query's head tiles run side by
 //   side and its latent rows come from HBM once (the second read hits L2).
@@ -46,10 +54,11 @@
 // serving up to 64 heads), the two head tiles of H = 128 sharing them in L2.
 //
 // Defines (cupaged/ops/attention/variants.py Variant):
-//   CP_DTYPE, CP_KV_DTYPE  f16 | bf16 (one type)
+//   CP_DTYPE               f16 | bf16
+//   CP_KV_DTYPE            CP_DTYPE, or e4m3 | e5m2
 //   CP_SCORE               the score variant (variant.cuh)
 //   CP_SOFT_CAP, CP_WINDOW, CP_SINKS, CP_ALIBI  its features (variant.cuh)
-//   LATENT_DIM, ROPE_DIM   512, 64
+//   LATENT_DIM, ROPE_DIM   512, 64 or 0
 //   CP_TARGET              sm_90a (compiled for that arch only)
 #include "../common.cuh"
 #include "../plan_words.cuh"
@@ -61,24 +70,38 @@
 #include "tc_common.cuh"
 
 namespace mwg {
-constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM;
+constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM, kK = kR + kP;
 constexpr u32 kN = 64;                      // tokens per tile
 constexpr u32 kS = 2;                       // tile buffers
 constexpr u32 kThreads = 256;
 constexpr u32 kRows = tc::kRows;            // 64
-constexpr u32 kRBlocks = kR / 64, kBlocks = (kR + kP) / 64;   // 128-byte column blocks (8 latent, 9 in all)
+constexpr u32 kRBlocks = kR / 64, kBlocks = kK / 64;   // 128-byte column blocks (8 latent, 9 in all)
+constexpr u32 kRotSteps = kP / 16;          // k-steps of the rotary part
 constexpr u32 kColBytes = 64 * 128;         // one column block of 64 rows (or tokens)
 constexpr u32 kQBytes = kRBlocks * kColBytes;
 constexpr u32 kKBytes = kBlocks * kColBytes;
 constexpr u32 kPBytes = kColBytes;
+// 16-bit tiles: the ring of kS, or one for fp8 codes, whose ring is kS raw tiles [kN][kK] bytes.
+constexpr u32 kTileBufs = kKvScaled ? 1 : kS;
+constexpr u32 kRawBytes = kKvScaled ? kN * kK : 0;
 // Dynamic shared memory: the layout above and the row maxima, after up to 1023 bytes of alignment
 // (variants.mla_wgmma_smem_bytes).
-constexpr u32 kSmemBytes = 1024 + kQBytes + kS * kKBytes + kPBytes + 2 * kRows * 4;
-static_assert(kR == 512 && kP == 64, "LATENT_DIM 512, ROPE_DIM 64");
-static_assert(sizeof(kv_t) == sizeof(scalar_t) && sizeof(kv_t) == 2, "f16 / bf16 q and caches");
+constexpr u32 kSmemBytes = 1024 + kQBytes + kTileBufs * kKBytes + kS * kRawBytes + kPBytes + 2 * kRows * 4;
+static_assert(kR == 512 && (kP == 64 || kP == 0), "LATENT_DIM 512, ROPE_DIM 64 or 0");
+static_assert(sizeof(scalar_t) == 2 && (sizeof(kv_t) == sizeof(scalar_t) || kKvScaled),
+              "f16 / bf16 q; caches of q's type or fp8");
+static_assert(kRawBytes % 1024 == 0, "P stays on a 1024-byte boundary");
 
 // Byte offset of 16-byte chunk c (0 .. 7) of row r in a 128-byte-swizzled column block.
 __device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7u)) << 4); }
+
+// Shared-memory writes of this thread (st.shared: P, converted tiles) made visible to the async proxy
+// that wgmma reads shared memory through (PTX ISA, wgmma: "an async proxy fence"); before the barrier.
+__device__ __forceinline__ void fence_async_shared() {
+#if !defined(CUPAGED_CPU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
 }  // namespace mwg
 
 extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const AttentionParams p) {
@@ -97,8 +120,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
     // The swizzle patterns start on 1024-byte boundaries (descriptor base offset 0). The offset is
     // added to the shared array itself, so the compiler keeps shared-memory accesses (LDS / STS).
     unsigned char* const sQ = smem_raw + ((0u - (u32)reinterpret_cast<u64>(smem_raw)) & 1023u);
-    unsigned char* const sK = sQ + kQBytes;                  // [kS][kBlocks][64][128 B]
-    unsigned char* const sP = sK + kS * kKBytes;             // [64][128 B]
+    unsigned char* const sK = sQ + kQBytes;                  // [kTileBufs][kBlocks][64][128 B]
+    unsigned char* const sRaw = sK + kTileBufs * kKBytes;    // fp8: [kS][64][kK] codes
+    unsigned char* const sP = sRaw + kS * kRawBytes;         // [64][128 B]
     float* const s_max = reinterpret_cast<float*>(sP + kPBytes);   // [2][kRows]: each warpgroup's row maxima
     __shared__ tc::RowSet<kRows> rows;
     __shared__ tc::Ring<kN, kS> st;
@@ -131,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
     ptx::cp_async_commit();
     // Rows 16 warp4 + g (+ 8) of this thread in every wgmma fragment (both warpgroups: the same rows).
     u32 my_slot[2];
-    u32 qr[kP / 16][4];   // A fragments of Q's rotary part, k-steps of 16 dims
+    u32 qr[kRotSteps ? kRotSteps : 1][4];   // A fragments of Q's rotary part, k-steps of 16 dims
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         u32 slot, hl;
@@ -140,16 +164,30 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
         my_slot[h] = ok ? slot : kNone;
         const scalar_t* src = q_rot + ((q0 + slot) * q_heads + head0 + hl) * kP;
 #pragma unroll
-        for (u32 kr = 0; kr < kP / 16; ++kr)
+        for (u32 kr = 0; kr != kRotSteps; ++kr)
 #pragma unroll
             for (u32 c = 0; c < 2; ++c)   // a[h + 2 c]: row g (+ 8), dims 16 kr + 8 c + 2 tq, + 1
                 qr[kr][h + 2 * c] = ok ? *reinterpret_cast<const u32*>(src + 16 * kr + 8 * c + 2 * tq) : 0u;
+    }
+    // fp8: score = scale * k_scale * (q.latent + q_rot.k_pos * v_scale / k_scale) over the codes.
+    float ks = 1.0f;
+    if constexpr (kKvScaled) {
+        ks = p.k_scale ? p.k_scale[0] : 1.0f;
+        if constexpr (kRotSteps > 0) {
+            const float ratio = (p.v_scale ? p.v_scale[0] : 1.0f) / ks;
+#pragma unroll
+            for (u32 kr = 0; kr != kRotSteps; ++kr)
+#pragma unroll
+                for (u32 i = 0; i < 4; ++i)
+                    qr[kr][i] = ptx::pack2<scalar_t>(tc::half_of<scalar_t>(qr[kr][i], 0) * ratio,
+                                                     tc::half_of<scalar_t>(qr[kr][i], 1) * ratio);
+        }
     }
     tc::setup_row_set(rows, p, q0, qt, q_end);
     ptx::cp_async_wait<0>();
     __syncthreads();
 
-    const float qscale = p.scale * softmax::kLog2e;
+    const float qscale = kKvScaled ? p.scale * ks * softmax::kLog2e : p.scale * softmax::kLog2e;
     softmax::State sm[2];   // rows g, g + 8: the max (shared by both warpgroups) and this lane's part of its half's sum
     float o[128];           // O [64 x 256]: value columns 256 wg + 8 j + 2 tq (+ 1), rows as above
 #pragma unroll
@@ -157,7 +195,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
 #pragma unroll
     for (u32 i = 0; i < 128; ++i) o[i] = 0.0f;
 
-    const u64 lat_page = (u64)p.page_size * kR, rot_page = (u64)p.page_size * kP;
     const u32* const tables = words + pw::page_table(p.queries, p.sequences);
     constexpr u32 kSw = ptx::kSwizzle128B;
     const variant::Scorer sc(p);   // a score variant's arguments
@@ -182,23 +219,75 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
         unsigned char* const ldst1 = sK + (lch >> 3) * kColBytes + lr0 * 128 + (((lch & 7u) ^ (lr0 + 4)) << 4);
         unsigned char* const rdst = sK + kRBlocks * kColBytes + rr0 * 128 + ((rch ^ (rr0 & 7u)) << 4);
         auto issue = [&](u32 sb, u32 b) {
+            if constexpr (kKvScaled) {
+                // Raw codes, [kN][kK] bytes a tile: latent copy tid % 32 (16 codes) of rows tid / 32 + 8 i,
+                // rotary copy tid % kRotSteps of row tid / kRotSteps.
+                unsigned char* const raw = sRaw + b * kRawBytes;
+                constexpr u32 kLC = kR / 16;
+                const u32 c16 = tid % kLC;
 #pragma unroll
-            for (u32 i = 0; i < kN / 4; ++i) {
-                const uint2 ps = st.row[sb][lr0 + 4 * i];   // page, slot
-                const bool ok = ps.x != kNone;
-                const kv_t* src = k_cache + (u64)ps.x * lat_page + (u64)ps.y * kR + lch * 8;
-                ptx::cp_async_16((i & 1u ? ldst1 : ldst0) + b * kKBytes + 4 * i * 128, ok ? src : k_cache, ok);
-            }
+                for (u32 i = 0; i < kN * kLC / kThreads; ++i) {
+                    const u32 r = tid / kLC + (kThreads / kLC) * i;
+                    const uint2 ps = st.row[sb][r];
+                    const bool ok = ps.x != kNone;
+                    const kv_t* src = k_cache + ps.x * p.k_stride_page + (u64)ps.y * p.k_stride_slot + c16 * 16;
+                    ptx::cp_async_16(raw + r * kK + c16 * 16, ok ? src : k_cache, ok);
+                }
+                if constexpr (kRotSteps > 0) {
+                    constexpr u32 kRC = kRotSteps ? kRotSteps : 1;   // (a discarded branch still compiles)
+                    static_assert(kRotSteps == 0 || kN * kRotSteps == kThreads, "one rotary copy a thread");
+                    const u32 r = tid / kRC, c = tid % kRC;
+                    const uint2 ps = st.row[sb][r];
+                    const bool ok = ps.x != kNone;
+                    const kv_t* src = k_rot + ps.x * p.rot_stride_page + (u64)ps.y * p.rot_stride_slot + c * 16;
+                    ptx::cp_async_16(raw + r * kK + kR + c * 16, ok ? src : k_cache, ok);
+                }
+            } else {
 #pragma unroll
-            for (u32 i = 0; i < kN / 32; ++i) {
-                const uint2 ps = st.row[sb][rr0 + 32 * i];
-                const bool ok = ps.x != kNone;
-                const kv_t* src = k_rot + (u64)ps.x * rot_page + (u64)ps.y * kP + rch * 8;
-                ptx::cp_async_16(rdst + b * kKBytes + 32 * i * 128, ok ? src : k_cache, ok);
+                for (u32 i = 0; i < kN / 4; ++i) {
+                    const uint2 ps = st.row[sb][lr0 + 4 * i];   // page, slot
+                    const bool ok = ps.x != kNone;
+                    const kv_t* src = k_cache + ps.x * p.k_stride_page + (u64)ps.y * p.k_stride_slot + lch * 8;
+                    ptx::cp_async_16((i & 1u ? ldst1 : ldst0) + b * kKBytes + 4 * i * 128, ok ? src : k_cache, ok);
+                }
+                if constexpr (kRotSteps > 0) {
+#pragma unroll
+                    for (u32 i = 0; i < kN / 32; ++i) {
+                        const uint2 ps = st.row[sb][rr0 + 32 * i];
+                        const bool ok = ps.x != kNone;
+                        const kv_t* src = k_rot + ps.x * p.rot_stride_page + (u64)ps.y * p.rot_stride_slot + rch * 8;
+                        ptx::cp_async_16(rdst + b * kKBytes + 32 * i * 128, ok ? src : k_cache, ok);
+                    }
+                }
             }
         };
         auto compute = [&](u32 b, u32 t0) {
-            unsigned char* const kt = sK + b * kKBytes;
+            if constexpr (kKvScaled) {
+                // The tile's codes into the swizzled 16-bit tile (exactly): 8 codes make a 16-byte chunk;
+                // latent chunk lch of rows lr0 + 4 i, rotary chunk rch of rows rr0 + 32 i (the issue's map).
+                const unsigned char* const raw = sRaw + b * kRawBytes;
+#pragma unroll 4
+                for (u32 i = 0; i < kN / 4; ++i) {
+                    const uint2 x = *reinterpret_cast<const uint2*>(raw + (lr0 + 4 * i) * kK + lch * 8);
+                    uint4 y;
+                    fp8::x4_to<scalar_t, kv_t>(x.x, y.x, y.y);
+                    fp8::x4_to<scalar_t, kv_t>(x.y, y.z, y.w);
+                    *reinterpret_cast<uint4*>((i & 1u ? ldst1 : ldst0) + 4 * i * 128) = y;
+                }
+                if constexpr (kRotSteps > 0) {
+#pragma unroll
+                    for (u32 i = 0; i < kN / 32; ++i) {
+                        const uint2 x = *reinterpret_cast<const uint2*>(raw + (rr0 + 32 * i) * kK + kR + rch * 8);
+                        uint4 y;
+                        fp8::x4_to<scalar_t, kv_t>(x.x, y.x, y.y);
+                        fp8::x4_to<scalar_t, kv_t>(x.y, y.z, y.w);
+                        *reinterpret_cast<uint4*>(rdst + 32 * i * 128) = y;
+                    }
+                }
+                fence_async_shared();
+                __syncthreads();
+            }
+            unsigned char* const kt = sK + (kKvScaled ? 0u : b) * kKBytes;
             const u64 vbits = (u64)st.valid[b][0] | (u64)st.valid[b][1] << 32;
             u64 vis[2];
             bool miss = false;
@@ -220,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
                 ptx::wgmma_ss<scalar_t, 32, 0, 0>(s, dq + k_off, dk + k_off, ks > 0);
             }
 #pragma unroll
-            for (u32 kr = 0; kr < kP / 16; ++kr)
+            for (u32 kr = 0; kr != kRotSteps; ++kr)
                 ptx::wgmma_rs<scalar_t, 32, 0>(s, qr[kr], dk + ((kRBlocks * kColBytes + kr * 32) >> 4), true);
             ptx::wgmma_commit();
             ptx::wgmma_wait<0>();
@@ -267,6 +356,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
                 const u32 r = 16 * warp4 + g + 4 * (i & 2u), c = 32 * wg + 8 * (i >> 2) + 2 * tq;
                 *reinterpret_cast<u32*>(sP + swz(r, c >> 3) + (c & 7u) * 2) = ptx::pack2<scalar_t>(s[i], s[i + 1]);
             }
+            fence_async_shared();   // sP is read by wgmma after the barrier below
 #pragma unroll
             for (u32 i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1u];
             // A tile where some stored row misses a valid token: its value rows' Inf / NaN must reach
@@ -369,6 +459,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
                 inv = sm[h].inv_sum() * a;
             }
         }
+        if constexpr (kKvScaled) inv *= ks;   // V is the latent: its codes times k_scale
 #pragma unroll
         for (u32 j = 0; j < 32; ++j)
             tc::store_pair(out, part_out, row_out * kR + 256 * wg + 8 * j + 2 * tq, split, o[4 * j + 2 * h] * inv,
