@@ -4,12 +4,14 @@
 // and the split workspace: docs/layout.md. The argument is one
 // AttentionParams (params.cuh); the inline PTX lives in ptx.cuh.
 //
-// paged_decode_tc: f16 / bf16, D == Dv == HEAD_DIM (64 or 128), 16-byte
-// aligned arrays. It serves any query (decode, or a query of a short chunk)
-// exactly as paged_attention does, with the same grid:
+// paged_decode_tc: f16 / bf16 q, caches of q's type or fp8 (e4m3 / e5m2,
+// with k_scale / v_scale), D == Dv == HEAD_DIM (64 or 128), 16-byte aligned
+// arrays and cache strides (any view whose rows are: HND, halves of a
+// combined KV tensor). It serves any query (decode, or a query of a short
+// chunk) exactly as paged_attention does, with the same grid:
 //   grid (q_count, kv_heads * head_tiles, splits), block 64 (2 warps),
-//   dynamic shared memory decode_tc_smem_bytes(D) (ops/attention/variants.py):
-//   18 KiB at D = 64, 34 KiB at D = 128; __launch_bounds__(64, 6): six
+//   dynamic shared memory decode_tc_smem_bytes(D, kv) (ops/attention/variants.py):
+//   18 / 17 KiB at D = 64, 34 / 33 KiB at D = 128 (16-bit / fp8); __launch_bounds__(64, 6): six
 //   blocks per SM (the resident slots choose_splits fills, variants.KERNELS).
 //   Block x serves query q_begin + x; block y the KV head y / tiles and its
 //   query heads (y % tiles) * 16 .. + 15 (a tile of up to 16 heads of the
@@ -29,8 +31,16 @@
 //   * the page walk keeps, per lane of the first 16, its token's page column
 //     and slot and advances them by 32 tokens a tile (no division in the
 //     loop: the one division is at the start); the page-table word of tile
-//     k + 2 loads while tile k computes, and each token's row offset is
-//     staged in shared memory for the lanes that copy it;
+//     k + 2 loads while tile k computes, and each token's K and V row offsets
+//     (page * stride_page + slot * stride_slot, the views' strides) are
+//     staged in shared memory for the lanes that copy them;
+//   * fp8 caches: the ring holds the raw codes (K [16][D], V [16][D] bytes:
+//     half the bytes in flight per token, the same tile and wait), and after
+//     the wait the warp decodes the tile, exactly (fp8.cuh), into one 16-bit
+//     K / V tile [16][D + 8] the fragments load from as above (K in q's
+//     type, V in f16: P V is an f16 mma, exact for every code); k_scale
+//     multiplies the score scale and v_scale the output (one KV head a
+//     block; a null scale is 1);
 //   * S = Q K^T (8 / 16 mma a tile at D = 64 / 128), the online softmax
 //     (softmax_state.cuh) on the S fragments in f32, log2 domain, a row's max
 //     and sum in the 4 lanes of a quad; O += P V with P's fragments as the A
@@ -45,14 +55,15 @@
 //
 // Memory traffic per block: the visible K and V rows of its split once,
 // L * 2 * D * sizeof(kv_t) bytes, for all its heads; q and the outputs are
-// small beside them. In flight: one 16-token tile per warp (8 KiB at D = 128)
-// while one computes; six blocks per SM hold up to 96 KiB in flight
+// small beside them. In flight: one 16-token tile per warp (8 KiB at D = 128,
+// 4 KiB fp8) while one computes; six blocks per SM hold up to 96 KiB (48) in flight
 // against the ~23 KiB Little's law asks of an H200 SM (4.3 TB/s x 700 ns /
 // 132). The grid of a batch-64 decode with 8 KV heads (512 blocks) fits the
 // 792 resident slots of an H200 in one wave.
 //
 // Defines (cupaged/ops/attention/variants.py Variant):
-//   CP_DTYPE, CP_KV_DTYPE  f16 | bf16 (one type: the mma takes Q and K alike)
+//   CP_DTYPE               f16 | bf16: q and out
+//   CP_KV_DTYPE            the caches: CP_DTYPE, or e4m3 | e5m2 (kKvScaled: decoded in shared memory)
 //   CP_SCORE               the score variant (variant.cuh)
 //   CP_SOFT_CAP, CP_WINDOW, CP_SINKS, CP_ALIBI  its features (variant.cuh); a window starts the
 //                          share [lo, hi) past 0, so the pages before lo are never read
@@ -173,7 +184,8 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     // An fp8 cache's K scale folds into the score scale, its V scale into the
     // output (every row of the block reads KV head kvh).
     float qscale = p.scale * softmax::kLog2e;
-    if constexpr (kFp8) qscale *= p.k_scale[kvh * p.k_scale_stride];
+    if constexpr (kFp8)
+        if (p.k_scale) qscale *= p.k_scale[kvh * p.k_scale_stride];   // null: 1
     softmax::State sm[2];  // rows g and g + 8
     float o[kOTiles][4];
 #pragma unroll
@@ -394,7 +406,8 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
                 inv = all.inv_sum() * a;
             }
         }
-        if constexpr (kFp8) inv *= p.v_scale[kvh * p.v_scale_stride];  // the cache's V scale
+        if constexpr (kFp8)
+            if (p.v_scale) inv *= p.v_scale[kvh * p.v_scale_stride];  // the cache's V scale (null: 1)
         float v[8];
 #pragma unroll
         for (u32 i = 0; i < 8; ++i) v[i] = 0.0f;

@@ -5,7 +5,10 @@
 // passes are shared with paged_mla_tc (tc_common.cuh), the inline PTX lives
 // in ptx.cuh.
 //
-// paged_prefill_tc: FlashAttention-2 style, f16 / bf16, D == Dv == HEAD_DIM.
+// paged_prefill_tc: FlashAttention-2 style, f16 / bf16 q, caches of q's type
+//   or fp8 (e4m3 / e5m2 with k_scale / v_scale), D == Dv == HEAD_DIM, any
+//   cache views with 16-byte aligned rows (K and V rows at page * stride_page
+//   + slot * stride_slot + head * stride_head, strides from AttentionParams).
 //   grid (ceil(q_count / qt), kv_heads * head_tiles, splits), block 32 * TC_WARPS,
 //   dynamic shared memory prefill_smem_bytes (ops/attention/variants.py, per variant).
 //   Rows (the M dimension, kRows = 16 * TC_MTILES * TC_WARPS per block) are
@@ -23,6 +26,12 @@
 //   mma.sync m16n8k16 with f32 accumulation; the online softmax
 //   (softmax_state.cuh) runs in f32 in the log2 domain on the S fragments
 //   (a row's max and sum live in the 4 lanes of a quad).
+//   fp8 caches: the ring holds the tiles' raw codes (K [kN][D], V [kN][D]
+//   bytes: half the bytes, same stages); after a tile's barrier the block
+//   decodes it, exactly (fp8.cuh), into one 16-bit K / V tile [kN][D + 8]
+//   (K in q's type, V in f16: P V runs as an f16 mma), meets at a second
+//   barrier and computes as above; k_scale multiplies the score scale,
+//   v_scale the output (one KV head a block; a null scale is 1).
 //   Each row sees positions [lo, hi) of its query (the visibility hook and the
 //   split share, span.cuh); a warp whose rows see nothing of a tile skips its
 //   products. Positions past the pass's end and page ids >= num_pages are
@@ -38,7 +47,8 @@
 // KV head; q and the outputs once.
 //
 // Defines (cupaged/ops/attention/variants.py Variant; the tile table there):
-//   CP_DTYPE, CP_KV_DTYPE  f16 | bf16 (one type: the mma takes Q and K alike)
+//   CP_DTYPE               f16 | bf16: q and out
+//   CP_KV_DTYPE            the caches: CP_DTYPE, or e4m3 | e5m2 (kKvScaled: decoded in shared memory)
 //   CP_SCORE               the score variant (variant.cuh)
 //   CP_SOFT_CAP, CP_WINDOW, CP_SINKS, CP_ALIBI  its features (variant.cuh). With a window the rows of
 //                          a block see different ranges: a pass reads [min lo, max hi) of its rows
@@ -174,7 +184,8 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
     // An fp8 cache's K scale folds into the score scale, its V scale into the
     // output (every row of the block reads KV head kvh).
     float qscale = p.scale * softmax::kLog2e;
-    if constexpr (kFp8) qscale *= p.k_scale[kvh * p.k_scale_stride];
+    if constexpr (kFp8)
+        if (p.k_scale) qscale *= p.k_scale[kvh * p.k_scale_stride];   // null: 1
     softmax::State sm[kMT][2];
     float o[kMT][kOTiles][4];
 #pragma unroll
@@ -446,7 +457,8 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                     inv = sm[mt][h].inv_sum() * a;
                 }
             }
-            if constexpr (kFp8) inv *= p.v_scale[kvh * p.v_scale_stride];   // the cache's V scale
+            if constexpr (kFp8)
+                if (p.v_scale) inv *= p.v_scale[kvh * p.v_scale_stride];   // the cache's V scale (null: 1)
             const float lse_v = sm[mt][h].lse();
 #pragma unroll
             for (u32 n = 0; n < kOTiles; ++n)
