@@ -11,7 +11,7 @@
 // chunk) exactly as paged_attention does, with the same grid:
 //   grid (q_count, kv_heads * head_tiles, splits), block 64 (2 warps),
 //   dynamic shared memory decode_tc_smem_bytes(D, kv) (ops/attention/variants.py):
-//   18 / 17 KiB at D = 64, 34 / 33 KiB at D = 128 (16-bit / fp8); __launch_bounds__(64, 6): six
+//   18 / 14.5 KiB at D = 64, 34 / 26.5 KiB at D = 128 (16-bit / fp8); __launch_bounds__(64, 6): six
 //   blocks per SM (the resident slots choose_splits fills, variants.KERNELS).
 //   Block x serves query q_begin + x; block y the KV head y / tiles and its
 //   query heads (y % tiles) * 16 .. + 15 (a tile of up to 16 heads of the
@@ -34,13 +34,16 @@
 //     k + 2 loads while tile k computes, and each token's K and V row offsets
 //     (page * stride_page + slot * stride_slot, the views' strides) are
 //     staged in shared memory for the lanes that copy them;
-//   * fp8 caches: the ring holds the raw codes (K [16][D], V [16][D] bytes:
-//     half the bytes in flight per token, the same tile and wait), and after
-//     the wait the warp decodes the tile, exactly (fp8.cuh), into one 16-bit
-//     K / V tile [16][D + 8] the fragments load from as above (K in q's
-//     type, V in f16: P V is an f16 mma, exact for every code); k_scale
-//     multiplies the score scale and v_scale the output (one KV head a
-//     block; a null scale is 1);
+//   * fp8 caches: the ring holds the raw codes (K [16][D + 32], V [16][D]
+//     bytes: half the bytes in flight per token, the same tile and wait).
+//     K's B fragments are decoded in registers from 8-byte loads of the
+//     codes (lane (g, t) reads dims 32 kp + 8 t .. + 7 of tokens g, g + 8:
+//     two k-steps; Q's A fragments were loaded in the same order of dims,
+//     so the dot products are unchanged); V's codes are decoded by the warp
+//     into one 16-bit V tile [16][D + 8] that ldmatrix.trans reads as above.
+//     Decoding is exact (fp8.cuh): K in q's type, V in f16 (P V is an f16
+//     mma). k_scale multiplies the score scale and v_scale the output (one
+//     KV head a block; a null scale is 1);
 //   * S = Q K^T (8 / 16 mma a tile at D = 64 / 128), the online softmax
 //     (softmax_state.cuh) on the S fragments in f32, log2 domain, a row's max
 //     and sum in the 4 lanes of a quad; O += P V with P's fragments as the A
@@ -97,11 +100,21 @@ using tc::v16_t;   // P and V's type in O += P V
 constexpr u32 kChunkElems = 16 / sizeof(kv_t);  // cache elements per 16-byte copy
 constexpr u32 kChunks = kD / kChunkElems;  // 16-byte copies per cache row
 constexpr u32 kTileElems = 2 * kN * kPitch;  // a 16-bit tile: K [kN][kPitch], then V [kN][kPitch]
-// A ring stage, in bytes: 16-bit caches, a 16-bit tile; fp8, the raw codes K [kN][kD], then V [kN][kD].
-constexpr u32 kStageBytes = kFp8 ? 2 * kN * kD : 2 * kTileElems;
-constexpr u32 kDstPitch = kFp8 ? kD : 2 * kPitch;  // bytes between rows of a stage
-// Per warp: two stages (16-bit), or the decoded tile and then two raw stages (fp8).
-constexpr u32 kWarpBytes = (kFp8 ? 2 * kTileElems : 0) + 2 * kStageBytes;
+// fp8: K's B fragments are decoded in registers from the raw codes (8-byte
+// loads, Q's fragments in the matching order of dims), so only V goes
+// through a decoded 16-bit tile [kN][kPitch]. Raw K rows are kD + 32 bytes
+// apart: the 8-byte loads of a quarter warp (4 tokens x 4 lanes) hit
+// distinct banks.
+constexpr u32 kRawKPitch = kD + 32;
+// A ring stage, in bytes: 16-bit caches, a 16-bit tile (K, then V); fp8, the
+// raw codes K [kN][kRawKPitch], then V [kN][kD].
+constexpr u32 kKPitchB = kFp8 ? kRawKPitch : 2 * kPitch;  // bytes between K rows of a stage
+constexpr u32 kVPitchB = kFp8 ? kD : 2 * kPitch;  // bytes between V rows of a stage
+constexpr u32 kVOffB = kN * kKPitchB;  // V rows' offset in a stage
+constexpr u32 kStageBytes = kVOffB + kN * kVPitchB;
+constexpr u32 kDecodedBytes = kFp8 ? kN * kPitch * 2 : 0;  // fp8: the decoded V tile, before the stages
+// Per warp: two stages (16-bit), or the decoded V tile and then two raw stages (fp8).
+constexpr u32 kWarpBytes = kDecodedBytes + 2 * kStageBytes;
 constexpr u32 kWarpElems = kWarpBytes / 2;  // in scalar_t elements
 constexpr u32 kRowsPerCopy = 32 / kChunks;  // rows one warp-wide copy instruction covers (2, 4 or 8)
 constexpr u32 kRowsPerLane = kN / kRowsPerCopy;  // K (and V) rows of a tile each lane copies a chunk of
@@ -109,7 +122,8 @@ constexpr u32 kNone = CP_NO_PAGE;
 static_assert(kD == 64 || kD == 128, "HEAD_DIM: 64 or 128");
 static_assert((kN * kChunks) % 32 == 0, "a tile's K rows are whole copy instructions");
 static_assert((kN * kD / 8) % 32 == 0, "a tile's K rows are whole 8-code decode steps");
-static_assert(kWarpBytes % 16 == 0 && (2 * kTileElems) % 16 == 0, "16-byte aligned rings");
+static_assert(kWarpBytes % 16 == 0 && kDecodedBytes % 16 == 0 && kVOffB % 16 == 0, "16-byte aligned rings");
+static_assert(kKSteps % 2 == 0, "fp8: K's codes are read two k-steps at a time");
 // The end-of-kernel merge reuses the ring: each warp's O [kRows][kD] f32 and its m, l.
 static_assert((kRows * kD + 2 * kRows) * 4 <= kWarpBytes, "merge area fits a warp's ring");
 static_assert(sizeof(scalar_t) == 2 && (kFp8 || sizeof(kv_t) == 2), "f16 / bf16 q; f16 / bf16 / fp8 caches");
@@ -176,9 +190,24 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     ptx::cp_async_wait<0>();
     __syncthreads();
     u32 qf[kKSteps][4];
+    if constexpr (kFp8) {
+        // The k-dims of k-steps 2 kp, 2 kp + 1 in the order the codes are read (compute): lane
+        // (g, tq) holds dims 32 kp + 8 tq .. + 7 of rows g and g + 8; the products' sum is the same.
 #pragma unroll
-    for (u32 ks = 0; ks < kKSteps; ++ks)
-        ptx::ldmatrix_x4(qf[ks], smem + (r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
+        for (u32 kp = 0; kp < kKSteps / 2; ++kp)
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                const uint4 x = *reinterpret_cast<const uint4*>(smem + (g + 8 * h) * kPitch + kp * 32 + 8 * tq);
+                qf[2 * kp][h] = x.x;
+                qf[2 * kp][2 + h] = x.y;
+                qf[2 * kp + 1][h] = x.z;
+                qf[2 * kp + 1][2 + h] = x.w;
+            }
+    } else {
+#pragma unroll
+        for (u32 ks = 0; ks < kKSteps; ++ks)
+            ptx::ldmatrix_x4(qf[ks], smem + (r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
+    }
     __syncthreads();  // every warp holds Q before the rings overwrite it
 
     // An fp8 cache's K scale folds into the score scale, its V scale into the
@@ -198,7 +227,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     // ---- this warp's tiles: w, w + kWarps, ... of the share ----
     scalar_t* const ring = smem + warp * kWarpElems;
     // The stages the copies land in (fp8: the raw codes, after the decoded tile).
-    char* const stages = reinterpret_cast<char*>(ring) + (kFp8 ? 2 * kTileElems : 0);
+    char* const stages = reinterpret_cast<char*>(ring) + kDecodedBytes;
     const u32 ntiles = (hi - lo + kN - 1) / kN;
     const u32 nk = ntiles > warp ? (ntiles - warp + kWarps - 1) / kWarps : 0u;
     const u32 ps = p.page_size, num_pages = p.num_pages;
@@ -208,7 +237,8 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     const u32 ch = lane % kChunks, r0 = lane / kChunks;
     const kv_t* const k_lane = k_cache + (u64)kvh * p.k_stride_head + ch * kChunkElems;
     const kv_t* const v_lane = v_cache + (u64)kvh * p.v_stride_head + ch * kChunkElems;
-    char* const dst_lane = stages + r0 * kDstPitch + ch * 16;
+    char* const kdst_lane = stages + r0 * kKPitchB + ch * 16;
+    char* const vdst_lane = stages + kVOffB + r0 * kVPitchB + ch * 16;
     // Page walk of token tok = lo + (k * kWarps + warp) * kN + lane (lanes < kN):
     // its page-table column pj and slot psl, advanced by kStep tokens a tile.
     constexpr u32 kStep = kN * kWarps;
@@ -241,41 +271,62 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     // warp-wide instruction moves kRowsPerCopy whole K (or V) rows. An invalid
     // row's offset is 0 (a row inside the cache, never read: zero fill).
     auto issue = [&](u32 b, u32 valid) {
-        char* const d = dst_lane + b * kStageBytes;
+        char* const kd = kdst_lane + b * kStageBytes;
+        char* const vd = vdst_lane + b * kStageBytes;
         const u32 vb = valid >> r0;
 #pragma unroll
         for (u32 u = 0; u < kRowsPerLane; ++u) {
             const u32 row = u * kRowsPerCopy + r0;
             const bool ok = (vb >> (u * kRowsPerCopy)) & 1u;
-            ptx::cp_async_16(d + u * kRowsPerCopy * kDstPitch, k_lane + s_koff[warp][b][row], ok);
-            ptx::cp_async_16(d + (kN + u * kRowsPerCopy) * kDstPitch, v_lane + s_voff[warp][b][row], ok);
+            ptx::cp_async_16(kd + u * kRowsPerCopy * kKPitchB, k_lane + s_koff[warp][b][row], ok);
+            ptx::cp_async_16(vd + u * kRowsPerCopy * kVPitchB, v_lane + s_voff[warp][b][row], ok);
         }
     };
-    // fp8: decode raw stage b into the 16-bit tile (8 codes a step: one 8-byte
-    // shared load, one 16-byte store), K rows as scalar_t, V rows as f16.
-    // Zero-filled rows (invalid tokens) decode to 0.
+    // fp8: decode raw stage b's V rows into the 16-bit V tile, as f16 (8
+    // codes a step: one 8-byte shared load, one 16-byte store). Zero-filled
+    // rows (invalid tokens) decode to 0.
     auto decode = [&](u32 b) {
         const unsigned char* const src = reinterpret_cast<const unsigned char*>(stages + b * kStageBytes);
-        tc::decode_rows<scalar_t, kD, kN, 32>(src, ring, kPitch, lane);
-        tc::decode_rows<v16_t, kD, kN, 32>(src + kN * kD, reinterpret_cast<v16_t*>(ring + kN * kPitch), kPitch,
-                                           lane);
+        tc::decode_rows<v16_t, kD, kN, 32>(src + kVOffB, reinterpret_cast<v16_t*>(ring), kPitch, lane);
     };
     auto compute = [&](u32 b, u32 valid, u32 t0) {
-        const scalar_t* const kt = kFp8 ? ring : ring + b * kTileElems;
-        const v16_t* const vt = reinterpret_cast<const v16_t*>(kt + kN * kPitch);
+        const scalar_t* const kt = ring + b * kTileElems;   // (16-bit caches)
+        const v16_t* const vt = reinterpret_cast<const v16_t*>(kFp8 ? ring : kt + kN * kPitch);
         // S = Q K^T: [16 heads x 16 tokens].
         float s[2][4];
 #pragma unroll
         for (u32 n = 0; n < 2; ++n)
 #pragma unroll
             for (u32 i = 0; i < 4; ++i) s[n][i] = 0.0f;
+        if constexpr (kFp8) {
+            // B fragments straight from the codes: lane (g, tq) reads dims 32 kp + 8 tq .. + 7 of
+            // tokens g and 8 + g; their pairs are k-steps 2 kp and 2 kp + 1 in the order Q's
+            // fragments were loaded in (qf below).
+            const unsigned char* const kraw =
+                reinterpret_cast<const unsigned char*>(stages + b * kStageBytes) + g * kRawKPitch + 8 * tq;
 #pragma unroll
-        for (u32 ks = 0; ks < kKSteps; ++ks) {
-            u32 bq[4];
-            ptx::ldmatrix_x4(bq, kt + (r8 + 8 * (tile >> 1)) * kPitch + ks * 16 + 8 * (tile & 1u));
-            const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
-            ptx::mma_16816<scalar_t>(s[0], qf[ks], b0);
-            ptx::mma_16816<scalar_t>(s[1], qf[ks], b1);
+            for (u32 kp = 0; kp < kKSteps / 2; ++kp) {
+                const uint2 x0 = *reinterpret_cast<const uint2*>(kraw + kp * 32);
+                const uint2 x1 = *reinterpret_cast<const uint2*>(kraw + 8 * kRawKPitch + kp * 32);
+                u32 b0[2], b1[2];
+                fp8::x4_to<scalar_t, kv_t>(x0.x, b0[0], b0[1]);
+                fp8::x4_to<scalar_t, kv_t>(x1.x, b1[0], b1[1]);
+                ptx::mma_16816<scalar_t>(s[0], qf[2 * kp], b0);
+                ptx::mma_16816<scalar_t>(s[1], qf[2 * kp], b1);
+                fp8::x4_to<scalar_t, kv_t>(x0.y, b0[0], b0[1]);
+                fp8::x4_to<scalar_t, kv_t>(x1.y, b1[0], b1[1]);
+                ptx::mma_16816<scalar_t>(s[0], qf[2 * kp + 1], b0);
+                ptx::mma_16816<scalar_t>(s[1], qf[2 * kp + 1], b1);
+            }
+        } else {
+#pragma unroll
+            for (u32 ks = 0; ks < kKSteps; ++ks) {
+                u32 bq[4];
+                ptx::ldmatrix_x4(bq, kt + (r8 + 8 * (tile >> 1)) * kPitch + ks * 16 + 8 * (tile & 1u));
+                const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+                ptx::mma_16816<scalar_t>(s[0], qf[ks], b0);
+                ptx::mma_16816<scalar_t>(s[1], qf[ks], b1);
+            }
         }
         // Scale into the log2 domain, the score hook, mask; online softmax per row.
         const u32 vis = valid >> (2 * tq);  // bit n * 8 + e: this lane's column e of n-tile n
