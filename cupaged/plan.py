@@ -248,7 +248,8 @@ class DevicePlan:
 
     def attention(self, q, k_cache, v_cache, scale: float, causal: bool = True, *,
                   workspace: SplitWorkspace | None = None, out=None, lse=None, return_lse: bool = False,
-                  soft_cap: float | None = None, window: int | None = None, sinks=None, alibi_slopes=None):
+                  soft_cap: float | None = None, window: int | None = None, sinks=None, alibi_slopes=None,
+                  kv_dtype=None, k_scale=None, v_scale=None):
         """Paged attention for the plan's packed queries.
 
         q [queries, Hq, D]; k_cache [pages, page_size, Hkv, D];
@@ -268,6 +269,16 @@ class DevicePlan:
         lse; ``alibi_slopes`` float32 [Hq]: logit += slope[h] * (k_pos -
         q_pos) (BLOOM / MPT).
 
+        Caches (docs/layout.md, "Cache views and fp8 caches") may be any views
+        whose innermost dim is contiguous: an HND cache
+        ``[pages, Hkv, page_size, D].transpose(0, 2, 1, 3)``, the halves
+        ``kv[:, 0]`` / ``kv[:, 1]`` of a combined ``[pages, 2, page_size, Hkv,
+        D]`` tensor. An fp8 cache (ml_dtypes float8_e4m3fn / float8_e5m2
+        arrays, or uint8 storage with ``kv_dtype='e4m3'`` / ``'e5m2'``) takes
+        float16 / bfloat16 q; ``k_scale`` / ``v_scale`` (float32, shape [] or
+        [1], or [Hkv]; None: 1) dequantize it: K = code * k_scale. The
+        keywords are those of ``append`` and ``PagedKVCache.kv_args(layer)``.
+
         Returns out [queries, Hq, Dv] in q's dtype, or (out, lse) with
         ``return_lse`` (or a given ``lse``): lse float32 [queries, Hq], natural
         log of the sum of exp(logit) over the visible positions (and the
@@ -279,11 +290,13 @@ class DevicePlan:
         self._fresh()
         return attention_op.attention(self, q, k_cache, v_cache, scale, causal, workspace=workspace, out=out,
                                       lse=lse, return_lse=return_lse, soft_cap=soft_cap, window=window,
-                                      sinks=sinks, alibi_slopes=alibi_slopes)
+                                      sinks=sinks, alibi_slopes=alibi_slopes, kv_dtype=kv_dtype, k_scale=k_scale,
+                                      v_scale=v_scale)
 
     def mla(self, q, q_pos, latent, k_pos, scale: float, causal: bool = True, *,
             workspace: SplitWorkspace | None = None, out=None, lse=None, return_lse: bool = False,
-            soft_cap: float | None = None, window: int | None = None, sinks=None, alibi_slopes=None):
+            soft_cap: float | None = None, window: int | None = None, sinks=None, alibi_slopes=None,
+            kv_dtype=None, k_scale=None, v_scale=None):
         """DeepSeek-style multi-head latent attention, absorbed form.
 
         q [queries, H, R]: the absorbed query (q_nope times the key
@@ -301,11 +314,17 @@ class DevicePlan:
         chunked prefill, split workspaces, outputs and the score variants
         (``soft_cap``, ``window``, ``sinks``, ``alibi_slopes`` [H]) work as in
         ``attention``.
+
+        Without a rotary part (P = 0) pass q_pos = k_pos = None. The caches
+        may be views (``latent = c[..., :R]``, ``k_pos = c[..., R:]`` of one
+        [pages, page_size, 1, R + P] cache) and fp8 as in ``attention``:
+        ``k_scale`` dequantizes the latent, ``v_scale`` k_pos (append's K and
+        V).
         """
         self._fresh()
         return attention_op.mla(self, q, q_pos, latent, k_pos, scale, causal, workspace=workspace, out=out,
                                 lse=lse, return_lse=return_lse, soft_cap=soft_cap, window=window, sinks=sinks,
-                                alibi_slopes=alibi_slopes)
+                                alibi_slopes=alibi_slopes, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
 
     def append(self, new_k, new_v, k_cache, v_cache, *, kv_dtype=None, k_scale=None, v_scale=None) -> None:
         """Write new_k [queries, Hkv, D] and new_v [queries, Hkv, Dv] into the

@@ -257,6 +257,82 @@ def test_kv_cache(torch):
     np.testing.assert_array_equal(got, nk[:6] * 2)
 
 
+# ------------------------------------------------------------------ fp8 and views
+
+def _fp8_t(torch, codes):
+    """A torch fp8 tensor holding the ml_dtypes fp8 array ``codes`` (a copy made by torch)."""
+    t8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}[str(codes.dtype)]
+    return torch.from_numpy(np.array(codes.view(np.uint8))).view(t8)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_and_strided_tensors(torch, fmt):
+    """fp8 tensors and strided views (HND, a combined KV tensor) pass
+    zero-copy, with k_scale / v_scale tensors; the result matches the
+    reference on the dequantized cache."""
+    case = _case("f16")
+    hkv = case.k_cache.shape[2]
+    ks = torch.tensor([0.05, 0.09], dtype=torch.float32)
+    vs = torch.tensor([0.07], dtype=torch.float32)
+    kc = reference.quantize_fp8(case.k_cache, fmt, ks.numpy()[:, None])
+    vc = reference.quantize_fp8(case.v_cache, fmt, vs.numpy())
+    k_ref = reference.dequantize_fp8(kc, scale=ks.numpy()[:, None].astype(np.float64))
+    v_ref = reference.dequantize_fp8(vc, scale=vs.numpy().astype(np.float64))
+    ref, ref_lse = reference.paged_attention(case.q, k_ref, v_ref, case.page_table, case.kv_lens, case.q_lens,
+                                             case.scale, True)
+    k_hnd = _fp8_t(torch, np.ascontiguousarray(kc.transpose(0, 2, 1, 3))).transpose(1, 2)   # [pages, ps, Hkv, D]
+    kv = torch.stack([_fp8_t(torch, kc), _fp8_t(torch, vc)], dim=1)                          # [pages, 2, ps, Hkv, D]
+    q = _t(torch, case.q)
+    plan = _plan(torch, case, q)
+    for k, v in ((k_hnd, _fp8_t(torch, vc)), (kv[:, 0], kv[:, 1])):
+        a = interop.as_array(k)
+        assert a.ctypes.data == k.data_ptr() and a.strides == tuple(x * k.element_size() for x in k.stride())
+        assert str(a.dtype) == str(k.dtype).removeprefix("torch.")
+        out, lse = plan.attention(q, k, v, case.scale, k_scale=ks, v_scale=vs, return_lse=True)
+        assert out.dtype == torch.float16
+        assert_close(_np(out), ref, "f16", f"{fmt} torch")
+        assert_close(_np(lse), ref_lse, "f16", f"{fmt} torch lse")
+    # back: an ml_dtypes fp8 array as a torch fp8 tensor, same memory
+    t = interop.as_torch(kc)
+    assert t.dtype == _fp8_t(torch, kc[:1]).dtype and t.data_ptr() == kc.ctypes.data
+    with pytest.raises(PagedAttentionError, match="q: expected dtype float16 or bfloat16"):
+        plan.attention(q.float(), k_hnd, kv[:, 1], case.scale, k_scale=ks, v_scale=vs)
+    lse = torch.zeros(plan.queries, 4)
+    with pytest.raises(PagedAttentionError, match="lse: expected memory disjoint from k_scale"):
+        plan.attention(q, k_hnd, kv[:, 1], case.scale, k_scale=lse[0, :hkv], v_scale=vs, lse=lse)
+
+
+def test_fp8_kv_cache_and_mla_views(torch):
+    """TorchKVCache(dtype=torch.float8_e4m3fn): fp8 tensors, append
+    quantizes, attention reads it back through kv_args; MLA on column views
+    of one torch cache."""
+    cache = interop.TorchKVCache(num_pages=8, page_size=4, kv_heads=2, head_dim=16, dtype=torch.float8_e4m3fn,
+                                 like=torch.empty(0), k_scale=torch.tensor([[0.02, 0.05]]), v_scale=0.03)
+    assert cache.k.dtype == torch.float8_e4m3fn and cache.k.data_ptr() == cache.cache.k.ctypes.data
+    a = cache.add_sequence()
+    rng = np.random.default_rng(8)
+    plan, _ = cache.prepare([a], [7])
+    nk, nv, q = (rng.standard_normal((7, h, 16)).astype(np.float16) for h in (2, 2, 4))
+    cache.append(plan, torch.from_numpy(nk), torch.from_numpy(nv))
+    out = plan.attention(torch.from_numpy(q), cache.k[0], cache.v[0], 0.25, **cache.kv_args(0))
+    table = cache.page_table([a])
+    kr = reference.dequantize_fp8(cache.cache.k[0], scale=np.array([[0.02], [0.05]]))
+    vr = reference.dequantize_fp8(cache.cache.v[0], scale=0.03)
+    ref, _ = reference.paged_attention(q, kr, vr, table, [7], [7], 0.25, True)
+    assert_close(_np(out), ref, "f16", "fp8 cache attention")
+    # MLA: latent and k_pos as column views of one [pages, page_size, 1, R + P] tensor
+    mc = make_mla_case(np.random.default_rng(9), kv_lens=np.array([20, 9], np.int32), q_lens=[1, 2],
+                       num_heads=4, latent_dim=64, pos_dim=16, dtype="bf16")
+    c = _t(torch, np.concatenate([mc.latent, mc.k_pos], axis=-1))
+    q, q_pos = _t(torch, mc.q), _t(torch, mc.q_pos)
+    mplan = _plan(torch, mc, q)
+    out = mplan.mla(q, q_pos, c[..., :64], c[..., 64:], mc.scale)
+    assert_close(_np(out), mc.reference(True)[0], "bf16", "mla views")
+    out = mplan.mla(q, None, c[..., :64], None, mc.scale)   # P = 0
+    ref, _ = reference.paged_attention(mc.q, mc.latent, mc.latent, mc.page_table, mc.kv_lens, mc.q_lens, mc.scale)
+    assert_close(_np(out), ref, "bf16", "mla P=0")
+
+
 # ------------------------------------------------------------------ overlap
 
 def test_out_aliasing_q_through_another_view_is_rejected(torch):

@@ -257,10 +257,11 @@ def cache_view(name: str, a, *, kv_dtype=None, ndim: int = 4):
 
 
 def aligned(a, nbytes: int = 16) -> bool:
-    """``a`` starts on an ``nbytes`` boundary and every stride of a dim
-    longer than 1 is a multiple of it."""
+    """``a`` starts on an ``nbytes`` boundary and every stride of an outer
+    dim (all but the innermost, whose elements are loaded together) longer
+    than 1 is a multiple of it: each row starts on such a boundary."""
     return _backend.address(a) % nbytes == 0 and all(
-        int(s) % nbytes == 0 for n, s in zip(a.shape, a.strides) if int(n) > 1)
+        int(s) % nbytes == 0 for n, s in zip(a.shape[:-1], a.strides[:-1]) if int(n) > 1)
 
 
 def kv_scale(name: str, s, kv_heads: int, like) -> int:

@@ -21,7 +21,12 @@ the layers ``embed``, ``rms_norm``, ``linear``, ``rope``, ``silu_mul``; and
 tensors CuPy arrays (``cupy.from_dlpack``); back, ``torch.from_numpy`` /
 ``torch.from_dlpack``. DLPack and NumPy have no bfloat16, so a bfloat16
 tensor travels as its int16 view and is re-viewed as ``ml_dtypes.bfloat16``
-(and back as ``torch.bfloat16``): the same bytes. Every view is checked to
+(and back as ``torch.bfloat16``): the same bytes. fp8 tensors
+(``torch.float8_e4m3fn`` / ``float8_e5m2``, K/V caches) travel as their
+uint8 view: on the CPU re-viewed as the ml_dtypes fp8 type, on CUDA kept as
+raw uint8 storage (CuPy has no fp8 dtype) whose format the ops here pass as
+``kv_dtype`` themselves. Strided tensors (an HND cache view, the halves of a
+combined KV tensor, column views of an MLA cache) keep their strides. Every view is checked to
 start at the tensor's own data pointer, so a copy cannot pass unnoticed. An
 ``out``/``lse`` you pass is written in place and returned itself.
 
@@ -100,6 +105,15 @@ def _bf16():
     return dtypes.np_dtype("bf16")
 
 
+#: torch fp8 dtype names -> cupaged's K/V format tokens.
+_FP8 = {d.torch_name: d.token for d in dtypes.TABLE if d.scaled}
+
+
+def fp8_format(x) -> str | None:
+    """The fp8 format token ("e4m3" / "e5m2") of an fp8 torch tensor, else None."""
+    return _FP8.get(str(x.dtype).removeprefix("torch.")) if is_torch(x) else None
+
+
 def _check_same_memory(name: str, t, a) -> None:
     """The view ``a`` starts at tensor ``t``'s data pointer (no copy was made)."""
     if t.numel() and _backend.address(a) != t.data_ptr():
@@ -142,14 +156,18 @@ def _torch_to_array(name: str, t):
     import torch
     t = t.detach()
     bf16 = t.dtype == torch.bfloat16
+    fp8 = fp8_format(t)
     try:
         if t.device.type == "cpu":
-            a = np.from_dlpack(t.view(torch.int16)).view(_bf16()) if bf16 else np.from_dlpack(t)
+            if fp8:
+                a = np.from_dlpack(t.view(torch.uint8)).view(dtypes.np_dtype(fp8))
+            else:
+                a = np.from_dlpack(t.view(torch.int16)).view(_bf16()) if bf16 else np.from_dlpack(t)
         elif t.device.type == "cuda":
             import cupy
             with cupy.cuda.Device(t.device.index):
                 try:
-                    a = cupy.from_dlpack(t)
+                    a = cupy.from_dlpack(t.view(torch.uint8)) if fp8 else cupy.from_dlpack(t)
                 except (BufferError, TypeError, ValueError, RuntimeError):
                     if not bf16:
                         raise
@@ -176,7 +194,10 @@ def as_torch(a):
     if backend is None:
         raise PagedAttentionError(f"a: expected a NumPy or CuPy array, got {type(a).__name__}")
     bf16 = str(a.dtype) == "bfloat16"
-    if backend == _backend.CPU:
+    fp8 = dtypes.lookup(a.dtype)
+    if backend == _backend.CPU and fp8 is not None and fp8.scaled:
+        t = torch.from_numpy(a.view(np.uint8)).view(getattr(torch, fp8.torch_name))
+    elif backend == _backend.CPU:
         t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if bf16 else torch.from_numpy(a)
     else:
         try:
@@ -303,6 +324,14 @@ def _score_views(arrays: dict) -> dict:
     return {k: as_array(v, k) if is_torch(v) else v for k, v in arrays.items()}
 
 
+def _kv_dtype(kv_dtype, caches: dict):
+    """``kv_dtype`` as given, or the format of the first fp8 torch cache
+    among ``caches`` (their CUDA views are raw uint8 storage)."""
+    if kv_dtype is not None:
+        return kv_dtype
+    return next((fp8_format(c) for c in caches.values() if fp8_format(c)), None)
+
+
 # ---------------------------------------------------------------------------
 # Plans
 
@@ -337,48 +366,62 @@ class TorchPlan:
         return torch_stream(self.plan.device)
 
     def attention(self, q, k_cache, v_cache, scale: float, causal: bool = True, *, workspace=None, out=None,
-                  lse=None, return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None):
+                  lse=None, return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None,
+                  kv_dtype=None, k_scale=None, v_scale=None):
         """``DevicePlan.attention`` on tensors: q [queries, Hq, D];
-        k_cache [pages, page_size, Hkv, D]; v_cache [pages, page_size, Hkv, Dv];
+        k_cache [pages, page_size, Hkv, D]; v_cache [pages, page_size, Hkv, Dv]
+        (any views whose innermost dim is contiguous; fp8 tensors
+        ``torch.float8_e4m3fn`` / ``float8_e5m2`` with float32 ``k_scale`` /
+        ``v_scale`` tensors or arrays, or uint8 with ``kv_dtype``);
         the score variants ``soft_cap``, ``window`` and float32 [Hq] tensors
         ``sinks`` / ``alibi_slopes`` as there. Returns out [queries, Hq, Dv]
         (and float32 lse [queries, Hq] with ``return_lse`` or ``lse``): the
         ``out``/``lse`` passed, else new tensors."""
         return self._attend("attention", dict(q=q, k_cache=k_cache, v_cache=v_cache), scale, causal,
                             workspace, out, lse, return_lse,
-                            dict(soft_cap=soft_cap, window=window, sinks=sinks, alibi_slopes=alibi_slopes))
+                            dict(soft_cap=soft_cap, window=window, sinks=sinks, alibi_slopes=alibi_slopes),
+                            dict(kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale))
 
     def mla(self, q, q_pos, latent, k_pos, scale: float, causal: bool = True, *, workspace=None, out=None,
-            lse=None, return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None):
+            lse=None, return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None,
+            kv_dtype=None, k_scale=None, v_scale=None):
         """``DevicePlan.mla`` on tensors: q [queries, H, R]; q_pos
         [queries, H, P]; latent [pages, page_size, 1, R]; k_pos
-        [pages, page_size, 1, P]; the score variants as ``attention``'s.
-        Returns out [queries, H, R] (and lse [queries, H]) as ``attention``
-        does."""
+        [pages, page_size, 1, P] (q_pos and k_pos None: no rotary part);
+        views, fp8 and the score variants as ``attention``'s. Returns out
+        [queries, H, R] (and lse [queries, H]) as ``attention`` does."""
         return self._attend("mla", dict(q=q, q_pos=q_pos, latent=latent, k_pos=k_pos), scale, causal,
                             workspace, out, lse, return_lse,
-                            dict(soft_cap=soft_cap, window=window, sinks=sinks, alibi_slopes=alibi_slopes))
+                            dict(soft_cap=soft_cap, window=window, sinks=sinks, alibi_slopes=alibi_slopes),
+                            dict(kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale))
 
-    def _attend(self, op, inputs, scale, causal, workspace, out, lse, return_lse, scores):
-        # sinks / alibi_slopes: tensors (or arrays) read like the inputs; the scalars pass as they are.
-        arrays = {k: v for k, v in scores.items() if k in ("sinks", "alibi_slopes") and v is not None}
+    def _attend(self, op, inputs, scale, causal, workspace, out, lse, return_lse, scores, storage):
+        # sinks / alibi_slopes / k_scale / v_scale: tensors (or arrays) read like the inputs; the scalars
+        # pass as they are.
+        arrays = {k: v for k, v in {**scores, **storage}.items()
+                  if k in ("sinks", "alibi_slopes", "k_scale", "v_scale") and v is not None}
         _check_operands(dict(out=out, lse=lse), {**inputs, **arrays})
+        storage = dict(storage, kv_dtype=_kv_dtype(storage["kv_dtype"], inputs))
         with self._context():
             a = _views(inputs)
             o, l_ = _views(dict(out=out, lse=lse)).values()
             res = getattr(self.plan, op)(*a.values(), scale, causal, workspace=workspace, out=o, lse=l_,
-                                         return_lse=return_lse, **{**scores, **_score_views(arrays)})
+                                         return_lse=return_lse, **{**scores, **storage, **_score_views(arrays)})
             if not (return_lse or lse is not None):
                 return out if out is not None else as_torch(res)
             return (out if out is not None else as_torch(res[0]), lse if lse is not None else as_torch(res[1]))
 
-    def append(self, new_k, new_v, k_cache, v_cache) -> None:
+    def append(self, new_k, new_v, k_cache, v_cache, *, kv_dtype=None, k_scale=None, v_scale=None) -> None:
         """``DevicePlan.append`` on tensors: new_k [queries, Hkv, D] and
         new_v [queries, Hkv, Dv] into k_cache [pages, page_size, Hkv, D] and
-        v_cache [pages, page_size, Hkv, Dv], in place."""
-        _check_operands(dict(k_cache=k_cache, v_cache=v_cache), dict(new_k=new_k, new_v=new_v))
+        v_cache [pages, page_size, Hkv, Dv], in place (views; fp8 tensors
+        quantized with ``k_scale`` / ``v_scale`` as ``attention`` reads them)."""
+        scales = {k: v for k, v in (("k_scale", k_scale), ("v_scale", v_scale)) if v is not None}
+        _check_operands(dict(k_cache=k_cache, v_cache=v_cache), dict(new_k=new_k, new_v=new_v, **scales))
+        kv_dtype = _kv_dtype(kv_dtype, dict(k_cache=k_cache, v_cache=v_cache))
         with self._context():
-            self.plan.append(*_views(dict(new_k=new_k, new_v=new_v, k_cache=k_cache, v_cache=v_cache)).values())
+            self.plan.append(*_views(dict(new_k=new_k, new_v=new_v, k_cache=k_cache, v_cache=v_cache)).values(),
+                             kv_dtype=kv_dtype, **_score_views(scales))
 
     def workspace(self, heads: int, value_dim: int, splits: int) -> SplitWorkspace:
         """A SplitWorkspace for this plan's queries on its device and stream."""
@@ -421,12 +464,20 @@ class TorchKVCache:
     ``page_table``, ``stats`` ...)."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, *,
-                 layers: int = 1, value_dim: int | None = None, like=None, prefix_cache: bool = False):
+                 layers: int = 1, value_dim: int | None = None, like=None, prefix_cache: bool = False,
+                 k_scale=None, v_scale=None):
         with _context([like]):
+            scales = {k: as_array(v, k) if is_torch(v) else v for k, v in (("k_scale", k_scale),
+                                                                            ("v_scale", v_scale))}
             self.cache = PagedKVCache(num_pages, page_size, kv_heads, head_dim, _dtype_name(dtype), layers=layers,
                                       value_dim=value_dim, like=None if like is None else as_array(like, "like"),
-                                      prefix_cache=prefix_cache)
+                                      prefix_cache=prefix_cache, **scales)
             self.k, self.v = as_torch(self.cache.k), as_torch(self.cache.v)
+            fmt = dtypes.lookup(self.cache.kv_dtype)
+            if fmt.scaled:   # fp8 tensors (the CUDA arrays are raw uint8 storage)
+                import torch
+                t8 = getattr(torch, fmt.torch_name)
+                self.k, self.v = self.k.view(t8), self.v.view(t8)
 
     def __getattr__(self, name):
         if name == "cache":

@@ -36,13 +36,22 @@
 //   FP32 partials (an empty split writes out 0 and lse -inf);
 //   attention_split_merge combines them.
 //
+// K, V and k_rot rows are addressed through the cache strides of
+// AttentionParams (page, slot, head; any view whose innermost dim is
+// contiguous: HND, halves of a combined KV tensor, MLA column views).
+//
 // Memory traffic per block: the visible K and V rows of its split,
 // L * (D + Dv) * sizeof(kv_t) bytes, read once for its GROUP_TILE heads; q and
 // the outputs are small beside them.
 //
 // Defines (compile-time choices, cupaged/ops/attention/variants.py Variant):
 //   CP_DTYPE    f32 | f16 | bf16: scalar_t, the type of q and out.
-//   CP_KV_DTYPE the type of the caches, kv_t (today always CP_DTYPE).
+//   CP_KV_DTYPE the type of the caches, kv_t: CP_DTYPE, or an fp8 format
+//               (e4m3 | e5m2, fp8.cuh) under f16 / bf16 q. fp8 codes decode
+//               exactly; the scales fold in per block (every block serves
+//               one KV head): k_scale into the score scale, v_scale into the
+//               output and the split partials (with ROT_CAP: the latent's
+//               k_scale into both, k_rot's v_scale into q_rot).
 //   CP_SCORE    the score variant (variant.cuh), plain unless a test asks;
 //   CP_SOFT_CAP, CP_WINDOW, CP_SINKS, CP_ALIBI: its features (variant.cuh).
 //               A window starts the page walk at the window's first
@@ -51,7 +60,8 @@
 //               absent) for runtime D and Dv up to DIM_CAP.
 //   DIM_CAP     64 .. 1024 (power of two): capacity of the runtime-dim path.
 //   VEC_LOADS   1: 16-byte loads (D and Dv multiples of 16 bytes, arrays
-//               16-byte aligned); 0: element loads.
+//               and their strides 16-byte aligned); 0: element loads (any
+//               view, e.g. one misaligned by an element).
 //   GROUP_TILE  1 | 2 | 4 | 8: query heads per block.
 //   ROT_CAP     0, or the capacity of the rotary part P (MLA): the score adds
 //               q_rot.k_rot and V is the K row itself (the MLA latent cache
@@ -83,7 +93,7 @@ namespace att {
 
 constexpr u32 kWarps = 4;
 constexpr u32 kThreads = 32 * kWarps;
-constexpr u32 kVec = VEC_LOADS ? 16u / (u32)sizeof(kv_t) : 1u;   // elements per chunk
+constexpr u32 kVec = VEC_LOADS ? 16u / (u32)sizeof(kv_t) : 1u;   // elements per chunk (16 bytes of kv_t)
 constexpr u32 kCap = HEAD_DIM ? HEAD_DIM : DIM_CAP;   // largest D / Dv of the variant
 constexpr u32 kRowChunks = kCap / kVec;               // chunks in a row of kCap elements
 constexpr u32 kLanes = kRowChunks < 32 ? kRowChunks : 32;   // lanes per row (LANES)
@@ -99,7 +109,11 @@ constexpr u32 kRotElems = kRotCap ? (kRotCap + kLanes - 1) / kLanes : 1u;   // r
 constexpr u32 kLoadRegsPerRow = kChunks * kRegsPerChunk * (kRotCap ? 1u : 2u) + (kRotCap ? kRotElems : 0u);
 constexpr u32 kStepLoads = 32u / kLoadRegsPerRow;
 constexpr u32 kStepScores = 16u / kHeads;
-constexpr u32 kStepRaw = kStepLoads < kStepScores ? kStepLoads : kStepScores;
+// fp8: a row's decoded values (kElems floats per lane, twice a 16-bit row's
+// for one 16-byte chunk) count too: at most 32 per lane for the step.
+constexpr u32 kStepDecoded = kKvScaled ? 32u / kElems : 4u;
+constexpr u32 kStepMin = kStepLoads < kStepScores ? kStepLoads : kStepScores;
+constexpr u32 kStepRaw = kStepMin < kStepDecoded ? kStepMin : kStepDecoded;
 constexpr u32 kU = kStepRaw < 1u ? 1u : (kStepRaw > 4u ? 4u : kStepRaw);
 constexpr u32 kStep = kWarps * kRows * kU;            // tokens per block step
 constexpr u32 kNoPage = CP_NO_PAGE;                   // a token not loaded (past the split, bad page id)
@@ -108,24 +122,51 @@ static_assert(kRowChunks * kVec == kCap && kLanes * kChunks == kRowChunks, "row 
 static_assert(32 % kLanes == 0, "lanes per row divide a warp");
 static_assert(kHeads >= 1 && kHeads <= 8, "GROUP_TILE in 1..8");
 static_assert(kStep <= kSplitTile * 8, "block step");
-// A lane's slice of q lines up with its slice of the K row: one chunk width
-// for both. (A narrower kv_t, such as an fp8 cache, needs q chunks of kVec
-// elements here, two 16-byte loads for a 16-bit q.)
-static_assert(sizeof(kv_t) == sizeof(scalar_t), "q and K/V elements of one size");
+// A lane's slice of q lines up with its slice of the K row: one chunk of
+// kVec elements for both, so a q (and out) chunk is kQParts 16-byte parts
+// (two for 16-bit q over an fp8 cache).
+static_assert(sizeof(kv_t) == sizeof(scalar_t) || (kKvScaled && sizeof(scalar_t) == 2),
+              "q and K/V elements of one size, or 16-bit q over an fp8 cache");
+constexpr u32 kQParts = VEC_LOADS ? kVec * (u32)sizeof(scalar_t) / 16u : 1u;
 
-// A chunk of kVec elements: 16 bytes, or one element with element loads.
+// A chunk of kVec elements: 16 bytes of kv_t (kQParts x 16 bytes of
+// scalar_t), or one element with element loads.
 #if VEC_LOADS
-typedef uint4 q_chunk_t;
+struct q_chunk_t {
+    uint4 part[kQParts];
+};
 typedef uint4 kv_chunk_t;
 #else
 typedef scalar_t q_chunk_t;
 typedef kv_t kv_chunk_t;
 #endif
 
+// A q chunk at p (16-byte aligned with VEC_LOADS), and an out chunk to p.
+__device__ __forceinline__ q_chunk_t load_q(const scalar_t* p) {
+#if VEC_LOADS
+    q_chunk_t c;
+#pragma unroll
+    for (u32 i = 0; i < kQParts; ++i) c.part[i] = ldv(reinterpret_cast<const uint4*>(p) + i);
+    return c;
+#else
+    return ldv(p);
+#endif
+}
+__device__ __forceinline__ void store_out(scalar_t* p, const q_chunk_t& c) {
+#if VEC_LOADS
+#pragma unroll
+    for (u32 i = 0; i < kQParts; ++i) stv(reinterpret_cast<uint4*>(p) + i, c.part[i]);
+#else
+    stv(p, c);
+#endif
+}
+
 template <typename C> __device__ __forceinline__ C zero_chunk() {
 #if VEC_LOADS
-    uint4 z;
-    z.x = z.y = z.z = z.w = 0u;
+    C z;
+    uint4* w = reinterpret_cast<uint4*>(&z);
+#pragma unroll
+    for (u32 i = 0; i < (u32)(sizeof(C) / 16); ++i) w[i].x = w[i].y = w[i].z = w[i].w = 0u;
     return z;
 #else
     return from_float<C>(0.0f);
@@ -139,6 +180,18 @@ __device__ __forceinline__ void unpack_q(const q_chunk_t& c, float* f) {
     for (u32 i = 0; i < kVec; ++i) f[i] = to_float(e[i]);
 }
 __device__ __forceinline__ void unpack_kv(const kv_chunk_t& c, float* f) {
+#if VEC_LOADS
+    if constexpr (kKvScaled) {   // fp8 codes, two at a time (exact; fp8.cuh)
+        const u32* w = reinterpret_cast<const u32*>(&c);
+#pragma unroll
+        for (u32 i = 0; i < kVec / 2; ++i) {
+            const float2 t = fp8::x2_to_float2<kv_t>(w[i / 2] >> (16u * (i & 1u)));
+            f[2 * i] = t.x;
+            f[2 * i + 1] = t.y;
+        }
+        return;
+    }
+#endif
     const kv_t* e = reinterpret_cast<const kv_t*>(&c);
 #pragma unroll
     for (u32 i = 0; i < kVec; ++i) f[i] = kv_to_float(e[i]);
@@ -211,6 +264,16 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
 
     // ---- this lane's slice of q for each head, pre-scaled into the log2 domain ----
     const float qscale = p.scale * softmax::kLog2e;
+    // fp8: this KV head's dequantization scales (null pointers: 1). K's
+    // folds into q, V's into the output; with ROT_CAP the latent (k_scale)
+    // is K and V, and k_rot's scale (v_scale) folds into q_rot.
+    float k_sc = 1.0f, v_sc = 1.0f;
+    if constexpr (kKvScaled) {
+        if (p.k_scale) k_sc = p.k_scale[kvh * p.k_scale_stride];
+        if (p.v_scale) v_sc = p.v_scale[kvh * p.v_scale_stride];
+    }
+    float qs = qscale;
+    if constexpr (kKvScaled) qs *= k_sc;
     float qf[kHeads][kElems];
 #pragma unroll
     for (u32 g = 0; g < kHeads; ++g) {
@@ -219,16 +282,18 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
         for (u32 c = 0; c < kChunks; ++c) {
             const u32 e = (x + c * kLanes) * kVec;
             q_chunk_t ch = zero_chunk<q_chunk_t>();
-            if (g < heads && (HEAD_DIM || e < D)) ch = ldv(reinterpret_cast<const q_chunk_t*>(qrow + e));
+            if (g < heads && (HEAD_DIM || e < D)) ch = load_q(qrow + e);
             unpack_q(ch, &qf[g][c * kVec]);
 #pragma unroll
-            for (u32 i = 0; i < kVec; ++i) qf[g][c * kVec + i] *= qscale;
+            for (u32 i = 0; i < kVec; ++i) qf[g][c * kVec + i] *= qs;
         }
     }
 #if ROT_CAP
     const scalar_t* __restrict__ const q_rot = p.q_rot;
     const kv_t* __restrict__ const k_rot = p.k_rot;
     const u32 rot_dim = p.rot_dim;
+    float qrs = qscale;
+    if constexpr (kKvScaled) qrs *= v_sc;
     float qr[kHeads][kRotElems];
 #pragma unroll
     for (u32 g = 0; g < kHeads; ++g)
@@ -236,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
         for (u32 i = 0; i < kRotElems; ++i) {
             const u32 e = x + i * kLanes;
             qr[g][i] = (g < heads && e < rot_dim)
-                           ? to_float(q_rot[((u64)qi * p.q_heads + head0 + g) * rot_dim + e]) * qscale
+                           ? to_float(q_rot[((u64)qi * p.q_heads + head0 + g) * rot_dim + e]) * qrs
                            : 0.0f;
         }
 #endif
@@ -260,9 +325,13 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
         for (u32 i = 0; i < kElems; ++i) acc[g][i] = 0.0f;
     }
 
-    const u32 num_pages = p.num_pages, page_size = p.page_size, kv_heads = p.kv_heads;
-    const u32 k_page = page_size * kv_heads * D;        // elements per page (fits u32: checked on the host)
-    const u32 v_page = page_size * kv_heads * Dv;
+    const u32 num_pages = p.num_pages, page_size = p.page_size;
+    // Row addressing: base + page * stride_page + slot * stride_slot (a
+    // page's offsets fit u32: checked on the host).
+    const kv_t* __restrict__ const k_base = k_cache + (u64)kvh * p.k_stride_head;
+    const kv_t* __restrict__ const v_base = v_cache + (u64)kvh * p.v_stride_head;
+    const u64 k_page = p.k_stride_page, v_page = p.v_stride_page;
+    const u32 k_slot = p.k_stride_slot, v_slot = p.v_stride_slot;
     const u32 my_row = warp * (kRows * kU) + row;
     // Page id and slot of this lane's rows of the step at `base`; a token past
     // the split's end or on a page id >= num_pages gets page kNoPage.
@@ -294,7 +363,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
         for (u32 u = 0; u < kU; ++u) {
             const u32 page = pg[u], slot = sl[u];
             ok[u] = page != kNoPage;
-            const kv_t* krow = k_cache + (u64)page * k_page + (slot * kv_heads + kvh) * D;
+            const kv_t* krow = k_base + (u64)page * k_page + slot * k_slot;
 #pragma unroll
             for (u32 c = 0; c < kChunks; ++c) {
                 const u32 e = (x + c * kLanes) * kVec;
@@ -302,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
                                                            : zero_chunk<kv_chunk_t>();
             }
 #if !ROT_CAP
-            const kv_t* vrow = v_cache + (u64)page * v_page + (slot * kv_heads + kvh) * Dv;
+            const kv_t* vrow = v_base + (u64)page * v_page + slot * v_slot;
 #pragma unroll
             for (u32 c = 0; c < kChunks; ++c) {
                 const u32 e = (x + c * kLanes) * kVec;
@@ -310,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
                                                             : zero_chunk<kv_chunk_t>();
             }
 #else
-            const kv_t* rrow = k_rot + (u64)page * (page_size * rot_dim) + slot * rot_dim;
+            const kv_t* rrow = k_rot + (u64)page * p.rot_stride_page + slot * p.rot_stride_slot;
 #pragma unroll
             for (u32 i = 0; i < kRotElems; ++i) {
                 const u32 e = x + i * kLanes;
@@ -451,6 +520,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
                 inv = all.inv_sum() * a;
             }
         }
+        if constexpr (kKvScaled) inv *= ROT_CAP ? k_sc : v_sc;   // V's scale (the latent's with ROT_CAP)
         float o[kVec];
 #pragma unroll
         for (u32 i = 0; i < kVec; ++i) {
@@ -469,7 +539,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
             if (chunk == 0) part_lse[row_out] = lse_v;
         } else {
             const u64 row_out = (u64)qi * p.q_heads + h;
-            stv(reinterpret_cast<q_chunk_t*>(out + row_out * Dv + e0), pack(o));
+            store_out(out + row_out * Dv + e0, pack(o));
             if (chunk == 0 && p.write_lse) lse[row_out] = lse_v;
         }
     }

@@ -22,7 +22,7 @@ from cupaged.ops import layers  # noqa: E402
 from cupaged.ops.advance import SlotBuffers, advance_plan, advance_slots  # noqa: E402
 from cupaged.ops.append import copy_pages as launch_copy_pages  # noqa: E402
 from cupaged.ops.append import launch_write_slots  # noqa: E402
-from cupaged.testing import make_mla_case, make_paged_case  # noqa: E402
+from cupaged.testing import make_mla_case, make_paged_case, reference  # noqa: E402
 
 rng = np.random.default_rng(0)
 
@@ -81,6 +81,67 @@ def mla(dtype, heads, q_lens, features=None):
         garble(plan)
         plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, False, workspace=ws, return_lse=True,
                  **kw)
+
+
+def _fp8(a, fmt):
+    return reference.quantize_fp8(a, fmt) if fmt else a
+
+
+def _view(c, view):
+    """An exactly sized buffer holding cache ``c`` in layout ``view``: "hnd" (a
+    [pages, Hkv, page_size, D] array, transposed), "misaligned" (one element
+    past the buffer's start: element loads), else c itself."""
+    if view == "hnd":
+        return np.ascontiguousarray(c.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    if view == "misaligned":
+        buf = np.empty(c.size + 1, c.dtype)
+        out = buf[1:].reshape(c.shape)
+        out[...] = c
+        return out
+    return c
+
+
+def storage(fmt, view, dtype, d, q_lens, heads, kv_heads, splits, features=None):
+    """Attention over an fp8 (``fmt``: e4m3 / e5m2, per-head scales) and / or
+    strided cache (``view``: hnd, combined, misaligned), garbled metadata."""
+    q_lens = np.array(q_lens)
+    case = make_paged_case(rng, kv_lens=(q_lens + 9).astype(np.int32), q_lens=q_lens, page_size=4,
+                           num_q_heads=heads, num_kv_heads=kv_heads, head_dim=d, dtype=dtype)
+    k, v = _fp8(case.k_cache, fmt), _fp8(case.v_cache, fmt)
+    if view == "combined":
+        kv = np.stack([k, v], axis=1)
+        k, v = kv[:, 0], kv[:, 1]
+    else:
+        k, v = _view(k, view), _view(v, view)
+    kw = dict(features or {})
+    if fmt:
+        kw.update(k_scale=rng.random(kv_heads).astype(np.float32), v_scale=rng.random(1).astype(np.float32))
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 4, case.num_pages).upload(case.q)
+    ws = cupaged.SplitWorkspace(plan.queries, heads, d, splits, case.q) if splits > 1 else None
+    out = np.empty((plan.queries, heads, d), case.q.dtype)
+    plan.attention(case.q, k, v, case.scale, True, out=out, return_lse=True, workspace=ws, **kw)
+    for causal in (True, False):
+        garble(plan)
+        plan.attention(case.q, k, v, case.scale, causal, out=out, return_lse=True, workspace=ws, **kw)
+
+
+def mla_storage(fmt, rope):
+    """MLA on column views of one [pages, page_size, 1, 576] cache (fp8 or
+    bf16), or without a rotary part (P = 0), garbled metadata."""
+    case = make_mla_case(rng, kv_lens=np.array([40, 9], np.int32), q_lens=np.array([1, 3]), page_size=16,
+                         num_heads=16, latent_dim=512, pos_dim=64, dtype="bf16")
+    c = np.concatenate([_fp8(case.latent, fmt), _fp8(case.k_pos, fmt)], axis=-1)
+    latent, k_pos = c[..., :512], (c[..., 512:] if rope else None)
+    q_pos = case.q_pos if rope else None
+    kw = {}
+    if fmt:
+        kw = dict(k_scale=np.float32([0.5]), v_scale=np.float32([2.0])) if rope else dict(k_scale=np.float32([0.5]))
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
+    for splits in (1, 3):
+        ws = cupaged.SplitWorkspace(plan.queries, 16, 512, splits, case.q) if splits > 1 else None
+        plan.mla(case.q, q_pos, latent, k_pos, case.scale, True, workspace=ws, return_lse=True, **kw)
+        garble(plan)
+        plan.mla(case.q, q_pos, latent, k_pos, case.scale, False, workspace=ws, return_lse=True, **kw)
 
 
 def mla_on(arch, *args):
@@ -158,6 +219,15 @@ for name, fn in [
      lambda: (mla("bf16", 16, [1, 3], score_features(16)), mla_on("sm_80", "f16", 16, [2, 3], score_features(16)))),
     ("queries outnumbering keys (non-causal), a sequence without keys, f16 d64 tensor-core prefill",
      lambda: attention("f16", 64, [20, 3, 18], 4, 2, 3, score_features(4), kv_lens=[5, 0, 30])),
+    # Cache storage: fp8 caches (per-head scales) and strided views, on the kernels that read them.
+    ("fp8 e4m3: attention f16 d64 decode, splits 3", lambda: storage("e4m3", "nhd", "f16", 64, [1, 1, 1], 8, 2, 3)),
+    ("fp8 e5m2 HND view: attention bf16 d128 prefill, score variants, splits 2",
+     lambda: storage("e5m2", "hnd", "bf16", 128, [5, 1, 18], 4, 2, 2, score_features(4))),
+    ("combined KV tensor: attention f16 d64 prefill, splits 3",
+     lambda: storage(None, "combined", "f16", 64, [16, 1, 7], 4, 1, 3)),
+    ("misaligned fp8 e4m3 view (element loads): attention f16 d64, splits 2",
+     lambda: storage("e4m3", "misaligned", "f16", 64, [3, 1, 2], 4, 2, 2)),
+    ("mla on a 576-wide fp8 cache view, and P = 0", lambda: (mla_storage("e4m3", True), mla_storage(None, False))),
     ("append + copy_pages + advance_plan", append_and_pages),
     ("layered copy_pages + write_slots + advance_slots", engine_kernels),
     ("argmax + layers", small_ops),

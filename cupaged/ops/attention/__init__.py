@@ -25,6 +25,12 @@ paths). Each warp owns a slice of the tokens of every block step and loads
 several K and V rows before using them (16-byte loads where the dims and
 addresses allow), keeping an online softmax per row group in FP32.
 
+Caches are any views whose innermost dim is contiguous (strides in
+``AttentionParams``), in q's dtype or fp8 (e4m3 / e5m2 under f16 / bf16 q,
+with ``k_scale`` / ``v_scale`` folded into the score scale and the output):
+docs/layout.md, "Cache views and fp8 caches". ``launch.launches_for`` says
+which kernels a call runs.
+
 Memory traffic per (query, KV head, tile): read the visible K and V rows,
 ``L * (D + Dv) * itemsize`` bytes; write ``G * Dv`` outputs. With a
 workspace of ``S > 1`` splits the partials add ``S * G * (Dv + 1) * 4``
@@ -93,32 +99,37 @@ __all__ = ["attention", "mla", "AttentionOptions", "SplitWorkspace", "choose_spl
 
 
 def attention(plan, q, k_cache, v_cache, scale, causal=True, *, workspace=None, out=None, lse=None,
-              return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None):
+              return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None, kv_dtype=None,
+              k_scale=None, v_scale=None):
     """``DevicePlan.attention`` (its docstring has the shapes): check, then launch."""
-    checks.attention_inputs(plan, q, k_cache, v_cache)
+    read = checks.attention_inputs(plan, q, k_cache, v_cache, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
     opts = AttentionOptions.checked(scale, causal, soft_cap=soft_cap, window=window, sinks=sinks,
                                     alibi_slopes=alibi_slopes, plan=plan, heads=int(q.shape[1]))
     opts.check_plan(plan, "attention")
     want_lse = return_lse or lse is not None
     o = checks.outputs(plan, q, out, lse, want_lse, int(q.shape[1]), int(v_cache.shape[3]), workspace,
-                       dict(q=q, k_cache=k_cache, v_cache=v_cache, **_score_arrays(opts)))
-    launch_attention(plan.stream, plan, q, k_cache, v_cache, o.out, opts, lse=o.lse, workspace=o.workspace)
+                       dict(q=q, k_cache=k_cache, v_cache=v_cache, **_score_arrays(opts), **read.arrays()))
+    launch_attention(plan.stream, plan, q, k_cache, v_cache, o.out, opts, lse=o.lse, workspace=o.workspace,
+                     read=read)
     return (o.out, o.lse) if want_lse else o.out
 
 
 def mla(plan, q, q_pos, latent, k_pos, scale, causal=True, *, workspace=None, out=None, lse=None,
-        return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None):
-    """``DevicePlan.mla`` (its docstring has the shapes): check, then launch."""
-    checks.mla_inputs(plan, q, q_pos, latent, k_pos)
+        return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None, kv_dtype=None,
+        k_scale=None, v_scale=None):
+    """``DevicePlan.mla`` (its docstring has the shapes): check, then launch.
+    q_pos and k_pos None: MLA without a rotary part (P = 0)."""
+    read = checks.mla_inputs(plan, q, q_pos, latent, k_pos, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
     opts = AttentionOptions.checked(scale, causal, soft_cap=soft_cap, window=window, sinks=sinks,
                                     alibi_slopes=alibi_slopes, plan=plan, heads=int(q.shape[1]))
     opts.check_plan(plan, "mla")
     want_lse = return_lse or lse is not None
     h, r = int(q.shape[1]), int(q.shape[2])
     o = checks.outputs(plan, q, out, lse, want_lse, h, r, workspace, dict(q=q, q_pos=q_pos, latent=latent,
-                                                                           k_pos=k_pos, **_score_arrays(opts)))
+                                                                           k_pos=k_pos, **_score_arrays(opts),
+                                                                           **read.arrays()))
     launch_attention(plan.stream, plan, q, latent, latent, o.out, opts, q_rot=q_pos,
-                     k_rot=k_pos, lse=o.lse, workspace=o.workspace)
+                     k_rot=k_pos, lse=o.lse, workspace=o.workspace, read=read)
     return (o.out, o.lse) if want_lse else o.out
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..._runtime import array_backend, check_not_capturing, checks, empty
+from ... import dtypes
 from ...errors import PagedAttentionError
 from ...layout import MAX_HEAD_DIM, MAX_ROPE_DIM, MAX_SPLITS, U32_MAX
 from .splits import SplitWorkspace
@@ -173,14 +174,93 @@ def outputs(plan, q, out, lse, return_lse: bool, heads: int, value_dim: int, ws,
     return Outputs(out, lse, ws)
 
 
-def attention_inputs(plan, q, k_cache, v_cache) -> None:
+@dataclass(frozen=True)
+class CacheRead:
+    """How a checked call reads its caches: their format (``fmt``, a
+    ``dtypes`` row: q's dtype, or fp8), the dequantization scales (float32
+    [] / [1] / [Hkv], None: 1) and their strides in the kernels' indexing
+    (0: one value, 1: per KV head). For MLA, ``k_scale`` is the latent's and
+    ``v_scale`` k_pos's (as ``append`` writes them)."""
+
+    fmt: dtypes.DType
+    k_scale: object = None
+    v_scale: object = None
+    k_scale_stride: int = 0
+    v_scale_stride: int = 0
+
+    @property
+    def kv_dtype(self) -> str:
+        """The caches' format token (CP_KV_DTYPE)."""
+        return self.fmt.token
+
+    def arrays(self) -> dict:
+        """The scales given, by name: inputs the outputs must not overlap."""
+        return {k: a for k, a in (("k_scale", self.k_scale), ("v_scale", self.v_scale)) if a is not None}
+
+
+def cache_arg(plan, name: str, cache, kv_dtype=None) -> dtypes.DType:
+    """``cache`` is a [plan.pages, plan.page_size, heads, D] K/V cache: any
+    view whose innermost dim is contiguous (``checks.cache_view``: HND, one
+    half of a combined KV tensor, columns of an MLA cache), in a K/V format
+    (fp8 as ml_dtypes arrays, or uint8 with ``kv_dtype``). Returns its
+    format."""
+    if getattr(cache, "ndim", 4) == 5:
+        raise PagedAttentionError(
+            f"{name}: expected a 4-D array [pages, page_size, heads, D], got shape {checks.shape_str(cache.shape)} "
+            f"(5-D: a PagedKVCache's layer-major cache; pass one layer, cache.k[layer])")
+    fmt, _ = checks.cache_view(name, cache, kv_dtype=kv_dtype)
+    exp = (plan.host.pages, plan.host.page_size)
+    if tuple(int(x) for x in cache.shape[:2]) != exp:
+        raise PagedAttentionError(
+            f"{name}: expected shape [{exp[0]}, {exp[1]}, ...] (plan.pages, plan.page_size, ...), "
+            f"got {checks.shape_str(cache.shape)}")
+    return fmt
+
+
+def cache_read(plan, q, caches: dict, kv_dtype, k_scale, v_scale, kv_heads: int, *, v_name: str = "v_cache",
+               q_extra: dict | None = None) -> CacheRead:
+    """The caches' format and scales, checked against q: ``caches`` (name ->
+    array, the K cache first) share one format; an unscaled cache has q's
+    dtype (as do the arrays of ``q_extra``), an fp8 cache takes float16 or
+    bfloat16 queries; ``k_scale`` / ``v_scale`` (``checks.kv_scale``) only
+    with an fp8 cache, ``v_scale`` only when the ``v_name`` cache is given."""
+    (k_name, k_cache), *rest = caches.items()
+    fmt = cache_arg(plan, k_name, k_cache, kv_dtype)
+    for name, c in rest:
+        if c is not None:
+            cache_arg(plan, name, c, kv_dtype)
+    q_extra = {k: a for k, a in (q_extra or {}).items() if a is not None}
+    if fmt.scaled:
+        checks.same_dtype(k_name, k_cache, **{n: c for n, c in rest if c is not None})
+        if str(q.dtype) not in (dtypes.np_dtype(t).name for t in dtypes.TC_TOKENS if dtypes.lookup(t).query):
+            raise PagedAttentionError(f"q: expected dtype float16 or bfloat16 with an fp8 ({fmt.token}) cache, got "
+                                      f"{dtypes.dtype_name(q.dtype)}")
+        checks.same_dtype("q", q, **q_extra)
+    else:
+        checks.same_dtype("q", q, **q_extra, **{n: c for n, c in caches.items() if c is not None})
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is not None and not fmt.scaled:
+            raise PagedAttentionError(f"{name}: expected None for a {fmt.name} cache (scales belong to fp8 caches: "
+                                      f"kv_dtype e4m3 / e5m2)")
+    if v_scale is not None and caches.get(v_name) is None:
+        raise PagedAttentionError(f"v_scale: expected None without {v_name} (it scales {v_name})")
+    ks = checks.kv_scale("k_scale", k_scale, kv_heads, k_cache) if k_scale is not None else 0
+    vs = checks.kv_scale("v_scale", v_scale, kv_heads, k_cache) if v_scale is not None else 0
+    if k_scale is not None or v_scale is not None:
+        checks.plan_arrays(plan, **{n: a for n, a in (("k_scale", k_scale), ("v_scale", v_scale)) if a is not None})
+    return CacheRead(fmt, k_scale, v_scale, ks, vs)
+
+
+def attention_inputs(plan, q, k_cache, v_cache, *, kv_dtype=None, k_scale=None, v_scale=None) -> CacheRead:
     """q [queries, Hq, D]; k_cache [pages, page_size, Hkv, D]; v_cache
-    [pages, page_size, Hkv, Dv]: one dtype, Hq a multiple of Hkv."""
+    [pages, page_size, Hkv, Dv] (views whose innermost dim is contiguous,
+    possibly of one combined tensor): q's dtype, or fp8 (``kv_dtype``,
+    ``k_scale`` / ``v_scale``) under float16 / bfloat16 queries; Hq a
+    multiple of Hkv."""
     checks.plan_arrays(plan, q=q, k_cache=k_cache, v_cache=v_cache)
     checks.float_array("q", q, 3)
-    checks.plan_cache(plan, "k_cache", k_cache)
-    checks.plan_cache(plan, "v_cache", v_cache)
-    checks.same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
+    read = cache_read(plan, q, dict(k_cache=k_cache, v_cache=v_cache), kv_dtype, k_scale, v_scale,
+                      int(k_cache.shape[2]) if getattr(k_cache, "ndim", 0) == 4 else 0)
     hq, d = int(q.shape[1]), int(q.shape[2])
     hkv, dv = int(k_cache.shape[2]), int(v_cache.shape[3])
     queries(plan, q)
@@ -189,32 +269,43 @@ def attention_inputs(plan, q, k_cache, v_cache) -> None:
         raise PagedAttentionError(f"k_cache: expected head dim D={d} like q, got shape "
                                   f"{checks.shape_str(k_cache.shape)}")
     head_dims(hq, hkv, d, dv)
+    return read
 
 
-def mla_inputs(plan, q, q_pos, latent, k_pos) -> None:
+def mla_inputs(plan, q, q_pos, latent, k_pos, *, kv_dtype=None, k_scale=None, v_scale=None) -> CacheRead:
     """q [queries, H, R]; q_pos [queries, H, P]; latent [pages, page_size, 1,
-    R]; k_pos [pages, page_size, 1, P]: one dtype, 1 <= P <= MAX_ROPE_DIM."""
+    R]; k_pos [pages, page_size, 1, P] (views whose innermost dim is
+    contiguous, e.g. the two column ranges of one [pages, page_size, 1, R +
+    P] cache): one dtype, or fp8 caches (``k_scale``: the latent's,
+    ``v_scale``: k_pos's) under float16 / bfloat16 queries;
+    1 <= P <= MAX_ROPE_DIM. Without a rotary part (P = 0) q_pos and k_pos
+    are both None."""
+    if (q_pos is None) != (k_pos is None):
+        raise PagedAttentionError("q_pos, k_pos: expected both or neither (neither: MLA without a rotary part, "
+                                  "P = 0)")
     checks.plan_arrays(plan, q=q, q_pos=q_pos, latent=latent, k_pos=k_pos)
     checks.float_array("q", q, 3)
-    checks.float_array("q_pos", q_pos, 3)
-    checks.plan_cache(plan, "latent", latent)
-    checks.plan_cache(plan, "k_pos", k_pos)
-    checks.same_dtype("q", q, q_pos=q_pos, latent=latent, k_pos=k_pos)
+    if q_pos is not None:
+        checks.float_array("q_pos", q_pos, 3)
+    read = cache_read(plan, q, dict(latent=latent, k_pos=k_pos), kv_dtype, k_scale, v_scale, 1, v_name="k_pos",
+                      q_extra=dict(q_pos=q_pos))
     n, h, r = (int(x) for x in q.shape)
     queries(plan, q)
     for name, cache in (("latent", latent), ("k_pos", k_pos)):
-        if int(cache.shape[2]) != 1:
+        if cache is not None and int(cache.shape[2]) != 1:
             raise PagedAttentionError(f"{name}: expected one shared head (dim 2 == 1), got shape "
                                       f"{checks.shape_str(cache.shape)}")
-    if tuple(q_pos.shape[:2]) != (n, h):
-        raise PagedAttentionError(f"q_pos: expected shape [{n}, {h}, P] like q, got "
-                                  f"{checks.shape_str(q_pos.shape)}")
-    p = int(q_pos.shape[2])
-    if not 1 <= p <= MAX_ROPE_DIM:
-        raise PagedAttentionError(f"q_pos: expected a rotary dim P in 1..{MAX_ROPE_DIM}, got {p}")
-    if int(k_pos.shape[3]) != p:
-        raise PagedAttentionError(f"k_pos: expected rotary dim P={p} like q_pos, got shape "
-                                  f"{checks.shape_str(k_pos.shape)}")
+    if q_pos is not None:
+        if tuple(q_pos.shape[:2]) != (n, h):
+            raise PagedAttentionError(f"q_pos: expected shape [{n}, {h}, P] like q, got "
+                                      f"{checks.shape_str(q_pos.shape)}")
+        p = int(q_pos.shape[2])
+        if not 1 <= p <= MAX_ROPE_DIM:
+            raise PagedAttentionError(f"q_pos: expected a rotary dim P in 1..{MAX_ROPE_DIM}, got {p}")
+        if int(k_pos.shape[3]) != p:
+            raise PagedAttentionError(f"k_pos: expected rotary dim P={p} like q_pos, got shape "
+                                      f"{checks.shape_str(k_pos.shape)}")
     if int(latent.shape[3]) != r:
         raise PagedAttentionError(f"latent: expected R={r} like q, got shape {checks.shape_str(latent.shape)}")
     head_dims(h, 1, r, r)
+    return read

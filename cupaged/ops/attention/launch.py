@@ -13,7 +13,8 @@ from ... import dtypes
 from ..._runtime import address, device_arch, get_kernel
 from ...errors import PagedAttentionError
 from . import params
-from .checks import AttentionOptions
+from ..._runtime import checks
+from .checks import AttentionOptions, CacheRead
 from .schedule import plan_launches
 from .variants import MERGE_HEADS_PER_BLOCK, ROT_CAPS, THREADS, VECTOR_BYTES
 
@@ -22,8 +23,9 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 def elem_strides(a) -> tuple[int, ...]:
-    """``a``'s strides in elements."""
-    return tuple(int(s) // int(a.itemsize) for s in a.strides)
+    """``a``'s strides in elements (0 for a dim of size 1, whose index is
+    always 0: NumPy may give such a dim any stride)."""
+    return tuple(int(s) // int(a.itemsize) if int(n) > 1 else 0 for n, s in zip(a.shape, a.strides))
 
 
 def cache_strides(name: str, cache) -> dict:
@@ -33,8 +35,45 @@ def cache_strides(name: str, cache) -> dict:
     return {f"{name}_stride_page": page, f"{name}_stride_slot": slot, f"{name}_stride_head": head}
 
 
+def contiguous(a) -> bool:
+    """``a`` is laid out C-contiguously (dims of size 1 ignored)."""
+    step = int(a.itemsize)
+    for n, s in reversed(list(zip(a.shape, a.strides))):
+        if int(n) > 1 and int(s) != step:
+            return False
+        step *= int(n)
+    return True
+
+
+def same_view(a, b) -> bool:
+    """``a`` and ``b`` are one view (address, shape and strides)."""
+    return (address(a) == address(b) and tuple(a.shape) == tuple(b.shape) and tuple(a.strides) == tuple(b.strides)
+            and a.itemsize == b.itemsize)
+
+
+def launches_for(plan, q, k_cache, v_cache, out, opts: AttentionOptions, *, q_rot=None, k_rot=None,
+                 read: CacheRead | None = None):
+    """The launches (``schedule.Launch``, one per segment) that
+    ``launch_attention`` issues for these arrays: the variant is chosen from
+    dtypes, dims, alignment (every base address and every stride of a dim
+    longer than 1 a multiple of 16 bytes: 16-byte loads / cp.async), whether
+    a cache view is strided (not C-contiguous: STRIDED_KERNELS only) and
+    whether V is the K cache (MLA), for the device's arch."""
+    hq, d = int(q.shape[1]), int(q.shape[2])
+    hkv, dv = int(k_cache.shape[2]), int(v_cache.shape[3])
+    rot_dim = 0 if q_rot is None else int(q_rot.shape[2])
+    dtype = dtypes.token(q.dtype)
+    kv_dtype = read.kv_dtype if read is not None else dtypes.token(k_cache.dtype)
+    aligned = all(checks.aligned(a, VECTOR_BYTES) for a in (q, k_cache, v_cache, out))
+    aligned_tc = aligned and (not rot_dim or all(checks.aligned(a, VECTOR_BYTES) for a in (q_rot, k_rot)))
+    strided = not all(contiguous(a) for a in (k_cache, v_cache, k_rot) if a is not None)
+    return plan_launches(plan.host, dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, opts.score,
+                         arch=device_arch(q), features=opts.features, kv_dtype=kv_dtype, strided=strided,
+                         latent=same_view(k_cache, v_cache))
+
+
 def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOptions, *,
-                     q_rot=None, k_rot=None, lse=None, workspace=None) -> None:
+                     q_rot=None, k_rot=None, lse=None, workspace=None, read: CacheRead | None = None) -> None:
     """Launch paged attention for ``plan`` (arguments already validated;
     ``opts``: scale, causal, score variant and its features (soft cap,
     window, sinks, ALiBi slopes), ``AttentionOptions.checked``).
@@ -50,6 +89,13 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
     rotary parts (both or neither); score = scale * (q.k + q_rot.k_rot).
     With them the caches must be one array (the latent cache, Hkv = 1,
     v_cache is k_cache) and P <= 256.
+
+    ``read``: the caches' format and dequantization scales
+    (``checks.CacheRead``; None: the caches have q's dtype, no scales).
+    Caches may be any views whose innermost dim is contiguous: their
+    strides travel in AttentionParams. For MLA (v_cache is k_cache)
+    ``read.k_scale`` scales the latent (K and V) and ``read.v_scale``
+    k_rot.
 
     Every attention launch takes one ``AttentionParams`` struct
     (``params.py``); only its query range differs between the launches of a
@@ -70,11 +116,8 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
                                       "being the same array as k_cache (the MLA latent cache)")
     if queries == 0:
         return
-    dtype = dtypes.token(q.dtype)
-    aligned = all(address(a) % VECTOR_BYTES == 0 for a in (q, k_cache, v_cache, out))
-    aligned_tc = aligned and (not rot_dim or all(address(a) % VECTOR_BYTES == 0 for a in (q_rot, k_rot)))
-    launches = plan_launches(host, dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, opts.score,
-                             arch=device_arch(q), features=opts.features)
+    latent = same_view(k_cache, v_cache)
+    launches = launches_for(plan, q, k_cache, v_cache, out, opts, q_rot=q_rot, k_rot=k_rot, read=read)
     splits = 1 if workspace is None else int(workspace.splits)
     split = splits > 1
     # Every grid of the step (attention launches and the merge) is checked
@@ -94,8 +137,15 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
     if split and -(-hq // MERGE_HEADS_PER_BLOCK) > 65535:
         raise PagedAttentionError(f"q: expected at most {65535 * MERGE_HEADS_PER_BLOCK} query heads for the "
                                   f"split merge, got {hq}")
-    refs = [a for a in (q, k_cache, v_cache, q_rot, k_rot, plan.words, out, lse, opts.sinks, opts.alibi_slopes)
-            if a is not None]
+    k_scale = v_scale = None
+    k_scale_stride = v_scale_stride = 0
+    if read is not None:
+        k_scale, k_scale_stride = read.k_scale, read.k_scale_stride
+        v_scale, v_scale_stride = read.v_scale, read.v_scale_stride
+        if latent and not rot_dim:   # MLA without a rotary part: V is the latent, scaled as K
+            v_scale, v_scale_stride = k_scale, k_scale_stride
+    refs = [a for a in (q, k_cache, v_cache, q_rot, k_rot, plan.words, out, lse, opts.sinks, opts.alibi_slopes,
+                        k_scale, v_scale) if a is not None]
     if split:
         refs += [workspace.partial_out, workspace.partial_lse]
     # Pointers a launch never reads are 0 (no rotary part, no lse, no split).
@@ -118,7 +168,8 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
         **cache_strides("k", k_cache), **cache_strides("v", v_cache),
         rot_stride_page=0 if k_rot is None else elem_strides(k_rot)[0],
         rot_stride_slot=0 if k_rot is None else elem_strides(k_rot)[1],
-        k_scale=0, v_scale=0, k_scale_stride=0, v_scale_stride=0)
+        k_scale=0 if k_scale is None else address(k_scale), v_scale=0 if v_scale is None else address(v_scale),
+        k_scale_stride=k_scale_stride, v_scale_stride=v_scale_stride)
 
     kernels = [get_kernel(q, launch.source, launch.kernel, launch.defines) for launch in launches]
     # every attention module compiles the merge: the last launch's module serves it

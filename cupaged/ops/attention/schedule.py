@@ -282,7 +282,8 @@ _launches_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
                   aligned_tc: bool, score: str = "plain", arch: str | None = None,
-                  features: tuple[str, ...] = ()) -> tuple[Launch, ...]:
+                  features: tuple[str, ...] = (), *, kv_dtype: str | None = None, strided: bool = False,
+                  latent: bool = False) -> tuple[Launch, ...]:
     """The unsplit launches for these shapes, one per segment
     (``tc_segments``), each with its ``variants.Variant``'s source, kernel,
     defines, block and shared memory; ``score`` and ``features``
@@ -290,10 +291,15 @@ def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim:
     variant and change no choice. ``arch``: the device's
     (``cupaged._runtime.device_arch``; launch_attention passes it): only
     builds that launch there are chosen (``select_tensor_core``); None
-    checks no arch. Host plan data only (static per schedule); cached per
-    plan, shapes and arch, so the hot path is one lookup."""
+    checks no arch. ``kv_dtype``: the caches' format token (q's dtype when
+    None; ``"e4m3"`` / ``"e5m2"``: an fp8 cache); ``strided``: a cache view
+    that is not C-contiguous; ``latent``: V is the K cache (MLA)
+    (``variants.Shape``). Host plan data only (static per schedule); cached
+    per plan, shapes and arch, so the hot path is one lookup."""
     per_plan = _launches_cache.setdefault(host, {})
-    key = (dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, score, arch, tuple(features))
+    kv = dtype if kv_dtype is None else kv_dtype
+    key = (dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, score, arch, tuple(features), kv, bool(strided),
+           bool(latent or rot_dim))
     launches = per_plan.get(key)
     if launches is None:
         launches = per_plan[key] = _launches(host, *key)
@@ -301,12 +307,14 @@ def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim:
 
 
 def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
-              aligned_tc: bool, score: str, arch: str | None, features: tuple[str, ...]) -> tuple[Launch, ...]:
+              aligned_tc: bool, score: str, arch: str | None, features: tuple[str, ...], kv_dtype: str,
+              strided: bool, latent: bool) -> tuple[Launch, ...]:
     """plan_launches without the cache."""
     group = hq // hkv
     segs = tc_segments(host, group)
+    storage = dict(kv_dtype=kv_dtype, strided=strided, latent=latent)
     tc = select_tensor_core(dtype, d, dv, aligned_tc, any(seg[0] for seg in segs), rot_dim, score=score,
-                            arch=arch, features=features)
+                            arch=arch, features=features, **storage)
     if tc is None:
         segs = ((False, 0, host.queries),)
     launches = []
@@ -316,21 +324,24 @@ def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int
             v, rows = tc, tc.rows
             tiles, blocks = -(-group // min(group, rows)), -(-count // tc_queries_per_block(group, rows))
         else:
-            v = select_variant(dtype, d, dv, aligned, group, rot_dim, score=score, features=features)
+            v = select_variant(dtype, d, dv, aligned, group, rot_dim, score=score, features=features, **storage)
             tiles, blocks = -(-group // v.group_tile), count
         launches.append(Launch(v.source, v.kernel, v.defines(), v.threads, v.smem, blocks, tiles, begin, count,
-                               v.resident_blocks, bool(on_tc and rot_dim)))
+                               v.resident_blocks, bool(on_tc and v.latent_dim)))   # MLA: head tiles in x
     return tuple(launches)
 
 
-def unsplit_blocks(host, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, dtype, rot_dim: int = 0) -> int:
+def unsplit_blocks(host, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, dtype, rot_dim: int = 0,
+                   *, kv_dtype=None) -> int:
     """Blocks of the unsplit attention grids for a plan and these shapes
-    (16-byte aligned arrays assumed), summed over the step's segments: what
+    (16-byte aligned arrays assumed; ``kv_dtype``: the caches' format, q's
+    dtype by default), summed over the step's segments: what
     ``choose_splits`` fills the device with. The tensor-core kernels serve
     several queries per block, so this can be far below
     ``queries * kv_heads``."""
     token = dtypes.token(dtype)
     if host.queries == 0:
         return 0
-    launches = plan_launches(host, token, q_heads, kv_heads, head_dim, value_dim, rot_dim, True, True)
+    launches = plan_launches(host, token, q_heads, kv_heads, head_dim, value_dim, rot_dim, True, True,
+                             kv_dtype=None if kv_dtype is None else dtypes.token(kv_dtype))
     return sum(launch.blocks * kv_heads * launch.tiles for launch in launches)

@@ -59,7 +59,8 @@ class SplitWorkspace:
 
 def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None = None,
                   q_heads: int | None = None, head_dim: int | None = None, value_dim: int | None = None,
-                  dtype=None, rot_dim: int = 0, arch: str | None = None, window: int | None = None) -> int:
+                  dtype=None, rot_dim: int = 0, arch: str | None = None, window: int | None = None,
+                  kv_dtype=None) -> int:
     """Split count for a plan (HostPlan or DevicePlan) with ``kv_heads``.
 
     Rule: let ``blocks`` be the unsplit grid's block count and ``slots`` the
@@ -87,6 +88,8 @@ def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None
     ``multiprocessors`` given and no ``arch``, no arch is assumed).
     ``window``: the attention's sliding window (``DevicePlan.attention``'s),
     which caps the positions a query sees, ``max_kv_len`` above included.
+    ``kv_dtype``: the caches' format when it is not ``dtype`` (an fp8
+    cache: ``"e4m3"`` / ``"e5m2"``), which may change the kernels that run.
     """
     host = getattr(plan, "host", plan)   # a DevicePlan's host plan, or a HostPlan
     if multiprocessors is None:
@@ -101,8 +104,9 @@ def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None
         if head_dim is None or dtype is None:
             raise PagedAttentionError("head_dim, dtype: expected both with q_heads")
         dv = int(head_dim if value_dim is None else value_dim)
+        kv = None if kv_dtype is None else dtypes.kv_storage("kv_dtype", dtypes.np_dtype(kv_dtype)).token
         launches = plan_launches(host, dtypes.token(dtype), int(q_heads), int(kv_heads), int(head_dim), dv,
-                                 int(rot_dim), True, True, arch=arch) if host.queries else ()
+                                 int(rot_dim), True, True, arch=arch, kv_dtype=kv) if host.queries else ()
         blocks = sum(launch.blocks * int(kv_heads) * launch.tiles for launch in launches)
         resident = min((launch.min_blocks or 1 for launch in launches), default=1)
     slots = max(1, int(resident)) * int(multiprocessors)

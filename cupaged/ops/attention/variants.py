@@ -10,7 +10,10 @@ and selection picks from that table the cheapest variant that serves a shape
 registered. Score variants (``SCORES``) are a column of their own: every
 built score is built for every shape variant; a score that is not built
 (a test's) still runs, since either backend compiles a variant when a launch
-first asks for it; it is only absent from the gate.
+first asks for it; it is only absent from the gate. The same holds for the
+fp8-cache builds (FP8_PAIRS, kernels of FP8_KERNELS): all are in the table,
+the gate registers the fast ones (FP8_GATE_FEATURES), the rest compile on
+first launch. Cache views that are not C-contiguous go to STRIDED_KERNELS.
 """
 from __future__ import annotations
 
@@ -29,11 +32,26 @@ THREADS = 128
 #: per block of THREADS threads, every split's loads in flight).
 MERGE_HEADS_PER_BLOCK = 1
 
-#: (q / out dtype, K/V cache dtype) pairs the kernels are built for: today
-#: the caches always have q's dtype (a quantized cache is a new pair here, a
-#: row of cupaged/dtypes.py and kv_to_float in kernels_cu/common.cuh).
-DTYPE_PAIRS = tuple((d, d) for d in dtypes.QUERY_TOKENS if d in dtypes.KV_TOKENS)
-DTYPES = tuple(q for q, _ in DTYPE_PAIRS)
+#: (q / out dtype, K/V cache dtype) pairs of an unscaled cache: the caches
+#: have q's dtype.
+SAME_DTYPE_PAIRS = tuple((d, d) for d in dtypes.QUERY_TOKENS if d in dtypes.KV_TOKENS)
+#: (q / out dtype, fp8 cache dtype) pairs: 16-bit queries over an e4m3 / e5m2
+#: cache (the codes decode exactly to the 16-bit type, the scales fold into
+#: the score scale and the output; docs/layout.md, "Cache views and fp8
+#: caches"). Built only for the kernels of FP8_KERNELS.
+FP8_PAIRS = tuple((d, kv) for d in dtypes.QUERY_TOKENS if d in dtypes.TC_TOKENS for kv in dtypes.FP8_TOKENS)
+#: Every (q / out dtype, K/V cache dtype) pair some kernel is built for.
+DTYPE_PAIRS = SAME_DTYPE_PAIRS + FP8_PAIRS
+DTYPES = tuple(q for q, _ in SAME_DTYPE_PAIRS)
+#: Kernels whose fp8-cache builds exist (FP8_PAIRS): only these are built,
+#: registered and selectable for an fp8 cache; any other kernel's fp8 shape
+#: falls back to one of these.
+FP8_KERNELS = frozenset({"paged_attention"})
+#: Kernels that address K / V / k_rot rows through the cache strides of
+#: AttentionParams (any view whose innermost dim is contiguous: HND, halves
+#: of a combined KV tensor, column ranges of an MLA cache). Selection sends
+#: a cache that is not C-contiguous (``Shape.strided``) only to these.
+STRIDED_KERNELS = frozenset({"paged_attention"})
 #: Compile-time head dims (D == Dv) with 16-byte loads.
 FAST_DIMS = (64, 128, 256)
 #: Capacities of the runtime-dim variants (max(D, Dv) <= capacity).
@@ -271,6 +289,8 @@ class Variant:
         score and features: those columns are set after selection)."""
         if (self.dtype, self.kv_dtype) != (s.dtype, s.kv_dtype):
             return False
+        if s.strided and self.kernel not in STRIDED_KERNELS:
+            return False
         if self.kernel == DECODE.name:
             if self.head_dim:     # fast path: compile-time dims, 16-byte loads
                 return not s.rot_dim and s.vec_ok and s.head_dim == s.value_dim == self.head_dim
@@ -284,7 +304,10 @@ class Variant:
             return False
         if self.kernel == PREFILL_TC.name:
             return not s.rot_dim and s.head_dim == s.value_dim == self.head_dim
-        return s.value_dim == s.head_dim == self.latent_dim and s.rot_dim == self.rope_dim
+        # MLA: V is the latent (K) itself; without a rotary part only an MLA
+        # call (``Shape.latent``) says so.
+        return (s.value_dim == s.head_dim == self.latent_dim and s.rot_dim == self.rope_dim
+                and bool(s.rot_dim or s.latent))
 
     def runs_on(self, arch: str | None) -> bool:
         """Whether this build can launch on a device of ``arch`` (None: no
@@ -305,7 +328,10 @@ class Shape(NamedTuple):
     KV head; all H for MLA), 16-byte vector loads possible (``vec_ok``: dims
     a multiple of 16 bytes and the arrays aligned), arrays aligned for the
     tensor-core kernels' cp.async, and whether the step's packing suits them
-    (``schedule.tc_schedule_ok``)."""
+    (``schedule.tc_schedule_ok``). ``strided``: a cache (K, V or k_rot) is
+    a view that is not C-contiguous (served by STRIDED_KERNELS only);
+    ``latent``: V is the K cache itself (an MLA call; with a rotary part
+    always)."""
 
     dtype: str
     kv_dtype: str
@@ -316,6 +342,8 @@ class Shape(NamedTuple):
     vec_ok: bool
     aligned_tc: bool = False
     schedule_ok: bool = False
+    strided: bool = False
+    latent: bool = False
 
 
 def _cost(v: Variant, group: int) -> tuple:
@@ -376,10 +404,11 @@ def _built() -> list[Variant]:
     """Every shape variant built (score "plain"): the table selection picks from."""
     out = []
     for dt, kv in DTYPE_PAIRS:
-        for d in FAST_DIMS:
+        fp8 = kv in dtypes.FP8_TOKENS
+        for d in FAST_DIMS if not fp8 or DECODE.name in FP8_KERNELS else ():
             for t in _built_tiles(max_group_tile(d, _vec(kv, True)), True):
                 out.append(Variant(DECODE.name, dt, kv, head_dim=d, group_tile=t))
-        for cap in DIM_CAPS:
+        for cap in DIM_CAPS if not fp8 or DECODE.name in FP8_KERNELS else ():
             for vec_loads in (0, 1):
                 vec = _vec(kv, bool(vec_loads))
                 for t in _built_tiles(max_group_tile(cap, vec), bool(vec_loads)):
@@ -390,14 +419,17 @@ def _built() -> list[Variant]:
                     out.append(Variant(DECODE.name, dt, kv, dim_cap=cap, vec_loads=vec_loads, rot_cap=rot,
                                        group_tile=max_group_tile(cap, vec, rot)))
         if dt in TC_DTYPES and kv in TC_DTYPES:
-            for d in DECODE_TC_DIMS:
+            def has(k: Kernel) -> bool:   # an fp8 build only for the kernels of FP8_KERNELS
+                return not fp8 or k.name in FP8_KERNELS
+            for d in DECODE_TC_DIMS if has(DECODE_TC) else ():
                 out.append(Variant(DECODE_TC.name, dt, kv, head_dim=d, group_tile=DECODE_TC_HEADS))
-            for d in TC_PREFILL_DIMS:
+            for d in TC_PREFILL_DIMS if has(PREFILL_TC) else ():
                 for t in PREFILL_TILES[d]:
                     out.append(Variant(PREFILL_TC.name, dt, kv, head_dim=d, tile=t))
             for r, p in TC_MLA_DIMS:
-                out.append(Variant(MLA_TC.name, dt, kv, latent_dim=r, rope_dim=p))
-                if (r, p) in TC_MLA_WGMMA_DIMS:
+                if has(MLA_TC):
+                    out.append(Variant(MLA_TC.name, dt, kv, latent_dim=r, rope_dim=p))
+                if (r, p) in TC_MLA_WGMMA_DIMS and has(MLA_WGMMA):
                     out.append(Variant(MLA_WGMMA.name, dt, kv, latent_dim=r, rope_dim=p, target="sm_90a"))
     return out
 
@@ -421,12 +453,26 @@ def with_features(v: Variant, features) -> Variant:
     return replace(v, **{f: f in features for f in FEATURES})
 
 
+#: Feature sets of the fp8-cache builds the gate compiles (FP8_PAIRS; at the
+#: fast dims only): none and all four on. Other fp8 builds (each feature
+#: alone, the runtime-dim paths) compile when a launch first asks for them.
+FP8_GATE_FEATURES: tuple[tuple[str, ...], ...] = ((), FEATURES)
+
+
+def _fp8(v: Variant) -> bool:
+    return v.kv_dtype in dtypes.FP8_TOKENS
+
+
 #: Every variant built: each shape variant with each built score, and the
-#: fast ones (``_gate_fast``) with each of GATE_FEATURES too.
+#: fast ones (``_gate_fast``) with each of GATE_FEATURES too; of the
+#: fp8-cache builds, the fast ones with FP8_GATE_FEATURES.
 VARIANTS: tuple[Variant, ...] = tuple(
-    [replace(v, score=s.name) for rows in _TABLE.values() for v in rows for s in SCORES.values() if s.built]
-    + [with_features(replace(v, score=s.name), fs) for rows in _TABLE.values() for v in rows if _gate_fast(v)
-       for s in SCORES.values() if s.built for fs in GATE_FEATURES])
+    [replace(v, score=s.name) for rows in _TABLE.values() for v in rows if not _fp8(v)
+     for s in SCORES.values() if s.built]
+    + [with_features(replace(v, score=s.name), fs) for rows in _TABLE.values() for v in rows
+       if _gate_fast(v) and not _fp8(v) for s in SCORES.values() if s.built for fs in GATE_FEATURES]
+    + [with_features(replace(v, score=s.name), fs) for rows in _TABLE.values() for v in rows
+       if _gate_fast(v) and _fp8(v) for s in SCORES.values() if s.built for fs in FP8_GATE_FEATURES])
 for _k in KERNELS.values():
     register(_k.source, [v.defines() for v in VARIANTS if v.kernel == _k.name])
 del _k
@@ -501,17 +547,22 @@ def vec_ok(dtype: str, head_dim: int, value_dim: int, aligned: bool) -> bool:
 
 
 def select_variant(dtype: str, head_dim: int, value_dim: int, aligned: bool, group: int, rot_dim: int = 0,
-                   *, kv_dtype: str | None = None, score: str = "plain", features: tuple[str, ...] = ()) -> Variant:
+                   *, kv_dtype: str | None = None, score: str = "plain", features: tuple[str, ...] = (),
+                   strided: bool = False, latent: bool = False) -> Variant:
     """The per-query variant that runs (dtype, D, Dv, GQA group size,
     rotary dim P; the caches' dtype, q's unless given; the score variant and
     its features): paged_decode_tc where it serves, else paged_attention
     (``_cost``).
 
     ``aligned``: every array the kernel reads or writes with 16-byte loads
-    (q, k_cache, v_cache, out) starts on a 16-byte boundary.
+    (q, k_cache, v_cache, out) starts on a 16-byte boundary and has strides
+    that are multiples of 16 bytes (``checks.aligned``). ``strided``: a
+    cache is a view that is not C-contiguous (STRIDED_KERNELS only);
+    ``latent``: V is the K cache (MLA).
     """
     kv = dtype if kv_dtype is None else kv_dtype
-    shape = Shape(dtype, kv, head_dim, value_dim, rot_dim, group, vec_ok(kv, head_dim, value_dim, aligned))
+    shape = Shape(dtype, kv, head_dim, value_dim, rot_dim, group, vec_ok(kv, head_dim, value_dim, aligned),
+                  strided=strided, latent=latent)
     v = _pick(False, shape, score, features=features)
     if v is None:
         raise ValueError(f"no per-query attention variant is built for {shape}")
@@ -549,7 +600,8 @@ RESIDENT_BLOCKS: dict[str, int] = {
 
 def select_tensor_core(dtype: str, head_dim: int, value_dim: int, aligned: bool, schedule_ok: bool,
                        rot_dim: int = 0, *, kv_dtype: str | None = None, score: str = "plain",
-                       arch: str | None = None, features: tuple[str, ...] = ()) -> Variant | None:
+                       arch: str | None = None, features: tuple[str, ...] = (), strided: bool = False,
+                       latent: bool = False) -> Variant | None:
     """The tensor-core variant that runs, or None for the per-query kernels
     (``select_variant``).
 
@@ -559,8 +611,9 @@ def select_tensor_core(dtype: str, head_dim: int, value_dim: int, aligned: bool,
     only a build that launches there (``Variant.runs_on``) is chosen, an
     arch-specific one first (paged_mla_wgmma on sm_90), then the first
     prefill tile that fits (PREFILL_TILES); None without an arch: no
-    arch-specific build, no limit checked.
+    arch-specific build, no limit checked. ``strided`` / ``latent``: as in
+    ``select_variant``.
     """
     kv = dtype if kv_dtype is None else kv_dtype
-    return _pick(True, Shape(dtype, kv, head_dim, value_dim, rot_dim, 1, False, aligned, schedule_ok), score, arch,
-                 features)
+    return _pick(True, Shape(dtype, kv, head_dim, value_dim, rot_dim, 1, False, aligned, schedule_ok, strided,
+                             latent), score, arch, features)
