@@ -173,7 +173,7 @@ def test_tc_selection():
         for d in variants.TC_PREFILL_DIMS:
             assert tuple(sorted(tc(dt, d, d, True, True).defines().items())) in registered
         for r, p in variants.TC_MLA_DIMS:
-            assert tuple(sorted(tc(dt, r, r, True, True, rot_dim=p).defines().items())) in registered
+            assert tuple(sorted(tc(dt, r, r, True, True, rot_dim=p, latent=True).defines().items())) in registered
 
 
 def _poison(case, seq, positions, cache="v_cache", values=(np.inf, np.nan, -np.inf)):

@@ -46,12 +46,12 @@ DTYPES = tuple(q for q, _ in SAME_DTYPE_PAIRS)
 #: Kernels whose fp8-cache builds exist (FP8_PAIRS): only these are built,
 #: registered and selectable for an fp8 cache; any other kernel's fp8 shape
 #: falls back to one of these.
-FP8_KERNELS = frozenset({"paged_attention"})
+FP8_KERNELS = frozenset({"paged_attention", "paged_mla_tc", "paged_mla_wgmma"})
 #: Kernels that address K / V / k_rot rows through the cache strides of
 #: AttentionParams (any view whose innermost dim is contiguous: HND, halves
 #: of a combined KV tensor, column ranges of an MLA cache). Selection sends
 #: a cache that is not C-contiguous (``Shape.strided``) only to these.
-STRIDED_KERNELS = frozenset({"paged_attention"})
+STRIDED_KERNELS = frozenset({"paged_attention", "paged_mla_tc", "paged_mla_wgmma"})
 #: Compile-time head dims (D == Dv) with 16-byte loads.
 FAST_DIMS = (64, 128, 256)
 #: Capacities of the runtime-dim variants (max(D, Dv) <= capacity).
@@ -66,10 +66,11 @@ ROT_CAPS = (256,)
 TC_DTYPES = dtypes.TC_TOKENS
 #: Head dims (D == Dv) of the tensor-core prefill kernel.
 TC_PREFILL_DIMS = (64, 128, 256)
-#: (R, P) latent and rotary dims of the tensor-core MLA kernel.
-TC_MLA_DIMS = ((512, 64),)
+#: (R, P) latent and rotary dims of the tensor-core MLA kernel (P = 0: no
+#: rotary part, an MLA call with q_pos = k_pos = None).
+TC_MLA_DIMS = ((512, 64), (512, 0))
 #: (R, P) of the wgmma MLA kernel (sm_90a).
-TC_MLA_WGMMA_DIMS = ((512, 64),)
+TC_MLA_WGMMA_DIMS = ((512, 64), (512, 0))
 #: (query, head) rows per block of paged_mla_tc, and the row unit of the
 #: tensor-core segment rules (schedule.py); paged_prefill_tc's blocks have
 #: the rows of their tile (PREFILL_TILES).
@@ -253,9 +254,9 @@ class Variant:
         if self.kernel == PREFILL_TC.name:
             return prefill_smem_bytes(self.head_dim, self.tile)
         if self.kernel == MLA_WGMMA.name:
-            return mla_wgmma_smem_bytes(self.latent_dim, self.rope_dim)
+            return mla_wgmma_smem_bytes(self.latent_dim, self.rope_dim, self.kv_dtype)
         if self.kernel == MLA_TC.name:
-            return mla_smem_bytes(self.latent_dim, self.rope_dim)
+            return mla_smem_bytes(self.latent_dim, self.rope_dim, self.kv_dtype)
         if self.kernel == DECODE_TC.name:
             return decode_tc_smem_bytes(self.head_dim)
         return 0
@@ -418,7 +419,7 @@ def _built() -> list[Variant]:
                 for rot in ROT_CAPS:
                     out.append(Variant(DECODE.name, dt, kv, dim_cap=cap, vec_loads=vec_loads, rot_cap=rot,
                                        group_tile=max_group_tile(cap, vec, rot)))
-        if dt in TC_DTYPES and kv in TC_DTYPES:
+        if dt in TC_DTYPES and (kv in TC_DTYPES or fp8):
             def has(k: Kernel) -> bool:   # an fp8 build only for the kernels of FP8_KERNELS
                 return not fp8 or k.name in FP8_KERNELS
             for d in DECODE_TC_DIMS if has(DECODE_TC) else ():
@@ -526,17 +527,27 @@ def decode_tc_smem_bytes(head_dim: int) -> int:
     return (DECODE_TC_THREADS // 32) * 2 * 2 * 16 * (head_dim + 8) * 2
 
 
-def mla_wgmma_smem_bytes(latent_dim: int, rope_dim: int) -> int:
+def mla_wgmma_smem_bytes(latent_dim: int, rope_dim: int, kv_dtype: str | None = None) -> int:
     """Dynamic shared memory of paged_mla_wgmma (mla_wgmma.cu, mwg::kSmemBytes):
     1024 bytes of alignment, Q's latent part [64][R], two tiles of
-    [64][R + P] and P [64][64], 16-bit, and the row maxima [2][64] f32."""
-    return 1024 + TC_ROWS * latent_dim * 2 + 2 * 64 * (latent_dim + rope_dim) * 2 + TC_ROWS * 64 * 2 + 2 * TC_ROWS * 4
+    [64][R + P] and P [64][64], 16-bit, and the row maxima [2][64] f32. An
+    fp8 cache (``kv_dtype`` e4m3 / e5m2): one 16-bit tile and two raw tiles
+    of codes [64][R + P] in place of the two tiles (the same bytes)."""
+    tiles = 2 * 64 * (latent_dim + rope_dim) * 2
+    if kv_dtype in dtypes.FP8_TOKENS:
+        tiles = 64 * (latent_dim + rope_dim) * 2 + 2 * 64 * (latent_dim + rope_dim)
+    return 1024 + TC_ROWS * latent_dim * 2 + tiles + TC_ROWS * 64 * 2 + 2 * TC_ROWS * 4
 
 
-def mla_smem_bytes(latent_dim: int, rope_dim: int) -> int:
+def mla_smem_bytes(latent_dim: int, rope_dim: int, kv_dtype: str | None = None) -> int:
     """Dynamic shared memory of paged_mla_tc: Q [64][R + P + 8], two K
-    buffers [32][R + P + 8] and P [64][32 + 8], 16-bit."""
-    return (TC_ROWS + 2 * 32) * (latent_dim + rope_dim + 8) * 2 + TC_ROWS * (32 + 8) * 2
+    buffers [32][R + P + 8] and P [64][32 + 8], 16-bit. An fp8 cache
+    (``kv_dtype`` e4m3 / e5m2): one 16-bit K buffer, then two raw tiles of
+    codes [32][R + P] after P (mla_tc.cu: tcm::kTileBufs, sRaw)."""
+    bufs, raw = 2, 0
+    if kv_dtype in dtypes.FP8_TOKENS:
+        bufs, raw = 1, 2 * 32 * (latent_dim + rope_dim)
+    return (TC_ROWS + bufs * 32) * (latent_dim + rope_dim + 8) * 2 + TC_ROWS * (32 + 8) * 2 + raw
 
 
 def vec_ok(dtype: str, head_dim: int, value_dim: int, aligned: bool) -> bool:
