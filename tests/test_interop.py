@@ -515,3 +515,27 @@ def test_gpu_append_argmax_and_overlap(torch):
         plan.attention(_t(torch, case.q, "cuda"), k, v, case.scale, out=k.view(-1)[:case.q.size].view(case.q.shape))
     with pytest.raises(PagedAttentionError, match="must share a backend"):
         plan.attention(_t(torch, case.q), k, v, case.scale)     # a CPU q with CUDA caches
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_tensors_and_views(torch):
+    """fp8 CUDA tensors (CuPy sees raw uint8 storage; the adapter passes
+    kv_dtype) in an HND view, with CUDA scale tensors (unchecked here: no GPU)."""
+    _cuda(torch, "f16")
+    case = _case("f16")
+    ks = torch.tensor([0.05, 0.09], device="cuda")
+    vs = torch.tensor([0.07], device="cuda")
+    kc = reference.quantize_fp8(case.k_cache, "e4m3", ks.cpu().numpy()[:, None])
+    vc = reference.quantize_fp8(case.v_cache, "e4m3", vs.cpu().numpy())
+    k = _fp8_t(torch, np.ascontiguousarray(kc.transpose(0, 2, 1, 3))).cuda().transpose(1, 2)
+    v = _fp8_t(torch, vc).cuda()
+    q = _t(torch, case.q, "cuda")
+    plan = _plan(torch, case, q)
+    assert interop.as_array(k).data.ptr == k.data_ptr()
+    out, lse = plan.attention(q, k, v, case.scale, k_scale=ks, v_scale=vs, return_lse=True)
+    torch.cuda.synchronize()
+    k_ref = reference.dequantize_fp8(kc, scale=ks.cpu().numpy()[:, None].astype(np.float64))
+    v_ref = reference.dequantize_fp8(vc, scale=vs.cpu().numpy().astype(np.float64))
+    ref = reference.paged_attention(case.q, k_ref, v_ref, case.page_table, case.kv_lens, case.q_lens, case.scale)
+    assert_close(_np(out), ref[0], "f16", "gpu fp8 out")
+    assert_close(_np(lse), ref[1], "f16", "gpu fp8 lse")
