@@ -21,6 +21,7 @@ from cupaged.layout import metadata_offsets
 from cupaged.ops.attention import variants
 from cupaged.testing import assert_close, make_paged_case, reference
 from attention_helpers import DECODE_TC, TC_DTYPES, _to_device, run, check, check_capture_replay
+from storage_helpers import FP8
 
 @pytest.fixture(autouse=True)
 def per_query_only(monkeypatch):
@@ -236,10 +237,20 @@ def test_selection_rule():
     for args in (("f32", 128, 128, True, 4), ("f16", 96, 96, True, 4), ("f16", 128, 128, False, 4),
                  ("bf16", 256, 256, True, 4), ("f16", 128, 64, True, 4), ("bf16", 64, 64, True, 4, 16)):
         assert sel(*args).kernel == "paged_attention", args
+    # fp8 caches (e4m3 / e5m2 under f16 / bf16 q): the same kernel, its fp8 build (raw codes staged, decoded
+    # in shared memory: less shared memory than the 16-bit ring at either dim).
+    for dt in TC_DTYPES:
+        for kv in FP8:
+            for d in variants.DECODE_TC_DIMS:
+                v = sel(dt, d, d, True, 4, kv_dtype=kv)
+                assert v == variants.Variant(DECODE_TC, dt, kv, head_dim=d, group_tile=variants.DECODE_TC_HEADS)
+                assert v.smem == variants.decode_tc_smem_bytes(d, kv) < variants.decode_tc_smem_bytes(d)
+    assert variants.decode_tc_smem_bytes(128, "e4m3") == 2 * (16 * 136 * 2 + 2 * 16 * (160 + 128))
     registered = {tuple(sorted(v.defines().items())) for v in variants.VARIANTS
                   if v.kernel == DECODE_TC and not v.features}     # (each feature too: test_scores.py)
-    assert registered == {tuple(sorted({"CP_DTYPE": dt, "CP_KV_DTYPE": dt, "CP_SCORE": "plain",
-                                        "HEAD_DIM": d}.items())) for dt in TC_DTYPES for d in variants.DECODE_TC_DIMS}
+    assert registered == {tuple(sorted({"CP_DTYPE": dt, "CP_KV_DTYPE": kv, "CP_SCORE": "plain",
+                                        "HEAD_DIM": d}.items()))
+                          for dt in TC_DTYPES for kv in (dt,) + tuple(FP8) for d in variants.DECODE_TC_DIMS}
     assert variants.resident_blocks(sel("bf16", 128, 128, True, 4)) == variants.RESIDENT_BLOCKS[DECODE_TC]
 
 

@@ -46,12 +46,14 @@ DTYPES = tuple(q for q, _ in SAME_DTYPE_PAIRS)
 #: Kernels whose fp8-cache builds exist (FP8_PAIRS): only these are built,
 #: registered and selectable for an fp8 cache; any other kernel's fp8 shape
 #: falls back to one of these.
-FP8_KERNELS = frozenset({"paged_attention", "paged_mla_tc", "paged_mla_wgmma"})
+FP8_KERNELS = frozenset({"paged_attention", "paged_decode_tc", "paged_prefill_tc", "paged_mla_tc",
+                         "paged_mla_wgmma"})
 #: Kernels that address K / V / k_rot rows through the cache strides of
 #: AttentionParams (any view whose innermost dim is contiguous: HND, halves
 #: of a combined KV tensor, column ranges of an MLA cache). Selection sends
 #: a cache that is not C-contiguous (``Shape.strided``) only to these.
-STRIDED_KERNELS = frozenset({"paged_attention", "paged_mla_tc", "paged_mla_wgmma"})
+STRIDED_KERNELS = frozenset({"paged_attention", "paged_decode_tc", "paged_prefill_tc", "paged_mla_tc",
+                             "paged_mla_wgmma"})
 #: Compile-time head dims (D == Dv) with 16-byte loads.
 FAST_DIMS = (64, 128, 256)
 #: Capacities of the runtime-dim variants (max(D, Dv) <= capacity).
@@ -252,13 +254,13 @@ class Variant:
     def smem(self) -> int:
         """Dynamic shared memory bytes of a launch."""
         if self.kernel == PREFILL_TC.name:
-            return prefill_smem_bytes(self.head_dim, self.tile)
+            return prefill_smem_bytes(self.head_dim, self.tile, self.kv_dtype)
         if self.kernel == MLA_WGMMA.name:
             return mla_wgmma_smem_bytes(self.latent_dim, self.rope_dim, self.kv_dtype)
         if self.kernel == MLA_TC.name:
             return mla_smem_bytes(self.latent_dim, self.rope_dim, self.kv_dtype)
         if self.kernel == DECODE_TC.name:
-            return decode_tc_smem_bytes(self.head_dim)
+            return decode_tc_smem_bytes(self.head_dim, self.kv_dtype)
         return 0
 
     def defines(self) -> dict:
@@ -510,20 +512,30 @@ def prefill_q_in_registers(head_dim: int, tile: TcTile) -> bool:
     return tile.mtiles * head_dim <= 128
 
 
-def prefill_smem_bytes(head_dim: int, tile: TcTile | None = None) -> int:
+def prefill_smem_bytes(head_dim: int, tile: TcTile | None = None, kv_dtype: str | None = None) -> int:
     """Dynamic shared memory of paged_prefill_tc: ``stages`` buffers of K and
     V [kv_tile][D + 8], 16-bit, after Q [rows][D + 8], whose area the K/V
-    buffers reuse when Q's fragments move to registers."""
+    buffers reuse when Q's fragments move to registers. An fp8 cache
+    (``kv_dtype`` e4m3 / e5m2): one decoded 16-bit K / V tile in their place,
+    then ``stages`` raw tiles of K and V codes [kv_tile][D] (prefill_tc.cu:
+    tcp::kRawOff)."""
     t = tile or PREFILL_TILES[head_dim][0]
+    fp8 = kv_dtype in dtypes.FP8_TOKENS
     pitch = (head_dim + 8) * 2
-    kv = 2 * t.stages * t.kv_tile * pitch
+    kv = 2 * (1 if fp8 else t.stages) * t.kv_tile * pitch
     q = t.rows * pitch
-    return max(q, kv) if prefill_q_in_registers(head_dim, t) else q + kv
+    raw = t.stages * 2 * t.kv_tile * head_dim if fp8 else 0
+    return (max(q, kv) if prefill_q_in_registers(head_dim, t) else q + kv) + raw
 
 
-def decode_tc_smem_bytes(head_dim: int) -> int:
+def decode_tc_smem_bytes(head_dim: int, kv_dtype: str | None = None) -> int:
     """Dynamic shared memory of paged_decode_tc: per warp, two stages of K
-    and V [16][D + 8], 16-bit (decode_tc.cu: dtc::kWarpElems)."""
+    and V [16][D + 8], 16-bit (decode_tc.cu: dtc::kWarpBytes). An fp8 cache
+    (``kv_dtype`` e4m3 / e5m2): per warp one decoded 16-bit V tile
+    [16][D + 8] and two raw stages of K codes [16][D + 32] and V codes
+    [16][D]."""
+    if kv_dtype in dtypes.FP8_TOKENS:
+        return (DECODE_TC_THREADS // 32) * (16 * (head_dim + 8) * 2 + 2 * 16 * (2 * head_dim + 32))
     return (DECODE_TC_THREADS // 32) * 2 * 2 * 16 * (head_dim + 8) * 2
 
 
