@@ -17,6 +17,12 @@ counts the same bytes as ours).
 
 Prefill: S sequences, N new queries each on top of C cached tokens, causal.
 FLOPs = 2 x sum over queries of visible positions x Hq x (D + Dv).
+
+``--kv-dtype e4m3`` (or e5m2): the decode cases read an fp8 cache (random
+finite codes, per-KV-head scales) with bf16 / f16 q; bytes count one byte
+per K / V element, so GB/s and "% copy" stay comparable with the 16-bit
+run and the time should be about half of it where decode is memory-bound.
+The naive baseline and SDPA are skipped (they have no fp8 path).
 """
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="tiny smoke run on the CPU backend")
     p.add_argument("--quick", action="store_true", help="the reduced grid of tools/device_check.sh")
     p.add_argument("--dtype", default="bf16", choices=["f32", "f16", "bf16"])
+    p.add_argument("--kv-dtype", default=None, choices=["e4m3", "e5m2"],
+                   help="decode over an fp8 K/V cache (q in --dtype: f16 or bf16)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
     p.add_argument("--max-gb", type=float, default=40.0, help="skip decode cases whose K/V exceed this")
@@ -53,13 +61,30 @@ def fill_cache(be, shape, dt, seed):
     return cache
 
 
-def paged(be, rng, kv_lens, q_lens, hq, hkv, d, dt, ps):
+def fill_codes(be, shape, seed):
+    """Random finite fp8 codes (uint8; & 0xB7 keeps e4m3's and e5m2's
+    exponents below their NaN / Inf ones)."""
+    xp = be.cp if be.name == "gpu" else np
+    cache = xp.empty(shape, xp.uint8)
+    step = max(1, (1 << 26) // max(1, math.prod(shape[1:])))
+    for i in range(0, shape[0], step):
+        n = min(step, shape[0] - i)
+        bits = be.random((n,) + tuple(shape[1:]), np.float32, seed + i).view(np.uint32)
+        cache[i:i + step] = (bits & 0xB7).astype(np.uint8)
+    return cache
+
+
+def paged(be, rng, kv_lens, q_lens, hq, hkv, d, dt, ps, kv_dtype=None):
     kv = np.asarray(kv_lens, np.int64)
     pages = int((-(-kv // ps)).sum())
     table = random_page_table(rng, kv, ps, pages)
     plan = HostPlan.build(table, kv, q_lens, ps, pages)
-    k = fill_cache(be, (pages, ps, hkv, d), dt, 1)
-    v = fill_cache(be, (pages, ps, hkv, d), dt, 2)
+    if kv_dtype is None:
+        k = fill_cache(be, (pages, ps, hkv, d), dt, 1)
+        v = fill_cache(be, (pages, ps, hkv, d), dt, 2)
+    else:
+        k = fill_codes(be, (pages, ps, hkv, d), 1)
+        v = fill_codes(be, (pages, ps, hkv, d), 2)
     q = be.random((plan.queries, hq, d), dt, 3)
     return plan, table, q, k, v
 
@@ -139,23 +164,37 @@ def main(argv=None) -> int:
         heads, prefill = [(32, 8), (64, 8)], [(1, 4096, 0), (4, 2048, 2048), (16, 512, 8192)]
     modeler = benchlib.Modeler(be, not args.no_model)
     copy_bw = benchlib.copy_bandwidth(be, (1 << 30) if be.name == "gpu" else (1 << 24))
-    print(f"device: {be.device}; dtype {dt.name}; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
+    fp8 = args.kv_dtype
+    kv_itemsize = 1 if fp8 else dt.itemsize
+    xp = be.cp if be.name == "gpu" else np
+    kv_args = {}
+    if fp8:
+        if args.dtype == "f32":
+            raise SystemExit("--kv-dtype needs --dtype f16 or bf16")
+        args.no_naive = True   # no fp8 path in the baselines
+    print(f"device: {be.device}; dtype {dt.name}" + (f", K/V {fp8}" if fp8 else "")
+          + f"; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
     rows = []
     for hq, hkv in heads:
         for B, L in grid:
-            kv_bytes = B * L * hkv * 2 * d * dt.itemsize
+            kv_bytes = B * L * hkv * 2 * d * kv_itemsize
             if kv_bytes > args.max_gb * 1e9:
                 continue
-            plan, table, q, k, v = paged(be, rng, [L] * B, [1] * B, hq, hkv, d, dt, ps)
+            plan, table, q, k, v = paged(be, rng, [L] * B, [1] * B, hq, hkv, d, dt, ps, fp8)
+            if fp8:
+                scales = xp.asarray(np.linspace(0.01, 0.02, hkv, dtype=np.float32))
+                kv_args = dict(kv_dtype=fp8, k_scale=scales, v_scale=scales)
             dplan = plan.upload(q)
             splits = cupaged.choose_splits(plan, hkv, multiprocessors=be.sms, q_heads=hq, head_dim=d, dtype=dt,
-                                           arch=device_arch(q))
+                                           arch=device_arch(q), kv_dtype=fp8)
             ws = SplitWorkspace(plan.queries, hq, d, splits, q) if splits > 1 else None
             out = be.empty((plan.queries, hq, d), dt)
             scale = d ** -0.5
-            t = be.time(lambda: dplan.attention(q, k, v, scale, True, workspace=ws, out=out), args.reps, 3)
+            t = be.time(lambda: dplan.attention(q, k, v, scale, True, workspace=ws, out=out, **kv_args), args.reps,
+                        3)
             nbytes = kv_bytes + 2 * B * hq * d * dt.itemsize
-            row = dict(case="decode", heads=f"{hq}/{hkv}", B=B, L=L, splits=splits, ms=f"{t * 1e3:.3f}",
+            row = dict(case="decode" + (f" {fp8}" if fp8 else ""), heads=f"{hq}/{hkv}", B=B, L=L, splits=splits,
+                       ms=f"{t * 1e3:.3f}",
                        GBps=f"{nbytes / t / 1e9:.0f}", pct_copy=f"{100 * nbytes / t / copy_bw:.0f}%")
             if not args.no_naive and kv_bytes * hq / hkv <= 4e9:
                 try:
@@ -171,7 +210,8 @@ def main(argv=None) -> int:
                         row.update(sdpa_dense_ms=f"{ts * 1e3:.3f}", sdpa_GBps=f"{nbytes / ts / 1e9:.0f}")
                 except Exception as e:  # noqa: BLE001
                     row.update(sdpa_dense_ms=type(e).__name__)
-            row.update(modeler.shape(batch=B, ctx=L, new=1, hq=hq, hkv=hkv, d=d, dv=d, page=ps, dtype=args.dtype))
+            row.update(modeler.shape(batch=B, ctx=L, new=1, hq=hq, hkv=hkv, d=d, dv=d, page=ps, dtype=args.dtype,
+                                     kv_dtype=fp8))
             rows.append(row)
             print(benchlib.table([row], list(row)).splitlines()[-1], flush=True)
             k = v = q = out = ws = dplan = None  # free the caches before the next case
@@ -180,6 +220,8 @@ def main(argv=None) -> int:
                                 "modeled_GBps", "modeled_pct_copy", "modeled_bound", "naive_ms", "speedup",
                                 "sdpa_dense_ms", "sdpa_GBps"]))
     print(modeler.legend())
+    if fp8:
+        return 0   # the prefill cases run on 16-bit caches (python benchmarks/bench_attention.py)
     prow = []
     for S, N, C in prefill:
         hq, hkv = heads[0]

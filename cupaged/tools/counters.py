@@ -146,12 +146,16 @@ def _plan_for(tokens: int, q_len: int, page_size: int):
     return HostPlan.build(table, [tokens], [q_len], page_size, pages)
 
 
-def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, arch: str | None = None):
-    return plan_launches(host, dtype, hq, hkv, d, dv, rot, True, True, arch=arch)
+def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, arch: str | None = None,
+              kv_dtype: str | None = None):
+    return plan_launches(host, dtype, hq, hkv, d, dv, rot, True, True, arch=arch, kv_dtype=kv_dtype)
 
 
-def _run(host, np_dtype, hq, hkv, d, dv, rot, seed=0) -> None:
+def _run(host, np_dtype, hq, hkv, d, dv, rot, seed=0, kv_dtype: str | None = None) -> None:
+    """One probe launch; ``kv_dtype``: an fp8 cache format (random codes of
+    standard normal values, scales 1), else the caches have q's dtype."""
     rng = np.random.default_rng(seed)
+    kv_np = np_dtype if kv_dtype is None else dtypes.np_dtype(kv_dtype)
     ps, pages, q = host.page_size, host.pages, host.queries
     plan = host.upload(np.zeros(1, np.float32))
     if rot:
@@ -160,24 +164,27 @@ def _run(host, np_dtype, hq, hkv, d, dv, rot, seed=0) -> None:
         plan.mla(_rand(rng, (q, hq, d), np_dtype), _rand(rng, (q, hq, rot), np_dtype), latent, k_pos,
                  d ** -0.5, False)
     else:
-        k = _rand(rng, (pages, ps, hkv, d), np_dtype)
-        v = _rand(rng, (pages, ps, hkv, dv), np_dtype)
-        plan.attention(_rand(rng, (q, hq, d), np_dtype), k, v, d ** -0.5, False)
+        k = _rand(rng, (pages, ps, hkv, d), kv_np)
+        v = _rand(rng, (pages, ps, hkv, dv), kv_np)
+        plan.attention(_rand(rng, (q, hq, d), np_dtype), k, v, d ** -0.5, False,
+                       **({} if kv_dtype is None else {"kv_dtype": kv_dtype}))
 
 
 def probe(launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, page_size: int,
-          lengths=(256, 512), use_cache: bool = True, arch: str | None = None) -> Probe:
+          lengths=(256, 512), use_cache: bool = True, arch: str | None = None, kv_dtype: str | None = None) -> Probe:
     """Counts per block of ``launch`` (a ``plan_launches`` record of the
     modeled shape, for ``arch``): one sequence with the launch's queries per
     block, one KV head with its whole group (``hq // hkv`` query heads),
-    non-causal, at each of ``lengths`` tokens, on the CPU backend standing
+    non-causal, at each of ``lengths`` tokens (caches of ``kv_dtype``, an
+    fp8 format, when given, else of ``dtype``), on the CPU backend standing
     in for ``arch`` (so it runs the build that arch selects); cached on disk
     by the kernel source and the probe shape. ProbeError when the CPU module
     has no counters or the probe plan selects another kernel."""
     group = hq // hkv
     qpb = max(1, -(-launch.q_count // launch.blocks))
     text = _source.assemble(launch.source, launch.defines)
-    key = _source.digest(text, json.dumps([launch.kernel, dtype, group, d, dv, rot, page_size, qpb, list(lengths)]),
+    key = _source.digest(text, json.dumps([launch.kernel, dtype, kv_dtype, group, d, dv, rot, page_size, qpb,
+                                           list(lengths)]),
                          "counters-v2")
     path = _cache_dir() / f"counters-{key}.json"
     if use_cache:
@@ -190,7 +197,7 @@ def probe(launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, p
     counts, blocks = [], 1
     for tokens in lengths:
         host = _plan_for(tokens, qpb, page_size)
-        ls = _launches(host, dtype, group, 1, d, dv, rot, arch)
+        ls = _launches(host, dtype, group, 1, d, dv, rot, arch, kv_dtype)
         if len(ls) != 1 or ls[0].kernel != launch.kernel or ls[0].defines != launch.defines:
             got = "; ".join(f"{x.kernel} {x.defines}" for x in ls)
             raise ProbeError(f"the probe plan selects {got}, not {launch.kernel} {launch.defines}")
@@ -205,7 +212,7 @@ def probe(launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, p
             break
         reset(mod)
         with (cpu_arch_override(arch) if arch else contextlib.nullcontext()):
-            _run(host, np_dtype, group, 1, d, dv, rot)
+            _run(host, np_dtype, group, 1, d, dv, rot, kv_dtype=kv_dtype)
         counts.append(read_all(mod))
     else:
         result = None

@@ -68,7 +68,7 @@ class Shape:
     rot: int = 0
     page: int = 16
     dtype: str = "bf16"
-    kv_dtype: str | None = None      # K/V storage when it differs from q's (fp8 decode)
+    kv_dtype: str | None = None      # K/V storage when it differs from q's: an fp8 cache, "e4m3" / "e5m2"
     metric: str = "bytes"            # "bytes" (% of copy), "flops" (TFLOP/s too), "step" (decode loop)
     bench: str = ""                  # the benchmark that measures it
     layers: int = 0                  # decode loop: model layers
@@ -93,8 +93,12 @@ SHAPES: tuple[Shape, ...] = (
           bench="bench_attention prefill S=1 N=4096 C=0 (full grid)"),
     Shape("chunk_4k", "chunked prefill causal 4x2048 on 2048 32/8 D128", 4, 4096, 2048, 32, 8, 128, 128,
           metric="flops", bench="bench_attention prefill S=4 N=2048 C=2048"),
-    Shape("fp8_g4", "GQA decode B64 ctx4096 32/8 D128 fp8 K/V", 64, 4096, 1, 32, 8, 128, 128, kv_dtype="fp8",
-          bench="bench_attention --kv-dtype fp8 (when built)"),
+    Shape("fp8_g4", "GQA decode B64 ctx4096 32/8 D128 p16 e4m3 K/V", 64, 4096, 1, 32, 8, 128, 128, kv_dtype="e4m3",
+          bench="bench_attention --kv-dtype e4m3 decode 32/8 B=64 L=4096"),
+    Shape("long_g4", "GQA decode B16 ctx32k 32/8 D128 p16", 16, 32768, 1, 32, 8, 128, 128,
+          bench="bench_attention decode 32/8 B=16 L=32768 (full grid: B=8 / 32)"),
+    Shape("fp8_long", "GQA decode B16 ctx32k 32/8 D128 p16 e4m3 K/V", 16, 32768, 1, 32, 8, 128, 128,
+          kv_dtype="e4m3", bench="bench_attention --kv-dtype e4m3 decode 32/8 B=16 L=32768"),
     Shape("decode_loop", "decode-loop step, tiny model 16 layers B16 ctx~40 f32", 16, 40, 1, 8, 2, 32, 32,
           dtype="f32", metric="step", layers=16, bench="bench_decode batch 16, graph"),
 )
@@ -108,13 +112,6 @@ def _host(shape: Shape):
     pages = shape.batch * per
     table = np.arange(pages, dtype=np.int64).reshape(shape.batch, per)
     return HostPlan.build(table, [shape.ctx] * shape.batch, [shape.new] * shape.batch, shape.page, pages)
-
-
-def _fp8_token() -> str | None:
-    for d in dtypes.TABLE:
-        if d.kv and d.itemsize == 1:
-            return d.token
-    return None
 
 
 @dataclass
@@ -151,14 +148,17 @@ def _kv_bpt(shape: Shape, itemsize: int) -> int:
     return (shape.d + shape.rot) * itemsize if shape.rot else (shape.d + shape.dv) * itemsize
 
 
-def _launch_models(shape: Shape, arch: _archs.Arch, host, token: str, *, use_cache: bool, probes: bool,
+def _launch_models(shape: Shape, arch: _archs.Arch, host, token: str, kv: str, *, use_cache: bool, probes: bool,
                    splits: int | None = None) -> tuple[int, list]:
-    itemsize = dtypes.row("dtype", token, kv=True).itemsize if shape.kv_dtype else dtypes.np_dtype(token).itemsize
+    """Models of the launches of ``shape`` (q / out dtype ``token``, caches
+    ``kv``: ``token`` itself, or an fp8 format)."""
+    itemsize = dtypes.row("dtype", kv, kv=True).itemsize
+    kv_arg = None if kv == token else kv
     if splits is None:
         splits = choose_splits(host, shape.hkv, multiprocessors=arch.sms, q_heads=shape.hq, head_dim=shape.d,
-                               value_dim=shape.dv, dtype=token, rot_dim=shape.rot, arch=arch.name)
+                               value_dim=shape.dv, dtype=token, rot_dim=shape.rot, arch=arch.name, kv_dtype=kv_arg)
     launches = plan_launches(host, token, shape.hq, shape.hkv, shape.d, shape.dv, shape.rot, True, True,
-                             arch=arch.name)
+                             arch=arch.name, kv_dtype=kv_arg)
     kv_bpt = _kv_bpt(shape, itemsize)
     unique_kv = float(np.asarray(host.kv_lens).sum()) * kv_bpt * (1 if shape.rot else shape.hkv)
     fits = unique_kv <= (arch.l2_bytes or 0) / 2
@@ -174,7 +174,8 @@ def _launch_models(shape: Shape, arch: _archs.Arch, host, token: str, *, use_cac
         if probes:
             try:
                 probe = _counters.probe(L, dtype=token, hq=shape.hq, hkv=shape.hkv, d=shape.d, dv=shape.dv,
-                                        rot=shape.rot, page_size=shape.page, use_cache=use_cache, arch=arch.name)
+                                        rot=shape.rot, page_size=shape.page, use_cache=use_cache, arch=arch.name,
+                                        kv_dtype=kv_arg)
                 if probe.note:
                     notes.append(probe.note)
             except Exception as e:  # noqa: BLE001 (no g++, a probe the plan cannot reproduce, ...: reported)
@@ -221,15 +222,10 @@ def binding_text(lm) -> str:
 def _attention_row(shape: Shape, arch: _archs.Arch, use_cache: bool, probes: bool) -> Row:
     row = Row(shape, arch.name)
     token = shape.dtype
-    if shape.kv_dtype:
-        kv = _fp8_token() if shape.kv_dtype == "fp8" else shape.kv_dtype
-        if kv is None:
-            row.status, row.reason = "skipped", "no fp8 K/V dtype is built yet (cupaged.dtypes has none)"
-            return row
-        token = kv
+    kv = shape.kv_dtype or token
     host = _host(shape)
     try:
-        row.splits, row.launches = _launch_models(shape, arch, host, token, use_cache=use_cache, probes=probes)
+        row.splits, row.launches = _launch_models(shape, arch, host, token, kv, use_cache=use_cache, probes=probes)
     except (TypeError, ValueError, PagedAttentionError, NotImplementedError, KeyError) as e:
         row.status, row.reason = ("skipped" if shape.kv_dtype else "error"), f"{type(e).__name__}: {e}"
         return row
@@ -237,7 +233,7 @@ def _attention_row(shape: Shape, arch: _archs.Arch, use_cache: bool, probes: boo
         row.status, row.reason = "error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return row
     isz = dtypes.np_dtype(shape.dtype).itemsize
-    kv_isz = dtypes.row("dtype", token, kv=True).itemsize
+    kv_isz = dtypes.row("dtype", kv, kv=True).itemsize
     kv_bpt = _kv_bpt(shape, kv_isz)
     kvl = np.asarray(host.kv_lens, float)
     q = host.queries
