@@ -253,3 +253,33 @@ def test_non_fp8_views_stay_unchanged(family):
     a, _, _ = run_attention(store(rng, case, None, view="nhd"))
     b, _, _ = run_attention(store(rng, case, None, view="hnd"))
     np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------------ selection
+def test_selection_follows_the_storage_tables():
+    """fp8 builds exist only for FP8_KERNELS, strided caches go only to
+    STRIDED_KERNELS, MLA kernels serve V = K only, and the gate registers
+    fp8 builds at the fast dims with FP8_GATE_FEATURES only (no compile)."""
+    from cupaged.ops.attention import variants
+    from cupaged.ops.attention.splits import choose_splits
+    rows = [v for vs in variants._TABLE.values() for v in vs]
+    assert {v.kernel for v in rows if v.kv_dtype in ("e4m3", "e5m2")} <= variants.FP8_KERNELS
+    for v in variants.VARIANTS:
+        if v.kv_dtype in ("e4m3", "e5m2"):
+            assert variants._gate_fast(v) and v.features in variants.FP8_GATE_FEATURES, v
+    for dt, kv in variants.FP8_PAIRS + (("f16", "f16"),):
+        for d, rot, latent in ((64, 0, False), (128, 0, False), (512, 64, True), (512, 0, True), (512, 0, False)):
+            for strided in (False, True):
+                tc = variants.select_tensor_core(dt, d, d, True, True, rot, kv_dtype=kv, strided=strided,
+                                                 latent=latent, arch="sm_90")
+                if tc is not None:
+                    assert not strided or tc.kernel in variants.STRIDED_KERNELS
+                    assert tc.kernel not in ("paged_mla_tc", "paged_mla_wgmma") or latent
+                pq = variants.select_variant(dt, d, d, True, 1 if rot else 4, rot, kv_dtype=kv, strided=strided,
+                                             latent=latent)
+                assert not strided or pq.kernel in variants.STRIDED_KERNELS
+                assert (kv not in ("e4m3", "e5m2")) or pq.kernel in variants.FP8_KERNELS
+    case = make_paged_case(np.random.default_rng(0), kv_lens=[4000], num_q_heads=8, num_kv_heads=2, head_dim=128)
+    host = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages)
+    n = choose_splits(host, 2, multiprocessors=132, q_heads=8, head_dim=128, dtype="bf16", kv_dtype="e4m3")
+    assert 1 < n <= 16
