@@ -144,6 +144,11 @@ def mla_storage(fmt, rope):
         plan.mla(case.q, q_pos, latent, k_pos, case.scale, False, workspace=ws, return_lse=True, **kw)
 
 
+def mla_storage_on(arch, *args):
+    with cpu_arch_override(arch):
+        mla_storage(*args)
+
+
 def mla_on(arch, *args):
     with cpu_arch_override(arch):
         mla(*args)
@@ -228,6 +233,10 @@ for name, fn in [
     ("misaligned fp8 e4m3 view (element loads): attention f16 d64, splits 2",
      lambda: storage("e4m3", "misaligned", "f16", 64, [3, 1, 2], 4, 2, 2)),
     ("mla on a 576-wide fp8 cache view, and P = 0", lambda: (mla_storage("e4m3", True), mla_storage(None, False))),
+    ("fp8 e5m2 HND view on paged_attention's runtime dims (d96, GQA 3), splits 3",
+     lambda: storage("e5m2", "hnd", "f16", 96, [1, 4, 1], 6, 2, 3)),
+    ("mla on a 576-wide fp8 cache view per query (the CPU as sm_86: paged_attention, ROT_CAP)",
+     lambda: mla_storage_on("sm_86", "e4m3", True)),
     ("append + copy_pages + advance_plan", append_and_pages),
     ("layered copy_pages + write_slots + advance_slots", engine_kernels),
     ("argmax + layers", small_ops),
