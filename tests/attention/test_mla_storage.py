@@ -51,9 +51,9 @@ class Stored:
     ``joint`` column views of one [pages, page_size, 1, R + P] array or as
     two C-contiguous arrays; ``rope`` False: P = 0 (latent only)."""
 
-    def __init__(self, backend, rng, fmt, dtype, *, joint=True, rope=True, heads=16, scales=True):
-        case = make_mla_case(rng, kv_lens=KV_LENS, q_lens=Q_LENS, page_size=16, num_heads=heads, latent_dim=R,
-                             pos_dim=P, dtype=dtype)
+    def __init__(self, backend, rng, fmt, dtype, *, joint=True, rope=True, heads=16, scales=True, page_size=16):
+        case = make_mla_case(rng, kv_lens=KV_LENS, q_lens=Q_LENS, page_size=page_size, num_heads=heads,
+                             latent_dim=R, pos_dim=P, dtype=dtype)
         used = case.slot_used
         self.case, self.fmt, self.rope = case, fmt, rope
         ks, vs = _scales(rng, fmt) if scales else (np.float32(1.0), np.float32(1.0))   # None means 1.0
@@ -79,7 +79,7 @@ class Stored:
         self.q_pos = _to_device(backend, case.q_pos) if rope else None
         if not rope:
             self.k_pos = None
-        self.plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16,
+        self.plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, page_size,
                                            case.num_pages).upload(self.q)
 
     def reference(self, causal):
@@ -134,16 +134,17 @@ def test_no_rotary_part(xp_backend, mla_arch, kernels_used, fmt, heads):
     assert set(kernels_used) == {mla_arch, "attention_split_merge"}
 
 
-@pytest.mark.parametrize("case", [("e4m3", "bf16", True), ("e5m2", "f16", True), ("e4m3", "f16", False),
-                                  ("e5m2", "bf16", False)],
-                         ids=lambda c: "{}-{}-{}".format(c[0], c[1], "joint" if c[2] else "contiguous"))
+@pytest.mark.parametrize("case", [("e4m3", "bf16", True, 16), ("e5m2", "f16", True, 64), ("e4m3", "f16", False, 16),
+                                  ("e5m2", "bf16", False, 5)],
+                         ids=lambda c: "{}-{}-{}-ps{}".format(c[0], c[1], "joint" if c[2] else "contiguous", c[3]))
 def test_fp8_latent_cache(xp_backend, mla_arch, kernels_used, case):
     """fp8 codes of the latent (k_scale) and of k_pos (v_scale, a different
-    scale), in one 576-wide cache or two contiguous arrays: decode and
-    prefill chunks, both masks, splits."""
-    fmt, dtype, joint = case
-    st = Stored(xp_backend, np.random.default_rng([ord(fmt[1]), len(dtype), joint]), fmt, dtype, joint=joint)
-    _check_all(xp_backend, st, f"{fmt} {dtype} joint={joint}")
+    scale), in one 576-wide cache or two contiguous arrays, pages of 16, 64
+    (FlashMLA's) and 5 tokens: decode and prefill chunks, both masks, splits."""
+    fmt, dtype, joint, page_size = case
+    st = Stored(xp_backend, np.random.default_rng([ord(fmt[1]), len(dtype), joint]), fmt, dtype, joint=joint,
+                page_size=page_size)
+    _check_all(xp_backend, st, f"{fmt} {dtype} joint={joint} page_size={page_size}")
     assert set(kernels_used) == {mla_arch, "attention_split_merge"}
 
 
