@@ -102,6 +102,20 @@ constexpr u32 kQElems = kRows * kPitch;
 constexpr u32 kKvElems = 2 * (kFp8 ? 1 : kS) * kN * kPitch;
 constexpr u32 kRawOff = kQInRegs ? (kQElems > kKvElems ? kQElems : kKvElems) : kQElems + kKvElems;
 constexpr u32 kRawStage = 2 * kN * kD;                // bytes of one raw stage (fp8)
+// How a copying thread forms its K / V row offsets (the views' strides). The kernel runs at its
+// register cap (__launch_bounds__), where ptxas' allocation decides spills, not the instruction
+// count: the NVRTC gate (no spills, sm_80 / sm_90, every registered variant) found the forms below.
+//   kStagedRows: the staging threads compute each token's offsets once per tile (tc::run_ring's
+//     on_stage) into shared memory, the copying threads add their chunk (Q in registers, f16 q);
+//   else the copying thread computes them, the head's part from shared memory when Q stays in
+//     shared memory (s_head) and as a product ptxas hoists when Q is in registers (bf16 q).
+template <typename T> struct IsHalf {
+    static constexpr bool value = false;
+};
+template <> struct IsHalf<__half> {
+    static constexpr bool value = true;
+};
+constexpr bool kStagedRows = kQInRegs && IsHalf<scalar_t>::value;
 static_assert((kN * kD / 8) % kThreads == 0, "whole decode steps per thread");
 }  // namespace tcp
 
@@ -128,6 +142,10 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
     unsigned char* const sRaw = reinterpret_cast<unsigned char*>(smem + kRawOff);   // fp8: the raw ring
     __shared__ tc::RowSet<kRows> rows;
     __shared__ tc::Ring<kN, kS> st;
+    // The block's KV head's row offsets in K and V (element strides; kStagedRows below).
+    __shared__ u64 s_head[2];
+    // kStagedRows: each staged token's K / V row offsets (head kvh; 0 for no row), per staging buffer.
+    __shared__ u64 s_koff[kStagedRows ? 2 : 1][kStagedRows ? kN : 1], s_voff[kStagedRows ? 2 : 1][kStagedRows ? kN : 1];
 
     const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
     const u32 g = lane >> 2, tq = lane & 3u;             // mma fragment coordinates
@@ -156,6 +174,10 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
     }
     ptx::cp_async_commit();
     tc::setup_row_set(rows, p, q0, qt, q_end);
+    if (tid == 0) {
+        s_head[0] = (u64)kvh * p.k_stride_head;
+        s_head[1] = (u64)kvh * p.v_stride_head;
+    }
     const variant::Scorer sc(p);   // a score variant's arguments
     tc::setup_slopes(rows, sc, head0);
     ptx::cp_async_wait<0>();
@@ -198,10 +220,6 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             for (u32 i = 0; i < 4; ++i) o[mt][n][i] = 0.0f;
     }
 
-    // This thread's chunk of its KV head's rows (the views' element strides: the
-    // row of token (page, slot) is page * stride_page + slot * stride_slot).
-    const kv_t* const k_head = k_cache + (u64)kvh * p.k_stride_head + (tid % kCopyChunks) * kCopyElems;
-    const kv_t* const v_head = v_cache + (u64)kvh * p.v_stride_head + (tid % kCopyChunks) * kCopyElems;
     const u32* const tables = words + pw::page_table(p.queries, p.sequences);
 
     tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
@@ -216,6 +234,9 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                 rhi[mt][h] = in ? rows.hi[s] : 0u;
             }
         auto issue = [&](u32 sb, u32 b) {
+            // This thread's chunk of its KV head's rows (the views' element strides: the row of token
+            // (page, slot) of head kvh is page * stride_page + slot * stride_slot + kvh * stride_head).
+            const u64 kh = kQInRegs ? 0ull : s_head[0], vh = kQInRegs ? 0ull : s_head[1];
             // Thread tid copies chunk tid % kCopyChunks of rows tid / kCopyChunks + i * kRowStep.
 #pragma unroll
             for (u32 i = 0; i < (kN + kRowStep - 1) / kRowStep; ++i) {
@@ -223,16 +244,32 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                 if (kN % kRowStep != 0 && r >= kN) break;
                 const uint2 ps = st.row[sb][r];   // page, slot
                 const bool ok = ps.x != kNone;
-                const u64 koff = (u64)ps.x * p.k_stride_page + (u64)ps.y * p.k_stride_slot;
-                const u64 voff = (u64)ps.x * p.v_stride_page + (u64)ps.y * p.v_stride_slot;
+                u64 koff, voff;
+                if constexpr (kStagedRows) {   // (0 for an invalid row: a row inside the caches, never read)
+                    const u32 dst = (b * kN + r) * kPitch + ch * 8;
+                    if constexpr (!kFp8) {
+                        ptx::cp_async_16(sK + dst, k_cache + (s_koff[sb][r] + ch * kCopyElems), ok);
+                        ptx::cp_async_16(sV + dst, v_cache + (s_voff[sb][r] + ch * kCopyElems), ok);
+                        continue;
+                    }
+                    koff = s_koff[sb][r] + ch * kCopyElems;
+                    voff = s_voff[sb][r] + ch * kCopyElems;
+                } else {
+                    koff = (u64)ps.x * p.k_stride_page +
+                           ((u64)ps.y * p.k_stride_slot + (kQInRegs ? (u64)kvh * p.k_stride_head : kh)) +
+                           ch * kCopyElems;
+                    voff = (u64)ps.x * p.v_stride_page +
+                           ((u64)ps.y * p.v_stride_slot + (kQInRegs ? (u64)kvh * p.v_stride_head : vh)) +
+                           ch * kCopyElems;
+                }
                 if constexpr (kFp8) {
                     unsigned char* const dst = sRaw + b * kRawStage + r * kD + ch * 16;
-                    ptx::cp_async_16(dst, ok ? k_head + koff : k_cache, ok);
-                    ptx::cp_async_16(dst + kN * kD, ok ? v_head + voff : v_cache, ok);
+                    ptx::cp_async_16(dst, ok ? k_cache + koff : k_cache, ok);
+                    ptx::cp_async_16(dst + kN * kD, ok ? v_cache + voff : v_cache, ok);
                 } else {
                     const u32 dst = (b * kN + r) * kPitch + ch * 8;
-                    ptx::cp_async_16(sK + dst, ok ? k_head + koff : k_cache, ok);
-                    ptx::cp_async_16(sV + dst, ok ? v_head + voff : v_cache, ok);
+                    ptx::cp_async_16(sK + dst, ok ? k_cache + koff : k_cache, ok);
+                    ptx::cp_async_16(sV + dst, ok ? v_cache + voff : v_cache, ok);
                 }
             }
         };
@@ -431,8 +468,15 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                 }
             }
         };
+        auto on_stage = [&](u32 sb, u32 t, u32 page, u32 slot) {
+            if constexpr (kStagedRows) {
+                const bool ok = page != kNone;
+                s_koff[sb][t] = ok ? (u64)page * p.k_stride_page + (u64)slot * p.k_stride_slot + s_head[0] : 0ull;
+                s_voff[sb][t] = ok ? (u64)page * p.v_stride_page + (u64)slot * p.v_stride_slot + s_head[1] : 0ull;
+            }
+        };
         tc::run_ring<kN, kS>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue,
-                             compute);
+                             compute, on_stage);
     });
 
     // ---- normalize and write ----

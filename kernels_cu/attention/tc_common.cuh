@@ -210,9 +210,17 @@ struct Ring {
 // Iteration j: stage tile n = j + kS - 1, wait for tile j, barrier (tile j
 // visible; every warp is done with tile j - 1, whose buffer n reuses), issue
 // tile n, compute tile j.
-template <u32 kN, u32 kS, typename Issue, typename Compute>
+//   on_stage(sb, t, page, slot): optional, called by thread t < kN as it
+//                   stages token t of the next tile into staging buffer sb
+//                   (page kNone: no row), for a kernel that keeps more per
+//                   token (the barrier before issue makes it visible)
+struct NoStage {
+    __device__ __forceinline__ void operator()(u32, u32, u32, u32) const {}
+};
+template <u32 kN, u32 kS, typename Issue, typename Compute, typename OnStage = NoStage>
 __device__ __forceinline__ void run_ring(Ring<kN, kS>& st, const u32* __restrict__ table, u32 lo, u32 hi,
-                                         u32 page_size, u32 num_pages, Issue&& issue, Compute&& compute) {
+                                         u32 page_size, u32 num_pages, Issue&& issue, Compute&& compute,
+                                         OnStage&& on_stage = OnStage()) {
     static_assert(kS >= 2 && kS <= 4, "2 to 4 stages");
     constexpr u32 kWords = Ring<kN, kS>::kWords;
     const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
@@ -233,6 +241,7 @@ __device__ __forceinline__ void run_ring(Ring<kN, kS>& st, const u32* __restrict
             v.x = ok ? raw : kNone;
             v.y = slot;
             st.row[sb][tid] = v;
+            on_stage(sb, tid, v.x, slot);
         }
         return ok;
     };
