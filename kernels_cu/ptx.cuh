@@ -330,6 +330,17 @@ enum : u32 { kSwizzleNone = 0u, kSwizzle128B = 1u, kSwizzle64B = 2u, kSwizzle32B
 
 __device__ __forceinline__ u64 wgmma_encode(u32 x) { return (u64)((x & 0x3FFFFu) >> 4); }
 
+// This thread's shared-memory writes (st.shared, and cp.async copies once
+// waited for: generic-proxy writes) made visible to the async proxy that
+// wgmma.mma_async reads shared memory through (PTX ISA: a cross-proxy
+// fence); each writer issues it before the barrier that precedes the wgmma.
+// A no-op on the CPU and below sm_90 (no async proxy there).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if !defined(CUPAGED_CPU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 #ifdef CUPAGED_CPU
 namespace cpu {
 enum WgCounter : int { kWgmma, kWgmmaFlop, kWgmmaSmemBytes, kNumWgCounters };

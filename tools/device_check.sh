@@ -30,13 +30,13 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep the log
 : > "$META/status.txt"
 date -u +"%Y-%m-%d %H:%M UTC" > "$META/date.txt"
 $PY -c "import cupy, cuda.bindings; p = cupy.cuda.runtime.getDeviceProperties(0); print(p['name'].decode(), '| CuPy', cupy.__version__, '| cuda-bindings', cuda.bindings.__version__, '| driver', cupy.cuda.runtime.driverGetVersion())" 2>&1 | tail -n 1 | tee "$META/device.txt"
-step gate     90  $PY -m cupaged.tools.compile_check --jobs 8
+step gate     120 $PY -m cupaged.tools.compile_check --jobs 16
 ARCH=$($PY -c "import cupy; from cupaged.tools.perf_model import arch_for; cc = cupy.cuda.Device().compute_capability; print(arch_for(int(cc[:-1]), int(cc[-1]))[0])" 2>/dev/null || echo sm_90)
 LOG="$META" step model 150 $PY -m cupaged.tools.perf_model --arch "$ARCH"
 { echo; echo "=== performance model (MODELED, not measured) for $ARCH"; cat "$META/model.log"; } >> "$LOG/gate.log"
 step gpu_tests 200 $PY -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=60 tests
 step demo      60  $PY -m cupaged demo --tokens 64 --batch 8
-step bench_attention 150 $PY benchmarks/bench_attention.py --quick
+step bench_attention 180 sh -c "$PY benchmarks/bench_attention.py --quick && echo && echo '=== fp8 (e4m3) K/V' && $PY benchmarks/bench_attention.py --quick --kv-dtype e4m3"
 step bench_mla 60  $PY benchmarks/bench_mla.py --quick
 step bench_append 40 $PY benchmarks/bench_append.py --reps 20
 step bench_decode 40 $PY benchmarks/bench_decode.py

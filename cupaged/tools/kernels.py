@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..ops.attention.variants import MERGE
+
 
 @dataclass(frozen=True)
 class KernelDesc:
@@ -40,16 +42,8 @@ KERNELS: dict[str, KernelDesc] = {
     "paged_mla_wgmma": KernelDesc(loads="ring", ahead=1, x_reversed=True),
     # Each warp's own two-stage ring: one 16-token tile in flight while one computes.
     "paged_decode_tc": KernelDesc(loads="ring", ahead=1),
-    "attention_split_merge": KernelDesc(role="merge", loads="ldg"),
+    MERGE.name: KernelDesc(role="merge", loads="ldg"),
 }
-
-#: The split merge: its name, and its launch as ``launch.py`` makes it (it
-#: is not one of plan_launches' records): grid (queries,
-#: ceil(Hq / MERGE_HEADS), 1), MERGE_THREADS threads, no dynamic shared
-#: memory; it reads every split's partial rows and writes the output.
-MERGE_KERNEL = "attention_split_merge"
-MERGE_HEADS = 4
-MERGE_THREADS = 128
 
 
 def desc(kernel: str, uses_cp_async: bool = False) -> KernelDesc:
@@ -58,14 +52,3 @@ def desc(kernel: str, uses_cp_async: bool = False) -> KernelDesc:
     if d is not None:
         return d
     return KernelDesc(loads="ring" if uses_cp_async else "ldg", known=False)
-
-
-def merge_geometry() -> tuple[int, int]:
-    """(heads per block, threads) of the merge launch; read from the
-    attention package when it still exports them, else the table's values."""
-    try:
-        from ..ops.attention import variants
-        return int(getattr(variants, "MERGE_HEADS_PER_BLOCK", MERGE_HEADS)), int(getattr(variants, "THREADS",
-                                                                                           MERGE_THREADS))
-    except Exception:  # noqa: BLE001 (a restructured package: the table's values)
-        return MERGE_HEADS, MERGE_THREADS

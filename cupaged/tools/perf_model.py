@@ -41,6 +41,7 @@ from ..errors import PagedAttentionError
 from ..graph import capture_graph
 from ..ops.advance import advance_plan
 from ..ops.attention import plan_launches
+from ..ops.attention.variants import MERGE, MERGE_HEADS_PER_BLOCK, merge_defines
 from ..ops.sampling import argmax_into
 from ..plan import HostPlan, choose_splits
 from . import archs as _archs
@@ -190,10 +191,10 @@ def _launch_models(shape: Shape, arch: _archs.Arch, host, token: str, kv: str, *
         out.append(lm)
         last = L
     if splits > 1 and last is not None:
-        heads_pb, threads = _kernels.merge_geometry()
-        facts = _model.kernel_facts(last.source, last.defines, _kernels.MERGE_KERNEL,
-                                    str(last.defines.get("CP_TARGET", arch.name)), use_cache)
-        desc = _kernels.desc(_kernels.MERGE_KERNEL)
+        heads_pb, threads = MERGE_HEADS_PER_BLOCK, MERGE.threads
+        facts = _model.kernel_facts(MERGE.source, merge_defines(token, "CP_SINKS" in last.defines),
+                                    MERGE.name, arch.name, use_cache)
+        desc = _kernels.desc(MERGE.name)
         part = float(splits) * host.queries * shape.hq * (shape.dv + 1) * 4
         in_l2 = part <= (arch.l2_bytes or 0) / 2
         blocks = _model.merge_blocks(host.queries, shape.hq, shape.dv, dtypes.np_dtype(token).itemsize, splits,

@@ -1,6 +1,6 @@
 // decode_tc.cu: paged_decode_tc, decode attention on tensor cores (the design
-// of FlashInfer's tensor-core decode and FlashDecoding), plus
-// attention_split_merge (merge.cuh). Layout, positions, metadata words, LSE
+// of FlashInfer's tensor-core decode and FlashDecoding; the split merge:
+// merge.cu). Layout, positions, metadata words, LSE
 // and the split workspace: docs/layout.md. The argument is one
 // AttentionParams (params.cuh); the inline PTX lives in ptx.cuh.
 //
@@ -486,5 +486,3 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
         }
     }
 }
-
-#include "merge.cuh"

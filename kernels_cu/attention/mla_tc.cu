@@ -1,5 +1,5 @@
 // mla_tc.cu: paged_mla_tc, DeepSeek-style latent attention (absorbed form)
-// on tensor cores, plus attention_split_merge (merge.cuh). Layout, positions,
+// on tensor cores (the split merge: merge.cu). Layout, positions,
 // metadata words, LSE and the split workspace: docs/layout.md. The argument is
 // one AttentionParams (params.cuh): q [queries, H, R], q_rot [queries, H, P],
 // k_cache the latent cache [pages, page_size, 1, R] (also the values),
@@ -405,5 +405,3 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
             }
         }
 }
-
-#include "merge.cuh"

@@ -1,6 +1,6 @@
 // mla_wgmma.cu: paged_mla_wgmma, DeepSeek-style latent attention (absorbed
 // form) on Hopper's warpgroup tensor-core instructions (wgmma.mma_async,
-// sm_90a only), plus attention_split_merge (merge.cuh). Same arguments,
+// sm_90a only; the split merge: merge.cu). Same arguments,
 // rows, passes, masks and outputs as paged_mla_tc (mla_tc.cu): one
 // AttentionParams (params.cuh); q [queries, H, R], q_rot [queries, H, P],
 // k_cache the latent cache [pages, page_size, 1, R] (also the values),
@@ -95,13 +95,6 @@ static_assert(kRawBytes % 1024 == 0, "P stays on a 1024-byte boundary");
 // Byte offset of 16-byte chunk c (0 .. 7) of row r in a 128-byte-swizzled column block.
 __device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7u)) << 4); }
 
-// Shared-memory writes of this thread (st.shared: P, converted tiles) made visible to the async proxy
-// that wgmma reads shared memory through (PTX ISA, wgmma: "an async proxy fence"); before the barrier.
-__device__ __forceinline__ void fence_async_shared() {
-#if !defined(CUPAGED_CPU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
 }  // namespace mwg
 
 extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const AttentionParams p) {
@@ -185,6 +178,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
     }
     tc::setup_row_set(rows, p, q0, qt, q_end);
     ptx::cp_async_wait<0>();
+    ptx::fence_proxy_async_shared();   // Q is read by wgmma
     __syncthreads();
 
     const float qscale = kKvScaled ? p.scale * ks * softmax::kLog2e : p.scale * softmax::kLog2e;
@@ -284,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
                         *reinterpret_cast<uint4*>(rdst + 32 * i * 128) = y;
                     }
                 }
-                fence_async_shared();
+                ptx::fence_proxy_async_shared();
                 __syncthreads();
             }
             unsigned char* const kt = sK + (kKvScaled ? 0u : b) * kKBytes;
@@ -356,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
                 const u32 r = 16 * warp4 + g + 4 * (i & 2u), c = 32 * wg + 8 * (i >> 2) + 2 * tq;
                 *reinterpret_cast<u32*>(sP + swz(r, c >> 3) + (c & 7u) * 2) = ptx::pack2<scalar_t>(s[i], s[i + 1]);
             }
-            fence_async_shared();   // sP is read by wgmma after the barrier below
+            ptx::fence_proxy_async_shared();   // sP is read by wgmma after the barrier below
 #pragma unroll
             for (u32 i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1u];
             // A tile where some stored row misses a valid token: its value rows' Inf / NaN must reach
@@ -427,8 +421,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
             ptx::wgmma_wait<0>();
             ptx::wgmma_fence_operand(o);
         };
-        tc::run_ring<kN, kS>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue,
-                             compute);
+        // 16-bit tiles are read by wgmma as cp.async left them: fenced to the async proxy (fp8: compute fences
+        // its converted tiles)
+        tc::run_ring<kN, kS, !kKvScaled>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages,
+                                          issue, compute);
     });
 
     // ---- normalize and write: warpgroup w its value columns of every row ----
@@ -471,5 +467,3 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
         }
     }
 }
-
-#include "merge.cuh"

@@ -1,5 +1,5 @@
 // prefill_tc.cu: paged_prefill_tc, chunked-prefill attention on tensor cores,
-// plus attention_split_merge (merge.cuh). Layout, positions, metadata words,
+// (the split merge: merge.cu). Layout, positions, metadata words,
 // LSE and the split workspace: docs/layout.md. The argument is one
 // AttentionParams (params.cuh); the block's rows, the K/V tile ring and the
 // passes are shared with paged_mla_tc (tc_common.cuh), the inline PTX lives
@@ -514,5 +514,3 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             }
         }
 }
-
-#include "merge.cuh"

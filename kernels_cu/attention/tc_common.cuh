@@ -210,6 +210,9 @@ struct Ring {
 // Iteration j: stage tile n = j + kS - 1, wait for tile j, barrier (tile j
 // visible; every warp is done with tile j - 1, whose buffer n reuses), issue
 // tile n, compute tile j.
+//   kToAsyncProxy: wgmma reads the tiles (paged_mla_wgmma): each thread
+//                   fences its landed cp.async copies to the async proxy
+//                   before the barrier (ptx::fence_proxy_async_shared)
 //   on_stage(sb, t, page, slot): optional, called by thread t < kN as it
 //                   stages token t of the next tile into staging buffer sb
 //                   (page kNone: no row), for a kernel that keeps more per
@@ -217,7 +220,7 @@ struct Ring {
 struct NoStage {
     __device__ __forceinline__ void operator()(u32, u32, u32, u32) const {}
 };
-template <u32 kN, u32 kS, typename Issue, typename Compute, typename OnStage = NoStage>
+template <u32 kN, u32 kS, bool kToAsyncProxy = false, typename Issue, typename Compute, typename OnStage = NoStage>
 __device__ __forceinline__ void run_ring(Ring<kN, kS>& st, const u32* __restrict__ table, u32 lo, u32 hi,
                                          u32 page_size, u32 num_pages, Issue&& issue, Compute&& compute,
                                          OnStage&& on_stage = OnStage()) {
@@ -272,6 +275,7 @@ __device__ __forceinline__ void run_ring(Ring<kN, kS>& st, const u32* __restrict
         const bool ok = stage(n & 1u);
         fetch(lo + (n + 1) * kN + tid);
         ptx::cp_async_wait<kS - 2>();   // tile j has landed (the kS - 2 after it may still be in flight)
+        if constexpr (kToAsyncProxy) ptx::fence_proxy_async_shared();
         __syncthreads();
         if (n < ntiles) {
             publish(nb, ok);   // compute(j - 1) read these bits; it is done

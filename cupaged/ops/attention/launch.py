@@ -16,7 +16,7 @@ from . import params
 from ..._runtime import checks
 from .checks import AttentionOptions, CacheRead
 from .schedule import plan_launches
-from .variants import MERGE_HEADS_PER_BLOCK, ROT_CAPS, THREADS, VECTOR_BYTES
+from .variants import MERGE, MERGE_HEADS_PER_BLOCK, ROT_CAPS, THREADS, VECTOR_BYTES, merge_defines
 
 #: log2(e): the kernels' scores are in the log2 domain (softmax_state.cuh).
 LOG2E = 1.0 / math.log(2.0)
@@ -172,8 +172,8 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
         k_scale_stride=k_scale_stride, v_scale_stride=v_scale_stride)
 
     kernels = [get_kernel(q, launch.source, launch.kernel, launch.defines) for launch in launches]
-    # every attention module compiles the merge: the last launch's module serves it
-    merge = get_kernel(q, launches[-1].source, "attention_split_merge", launches[-1].defines) if split else None
+    merge = (get_kernel(q, MERGE.source, MERGE.name, merge_defines(dtypes.token(q.dtype), opts.sinks is not None))
+             if split else None)
     # A workspace is held from the first split kernel to the merge: threads
     # sharing one run one step after the other (on the GPU, also in stream order).
     with workspace.lock if split else contextlib.nullcontext():

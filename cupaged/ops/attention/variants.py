@@ -28,7 +28,7 @@ from ..._runtime.archs import base_arch, launchable
 SPLIT_TILE = layout.SPLIT_TILE
 #: Threads per block of paged_attention and attention_split_merge.
 THREADS = 128
-#: Query heads the split merge serves per block (merge.cuh: one (query, head)
+#: Query heads the split merge serves per block (merge.cu: one (query, head)
 #: per block of THREADS threads, every split's loads in flight).
 MERGE_HEADS_PER_BLOCK = 1
 
@@ -479,6 +479,21 @@ VARIANTS: tuple[Variant, ...] = tuple(
 for _k in KERNELS.values():
     register(_k.source, [v.defines() for v in VARIANTS if v.kernel == _k.name])
 del _k
+
+#: The split merge (attention/merge.cu): a module of its own, one build per
+#: q / out dtype and sink choice, whichever kernels wrote the partials.
+MERGE = Kernel("attention_split_merge", "attention/merge", THREADS)
+
+
+def merge_defines(dtype: str, sinks: bool) -> dict:
+    """The ``#define``s of the split merge's build: ``dtype`` the output's
+    (q's), CP_SINKS when it folds each head's sink in (the partials leave
+    it out). The merge reads no cache; CP_KV_DTYPE names q's type only
+    because variant.cuh declares AttentionParams."""
+    return {"CP_DTYPE": dtype, "CP_KV_DTYPE": dtype, **({"CP_SINKS": 1} if sinks else {})}
+
+
+register(MERGE.source, [merge_defines(d, s) for d in DTYPES for s in (False, True)])
 
 
 def _tc_cost(v: Variant) -> tuple:

@@ -1,7 +1,8 @@
-// merge.cuh: attention_split_merge, combining the split partials every
-// attention kernel writes. Each attention .cu file includes it, so every
-// compiled attention module has its merge (the launch takes it from the
-// module of the step's last launch).
+// merge.cu: attention_split_merge, combining the split partials every
+// attention kernel writes. A module of its own, one build per q / out dtype
+// (CP_DTYPE) and sink choice (CP_SINKS): cupaged/ops/attention/variants.py
+// MERGE and merge_defines, launched by launch.py after a step's split
+// launches, whichever kernels wrote the partials.
 //
 // One block of 128 threads per (query, head): grid (queries, Hq).
 // part_out [splits, queries, Hq, Dv] f32, part_lse [splits, queries, Hq] f32
@@ -24,7 +25,6 @@
 // eight loads per thread.
 // (Its few arguments stay positional: as fields of AttentionParams, loaded
 // where used, they cost ptxas 8 more registers on sm_90.)
-#pragma once
 #include "../common.cuh"
 #include "../plan_words.cuh"
 #include "../softmax_state.cuh"
@@ -148,7 +148,9 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
 }
 }  // namespace merge
 
-extern "C" __global__ void __launch_bounds__(128)
+// 8 resident blocks by design: 64 registers, no spill on sm_80 / sm_86 / sm_89 / sm_90 (with 128 alone
+// ptxas gave sm_86 / sm_89 72 registers and a 4-byte spill), and more of its loads in flight per SM.
+extern "C" __global__ void __launch_bounds__(merge::kThreads, 8)
 attention_split_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                       scalar_t* __restrict__ out, float* __restrict__ lse, u32 queries, u32 q_heads,
                       u32 value_dim, u32 splits, u32 write_lse, const float* __restrict__ sinks) {
