@@ -6,6 +6,8 @@ under the CPU backend's AddressSanitizer build (tests/test_asan_kernels.py):
 
 Arrays are NumPy buffers sized exactly, so a read or write past any of them
 is a heap-buffer-overflow report. Prints one line per family, then "done".
+``asan_sweep.py SHARD COUNT`` runs families SHARD, SHARD + COUNT, ... only
+(the test runs two shards at once, one a core).
 """
 import sys
 from pathlib import Path
@@ -202,7 +204,8 @@ def small_ops():
     layers.silu_mul(x, np.empty((4, 8), np.float32))
 
 
-for name, fn in [
+SHARD, COUNT = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) == 3 else (0, 1)
+for i, (name, fn) in enumerate([
     ("attention f32 d64 decode, splits 4", lambda: attention("f32", 64, [1, 1, 1], 4, 2, 4)),
     ("attention f16 d96 prefill", lambda: attention("f16", 96, [5, 1, 7], 2, 1, 1)),
     ("attention f16 d64 tensor-core prefill, splits 3", lambda: attention("f16", 64, [16, 20, 17], 2, 1, 3)),
@@ -240,7 +243,9 @@ for name, fn in [
     ("append + copy_pages + advance_plan", append_and_pages),
     ("layered copy_pages + write_slots + advance_slots", engine_kernels),
     ("argmax + layers", small_ops),
-]:
+]):
+    if i % COUNT != SHARD:
+        continue
     fn()
     print("ok", name, flush=True)
 print("done")
