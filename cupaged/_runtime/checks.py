@@ -186,23 +186,24 @@ def plan_arrays(plan, **arrays) -> None:
             f"upload the plan on the stream you launch on")
 
 
-def plan_cache(plan, name: str, cache, heads: int | None = None) -> None:
-    """``cache`` is a [plan.pages, plan.page_size, heads, D] float array.
-    A page's elements must fit 32-bit indexing; the whole cache need not
-    (the kernels compute page offsets in 64 bits)."""
+def plan_cache(plan, name: str, cache, kv_dtype=None):
+    """``cache`` is a [plan.pages, plan.page_size, heads, D] K/V cache: any
+    view whose innermost dim is contiguous (``cache_view``: HND, one half of
+    a combined KV tensor, columns of an MLA cache), in a K/V format (fp8 as
+    ml_dtypes arrays, or uint8 with ``kv_dtype``). A page's elements must
+    fit 32-bit indexing; the whole cache need not (the kernels compute page
+    offsets in 64 bits). Returns its format (a ``dtypes`` row)."""
     if getattr(cache, "ndim", 4) == 5:
         raise PagedAttentionError(
             f"{name}: expected a 4-D array [pages, page_size, heads, D], got shape {shape_str(cache.shape)} "
             f"(5-D: a PagedKVCache's layer-major cache; pass one layer, cache.k[layer])")
-    float_array(name, cache, 4, total=False)
-    u32_size(name, cache.shape[1:])
+    fmt, _ = cache_view(name, cache, kv_dtype=kv_dtype)
     exp = (plan.host.pages, plan.host.page_size)
-    if tuple(cache.shape[:2]) != exp:
+    if tuple(int(x) for x in cache.shape[:2]) != exp:
         raise PagedAttentionError(
             f"{name}: expected shape [{exp[0]}, {exp[1]}, ...] (plan.pages, plan.page_size, ...), "
             f"got {shape_str(cache.shape)}")
-    if heads is not None and cache.shape[2] != heads:
-        raise PagedAttentionError(f"{name}: expected {heads} head(s) in dim 2, got shape {shape_str(cache.shape)}")
+    return fmt
 
 
 # -- strided views (caches, new K/V rows) ------------------------------------

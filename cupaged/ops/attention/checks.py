@@ -198,25 +198,6 @@ class CacheRead:
         return {k: a for k, a in (("k_scale", self.k_scale), ("v_scale", self.v_scale)) if a is not None}
 
 
-def cache_arg(plan, name: str, cache, kv_dtype=None) -> dtypes.DType:
-    """``cache`` is a [plan.pages, plan.page_size, heads, D] K/V cache: any
-    view whose innermost dim is contiguous (``checks.cache_view``: HND, one
-    half of a combined KV tensor, columns of an MLA cache), in a K/V format
-    (fp8 as ml_dtypes arrays, or uint8 with ``kv_dtype``). Returns its
-    format."""
-    if getattr(cache, "ndim", 4) == 5:
-        raise PagedAttentionError(
-            f"{name}: expected a 4-D array [pages, page_size, heads, D], got shape {checks.shape_str(cache.shape)} "
-            f"(5-D: a PagedKVCache's layer-major cache; pass one layer, cache.k[layer])")
-    fmt, _ = checks.cache_view(name, cache, kv_dtype=kv_dtype)
-    exp = (plan.host.pages, plan.host.page_size)
-    if tuple(int(x) for x in cache.shape[:2]) != exp:
-        raise PagedAttentionError(
-            f"{name}: expected shape [{exp[0]}, {exp[1]}, ...] (plan.pages, plan.page_size, ...), "
-            f"got {checks.shape_str(cache.shape)}")
-    return fmt
-
-
 def cache_read(plan, q, caches: dict, kv_dtype, k_scale, v_scale, kv_heads: int, *, v_name: str = "v_cache",
                q_extra: dict | None = None) -> CacheRead:
     """The caches' format and scales, checked against q: ``caches`` (name ->
@@ -225,10 +206,10 @@ def cache_read(plan, q, caches: dict, kv_dtype, k_scale, v_scale, kv_heads: int,
     bfloat16 queries; ``k_scale`` / ``v_scale`` (``checks.kv_scale``) only
     with an fp8 cache, ``v_scale`` only when the ``v_name`` cache is given."""
     (k_name, k_cache), *rest = caches.items()
-    fmt = cache_arg(plan, k_name, k_cache, kv_dtype)
+    fmt = checks.plan_cache(plan, k_name, k_cache, kv_dtype)
     for name, c in rest:
         if c is not None:
-            cache_arg(plan, name, c, kv_dtype)
+            checks.plan_cache(plan, name, c, kv_dtype)
     q_extra = {k: a for k, a in (q_extra or {}).items() if a is not None}
     if fmt.scaled:
         checks.same_dtype(k_name, k_cache, **{n: c for n, c in rest if c is not None})

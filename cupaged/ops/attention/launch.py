@@ -22,16 +22,11 @@ from .variants import MERGE, MERGE_HEADS_PER_BLOCK, ROT_CAPS, THREADS, VECTOR_BY
 LOG2E = 1.0 / math.log(2.0)
 
 
-def elem_strides(a) -> tuple[int, ...]:
-    """``a``'s strides in elements (0 for a dim of size 1, whose index is
-    always 0: NumPy may give such a dim any stride)."""
-    return tuple(int(s) // int(a.itemsize) if int(n) > 1 else 0 for n, s in zip(a.shape, a.strides))
-
-
 def cache_strides(name: str, cache) -> dict:
     """The page / slot / head element strides of a [pages, page_size,
-    heads, dim] cache view, as AttentionParams fields ``{name}_stride_*``."""
-    page, slot, head, _ = elem_strides(cache)
+    heads, dim] cache view (``checks.row_view``: 0 for a dim of size 1), as
+    AttentionParams fields ``{name}_stride_*``."""
+    page, slot, head, _ = checks.row_view(name, cache)
     return {f"{name}_stride_page": page, f"{name}_stride_slot": slot, f"{name}_stride_head": head}
 
 
@@ -144,6 +139,7 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
         v_scale, v_scale_stride = read.v_scale, read.v_scale_stride
         if latent and not rot_dim:   # MLA without a rotary part: V is the latent, scaled as K
             v_scale, v_scale_stride = k_scale, k_scale_stride
+    rot_strides = (0, 0) if k_rot is None else checks.row_view("k_rot", k_rot)[:2]   # page, slot (one head)
     refs = [a for a in (q, k_cache, v_cache, q_rot, k_rot, plan.words, out, lse, opts.sinks, opts.alibi_slopes,
                         k_scale, v_scale) if a is not None]
     if split:
@@ -166,8 +162,7 @@ def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOpti
         sinks=0 if opts.sinks is None else address(opts.sinks),
         alibi_slopes=0 if opts.alibi_slopes is None else address(opts.alibi_slopes),
         **cache_strides("k", k_cache), **cache_strides("v", v_cache),
-        rot_stride_page=0 if k_rot is None else elem_strides(k_rot)[0],
-        rot_stride_slot=0 if k_rot is None else elem_strides(k_rot)[1],
+        rot_stride_page=rot_strides[0], rot_stride_slot=rot_strides[1],
         k_scale=0 if k_scale is None else address(k_scale), v_scale=0 if v_scale is None else address(v_scale),
         k_scale_stride=k_scale_stride, v_scale_stride=v_scale_stride)
 
