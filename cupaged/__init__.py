@@ -7,7 +7,7 @@ section maps the package).
 from .batch import DecodeBatch, Readback
 from .cache import PagedKVCache, Sequence, StepReport
 from .engine import Engine
-from .errors import CheckpointError, CompileError, ConfigError, KernelError, PagedAttentionError
+from .errors import CheckpointError, CompileError, ConfigError, KernelError, PagedAttentionError, SetupError
 from .graph import DecodeLoop, DeviceScalars, PagedDecodeLoop, capture_count, capture_graph
 from .layout import MAX_SPLITS
 from .ops.sampling import argmax_into
@@ -21,5 +21,5 @@ __all__ = [
     "CompileError", "KernelError", "PagedAttentionError", "MAX_SPLITS", "DevicePlan", "HostPlan",
     "SplitWorkspace", "choose_splits", "Graph", "Stream", "stream_for", "argmax_into", "PagedKVCache",
     "DecodeLoop", "DeviceScalars", "PagedDecodeLoop", "capture_graph", "capture_count", "DecodeBatch", "Readback",
-    "Sequence", "StepReport", "write_slots", "copy_pages", "Engine", "ConfigError", "CheckpointError",
+    "Sequence", "StepReport", "write_slots", "copy_pages", "Engine", "ConfigError", "CheckpointError", "SetupError",
 ]

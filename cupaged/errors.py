@@ -34,3 +34,10 @@ class CheckpointError(ValueError):
     a missing ``config.json`` or ``*.safetensors`` file, a truncated or
     malformed safetensors file, a missing tensor or one of the wrong shape.
     The message names the file (or tensor), what was expected and what came."""
+
+
+class SetupError(RuntimeError):
+    """The environment lacks something cupaged needs for the call: a C++
+    compiler (or one too old) for the CPU backend, an optional extra (the
+    NVRTC gate's ``gate`` extra, ``engine``, ...), a writable kernel cache.
+    The message says in one line what is missing and how to fix it."""
