@@ -13,23 +13,34 @@ generate: greedy generation with a local Hugging Face model folder through
 cupaged.Engine: text in and out with the folder's tokenizer.json when the
 ``tokenizers`` package is installed, token ids otherwise; tokens print as
 they are read back, then a line with prefill and decode tokens/s.
+
+Errors: a refused input, checkpoint, config or environment (a cupaged
+error) prints one line and exits with status 2; anything else is a bug in
+cupaged and prints one line and exits with status 1. --traceback (before or
+after the command) or CUPAGED_TRACEBACK=1 shows the traceback instead.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from . import CheckpointError, ConfigError, Engine, HostPlan, PagedAttentionError, SplitWorkspace, argmax_into, \
-    stream_for
+from . import CheckpointError, CompileError, ConfigError, Engine, HostPlan, KernelError, PagedAttentionError, \
+    SetupError, SplitWorkspace, argmax_into, stream_for
 from ._runtime import xp_of
 from .demo import tiny
 from .engine import parse_config
 from .testing import as_dtype, make_mla_case, make_paged_case, reference, tolerance
+
+#: Set (to anything but 0) for the traceback of every error, as --traceback.
+TRACEBACK_ENV = "CUPAGED_TRACEBACK"
+#: What a refused input or a broken environment raises: one line, exit status 2.
+REFUSED = (PagedAttentionError, ConfigError, CheckpointError, CompileError, SetupError, KernelError)
 
 
 def _like(force_cpu: bool):
@@ -179,12 +190,15 @@ def _tokenizer(folder: str):
         import tokenizers      # the optional `tokenizers` extra
     except ImportError:
         return None
-    return tokenizers.Tokenizer.from_file(str(path))
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:      # noqa: BLE001 -- tokenizers raises plain Exceptions for a bad file
+        raise CheckpointError(f"{path}: not a readable tokenizer.json: {e}") from None
 
 
 def _prompt_ids(text: str) -> list[int] | None:
     parts = text.replace(",", " ").split()
-    if not parts or not all(p.isdigit() for p in parts):
+    if not parts or not all(p.isascii() and p.isdigit() for p in parts):     # (not '²', '١')
         return None
     return [int(p) for p in parts]
 
@@ -304,6 +318,12 @@ def _opt(p, flag, type_, default, help_):
     p.add_argument(flag, type=type_, default=default, help=f"{help_} (default {default})")
 
 
+def _traceback_flag(p, default=argparse.SUPPRESS):
+    """--traceback (a subcommand's default leaves the top level's in place)."""
+    p.add_argument("--traceback", action="store_true", default=default,
+                   help=f"on an error, print its traceback, not one line (or set {TRACEBACK_ENV}=1)")
+
+
 def _demo_parser(sub):
     d = sub.add_parser("demo", help="tiny decoder: chunked prefill + graph decode, checked against float64",
                        description="A tiny Llama-style decoder (or DeepSeek-style MLA with --mla): chunked "
@@ -327,6 +347,7 @@ def _demo_parser(sub):
     _opt(d, "--seed", _int_in(0, 2**32 - 1), 0, "random seed")
     d.add_argument("--eager", action="store_true", help="no graph: issue every kernel per step")
     d.add_argument("--cpu", action="store_true", help="use the CPU backend even when a GPU is present")
+    _traceback_flag(d)
     d.set_defaults(fn=cmd_demo, checks=_check_demo)
 
 
@@ -345,6 +366,7 @@ def _check_parsers(sub):
     _opt(common, "--repeat", _int_in(1, 1000), 5, "timed runs")
     _opt(common, "--seed", _int_in(0, 2**32 - 1), 0, "random seed")
     common.add_argument("--cpu", action="store_true", help="use the CPU backend even when a GPU is present")
+    _traceback_flag(common)
     paged = _Parser(add_help=False)
     _opt(paged, "--batch", _int_in(1, 65536), 4, "sequences")
     _opt(paged, "--context", _int_in(1, 1 << 24), 300, "longest sequence")
@@ -401,11 +423,13 @@ def _generate_parser(sub):
     g.add_argument("--ids", action="store_true", help="read --prompt as token ids and print ids, even with a "
                                                       "tokenizer")
     g.add_argument("--cpu", action="store_true", help="use the CPU backend even when a GPU is present")
+    _traceback_flag(g)
     g.set_defaults(fn=cmd_generate, checks=None)
 
 
 def main(argv=None) -> int:
     p = _Parser(prog="python -m cupaged", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _traceback_flag(p, default=False)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     _demo_parser(sub)
     _check_parsers(sub)
@@ -416,11 +440,28 @@ def main(argv=None) -> int:
         p.exit(2, f"{prog}: unrecognized arguments: {' '.join(extra)} ({prog} --help lists its options)\n")
     if args.checks is not None:
         args.checks(_Parser(prog=prog), args)
+    if args.traceback or os.environ.get(TRACEBACK_ENV, "0") not in ("", "0"):
+        return args.fn(args)
     try:
         return args.fn(args)
-    except (PagedAttentionError, ConfigError, CheckpointError) as e:   # a refused input: one line, no traceback
-        print(f"{prog}: {e}", file=sys.stderr)
+    except REFUSED as e:        # a refused input or a broken environment: one line, no traceback
+        print(f"{prog}: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:      # noqa: BLE001 -- a bug: one line and how to see the traceback
+        print(f"{prog}: internal error (a bug in cupaged): {type(e).__name__}: {_one_line(e)}; rerun with "
+              f"--traceback or {TRACEBACK_ENV}=1 for the traceback", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    """The first line of an error's message (a compiler log has many), with
+    a count of the rest."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    more = len(lines) - 1
+    return lines[0] + (f" ({more} more line{'s' if more > 1 else ''}: --traceback shows them)" if more else "")
 
 
 if __name__ == "__main__":

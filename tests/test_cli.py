@@ -3,6 +3,8 @@ import re
 
 import pytest
 
+import cupaged
+import cupaged.__main__ as cli
 from cupaged.__main__ import main
 
 
@@ -70,3 +72,33 @@ def test_wrong_arguments_are_one_line(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["demo", "--cpu"], ["check", "argmax", "--cpu", "--repeat", "1"],
+                                  ["check", "attention", "--cpu", "--repeat", "1"]])
+def test_environment_errors_are_one_line_and_traceback_on_request(argv, capsys, monkeypatch):
+    """A broken environment (cupaged.SetupError: no compiler, a missing extra,
+    an unwritable cache) met by any command: one line, exit status 2; with
+    --traceback (or CUPAGED_TRACEBACK=1) the exception itself."""
+    def broken(*args, **kwargs):
+        raise cupaged.SetupError("no C++ compiler found: the CPU backend needs g++ (apt install g++)")
+    monkeypatch.setattr(cli, "_like", broken)
+    monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("python -m cupaged ") and ": no C++ compiler found: the CPU backend needs g++" in err
+    with pytest.raises(cupaged.SetupError):
+        main(argv + ["--traceback"])
+    with pytest.raises(cupaged.SetupError):
+        main(["--traceback"] + argv)
+    monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
+    with pytest.raises(cupaged.SetupError):
+        main(argv)
+
+
+def test_every_command_lists_the_traceback_flag(capsys):
+    for argv in (["demo", "--help"], ["check", "mla", "--help"], ["check", "argmax", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "--traceback" in capsys.readouterr().out, argv

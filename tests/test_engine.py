@@ -366,3 +366,131 @@ def test_prompt_needing_more_pages_than_the_cache(llama_folder):
                                                   r"\(num_pages\)"):
         e.generate([[1, 2], [3] * 20], 4)
     assert e.cache.num_free_pages == 2 and e.generate([[1, 2]], 4, stop_token_ids=()) != []
+
+
+# ---------------------------------------------------------------------------
+# stop / eos token ids and prompt token ids (issue #19, item 10)
+
+
+def test_stop_token_ids_may_be_one_int(llama_folder):
+    e = cupaged.Engine.from_pretrained(llama_folder, like=LIKE, max_batch=2, num_pages=16)
+    free = e.generate([[1, 2, 3]], 8, stop_token_ids=())[0]
+    stop = free[3]
+    want = free[:free.index(stop) + 1]
+    for ids in (stop, np.int64(stop), np.int32(stop), [stop], (stop, stop), np.array([stop]), np.array(stop), {stop}):
+        assert e.generate([[1, 2, 3]], 8, stop_token_ids=ids) == [want], ids
+    assert e.generate([[1, 2, 3]], 8, stop_token_ids=[]) == [free]
+
+
+@pytest.mark.parametrize("ids, match", [
+    (True, r"stop_token_ids: expected a token id or a list of token ids \(ints >= 0\), got True"),
+    (5.0, r"stop_token_ids: expected a token id or a list .*got 5.0"),
+    ("5", r"stop_token_ids: expected a token id or a list .*got '5'"),
+    ([1.5], r"stop_token_ids: expected a token id or a list .*got \[1.5\]"),
+    ([1, None], r"stop_token_ids: expected .*got \[1, None\]"),
+    ([[1, 2]], r"stop_token_ids: expected .*got \[\[1, 2\]\]"),
+    ({1: 2}, r"stop_token_ids: expected .*got \{1: 2\}"),
+    (-1, r"stop_token_ids: expected token ids >= 0, got \[-1\]"),
+    (np.array([3, -2]), r"stop_token_ids: expected token ids >= 0, got \[3, -2\]"),
+    (list(range(65)), r"stop_token_ids: expected at most 64 distinct token ids \(the decode graph's stop list\), "
+                      r"got 65"),
+])
+def test_stop_token_id_errors_change_nothing(llama_folder, ids, match):
+    e = cupaged.Engine.from_pretrained(llama_folder, like=LIKE, max_batch=2, num_pages=8)
+    free = e.cache.num_free_pages
+    with pytest.raises(PagedAttentionError, match=match):
+        e.generate([[1, 2]], 3, stop_token_ids=ids)
+    assert e.cache.num_free_pages == free and e.stats == {} and e._batches == {}
+    assert len(e.generate([[1, 2]], 3, stop_token_ids=list(range(64)) * 2)[0]) <= 3     # 64 distinct: fine
+
+
+def test_too_many_eos_ids_are_refused_at_load(tmp_path):
+    """A config whose eos list is longer than the decode graph's stop list is
+    refused when it is read, naming the field, not at every generate naming
+    stop_token_ids (which the caller never passed)."""
+    with pytest.raises(ConfigError, match=r"config.json: eos_token_id: expected at most 64 distinct token ids \(the "
+                                          r"decode graph's stop list\), got 65"):
+        parse_config(tiny_config(eos_token_id=list(range(65))))
+    assert parse_config(tiny_config(eos_token_id=list(range(64)) + [0, 1])).eos_token_ids == tuple(range(64))
+    assert parse_config(tiny_config(eos_token_id=7)).eos_token_ids == (7,)
+    with pytest.raises(ConfigError, match=r"config.json: eos_token_id: expected token ids >= 0, got \[2, -1\]"):
+        parse_config(tiny_config(eos_token_id=[2, -1]))
+    with pytest.raises(ConfigError, match=r"config.json: eos_token_id: expected a token id or a list .*got True"):
+        parse_config(tiny_config(eos_token_id=True))
+    folder = write_random_checkpoint(tmp_path, eos_token_id=list(range(65)))
+    with pytest.raises(ConfigError, match=r"config.json: eos_token_id: expected at most 64"):
+        cupaged.Engine.from_pretrained(folder, like=LIKE)
+
+
+@pytest.mark.parametrize("gen, error, match", [
+    ({"eos_token_id": list(range(100))}, ConfigError, r"generation_config.json: eos_token_id: expected at most 64"),
+    ({"eos_token_id": "</s>"}, ConfigError, r"generation_config.json: eos_token_id: expected a token id .*'</s>'"),
+    ({"eos_token_id": [1, -5]}, ConfigError, r"generation_config.json: eos_token_id: expected token ids >= 0"),
+    ([1, 2], CheckpointError, r"generation_config.json: expected a JSON object, got list"),
+    ("{not json", CheckpointError, r"generation_config.json: not readable JSON"),
+])
+def test_generation_config_eos_is_checked(tmp_path, gen, error, match):
+    """(A malformed generation_config.json used to be ignored silently,
+    falling back to config.json's eos ids.)"""
+    folder = write_random_checkpoint(tmp_path, eos_token_id=3)
+    (folder / "generation_config.json").write_text(gen if isinstance(gen, str) else json.dumps(gen))
+    with pytest.raises(error, match=match):
+        cupaged.Engine.from_pretrained(folder, like=LIKE)
+
+
+def test_generation_config_eos_is_used(tmp_path):
+    folder = write_random_checkpoint(tmp_path, eos_token_id=3)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 4, 9]}))
+    assert cupaged.Engine.from_pretrained(folder, like=LIKE, num_pages=8).eos_token_ids == (9, 4)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
+    assert cupaged.Engine.from_pretrained(folder, like=LIKE, num_pages=8).eos_token_ids == (3,)
+
+
+def test_engine_eos_token_ids_argument_is_checked(llama_folder):
+    assert cupaged.Engine.from_pretrained(llama_folder, like=LIKE, num_pages=8, eos_token_ids=7).eos_token_ids == (7,)
+    for ids, match in ((list(range(65)), r"eos_token_ids: expected at most 64 distinct token ids"),
+                       ([-1], r"eos_token_ids: expected token ids >= 0, got \[-1\]"),
+                       ("2", r"eos_token_ids: expected a token id or a list of token ids")):
+        with pytest.raises(PagedAttentionError, match=match):
+            cupaged.Engine.from_pretrained(llama_folder, like=LIKE, num_pages=8, eos_token_ids=ids)
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([[1, True]], r"prompts\[0\]\[1\]: expected a token id in 0..255, got bool True"),
+    ([[1], [np.bool_(False)]], r"prompts\[1\]\[0\]: expected a token id in 0..255, got bool False"),
+    ([[1.0, 2]], r"prompts\[0\]\[0\]: expected a token id in 0..255, got float 1.0"),
+    ([[3, 2 ** 70]], r"prompts\[0\]\[1\]: expected a token id in 0..255, got 1180591620717411303424"),
+    ([[3, -1]], r"prompts\[0\]\[1\]: expected a token id in 0..255, got -1"),
+    ([[255, 256]], r"prompts\[0\]\[1\]: expected a token id in 0..255, got 256"),
+    ([[1, [2]]], r"prompts\[0\]\[1\]: expected a token id in 0..255, got list \[2\]"),
+    ([[1, None]], r"prompts\[0\]\[1\]: expected a token id in 0..255, got NoneType None"),
+    ([[1, "2"]], r"prompts\[0\]\[1\]: expected a token id in 0..255, got str '2'"),
+    ([[1], np.array([4, 2 ** 16 - 1], np.uint16)], r"prompts\[1\]\[1\]: expected a token id in 0..255, got 65535"),
+    ([np.array([2 ** 64 - 1], np.uint64)], r"prompts\[0\]\[0\]: expected a token id in 0..255, got "
+                                           r"18446744073709551615"),
+    ([np.array([1.0, 2.0])], r"prompts\[0\]: expected a 1-D integer array of token ids, got float64 \[2\]"),
+    ([np.array([[1, 2]])], r"prompts\[0\]: expected a 1-D integer array of token ids, got int64 \[1, 2\]"),
+    ([np.array([True])], r"prompts\[0\]: expected a 1-D integer array of token ids, got bool \[1\]"),
+    ([5], r"prompts\[0\]: expected a list of token ids \(ints\), got int"),
+    ([iter([1, 2])], r"prompts\[0\]: expected a list of token ids \(ints\), got list_iterator"),
+    ([{1: 2}], r"prompts\[0\]: expected a list of token ids \(ints\), got dict"),
+    ([{3, 1}], r"prompts\[0\]: expected a list of token ids \(ints\), got set"),
+    ([b"\x01"], r"prompts\[0\]: expected token ids \(ints\), got a bytes"),
+])
+def test_prompt_token_ids_are_checked(llama_folder, prompts, match):
+    """Each prompt token is an int in 0..vocab-1, named by prompt and
+    position, before anything runs (a bool or a float is no token id)."""
+    e = cupaged.Engine.from_pretrained(llama_folder, like=LIKE, max_batch=2, num_pages=8)
+    free = e.cache.num_free_pages
+    with pytest.raises(PagedAttentionError, match=match):
+        e.generate(prompts, 2, stop_token_ids=())
+    assert e.cache.num_free_pages == free and e.stats == {} and e._batches == {}
+
+
+def test_prompt_token_ids_of_every_integer_kind(llama_folder):
+    e = cupaged.Engine.from_pretrained(llama_folder, like=LIKE, max_batch=2, num_pages=8)
+    want = e.generate([[7, 255, 0]], 3, stop_token_ids=())
+    for p in ((7, 255, 0), np.array([7, 255, 0], np.uint8), np.array([7, 255, 0], np.int32),
+              [np.int64(7), np.uint16(255), 0], range(7, 8)):
+        got = e.generate([p], 3, stop_token_ids=())
+        assert got == (want if len(p) == 3 else e.generate([[7]], 3, stop_token_ids=())), p

@@ -4,14 +4,17 @@ tokenizers package is installed), the closing tokens/s line, and one-line
 errors."""
 from __future__ import annotations
 
+import json
 import re
+import shutil
 
 import numpy as np
 import pytest
 
 import cupaged
+import cupaged.__main__ as cli
 from cupaged.__main__ import main
-from cupaged.testing import write_random_checkpoint
+from cupaged.testing import random_weights, save_safetensors, tiny_config, write_random_checkpoint
 
 LINE = re.compile(r"prefill: (\d+) tokens in [\d.]+ s \([\d.]+ tokens/s\); decode: (\d+) tokens in [\d.]+ s "
                   r"\([\d.]+ tokens/s, (\d+) graph launches\)")
@@ -67,6 +70,122 @@ def test_generate_errors_are_one_line(folder, capsys, argv, message):
         assert rc == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+@pytest.mark.parametrize("prompt", ["1 \u00b2", "\u00b9", "1 \u0661", "\uff15 6", "3 \u2467", "1 -2", "1 2.0"])
+def test_prompt_of_non_ascii_digits_is_one_line(folder, capsys, prompt):
+    """'²' is a digit to str.isdigit but no int; '١' (Arabic-Indic) is read by
+    int() as 1: only ASCII token ids are taken, anything else is refused."""
+    assert main(["generate", "--cpu", "--model", str(folder), "--prompt", prompt]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"--prompt: expected token ids like '1 2 3' (the model folder has no tokenizer.json), got {prompt!r}" in err
+
+
+def _failing_engine(monkeypatch, error):
+    class Failing:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            raise error
+    monkeypatch.setattr(cli, "Engine", Failing)
+    monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
+
+
+@pytest.mark.parametrize("error", [
+    cupaged.SetupError("no C++ compiler: the CPU backend needs g++ >= 9 (apt install g++)"),
+    cupaged.CompileError("g++ failed for paged_attention:\nerror: 'x' was not declared\n  1 | x;\n"),
+    cupaged.KernelError("paged_attention: barrier never completed"),
+    cupaged.ConfigError("config.json: LlamaForCausalLM: hidden_act: expected 'silu', got 'gelu'"),
+    cupaged.CheckpointError("model.safetensors: truncated"),
+    cupaged.PagedAttentionError("num_pages: expected an int in 1..2147483647, got 0"),
+])
+def test_cupaged_errors_are_one_line_with_status_2(folder, capsys, monkeypatch, error):
+    """A broken environment (SetupError), a compile or kernel failure, a bad
+    config, checkpoint or argument: one line, exit status 2, no traceback."""
+    _failing_engine(monkeypatch, error)
+    assert main(["generate", "--cpu", "--model", str(folder), "--prompt", "1 2"]) == 2
+    err = capsys.readouterr().err
+    first = str(error).splitlines()[0]
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"python -m cupaged generate: {first}"), err
+    if isinstance(error, cupaged.CompileError):
+        assert "(2 more lines: --traceback shows them)" in err
+
+
+def test_a_bug_is_one_line_saying_how_to_get_the_traceback(folder, capsys, monkeypatch):
+    _failing_engine(monkeypatch, TypeError("unsupported operand type(s)"))
+    argv = ["generate", "--cpu", "--model", str(folder), "--prompt", "1 2"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert ("python -m cupaged generate: internal error (a bug in cupaged): TypeError: unsupported operand type(s); "
+            "rerun with --traceback or CUPAGED_TRACEBACK=1 for the traceback") in err
+    for flags in (argv + ["--traceback"], ["--traceback"] + argv):
+        with pytest.raises(TypeError, match="unsupported operand"):
+            main(flags)
+    monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
+    with pytest.raises(TypeError, match="unsupported operand"):
+        main(argv)
+    monkeypatch.setenv(cli.TRACEBACK_ENV, "0")
+    assert main(argv) == 1
+    _failing_engine(monkeypatch, cupaged.SetupError("no g++"))
+    with pytest.raises(cupaged.SetupError):                 # --traceback shows cupaged errors' tracebacks too
+        main(argv + ["--traceback"])
+
+
+def test_an_interrupt_is_one_line(folder, capsys, monkeypatch):
+    _failing_engine(monkeypatch, KeyboardInterrupt())
+    assert main(["generate", "--cpu", "--model", str(folder), "--prompt", "1 2"]) == 130
+    assert capsys.readouterr().err == "python -m cupaged generate: interrupted\n"
+
+
+def test_help_documents_the_traceback_switch(capsys):
+    for argv in (["--help"], ["generate", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--traceback" in text and "CUPAGED_TRACEBACK=1" in text, text
+
+
+def _broken_folder(tmp_path, how):
+    cfg = tiny_config("LlamaForCausalLM", eos_token_id=list(range(70)) if how == "eos" else None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    w = random_weights(cfg)
+    if how == "int weight":
+        w["model.layers.1.mlp.gate_proj.weight"] = np.zeros((128, 64), np.int32)
+    save_safetensors(tmp_path / "model.safetensors", w)
+    if how == "index":
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["x"]}))
+    if how == "generation_config":
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    if how == "header":
+        raw = (tmp_path / "model.safetensors").read_bytes()
+        (tmp_path / "model.safetensors").write_bytes(raw[:8] + raw[8:16].replace(b"{", b"[") + raw[16:])
+    return tmp_path
+
+
+@pytest.mark.parametrize("how, message", [
+    ("int weight", r"tensor 'model.layers.1.mlp.gate_proj.weight': expected a floating-point weight .*got I32"),
+    ("eos", r"config.json: eos_token_id: expected at most 64 distinct token ids"),
+    ("index", r"model.safetensors.index.json: weight_map: expected a JSON object"),
+    ("generation_config", r"generation_config.json: eos_token_id: expected a token id"),
+    ("header", r"model.safetensors: not a safetensors file: its header is not JSON"),
+])
+def test_broken_checkpoints_are_one_line(tmp_path, capsys, how, message):
+    folder = _broken_folder(tmp_path, how)
+    assert main(["generate", "--cpu", "--model", str(folder), "--prompt", "1 2"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_unreadable_tokenizer_is_one_line(folder, tmp_path, capsys):
+    pytest.importorskip("tokenizers", reason="reading tokenizer.json needs the tokenizers package")
+    shutil.copytree(folder, tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").write_text('{"version": "1.0", "model": 5}')
+    assert main(["generate", "--cpu", "--model", str(tmp_path / "m"), "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "tokenizer.json: not a readable tokenizer.json" in err, err
 
 
 class _no_exit:

@@ -7,13 +7,20 @@ Safetensors files are read through a NumPy memory map: the format is an
 shape and byte range) and the raw little-endian data, so every tensor is a
 zero-copy view of the mapped file (bfloat16 as ``ml_dtypes.bfloat16``, which
 the safetensors package's NumPy API cannot return). The header is checked in
-full before anything is mapped: a known dtype, a byte range of exactly
-shape x itemsize, ranges in order inside the file; a truncated file names
-the tensor that runs past its end.
+full before anything is mapped (``SafetensorsFile``): a sane length, a JSON
+object without duplicate keys, ``__metadata__`` a str -> str map, and per
+tensor a known dtype name, a list of int dims, a byte range of exactly
+shape x itemsize (Python ints: no overflow) inside the file and shared with
+no other tensor; a truncated file names the tensor that runs past its end.
+Every tensor the engine reads is a weight and must be floating point
+(``FLOAT_DTYPES``): an integer or bool tensor in a weight's place is refused,
+not cast. A ``model.safetensors.index.json`` decides which file holds each
+tensor it names.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -30,8 +37,13 @@ SAFETENSORS_DTYPES = {
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
+_ST_NAME_OF = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+#: The dtypes a weight may be stored in (converted to the engine's dtype on load).
+FLOAT_DTYPES = tuple(SAFETENSORS_DTYPES[k] for k in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"))
 #: Largest JSON header read (the format's own limit is 100 MB).
 MAX_HEADER = 100 << 20
+#: Most dims of a tensor (NumPy 1's limit), and the largest dim (NumPy's intp).
+MAX_DIMS, MAX_DIM = 32, (1 << 63) - 1
 
 
 class SafetensorsFile:
@@ -57,38 +69,14 @@ class SafetensorsFile:
                 text = fh.read(n)
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot read: {e}") from None
-        try:
-            header = json.loads(text.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{self.path}: not a safetensors file: its header is not JSON ({e})") from None
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{self.path}: not a safetensors file: its header is not a JSON object")
-        self.metadata = header.pop("__metadata__", None) or {}
+        header = _header_json(self.path, text)
+        self.metadata = _metadata(self.path, header.pop("__metadata__", None))
         data = size - 8 - n
         self._start = 8 + n
         self._tensors: dict[str, tuple] = {}
         for name, info in header.items():
-            if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-                raise CheckpointError(f"{self.path}: tensor {name!r}: expected dtype, shape and data_offsets in the "
-                                      f"header, got {info!r}")
-            dt = SAFETENSORS_DTYPES.get(info["dtype"])
-            if dt is None:
-                raise CheckpointError(f"{self.path}: tensor {name!r}: dtype {info['dtype']!r} is not supported "
-                                      f"(known: {', '.join(SAFETENSORS_DTYPES)})")
-            shape, offs = info["shape"], info["data_offsets"]
-            if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-                    and isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
-                    and 0 <= offs[0] <= offs[1]):
-                raise CheckpointError(f"{self.path}: tensor {name!r}: malformed shape {shape!r} or data_offsets "
-                                      f"{offs!r}")
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            if offs[1] - offs[0] != nbytes:
-                raise CheckpointError(f"{self.path}: tensor {name!r}: {info['dtype']} {shape} needs {nbytes} bytes, "
-                                      f"its data_offsets {offs} span {offs[1] - offs[0]}")
-            if offs[1] > data:
-                raise CheckpointError(f"{self.path}: truncated: tensor {name!r} ends at data byte {offs[1]}, the "
-                                      f"file holds {data} data bytes ({size} bytes in all)")
-            self._tensors[name] = (dt, tuple(shape), offs[0], offs[1])
+            self._tensors[name] = _tensor_entry(self.path, name, info, data, size)
+        _no_overlap(self.path, self._tensors)
         self._map = None
 
     @property
@@ -113,9 +101,96 @@ class SafetensorsFile:
         return raw.view(dt).reshape(shape)
 
 
+class _Duplicate(Exception):
+    pass
+
+
+def _pairs(pairs) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Duplicate(k)
+        out[k] = v
+    return out
+
+
+def _constant(c):
+    raise ValueError(f"{c} is not JSON")
+
+
+def _header_json(path: Path, text: bytes) -> dict:
+    """The header: a JSON object (strict JSON: no NaN / Infinity, no key twice)."""
+    try:
+        header = json.loads(text.decode("utf-8"), object_pairs_hook=_pairs, parse_constant=_constant)
+    except _Duplicate as e:
+        raise CheckpointError(f"{path}: not a safetensors file: key {e.args[0]!r} appears twice in its header") \
+            from None
+    except (UnicodeDecodeError, ValueError) as e:     # (json.JSONDecodeError is a ValueError)
+        raise CheckpointError(f"{path}: not a safetensors file: its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file: its header is not a JSON object, got "
+                              f"{type(header).__name__}")
+    return header
+
+
+def _metadata(path: Path, meta) -> dict:
+    """``__metadata__``: absent, null or a str -> str map."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointError(f"{path}: __metadata__: expected a map of strings to strings, got {meta!r}"[:300])
+    return meta
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _tensor_entry(path: Path, name: str, info, data: int, size: int) -> tuple:
+    """(dtype, shape, begin, end) of one header entry, every field checked:
+    begin / end are offsets into the ``data`` bytes after the header."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise CheckpointError(f"{path}: tensor {name!r}: expected dtype, shape and data_offsets in the "
+                              f"header, got {info!r}"[:300])
+    kind, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+    dt = SAFETENSORS_DTYPES.get(kind) if isinstance(kind, str) else None
+    if dt is None:
+        raise CheckpointError(f"{path}: tensor {name!r}: dtype {kind!r} is not supported "
+                              f"(known: {', '.join(SAFETENSORS_DTYPES)})")
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_int(d) and 0 <= d <= MAX_DIM
+                                                                       for d in shape)):
+        raise CheckpointError(f"{path}: tensor {name!r}: shape: expected a list of at most {MAX_DIMS} ints in "
+                              f"0..{MAX_DIM}, got {shape!r}"[:300])
+    if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs) and 0 <= offs[0] <= offs[1]):
+        raise CheckpointError(f"{path}: tensor {name!r}: data_offsets: expected [begin, end] ints with 0 <= begin "
+                              f"<= end, got {offs!r}"[:300])
+    nbytes = math.prod(shape) * dt.itemsize          # Python ints: no overflow
+    if offs[1] - offs[0] != nbytes:
+        raise CheckpointError(f"{path}: tensor {name!r}: {kind} {shape} needs {nbytes} bytes, its data_offsets "
+                              f"{offs} span {offs[1] - offs[0]}")
+    if offs[1] > data:
+        raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at data byte {offs[1]}, the file holds "
+                              f"{data} data bytes ({size} bytes in all)")
+    return dt, tuple(shape), offs[0], offs[1]
+
+
+def _no_overlap(path: Path, tensors: dict) -> None:
+    """No two tensors' [begin, end) byte ranges intersect (empty ones never do)."""
+    spans = sorted((a, b, name) for name, (_, _, a, b) in tensors.items() if b > a)
+    reach, owner = 0, None
+    for a, b, name in spans:
+        if owner is not None and a < reach:
+            oa, ob = tensors[owner][2:]
+            raise CheckpointError(f"{path}: tensors {owner!r} and {name!r}: overlapping data_offsets [{oa}, {ob}) "
+                                  f"and [{a}, {b}); each tensor needs bytes of its own")
+        if b > reach:
+            reach, owner = b, name
+
+
 class Checkpoint:
     """Tensors by name from safetensors files or a state dict, all host
-    (NumPy) arrays. ``get(name, shape)`` checks presence and shape."""
+    (NumPy) arrays. ``get(name, shape)`` checks presence, a floating-point
+    dtype and the shape."""
 
     def __init__(self, tensors: dict, where: str, files=()):
         self._tensors = tensors          # name -> (source, key): SafetensorsFile or a dict of arrays
@@ -139,21 +214,20 @@ class Checkpoint:
 
     @classmethod
     def from_folder(cls, path) -> "Checkpoint":
-        """The tensors of every ``*.safetensors`` file of a model folder
-        (``model.safetensors.index.json``, when present, must name only files
-        that exist); each file's header is checked, no data is read."""
+        """The tensors of a model folder's ``*.safetensors`` files; with a
+        ``model.safetensors.index.json``, the files its weight_map names (each
+        must exist and hold the tensors mapped to it). Each file's header is
+        checked, no data is read; a tensor in two files is refused."""
         root = Path(path)
-        files = sorted(root.glob("*.safetensors"))
-        index = root / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text()).get("weight_map", {})
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-                raise CheckpointError(f"{index}: not a readable index: {e}") from None
+        weight_map = _weight_map(root / "model.safetensors.index.json")
+        if weight_map is not None:
             missing = sorted({f for f in weight_map.values() if not (root / f).is_file()})
             if missing:
                 raise CheckpointError(f"{root}: missing safetensors shard(s) {', '.join(missing)} named by "
-                                      f"{index.name}")
+                                      f"model.safetensors.index.json")
+            files = [root / f for f in sorted(set(weight_map.values()))]
+        else:
+            files = sorted(root.glob("*.safetensors"))
         if not files:
             others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
             hint = f" (found {', '.join(others)}: save with save_pretrained(safe_serialization=True))" if others \
@@ -163,7 +237,16 @@ class Checkpoint:
         for p in files:
             st = SafetensorsFile(p)
             for name in st.names:
-                tensors.setdefault(name, (st, name))
+                if name in tensors and (weight_map is None or name not in weight_map):
+                    raise CheckpointError(f"{root}: tensor {name!r} is in both {tensors[name][0].path.name} and "
+                                          f"{p.name}" + ("" if weight_map is None else
+                                                         " and model.safetensors.index.json names neither"))
+                if weight_map is None or weight_map.get(name, p.name) == p.name:
+                    tensors[name] = (st, name)
+        for name, f in (weight_map or {}).items():
+            if name not in tensors:
+                raise CheckpointError(f"{root / f}: missing tensor {name!r} (model.safetensors.index.json puts it "
+                                      f"there)")
         return cls(tensors, str(root), files)
 
     @classmethod
@@ -182,25 +265,64 @@ class Checkpoint:
         return self._tensors.keys()
 
     def get(self, name: str, shape=None) -> np.ndarray:
-        """The host array of tensor ``name``; CheckpointError when it is
-        missing or not of ``shape``."""
-        entry = self._tensors.get(name)
-        if entry is None:
-            raise CheckpointError(f"{self.where}: missing tensor {name!r}")
-        src, key = entry
-        a = src.get(key) if isinstance(src, SafetensorsFile) else _host(src[key])
+        """The host array of weight ``name``; CheckpointError when it is
+        missing, not floating point or not of ``shape``."""
+        a = self._array(name)
+        _float_weight(self.where, name, a.dtype)
         if shape is not None and tuple(a.shape) != tuple(shape):
             raise CheckpointError(f"{self.where}: tensor {name!r}: expected shape {list(shape)}, got {list(a.shape)}")
         return a
 
     def dtype_of(self, name: str) -> np.dtype:
+        """The stored dtype of weight ``name`` (floating point, else CheckpointError)."""
+        entry = self._entry(name)
+        src, key = entry
+        dt = src.info(key)[0] if isinstance(src, SafetensorsFile) else self._array(name).dtype
+        _float_weight(self.where, name, dt)
+        return dt
+
+    def _entry(self, name: str) -> tuple:
         entry = self._tensors.get(name)
         if entry is None:
             raise CheckpointError(f"{self.where}: missing tensor {name!r}")
-        src, key = entry
-        if isinstance(src, SafetensorsFile):
-            return src.info(key)[0]
-        return _host(src[key]).dtype
+        return entry
+
+    def _array(self, name: str) -> np.ndarray:
+        src, key = self._entry(name)
+        return src.get(key) if isinstance(src, SafetensorsFile) else _host(src[key])
+
+
+def _float_weight(where: str, name: str, dt: np.dtype) -> None:
+    if np.dtype(dt) not in FLOAT_DTYPES:
+        known = ", ".join(_ST_NAME_OF[d] for d in FLOAT_DTYPES)
+        raise CheckpointError(f"{where}: tensor {name!r}: expected a floating-point weight ({known}), got "
+                              f"{_ST_NAME_OF.get(np.dtype(dt), np.dtype(dt).name)}; an integer or bool tensor is "
+                              f"not cast into a weight")
+
+
+def _weight_map(index: Path) -> dict | None:
+    """The ``weight_map`` of a model.safetensors.index.json (None: no index):
+    a JSON object of tensor names -> file names in the folder."""
+    if not index.is_file():
+        return None
+    try:
+        raw = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index}: not a readable index: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{index}: expected a JSON object with a weight_map, got {type(raw).__name__}")
+    wm = raw.get("weight_map")
+    if not isinstance(wm, dict):
+        shown = "nothing (missing)" if "weight_map" not in raw else f"{type(wm).__name__} {wm!r}"[:200]
+        raise CheckpointError(f"{index}: weight_map: expected a JSON object of tensor name -> file name, got {shown}")
+    if not wm:
+        raise CheckpointError(f"{index}: weight_map: expected a JSON object of tensor name -> file name, got an "
+                              f"empty one")
+    for name, f in wm.items():
+        if not (isinstance(f, str) and f.endswith(".safetensors") and Path(f).name == f and f not in (".", "..")):
+            raise CheckpointError(f"{index}: weight_map[{name!r}]: expected a *.safetensors file name in the folder, "
+                                  f"got {f!r}"[:300])
+    return wm
 
 
 def _host(t) -> np.ndarray:
@@ -213,5 +335,9 @@ def _host(t) -> np.ndarray:
         t = t.detach().to("cpu").contiguous()
         if t.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        fp8 = {getattr(torch, "float8_e4m3fn", None): ml_dtypes.float8_e4m3fn,
+               getattr(torch, "float8_e5m2", None): ml_dtypes.float8_e5m2}.get(t.dtype)
+        if fp8 is not None:         # (torch's .numpy() has no fp8)
+            return t.view(torch.uint8).numpy().view(fp8)
         return t.numpy()
     return np.asarray(t)

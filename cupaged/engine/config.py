@@ -29,7 +29,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..errors import ConfigError
+from ..ops.advance import MAX_STOP_IDS
 
 #: Rope types the engine computes tables for (``rope.py``).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -169,15 +172,33 @@ def _architecture(raw: dict, hint: str | None) -> str:
                       f"model_type: {', '.join(MODEL_TYPES)}), got architectures={archs!r}, model_type={mt!r}")
 
 
-def _eos(raw: dict) -> tuple:
-    e = raw.get("eos_token_id")
-    if e is None:
+def token_ids(name: str, value, error=ConfigError) -> tuple:
+    """Stop (eos) token ids: None (none), an int, or a sequence of ints >= 0,
+    returned distinct and in order; at most ``MAX_STOP_IDS`` of them (the
+    decode graph's stop list). Anything else raises ``error`` naming
+    ``name``."""
+    if value is None:
         return ()
-    if isinstance(e, int) and not isinstance(e, bool):
-        return (e,)
-    if isinstance(e, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in e):
-        return tuple(e)
-    raise ConfigError(f"config.json: eos_token_id: expected an integer or a list of integers, got {e!r}")
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    one = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    items = [value] if one else value
+    if not one and (isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__")):
+        raise error(f"{name}: expected a token id or a list of token ids (ints >= 0), got {value!r}"[:300])
+    items = list(items)
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in items):
+        raise error(f"{name}: expected a token id or a list of token ids (ints >= 0), got {value!r}"[:300])
+    ids = tuple(dict.fromkeys(int(t) for t in items))
+    if any(t < 0 for t in ids):
+        raise error(f"{name}: expected token ids >= 0, got {list(ids)}"[:300])
+    if len(ids) > MAX_STOP_IDS:
+        raise error(f"{name}: expected at most {MAX_STOP_IDS} distinct token ids (the decode graph's stop list), "
+                    f"got {len(ids)}")
+    return ids
+
+
+def _eos(raw: dict) -> tuple:
+    return token_ids("config.json: eos_token_id", raw.get("eos_token_id"))
 
 
 def _common(f: _Fields) -> dict:

@@ -11,11 +11,10 @@ from .. import dtypes
 from .._runtime import GPU, array_backend, checks, stream_for
 from ..batch import DecodeBatch
 from ..cache import PagedKVCache
-from ..errors import PagedAttentionError
+from ..errors import CheckpointError, PagedAttentionError
 from ..layout import MAX_PAGE_SIZE
-from ..ops.advance import MAX_STOP_IDS
 from .checkpoint import Checkpoint
-from .config import ModelConfig, parse_config
+from .config import ModelConfig, parse_config, token_ids
 from .dense import DenseLM
 from .mla import MlaLM
 from .scheduler import Scheduler
@@ -101,7 +100,8 @@ class Engine:
         elif array_backend(like) != GPU:
             limit = max(2, min(limit, CPU_DEFAULT_TOKENS))
         self.config, self.like, self.dtype = cfg, like, dt.np_dtype
-        self.eos_token_ids = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.eos_token_ids = cfg.eos_token_ids if eos_token_ids is None else \
+            token_ids("eos_token_ids", eos_token_ids, PagedAttentionError)
         family = {"dense": DenseLM, "mla": MlaLM}[cfg.family]
         rows = max(self.prefill_chunk, self.max_batch)
         self.model = family(cfg, ckpt, like, dt.np_dtype, max_rows=rows, max_logits=self.max_batch,
@@ -129,14 +129,15 @@ class Engine:
         downloaded), read through memory maps; the stop tokens default to
         ``generation_config.json``'s eos_token_id, else config.json's. Further
         options: see the class docstring. Raises CheckpointError (files) or
-        ConfigError (an architecture or field it cannot run): the config
-        is checked before any safetensors file is opened."""
+        ConfigError (an architecture or field it cannot run, eos ids it
+        cannot stop on): the configs are checked before any safetensors
+        file is opened."""
         raw = Checkpoint.read_config(path)
         cfg = parse_config(raw)
-        ckpt = Checkpoint.from_folder(path)
         eos = options.pop("eos_token_ids", None)
         if eos is None:
             eos = _generation_eos(Path(path))
+        ckpt = Checkpoint.from_folder(path)
         return cls(cfg, ckpt, like=like, dtype=dtype, page_size=page_size, num_pages=num_pages,
                    max_batch=max_batch, prefix_cache=prefix_cache, eos_token_ids=eos, **options)
 
@@ -158,7 +159,7 @@ class Engine:
         eos = options.pop("eos_token_ids", None)
         if eos is None:
             gen = getattr(model, "generation_config", None)
-            eos = _eos_list(getattr(gen, "eos_token_id", None)) if gen is not None else None
+            eos = token_ids("generation_config.eos_token_id", getattr(gen, "eos_token_id", None)) or None
         return cls(cfg, ckpt, like=like, dtype=dtype, page_size=page_size, num_pages=num_pages,
                    max_batch=max_batch, prefix_cache=prefix_cache, eos_token_ids=eos, **options)
 
@@ -189,8 +190,9 @@ class Engine:
         generated token ids: ``max_new_tokens`` of them, or fewer when a stop
         token came (it is included, as in transformers' greedy generate).
 
-        stop_token_ids: tokens that end a sequence (default: the model's eos
-        tokens, ``self.eos_token_ids``; ``()`` for none). on_tokens(index,
+        stop_token_ids: a token id, or token ids, that end a sequence (at most
+        ``ops.advance.MAX_STOP_IDS`` distinct; default: the model's eos tokens, ``self.eos_token_ids``;
+        ``()`` for none). Prompt tokens are ints in 0..vocab-1. on_tokens(index,
         tokens): called with each prompt's new tokens as they are read back.
         return_logits: also return, per prompt, float32 logits [generated,
         vocab] of every step (for checking; it reads back after every decode
@@ -226,17 +228,8 @@ class Engine:
         max_new = checks.host_int("max_new_tokens", max_new_tokens, 1, self.max_model_len - 1)
         vocab, out = self.config.vocab, []
         for i, p in enumerate(prompts):
-            if isinstance(p, (str, bytes)):
-                raise PagedAttentionError(f"prompts[{i}]: expected token ids (ints), got a {type(p).__name__}; "
-                                          f"tokenize it first")
-            ids = checks.host_int_array(f"prompts[{i}]", p, 1)
-            if ids.shape[0] == 0:
-                raise PagedAttentionError(f"prompts[{i}]: expected at least one token, got none")
-            bad = (ids < 0) | (ids >= vocab)
-            if bad.any():
-                j = int(np.argmax(bad))
-                raise PagedAttentionError(f"prompts[{i}][{j}]: expected a token id in 0..{vocab - 1}, got {ids[j]}")
-            n = int(ids.shape[0])
+            ids = _prompt_ids(f"prompts[{i}]", p, vocab)
+            n = len(ids)
             if n + max_new > self.max_model_len:
                 raise PagedAttentionError(
                     f"prompts[{i}]: {n} tokens + max_new_tokens {max_new} = {n + max_new} exceed the engine's "
@@ -245,17 +238,10 @@ class Engine:
             if pages > self.num_pages:
                 raise PagedAttentionError(f"prompts[{i}]: needs {pages} pages of {self.page_size} tokens, the cache "
                                           f"has {self.num_pages} (num_pages)")
-            out.append([int(t) for t in ids])
-        if stop_token_ids is None:
-            stop = tuple(self.eos_token_ids)
-        else:
-            arr = checks.host_int_array("stop_token_ids", list(stop_token_ids), 1)
-            if (arr < 0).any():
-                raise PagedAttentionError(f"stop_token_ids: expected token ids >= 0, got {arr.tolist()}")
-            stop = tuple(int(t) for t in arr)
-        stop = tuple(sorted(set(stop)))
-        if len(stop) > MAX_STOP_IDS:
-            raise PagedAttentionError(f"stop_token_ids: expected at most {MAX_STOP_IDS} tokens, got {len(stop)}")
+            out.append(ids)
+        stop = self.eos_token_ids if stop_token_ids is None else \
+            token_ids("stop_token_ids", stop_token_ids, PagedAttentionError)
+        stop = tuple(sorted(stop))
         return out, max_new, stop
 
     # -- decode batches ---------------------------------------------------------
@@ -289,24 +275,41 @@ class Engine:
         batch.join(seq, token, max_len=max_len)
 
 
-def _eos_list(e):
-    if e is None:
-        return None
-    if isinstance(e, int):
-        return (e,)
-    return tuple(int(t) for t in e)
+def _prompt_ids(name: str, p, vocab: int) -> list[int]:
+    """One prompt as a list of token ids, each an int in 0..vocab-1 (a
+    Python int or NumPy integer, not a bool), at least one."""
+    if isinstance(p, (str, bytes)):
+        raise PagedAttentionError(f"{name}: expected token ids (ints), got a {type(p).__name__}; tokenize it first")
+    if array_backend(p) == GPU:
+        raise PagedAttentionError(f"{name}: expected host token ids (a list or NumPy array), got a CuPy array")
+    if isinstance(p, np.ndarray):
+        if p.ndim != 1 or p.dtype.kind not in "iu":
+            raise PagedAttentionError(f"{name}: expected a 1-D integer array of token ids, got {p.dtype} "
+                                      f"{list(p.shape)}")
+        p = p.tolist()
+    elif not hasattr(p, "__len__") or not hasattr(p, "__iter__") or isinstance(p, (dict, set, frozenset)):
+        raise PagedAttentionError(f"{name}: expected a list of token ids (ints), got {type(p).__name__}")
+    ids = list(p)
+    if not ids:
+        raise PagedAttentionError(f"{name}: expected at least one token, got none")
+    for j, t in enumerate(ids):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+            t = t.item() if isinstance(t, np.generic) else t
+            shown = t if isinstance(t, int) and not isinstance(t, bool) else f"{type(t).__name__} {t!r}"[:100]
+            raise PagedAttentionError(f"{name}[{j}]: expected a token id in 0..{vocab - 1}, got {shown}")
+    return [int(t) for t in ids]
 
 
 def _generation_eos(folder: Path):
-    """eos_token_id of the folder's generation_config.json (None: absent)."""
+    """eos_token_id of the folder's generation_config.json (None: no file or
+    no eos_token_id in it; ConfigError: one the engine cannot use)."""
     p = folder / "generation_config.json"
     if not p.is_file():
         return None
     try:
-        e = json.loads(p.read_text()).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if isinstance(e, bool) or not (e is None or isinstance(e, int) or (isinstance(e, list)
-                                                                        and all(isinstance(t, int) for t in e))):
-        return None
-    return _eos_list(e)
+        raw = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{p}: not readable JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{p}: expected a JSON object, got {type(raw).__name__}")
+    return token_ids("generation_config.json: eos_token_id", raw.get("eos_token_id")) or None

@@ -18,7 +18,8 @@ import numpy as np
 
 #: NumPy dtype names -> safetensors dtype names.
 _ST_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-             "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+             "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+             "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "DeepseekV2ForCausalLM": "deepseek_v2",
@@ -46,6 +47,17 @@ def save_safetensors(path, tensors: dict, metadata: dict | None = None) -> Path:
         fh.write(text)
         for b in blobs:
             fh.write(b)
+    return path
+
+
+def save_raw_safetensors(path, header, data: bytes = b"") -> Path:
+    """Write a safetensors file with exactly this header (a dict, JSON-encoded
+    as is, or the header's bytes / text) and ``data``: for broken files."""
+    if isinstance(header, dict):
+        header = json.dumps(header)
+    text = header.encode() if isinstance(header, str) else header
+    path = Path(path)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
     return path
 
 
