@@ -18,7 +18,10 @@ message naming the kernel, as a GPU would fault.
 Environment:
 
 * ``CUPAGED_CACHE_DIR``: where built libraries go (default ``~/.cache/cupaged/cpu``).
-* ``CUPAGED_CXX``: the C++ compiler (default ``g++``; GCC 12 or later).
+  A read-only one (a pre-warmed deployment image) serves the libraries it
+  holds; the others are built in a per-user folder (``build_dir``), told once
+  per process on stderr.
+* ``CUPAGED_CXX``: the C++ compiler (default ``g++``; GCC 12 or later, checked).
 * ``CUPAGED_CPU_WORKERS``: number of worker threads, 1 to 1024 (default: the CPUs
   this process may run on); parsed once, by ``configured_workers``.
 * ``CUPAGED_CPU_CXXFLAGS``: extra flags for kernel modules (e.g. ``-g -O0``).
@@ -50,14 +53,16 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import CompileError, KernelError, PagedAttentionError
+from ..errors import CompileError, KernelError, PagedAttentionError, SetupError
 from . import source as _source
 from .structs import StructArg
 
@@ -85,15 +90,121 @@ _modules: dict[str, "CpuModule"] = {}
 
 
 # ---- configuration -----------------------------------------------------------
+MIN_GCC = 12    # the oldest g++ the shim is written for (C++20 std::source_location, -fno-extern-tls-init)
+_FIX_CXX = f"install g++ {MIN_GCC} or later (apt-get install g++) or set CUPAGED_CXX to its path"
+
+
 def cache_dir() -> Path:
-    """Folder of built libraries: ``$CUPAGED_CACHE_DIR`` or ``~/.cache/cupaged/cpu``."""
+    """Folder of built libraries: ``$CUPAGED_CACHE_DIR`` or ``~/.cache/cupaged/cpu``.
+    Libraries are looked up there first, without writing to it: it may be a
+    read-only pre-warmed cache (a deployment image). Those it lacks are built
+    in ``build_dir()``."""
     d = os.environ.get("CUPAGED_CACHE_DIR")
-    path = Path(d).expanduser() if d else Path.home() / ".cache" / "cupaged" / "cpu"
+    return Path(d).expanduser() if d else _user_cache() / "cupaged" / "cpu"
+
+
+def _user_cache() -> Path:
+    return Path.home() / ".cache"
+
+
+def fallback_dirs(primary: Path, sub: str) -> list[Path]:
+    """Per-user folders for new files when ``primary`` is not writable:
+    ``$XDG_CACHE_HOME/cupaged/<sub>``, ``~/.cache/cupaged/<sub>``, then
+    ``_private_tmp() / sub``."""
+    out = []
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):
+        out.append(Path(xdg) / "cupaged" / sub)
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        out.append(_user_cache() / "cupaged" / sub)
+    except RuntimeError:    # no home folder
+        pass
+    out.append(_private_tmp() / sub)
+    return list(dict.fromkeys(p for p in out if p != primary))
+
+
+def _private_tmp() -> Path:
+    """``$TMPDIR/cupaged-<uid>`` (or the system temp folder's)."""
+    return Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"cupaged-{os.geteuid()}"
+
+
+def unwritable(folder: Path) -> str | None:
+    """None when files can be created in ``folder`` (made if missing), else
+    why not. Tried, not read from mode bits, which root, ACLs and read-only
+    mounts make unreliable. The folder under a shared temp folder must be
+    ours alone: libraries found there are loaded into this process."""
+    private = _private_tmp()
+    try:
+        if folder.parent == private:
+            private.mkdir(mode=0o700, exist_ok=True)
+            st = private.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                return f"{private} is not a folder of this user alone"
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
-        raise CompileError(f"cannot create the CPU kernel cache {path}: {e} (set CUPAGED_CACHE_DIR)") from None
+        return e.strerror or str(e)
+    return None
+
+
+_noticed: set[Path] = set()
+
+
+def build_dir() -> Path:
+    """The folder new CPU libraries are built in (``writable_dir`` of ``cache_dir()``)."""
+    return writable_dir(cache_dir(), "cpu", "CPU kernels", "CUPAGED_CACHE_DIR")
+
+
+def writable_dir(primary: Path, sub: str, what: str, variable: str) -> Path:
+    """``primary`` when files can be made there, else the first writable
+    per-user fallback (``fallback_dirs(primary, sub)``), told once per
+    process in one line on stderr (``what`` is built there). SetupError,
+    naming the environment variable ``variable`` that sets ``primary``,
+    when none is writable."""
+    why = unwritable(primary)
+    if why is None:
+        return primary
+    tried = []
+    for folder in fallback_dirs(primary, sub):
+        other = unwritable(folder)
+        if other is None:
+            with _lock:
+                if primary not in _noticed:
+                    _noticed.add(primary)
+                    print(f"cupaged: kernel cache {primary} is not writable ({why}); building new {what} in "
+                          f"{folder} (set {variable} to choose the folder)", file=sys.stderr, flush=True)
+            return folder
+        tried.append(f"{folder} ({other})")
+    raise SetupError(f"kernel cache {primary} is not writable ({why}), nor are the fallbacks {', '.join(tried)}: "
+                     f"set {variable} to a writable folder")
+
+
+def _library(name: str, build) -> Path:
+    """The intact library file ``name``: the one in ``cache_dir()`` (nothing
+    written), else the one in ``build_dir()``, built there by ``build(path)``
+    when missing or damaged."""
+    path = cache_dir() / name
+    if _intact(path):
+        return path
+    folder = build_dir()
+    if folder != path.parent:
+        path = folder / name
+        if _intact(path):
+            return path
+    _building(folder, build, path)
     return path
+
+
+def _building(folder: Path, build, path: Path) -> None:
+    """``build(path)``, with a file system failure in ``folder`` (a full disk,
+    a folder made read-only meanwhile) as one SetupError line."""
+    try:
+        build(path)
+    except OSError as e:
+        raise SetupError(f"kernel cache {folder}: cannot write {path.name} ({e.strerror or e}): set "
+                         f"CUPAGED_CACHE_DIR to a writable folder with free space") from None
 
 
 ASAN_FLAGS = ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")
@@ -145,27 +256,56 @@ def _shim_blob() -> bytes:
 
 @functools.lru_cache(maxsize=None)
 def _compiler() -> tuple[str, str]:
-    """(path, ``--version`` text) of the compiler. The version text is cached
-    on disk by the binary's path, size and mtime, so that a warm cache never
-    runs the compiler at all."""
-    cxx = os.environ.get("CUPAGED_CXX", "g++")
+    """(path, ``--version`` text) of the compiler: ``$CUPAGED_CXX`` or
+    ``g++``, found on PATH; a missing one, one whose ``--version`` fails and
+    a g++ older than ``MIN_GCC`` are one SetupError line each. The version
+    text is cached on disk by the binary's path, size and mtime, so that a
+    warm cache never runs the compiler at all."""
+    cxx = os.environ.get("CUPAGED_CXX") or "g++"
     path = shutil.which(cxx)
     if path is None:
-        raise CompileError(f"the CPU backend needs a C++ compiler: {cxx!r} not found on PATH "
-                           f"(install g++ 12 or later, or set CUPAGED_CXX)")
+        named = f"CUPAGED_CXX={cxx!r}" if os.environ.get("CUPAGED_CXX") else "g++"
+        raise SetupError(f"CPU backend: {named} not found (not on PATH, or not an executable file); {_FIX_CXX}")
     real = os.path.realpath(path)
     st = os.stat(real)
-    stamp = cache_dir() / f"compiler-{_source.digest(path, real, str(st.st_size), str(st.st_mtime_ns))}.txt"
+    stamp = f"compiler-{_source.digest(path, real, str(st.st_size), str(st.st_mtime_ns))}.txt"
     try:
-        return path, stamp.read_text()
+        out = (cache_dir() / stamp).read_text()
     except OSError:
-        pass
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise CompileError(f"{path} --version failed: {e}") from None
-    _write_atomic(stamp, out.encode())
+        out = None
+    if out is None:
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise SetupError(f"CPU backend: `{path} --version` failed ({e}); {_FIX_CXX}") from None
+        try:    # only saves running --version in later processes: a read-only cache goes without
+            cache_dir().mkdir(parents=True, exist_ok=True)
+            _write_atomic(cache_dir() / stamp, out.encode())
+        except OSError:
+            pass
+    _check_version(path, out)
     return path, out
+
+
+# "g++ (Debian 12.2.0-14) 12.2.0", "g++ (GCC) 11.4.1 20231218 (Red Hat 11.4.1-3)": the version follows the ")"
+_GCC_VERSION = re.compile(r"\)\s+(\d+)\.(\d+)")
+_ANY_VERSION = re.compile(r"(\d+)\.(\d+)")
+
+
+def _check_version(path: str, text: str) -> None:
+    """SetupError unless ``text`` (``--version`` of ``path``) is g++
+    ``MIN_GCC`` or later. Clang, named by CUPAGED_CXX, is used as it is."""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    if "clang" in first.lower():
+        return
+    m = _GCC_VERSION.search(first) or (_ANY_VERSION.findall(first) or [None])[-1]
+    if m is None:
+        raise SetupError(f"CPU backend: cannot read the version of {path} (`--version` printed {first!r}): "
+                         f"expected g++ {MIN_GCC} or later; {_FIX_CXX}")
+    major, minor = (int(x) for x in (m.groups() if isinstance(m, re.Match) else m))
+    if major < MIN_GCC:
+        raise SetupError(f"CPU backend: g++ {major}.{minor} ({path}) is too old: expected g++ {MIN_GCC} or later "
+                         f"(C++20); install it (apt-get install g++-{MIN_GCC}) and set CUPAGED_CXX=g++-{MIN_GCC}")
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -248,6 +388,15 @@ def _run_compiler(args: list[str], what: str) -> str:
 
 
 # ---- runtime -----------------------------------------------------------------------
+def _build_runtime(cxx: str, flags: tuple[str, ...], path: Path) -> None:
+    shim = _source.shim_dir()
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
+        out = Path(tmp) / path.name
+        _run_compiler([cxx, *flags, "-I", str(shim), str(shim / "cupaged_rt.cpp"), "-o", str(out)],
+                      "the CPU backend runtime (kernels_cu/shim/cupaged_rt.cpp)")
+        _install(out, path)
+
+
 def runtime() -> ctypes.CDLL:
     """The runtime library (fibers, worker pool), built once and loaded with
     RTLD_GLOBAL so that every kernel module links against it."""
@@ -259,14 +408,7 @@ def runtime() -> ctypes.CDLL:
         cxx, version = _compiler()
         flags = _runtime_flags()
         key = _source.digest("runtime", _shim_blob(), " ".join(flags), version)
-        path = cache_dir() / f"cupaged_rt-{key}.so"
-        if not _intact(path):
-            shim = _source.shim_dir()
-            with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
-                out = Path(tmp) / path.name
-                _run_compiler([cxx, *flags, "-I", str(shim), str(shim / "cupaged_rt.cpp"), "-o", str(out)],
-                              "the CPU backend runtime (kernels_cu/shim/cupaged_rt.cpp)")
-                _install(out, path)
+        path = _library(f"cupaged_rt-{key}.so", functools.partial(_build_runtime, cxx, flags))
         lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
         lib.cupaged_rt_last_error.restype = ctypes.c_char_p
         lib.cupaged_rt_last_error.argtypes = []
@@ -351,15 +493,16 @@ def load_module(source_text: str, variant: str) -> "CpuModule":
         if mod is not None:
             return mod
         stem = re.sub(r"[^A-Za-z0-9_]", "_", variant)[:150] or "module"
-        path = cache_dir() / f"{stem}-{key}.so"
-        if not _intact(path):
-            _build_module(source_text, variant, path, flags)
+        build = functools.partial(_build_module, source_text, variant, flags=flags)
+        path = _library(f"{stem}-{key}.so", build)
         try:
             lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
         except OSError:
-            # A library left by another build (other machine, damaged file): build again.
+            # A library left by another build (other machine, damaged file): build again, where we may write.
+            folder = build_dir()
+            path = folder / path.name
             path.unlink(missing_ok=True)
-            _build_module(source_text, variant, path, flags)
+            _building(folder, build, path)
             lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
         mod = CpuModule(lib, rt, path, variant, key)
         _modules[key] = mod

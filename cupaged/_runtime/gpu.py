@@ -6,7 +6,9 @@ work through the CUDA driver API of cuda-python.
   device's own architecture (CuPy picks ``-arch=sm_XX`` from the device).
   Cached in process per (device, variant, digest of the text); CuPy's disk
   cache (keyed by the text and the options) covers later processes. Our own
-  headers are inlined into the text, so the text is a complete key.
+  headers are inlined into the text, so the text is a complete key. A
+  read-only CuPy cache serves what it holds; new modules go to a per-user
+  fallback (``_compile_cached``), as for the CPU backend.
 * ``GpuFunction.launch`` calls ``cuLaunchKernel`` on an explicit stream
   handle; it allocates nothing on the device and never synchronizes.
 * ``current_stream(like)`` wraps CuPy's current stream on ``like``'s device in
@@ -24,16 +26,20 @@ CuPy and the driver are imported lazily: importing this module needs neither
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 import sys
 import threading
 import weakref
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 
 from ..errors import CompileError, PagedAttentionError
 from . import arrays as _backend
+from . import cpu as _cpu
 from . import nvrtc as _nvrtc
 from . import source as _source
 from .stream import Graph, Stream
@@ -200,6 +206,52 @@ def load_module(source_text: str, variant: str, device: int, target: str | None 
     return mod
 
 
+CUPY_CACHE_ENV = "CUPY_CACHE_DIR"
+
+
+def _compile_cached(raw, source_text: str, options: tuple[str, ...], arch: str) -> None:
+    """``raw.compile()`` (a RawModule) through CuPy's disk cache. A read-only
+    one (a pre-warmed image) still serves the modules it holds; a new module
+    CuPy cannot save there (it fails after compiling) is compiled again with
+    CuPy's cache in a per-user fallback (``cpu.writable_dir``, told once on
+    stderr), where a marker sends later processes directly. Called under
+    ``_lock`` (``load_module``): ``CUPY_CACHE_DIR`` is swapped meanwhile."""
+    from cupy.cuda import compiler
+    primary = Path(compiler.get_cache_dir())
+    marker = f"cupaged-{_source.digest(source_text, ' '.join(options), arch)}.moved"
+    for folder in _cpu.fallback_dirs(primary, "cupy"):
+        if (folder / marker).is_file() and _cpu.unwritable(folder) is None:
+            with _cupy_cache(folder):
+                raw.compile()
+            return
+    try:
+        raw.compile()
+        return
+    except OSError:
+        if _cpu.unwritable(primary) is None:    # not the cache folder's fault
+            raise
+    folder = _cpu.writable_dir(primary, "cupy", "GPU kernels (CuPy's cache)", CUPY_CACHE_ENV)
+    with _cupy_cache(folder):
+        raw.compile()
+    try:
+        (folder / marker).touch()
+    except OSError:     # only saves a compile in later processes
+        pass
+
+
+@contextlib.contextmanager
+def _cupy_cache(folder: Path):
+    old = os.environ.get(CUPY_CACHE_ENV)
+    os.environ[CUPY_CACHE_ENV] = str(folder)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[CUPY_CACHE_ENV]
+        else:
+            os.environ[CUPY_CACHE_ENV] = old
+
+
 class GpuModule:
     """One compiled variant on one device."""
 
@@ -214,7 +266,7 @@ class GpuModule:
         with cupy.cuda.Device(device):
             self._raw = cupy.RawModule(code=source_text, options=self.options)
             try:
-                self._raw.compile()
+                _compile_cached(self._raw, source_text, self.options, cupy.cuda.Device(device).compute_capability)
             except compiler.CompileException as e:
                 raise CompileError(f"NVRTC could not compile {variant} for device {device}:\n{e}") from e
 
