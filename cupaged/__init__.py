@@ -6,7 +6,6 @@ section maps the package).
 """
 from .batch import DecodeBatch, Readback
 from .cache import PagedKVCache, Sequence, StepReport
-from .engine import Engine
 from .errors import CheckpointError, CompileError, ConfigError, KernelError, PagedAttentionError, SetupError
 from .graph import DecodeLoop, DeviceScalars, PagedDecodeLoop, capture_count, capture_graph
 from .layout import MAX_SPLITS
@@ -23,3 +22,12 @@ __all__ = [
     "DecodeLoop", "DeviceScalars", "PagedDecodeLoop", "capture_graph", "capture_count", "DecodeBatch", "Readback",
     "Sequence", "StepReport", "write_slots", "copy_pages", "Engine", "ConfigError", "CheckpointError", "SetupError",
 ]
+
+
+def __getattr__(name):
+    # cupaged.Engine on first use: the engine (config checks, safetensors,
+    # the forward passes) stays out of ``import cupaged``.
+    if name == "Engine":
+        from .engine import Engine
+        return Engine
+    raise AttributeError(f"module 'cupaged' has no attribute {name!r}")

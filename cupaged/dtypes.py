@@ -16,13 +16,15 @@ may also be raw ``uint8`` storage (CuPy has no fp8 dtype) with the format
 named by the ops' ``kv_dtype=`` argument (``kv_storage``), as vLLM's
 ``kv_cache_dtype`` does.
 
-Nothing here imports the rest of the package.
+Nothing here imports the rest of the package. ``ml_dtypes`` (~1 s to
+import) is imported when a bfloat16 or fp8 row's NumPy dtype is first needed.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from .errors import PagedAttentionError
@@ -32,7 +34,8 @@ from .errors import PagedAttentionError
 class DType:
     token: str            # CP_DTYPE / CP_KV_DTYPE value, and the short name users pass ("bf16")
     name: str             # NumPy's name of the dtype ("bfloat16")
-    np_dtype: np.dtype
+    np_type: str          # "module.attribute" of the NumPy scalar type ("ml_dtypes.bfloat16")
+    itemsize: int         # bytes per element (the format's, so no import is needed to know it)
     torch_name: str       # attribute of the torch module ("bfloat16")
     query: bool           # may be q / out / a dense layer's storage
     kv: bool              # may be K/V cache storage
@@ -41,18 +44,20 @@ class DType:
     max_finite: float = 0.0   # fp8: the largest finite value (appends saturate to it)
     aliases: tuple = ()   # other names users pass ("fp8", vLLM's kv_cache_dtype names)
 
-    @property
-    def itemsize(self) -> int:
-        return self.np_dtype.itemsize
+    @functools.cached_property
+    def np_dtype(self) -> np.dtype:
+        """The NumPy dtype (imports ``ml_dtypes`` for its rows)."""
+        module, _, attr = self.np_type.rpartition(".")
+        return np.dtype(getattr(importlib.import_module(module), attr))
 
 
 TABLE: tuple[DType, ...] = (
-    DType("f32", "float32", np.dtype(np.float32), "float32", query=True, kv=True, tensor_core=False),
-    DType("f16", "float16", np.dtype(np.float16), "float16", query=True, kv=True, tensor_core=True),
-    DType("bf16", "bfloat16", np.dtype(ml_dtypes.bfloat16), "bfloat16", query=True, kv=True, tensor_core=True),
-    DType("e4m3", "float8_e4m3fn", np.dtype(ml_dtypes.float8_e4m3fn), "float8_e4m3fn", query=False, kv=True,
+    DType("f32", "float32", "numpy.float32", 4, "float32", query=True, kv=True, tensor_core=False),
+    DType("f16", "float16", "numpy.float16", 2, "float16", query=True, kv=True, tensor_core=True),
+    DType("bf16", "bfloat16", "ml_dtypes.bfloat16", 2, "bfloat16", query=True, kv=True, tensor_core=True),
+    DType("e4m3", "float8_e4m3fn", "ml_dtypes.float8_e4m3fn", 1, "float8_e4m3fn", query=False, kv=True,
           tensor_core=True, scaled=True, max_finite=448.0, aliases=("fp8", "fp8_e4m3")),
-    DType("e5m2", "float8_e5m2", np.dtype(ml_dtypes.float8_e5m2), "float8_e5m2", query=False, kv=True,
+    DType("e5m2", "float8_e5m2", "ml_dtypes.float8_e5m2", 1, "float8_e5m2", query=False, kv=True,
           tensor_core=True, scaled=True, max_finite=57344.0, aliases=("fp8_e5m2",)),
 )
 
@@ -162,3 +167,11 @@ def np_dtype(dtype) -> np.dtype:
     if d is None:
         raise KeyError(str(dtype))
     return d.np_dtype
+
+
+def itemsize(dtype) -> int:
+    """Bytes per element of a known dtype name or dtype; KeyError otherwise."""
+    d = lookup(dtype)
+    if d is None:
+        raise KeyError(str(dtype))
+    return d.itemsize

@@ -92,3 +92,30 @@ def test_each_module_imports_alone(module):
     r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
                        cwd=str(PACKAGE.parent))
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_import_is_light():
+    """``import cupaged`` loads neither ml_dtypes (~1 s; imported when a
+    bfloat16 / fp8 dtype is first needed), torch, CuPy, cuda-python nor
+    transformers, and takes at most 0.3 s, NumPy included: the CPU time of
+    the import in a fresh interpreter (python's own start-up excluded; CPU
+    time, so other work on a loaded machine does not count), the fastest of
+    five."""
+    code = ("import sys, time; t = time.process_time(); import cupaged; dt = time.process_time() - t; "
+            "heavy = [m for m in ('ml_dtypes', 'torch', 'cupy', 'cuda.bindings', 'transformers') if m in sys.modules]; "
+            "print(dt, ','.join(heavy))")
+    runs = []
+    for _ in range(5):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             cwd=PACKAGE.parent).stdout.split()
+        assert len(out) == 1, f"import cupaged loaded {out[1]}"
+        runs.append(float(out[0]))
+    assert min(runs) <= 0.3, runs
+
+
+def test_dtype_table_itemsizes_match_numpy():
+    """The table's item sizes (known without importing ml_dtypes) are the
+    NumPy dtypes' own."""
+    from cupaged import dtypes
+    for d in dtypes.TABLE:
+        assert d.itemsize == d.np_dtype.itemsize and d.np_dtype.name == d.name, d

@@ -13,7 +13,7 @@ tensor a known dtype name, a list of int dims, a byte range of exactly
 shape x itemsize (Python ints: no overflow) inside the file and shared with
 no other tensor; a truncated file names the tensor that runs past its end.
 Every tensor the engine reads is a weight and must be floating point
-(``FLOAT_DTYPES``): an integer or bool tensor in a weight's place is refused,
+(``float_dtypes()``): an integer or bool tensor in a weight's place is refused,
 not cast. A ``model.safetensors.index.json`` decides which file holds each
 tensor it names.
 """
@@ -23,23 +23,39 @@ import json
 import math
 import os
 import struct
+import functools
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
+from .. import dtypes
 from ..errors import CheckpointError
 
-#: safetensors dtype names -> NumPy dtypes.
-SAFETENSORS_DTYPES = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-}
-_ST_NAME_OF = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-#: The dtypes a weight may be stored in (converted to the engine's dtype on load).
-FLOAT_DTYPES = tuple(SAFETENSORS_DTYPES[k] for k in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"))
+#: safetensors dtype names -> cupaged dtype tokens / NumPy dtype names (the
+#: NumPy dtypes through ``safetensors_dtypes()``, which imports ml_dtypes
+#: only when a checkpoint is first read).
+_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bf16", "I64": "int64", "I32": "int32",
+          "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "e4m3", "F8_E5M2": "e5m2"}
+_FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+@functools.cache
+def safetensors_dtypes() -> dict:
+    """safetensors dtype names -> NumPy dtypes."""
+    return {k: dtypes.np_dtype(v) if dtypes.lookup(v) else np.dtype(v) for k, v in _NAMES.items()}
+
+
+@functools.cache
+def _name_of() -> dict:
+    return {v: k for k, v in safetensors_dtypes().items()}
+
+
+@functools.cache
+def float_dtypes() -> tuple:
+    """The dtypes a weight may be stored in (converted to the engine's dtype on load)."""
+    return tuple(safetensors_dtypes()[k] for k in _FLOATS)
+
+
 #: Largest JSON header read (the format's own limit is 100 MB).
 MAX_HEADER = 100 << 20
 #: Most dims of a tensor (NumPy 1's limit), and the largest dim (NumPy's intp).
@@ -153,10 +169,10 @@ def _tensor_entry(path: Path, name: str, info, data: int, size: int) -> tuple:
         raise CheckpointError(f"{path}: tensor {name!r}: expected dtype, shape and data_offsets in the "
                               f"header, got {info!r}"[:300])
     kind, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
-    dt = SAFETENSORS_DTYPES.get(kind) if isinstance(kind, str) else None
+    dt = safetensors_dtypes().get(kind) if isinstance(kind, str) else None
     if dt is None:
         raise CheckpointError(f"{path}: tensor {name!r}: dtype {kind!r} is not supported "
-                              f"(known: {', '.join(SAFETENSORS_DTYPES)})")
+                              f"(known: {', '.join(_NAMES)})")
     if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_int(d) and 0 <= d <= MAX_DIM
                                                                        for d in shape)):
         raise CheckpointError(f"{path}: tensor {name!r}: shape: expected a list of at most {MAX_DIMS} ints in "
@@ -293,10 +309,10 @@ class Checkpoint:
 
 
 def _float_weight(where: str, name: str, dt: np.dtype) -> None:
-    if np.dtype(dt) not in FLOAT_DTYPES:
-        known = ", ".join(_ST_NAME_OF[d] for d in FLOAT_DTYPES)
+    if np.dtype(dt) not in float_dtypes():
+        known = ", ".join(_name_of()[d] for d in float_dtypes())
         raise CheckpointError(f"{where}: tensor {name!r}: expected a floating-point weight ({known}), got "
-                              f"{_ST_NAME_OF.get(np.dtype(dt), np.dtype(dt).name)}; an integer or bool tensor is "
+                              f"{_name_of().get(np.dtype(dt), np.dtype(dt).name)}; an integer or bool tensor is "
                               f"not cast into a weight")
 
 
@@ -334,9 +350,9 @@ def _host(t) -> np.ndarray:
         import torch        # only reached with a torch tensor in hand
         t = t.detach().to("cpu").contiguous()
         if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        fp8 = {getattr(torch, "float8_e4m3fn", None): ml_dtypes.float8_e4m3fn,
-               getattr(torch, "float8_e5m2", None): ml_dtypes.float8_e5m2}.get(t.dtype)
+            return t.view(torch.int16).numpy().view(dtypes.np_dtype("bf16"))
+        fp8 = {getattr(torch, "float8_e4m3fn", None): dtypes.np_dtype("e4m3"),
+               getattr(torch, "float8_e5m2", None): dtypes.np_dtype("e5m2")}.get(t.dtype)
         if fp8 is not None:         # (torch's .numpy() has no fp8)
             return t.view(torch.uint8).numpy().view(fp8)
         return t.numpy()
