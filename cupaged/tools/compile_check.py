@@ -3,6 +3,7 @@
     python -m cupaged.tools.compile_check [--arch sm_80,sm_90] [--filter SUBSTR]
         [--jobs N] [--require-v4 KERNEL_SUBSTR ...] [--max-stack BYTES]
         [--json] [--keep-ptx DIR] [--no-cache] [--source PATH -D NAME=VAL ...]
+        [--all | --manifest | --update-manifest] [--sample N] [--seed S]
 
 Every variant the package registers (``cupaged._runtime.registry.all_variants()`` after importing ``cupaged.ops``) is
 assembled exactly as the GPU backend assembles it (``cupaged._runtime.source``) and
@@ -34,6 +35,14 @@ selected variant that cannot launch on a compiled arch; 2 on a usage error.
 
 ``--source PATH`` (repeatable, with ``-D NAME=VAL`` defines for all of them)
 compiles those files instead of the registered variants.
+
+``--manifest`` checks the registered variants against the committed gate
+manifest instead of compiling them all (``cupaged.tools.gate_manifest``:
+units whose inputs changed compile, a random sample of the rest is
+recompiled and compared, and a manifest that is not current fails);
+``--update-manifest`` rewrites it. ``--all`` (the default) compiles every
+unit. Without cuda-python, NVRTC or the CUDA headers the gate prints one
+line naming the ``gate`` extra and exits 2.
 """
 from __future__ import annotations
 
@@ -53,6 +62,7 @@ from .. import ops  # noqa: F401  (importing the op modules registers every vari
 from .._runtime import nvrtc as _nvrtc
 from .._runtime import registry as _registry
 from .._runtime import source as _source
+from . import gate_manifest as _manifest
 from . import launchcheck as _launchcheck
 
 DEFAULT_ARCHS = ("sm_80", "sm_90")
@@ -120,6 +130,7 @@ class _Unit:
     seconds: float
     ptx: str = ""
     cached: bool = False
+    reports: dict | None = None      # from a manifest row (else parsed from the log)
 
 
 def _cache_key(text: str, opts: tuple, include_dir: str | None) -> str:
@@ -166,7 +177,8 @@ def _process_pool(jobs: int) -> ProcessPoolExecutor:
 
 def check(variants=None, archs=DEFAULT_ARCHS, *, filter: str | None = None, jobs: int = 1,
           require_v4=(), max_stack: int | None = None, include_dir: str | None = None,
-          cache_dir: Path | None = None, keep_ptx: bool = False, launches=None) -> list[Result]:
+          cache_dir: Path | None = None, keep_ptx: bool = False, launches=None,
+          manifest: _manifest.Manifest | None = None) -> list[Result]:
     """Compile ``variants`` (``(stem or path, defines)`` pairs; default: every
     registered variant) for each of ``archs`` and return one Result per kernel
     (per variant and arch), sorted by kernel, variant, arch.
@@ -185,6 +197,12 @@ def check(variants=None, archs=DEFAULT_ARCHS, *, filter: str | None = None, jobs
     ``launches``: the selected launches for the launch check (default:
     ``launchcheck.selected_launches()`` when a package variant is compiled);
     a kernel row that is selected and cannot launch on its arch fails.
+
+    ``manifest`` (``gate_manifest.Manifest``): compiles only the units with
+    no row in it and a random sample of the others (compiled afresh, not
+    from ``cache_dir``), takes the rest from their rows, and fails a sampled
+    unit whose compile differs from its row; afterwards the manifest says
+    which rows were used, missing or stale (``gate_manifest``).
     """
     if variants is None:
         variants = _registry.all_variants()
@@ -207,23 +225,48 @@ def check(variants=None, archs=DEFAULT_ARCHS, *, filter: str | None = None, jobs
 
     work = [(u, arch) for u in units for arch in _unit_archs(u[1], archs)]
 
-    calls = [(text, arch, f"{name}.cu", include_dir, cache_dir, keep_ptx)
-             for (source, defines, name, text, keep), arch in work]
+    keys, sampled = [None] * len(work), set()
+    if manifest is not None:
+        keys = [_manifest.unit_key(text, _nvrtc.gate_options(arch, include_dir), include_dir)
+                for (_s, _d, _n, text, _k), arch in work]
+        sampled = manifest.pick_sample([k for k in keys if k in manifest.rows])
+    compiled: list = [None] * len(work)
+    todo = []
+    for i, (((_s, _d, name, text, _k), arch), key) in enumerate(zip(work, keys)):
+        if key is not None and key in manifest.rows and key not in sampled and not keep_ptx:
+            row = manifest.rows[key]
+            compiled[i] = _Unit(row["ok"], "", row["wide"], 0.0, cached=True,
+                                reports=_manifest.row_reports(row))
+        else:
+            fresh = key in sampled
+            todo.append((i, (text, arch, f"{name}.cu", include_dir, None if fresh else cache_dir, keep_ptx)))
+    calls = [c for _, c in todo]
     if jobs > 1 and len(calls) > 1:
         with _process_pool(min(jobs, len(calls))) as pool:
-            compiled = list(pool.map(_compile_unit, *zip(*calls)))
+            done = list(pool.map(_compile_unit, *zip(*calls)))
     else:
-        compiled = [_compile_unit(*c) for c in calls]
+        done = [_compile_unit(*c) for c in calls]
+    for (i, _), c in zip(todo, done):
+        compiled[i] = c
 
     req = tuple(require_v4)
     results: list[Result] = []
-    for ((source, defines, name, _text, keep), arch), c in zip(work, compiled):
+    for ((source, defines, name, _text, keep), arch), c, key in zip(work, compiled, keys):
         common = dict(variant=name, arch=arch, seconds=c.seconds, source=source, defines=defines,
                       log=c.log, ptx=c.ptx, cached=c.cached)
+        reports = c.reports if c.reports is not None else (_nvrtc.parse_ptxas(c.log) if c.ok else {})
+        unit_problems = []
+        if manifest is not None:
+            fresh = _manifest.unit_row(name, arch, c.ok, reports, c.wide)
+            manifest.record(key, fresh, sampled=key in sampled)
+            if key in sampled:
+                unit_problems = [f"differs from its gate manifest row: {d}"
+                                 for d in _manifest.differences(manifest.rows[key], fresh)]
         if not c.ok:
-            results.append(Result(kernel="", compiled=False, problems=["compile error"], **common))
+            results.append(Result(kernel="", compiled=False, problems=["compile error"] + unit_problems, **common))
             continue
-        reports = _nvrtc.parse_ptxas(c.log)
+        if unit_problems:
+            results.append(Result(kernel="(gate manifest)", compiled=True, problems=unit_problems, **common))
         wide = c.wide
         for fn in wide:  # a virtual arch (compute_XX) has PTX but no ptxas report
             if fn not in reports:
@@ -354,9 +397,27 @@ def main(argv=None) -> int:
     p.add_argument("--verbose", "-v", action="store_true", help="print the NVRTC log of every failure in full")
     p.add_argument("--no-cache", action="store_true",
                    help=f"compile everything again (default: reuse results cached in {default_cache_dir()})")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--all", action="store_true", help="the full gate: compile every unit (the default)")
+    mode.add_argument("--manifest", action="store_true",
+                      help="check against the committed gate manifest (cupaged/tools/gate_manifest.json): compile "
+                           "the units whose inputs changed and a random sample of the rest; fail when it is not "
+                           "current (default archs: " + ",".join(_manifest.MANIFEST_ARCHS) + ")")
+    mode.add_argument("--update-manifest", action="store_true",
+                      help="as --manifest, then write the manifest for today's units (commit it with the change)")
+    p.add_argument("--sample", type=int, default=_manifest.DEFAULT_SAMPLE,
+                   help=f"with --manifest: units recompiled and compared with their rows (default "
+                        f"{_manifest.DEFAULT_SAMPLE})")
+    p.add_argument("--seed", type=int, help="with --manifest: the sample's seed (default: random, printed)")
     args = p.parse_args(argv)
+    use_manifest = args.manifest or args.update_manifest
+    if use_manifest and (args.source or args.filter):
+        p.error("--manifest / --update-manifest cover every registered variant: no --source or --filter")
+    if args.sample < 0:
+        p.error("--sample: expected 0 or more")
 
-    archs = tuple(a.strip() for spec in (args.arch or [",".join(DEFAULT_ARCHS)])
+    default_archs = _manifest.MANIFEST_ARCHS if use_manifest else DEFAULT_ARCHS
+    archs = tuple(a.strip() for spec in (args.arch or [",".join(default_archs)])
                   for a in spec.split(",") if a.strip())
     bad = [a for a in archs if not _ARCH.match(a)]
     if bad:
@@ -383,15 +444,22 @@ def main(argv=None) -> int:
             return 0
 
     try:
+        _nvrtc.nvrtc_version()
         include_dir = _nvrtc.find_header_dir()
-    except Exception as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:   # no cuda-python, no NVRTC library, no headers: one line naming the fix
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: the NVRTC gate cannot run: {msg} (pip install 'cupaged[gate]' brings cuda-python, "
+              f"NVRTC and the CUDA headers)", file=sys.stderr)
+        return 2
+    manifest = _manifest.load(sample=args.sample, seed=args.seed) if use_manifest else None
     t0 = time.perf_counter()
     results = check(variants, archs, filter=args.filter, jobs=args.jobs, require_v4=args.require_v4,
                     max_stack=args.max_stack, include_dir=include_dir,
-                    cache_dir=None if args.no_cache else default_cache_dir(), keep_ptx=bool(args.keep_ptx))
+                    cache_dir=None if args.no_cache else default_cache_dir(), keep_ptx=bool(args.keep_ptx),
+                    manifest=manifest)
     wall = time.perf_counter() - t0
+    if args.update_manifest:
+        _manifest.write(manifest.rows_now())
     summary = summarize(results, wall, args.jobs)
     missing = unmatched(args.require_v4, results)
     warnings = _launchcheck.arch_warnings(results, archs)
@@ -429,7 +497,16 @@ def main(argv=None) -> int:
             print(f"FAIL: --require-v4 {pat!r} matches no compiled kernel")
         if summary["failures"]:
             print(f"FAIL: {summary['failures']} row(s) failed")
-    return 1 if (summary["failures"] or missing) else 0
+    stale = False
+    if manifest is not None:
+        print(manifest.status(), file=sys.stderr if args.json else sys.stdout)
+        if args.update_manifest:
+            print(f"wrote {_manifest.PATH} ({len(manifest.used)} rows)", file=sys.stderr if args.json else sys.stdout)
+        elif not manifest.current():
+            stale = True
+            print("FAIL: the gate manifest is not current: python -m cupaged.tools.compile_check --update-manifest, "
+                  "then commit cupaged/tools/gate_manifest.json", file=sys.stderr if args.json else sys.stdout)
+    return 1 if (summary["failures"] or missing or stale) else 0
 
 
 if __name__ == "__main__":

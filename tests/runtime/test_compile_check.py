@@ -11,7 +11,8 @@ import pytest
 
 from cupaged._runtime import nvrtc as _nvrtc
 from cupaged._runtime import registry as _registry
-from cupaged.tools import compile_check
+from cupaged.ops.attention import variants as attention_variants
+from cupaged.tools import compile_check, gate_manifest, launchcheck
 
 KERNELS = Path(__file__).parent / "kernels"
 V4 = KERNELS / "gate_v4.cu"
@@ -27,27 +28,131 @@ def _by(results, kernel):
 # ---------------------------------------------------------------- the gate --
 
 def test_package_variants_pass_gate():
-    """Every registered kernel variant compiles for sm_80 and sm_90 (an
-    arch-specific one, CP_TARGET=sm_90a, for its target alone) without a
-    spill. Prints the gate's table and how long each variant took."""
+    """The NVRTC gate over every registered kernel variant for sm_80, sm_86
+    and sm_90 (an arch-specific one, CP_TARGET=sm_90a, for its target alone)
+    through the committed gate manifest: every unit whose inputs changed
+    compiles, a random sample of the rest is recompiled and must equal its
+    row, and then nothing spills, nothing fails to compile, no selected
+    kernel cannot launch on its arch (sm_89: not even a warning), each
+    tensor-core kernel's static shared memory is within
+    TC_STATIC_SMEM_BUDGET, and the manifest is current.
+    (``python -m cupaged.tools.compile_check --all`` compiles everything.)"""
     variants = _registry.all_variants()
     if not variants:
         pytest.skip("no kernel variants registered yet")
+    m = gate_manifest.load()
     t0 = time.perf_counter()
-    results = compile_check.check(variants, ARCHS, jobs=2, cache_dir=compile_check.default_cache_dir())
+    results = compile_check.check(variants, gate_manifest.MANIFEST_ARCHS, jobs=2,
+                                  cache_dir=compile_check.default_cache_dir(), include_dir=_nvrtc.find_header_dir(),
+                                  manifest=m)
     wall = time.perf_counter() - t0
-    print("\n" + compile_check.format_table(results))
     s = compile_check.summarize(results, wall, 2)
-    print(f"{s['variants']} variants, {s['compiles']} compiles, {wall:.2f} s wall with 2 jobs; "
-          f"per compile mean {s['compile_ms_mean']} ms, max {s['compile_ms_max']} ms, "
-          f"{s['cached']} from the cache")
+    print(f"\n{m.status()}; {s['variants']} variants, {wall:.2f} s wall with 2 jobs")
     bad = [r for r in results if not r.ok]
     assert not bad, "\n".join(f"{r.variant} {r.kernel or '-'} {r.arch}: {r.problems}\n{r.log[:2000]}"
                               for r in bad)
     compiled = {(r.variant, r.arch) for r in results}
+    archs = set(gate_manifest.MANIFEST_ARCHS)
     targeted = [d["CP_TARGET"] for _, d in variants if "CP_TARGET" in d]
-    assert len(compiled) == (len(variants) - len(targeted)) * len(ARCHS) + len(targeted)
-    assert all(t == "sm_90a" for t in targeted) and {a for _, a in compiled} == set(ARCHS) | set(targeted)
+    assert len(compiled) == (len(variants) - len(targeted)) * len(archs) + len(targeted)
+    assert all(t == "sm_90a" for t in targeted) and {a for _, a in compiled} == archs | set(targeted)
+    assert launchcheck.arch_warnings(results, gate_manifest.MANIFEST_ARCHS) == []
+    tc = ("paged_prefill_tc", "paged_mla_tc", "paged_mla_wgmma")
+    for r in results:
+        if r.kernel in tc:
+            assert r.smem <= attention_variants.TC_STATIC_SMEM_BUDGET, (r.variant, r.arch, r.smem)
+    assert m.current(), (f"{m.status()}: the gate manifest is not current; run python -m cupaged.tools.compile_check "
+                         f"--update-manifest and commit cupaged/tools/gate_manifest.json")
+
+
+# ---------------------------------------------------------- the manifest --
+
+def _counting(monkeypatch):
+    """Count the compiles check() makes (jobs=1: in this process)."""
+    calls = []
+    real = compile_check._compile_unit
+
+    def counted(text, arch, *a):
+        calls.append(arch)
+        return real(text, arch, *a)
+    monkeypatch.setattr(compile_check, "_compile_unit", counted)
+    return calls
+
+
+def _fields(results):
+    return sorted((r.variant, r.kernel, r.arch, r.registers, r.spill_stores, r.spill_loads, r.stack_frame, r.smem,
+                   r.wide_load_bits, r.ok) for r in results)
+
+
+def test_manifest_rows_stand_for_compiles(tmp_path, monkeypatch):
+    """Rows written from a compile give the same results without compiling;
+    a unit whose source changed compiles; rows no unit uses are stale."""
+    path = tmp_path / "m.json"
+    m = gate_manifest.load(path, sample=0)
+    full = compile_check.check([(V4, {}), (SPILL, {})], ARCHS, manifest=m)
+    assert len(m.missing) == 4 and not m.current()
+    gate_manifest.write(m.rows_now(), path)
+    calls = _counting(monkeypatch)
+    m2 = gate_manifest.load(path, sample=0)
+    again = compile_check.check([(V4, {}), (SPILL, {})], ARCHS, manifest=m2)
+    assert calls == [] and m2.current() and _fields(again) == _fields(full)
+    assert any("spills" in p for r in again for p in r.problems)          # a spill recorded still fails
+    m3 = gate_manifest.load(path, sample=0)
+    compile_check.check([(V4, {"GATE_SCALE": "2.0f"}), (SPILL, {})], ARCHS, manifest=m3)
+    assert sorted(calls) == ["sm_80", "sm_90"] and len(m3.missing) == 2   # the changed variant compiled
+    assert len(m3.stale()) == 2 and not m3.current()                      # the old variant's rows
+
+
+def test_manifest_sample_catches_a_row_that_lies(tmp_path):
+    """A sampled unit is compiled afresh and fails when its row differs
+    (a register count, a load width, a function the compile does not have)."""
+    path = tmp_path / "m.json"
+    m = gate_manifest.load(path, sample=0)
+    compile_check.check([(V4, {})], ("sm_80",), manifest=m)
+    rows = m.rows_now()
+    (key, row), = rows.items()
+    row["functions"]["copy_v4"][1] += 7
+    row["wide"]["copy_scalar"] = 128
+    gate_manifest.write(rows, path)
+    lied = gate_manifest.load(path, sample=0)
+    quiet = compile_check.check([(V4, {})], ("sm_80",), manifest=lied)
+    assert all(r.ok for r in quiet)                  # not sampled: the row is taken (the full gate would see it)
+    sampled = gate_manifest.load(path, sample=1, seed=5)
+    results = compile_check.check([(V4, {})], ("sm_80",), manifest=sampled, cache_dir=tmp_path / "cache")
+    assert sampled.sampled == [key]
+    problems = [p for r in results for p in r.problems]
+    assert any("copy_v4: registers" in p and "recorded" in p for p in problems), problems
+    assert any("widest loads" in p for p in problems), problems
+
+
+def test_manifest_key_covers_every_input(tmp_path):
+    """The row key changes with the source, the options and the headers'
+    contents, and not with the header folder's path."""
+    inc = tmp_path / "a"
+    inc.mkdir()
+    (inc / "cuda_fp16.h").write_text("// one\n")
+    other = tmp_path / "b"
+    other.mkdir()
+    (other / "cuda_fp16.h").write_text("// one\n")
+    opts = lambda d: ("-std=c++17", f"-I{d}", "--gpu-architecture=sm_80")   # noqa: E731
+    k = gate_manifest.unit_key("text", opts(inc), str(inc))
+    assert k == gate_manifest.unit_key("text", opts(other), str(other))
+    assert k != gate_manifest.unit_key("text2", opts(inc), str(inc))
+    assert k != gate_manifest.unit_key("text", opts(inc)[:-1] + ("--gpu-architecture=sm_90",), str(inc))
+    gate_manifest._headers_digest.cache_clear()
+    (other / "cuda_fp16.h").write_text("// two\n")
+    assert k != gate_manifest.unit_key("text", opts(other), str(other))
+    gate_manifest._headers_digest.cache_clear()
+
+
+def test_cli_without_the_gate_extra_says_one_line():
+    """No cuda-python: one line naming the gate extra, exit 2, no traceback."""
+    code = ("import sys; sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None\n"
+            "from cupaged.tools import compile_check\nsys.exit(compile_check.main([]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "cupaged[gate]" in r.stderr
 
 
 def test_v4_detected_and_required():
