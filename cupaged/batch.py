@@ -42,12 +42,16 @@ from .ops.advance import SlotBuffers, advance_slots
 from .ops.sampling import argmax_into
 from .plan import DevicePlan, HostPlan
 
+#: Most slots of one DecodeBatch.
+MAX_BATCH = 1024
+
 #: Finish reasons by ``layout.FINISH_*`` code.
 REASONS = {layout.FINISH_STOP: "stop", layout.FINISH_MAX_LEN: "max_len", layout.FINISH_NO_ROOM: "no_room"}
 
 
 def default_buckets(max_batch: int) -> tuple[int, ...]:
     """1, 2, 4, ... below ``max_batch``, then ``max_batch``."""
+    max_batch = checks.host_int("max_batch", max_batch, 1, MAX_BATCH)
     out, b = [], 1
     while b < max_batch:
         out.append(b)
@@ -107,7 +111,13 @@ class DecodeBatch:
     ``captures`` counts this batch's captures (at most one per bucket);
     ``launches`` its launches. Hot paths (advance, join, leave) allocate
     nothing on the device and never synchronize; ``readback`` is the one
-    synchronization.
+    synchronization. ``vocab``: the logits' last dim, once the step ran.
+
+    Failures change nothing the batch relies on: ``readback`` either returns
+    everything since the last one or raises and leaves the batch as it was
+    (call it again); device work of a reorganization that failed midway
+    (padding, packing, shrinking) is issued again by the next call.
+    Every method holds the cache's lock (docs/layout.md, "Thread safety").
     """
 
     def __init__(self, cache: PagedKVCache, step, *, token_buf, next_token, max_batch: int, max_len: int,
@@ -118,7 +128,7 @@ class DecodeBatch:
             raise PagedAttentionError(f"step: expected a callable step(plan) -> logits [B, vocab], got "
                                       f"{type(step).__name__}")
         self.cache = cache
-        self.max_batch = checks.host_int("max_batch", max_batch, 1, 1024)
+        self.max_batch = checks.host_int("max_batch", max_batch, 1, MAX_BATCH)
         self.max_len = checks.host_int("max_len", max_len, 2, MAX_VISIBLE_LEN)
         self.k = checks.host_int("readback_every", readback_every, 1, 1 << 16)
         self.graph = checks.boolean("graph", graph)
@@ -155,6 +165,10 @@ class DecodeBatch:
         self.captures = 0
         self._appends_all = True     # every launch so far appended every layer (prefix index)
         self._row = np.empty(self.table_width, np.uint32)      # host staging of one page-table row
+        self.vocab: int | None = None
+        self._pad: set[int] = set()  # released slots whose padding on the device is still to issue
+        self._unsettled = False      # padding, packing or a bucket change is still to issue (_settle)
+        self._held: Readback | None = None   # a readback whose reorganization failed: the next one returns it
 
     # -- queries ------------------------------------------------------------
     @property
@@ -173,8 +187,13 @@ class DecodeBatch:
         raise PagedAttentionError(f"seq: sequence {getattr(seq, 'id', seq)} is not in this batch")
 
     def plan(self, bucket: int | None = None) -> DevicePlan:
-        """The stable plan of ``bucket`` (default: the current one)."""
-        return self._plans[self._bucket if bucket is None else bucket]
+        """The stable plan of ``bucket`` (one of ``buckets``; default: the current one)."""
+        if bucket is None:
+            return self._plans[self._bucket]
+        b = checks.host_int("bucket", bucket, 1, self.max_batch)
+        if b not in self._plans:
+            raise PagedAttentionError(f"bucket: expected one of the batch's buckets {list(self.buckets)}, got {b}")
+        return self._plans[b]
 
     # -- membership -----------------------------------------------------------
     def join(self, seq: Sequence, token, *, max_len: int | None = None) -> int:
@@ -186,10 +205,18 @@ class DecodeBatch:
         limit (at most the batch's). Reserves its pages for the next k steps
         (copying a shared last page); the bucket grows when the slot needs it.
         Returns the slot. Raises (changing nothing) when the batch is full,
-        out of pages, or the sequence is too long."""
+        out of pages, the sequence is too long or driven by a live decode
+        loop, or an int ``token`` is no token id (< 0, or >= ``vocab`` once
+        known)."""
+        with self.cache._lock:
+            self._settle()
+            return self._join(seq, token, max_len)
+
+    def _join(self, seq, token, max_len) -> int:
         self.cache._check_seqs([seq], "seq")
         if seq._batch is not None:
             raise PagedAttentionError(f"seq: sequence {seq.id} is already in a DecodeBatch")
+        self.cache._check_not_driven(seq, "seq", "join")
         limit = self.max_len if max_len is None else checks.host_int("max_len", max_len, 2, self.max_len)
         L = seq.length
         if L + 1 >= limit:
@@ -201,6 +228,8 @@ class DecodeBatch:
                 raise PagedAttentionError(f"token: expected an int or a 1-element int64 array, got "
                                           f"{type(token).__name__}")
             checks.plan_arrays(self._plans[self._bucket], token=token)
+        else:
+            token = int(checks.token_ids("token", token, self.vocab)[0])
         try:
             slot = self._slot.index(None)
         except ValueError:
@@ -219,9 +248,9 @@ class DecodeBatch:
             self.stream.copy(self.next_token, token, nbytes=8, dst_offset=8 * slot)
             self.stream.copy(self.first, token, nbytes=8, dst_offset=8 * slot)
         else:
-            seed_tokens(self.next_token[slot:slot + 1], [int(token)])
+            seed_tokens(self.next_token[slot:slot + 1], [token])
             if len(seq._tokens) == L:
-                seq._tokens.append(int(token))
+                seq._tokens.append(token)
         self._write_slot(slot, seq, limit)
         return slot
 
@@ -230,13 +259,21 @@ class DecodeBatch:
         device). Only right after ``readback()`` (its length is then known):
         the token it would have fed next is not written, so ``seq.length``
         drops it and ``cache.prepare(seq, 1)`` or a later ``join`` feeds it."""
-        slot = self.slot_of(seq)
-        if self.launches != self._read_at:
-            raise PagedAttentionError("leave: the batch ran since its last readback(); call readback() first so "
-                                      "the sequence's length and tokens are known")
-        self._release(slot)
-        seq.length -= 1
-        self._compact()
+        with self.cache._lock:
+            self._settle()
+            slot = self.slot_of(seq)
+            if self.launches != self._read_at:
+                raise PagedAttentionError("leave: the batch ran since its last readback(); call readback() first so "
+                                          "the sequence's length and tokens are known")
+            self._release(slot)
+            seq.length -= 1
+            self._unsettled = True
+            try:
+                self._settle()
+            except BaseException as err:
+                err.add_note("DecodeBatch.leave: the sequence has left; padding and packing its slot failed and are "
+                             "issued again by the next call")
+                raise
 
     # -- running --------------------------------------------------------------
     def advance(self) -> None:
@@ -244,6 +281,11 @@ class DecodeBatch:
         slot's next write needs one (raises, launching nothing, when out of
         pages), copy next_token -> token_buf, launch the bucket's graph
         (captured at its first use). No host data, no synchronization."""
+        with self.cache._lock:
+            self._settle()
+            self._advance()
+
+    def _advance(self) -> None:
         live = [i for i, s in enumerate(self._slot) if s is not None and not s.done]
         if not live:
             raise PagedAttentionError("advance: no sequence to decode; join one first (sequences that reached "
@@ -275,14 +317,55 @@ class DecodeBatch:
         stop token, its length limit, no room) and at which launch. Finished
         sequences leave the batch, their lengths exact (the tokens written;
         the final token is reported, not written); the others' lengths are
-        exact as well. Then the slots are packed and the bucket shrinks."""
-        out = Readback(steps=self.launches - self._read_at)
-        if out.steps == 0:
+        exact as well. Then the slots are packed and the bucket shrinks.
+
+        Transactional: when anything fails before the tokens are learned (the
+        device read, the prefix index, ...), it raises with the batch as it
+        was (a note on the exception says so): a later ``readback()`` returns
+        these tokens. When packing the slots fails after that, the tokens are
+        kept and the next ``readback()`` returns them (with any newer ones);
+        the next call issues the packing again."""
+        with self.cache._lock:
+            self._settle()
+            if self.launches == self._read_at:
+                out, self._held = self._held or Readback(), None
+                return out
+            try:
+                out = self._learn()
+            except BaseException as err:
+                err.add_note("DecodeBatch.readback: nothing was learned and the batch is as it was before this "
+                             "call; call readback() again")
+                raise
+            if self._held is not None:
+                out = _merged(self._held, out)
+            self._held = out
+            try:
+                self._settle()
+            except BaseException as err:
+                err.add_note("DecodeBatch.readback: the tokens were read and are kept, the next readback() returns "
+                             "them; packing the slots failed and is issued again by the next call")
+                raise
+            self._held = None
             return out
+
+    def _learn(self) -> Readback:
+        """The host side of a readback: read the ring and the slot state,
+        then update lengths, tokens, slots and the prefix index; restores
+        everything it changed when anything fails."""
+        out = Readback(steps=self.launches - self._read_at)
         ring = self.stream.read(self.slots.ring)
         words = self.stream.read(self.slots.words)
         first = self.stream.read(self.first) if any(s is not None and s.first_on_device for s in self._slot) \
             else None
+        saved = self._snapshot()
+        try:
+            self._learn_from(out, ring, words, first)
+        except BaseException:
+            self._restore(saved)
+            raise
+        return out
+
+    def _learn_from(self, out: Readback, ring, words, first) -> None:
         stride = self.max_batch
         for i, s in enumerate(self._slot):
             if s is None:
@@ -319,8 +402,27 @@ class DecodeBatch:
             else:
                 s.start, s.len0, s.written0 = self.launches, seq.length, written
         self._read_at = self.launches
-        self._compact()
-        return out
+        self._unsettled = True
+
+    def _snapshot(self):
+        """What ``_learn_from`` changes (the prefix index aside: an entry it
+        added describes written pages, and offering them again finds it)."""
+        slots = [(s, s.start, s.len0, s.written0, s.first_on_device, s.done) if s is not None else None
+                 for s in self._slot]
+        seqs = [(s.seq, s.seq.length, len(s.seq._tokens), s.seq._written, s.seq._indexed, s.seq._batch)
+                for s in self._slot if s is not None]
+        return slots, seqs, set(self._pad), self._read_at, self._unsettled
+
+    def _restore(self, saved) -> None:
+        slots, seqs, pad, read_at, unsettled = saved
+        self._slot = [None if t is None else t[0] for t in slots]
+        for t in slots:
+            if t is not None:
+                t[0].start, t[0].len0, t[0].written0, t[0].first_on_device, t[0].done = t[1:]
+        for seq, length, ntok, written, indexed, batch in seqs:
+            seq.length, seq._written, seq._indexed, seq._batch = length, written, indexed, batch
+            del seq._tokens[ntok:]
+        self._pad, self._read_at, self._unsettled = pad, read_at, unsettled
 
     # -- internals ------------------------------------------------------------
     def _target(self, length: int, limit: int) -> int:
@@ -367,17 +469,30 @@ class DecodeBatch:
         self.slots.set(slot, layout.SLOT_ACTIVE, 1)
 
     def _release(self, slot: int) -> None:
-        """Pad the slot on the device; the host forgets it."""
+        """The host forgets the slot; ``_settle`` pads it on the device."""
+        self._slot[slot].seq._batch = None
+        self._slot[slot] = None
+        self._pad.add(slot)
+
+    def _pad_slot(self, slot: int) -> None:
+        """Stream-ordered: the slot reads and writes nothing (kv_len 0, inactive)."""
         plan, off = self._words()
         self.stream.memset_d32(plan.words, 0, count=1, offset_bytes=4 * (off["kv_len"] + slot))
         self.slots.set(slot, layout.SLOT_ACTIVE, 0)
-        self._slot[slot].seq._batch = None
-        self._slot[slot] = None
 
-    def _compact(self) -> None:
-        """At a readback boundary: move the highest occupied slots into the
+    def _settle(self) -> None:
+        """At a readback boundary (or before any later call, when one failed
+        midway): pad released slots, move the highest occupied slots into the
         lowest free ones (the host knows their state exactly; the token each
-        feeds next moves on the device), then shrink the bucket."""
+        feeds next moves on the device), then shrink the bucket. The host
+        takes each step only after its device work was issued, and each step
+        can be issued again, so a failure leaves nothing the next call does
+        not redo."""
+        if not self._unsettled:
+            return
+        for slot in sorted(self._pad):
+            self._pad_slot(slot)
+            self._pad.discard(slot)
         while True:
             used = [i for i, s in enumerate(self._slot) if s is not None]
             free = [i for i, s in enumerate(self._slot) if s is None]
@@ -387,16 +502,16 @@ class DecodeBatch:
             s = self._slot[src]
             for buf in (self.next_token, self.first):
                 self.stream.copy(buf, buf, nbytes=8, dst_offset=8 * dst, src_offset=8 * src)
-            self._slot[dst] = s
             self._write_slot(dst, s.seq, s.max_len)
-            plan, off = self._words()
-            self.stream.memset_d32(plan.words, 0, count=1, offset_bytes=4 * (off["kv_len"] + src))
-            self.slots.set(src, layout.SLOT_ACTIVE, 0)
-            self._slot[src] = None
+            self._slot[dst], self._slot[src] = s, None      # src still active on the device: padded next
+            self._pad.add(src)
+            self._pad_slot(src)
+            self._pad.discard(src)
         used = [i for i, s in enumerate(self._slot) if s is not None]
         want = self._bucket_for(used[-1] + 1 if used else 1)
         if want != self._bucket:
             self._switch(want)
+        self._unsettled = False
 
     def _switch(self, bucket: int) -> None:
         """Make ``bucket`` current: its words take the current words' slots
@@ -415,6 +530,7 @@ class DecodeBatch:
     def _body(self, bucket: int) -> None:
         plan = self._plans[bucket]
         logits = self._step(plan)
+        self.vocab = int(logits.shape[-1])
         argmax_into(logits, self.next_token[:bucket])
         advance_slots(plan, self.slots, self.next_token, full_finishes=True)
 
@@ -432,6 +548,17 @@ class DecodeBatch:
             self.captures += 1
         self._appends_all &= len(w.captured) == self.cache.layers
         g.launch()
+
+
+def _merged(a: Readback, b: Readback) -> Readback:
+    """Readback ``a`` followed by ``b``."""
+    out = Readback(tokens={s: list(t) for s, t in a.tokens.items()}, finished=dict(a.finished),
+                   finished_at=dict(a.finished_at), steps=a.steps + b.steps)
+    for s, t in b.tokens.items():
+        out.tokens.setdefault(s, []).extend(t)
+    out.finished.update(b.finished)
+    out.finished_at.update(b.finished_at)
+    return out
 
 
 __all__ = ["DecodeBatch", "Readback", "default_buckets"]

@@ -24,8 +24,10 @@ Layout of caches, positions and metadata words: ``docs/layout.md``.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -59,7 +61,7 @@ class Sequence:
     ``alive``: False once freed."""
 
     __slots__ = ("id", "length", "_pages", "_cache", "alive", "cached_tokens", "_tokens", "_written", "_indexed",
-                 "_batch", "__weakref__")
+                 "_batch", "_drive", "__weakref__")
 
     def __init__(self, cache: "PagedKVCache", seq_id: int, pages: list[int], length: int):
         self.id = seq_id
@@ -72,6 +74,7 @@ class Sequence:
         self._written = length     # tokens whose K/V are known written (prefix index; docs/layout.md)
         self._indexed = 0          # leading pages already offered to the prefix index
         self._batch = None         # the DecodeBatch whose slot holds it
+        self._drive = None         # the _Drive of the live PagedDecodeLoop driving it
 
     @property
     def pages(self) -> tuple[int, ...]:
@@ -123,12 +126,51 @@ class _Writes:
     token range each sequence gets. When ``auto`` and every layer was
     appended eagerly, the range counts as written (prefix index)."""
 
-    __slots__ = ("seqs", "starts", "ends", "layers", "captured", "auto")
+    __slots__ = ("seqs", "starts", "ends", "layers", "captured", "auto", "driven")
 
     def __init__(self, seqs, starts, ends, auto):
         self.seqs, self.starts, self.ends, self.auto = seqs, starts, ends, auto
         self.layers: set = set()
         self.captured: set = set()
+        self.driven = False        # a PagedDecodeLoop has driven the plan (its device words moved on)
+
+
+class _Drive:
+    """A cache-driven PagedDecodeLoop's hold on its sequences (``PagedKVCache._drive``).
+
+    While it holds, each sequence's ``length`` counts the step prepared
+    next, whose token is in ``next_token`` and not in the cache, so fork,
+    free, prepare, reserve and ``DecodeBatch.join`` refuse the sequences.
+    ``end(drop)`` lets them go: the loop's ``finish()``, its last step (which
+    does not advance, ``drop=False``) or its garbage collection; ``drop``
+    takes that step back off each length (and makes the loop's plan stale).
+    ``taken`` / ``steps``: the loop's progress, for messages."""
+
+    __slots__ = ("cache", "seqs", "taken", "steps", "ended", "dropped")
+
+    def __init__(self, cache, seqs, steps):
+        self.cache, self.seqs, self.taken, self.steps = cache, seqs, 0, steps
+        self.ended = self.dropped = False
+
+    def end(self, drop: bool) -> None:
+        with self.cache._lock:
+            if self.ended:
+                return
+            self.ended, self.dropped = True, drop
+            for s in self.seqs:
+                if s._drive is self:
+                    s._drive = None
+                    if drop:
+                        s.length -= 1
+
+
+def _locked(method):
+    """Run ``method`` holding its cache's lock (docs/layout.md, "Thread safety")."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 _ROOT_KEY = b"cupaged-prefix-root"
@@ -177,11 +219,18 @@ class PagedKVCache:
     Host bookkeeping only, except ``prepare`` / ``reserve``, which launch at
     most one page copy (and ``prepare`` one small upload) per call and never
     synchronize.
+
+    Thread safety: every method holds the cache's lock (one reentrant lock,
+    which its DecodeBatches and cache-driven decode loops take as well), so
+    calls from several threads run one at a time (docs/layout.md, "Thread
+    safety").
     """
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, *,
                  layers: int = 1, value_dim: int | None = None, like=None, prefix_cache: bool = False,
                  k_scale=None, v_scale=None):
+        #: The one lock of this cache, its DecodeBatches and cache-driven loops (reentrant).
+        self._lock = threading.RLock()
         self.num_pages = checks.host_int("num_pages", num_pages, 1, U32_MAX - 1)
         self.page_size = checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
         self.kv_heads = checks.host_int("kv_heads", kv_heads, 1, U32_MAX)
@@ -224,17 +273,20 @@ class PagedKVCache:
         self._generation = 0    # bumped by every fork, free, prepare and reserve: older plans are stale
 
     def _scale(self, name: str, val, like):
-        """A [layers] or [layers, kv_heads] float32 scale array on the cache's device."""
+        """A [layers] or [layers, kv_heads] float32 scale array on the cache's
+        device, every value finite and > 0 (``checks.scale_values``)."""
         host = np.ones(self.layers, np.float32) if val is None else val
         if array_backend(host) == GPU:
             host = host.get()
         if isinstance(host, (int, float, np.integer, np.floating)) and not isinstance(host, bool):
-            host = np.full(self.layers, host, np.float32)
+            host = np.full(self.layers, host, np.float64)
         host = np.asarray(host)
         if host.dtype.kind not in "fiu" or host.shape not in ((self.layers,), (self.layers, self.kv_heads)):
             raise PagedAttentionError(f"{name}: expected a number or float data of shape [{self.layers}] (per layer) "
                                       f"or [{self.layers}, {self.kv_heads}] (per layer and KV head), got "
                                       f"{host.dtype} {checks.shape_str(host.shape)}")
+        with np.errstate(over="ignore"):     # a value past float32's range becomes inf, which is refused
+            checks.scale_values(name, host.astype(np.float32))
         out = zeros(like, host.shape, np.float32)
         if array_backend(out) == GPU:
             out.set(host.astype(np.float32))
@@ -262,6 +314,7 @@ class PagedKVCache:
 
     # -- queries ------------------------------------------------------------
     @property
+    @_locked
     def num_free_pages(self) -> int:
         """Pages no sequence holds: the free list and the cached prefix pages
         (which allocation evicts once the free list is empty)."""
@@ -277,10 +330,12 @@ class PagedKVCache:
         """Bytes of one page in both caches, all layers."""
         return self.layers * self.page_size * self.kv_heads * (self.head_dim + self.value_dim) * self.dtype.itemsize
 
+    @_locked
     def ref_count(self, page: int) -> int:
-        """Sequences holding ``page``."""
-        return self._refs[page]
+        """Sequences holding ``page`` (an int in 0 .. num_pages - 1)."""
+        return self._refs[checks.host_int("page", page, 0, self.num_pages - 1)]
 
+    @_locked
     def stats(self) -> dict:
         """Prefix-cache counters: ``hits`` / ``misses`` (full prompt pages
         looked up by ``add_sequence`` and found / not found), ``evictions``
@@ -288,6 +343,7 @@ class PagedKVCache:
         pages no sequence holds), ``indexed_pages`` (all indexed pages)."""
         return dict(self._stats, cached_pages=len(self._lru), indexed_pages=len(self._entry))
 
+    @_locked
     def page_table(self, seqs) -> np.ndarray:
         """int32 [len(seqs), max(1, most pages)]: row i lists seqs[i].pages,
         padded with -1."""
@@ -299,6 +355,7 @@ class PagedKVCache:
         return table
 
     # -- sequences ----------------------------------------------------------
+    @_locked
     def add_sequence(self, tokens=None) -> Sequence:
         """A new sequence. ``tokens``: its token ids (the prompt, int [n]),
         which the cache keeps (``seq.tokens``) to index its full pages once
@@ -307,11 +364,11 @@ class PagedKVCache:
         ``seq.cached_tokens`` start at the tokens those pages hold (at most
         ``len(tokens) - 1``, so the last prompt token is always computed and
         yields logits), and only the rest needs a prefill. Takes no free page
-        and keeps outstanding plans valid."""
+        and keeps outstanding plans valid. Token ids are ints >= 0
+        (``checks.token_ids``)."""
         ids: list[int] = []
         if tokens is not None:
-            arr = checks.host_int_array("tokens", tokens, 1)
-            ids = [int(t) for t in arr]
+            ids = [int(t) for t in checks.token_ids("tokens", tokens)]
         seq = Sequence(self, self._next_id, [], 0)
         self._next_id += 1
         seq._tokens = ids
@@ -338,14 +395,17 @@ class PagedKVCache:
             seq._indexed = len(matched)
         return seq
 
+    @_locked
     def add_tokens(self, seq: Sequence, tokens) -> None:
-        """Record further token ids of ``seq`` (e.g. sampled tokens read back),
-        which lets its full pages enter the prefix index once written."""
+        """Record further token ids of ``seq`` (e.g. sampled tokens read back;
+        ints >= 0), which lets its full pages enter the prefix index once
+        written."""
         self._check_seqs([seq], "seq")
-        ids = checks.host_int_array("tokens", tokens, 1)
+        ids = checks.token_ids("tokens", tokens)
         seq._tokens.extend(int(t) for t in ids)
         self._index_pages(seq)
 
+    @_locked
     def fork(self, seq: Sequence) -> Sequence:
         """A new sequence sharing every page that holds ``seq``'s tokens (and
         its length and known tokens); nothing is copied and pages ``seq``
@@ -353,6 +413,7 @@ class PagedKVCache:
         the shared page first, so neither ever sees the other's new tokens."""
         self._check_seqs([seq], "seq")
         self._check_not_in_batch(seq, "seq", "fork")
+        self._check_not_driven(seq, "seq", "fork")
         used = -(-seq.length // self.page_size)
         child = Sequence(self, self._next_id, list(seq._pages[:used]), seq.length)
         self._next_id += 1
@@ -364,6 +425,7 @@ class PagedKVCache:
         self._new_generation()
         return child
 
+    @_locked
     def free(self, seq: Sequence) -> None:
         """Release ``seq``: each page goes back to the free list once no
         sequence holds it; with ``prefix_cache`` an indexed page stays cached
@@ -371,6 +433,7 @@ class PagedKVCache:
         afterwards."""
         self._check_seqs([seq], "seq")
         self._check_not_in_batch(seq, "seq", "free")
+        self._check_not_driven(seq, "seq", "free")
         for p in reversed(seq._pages):
             self._refs[p] -= 1
             if self._refs[p] == 0:
@@ -384,6 +447,7 @@ class PagedKVCache:
         self._new_generation()
 
     # -- a step ---------------------------------------------------------------
+    @_locked
     def prepare(self, seqs, new_tokens, *, reserve=0) -> tuple[DevicePlan, StepReport]:
         """Make room for one step and return ``(plan, report)``.
 
@@ -429,9 +493,11 @@ class PagedKVCache:
             s.length = n
         plan.guard = self._guard()
         plan.seqs = tuple(seqs)
+        plan._cache = self          # a plan knows its cache: another cache's methods refuse it
         self._writes[plan] = _Writes(plan.seqs, starts, lengths, auto=True)
         return plan, self._report(pairs, taken, evict)
 
+    @_locked
     def reserve(self, seqs, tokens) -> StepReport:
         """Make each of ``seqs`` hold pages for ``tokens`` (an int, or one
         per sequence) tokens past its length, copying every shared page those
@@ -449,11 +515,16 @@ class PagedKVCache:
         self._commit(seqs, pages, pairs, taken, evict)
         return self._report(pairs, taken, evict)
 
+    @_locked
     def append(self, plan: DevicePlan, new_k, new_v, *, layer: int = 0) -> None:
         """``plan.append(new_k, new_v, self.k[layer], self.v[layer])``: layer
-        ``layer``'s new rows. Once every layer of a ``prepare`` plan was
-        appended, its tokens count as written (the prefix index takes their
-        full pages)."""
+        ``layer``'s new rows. ``plan``: one of this cache's (its ``prepare``'s,
+        or a slot plan of one of its DecodeBatches); a plan of another cache
+        (or one no cache made) is refused, since its page table names pages
+        this cache may have given to other sequences. Once every layer of a
+        ``prepare`` plan was appended, its tokens count as written (the prefix
+        index takes their full pages)."""
+        self._check_plan(plan, "plan")
         layer = checks.host_int("layer", layer, 0, self.layers - 1)
         plan.append(new_k, new_v, self.k[layer], self.v[layer], **self.kv_args(layer))
         w = self._writes.get(plan)
@@ -471,13 +542,43 @@ class PagedKVCache:
     # -- helpers for decode loops and batches (cupaged.graph, cupaged.batch) ----
     def _track(self, plan) -> _Writes:
         """Take over the write tracking of ``plan`` (a loop marks what it
-        writes itself): returns its record, which keeps counting layers."""
+        writes itself): returns its record, which keeps counting layers. A
+        plan no cache made (a DecodeBatch's slot plan) becomes this cache's; a
+        plan a decode loop has driven is refused (its device words moved on)."""
+        if getattr(plan, "_cache", None) is None:
+            plan._cache = self
+        self._check_plan(plan, "plan")
         w = self._writes.get(plan)
+        if w is not None and w.driven:
+            raise PagedAttentionError("plan: a PagedDecodeLoop already drove this plan (its device lengths moved on); "
+                                      "prepare a new plan: cache.prepare(seqs, 1, reserve=...)")
         if w is None:
             w = _Writes((), [], [], auto=False)
             self._writes[plan] = w
         w.auto = False
         return w
+
+    def _drive(self, plan, loop) -> _Drive:
+        """Hold ``plan.seqs`` for ``loop``, the PagedDecodeLoop just built on
+        ``plan`` (tracked: ``_track``), until the loop ends (``_Drive.end``;
+        a loop dropped without ``finish()`` ends when it is collected). The
+        plan goes stale once the loop ends before its last step."""
+        self._writes[plan].driven = True
+        d = _Drive(self, plan.seqs, loop.steps_left)
+        for s in plan.seqs:
+            s._drive = d
+        fresh = plan.guard
+
+        def guard() -> None:
+            if d.dropped:
+                raise PagedAttentionError(
+                    f"plan: stale: its PagedDecodeLoop was finished after {d.taken} of {d.steps} steps (its device "
+                    f"lengths count a step that was not run); use the plan of a new cache.prepare")
+            if fresh is not None:
+                fresh()
+        plan.guard = guard
+        weakref.finalize(loop, d.end, True).atexit = False
+        return d
 
     def _wrote(self, seq: Sequence, start: int, end: int) -> None:
         """Tokens [start, end) of ``seq`` are written (every layer): its
@@ -658,10 +759,33 @@ class PagedKVCache:
         seqs = self._check_seqs(seqs, "seqs")
         if len({s.id for s in seqs}) != len(seqs):
             raise PagedAttentionError("seqs: expected distinct sequences, got one sequence twice")
-        if not allow_batch:
-            for i, s in enumerate(seqs):
+        for i, s in enumerate(seqs):
+            if not allow_batch:
                 self._check_not_in_batch(s, f"seqs[{i}]", "prepare or reserve")
+            self._check_not_driven(s, f"seqs[{i}]", "prepare or reserve")
         return seqs
+
+    def _check_plan(self, plan, name: str) -> None:
+        """``plan`` was made by this cache (``prepare``) or taken over by it
+        (a DecodeBatch's slot plan): a plan knows its cache."""
+        owner = getattr(plan, "_cache", None)
+        if owner is self:
+            return
+        if owner is not None:
+            raise PagedAttentionError(f"{name}: expected a plan of this cache, got one of another PagedKVCache "
+                                      f"({owner!r}); its page table names that cache's pages")
+        raise PagedAttentionError(f"{name}: expected a plan of this cache (made by its prepare, or a DecodeBatch's), "
+                                  f"got {type(plan).__name__} made by no PagedKVCache; write such a plan's rows with "
+                                  f"plan.append(new_k, new_v, cache.k[layer], cache.v[layer])")
+
+    @staticmethod
+    def _check_not_driven(seq: Sequence, label: str, what: str) -> None:
+        d = seq._drive
+        if d is not None:
+            raise PagedAttentionError(
+                f"{label}: sequence {seq.id} is driven by a live PagedDecodeLoop ({d.taken} of {d.steps} steps "
+                f"run), and its length {seq.length} counts the step prepared next, whose token is in next_token, "
+                f"not in the cache; call loop.finish() before {what}")
 
     @staticmethod
     def _check_not_in_batch(seq: Sequence, label: str, what: str) -> None:
@@ -673,7 +797,7 @@ class PagedKVCache:
     @staticmethod
     def _per_seq(name: str, value, n: int) -> list[int]:
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-            value = [int(value)] * n
+            value = [checks.host_int(name, value, 0, U32_MAX)] * n
         counts = checks.host_int_array(name, value, 1)
         if counts.shape[0] != n:
             raise PagedAttentionError(f"{name}: expected shape [{n}] (one per sequence), got "

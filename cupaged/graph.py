@@ -141,28 +141,29 @@ class DeviceScalars:
         return self
 
     def update(self, seq_len: int) -> None:
-        n = int(seq_len)
-        if not 0 <= n < 0x7FFFFFFF:
-            raise PagedAttentionError(f"seq_len: expected 0..{0x7FFFFFFE}, got {n}")
+        n = checks.host_int("seq_len", seq_len, 0, 0x7FFFFFFE)
         self.stream.memset_d32(self.write_pos, n, count=1)
         self.stream.memset_d32(self.seq_len_k, n + 1, count=1)
 
 
-def seed_tokens(next_token, tokens) -> None:
-    """Write host ints ``tokens`` [batch] into ``next_token`` int64 [batch]
-    with stream-ordered 32-bit memsets of each value's low and high halves
-    (little-endian); no host buffer is involved."""
+def seed_tokens(next_token, tokens, *, vocab: int | None = None) -> None:
+    """Write host token ids ``tokens`` [batch] (ints >= 0, below ``vocab``
+    when given: ``checks.token_ids``) into ``next_token`` int64 [batch] with
+    stream-ordered 32-bit memsets of each value's low and high halves
+    (little-endian); no host buffer is involved. Checks everything before
+    the first memset."""
     stream = stream_for(next_token)
     if str(next_token.dtype) != "int64" or next_token.ndim != 1:
         raise PagedAttentionError(f"next_token: expected an int64 [batch] array, got {next_token.dtype} "
                                   f"{checks.shape_str(next_token.shape)}")
-    tokens = [int(t) for t in np.atleast_1d(np.asarray(tokens))]
+    if isinstance(tokens, np.ndarray) and tokens.ndim == 0:
+        tokens = tokens.reshape(1)
+    tokens = [int(t) for t in checks.token_ids("tokens", tokens, vocab)]
     if len(tokens) != next_token.shape[0]:
         raise PagedAttentionError(f"tokens: expected {next_token.shape[0]} values, got {len(tokens)}")
     for i, t in enumerate(tokens):
-        u = t & 0xFFFFFFFFFFFFFFFF
-        stream.memset_d32(next_token, u & 0xFFFFFFFF, count=1, offset_bytes=8 * i)
-        stream.memset_d32(next_token, u >> 32, count=1, offset_bytes=8 * i + 4)
+        stream.memset_d32(next_token, t & 0xFFFFFFFF, count=1, offset_bytes=8 * i)
+        stream.memset_d32(next_token, t >> 32, count=1, offset_bytes=8 * i + 4)
 
 
 def _token_buffer(name, buf):
@@ -177,9 +178,14 @@ class _Loop:
 
     graph: CapturedGraph | None
     next_token = None
+    vocab: int | None = None      # the logits' last dim, once the step ran (captured or eager)
 
     def _body(self) -> None:
         raise NotImplementedError
+
+    def _argmax_of(self, logits) -> None:
+        self.vocab = int(logits.shape[-1])
+        self._argmax(logits, self.next_token)
 
     def _capture(self, graph: bool, like) -> None:
         self.graph = None
@@ -196,8 +202,9 @@ class _Loop:
 
     def seed(self, tokens) -> None:
         """Set the first input token(s): written to next_token, which the
-        first ``advance`` copies into token_buf."""
-        seed_tokens(self.next_token, tokens)
+        first ``advance`` copies into token_buf. Token ids are ints >= 0,
+        below ``vocab`` once the step ran (under capture: at construction)."""
+        seed_tokens(self.next_token, tokens, vocab=self.vocab)
 
 
 class DecodeLoop(_Loop):
@@ -236,8 +243,7 @@ class DecodeLoop(_Loop):
         self._capture(graph, token_buf)
 
     def _body(self) -> None:
-        logits = self._step()
-        self._argmax(logits, self.next_token)
+        self._argmax_of(self._step())
 
     def advance(self) -> None:
         """Issue one token's work; no host synchronization. Past the RoPE
@@ -283,8 +289,15 @@ class PagedDecodeLoop(_Loop):
     advance past the last reserved step, whose generated token has no page
     yet, so at the end ``seq.length`` counts exactly the tokens written and
     ``cache.prepare(seqs, 1, ...)`` continues from there, feeding
-    ``next_token``). ``finish()`` ends a loop early the same way. A later
-    fork, free, prepare or reserve of the cache makes ``advance`` raise.
+    ``next_token``). ``finish()`` ends a loop early the same way. Until the
+    loop ends (its last step, ``finish()``, or its garbage collection, which
+    finishes it), a fork, free, prepare or reserve of one of its sequences,
+    or a ``DecodeBatch.join``, raises naming ``loop.finish()``: their
+    lengths count the step prepared next, whose row is not written. A fork,
+    free, prepare or reserve of other sequences makes ``advance`` raise
+    (stale); ``finish()`` still ends the loop. A loop that ended before its
+    last step leaves its plan stale. The loop holds the cache's lock in
+    every call (docs/layout.md, "Thread safety").
 
     Without a cache, the plan's rows must already hold the pages for the
     steps to come; ``active`` [B] bool marks padding: a padded entry's length
@@ -294,6 +307,16 @@ class PagedDecodeLoop(_Loop):
 
     def __init__(self, step, plan: DevicePlan, *, token_buf, next_token, cache=None, seqs=None, active=None,
                  graph: bool = True):
+        if cache is not None and not hasattr(cache, "_drive"):
+            raise PagedAttentionError(f"cache: expected a PagedKVCache (or None), got {type(cache).__name__}")
+        self._lock = contextlib.nullcontext() if cache is None else cache._lock
+        self._drive = None
+        with self._lock:
+            self._build(step, plan, token_buf, next_token, cache, seqs, active, graph)
+            if cache is not None:
+                self._drive = cache._drive(plan, self)
+
+    def _build(self, step, plan, token_buf, next_token, cache, seqs, active, graph) -> None:
         h = plan.host
         if h.queries != h.sequences or (h.q_lens != 1).any():
             raise PagedAttentionError("plan: expected one query per sequence (decode: q_lens all 1)")
@@ -306,8 +329,11 @@ class PagedDecodeLoop(_Loop):
         self.cache, self.seqs = cache, None
         shared = set()
         if cache is not None:
-            if plan.seqs is None or any(s._cache is not cache for s in plan.seqs):
-                raise PagedAttentionError("plan: expected a plan made by cache.prepare of the given cache")
+            owner = getattr(plan, "_cache", None)
+            if owner is not cache or plan.seqs is None:
+                got = ("one of another PagedKVCache" if owner is not None and owner is not cache else
+                       "a DecodeBatch's slot plan" if owner is not None else "a plan made by no PagedKVCache")
+                raise PagedAttentionError(f"plan: expected a plan made by cache.prepare of the given cache, got {got}")
             plan.check_fresh()
             if seqs is not None and (len(seqs) != len(plan.seqs)
                                      or any(a is not b for a, b in zip(seqs, plan.seqs))):
@@ -343,8 +369,7 @@ class PagedDecodeLoop(_Loop):
             len(self._writes.captured if graph else self._writes.layers) == cache.layers
 
     def _body(self) -> None:
-        logits = self._step(self.plan)
-        self._argmax(logits, self.next_token)
+        self._argmax_of(self._step(self.plan))
         advance_slots(self.plan, self.slots, self.next_token)
 
     @property
@@ -358,37 +383,42 @@ class PagedDecodeLoop(_Loop):
         """Issue one token's work (one copy, one graph launch); no host data.
         Raises before issuing anything when no step is left or (with a
         cache) the plan went stale."""
-        if self.steps_left <= 0:
-            raise PagedAttentionError(f"plan: {self._why}; reserve more pages")
-        if self.cache is not None:
-            self.plan.check_fresh()
-        self.stream.copy(self.token_buf, self.next_token)
-        self._run_step()
-        if self._writes is not None and not self._all_layers:    # eager: the first step tells
-            self._all_layers = len(self._writes.layers) == self.cache.layers
-        self._taken += 1
-        last = self._taken == self._writable
-        if self.cache is not None:
-            for s, n in zip(self.seqs, self.lengths):
-                s.length = int(n) if last else int(n) + 1
-                if self._all_layers:
-                    self.cache._wrote(s, int(n) - 1, int(n))
-        if not (last and self.cache is not None):
-            self.lengths[self.active] += 1
+        with self._lock:
+            if self.steps_left <= 0:
+                raise PagedAttentionError(f"plan: {self._why}; reserve more pages")
+            if self.cache is not None:
+                self.plan.check_fresh()
+            self.stream.copy(self.token_buf, self.next_token)
+            self._run_step()
+            if self._writes is not None and not self._all_layers:    # eager: the first step tells
+                self._all_layers = len(self._writes.layers) == self.cache.layers
+            self._taken += 1
+            last = self._taken == self._writable
+            if self.cache is not None:
+                for s, n in zip(self.seqs, self.lengths):
+                    s.length = int(n) if last else int(n) + 1
+                    if self._all_layers:
+                        self.cache._wrote(s, int(n) - 1, int(n))
+                self._drive.taken = self._taken
+                if last:
+                    self._drive.end(False)        # the last step does not advance: nothing to drop
+            if not (last and self.cache is not None):
+                self.lengths[self.active] += 1
 
     def finish(self) -> None:
         """End the loop now (cache-driven loops): each sequence's length drops
         the token the device prepared for the next step (it is in
         ``next_token``, not in the cache), so ``cache.prepare(seqs, 1)`` feeds
-        it next. Later ``advance()`` calls raise. A loop that ran all its
-        steps has nothing to drop."""
-        if self.cache is not None and self._taken < self._writable:
-            self.plan.check_fresh()
-            for s, n in zip(self.seqs, self.lengths):
-                s.length = int(n) - 1
-            self.lengths[self.active] -= 1
-        self._writable = self._taken
-        self._why = "the loop was finished"
+        it next, and the sequences are free for fork, free, prepare, reserve
+        and join again. Works on a stale loop too. Later ``advance()`` calls
+        raise, and the plan is stale. A loop that ran all its steps has
+        nothing to drop; finishing twice does nothing more."""
+        with self._lock:
+            if self._drive is not None and not self._drive.ended:
+                self._drive.end(True)
+                self.lengths[self.active] -= 1
+            self._writable = self._taken
+            self._why = "the loop was finished"
 
 
 def _writable_steps(h, active, shared=frozenset()) -> tuple[int, str]:

@@ -1002,3 +1002,174 @@ def test_random_schedule_through_graph_decode_loops(seed):
     assert counts["hits"] and stats["hits"] and stats["evictions"] and counts["exhausted"], (counts, stats)
     assert counts["joins"] and counts["forks"] and counts["loops"] and counts["batch_steps"] > 10, counts
     assert batch.captures <= 3 and cupaged.capture_count() - captures0 == batch.captures + loop_captures
+
+
+# --------------------------------------------------------------------------- issue #19: nothing silent, round 3
+def test_a_plan_of_another_cache_is_refused_and_writes_nothing():
+    """Two caches of one shape (a draft and a target model): a plan of one
+    names the other's pages by the same ids, so the other cache's append
+    (the only cache method that takes a plan) refuses it before any launch,
+    as it refuses a plan no cache made; each cache takes its own plans."""
+    rng = np.random.default_rng(41)
+    draft, target = small_cache(), small_cache()
+    model = Model()
+    t = target.add_sequence()
+    model.add(t)
+    step(target, [t], 6, rng, model)                  # target's sequence 0 holds pages 0 and 1
+    d = draft.add_sequence()
+    plan, _ = draft.prepare([d], 3)                   # draft's sequence 0 gets page 0 too
+    nk = rng.standard_normal((3, 2, 8)).astype(np.float16)
+    nv = rng.standard_normal((3, 2, 4)).astype(np.float16)
+    before = snapshot(target, [t]), snapshot(draft, [d])
+    with pytest.raises(PagedAttentionError, match=r"plan: expected a plan of this cache, got one of another "
+                                                  r"PagedKVCache \(PagedKVCache\(num_pages=8"):
+        target.append(plan, nk, nv)
+    hand = HostPlan.build(plan.host.page_table, plan.host.kv_lens, plan.host.q_lens, 4, 8).upload(target.k)
+    with pytest.raises(PagedAttentionError, match=r"plan: expected a plan of this cache \(made by its prepare, or a "
+                                                  r"DecodeBatch's\), got DevicePlan made by no PagedKVCache"):
+        target.append(hand, nk, nv)
+    with pytest.raises(PagedAttentionError, match="got int made by no PagedKVCache"):
+        target.append(3, nk, nv)
+    _same(before[0], snapshot(target, [t]))
+    _same(before[1], snapshot(draft, [d]))
+    model.check(target, [t])                          # target's rows are what it wrote
+    draft.append(plan, nk, nv)                        # its own cache takes it
+    k, _ = tokens(draft, d)
+    np.testing.assert_array_equal(bits(k[:, 0]), bits(nk))
+    model.check(target, [t])
+
+
+def test_ref_count_and_counts_are_range_checked():
+    """Every page id and count argument of the page manager is checked:
+    ref_count(-1) no longer answers for the last page, ref_count(num_pages)
+    raises a cupaged error, not IndexError."""
+    cache = small_cache()
+    a = cache.add_sequence()
+    cache.prepare([a], 5)
+    assert [cache.ref_count(p) for p in range(8)] == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert cache.ref_count(np.int64(1)) == 1
+    for bad, msg in [(-1, "got -1"), (8, "got 8"), (2**64, f"got {2**64}"), (1.0, "got 1.0"), (True, "got True"),
+                     ("0", "got '0'"), (None, "got None")]:
+        with pytest.raises(PagedAttentionError, match=rf"page: expected an int in 0..7, {msg}"):
+            cache.ref_count(bad)
+    snap = snapshot(cache, [a])
+    for call, msg in [(lambda: cache.prepare([a], 2**70), rf"new_tokens: expected an int in 0..4294967295, got "
+                                                          rf"{2**70}"),
+                      (lambda: cache.prepare([a], 1, reserve=2**40), "reserve: expected an int in 0..4294967295"),
+                      (lambda: cache.reserve([a], -1), "tokens: expected an int in 0..4294967295, got -1"),
+                      (lambda: cache.reserve([a], True), "tokens: expected an integer array, got dtype bool"),
+                      (lambda: cache.kv_args(-1), "layer: expected an int in 0..0, got -1")]:
+        with pytest.raises(PagedAttentionError, match=msg):
+            call()
+        _same(snap, snapshot(cache, [a]))
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ([1, -1], r"tokens\[1\]: expected a token id in 0..9223372036854775807, got -1"),
+    ([3, 2**64 + 5], rf"tokens\[1\]: expected a token id in 0..9223372036854775807, got {2**64 + 5}"),
+    ([2**63], rf"tokens\[0\]: expected a token id in 0..9223372036854775807, got {2**63}"),
+    (np.array([4, 5, -3]), r"tokens\[2\]: expected a token id in 0..9223372036854775807, got -3"),
+    (np.array([1.0]), "tokens: expected an integer array, got dtype float64"),
+    ([[1, 2]], "tokens: expected a 1-D array"),
+    ([True, False], "tokens: expected an integer array, got dtype bool"),
+])
+def test_token_ids_are_checked_where_they_enter_the_cache(bad, msg):
+    """add_sequence(tokens=) and add_tokens take ints >= 0 (int64): a huge or
+    negative id is refused before anything changes (it used to be kept, and
+    the prefix index then failed hashing it, or hashed a wrapped value)."""
+    cache = small_cache(prefix_cache=True)
+    a = cache.add_sequence(tokens=[1, 2, 3, 4, 5])
+    snap, n = snapshot(cache, [a]), cache._next_id
+    with pytest.raises(PagedAttentionError, match=msg):
+        cache.add_sequence(tokens=bad)
+    with pytest.raises(PagedAttentionError, match=msg):
+        cache.add_tokens(a, bad)
+    _same(snap, snapshot(cache, [a]))
+    assert a.tokens == (1, 2, 3, 4, 5) and cache._next_id == n
+    cache.add_tokens(a, np.array([2**63 - 1], np.uint64))       # the largest id an int64 holds
+    assert a.tokens[-1] == 2**63 - 1
+
+
+def test_threads_share_one_cache_safely(monkeypatch):
+    """Thread safety (docs/layout.md): every method holds the cache's lock.
+    One thread's prepare is held between choosing its pages and taking them;
+    another thread's prepare meanwhile waits instead of choosing the same
+    free pages (which both would then hold with a count of 1)."""
+    import threading
+    cache = small_cache(num_pages=8)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    entered, done = threading.Event(), threading.Event()
+    copy = cache._copy
+    first = threading.get_ident()
+
+    def slow_copy(stream, pairs):           # inside prepare: pages chosen, not yet taken
+        if threading.get_ident() == first:
+            entered.set()
+            done.wait(0.5)                   # the other thread's prepare would finish here without the lock
+        copy(stream, pairs)
+    monkeypatch.setattr(cache, "_copy", slow_copy)
+    errors = []
+
+    def other():
+        entered.wait(5)
+        try:
+            cache.prepare([b], 8)
+        except Exception as e:               # pragma: no cover - reported below
+            errors.append(e)
+        done.set()
+    t = threading.Thread(target=other)
+    t.start()
+    cache.prepare([a], 8)
+    t.join(10)
+    assert not errors and not t.is_alive()
+    assert not set(a.pages) & set(b.pages) and len(a.pages) == len(b.pages) == 2
+    check_invariants(cache, [a, b])
+    assert cache.num_free_pages == 4
+
+
+def test_threads_random_schedule_keeps_every_invariant():
+    """Four threads fork, prepare, reserve and free their own sequences of one
+    cache at once (the interpreter switching threads every few microseconds):
+    every page is held, free or cached exactly once, and every reference count
+    is the number of sequences holding the page."""
+    import sys
+    import threading
+    cache = small_cache(num_pages=64, prefix_cache=True)
+    live, lock = set(), threading.Lock()
+    errors = []
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        mine = []
+        try:
+            for _ in range(60):
+                op = rng.integers(4)
+                if op == 0 or not mine:
+                    s = cache.add_sequence(tokens=rng.integers(0, 3, 6).tolist())
+                    mine.append(s)
+                elif op == 1 and len(mine) < 4:
+                    mine.append(cache.fork(mine[rng.integers(len(mine))]))
+                elif op == 2:
+                    try:
+                        cache.prepare([mine[rng.integers(len(mine))]], int(rng.integers(1, 4)),
+                                      reserve=int(rng.integers(3)))
+                    except PagedAttentionError as e:
+                        assert "out of pages" in str(e)
+                else:
+                    cache.free(mine.pop(rng.integers(len(mine))))
+        except Exception as e:          # pragma: no cover - reported below
+            errors.append(e)
+        with lock:
+            live.update(mine)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    check_invariants(cache, list(live))

@@ -42,6 +42,17 @@ def test_graph_tokens_equal_eager_and_reference(weights):
     np.testing.assert_array_equal(m_graph.cache.v, m_eager.cache.v)
 
 
+def test_generate_twice_on_one_model(weights):
+    """A second tiny.generate on the same model finishes the first one's
+    loop (its spare step never ran) before freeing its sequences, and gives
+    the same tokens again."""
+    m = _model(np.zeros(1, np.float32), weights)
+    first, loop = tiny.generate(m, PROMPTS, 5, chunk=5, graph=False)
+    again, _ = tiny.generate(m, PROMPTS, 5, chunk=5, graph=False)
+    np.testing.assert_array_equal(first, again)
+    assert all(not s.alive for s in loop.seqs)
+
+
 def test_device_scalars_update_with_memsets():
     like = np.zeros(1, np.float32)
     sc = DeviceScalars(7, like)
@@ -71,8 +82,8 @@ def test_device_scalars_alias_plan_words():
 
 def test_seed_tokens_writes_both_halves():
     buf = np.zeros(3, np.int64)
-    seed_tokens(buf, [5, -2, 2**40 + 3])
-    assert buf.tolist() == [5, -2, 2**40 + 3]
+    seed_tokens(buf, [5, 2**63 - 1, 2**40 + 3])
+    assert buf.tolist() == [5, 2**63 - 1, 2**40 + 3]
 
 
 def test_replay_survives_dropped_references_and_new_allocations(weights):
@@ -417,3 +428,214 @@ def test_cache_driven_loop_misuse_and_finish(weights):
         loop.advance()
     assert np.array_equal(before[0], plan.words) and np.array_equal(before[1], token_buf)
     assert before[2] == [s.length for s in seqs]
+
+
+# --------------------------------------------------------------------------- issue #19: nothing silent, round 3
+class _Driven:
+    """Prefilled sequences of a tiny model and the buffers of their
+    cache-driven decode loops; ``history`` collects each step's tokens."""
+
+    def __init__(self, weights, prompts=PROMPTS[:2], num_pages=40):
+        self.m = tiny.TinyModel(CFG, weights, np.zeros(1, np.float32), dtype=np.float32, num_pages=num_pages,
+                                page_size=4, max_rows=32)
+        self.cache, self.B, self.prompts = self.m.cache, len(prompts), prompts
+        self.seqs = [self.cache.add_sequence() for _ in prompts]
+        self.logits, self.best = np.zeros((32, CFG.vocab), np.float32), np.zeros(32, np.int64)
+        self.tok, self.nxt = np.zeros(self.B, np.int64), np.zeros(self.B, np.int64)
+        _prefill(self.m, self.seqs, prompts, self.logits, self.best, self.nxt)
+        self.history = [self.nxt.copy()]
+
+    def step(self, p):
+        self.m.forward(p, self.tok, self.logits)
+        return self.logits[:self.B]
+
+    def loop(self, reserve, graph=True):
+        plan, _ = self.cache.prepare(self.seqs, 1, reserve=reserve)
+        return plan, PagedDecodeLoop(self.step, plan, token_buf=self.tok, next_token=self.nxt, cache=self.cache,
+                                     graph=graph)
+
+    def advance(self, loop, n):
+        for _ in range(n):
+            loop.advance()
+            self.history.append(self.nxt.copy())
+
+    def eager(self, n):
+        """n decode steps, one prepare + forward each."""
+        for _ in range(n):
+            self.tok[:] = self.nxt
+            plan, _ = self.cache.prepare(self.seqs, 1)
+            self.m.forward(plan, self.tok, self.logits)
+            argmax_into(self.logits[:self.B], self.nxt)
+            self.history.append(self.nxt.copy())
+
+    def check_against(self, ref: "_Driven", weights):
+        """Tokens, lengths and every K/V byte equal ``ref``'s (decoded
+        eagerly), and the tokens agree with the float64 reference model."""
+        got, exp = np.array(self.history).T, np.array(ref.history).T
+        np.testing.assert_array_equal(got, exp)
+        assert [s.length for s in self.seqs] == [s.length for s in ref.seqs]
+        for a, b in zip(self.seqs, ref.seqs):
+            for x, y in zip(_rows(self.cache, a), _rows(ref.cache, b)):
+                np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+        exact, ok = tiny.check_tokens(CFG, weights, self.prompts, got)
+        assert ok and exact >= got.size - 1, got
+
+
+def _manager_state(d):
+    c = d.cache
+    return (c.k.copy(), list(c._free), list(c._refs), [(s.length, s.pages, s.alive) for s in d.seqs])
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_touching_a_sequence_of_a_live_loop_raises_naming_finish(weights, graph):
+    """A cache-driven loop left after 2 of its steps: its sequences' lengths
+    count the step prepared next, so prepare / fork / free / reserve (and a
+    DecodeBatch join) of them raise naming loop.finish(), changing nothing
+    (they used to be accepted: the next prepare wrote one position further,
+    attention then read an unwritten row). The loop goes on; after finish()
+    the sequences continue exactly like an eager decode."""
+    ref = _Driven(weights)
+    ref.eager(7)
+    d = _Driven(weights)
+    plan, loop = d.loop(reserve=5, graph=graph)
+    d.advance(loop, 2)
+    a = d.seqs[0]
+    batch = cupaged.DecodeBatch(d.cache, d.step, token_buf=np.zeros(2, np.int64), next_token=np.zeros(2, np.int64),
+                                max_batch=2, max_len=40)
+    snap = _manager_state(d)
+    for call, what in [(lambda: d.cache.prepare(d.seqs, 1), r"seqs\[0\]: .* before prepare or reserve"),
+                       (lambda: d.cache.prepare([d.seqs[1]], 1), r"seqs\[0\]: sequence 1 .* before prepare"),
+                       (lambda: d.cache.reserve([a], 4), r"seqs\[0\]: .* before prepare or reserve"),
+                       (lambda: d.cache.fork(a), "seq: .* before fork"),
+                       (lambda: d.cache.free(a), "seq: .* before free"),
+                       (lambda: batch.join(a, 3), "seq: .* before join")]:
+        with pytest.raises(PagedAttentionError, match=r"sequence \d is driven by a live PagedDecodeLoop \(2 of \d+ "
+                                                      r"steps run\), and its length \d+ counts the step prepared "
+                                                      r"next.*call loop.finish\(\)"):
+            call()
+        with pytest.raises(PagedAttentionError, match=what):
+            call()
+        for x, y in zip(snap, _manager_state(d)):
+            assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+    assert batch.members == () and a._batch is None
+    d.advance(loop, 1)                       # the refused calls left the loop alone
+    loop.finish()
+    loop.finish()                            # twice: nothing more
+    assert [s.length for s in d.seqs] == [len(p) + 3 for p in PROMPTS[:2]]
+    with pytest.raises(PagedAttentionError, match="the loop was finished"):
+        loop.advance()
+    d.eager(4)
+    d.check_against(ref, weights)
+    d.cache.free(a)                          # free again
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_a_dropped_loop_lets_its_sequences_go(weights, graph):
+    """A loop garbage-collected without finish() finishes itself (reference
+    counting alone: the loop is in no cycle), so its sequences are not
+    wedged: their lengths drop the prepared step and eager decoding continues
+    exactly like a decode that never had the loop."""
+    ref = _Driven(weights)
+    ref.eager(6)
+    d = _Driven(weights)
+
+    def partial():
+        _, loop = d.loop(reserve=4, graph=graph)
+        d.advance(loop, 2)
+    gc.collect()
+    gc.disable()
+    try:
+        partial()
+        assert [s.length for s in d.seqs] == [len(p) + 2 for p in PROMPTS[:2]]
+        d.eager(4)
+    finally:
+        gc.enable()
+    d.check_against(ref, weights)
+
+
+def test_a_stale_loop_can_still_finish_and_its_plan_goes_stale(weights):
+    """A prepare of another sequence makes a live loop stale; finish() still
+    ends it (it used to raise "stale", wedging the sequences). A loop that
+    ended before its last step leaves its plan stale (its device lengths
+    count the dropped step); a plan a loop drove cannot drive another loop."""
+    ref = _Driven(weights)
+    ref.eager(7)
+    d = _Driven(weights)
+    plan, loop = d.loop(reserve=5)
+    d.advance(loop, 3)
+    other = d.cache.add_sequence()
+    d.cache.prepare([other], 3)
+    with pytest.raises(PagedAttentionError, match="plan: stale"):
+        loop.advance()
+    loop.finish()
+    assert [s.length for s in d.seqs] == [len(p) + 3 for p in PROMPTS[:2]]
+    d.cache.free(other)
+    nk = np.zeros((2, CFG.kv_heads, CFG.head_dim), np.float32)
+    for call in (lambda: d.cache.append(plan, nk, nk), lambda: plan.append(nk, nk, d.cache.k[0], d.cache.v[0]),
+                 lambda: PagedDecodeLoop(d.step, plan, token_buf=d.tok, next_token=d.nxt, cache=d.cache)):
+        with pytest.raises(PagedAttentionError, match=r"plan: stale: its PagedDecodeLoop was finished after 3 of "
+                                                      r"\d+ steps"):
+            call()
+    d.eager(4)
+    d.check_against(ref, weights)
+    # a loop that ran every step: the sequences are free at once, its plan drives no second loop
+    plan, loop = d.loop(reserve=1)
+    with pytest.raises(PagedAttentionError, match="plan: a PagedDecodeLoop already drove this plan"):
+        PagedDecodeLoop(d.step, plan, token_buf=d.tok, next_token=d.nxt, cache=d.cache)
+    d.advance(loop, loop.steps_left)
+    with pytest.raises(PagedAttentionError, match="plan: a PagedDecodeLoop already drove this plan"):
+        PagedDecodeLoop(d.step, plan, token_buf=d.tok, next_token=d.nxt, cache=d.cache)
+    d.cache.fork(d.seqs[0])
+
+
+def test_a_loop_refuses_a_plan_of_another_cache(weights):
+    """PagedDecodeLoop(cache=, plan=): the plan must be that cache's
+    prepare's (a draft and a target cache of one shape share page ids)."""
+    d, e = _Driven(weights), _Driven(weights)
+    plan, _ = d.cache.prepare(d.seqs, 1, reserve=2)
+    e_state = _manager_state(e)
+    with pytest.raises(PagedAttentionError, match="plan: expected a plan made by cache.prepare of the given cache, "
+                                                  "got one of another PagedKVCache"):
+        PagedDecodeLoop(d.step, plan, token_buf=d.tok, next_token=d.nxt, cache=e.cache)
+    batch = cupaged.DecodeBatch(d.cache, d.step, token_buf=np.zeros(2, np.int64), next_token=np.zeros(2, np.int64),
+                                max_batch=2, max_len=40)
+    with pytest.raises(PagedAttentionError, match="got a DecodeBatch's slot plan"):
+        PagedDecodeLoop(d.step, batch.plan(2), token_buf=d.tok, next_token=d.nxt, cache=d.cache)
+    with pytest.raises(PagedAttentionError, match="cache: expected a PagedKVCache"):
+        PagedDecodeLoop(d.step, plan, token_buf=d.tok, next_token=d.nxt, cache=object())
+    for x, y in zip(e_state, _manager_state(e)):
+        assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+    PagedDecodeLoop(d.step, plan, token_buf=d.tok, next_token=d.nxt, cache=d.cache).advance()   # its own cache
+
+
+def test_seeds_and_scalars_are_checked_before_any_stream_work(weights):
+    """seed_tokens / loop.seed take token ids >= 0 (below the vocab once the
+    step ran); DeviceScalars.update an int. A bad value writes nothing (2**64
+    + 5 used to be fed as token 5, -2 as 2**64 - 2)."""
+    buf = np.full(2, 7, np.int64)
+    for tokens, msg in [([1, -2], r"tokens\[1\]: expected a token id in 0..9223372036854775807, got -2"),
+                        ([2**64 + 5, 1], rf"tokens\[0\]: expected a token id in 0..9223372036854775807, got "
+                                         rf"{2**64 + 5}"),
+                        ([1.5, 2], "tokens: expected an integer array, got dtype float64"),
+                        (np.array([3, -1]), r"tokens\[1\]: expected a token id .* got -1")]:
+        with pytest.raises(PagedAttentionError, match=msg):
+            seed_tokens(buf, tokens)
+        assert buf.tolist() == [7, 7]
+    with pytest.raises(PagedAttentionError, match=r"tokens\[0\]: expected a token id in 0..9, got 10"):
+        seed_tokens(buf, [10, 0], vocab=10)
+    seed_tokens(buf, np.array([9, 0]), vocab=10)
+    assert buf.tolist() == [9, 0]
+    d = _Driven(weights)
+    _, loop = d.loop(reserve=2)
+    assert loop.vocab == CFG.vocab
+    before = d.nxt.copy()
+    with pytest.raises(PagedAttentionError, match=r"tokens\[1\]: expected a token id in 0..95, got 96"):
+        loop.seed([3, 96])
+    assert np.array_equal(before, d.nxt)
+    loop.seed([3, 95])
+    assert d.nxt.tolist() == [3, 95]
+    sc = DeviceScalars(4, np.zeros(1, np.float32))
+    for bad in (5.5, True, -1, 2**31 - 1):
+        with pytest.raises(PagedAttentionError, match="seq_len: expected an int in 0..2147483646"):
+            sc.update(bad)
+    assert sc.write_pos.tolist() == [4]

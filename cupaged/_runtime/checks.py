@@ -167,6 +167,24 @@ def host_int(name: str, v, lo: int, hi: int) -> int:
     return v
 
 
+def token_ids(name: str, tokens, vocab: int | None = None) -> np.ndarray:
+    """Token ids, an int or host integer data [n], as int64 [n]: each in
+    0 .. vocab - 1, or (vocab None) 0 .. 2**63 - 1 (an int64 >= 0)."""
+    hi = (1 << 63) - 1 if vocab is None else int(vocab) - 1
+    if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, bool):
+        return np.array([host_int(name, tokens, 0, hi)], np.int64)
+    if isinstance(tokens, (list, tuple)):        # name a Python int past int64 before NumPy turns it to objects
+        for i, t in enumerate(tokens):
+            if isinstance(t, int) and not isinstance(t, bool) and not 0 <= t <= hi:
+                raise PagedAttentionError(f"{name}[{i}]: expected a token id in 0..{hi}, got {t}")
+    arr = host_int_array(name, tokens, 1)
+    bad = (arr < 0) | (arr > hi)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise PagedAttentionError(f"{name}[{i}]: expected a token id in 0..{hi}, got {int(arr[i])}")
+    return arr
+
+
 # -- arrays against a plan (any object with host, backend, device, stream) ----
 def plan_arrays(plan, **arrays) -> None:
     """Every named array lives on the plan's backend and device, and (GPU)
@@ -265,11 +283,26 @@ def aligned(a, nbytes: int = 16) -> bool:
         int(s) % nbytes == 0 for n, s in zip(a.shape[:-1], a.strides[:-1]) if int(n) > 1)
 
 
+def scale_values(name: str, values) -> None:
+    """Host scale values (NumPy, any shape): each a finite number > 0. A
+    zero, negative, NaN or Inf fp8 scale makes every appended code saturate
+    (or NaN) and every score alike; device values are never read back (that
+    would synchronize)."""
+    v = np.asarray(values)
+    bad = ~(np.isfinite(v) & (v > 0))
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        at = f"[{', '.join(map(str, idx))}]" if idx else ""
+        raise PagedAttentionError(f"{name}{at}: expected a finite float > 0 (an fp8 scale), got {v[idx]!s}")
+
+
 def kv_scale(name: str, s, kv_heads: int, like) -> int:
     """A dequantization scale of an fp8 cache (``k_scale`` / ``v_scale``): a
     float32 array on ``like``'s backend and device, one value (shape () or
-    [1]: per tensor) or one per KV head ([kv_heads]). Returns its stride in
-    the kernels' indexing (0: one scale, 1: per head)."""
+    [1]: per tensor) or one per KV head ([kv_heads]), each finite and > 0
+    (``scale_values``: checked where the array is host memory, NumPy; a CuPy
+    array's values are not read). Returns its stride in the kernels'
+    indexing (0: one scale, 1: per head)."""
     if _backend.array_backend(s) is None:
         raise PagedAttentionError(f"{name}: expected a float32 NumPy or CuPy array (one scale, or one per KV head), "
                                   f"got {type(s).__name__}")
@@ -281,11 +314,15 @@ def kv_scale(name: str, s, kv_heads: int, like) -> int:
         raise PagedAttentionError(f"{name}: expected dtype float32, got {dtypes.dtype_name(s.dtype)}")
     shape = tuple(int(n) for n in s.shape)
     if shape in ((), (1,)):
-        return 0
-    if shape == (int(kv_heads),) and s.flags.c_contiguous:
-        return 1
-    raise PagedAttentionError(f"{name}: expected shape [] or [1] (per tensor) or [{int(kv_heads)}] (per KV head, "
-                              f"contiguous), got {shape_str(shape)}")
+        stride = 0
+    elif shape == (int(kv_heads),) and s.flags.c_contiguous:
+        stride = 1
+    else:
+        raise PagedAttentionError(f"{name}: expected shape [] or [1] (per tensor) or [{int(kv_heads)}] (per KV "
+                                  f"head, contiguous), got {shape_str(shape)}")
+    if _backend.array_backend(s) == _backend.CPU:
+        scale_values(name, s)
+    return stride
 
 
 def dense_pages(name: str, a, inner: int = 3) -> None:

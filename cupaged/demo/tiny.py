@@ -190,6 +190,7 @@ class TinyModel:
         self.cache = PagedKVCache(num_pages, page_size, heads, d, self.dtype, layers=cfg.layers, value_dim=dv,
                                   like=like)
         self._live: list = []      # the sequences of the last generate
+        self._loop = None          # its decode loop (finished before the next generate frees them)
         r, hd = max_rows, cfg.head_dim
         self.max_rows = r
         self.x = xp.zeros((r, cfg.hidden), self.dtype)
@@ -284,6 +285,8 @@ def generate(model: TinyModel, prompts, new_tokens: int, *, chunk: int = 16, gra
     """
     xp, like = model.xp, model.like
     cache = model.cache
+    if model._loop is not None:
+        model._loop.finish()       # its spare step was never run: the loop lets its sequences go
     for s in model._live:
         if s.alive:
             cache.free(s)
@@ -316,6 +319,7 @@ def generate(model: TinyModel, prompts, new_tokens: int, *, chunk: int = 16, gra
     plan, _ = cache.prepare(seqs, 1, reserve=new_tokens - 1)
     loop = PagedDecodeLoop(lambda p: (model.forward(p, token_buf, logits), logits[:B])[1], plan,
                            token_buf=token_buf, next_token=next_token, cache=cache, graph=graph)
+    model._loop = loop
     for i in range(1, new_tokens):
         loop.advance()
         stream.copy(history, next_token, nbytes=8 * B, dst_offset=8 * B * i)
