@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import CompileError, PagedAttentionError
+from ..errors import CompileError, PagedAttentionError, SetupError
 from . import arrays as _backend
 from . import cpu as _cpu
 from . import nvrtc as _nvrtc
@@ -82,7 +82,7 @@ def _driver():
     if not _drv_ready:
         err = drv.cuInit(0)[0]
         if int(err) != 0:
-            raise RuntimeError(f"cuInit failed: {_error_text(err)}; the GPU backend needs an NVIDIA driver (the CPU "
+            raise SetupError(f"cuInit failed: {_error_text(err)}; the GPU backend needs an NVIDIA driver (the CPU "
                                f"backend runs on NumPy arrays without one)")
         _drv_ready = True
     return drv

@@ -18,6 +18,7 @@ import numpy as np
 
 from .._runtime import stream_for, xp_of
 from ..cache import PagedKVCache
+from ..errors import PagedAttentionError
 from ..graph import PagedDecodeLoop
 from ..layout import metadata_offsets
 from ..ops import layers
@@ -216,7 +217,7 @@ class TinyModel:
     def forward(self, plan: DevicePlan, tokens, logits, *, workspace=None) -> None:
         cfg, n = self.cfg, plan.host.queries
         if n > self.max_rows:
-            raise ValueError(f"plan: {n} queries exceed the model's max_rows {self.max_rows}")
+            raise PagedAttentionError(f"plan: expected at most max_rows={self.max_rows} queries, got {n}")
         x, h, gu, act = (b[:n] for b in (self.x, self.h, self.gu, self.act))
         off = metadata_offsets(plan.host.queries, plan.host.sequences)["q_pos"]
         positions = plan.words[off:off + n]
