@@ -48,10 +48,10 @@ class HostPlan:
     #: maintained by their owner (``DecodeBatch``), not described by the host
     #: copies above (all padded).
     stable: bool = False
-    #: False when some sequence has more queries than keys (q_len > kv_len >
-    #: 0): its first queries sit at negative positions, and the plan serves
-    #: non-causal attention only (docs/layout.md); ``non_causal_sequence`` is
-    #: the first such sequence (-1 when none).
+    #: False when some sequence has more queries than keys (q_len > kv_len,
+    #: kv_len 0 included): its first queries sit at negative positions, and
+    #: the plan serves non-causal attention only (docs/layout.md);
+    #: ``non_causal_sequence`` is the first such sequence (-1 when none).
     causal_ok: bool = True
     non_causal_sequence: int = -1
 
@@ -98,10 +98,11 @@ class HostPlan:
         q_lens [sequences]: new queries this step, 0 <= q_lens <= kv_lens;
         query i of sequence s sits at position kv_lens[s] - q_lens[s] + i.
         A sequence may have more queries than keys (q_lens > kv_lens, the
-        first q_lens - kv_lens queries then at negative positions): with
-        kv_lens 0 its queries see nothing (output 0, lse -inf, causal or
-        not); with kv_lens > 0 the plan is for non-causal attention only
-        (``causal_ok`` False; cross-attention style) and writes no K/V.
+        first q_lens - kv_lens queries then at negative positions): the plan
+        is then for non-causal attention only (``causal_ok`` False;
+        cross-attention style; a sequence without keys gives its queries
+        output 0, lse -inf) and writes no K/V. A sequence with q_lens 0 sits
+        the step out under either rule.
         """
         page_size = checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
         num_pages = checks.host_int("num_pages", num_pages, 1, U32_MAX - 1)
@@ -157,7 +158,7 @@ class HostPlan:
         words[off["q_start"]:off["page_table"]] = q_start
         valid = (table >= 0) & (table < num_pages)
         words[off["page_table"]:] = np.where(valid, table, U32_MAX).reshape(-1)
-        cross = np.nonzero((ql > kv) & (kv > 0))[0]
+        cross = np.nonzero(ql > kv)[0]    # causal queries at negative positions: a caller bug (forgot to append)
         return cls(queries=queries, sequences=sequences, table_width=width, page_size=page_size,
                    pages=num_pages, max_kv_len=int(kv.max()) if sequences else 0, words=words,
                    page_table=table, kv_lens=kv, q_lens=ql, q_seq=q_seq, q_pos=q_pos,
@@ -256,7 +257,7 @@ class DevicePlan:
         v_cache [pages, page_size, Hkv, Dv]; Hq % Hkv == 0 and query head h
         reads KV head h // (Hq // Hkv). ``causal``: the query at absolute
         position p sees positions 0..p of its sequence; otherwise all
-        kv_lens[s] (a plan with q_lens > kv_lens > 0 is non-causal only).
+        kv_lens[s] (a plan with q_lens > kv_lens is non-causal only).
         ``scale`` multiplies q.k before the softmax.
 
         Score variants (docs/layout.md, "Score variants and visibility"; each
@@ -315,7 +316,9 @@ class DevicePlan:
         (``soft_cap``, ``window``, ``sinks``, ``alibi_slopes`` [H]) work as in
         ``attention``.
 
-        Without a rotary part (P = 0) pass q_pos = k_pos = None. The caches
+        Without a rotary part (P = 0) pass q_pos = k_pos = None, or
+        zero-width arrays (q_pos [queries, H, 0], k_pos [pages, page_size, 1,
+        0]: FlashInfer's spelling), which mean the same. The caches
         may be views (``latent = c[..., :R]``, ``k_pos = c[..., R:]`` of one
         [pages, page_size, 1, R + P] cache) and fp8 as in ``attention``:
         ``k_scale`` dequantizes the latent, ``v_scale`` k_pos (append's K and

@@ -333,6 +333,28 @@ def test_fp8_kv_cache_and_mla_views(torch):
     assert_close(_np(out), ref, "bf16", "mla P=0")
 
 
+def test_mla_zero_width_rotary_tensors(torch):
+    """Issue #19 item 12: zero-width q_pos [T, H, 0] / k_pos [pages,
+    page_size, 1, 0] tensors (FlashInfer's MLA without a rotary part) are
+    P = 0 like None: the same output to the last bit; a zero-width one
+    beside a real rotary part is refused."""
+    mc = make_mla_case(np.random.default_rng(10), kv_lens=np.array([20, 9], np.int32), q_lens=[1, 2],
+                       num_heads=4, latent_dim=64, pos_dim=16, dtype="bf16")
+    c = _t(torch, np.concatenate([mc.latent, mc.k_pos], axis=-1))
+    q = _t(torch, mc.q)
+    mplan = _plan(torch, mc, q)
+    base = mplan.mla(q, None, c[..., :64], None, mc.scale)
+    ref, _ = reference.paged_attention(mc.q, mc.latent, mc.latent, mc.page_table, mc.kv_lens, mc.q_lens, mc.scale)
+    assert_close(_np(base), ref, "bf16", "mla P=0")
+    for q_pos, k_pos in ((q.new_zeros(3, 4, 0), c.new_zeros(c.shape[:3] + (0,))), (q[..., :0], c[..., 64:64]),
+                         (q[..., :0], c[..., 80:])):
+        out, lse = mplan.mla(q, q_pos, c[..., :64], k_pos, mc.scale, return_lse=True)
+        assert torch.equal(out, base)
+    with pytest.raises(PagedAttentionError, match=r"q_pos, k_pos: expected both or neither .*got q_pos shape "
+                                                  r"\[3, 4, 0\] and k_pos shape \[\d+, 16, 1, 16\]"):
+        mplan.mla(q, q.new_zeros(3, 4, 0), c[..., :64], c[..., 64:], mc.scale)
+
+
 # ------------------------------------------------------------------ overlap
 
 def test_out_aliasing_q_through_another_view_is_rejected(torch):

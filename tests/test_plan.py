@@ -121,6 +121,63 @@ def test_choose_splits_with_its_documented_defaults():
     assert cupaged.choose_splits(long.upload(np.zeros(1, np.float32)), 8) == expect
 
 
+CHOOSE_SPLITS_BAD = [
+    (dict(kv_heads=0), r"kv_heads: expected an int in 1\.\.4294967295, got 0"),
+    (dict(kv_heads=-1), r"kv_heads: expected an int in 1\.\.4294967295, got -1"),
+    (dict(kv_heads=2.0), r"kv_heads: expected an int in 1\.\.4294967295, got 2\.0"),
+    (dict(kv_heads=True), r"kv_heads: expected an int"),
+    (dict(kv_heads=2 ** 32), r"kv_heads: expected an int in 1\.\.4294967295, got 4294967296"),
+    (dict(multiprocessors=0), r"multiprocessors: expected an int in 1\.\.4294967295, got 0"),
+    (dict(multiprocessors=-132), r"multiprocessors: expected an int in 1\.\.4294967295, got -132"),
+    (dict(multiprocessors=1.5), r"multiprocessors: expected an int"),
+    (dict(q_heads=0, head_dim=128, dtype=BF16), r"q_heads: expected an int in 1\.\.4294967295, got 0"),
+    (dict(q_heads=-8, head_dim=128, dtype=BF16), r"q_heads: expected an int in 1\.\.4294967295, got -8"),
+    (dict(q_heads=12, head_dim=128, dtype=BF16), r"q_heads: expected a multiple of kv_heads=8, got 12"),
+    (dict(q_heads=32, head_dim=0, dtype=BF16), rf"head_dim: expected an int in 1\.\.{layout.MAX_HEAD_DIM}, got 0"),
+    (dict(q_heads=32, head_dim=-64, dtype=BF16), r"head_dim: expected an int in 1\.\..*, got -64"),
+    (dict(q_heads=32, head_dim=128, value_dim=0, dtype=BF16), r"value_dim: expected an int in 1\.\..*, got 0"),
+    (dict(q_heads=32, head_dim=128, value_dim=layout.MAX_HEAD_DIM + 1, dtype=BF16), r"value_dim: expected an int"),
+    (dict(q_heads=32, head_dim=128, dtype=BF16, rot_dim=-1),
+     rf"rot_dim: expected an int in 0\.\.{layout.MAX_ROPE_DIM}, got -1"),
+    (dict(q_heads=32, head_dim=128, dtype=BF16, rot_dim=layout.MAX_ROPE_DIM + 1), r"rot_dim: expected an int"),
+    (dict(window=0), r"window: expected an int in 1\.\.4294967295, got 0"),
+    (dict(window=-5), r"window: expected an int in 1\.\.4294967295, got -5"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", CHOOSE_SPLITS_BAD)
+def test_choose_splits_checks_every_count(kwargs, match):
+    """Issue #19 item 7: choose_splits(plan, kv_heads=0 or -1) returned 1;
+    every count argument is range-checked, PagedAttentionError naming it
+    (with or without the SM count given)."""
+    long = HostPlan.build([[0] * 64], [4096], [1], 64, 1)
+    kw = dict(kwargs)
+    kv_heads = kw.pop("kv_heads", 8)
+    for extra in ({}, dict(multiprocessors=132)):
+        with pytest.raises(PagedAttentionError, match=match):
+            cupaged.choose_splits(long, kv_heads, **{**extra, **kw})
+
+
+def test_choose_splits_plan_argument():
+    with pytest.raises(PagedAttentionError, match="plan: expected a HostPlan or DevicePlan, got list"):
+        cupaged.choose_splits([4096], 8, multiprocessors=132)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((-1, 4, 8, 2), r"queries: expected an int in 0\.\.4294967295, got -1"),
+    ((3, 0, 8, 2), r"heads: expected an int in 1\.\.4294967295, got 0"),
+    ((3, -4, 8, 2), r"heads: expected an int in 1\.\.4294967295, got -4"),
+    ((3, 4, 0, 2), rf"value_dim: expected an int in 1\.\.{layout.MAX_HEAD_DIM}, got 0"),
+    ((3, 4, layout.MAX_HEAD_DIM + 1, 2), r"value_dim: expected an int"),
+    ((3, 4, 8, -2), r"splits: expected an int in 1\.\."),
+    ((3.0, 4, 8, 2), r"queries: expected an int"),
+    ((3, 4, 8, True), r"splits: expected an int"),
+])
+def test_split_workspace_checks_every_count(args, match):
+    with pytest.raises(PagedAttentionError, match=match):
+        SplitWorkspace(*args, np.zeros(1, np.float32))
+
+
 def test_choose_splits_rule():
     """Splits fill the device's resident slots (blocks per SM the kernel is
     built for x SMs) in one wave: slots // blocks, at most MAX_SPLITS and
@@ -330,8 +387,12 @@ def test_mla_errors():
     _bad_mla(plan, q, qp, lat, np.repeat(kp, 2, axis=2), out, r"k_pos: expected one shared head")
     _bad_mla(plan, q, qp[:, :2].copy(), lat, kp, out, r"q_pos: expected shape \[3, 4, P\] like q")
     _bad_mla(plan, q, qp, lat, kp[..., :4].copy(), out, "k_pos: expected rotary dim P=8 like q_pos")
-    _bad_mla(plan, q, qp[..., :0].copy(), lat, kp[..., :0].copy(), out,
-             "q_pos: expected a rotary dim P in 1..256, got 0")
+    # zero-width q_pos / k_pos are P = 0 like None (issue #19 item 12, tests/attention/test_mla.py); beside a
+    # real rotary part they are refused
+    _bad_mla(plan, q, qp[..., :0].copy(), lat, kp, out,
+             r"q_pos, k_pos: expected both or neither .*got q_pos shape \[3, 4, 0\] and k_pos shape")
+    _bad_mla(plan, q, qp, lat, kp[..., :0].copy(), out,
+             r"q_pos, k_pos: expected both or neither .*got q_pos shape \[3, 4, 8\] and k_pos shape")
     plan2, q2, qp2, lat2, kp2, out2 = _mla_case(p=257)
     _bad_mla(plan2, q2, qp2, lat2, kp2, out2, "q_pos: expected a rotary dim P in 1..256, got 257")
     _bad_mla(plan, q, qp, lat[..., :8].copy(), kp, out, "latent: expected R=16 like q")

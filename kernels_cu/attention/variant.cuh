@@ -121,18 +121,31 @@ struct Scorer {
     }
 };
 
-// tanh(x) as (1 - e) / (1 + e), e = exp2(-2 |x| log2(e)), with x's sign: one
-// exp2 and one fast division, absolute error about 1e-7 (what a logit
-// cap * tanh needs), a few registers where libdevice's tanhf takes more
-// (the tensor-core prefill kernel is at its register cap).
-__device__ __forceinline__ float tanh_fast(float x) {
-    const float e = exp2f(-2.0f * softmax::kLog2e * fabsf(x));
-    return copysignf(__fdividef(1.0f - e, 1.0f + e), x);
+// tanh(x) within a few ulp relative over the whole range: the soft cap
+// computes cap * tanh(logit / cap), so a cap far above the logits makes x
+// tiny, where (1 - e) / (1 + e) alone cancels (at cap 1e8 every logit became
+// 0). Below |x| = 0.625 the odd polynomial x + x^3 P(x^2) (Cephes' tanhf,
+// relative error ~1.5e-7); above it (1 - e) / (1 + e), e = exp2(-2 |x|
+// log2(e)), with x's sign: one exp2 and one fast division (no cancellation
+// there: 1 - e > 0.7). Both are computed and one selected (no divergence), a
+// few registers where libdevice's tanhf takes more (the tensor-core prefill
+// kernel is at its register cap). NaN stays NaN, +-Inf gives +-1.
+__device__ __forceinline__ float tanh_accurate(float x) {
+    const float ax = fabsf(x);
+    const float z = x * x;
+    float p = fmaf(-5.70498872745e-3f, z, 2.06390887954e-2f);
+    p = fmaf(p, z, -5.37397155531e-2f);
+    p = fmaf(p, z, 1.33314422036e-1f);
+    p = fmaf(p, z, -3.33332819422e-1f);
+    const float small = fmaf(p * z, x, x);
+    const float e = exp2f(-2.0f * softmax::kLog2e * ax);
+    const float large = copysignf(__fdividef(1.0f - e, 1.0f + e), x);
+    return ax < 0.625f ? small : large;
 }
 
 __device__ __forceinline__ float score(const Scorer& sc, const ScoreRow& r, float s, u32 k_pos) {
     if constexpr (!Score::kIdentity) s = Score::apply(s, r.q_pos, k_pos, r.head);
-    if constexpr (kSoftCap) s = sc.p.soft_cap * tanh_fast(s * sc.p.inv_soft_cap);
+    if constexpr (kSoftCap) s = sc.p.soft_cap * tanh_accurate(s * sc.p.inv_soft_cap);
     // k_pos - q_pos as a signed count (positions are below 2^31, a query's
     // may be negative: docs/layout.md), exact in f32 below 2^24.
     if constexpr (kAlibi) s = fmaf(r.slope, (float)(int)(k_pos - r.q_pos), s);

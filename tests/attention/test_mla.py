@@ -182,3 +182,74 @@ def test_tc_mla_lengths_read_from_device_words(xp_backend, mla_arch, kernels_use
     o2 = xp_backend.to_numpy(plan.mla(q, qp, lat, kp, full.scale, True))
     assert_close(o2, full.reference(True)[0], "bf16", "after")
     assert set(kernels_used) == {mla_arch}
+
+
+# ----------------------------------------------------------------- no rotary part, FlashInfer's spelling
+
+@pytest.mark.parametrize("dtype, r, heads, kernel", [
+    ("f32", 64, 4, "paged_attention"),
+    ("bf16", 512, 16, "mla_arch"),       # the tensor-core builds (ROPE_DIM 0)
+    ("f16", 96, 3, "paged_attention"),
+])
+def test_zero_width_rotary_part_is_no_rotary_part(xp_backend, mla_arch, kernels_used, dtype, r, heads, kernel):
+    """Issue #19 item 12: MLA without a rotary part spelled FlashInfer's way,
+    zero-width q_pos [T, H, 0] and k_pos [pages, page_size, 1, 0] (or any
+    zero-width last dim: a 576-wide cache's empty column range, a 3-D
+    [pages, page_size, 0]), is P = 0 exactly as None is: the same kernel,
+    bit-identical output and lse, the reference of q.latent."""
+    rng = np.random.default_rng([r, heads])
+    case = make_mla_case(rng, kv_lens=np.array([45, 3, 30], np.int32), q_lens=np.array([1, 3, 20], np.int32),
+                         page_size=16, num_heads=heads, latent_dim=r, pos_dim=8, dtype=dtype)
+    q, latent = (_to_device(xp_backend, a) for a in (case.q, case.latent))
+    xp = xp_backend.xp
+    joint = xp.concatenate([latent, latent[..., :8]], axis=-1)           # a [pages, page_size, 1, R + 8] cache
+    t = int(case.q.shape[0])
+    spellings = [
+        (xp.zeros((t, heads, 0), q.dtype), xp.zeros(latent.shape[:3] + (0,), latent.dtype)),
+        (q[..., :0], joint[..., r:r]),                                        # empty column ranges of views
+        (xp.zeros((t, heads, 0), q.dtype), xp.zeros(latent.shape[:2] + (0,), latent.dtype)),
+        (None, xp.zeros(latent.shape[:3] + (0,), latent.dtype)),             # mixed: both mean P = 0
+        (xp.zeros((t, heads, 0), q.dtype), None),
+    ]
+    ref, ref_lse = reference.paged_attention(case.q, case.latent, case.latent, case.page_table, case.kv_lens,
+                                             case.q_lens, case.scale, True)
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
+    for splits in (None, 3):
+        ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, heads, r, splits, q)
+        base_o, base_lse = (xp_backend.to_numpy(a) for a in
+                            plan.mla(q, None, latent, None, case.scale, workspace=ws, return_lse=True))
+        assert_close(base_o, ref, dtype, "None")
+        assert_close(base_lse, ref_lse, dtype, "None lse")
+        n_kernels = len(kernels_used)
+        for q_pos, k_pos in spellings:
+            o, lse = (xp_backend.to_numpy(a) for a in
+                      plan.mla(q, q_pos, latent, k_pos, case.scale, workspace=ws, return_lse=True))
+            np.testing.assert_array_equal(o.view(np.uint8), base_o.view(np.uint8))
+            np.testing.assert_array_equal(lse, base_lse)
+        assert set(kernels_used[n_kernels:]) <= set(kernels_used[:n_kernels])
+    want = mla_arch if kernel == "mla_arch" else kernel
+    assert want in kernels_used
+
+
+def test_zero_width_with_a_real_rotary_part_is_refused(kernels_used):
+    """One of q_pos / k_pos with P >= 1 and the other zero-width (or None):
+    a clear error naming both shapes, before any launch."""
+    rng = np.random.default_rng(8)
+    case = make_mla_case(rng, kv_lens=np.array([20, 9], np.int32), q_lens=np.array([1, 2], np.int32),
+                         page_size=16, num_heads=4, latent_dim=64, pos_dim=16, dtype="f32")
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
+    out = np.full((plan.queries, 4, 64), 7, np.float32)
+    zq, zk = case.q_pos[..., :0], case.k_pos[..., :0]
+    for q_pos, k_pos, got in (
+            (zq, case.k_pos, r"got q_pos shape \[3, 4, 0\] and k_pos shape \[\d+, 16, 1, 16\]"),
+            (case.q_pos, zk, r"got q_pos shape \[3, 4, 16\] and k_pos shape \[\d+, 16, 1, 0\]"),
+            (None, case.k_pos, r"got q_pos None and k_pos shape \[\d+, 16, 1, 16\]"),
+            (case.q_pos, None, r"got q_pos shape \[3, 4, 16\] and k_pos None"),
+            (np.zeros((3, 0), np.float32), case.k_pos, r"got q_pos shape \[3, 0\] and k_pos shape")):
+        with pytest.raises(cupaged.PagedAttentionError, match=r"q_pos, k_pos: expected both or neither \(neither, "
+                                                              r"None or zero-width: MLA without a rotary part, "
+                                                              r"P = 0\), " + got):
+            plan.mla(case.q, q_pos, case.latent, k_pos, case.scale, out=out)
+    with pytest.raises(cupaged.PagedAttentionError, match="k_pos: expected a NumPy or CuPy array, got builtins.list"):
+        plan.mla(case.q, case.q_pos, case.latent, [0.0], case.scale, out=out)
+    assert kernels_used == [] and (out == 7).all()

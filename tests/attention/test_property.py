@@ -65,7 +65,7 @@ def _valid(c) -> bool:
     for s, (k, q) in enumerate(zip(c["kv"], c["ql"])):
         if not (0 <= k <= cap and q >= 0):
             return False
-        if q > k > 0 and c["causal"]:      # more queries than keys: non-causal only (docs/layout.md)
+        if q > k and c["causal"]:      # more queries than keys (kv 0 included): non-causal only (docs/layout.md)
             return False
         for j in range(-(-k // ps)):
             if not 0 <= c["table"][s][j] < c["num_pages"]:
@@ -113,8 +113,8 @@ def test_property_rule_sees_both_outcomes():
     base = dict(table=[[0, 1]], kv=[5], ql=[1], page_size=4, num_pages=2, hq=2, hkv=1, d=4, dv=4, scale=0.5,
                 causal=True, splits=None, seed=0)
     assert _valid(base)
-    for change in (dict(ql=[6]), dict(kv=[9]), dict(table=[[0, 2]]), dict(hq=3, hkv=2), dict(scale=0.0),
-                   dict(page_size=0)):
+    for change in (dict(ql=[6]), dict(kv=[0]), dict(kv=[9]), dict(table=[[0, 2]]), dict(hq=3, hkv=2),
+                   dict(scale=0.0), dict(page_size=0)):
         assert not _valid({**base, **change}), change
     with pytest.raises(PagedAttentionError):
         HostPlan.build([[0, 2]], [5], [1], 4, 2)

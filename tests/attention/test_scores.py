@@ -9,6 +9,7 @@ read (window_pages.py, in a subprocess); bad inputs. The ports of the peers'
 cases (FlashInfer, vLLM) are in test_scores_peers.py."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import pytest
 import cupaged
 from cupaged import PagedAttentionError
 from cupaged._runtime import cpu_arch_override
-from cupaged.layout import MAX_SPLITS
+from cupaged.layout import MAX_SPLITS, metadata_offsets
 from cupaged.ops.attention import launch, variants
 from cupaged.testing import assert_close, make_mla_case, make_paged_case, reference
 
@@ -120,6 +121,59 @@ def test_features_on_every_kernel(used, what, dtype, d, page, kernel, fset):
     assert kernels == ({kernel} if kernel else {"paged_decode_tc", "paged_prefill_tc"})
     flags = {k for _, d_ in used for k in d_ if k in ("CP_SOFT_CAP", "CP_WINDOW", "CP_SINKS", "CP_ALIBI")}
     assert flags == {f"CP_{f.upper()}" for f in FEATURE_SETS[fset]}
+
+
+SOFT_CAPS = [1.0, 50.0, 1e4, 1e6, 1e8]
+
+
+@pytest.mark.parametrize("what, dtype, d, page, kernel", KERNELS)
+def test_soft_cap_accurate_at_every_cap(used, what, dtype, d, page, kernel):
+    """Issue #19 item 5: the soft cap's tanh cancelled for small |logit /
+    cap| (f32 error vs float64 8e-7 at cap 50, 1e-4 at 1e4, 1e-2 at 1e6, 0.8
+    at 1e8: every logit became 0, a uniform average); now every kernel
+    family matches the float64 reference within the dtype's tolerance at
+    caps 1 .. 1e8, with logits of ordinary size and 8 times larger, causal
+    and not, unsplit and split (the merge), alone and with ALiBi after it."""
+    rng = np.random.default_rng(zlib.crc32(f"cap/{what}/{dtype}/{d}".encode()))
+    case = make_paged_case(rng, kv_lens=np.array(KV_LENS[what], np.int32), q_lens=np.array(Q_LENS[what]),
+                           page_size=page, num_q_heads=8, num_kv_heads=2, head_dim=d, dtype=dtype)
+    slopes = score_features(("alibi",), 8, rng)
+    for hot in (1.0, 8.0):
+        hot_case = dataclasses.replace(case, scale=case.scale * hot)
+        for cap in SOFT_CAPS:
+            for causal, splits in ((True, None), (False, 3)):
+                check(hot_case, causal, splits, dtype, f"{what} cap={cap} x{hot} causal={causal} splits={splits}",
+                      soft_cap=cap)
+            check(hot_case, True, 3, dtype, f"{what} cap={cap} x{hot} +alibi", soft_cap=cap, **slopes)
+    kernels = {k for k, _ in used if k != "attention_split_merge"}
+    assert kernels == ({kernel} if kernel else {"paged_decode_tc", "paged_prefill_tc"})
+    assert all(d_.get("CP_SOFT_CAP") for k, d_ in used if k != "attention_split_merge")
+
+
+@pytest.mark.parametrize("dtype, r, p, kernel, arch", [
+    ("bf16", 512, 64, "paged_mla_wgmma", "sm_90"),
+    ("f16", 512, 64, "paged_mla_tc", "sm_80"),
+    ("f32", 64, 16, "paged_attention", "sm_90"),
+])
+def test_mla_soft_cap_accurate_at_every_cap(used, dtype, r, p, kernel, arch):
+    """The same caps through the MLA kernels (both tensor-core builds and the
+    CUDA-core kernel's rotary part)."""
+    rng = np.random.default_rng(zlib.crc32(f"cap/{dtype}/{r}".encode()))
+    case = make_mla_case(rng, kv_lens=[40, 70], q_lens=[1, 20], page_size=16, num_heads=16, latent_dim=r,
+                         pos_dim=p, dtype=dtype)
+    qa, keys, values = reference.mla_as_attention(case.q, case.q_pos, case.latent, case.k_pos)
+    with cpu_arch_override(arch):
+        plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
+        ws = cupaged.SplitWorkspace(plan.queries, 16, r, 3, case.q)
+        for cap in SOFT_CAPS:
+            for causal, w in ((True, None), (False, ws)):
+                o, lse = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, causal, workspace=w,
+                                  return_lse=True, soft_cap=cap)
+                ref_o, ref_lse = reference.scored_attention(qa, keys, values, case.page_table, case.kv_lens,
+                                                            case.q_lens, case.scale, causal, soft_cap=cap)
+                assert_close(o, ref_o, dtype, f"mla cap={cap} causal={causal} out")
+                assert_close(lse, ref_lse, dtype, f"mla cap={cap} causal={causal} lse")
+    assert {k for k, _ in used if k != "attention_split_merge"} == {kernel}
 
 
 @pytest.mark.parametrize("dtype, d", [("bf16", 256), ("f32", 128)])
@@ -250,22 +304,100 @@ def test_queries_outnumber_keys_non_causal(used, dtype, d, q_lens, kv_lens, kern
     ("f16", 64, [30, 20, 1], [0, 45, 0]),            # a chunk with no keys beside a prefill chunk
 ])
 def test_sequences_without_keys_in_causal_steps(dtype, d, q_lens, kv_lens):
-    """kv_lens 0 with queries: allowed in causal plans (nothing to see under
-    any rule): out 0, lse -inf; with sinks lse is the head's sink."""
+    """kv_lens 0 with queries in a causal step is a caller bug (the step's
+    K/V were not appended) and is refused on the host (issue #19 item 3);
+    a padded entry is a kv_len word set to 0 on the device instead (what
+    DecodeBatch and the decode loops do), which every kernel serves with
+    out 0, lse -inf (with sinks lse is the head's sink)."""
     rng = np.random.default_rng(d + sum(q_lens))
-    case = make_paged_case(rng, kv_lens=np.array(kv_lens, np.int32), q_lens=np.array(q_lens), page_size=16,
-                           num_q_heads=4, num_kv_heads=1, head_dim=d, dtype=dtype)
-    assert cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).causal_ok
+    empty = np.repeat(np.array(kv_lens) == 0, q_lens)
+    assert not cupaged.HostPlan.build(np.zeros((3, 4), np.int64), kv_lens, q_lens, 16, 1).causal_ok
+    legal = np.where(np.array(kv_lens) == 0, np.array(q_lens) + 3, kv_lens).astype(np.int32)
+    case = make_paged_case(rng, kv_lens=legal, q_lens=np.array(q_lens), page_size=16, num_q_heads=4,
+                           num_kv_heads=1, head_dim=d, dtype=dtype)
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
+    assert plan.host.causal_ok
+    off = metadata_offsets(plan.queries, plan.sequences)
+    plan.words[off["kv_len"]:off["q_start"]] = np.array(kv_lens, np.uint32)    # padded on the "device"
+    ref_o, ref_lse = expect(case, True)
     sinks = rng.standard_normal(4).astype(np.float32)
+    _, ref_sink_lse = expect(case, True, sinks=sinks)
     for splits in (None, 4):
-        o, lse = run(case, True, splits)
-        empty = np.repeat(np.array(kv_lens) == 0, q_lens)
+        o, lse = run(case, True, splits, plan=plan)
         assert (o[empty] == 0).all() and (lse[empty] == -np.inf).all()
-        check(case, True, splits, dtype, f"empty splits={splits}")
-        o, lse = run(case, True, splits, sinks=sinks)
+        assert_close(o[~empty], ref_o[~empty], dtype, f"empty splits={splits} out")
+        assert_close(lse[~empty], ref_lse[~empty], dtype, f"empty splits={splits} lse")
+        o, lse = run(case, True, splits, plan=plan, sinks=sinks)
         assert (o[empty] == 0).all()
         np.testing.assert_allclose(lse[empty], np.broadcast_to(sinks, lse[empty].shape), rtol=1e-6)
-        check(case, True, splits, dtype, f"empty sinks splits={splits}", sinks=sinks)
+        assert_close(lse[~empty], ref_sink_lse[~empty], dtype, f"empty sinks splits={splits} lse")
+
+
+# (q_lens, kv_lens, the first sequence with more queries than keys)
+MORE_QUERIES = [
+    ([1, 1, 1], [0, 12, 0], 0),          # kv_lens 0 with a query (used to give out 0, lse -inf)
+    ([1, 2, 1], [5, 20, 0], 2),          # the last sequence
+    ([3, 1], [2, 9], 0),                 # q_len > kv_len > 0
+    ([0, 0, 4, 5], [0, 7, 9, 4], 3),     # sequences sitting out (q_len 0) are fine, kv_len 0 included
+    ([40, 20, 33], [70, 19, 90], 1),     # a prefill chunk one token short
+]
+
+
+@pytest.mark.parametrize("q_lens, kv_lens, seq", MORE_QUERIES)
+def test_causal_refuses_queries_past_keys(used, q_lens, kv_lens, seq):
+    """Issue #19 item 3: causal attention over a plan with some q_len >
+    kv_len (kv_len 0 included) raises before any launch, naming the first
+    such sequence and both lengths, from the plan's host data (as
+    FlashInfer's single prefill does); out is untouched; the same call
+    non-causal runs and matches the reference."""
+    rng = np.random.default_rng(seq + sum(q_lens))
+    case = make_paged_case(rng, kv_lens=np.array(kv_lens, np.int32), q_lens=np.array(q_lens), page_size=16,
+                           num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="f16")
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, max(case.num_pages, 1))
+    assert not plan.causal_ok and plan.non_causal_sequence == seq
+    plan = plan.upload(case.q)
+    out = np.full((plan.queries, 4, 64), 7, np.float16)
+    msg = (rf"causal: expected False for this plan \(sequence {seq} has q_lens={q_lens[seq]} > "
+           rf"kv_lens={kv_lens[seq]}: its first queries sit at negative positions; append .*\), got True")
+    for features in ({}, dict(window=5), dict(sinks=np.zeros(4, np.float32))):
+        with pytest.raises(PagedAttentionError, match=msg + r" \(attention\)"):
+            plan.attention(case.q, case.k_cache, case.v_cache, case.scale, True, out=out, **features)
+    with pytest.raises(PagedAttentionError, match=msg):
+        plan.attention(case.q, case.k_cache, case.v_cache, case.scale, out=out)     # causal is the default
+    assert used == [] and (out == 7).all()
+    check(case, False, None, "f16", "non-causal")
+
+
+def test_causal_mla_refuses_queries_past_keys(used):
+    """Causal MLA likewise (kv_len 0 with queries, and q_len > kv_len > 0);
+    non-causal MLA runs."""
+    for kv_lens, q_lens, seq in (([9, 0], [1, 1], 1), ([1, 30], [2, 1], 0)):
+        rng = np.random.default_rng(seq)
+        case = make_mla_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=16, num_heads=4, latent_dim=64,
+                             pos_dim=16, dtype="f32")
+        plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
+        out = np.full((plan.queries, 4, 64), 7, np.float32)
+        with pytest.raises(PagedAttentionError, match=rf"causal: expected False for this plan \(sequence {seq} has "
+                                                      rf"q_lens={q_lens[seq]} > kv_lens={kv_lens[seq]}: .*\(mla\)"):
+            plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, True, out=out)
+        assert used == [] and (out == 7).all()
+        o = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, False)
+        qa, keys, values = reference.mla_as_attention(case.q, case.q_pos, case.latent, case.k_pos)
+        ref_o, _ = reference.scored_attention(qa, keys, values, case.page_table, case.kv_lens, case.q_lens,
+                                              case.scale, False)
+        assert_close(o, ref_o, "f32", "mla non-causal")
+        used.clear()
+
+
+def test_sitting_out_stays_causal():
+    """q_len 0 sits a step out, with any kv_len (0 included): the plan stays
+    causal, and the other sequences' queries match the reference."""
+    rng = np.random.default_rng(4)
+    case = make_paged_case(rng, kv_lens=np.array([0, 30, 12, 0], np.int32), q_lens=np.array([0, 2, 0, 0]),
+                           page_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="f32")
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages)
+    assert plan.causal_ok and plan.non_causal_sequence == -1
+    check(case, True, None, "f32", "sitting out")
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
@@ -365,13 +497,13 @@ def test_outputs_must_not_overlap_the_option_arrays():
 
 
 def test_non_causal_only_plans():
-    """q_lens > kv_lens > 0: causal attention, causal MLA and appends are
+    """q_lens > kv_lens: causal attention, causal MLA and appends are
     refused before anything runs; non-causal attention runs."""
     case, plan = _plan_case(q_lens=(3, 1), kv_lens=(2, 9))
     assert not plan.host.causal_ok and plan.host.non_causal_sequence == 0
     out = np.full((4, 4, 64), 7, np.float16)
     with pytest.raises(PagedAttentionError, match=r"causal: expected False for this plan \(sequence 0 has "
-                                                  r"q_lens=3 > kv_lens=2 > 0"):
+                                                  r"q_lens=3 > kv_lens=2: its first queries"):
         plan.attention(case.q, case.k_cache, case.v_cache, case.scale, True, out=out)
     assert (out == 7).all()
     new = np.zeros((4, 2, 64), np.float16)

@@ -239,7 +239,7 @@ def test_mla_errors():
 def test_outputs_must_not_overlap_scales():
     rng = np.random.default_rng(37)
     plan, sc = _plan_and_case(rng)
-    lse = np.zeros((plan.queries, 4), np.float32)
+    lse = np.ones((plan.queries, 4), np.float32)      # valid scales (> 0): the overlap is what is refused
     with pytest.raises(PagedAttentionError, match="lse: expected memory disjoint from k_scale"):
         plan.attention(sc.case.q, sc.k_cache, sc.v_cache, 0.1, lse=lse, kv_dtype="e4m3", k_scale=lse[0, :2],
                        v_scale=sc.kv_args["v_scale"])

@@ -118,7 +118,8 @@ def mla(plan, q, q_pos, latent, k_pos, scale, causal=True, *, workspace=None, ou
         return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None, kv_dtype=None,
         k_scale=None, v_scale=None):
     """``DevicePlan.mla`` (its docstring has the shapes): check, then launch.
-    q_pos and k_pos None: MLA without a rotary part (P = 0)."""
+    q_pos and k_pos None, or both zero-width: MLA without a rotary part (P = 0)."""
+    q_pos, k_pos = checks.rotary_parts(q_pos, k_pos)
     read = checks.mla_inputs(plan, q, q_pos, latent, k_pos, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
     opts = AttentionOptions.checked(scale, causal, soft_cap=soft_cap, window=window, sinks=sinks,
                                     alibi_slopes=alibi_slopes, plan=plan, heads=int(q.shape[1]))

@@ -73,13 +73,15 @@ class AttentionOptions:
 
     def check_plan(self, plan, what: str = "attention") -> None:
         """A plan with a sequence whose queries outnumber its keys (q_len >
-        kv_len > 0) is non-causal only (docs/layout.md)."""
+        kv_len, kv_len 0 included) is non-causal only (docs/layout.md): a
+        causal query at a negative position means its K/V were not appended.
+        Host plan data only (no device read)."""
         if self.causal and not plan.host.causal_ok:
             s = plan.host.non_causal_sequence
             raise PagedAttentionError(
                 f"causal: expected False for this plan (sequence {s} has q_lens={int(plan.host.q_lens[s])} > "
-                f"kv_lens={int(plan.host.kv_lens[s])} > 0: its first queries sit at negative positions), got True "
-                f"({what})")
+                f"kv_lens={int(plan.host.kv_lens[s])}: its first queries sit at negative positions; append the "
+                f"step's new K/V first, so kv_lens counts them), got True ({what})")
 
 
 def head_array(plan, name: str, a, heads: int) -> None:
@@ -253,6 +255,30 @@ def attention_inputs(plan, q, k_cache, v_cache, *, kv_dtype=None, k_scale=None, 
     return read
 
 
+def _zero_width(a) -> bool:
+    return array_backend(a) is not None and a.ndim >= 1 and int(a.shape[-1]) == 0
+
+
+def _operand(a) -> str:
+    if a is None:
+        return "None"
+    return f"shape {checks.shape_str(a.shape)}" if array_backend(a) is not None else type(a).__name__
+
+
+def rotary_parts(q_pos, k_pos) -> tuple:
+    """MLA's rotary operands, with P = 0 spelled either way: None, or
+    zero-width arrays (last dim 0, FlashInfer's spelling: q_pos [queries,
+    H, 0], k_pos [pages, page_size, 1, 0]), both alike. Returns (q_pos,
+    k_pos), None for both when there is no rotary part."""
+    none_q, none_k = q_pos is None or _zero_width(q_pos), k_pos is None or _zero_width(k_pos)
+    if none_q and none_k:
+        return None, None
+    if none_q or none_k:
+        raise PagedAttentionError(f"q_pos, k_pos: expected both or neither (neither, None or zero-width: MLA without a "
+                                  f"rotary part, P = 0), got q_pos {_operand(q_pos)} and k_pos {_operand(k_pos)}")
+    return q_pos, k_pos
+
+
 def mla_inputs(plan, q, q_pos, latent, k_pos, *, kv_dtype=None, k_scale=None, v_scale=None) -> CacheRead:
     """q [queries, H, R]; q_pos [queries, H, P]; latent [pages, page_size, 1,
     R]; k_pos [pages, page_size, 1, P] (views whose innermost dim is
@@ -260,10 +286,8 @@ def mla_inputs(plan, q, q_pos, latent, k_pos, *, kv_dtype=None, k_scale=None, v_
     P] cache): one dtype, or fp8 caches (``k_scale``: the latent's,
     ``v_scale``: k_pos's) under float16 / bfloat16 queries;
     1 <= P <= MAX_ROPE_DIM. Without a rotary part (P = 0) q_pos and k_pos
-    are both None."""
-    if (q_pos is None) != (k_pos is None):
-        raise PagedAttentionError("q_pos, k_pos: expected both or neither (neither: MLA without a rotary part, "
-                                  "P = 0)")
+    are both None (``rotary_parts`` turns zero-width ones into None)."""
+    q_pos, k_pos = rotary_parts(q_pos, k_pos)
     checks.plan_arrays(plan, q=q, q_pos=q_pos, latent=latent, k_pos=k_pos)
     checks.float_array("q", q, 3)
     if q_pos is not None:

@@ -15,7 +15,7 @@ from ..._runtime import (array_backend, check_not_capturing, checks, device_arch
                          multiprocessor_count, stream_for)
 from ... import dtypes
 from ...errors import PagedAttentionError
-from ...layout import MAX_HEAD_DIM, MAX_SPLITS, U32_MAX
+from ...layout import MAX_HEAD_DIM, MAX_ROPE_DIM, MAX_SPLITS, U32_MAX
 from .schedule import plan_launches
 from .variants import DECODE, RESIDENT_BLOCKS
 
@@ -90,8 +90,27 @@ def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None
     which caps the positions a query sees, ``max_kv_len`` above included.
     ``kv_dtype``: the caches' format when it is not ``dtype`` (an fp8
     cache: ``"e4m3"`` / ``"e5m2"``), which may change the kernels that run.
+    Every count is range-checked (``kv_heads``, ``multiprocessors``,
+    ``q_heads`` >= 1, a multiple of ``kv_heads``; ``head_dim`` /
+    ``value_dim`` in 1..MAX_HEAD_DIM; ``rot_dim`` in 0..MAX_ROPE_DIM;
+    ``window`` >= 1): PagedAttentionError naming the argument.
     """
     host = getattr(plan, "host", plan)   # a DevicePlan's host plan, or a HostPlan
+    if not all(hasattr(host, a) for a in ("queries", "max_kv_len", "q_lens")):
+        raise PagedAttentionError(f"plan: expected a HostPlan or DevicePlan, got {type(plan).__name__}")
+    kv_heads = checks.host_int("kv_heads", kv_heads, 1, U32_MAX)
+    if multiprocessors is not None:
+        multiprocessors = checks.host_int("multiprocessors", multiprocessors, 1, U32_MAX)
+    if q_heads is not None:
+        q_heads = checks.host_int("q_heads", q_heads, 1, U32_MAX)
+        if q_heads % kv_heads:
+            raise PagedAttentionError(f"q_heads: expected a multiple of kv_heads={kv_heads}, got {q_heads}")
+    for name, v in (("head_dim", head_dim), ("value_dim", value_dim)):
+        if v is not None:
+            checks.host_int(name, v, 1, MAX_HEAD_DIM)
+    rot_dim = checks.host_int("rot_dim", rot_dim, 0, MAX_ROPE_DIM)
+    if window is not None:
+        window = checks.host_int("window", window, 1, U32_MAX)
     if multiprocessors is None:
         device = plan.words if like is None else like
         multiprocessors = multiprocessor_count(device)
@@ -110,7 +129,7 @@ def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None
         blocks = sum(launch.blocks * int(kv_heads) * launch.tiles for launch in launches)
         resident = min((launch.min_blocks or 1 for launch in launches), default=1)
     slots = max(1, int(resident)) * int(multiprocessors)
-    seen = host.max_kv_len if window is None else min(host.max_kv_len, checks.host_int("window", window, 1, U32_MAX))
+    seen = host.max_kv_len if window is None else min(host.max_kv_len, window)
     if blocks == 0 or blocks >= slots or seen <= MIN_TOKENS_PER_SPLIT:
         return 1
     return int(max(1, min(MAX_SPLITS, slots // blocks, math.ceil(seen / MIN_TOKENS_PER_SPLIT))))

@@ -391,7 +391,7 @@ def max_group_tile(cap: int, vec: int, rot_cap: int = 0) -> int:
 
 
 def _vec(dtype: str, vec_loads: bool) -> int:
-    return VECTOR_BYTES // dtypes.np_dtype(dtype).itemsize if vec_loads else 1
+    return VECTOR_BYTES // dtypes.itemsize(dtype) if vec_loads else 1
 
 
 def _built_tiles(top: int, vec_loads: bool) -> tuple[int, ...]:
@@ -581,7 +581,7 @@ def mla_smem_bytes(latent_dim: int, rope_dim: int, kv_dtype: str | None = None) 
 def vec_ok(dtype: str, head_dim: int, value_dim: int, aligned: bool) -> bool:
     """16-byte loads possible: the arrays aligned and both dims a multiple
     of 16 bytes."""
-    itemsize = dtypes.np_dtype(dtype).itemsize
+    itemsize = dtypes.itemsize(dtype)
     return aligned and (head_dim * itemsize) % VECTOR_BYTES == 0 and (value_dim * itemsize) % VECTOR_BYTES == 0
 
 
