@@ -58,7 +58,8 @@ class Sequence:
     ``cached_tokens``: tokens shared from the prefix cache when it was added;
     ``tokens``: the token ids the cache knows (the prompt given to
     ``add_sequence``, ``add_tokens``, tokens read back by a DecodeBatch);
-    ``alive``: False once freed."""
+    ``batch``: the DecodeBatch whose slot holds it, or None; ``alive``:
+    False once freed."""
 
     __slots__ = ("id", "length", "_pages", "_cache", "alive", "cached_tokens", "_tokens", "_written", "_indexed",
                  "_batch", "_drive", "__weakref__")
@@ -87,6 +88,13 @@ class Sequence:
     @property
     def tokens(self) -> tuple[int, ...]:
         return tuple(self._tokens)
+
+    @property
+    def batch(self):
+        """The DecodeBatch whose slot holds this sequence (set by ``join``),
+        or None: not in one, or it left (``leave``, or finishing at a
+        ``readback``). Such a sequence cannot be prepared, forked or freed."""
+        return self._batch
 
     def __repr__(self) -> str:
         state = "" if self.alive else ", freed"

@@ -262,6 +262,51 @@ def test_misuse_raises_and_changes_nothing(weights):
     assert e.batch.readback().tokens[b]
 
 
+def test_sequence_batch_names_the_batch_that_holds_it(weights):
+    """``seq.batch``: None until ``join``, the joined batch (not another one
+    of the same cache) while in a slot, None again after ``leave``, after
+    finishing at a readback, and after a join that raised; read-only."""
+    e = Engine(weights, max_len=40, readback_every=2)
+    tok2, nxt2 = np.zeros(4, np.int64), np.zeros(4, np.int64)
+
+    def step2(plan):
+        e.model.forward(plan, tok2, e.logits)
+        return e.logits[:plan.sequences]
+    other = DecodeBatch(e.cache, step2, token_buf=tok2, next_token=nxt2, max_batch=4, max_len=40, readback_every=2)
+    a, fa = e.prefill(PROMPTS[0])
+    b, fb = e.prefill(PROMPTS[1])
+    c, fc = e.prefill(PROMPTS[3])
+    assert (a.batch, b.batch, c.batch) == (None, None, None)
+    with pytest.raises(PagedAttentionError, match="max_len: sequence 0 holds 7 tokens"):
+        e.batch.join(a, fa, max_len=8)
+    assert a.batch is None
+    e.batch.join(a, fa)
+    e.batch.join(b, int(fb[0]), max_len=len(PROMPTS[1]) + 2)    # finishes by its limit
+    other.join(c, fc)
+    assert a.batch is e.batch and b.batch is e.batch and c.batch is other
+    with pytest.raises(PagedAttentionError, match="already in a DecodeBatch"):
+        other.join(a, fa)
+    assert a.batch is e.batch and a not in other.members
+    with pytest.raises(AttributeError):
+        a.batch = None
+    assert a.batch is e.batch
+    e.batch.advance()
+    e.batch.advance()
+    r = e.batch.readback()
+    assert r.finished == {b: "max_len"} and b.batch is None and a.batch is e.batch
+    e.batch.leave(a)
+    assert a.batch is None and c.batch is other
+    child = e.cache.fork(a)
+    assert child.batch is None
+    other.advance()
+    other.readback()
+    other.leave(c)
+    assert c.batch is None
+    for s in (a, b, c, child):
+        e.cache.free(s)                                    # none is held by a batch
+    assert e.cache.num_free_pages == e.cache.num_pages
+
+
 def test_exhaustion_during_advance_launches_nothing(weights):
     """A slot whose next step needs a page when none is free: advance raises
     before any stream work; after a readback the engine preempts one."""

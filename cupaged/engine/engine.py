@@ -209,7 +209,8 @@ class Engine:
         if on_tokens is not None and not callable(on_tokens):
             raise PagedAttentionError(f"on_tokens: expected a callable on_tokens(index, tokens), got "
                                       f"{type(on_tokens).__name__}")
-        sched = Scheduler(self, prompts, max_new, stop, return_logits=return_logits, on_tokens=on_tokens)
+        sched = Scheduler(self, self._batch_for(stop), prompts, max_new, stop, return_logits=return_logits,
+                          on_tokens=on_tokens)
         self.stats = sched.stats           # updated as the call runs
         try:
             out = sched.run()
@@ -270,9 +271,6 @@ class Engine:
                 self._batches.pop(next(iter(self._batches)))
         self._batches[stop] = b
         return b
-
-    def _join(self, batch: DecodeBatch, seq, token, max_len: int) -> None:
-        batch.join(seq, token, max_len=max_len)
 
 
 def _prompt_ids(name: str, p, vocab: int) -> list[int]:

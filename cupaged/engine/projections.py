@@ -78,14 +78,15 @@ class _Cublas:
         import cupy     # the GPU backend: CuPy is loaded
         with cupy.cuda.Device(like.device.id):
             h = vp()
-            self._check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+            self.check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
         self.handle = h
         self.workspace = zeros(like, WORKSPACE_BYTES, np.uint8)
         self._stream = None
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     @staticmethod
-    def _check(status: int, what: str) -> None:
+    def check(status: int, what: str) -> None:
+        """Raise RuntimeError naming the call ``what`` unless ``status`` is 0 (CUBLAS_STATUS_SUCCESS)."""
         if status != 0:
             raise RuntimeError(f"{what} failed: cuBLAS status {status}")
 
@@ -95,10 +96,10 @@ class _Cublas:
         if self._stream == stream.ptr:
             return
         lib, h = self.lib, self.handle
-        self._check(lib.cublasSetStream_v2(h, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
-        self._check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(int(self.workspace.data.ptr)), WORKSPACE_BYTES),
-                    "cublasSetWorkspace")
-        self._check(lib.cublasSetPointerMode_v2(h, _POINTER_MODE_HOST), "cublasSetPointerMode")
+        self.check(lib.cublasSetStream_v2(h, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
+        self.check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(int(self.workspace.data.ptr)), WORKSPACE_BYTES),
+                   "cublasSetWorkspace")
+        self.check(lib.cublasSetPointerMode_v2(h, _POINTER_MODE_HOST), "cublasSetPointerMode")
         self._stream = stream.ptr
 
     def __del__(self):
@@ -142,9 +143,9 @@ class Projections:
         b = self._blas
         b.bind(stream_for(out))
         vp = ctypes.c_void_p
-        b._check(b.lib.cublasGemmEx(b.handle, _OP_T, _OP_N, n, m, k, ctypes.byref(b.one), vp(w.data.ptr), dt, k,
-                                    vp(x.data.ptr), dt, k, ctypes.byref(b.one if accumulate else b.zero),
-                                    vp(out.data.ptr), dt, n, _COMPUTE_32F, _GEMM_DEFAULT), "cublasGemmEx")
+        b.check(b.lib.cublasGemmEx(b.handle, _OP_T, _OP_N, n, m, k, ctypes.byref(b.one), vp(w.data.ptr), dt, k,
+                                   vp(x.data.ptr), dt, k, ctypes.byref(b.one if accumulate else b.zero),
+                                   vp(out.data.ptr), dt, n, _COMPUTE_32F, _GEMM_DEFAULT), "cublasGemmEx")
 
     def linear_heads(self, x, w, out, *, accumulate: bool = False) -> None:
         """out[M, H, N] (+)= x[M, H, K] @ w[H, N, K].T per head; C-contiguous."""
@@ -165,7 +166,7 @@ class Projections:
         vp = ctypes.c_void_p
         # per head: A = w[h] (stride N*K), B = head h's rows of x (ldb H*K,
         # stride K), C = head h's rows of out (ldc H*N, stride N)
-        b._check(b.lib.cublasGemmStridedBatchedEx(
+        b.check(b.lib.cublasGemmStridedBatchedEx(
             b.handle, _OP_T, _OP_N, n, m, k, ctypes.byref(b.one), vp(w.data.ptr), dt, k, n * k,
             vp(x.data.ptr), dt, h * k, k, ctypes.byref(b.one if accumulate else b.zero), vp(out.data.ptr), dt, h * n,
             n, h, _COMPUTE_32F, _GEMM_DEFAULT), "cublasGemmStridedBatchedEx")

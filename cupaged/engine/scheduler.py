@@ -58,15 +58,16 @@ class Request:
 
 
 class Scheduler:
-    """One ``Engine.generate`` call (see the module docstring)."""
+    """One ``Engine.generate`` call (see the module docstring) decoding in
+    ``batch``, the engine's DecodeBatch of these ``stop_ids``."""
 
-    def __init__(self, engine, prompts, max_new: int, stop_ids: tuple, *, return_logits: bool = False,
+    def __init__(self, engine, batch, prompts, max_new: int, stop_ids: tuple, *, return_logits: bool = False,
                  on_tokens=None):
         self.e = engine
         self.cache, self.model = engine.cache, engine.model
         self.stream = engine.stream
         self.stop = set(stop_ids)
-        self.batch = engine._batch_for(tuple(sorted(self.stop)))
+        self.batch = batch
         self.return_logits, self.on_tokens = return_logits, on_tokens
         ps = self.cache.page_size
         self.requests = [Request(i, list(p), max_new) for i, p in enumerate(prompts)]
@@ -155,7 +156,7 @@ class Scheduler:
                     self._emit(r, [int(host_best[i])])
                     self._finish(r)
                 else:
-                    self.e._join(self.batch, r.seq, model.best[i:i + 1], len(r.prompt) + r.max_new)
+                    self.batch.join(r.seq, model.best[i:i + 1], max_len=len(r.prompt) + r.max_new)
                     self.decoding[r.seq] = r
         stream.synchronize()          # (for the prefill / decode time split in stats)
         self.stats["prefill_tokens"] += n
@@ -212,7 +213,7 @@ class Scheduler:
         except Exception:       # noqa: BLE001 -- best effort after the first error, which is re-raised
             ok = False
         for r in self.requests:
-            if r.seq is not None and r.seq.alive and r.seq._batch is None:
+            if r.seq is not None and r.seq.alive and r.seq.batch is None:
                 self.cache.free(r.seq)
         return ok
 

@@ -201,7 +201,7 @@ def test_bench_engine_cpu_smoke():
     import subprocess
     import sys
     from pathlib import Path
-    bench = Path(__file__).parents[1] / "benchmarks" / "bench_engine.py"
+    bench = Path(__file__).parents[2] / "benchmarks" / "bench_engine.py"
     r = subprocess.run([sys.executable, str(bench), "--cpu", "--batches", "1,2", "--prompt", "8", "--new", "4"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

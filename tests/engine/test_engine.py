@@ -4,8 +4,10 @@ misshapen tensors), rotary tables, and generate's input checks, on random
 checkpoints written with NumPy (cupaged.testing.checkpoints)."""
 from __future__ import annotations
 
+import ast
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -494,3 +496,28 @@ def test_prompt_token_ids_of_every_integer_kind(llama_folder):
               [np.int64(7), np.uint16(255), 0], range(7, 8)):
         got = e.generate([p], 3, stop_token_ids=())
         assert got == (want if len(p) == 3 else e.generate([[7]], 3, stop_token_ids=())), p
+
+
+def _private_reads(source: str) -> list[str]:
+    """``x._name`` attributes of ``source`` read off anything but ``self`` /
+    ``cls`` (dunders aside), as "line: expression"."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            out.append(f"{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_private_reads_finds_what_it_should():
+    src = ("def f(self, cache, seq):\n    self._a\n    cache._lock\n    self.e._join(1)\n    seq.__class__\n"
+           "    seq.batch\n")
+    assert _private_reads(src) == ["3: cache._lock", "4: self.e._join"]
+
+
+def test_engine_reads_no_private_names_of_other_objects():
+    """cupaged/engine/ reads the cache, the batch, sequences and its own
+    helper objects through public names only, no ``other._name``."""
+    folder = Path(rope.__file__).parent
+    found = {p.name: _private_reads(p.read_text()) for p in sorted(folder.glob("*.py"))}
+    assert {k: v for k, v in found.items() if v} == {}

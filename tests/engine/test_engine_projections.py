@@ -116,3 +116,16 @@ def test_gpu_linear_refuses_mixed_dtypes(gpu_projections):
     with pytest.raises(Exception, match="expected float32, float16 or bfloat16 operands of one dtype"):
         p.linear(Dev(np.zeros((1, 2), np.float32)), Dev(np.zeros((3, 2), np.float16)),
                  Dev(np.zeros((1, 3), np.float32)))
+
+
+@pytest.mark.parametrize("call", ["cublasGemmEx", "cublasGemmStridedBatchedEx"])
+def test_a_failing_cublas_call_raises_naming_it(gpu_projections, monkeypatch, call):
+    p, fake = gpu_projections
+    monkeypatch.setattr(fake, call, lambda *args: 13)
+    x = Dev(np.zeros((1, 2, 2), np.float32))
+    with pytest.raises(RuntimeError, match=f"{call} failed: cuBLAS status 13"):
+        if call == "cublasGemmEx":
+            p.linear(Dev(np.zeros((1, 2), np.float32)), Dev(np.zeros((3, 2), np.float32)),
+                     Dev(np.zeros((1, 3), np.float32)))
+        else:
+            p.linear_heads(x, Dev(np.zeros((2, 3, 2), np.float32)), Dev(np.zeros((1, 2, 3), np.float32)))
