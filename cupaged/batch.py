@@ -35,7 +35,7 @@ import numpy as np
 from . import layout
 from ._runtime import array_backend, check_not_capturing, checks, stream_for, zeros
 from .cache import PagedKVCache, Sequence
-from .errors import PagedAttentionError
+from .errors import PagedAttentionError, add_note
 from .graph import _token_buffer, capture_graph, seed_tokens
 from .layout import MAX_VISIBLE_LEN, metadata_offsets
 from .ops.advance import SlotBuffers, advance_slots
@@ -271,7 +271,7 @@ class DecodeBatch:
             try:
                 self._settle()
             except BaseException as err:
-                err.add_note("DecodeBatch.leave: the sequence has left; padding and packing its slot failed and are "
+                add_note(err, "DecodeBatch.leave: the sequence has left; padding and packing its slot failed and are "
                              "issued again by the next call")
                 raise
 
@@ -333,7 +333,7 @@ class DecodeBatch:
             try:
                 out = self._learn()
             except BaseException as err:
-                err.add_note("DecodeBatch.readback: nothing was learned and the batch is as it was before this "
+                add_note(err, "DecodeBatch.readback: nothing was learned and the batch is as it was before this "
                              "call; call readback() again")
                 raise
             if self._held is not None:
@@ -342,7 +342,7 @@ class DecodeBatch:
             try:
                 self._settle()
             except BaseException as err:
-                err.add_note("DecodeBatch.readback: the tokens were read and are kept, the next readback() returns "
+                add_note(err, "DecodeBatch.readback: the tokens were read and are kept, the next readback() returns "
                              "them; packing the slots failed and is issued again by the next call")
                 raise
             self._held = None

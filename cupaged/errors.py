@@ -41,3 +41,12 @@ class SetupError(RuntimeError):
     compiler (or one too old) for the CPU backend, an optional extra (the
     NVRTC gate's ``gate`` extra, ``engine``, ...), a writable kernel cache.
     The message says in one line what is missing and how to fix it."""
+
+
+def add_note(err: BaseException, note: str) -> None:
+    """``err.add_note(note)`` (Python 3.11+); on 3.10 the note is kept in
+    ``err.__notes__`` as PEP 678 defines it (3.10's traceback does not print it)."""
+    if hasattr(err, "add_note"):
+        err.add_note(note)
+    else:
+        err.__notes__ = [*getattr(err, "__notes__", []), note]
