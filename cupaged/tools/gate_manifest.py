@@ -34,6 +34,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .._runtime import nvrtc as _nvrtc
 from .._runtime import source as _source
@@ -67,6 +68,15 @@ def unit_key(text: str, opts: tuple, include_dir: str | None) -> str:
     portable = tuple("-I<cuda headers>" if include_dir and o == f"-I{include_dir}" else o for o in opts)
     return _source.digest(text, "\0".join(portable), repr(_nvrtc.nvrtc_version()), _headers_digest(include_dir),
                           _VERSION)
+
+
+def toolchain(include_dir: str | None = None) -> dict:
+    """What every key also covers, said plainly: the NVRTC version and the
+    CUDA headers' digest (a manifest written with another toolchain matches
+    no unit: the gate extra pins both)."""
+    include_dir = include_dir or _nvrtc.find_header_dir()
+    major, minor = _nvrtc.nvrtc_version()
+    return {"nvrtc": f"{major}.{minor}", "headers": _headers_digest(include_dir)}
 
 
 def _report_row(rep) -> list:
@@ -115,8 +125,9 @@ class Manifest:
     rows: dict
     sample: int = DEFAULT_SAMPLE
     seed: int | None = None
+    toolchain: dict | None = None     # the toolchain the rows were written with (``toolchain()``)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.used: set = set()
         self.missing: list = []
         self.sampled: list = []
@@ -160,7 +171,7 @@ class Manifest:
                 f"(seed {self.seed}: CUPAGED_GATE_SEED={self.seed} repeats the draw), {len(self.stale())} stale rows")
 
 
-def load(path: Path | None = None, **kw) -> Manifest:
+def load(path: Path | None = None, **kw: Any) -> Manifest:
     """The committed manifest (``PATH``; no file: an empty one, every unit
     compiles). ``kw``: ``sample``, ``seed``."""
     try:
@@ -169,7 +180,7 @@ def load(path: Path | None = None, **kw) -> Manifest:
         data = {"version": _VERSION, "rows": {}}
     if data.get("version") != _VERSION:
         data = {"rows": {}}
-    return Manifest(dict(data["rows"]), **kw)
+    return Manifest(dict(data["rows"]), toolchain=data.get("toolchain"), **kw)
 
 
 def write(rows: dict, path: Path | None = None) -> None:
@@ -177,7 +188,8 @@ def write(rows: dict, path: Path | None = None) -> None:
     (a kernel change shows as the rows it changed)."""
     items = sorted(rows.items(), key=lambda kv: (kv[1]["variant"], kv[1]["arch"], kv[0]))
     lines = [f"  {json.dumps(k)}: {json.dumps(r, sort_keys=True, separators=(',', ':'))}" for k, r in items]
-    text = "{\n" + f'"version": {json.dumps(_VERSION)},\n"rows": {{\n' + ",\n".join(lines) + "\n}\n}\n"
+    text = ("{\n" + f'"version": {json.dumps(_VERSION)},\n"toolchain": {json.dumps(toolchain())},\n"rows": {{\n'
+            + ",\n".join(lines) + "\n}\n}\n")
     path = Path(path or PATH)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(text)

@@ -41,6 +41,11 @@ def test_package_variants_pass_gate():
     if not variants:
         pytest.skip("no kernel variants registered yet")
     m = gate_manifest.load()
+    here = gate_manifest.toolchain()
+    assert m.toolchain in (None, here), (
+        f"the gate manifest was written with {m.toolchain}, this machine has {here}: install the gate extra's "
+        f"pinned NVRTC and headers (pip install '.[gate]'), or rewrite it: python -m cupaged.tools.compile_check "
+        f"--update-manifest")
     t0 = time.perf_counter()
     results = compile_check.check(variants, gate_manifest.MANIFEST_ARCHS, jobs=2,
                                   cache_dir=compile_check.default_cache_dir(), include_dir=_nvrtc.find_header_dir(),
