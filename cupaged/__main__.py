@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +62,7 @@ def _sync(like):
     stream_for(like).synchronize()
 
 
-def cmd_demo(args) -> int:
+def cmd_demo(args: argparse.Namespace) -> int:
     like, backend = _like(args.cpu)
     cfg = tiny.TinyConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
                           kv_heads=args.kv_heads, head_dim=args.head_dim, ffn=2 * args.hidden,
@@ -110,7 +111,7 @@ def cmd_demo(args) -> int:
     return 0 if ok else 1
 
 
-def cmd_check(args) -> int:
+def cmd_check(args: argparse.Namespace) -> int:
     like, backend = _like(args.cpu)
     xp = xp_of(like)
     rng = np.random.default_rng(args.seed)
@@ -131,11 +132,11 @@ def cmd_check(args) -> int:
                               q_lens=q_lens)
         mplan = HostPlan.build(mcase.page_table, mcase.kv_lens, mcase.q_lens, args.page_size, mcase.num_pages)
         dm = mplan.upload(like)
-        arrs = [xp.asarray(a) for a in (mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos)]
+        mq, mq_pos, mlatent, mk_pos = (xp.asarray(a) for a in (mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos))
         scale = 1.0 / np.sqrt(192)
         out = xp.zeros(mcase.q.shape, dt)
         ws = SplitWorkspace(mplan.queries, args.heads, args.head_dim, args.splits, like) if args.splits > 1 else None
-        t = _timed(like, lambda: dm.mla(*arrs, scale, True, out=out, workspace=ws), args.repeat)
+        t = _timed(like, lambda: dm.mla(mq, mq_pos, mlatent, mk_pos, scale, True, out=out, workspace=ws), args.repeat)
         exp_out, _ = reference.paged_mla(mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos, mcase.page_table,
                                          mcase.kv_lens, mcase.q_lens, scale, True)
         err, ok = _max_error(out, exp_out, dt)
@@ -203,7 +204,7 @@ def _prompt_ids(text: str) -> list[int] | None:
     return [int(p) for p in parts]
 
 
-def cmd_generate(args) -> int:
+def cmd_generate(args: argparse.Namespace) -> int:
     prog = "python -m cupaged generate"
     like, backend = _like(args.cpu)
     tok = None if args.ids else _tokenizer(args.model)
@@ -427,7 +428,7 @@ def _generate_parser(sub):
     g.set_defaults(fn=cmd_generate, checks=None)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = _Parser(prog="python -m cupaged", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _traceback_flag(p, default=False)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)

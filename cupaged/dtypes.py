@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import PagedAttentionError
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ TC_TOKENS = tuple(d.token for d in TABLE if d.tensor_core)
 FP8_TOKENS = tuple(d.token for d in TABLE if d.scaled)
 
 
-def lookup(dtype) -> DType | None:
+def lookup(dtype: DTypeLike) -> DType | None:
     """The row of ``dtype`` (a token, a NumPy name, a NumPy dtype or type),
     or None when cupaged has no such storage type."""
     if isinstance(dtype, str):
@@ -86,13 +91,13 @@ def lookup(dtype) -> DType | None:
         return None
 
 
-def names(rows=TABLE) -> str:
+def names(rows: Iterable[DType] = TABLE) -> str:
     """``"float32, float16 or bfloat16"`` for error messages."""
     ns = [d.name for d in rows]
     return ns[0] if len(ns) == 1 else ", ".join(ns[:-1]) + " or " + ns[-1]
 
 
-def kv_storage(name: str, dtype, kv_dtype=None) -> DType:
+def kv_storage(name: str, dtype: DTypeLike, kv_dtype: DTypeLike | None = None) -> DType:
     """The K/V format of a cache array of dtype ``dtype`` (its ``name`` for
     messages), given the ops' ``kv_dtype`` argument: None takes the array's
     own dtype (a K/V row: float32, float16, bfloat16, or on NumPy an
@@ -123,14 +128,14 @@ def kv_storage(name: str, dtype, kv_dtype=None) -> DType:
     return d
 
 
-def _is_uint8(dtype) -> bool:
+def _is_uint8(dtype: DTypeLike) -> bool:
     try:
         return np.dtype(dtype) == np.dtype(np.uint8)
     except TypeError:
         return False
 
 
-def row(name: str, dtype, *, kv: bool = False) -> DType:
+def row(name: str, dtype: DTypeLike, *, kv: bool = False) -> DType:
     """The row of ``dtype`` (an array's dtype, or a dtype argument when
     ``name`` is "dtype"), which must be a query dtype (or, with ``kv``, a
     cache dtype); PagedAttentionError naming ``name`` otherwise."""
@@ -143,17 +148,18 @@ def row(name: str, dtype, *, kv: bool = False) -> DType:
     return d
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: DTypeLike) -> str:
     """A readable name of any dtype-like (for messages)."""
     if isinstance(dtype, str):
-        return repr(dtype) if lookup(dtype) is None else lookup(dtype).name
+        d = lookup(dtype)
+        return repr(dtype) if d is None else d.name
     try:
         return np.dtype(dtype).name
     except TypeError:
         return repr(dtype)
 
 
-def token(dtype) -> str:
+def token(dtype: DTypeLike) -> str:
     """The kernels' token of a known dtype (``"bf16"``); KeyError otherwise."""
     d = lookup(dtype)
     if d is None:
@@ -161,7 +167,7 @@ def token(dtype) -> str:
     return d.token
 
 
-def np_dtype(dtype) -> np.dtype:
+def np_dtype(dtype: DTypeLike) -> np.dtype:
     """The NumPy dtype of a known dtype name or dtype; KeyError otherwise."""
     d = lookup(dtype)
     if d is None:
@@ -169,7 +175,7 @@ def np_dtype(dtype) -> np.dtype:
     return d.np_dtype
 
 
-def itemsize(dtype) -> int:
+def itemsize(dtype: DTypeLike) -> int:
     """Bytes per element of a known dtype name or dtype; KeyError otherwise."""
     d = lookup(dtype)
     if d is None:

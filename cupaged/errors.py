@@ -49,4 +49,4 @@ def add_note(err: BaseException, note: str) -> None:
     if hasattr(err, "add_note"):
         err.add_note(note)
     else:
-        err.__notes__ = [*getattr(err, "__notes__", []), note]
+        err.__notes__ = [*getattr(err, "__notes__", []), note]  # type: ignore[attr-defined]  # PEP 678, 3.11+ stubs

@@ -18,10 +18,11 @@ import contextlib
 import os
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import PagedAttentionError
-from .arrays import GPU, array_backend, device_id
+from .arrays import GPU, Array, array_backend, device_id
 
 KIB = 1024
 
@@ -131,7 +132,7 @@ def base_arch_or_none(arch: str) -> str | None:
 
 
 @contextlib.contextmanager
-def cpu_arch_override(arch: str):
+def cpu_arch_override(arch: str) -> Iterator[None]:
     """Run the CPU backend as ``arch`` inside the block (this thread)."""
     if base_arch_or_none(arch) not in LIMITS:
         raise PagedAttentionError(f"arch: expected one of {', '.join(LIMITS)}, got {arch!r}")
@@ -146,7 +147,7 @@ def cpu_arch_override(arch: str):
 _gpu_arch: dict[int, str] = {}
 
 
-def device_arch(like) -> str:
+def device_arch(like: Array) -> str:
     """``sm_<major><minor>`` of ``like``'s device: its GPU's compute
     capability (cached per device), or for a NumPy array ``cpu_arch()``."""
     if array_backend(like) != GPU:

@@ -9,15 +9,27 @@ recognized only when the ``cupy`` module is already loaded.
 from __future__ import annotations
 
 import sys
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeAlias
+
 import numpy as np
 
 from ..errors import PagedAttentionError
 
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
 CPU = "cpu"
 GPU = "gpu"
 
+# A NumPy or CuPy array in annotations. CuPy ships no type stubs, so its
+# arrays are Any to the type checker; the backend is checked at run time.
+Array: TypeAlias = Any
+# An array shape as NumPy and CuPy take it (an int or a sequence of ints).
+Shape: TypeAlias = int | tuple[int, ...] | list[int]
 
-def array_backend(x) -> str | None:
+
+def array_backend(x: object) -> str | None:
     """``"cpu"`` for a NumPy array, ``"gpu"`` for a CuPy array, else None."""
     if isinstance(x, np.ndarray):
         return CPU
@@ -34,17 +46,17 @@ def array_backend(x) -> str | None:
     return None
 
 
-def address(a) -> int:
+def address(a: Array) -> int:
     """Address of the first byte of a NumPy or CuPy array's data."""
     return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
 
 
-def device_id(x) -> int:
+def device_id(x: Array) -> int:
     """Device ordinal of an array (-1 for the CPU backend)."""
     return -1 if array_backend(x) == CPU else int(x.device.id)
 
 
-def backend_of(**arrays) -> str:
+def backend_of(**arrays: Array | None) -> str:
     """The one backend of the named arrays (None entries are skipped).
 
     Raises PagedAttentionError naming the argument that is not an array, or
@@ -74,17 +86,17 @@ def backend_of(**arrays) -> str:
     return backend
 
 
-def empty(like, shape, dtype):
+def empty(like: Array, shape: Shape, dtype: DTypeLike) -> Array:
     """An uninitialized array on the backend and device of ``like``."""
     return _new("empty", like, shape, dtype)
 
 
-def zeros(like, shape, dtype):
+def zeros(like: Array, shape: Shape, dtype: DTypeLike) -> Array:
     """A zeroed array on the backend and device of ``like``."""
     return _new("zeros", like, shape, dtype)
 
 
-def _new(fn: str, like, shape, dtype):
+def _new(fn: str, like: Array, shape: Shape, dtype: DTypeLike) -> Array:
     xp = xp_of(like)
     if xp is np:
         return getattr(np, fn)(shape, dtype)
@@ -92,7 +104,7 @@ def _new(fn: str, like, shape, dtype):
         return getattr(xp, fn)(shape, dtype)
 
 
-def xp_of(x):
+def xp_of(x: Array) -> ModuleType:
     """The array module (numpy or cupy) of ``x``."""
     if array_backend(x) == GPU:
         return sys.modules["cupy"]

@@ -598,7 +598,7 @@ class CpuFunction:
     def num_params(self) -> int:
         return len(self.param_codes)
 
-    def bind(self, grid, block, shared_mem: int, args: tuple) -> "BoundLaunch":
+    def bind(self, grid: object, block: object, shared_mem: int, args: tuple) -> "BoundLaunch":
         grid = _check_dims("grid", grid, MAX_GRID_DIM, self.name, lo=0)
         block = _check_dims("block", block, MAX_BLOCK_DIM, self.name, lo=1)
         nthreads = block[0] * block[1] * block[2]
@@ -716,7 +716,8 @@ class BoundLaunch:
 
     __slots__ = ("function", "grid", "block", "shared_mem", "_grid", "_block", "_values", "_argv", "_keep")
 
-    def __init__(self, function: CpuFunction, grid, block, shared_mem: int, values: list, keep: list):
+    def __init__(self, function: CpuFunction, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
+                 values: list, keep: list):
         self.function = function
         self.grid = grid
         self.block = block

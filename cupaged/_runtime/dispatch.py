@@ -4,17 +4,18 @@ CPU backend (``cpu``) and the GPU backend (``gpu``)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ..errors import PagedAttentionError
 from . import cpu, gpu, source
-from .arrays import CPU, GPU, array_backend, device_id
+from .arrays import CPU, GPU, Array, array_backend, device_id
 from .stream import CpuStream, Stream
 
 
-_kernels: dict = {}
+_kernels: dict[tuple, Any] = {}
 
 
-def get_kernel(like, source_path: str | Path, kernel: str, defines: dict | None = None):
+def get_kernel(like: Array, source_path: str | Path, kernel: str, defines: dict | None = None) -> Any:
     """The compiled kernel ``kernel`` of ``source_path`` (a ``kernels_cu`` stem
     such as ``"attention/decode"``, or a path) with ``defines``, for the
     backend and device of ``like``.
@@ -47,7 +48,7 @@ def get_kernel(like, source_path: str | Path, kernel: str, defines: dict | None 
 _cpu_stream: CpuStream | None = None
 
 
-def stream_for(like) -> Stream:
+def stream_for(like: Array) -> Stream:
     """The stream work on ``like``'s backend goes to: the CPU stream for a
     NumPy array, CuPy's current stream on ``like``'s device for a CuPy array."""
     global _cpu_stream
@@ -61,7 +62,7 @@ def stream_for(like) -> Stream:
     raise PagedAttentionError(f"like: expected a NumPy or CuPy array, got {type(like).__name__}")
 
 
-def multiprocessor_count(like) -> int:
+def multiprocessor_count(like: Array) -> int:
     """SMs of ``like``'s GPU, or the CPU backend's worker count."""
     if array_backend(like) == GPU:
         return gpu.multiprocessor_count(device_id(like))

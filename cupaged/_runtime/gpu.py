@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import sys
 import threading
 import weakref
 from collections import deque
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -42,13 +45,14 @@ from . import arrays as _backend
 from . import cpu as _cpu
 from . import nvrtc as _nvrtc
 from . import source as _source
+from .arrays import Array
 from .stream import Graph, Stream
 from .structs import StructArg
 
 # Shared memory (static + dynamic) a launch may use without opting in.
 DEFAULT_MAX_DYNAMIC_SHARED = 48 * 1024
 
-_drv = None
+_drv: Any = None
 _drv_ready = False
 _lock = threading.Lock()
 
@@ -57,7 +61,7 @@ _lock = threading.Lock()
 # cuda-python driver access
 # ---------------------------------------------------------------------------
 
-def driver_module():
+def driver_module() -> Any:
     """``cuda.bindings.driver`` (cuda-python 12.6+ and 13.x), else the older
     ``cuda.cuda`` of early 12.x releases. Importing it needs no driver."""
     global _drv
@@ -184,10 +188,10 @@ def module_key(source_text: str, variant: str, device: int) -> tuple:
     return int(device), variant, _source.digest(source_text)
 
 
-_modules: dict[tuple, "GpuModule"] = {}
+_modules: dict[tuple, GpuModule | TargetModule] = {}
 
 
-def load_module(source_text: str, variant: str, device: int, target: str | None = None) -> "GpuModule":
+def load_module(source_text: str, variant: str, device: int, target: str | None = None) -> GpuModule | TargetModule:
     """The module of ``source_text`` (an assembled variant) compiled by NVRTC
     for ``device``; raises CompileError with the NVRTC log on failure.
     ``target``: an arch-specific compile target (``sm_90a``, the variant's
@@ -327,7 +331,8 @@ class TargetModule:
         return fn
 
 
-def pack_args(args: tuple, kernel: str = "kernel"):
+def pack_args(args: tuple, kernel: str = "kernel"
+              ) -> tuple[ctypes.Array[ctypes.c_void_p], list] | tuple[None, None]:
     """``cuLaunchKernel`` parameters for ``args``: a ctypes ``void*`` array
     (one pointer per argument, to its value) and the objects holding the
     values, which must live until the launch call returns. A CuPy array
@@ -339,14 +344,14 @@ def pack_args(args: tuple, kernel: str = "kernel"):
     if n == 0:
         return None, None
     slots = (ctypes.c_void_p * n)()
-    holders = []
+    holders: list = []
     for i, a in enumerate(args):
         if type(a) is StructArg:
             a = a.value      # its arrays are kept alive by the caller's reference to the StructArg
         if isinstance(a, np.generic):
-            v = np.array(a)  # 0-d copy with its own storage, C layout of the dtype
-            slots[i] = v.ctypes.data
-            holders.append(v)
+            value = np.array(a)  # 0-d copy with its own storage, C layout of the dtype
+            slots[i] = value.ctypes.data
+            holders.append(value)
             continue
         if a is None:
             v = ctypes.c_uint64(0)
@@ -366,12 +371,12 @@ def pack_args(args: tuple, kernel: str = "kernel"):
 class GpuFunction:
     """A kernel of a GpuModule on one device."""
 
-    def __init__(self, name: str, handle: int, device: int, module: GpuModule, static_smem: int = 0):
+    def __init__(self, name: str, handle: int, device: int, module: GpuModule | TargetModule, static_smem: int = 0):
         self.name = name
         self.device = device
         self.handle = handle
         self._module = module          # keeps the CUmodule loaded
-        self._cupy_function = None     # CuPy's Function object, which also holds the CUmodule
+        self._cupy_function: Any = None     # CuPy's Function object, which also holds the CUmodule
         self._cufunc = driver_module().CUfunction(handle)
         # Without opting in, static + dynamic shared memory may total 48 KiB:
         # the driver rejects dynamic bytes above 48 KiB - static.
@@ -451,7 +456,7 @@ class GpuStream(Stream):
 
     backend = _backend.GPU
 
-    def __init__(self, device: int, cupy_stream):
+    def __init__(self, device: int, cupy_stream: Any):
         super().__init__()
         self.device = int(device)
         self.ptr = int(cupy_stream.ptr)
@@ -539,6 +544,7 @@ class GpuStream(Stream):
 
     def _end_capture(self) -> Graph:
         keep = self._capture_keep
+        assert keep is not None   # end_capture checked that this thread is capturing
         self._capture = self._capture_keep = None
         drv = _driver()
         with _OnDevice(self.device):
@@ -585,12 +591,12 @@ def _retire(key: tuple, stream: GpuStream) -> None:
     stream._free_events.clear()
 
 
-def current_stream(like) -> GpuStream:
+def current_stream(like: Array) -> GpuStream:
     """The GpuStream of CuPy's current stream on ``like``'s device (one object
     per (device, stream handle) for as long as the CuPy stream lives)."""
-    cupy = sys.modules.get("cupy")
+    cupy: ModuleType | None = sys.modules.get("cupy")
     if cupy is None:
-        import cupy
+        cupy = importlib.import_module("cupy")
     dev = int(like.device.id)
     cs = cupy.cuda.get_current_stream(dev)
     key = (dev, int(cs.ptr))

@@ -34,8 +34,11 @@ import os
 import re
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from ..errors import CompileError
 
@@ -63,7 +66,7 @@ def gpu_extra_hint() -> str:
     return "pip install 'cupaged[cuda12]' (CUDA 12) or 'cupaged[cuda13]' (CUDA 13)"
 
 
-def nvrtc_module():
+def nvrtc_module() -> ModuleType:
     """``cuda.bindings.nvrtc`` (cuda-python 12.6+ and 13.x), else the older
     ``cuda.nvrtc`` of early 12.x releases. Without cuda-python: CompileError
     naming the extra to install."""
@@ -87,7 +90,7 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def _check_nvrtc(nvrtc, err, call: str) -> None:
+def _check_nvrtc(nvrtc: ModuleType, err: Any, call: str) -> None:
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         try:
             _, msg = nvrtc.nvrtcGetErrorString(err)
@@ -157,7 +160,7 @@ def _pathfinder_dir() -> str | None:
         return None
 
 
-def header_dir_candidates(*, env: dict | None = None, nvidia_roots: list | None = None,
+def header_dir_candidates(*, env: Mapping[str, str] | None = None, nvidia_roots: Iterable[str | Path] | None = None,
                           use_pathfinder: bool = True) -> list[HeaderDir]:
     """Folders that hold both ``cuda_fp16.h`` and ``cuda_bf16.h``, best first.
 
@@ -178,7 +181,8 @@ def header_dir_candidates(*, env: dict | None = None, nvidia_roots: list | None 
     headers given to a CUDA 12 NVRTC (or the reverse) may use builtins the
     compiler does not know. ``env`` and ``nvidia_roots`` are for tests.
     """
-    env = os.environ if env is None else env
+    if env is None:
+        env = os.environ
     raw: list[tuple[Path, str]] = []
     if env.get(INCLUDE_ENV):
         raw.append((Path(env[INCLUDE_ENV]), "env"))
@@ -281,10 +285,10 @@ class Compiled:
     ptx: str = field(default="", repr=False)
     cubin: bytes = field(default=b"", repr=False)
     seconds: float = 0.0
-    options: tuple = ()
+    options: tuple[str, ...] = ()
 
 
-def _get_bytes(nvrtc, prog, size_fn, get_fn, call: str) -> bytes:
+def _get_bytes(nvrtc: ModuleType, prog: Any, size_fn: Any, get_fn: Any, call: str) -> bytes:
     err, n = size_fn(prog)
     _check_nvrtc(nvrtc, err, call + "Size")
     # NVRTC writes into this buffer: it must be a fresh object. ``b" " * 1``
@@ -297,7 +301,7 @@ def _get_bytes(nvrtc, prog, size_fn, get_fn, call: str) -> bytes:
 
 
 def compile_source(text: str, arch: str, *, name: str = "cupaged.cu",
-                   options: tuple | None = None) -> Compiled:
+                   options: Iterable[str] | None = None) -> Compiled:
     """Compile ``text`` with NVRTC for ``arch`` (``sm_XX`` gives PTX and
     cubin plus the ptxas report in the log; ``compute_XX`` gives PTX only).
     ``options`` defaults to ``gate_options(arch)``. Needs no GPU and no driver.
@@ -311,16 +315,16 @@ def compile_source(text: str, arch: str, *, name: str = "cupaged.cu",
         enc = [o.encode() for o in opts]
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(enc), enc)
         seconds = time.perf_counter() - t0
-        log = _get_bytes(nvrtc, prog, nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog,
-                         "nvrtcGetProgramLog")
-        log = log.rstrip(b"\0").decode(errors="replace").strip()
+        raw_log = _get_bytes(nvrtc, prog, nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog,
+                             "nvrtcGetProgramLog")
+        log = raw_log.rstrip(b"\0").decode(errors="replace").strip()
         if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             if res != nvrtc.nvrtcResult.NVRTC_ERROR_COMPILATION:
                 _, msg = nvrtc.nvrtcGetErrorString(res)
                 log = f"{msg.decode() if isinstance(msg, bytes) else msg}\n{log}"
             return Compiled(False, arch, log, seconds=seconds, options=opts)
-        ptx = _get_bytes(nvrtc, prog, nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, "nvrtcGetPTX")
-        ptx = ptx.rstrip(b"\0").decode(errors="replace")
+        raw_ptx = _get_bytes(nvrtc, prog, nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, "nvrtcGetPTX")
+        ptx = raw_ptx.rstrip(b"\0").decode(errors="replace")
         cubin = b""
         if arch.startswith("sm_"):
             cubin = _get_bytes(nvrtc, prog, nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, "nvrtcGetCUBIN")

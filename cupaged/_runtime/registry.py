@@ -7,10 +7,12 @@ op module) and compiles each registered variant for sm_80 and sm_90.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 _variants: dict[tuple, tuple[str, dict]] = {}
 
 
-def register(stem: str, defines_list) -> None:
+def register(stem: str, defines_list: Iterable[Mapping[str, object]]) -> None:
     """Record the variants of ``stem`` (a ``kernels_cu`` path without .cu)."""
     for d in defines_list:
         d = dict(d)

@@ -33,7 +33,7 @@ def kernel_dir() -> Path:
     raise FileNotFoundError(f"cupaged kernel sources not found beside {package}")
 
 
-def stem_of(source) -> str:
+def stem_of(source: str | Path) -> str:
     """The name a source goes by in variant names: ``"attention/decode"`` ->
     ``"attention_decode"``, a path -> its file stem."""
     if isinstance(source, Path) or str(source).endswith(".cu") or str(source).startswith("/"):

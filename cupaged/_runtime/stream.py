@@ -19,14 +19,20 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..errors import PagedAttentionError
 from . import arrays as _backend
+from .arrays import Array
+
+# Launch dimensions: an int or up to three ints (x, y, z).
+Dims = int | Sequence[int]
 
 
-def _check_span(name: str, arr, offset: int, nbytes: int) -> None:
+def _check_span(name: str, arr: Array, offset: int, nbytes: int) -> None:
     if offset < 0 or nbytes < 0 or offset + nbytes > arr.nbytes:
         raise PagedAttentionError(
             f"{name}: expected bytes [{offset}, {offset + nbytes}) inside an array of {arr.nbytes} bytes")
@@ -38,7 +44,7 @@ class Graph:
     """A captured sequence of stream work; ``launch()`` replays it on the
     stream it was captured on. Keeps alive every array it touches."""
 
-    def __init__(self, stream: "Stream", ops: list, keep_alive: list, native=None):
+    def __init__(self, stream: Stream, ops: list, keep_alive: list, native: Any = None):
         self.stream = stream
         self._ops = ops
         self._keep_alive = keep_alive
@@ -58,7 +64,16 @@ class Stream:
     backend: str = ""
     device: int = -1
 
-    def __init__(self):
+    # What each backend implements (declared here for the type checker only).
+    _launch: Callable[[Any, tuple[int, int, int], tuple[int, int, int], int, tuple], None]
+    _memset_d32: Callable[[Array, int, int, int], None]
+    _copy: Callable[[Array, Array, int, int, int], None]
+    _copy_from_host: Callable[[Array, np.ndarray, int], None]
+    _begin_capture: Callable[[], None]
+    _end_capture: Callable[[], Graph]
+    _replay: Callable[[Graph], None]
+
+    def __init__(self) -> None:
         self._capture: list | None = None
         self._capture_keep: list | None = None
         self._capture_thread: int | None = None   # the thread whose capture is open
@@ -81,7 +96,7 @@ class Stream:
         raise PagedAttentionError("stream: another thread is capturing this stream; use a stream of your own "
                                   "(work issued here would be folded into that thread's graph)")
 
-    def launch(self, kernel, grid, block, args, shared_mem: int = 0) -> None:
+    def launch(self, kernel: Any, grid: Dims, block: Dims, args: Sequence[Any], shared_mem: int = 0) -> None:
         """Launch ``kernel`` (from ``cupaged._runtime.get_kernel``) with ``grid`` and
         ``block`` (3-tuples or ints) and ``shared_mem`` dynamic bytes."""
         grid, block = _dim3(grid), _dim3(block)
@@ -90,7 +105,7 @@ class Stream:
             return
         self._launch(kernel, grid, block, int(shared_mem), tuple(args))
 
-    def memset_d32(self, dst, value: int, count: int | None = None, offset_bytes: int = 0) -> None:
+    def memset_d32(self, dst: Array, value: int, count: int | None = None, offset_bytes: int = 0) -> None:
         """Set ``count`` 32-bit words of ``dst`` from ``offset_bytes`` to
         ``value`` (its low 32 bits), stream-ordered; no host pointer involved."""
         self._check(dst=dst)
@@ -101,7 +116,7 @@ class Stream:
         self._foreign_capture()
         self._memset_d32(dst, int(value) & 0xFFFFFFFF, count, int(offset_bytes))
 
-    def copy(self, dst, src, nbytes: int | None = None, dst_offset: int = 0, src_offset: int = 0) -> None:
+    def copy(self, dst: Array, src: Array, nbytes: int | None = None, dst_offset: int = 0, src_offset: int = 0) -> None:
         """Stream-ordered device-to-device copy of ``nbytes`` bytes."""
         self._check(dst=dst, src=src)
         nbytes = src.nbytes - src_offset if nbytes is None else int(nbytes)
@@ -111,7 +126,7 @@ class Stream:
         if nbytes:
             self._copy(dst, src, nbytes, int(dst_offset), int(src_offset))
 
-    def copy_from_host(self, dst, host: np.ndarray, dst_offset: int = 0) -> None:
+    def copy_from_host(self, dst: Array, host: np.ndarray, dst_offset: int = 0) -> None:
         """Stream-ordered host-to-device copy of all of ``host`` (a NumPy
         array). The stream keeps its own copy of the host bytes alive until
         the copy has run, so the caller may reuse ``host`` at once."""
@@ -142,7 +157,7 @@ class Stream:
     def synchronize(self) -> None:
         """Wait for all work issued so far (a no-op on the CPU backend)."""
 
-    def read(self, src) -> np.ndarray:
+    def read(self, src: Array) -> np.ndarray:
         """A host copy of ``src`` once all work issued so far has run: the one
         call that waits for the device (decode loops read their tokens back
         with it every k steps). Refused while capturing."""
@@ -154,7 +169,7 @@ class Stream:
         return np.array(src) if isinstance(src, np.ndarray) else src.get()
 
     # -- helpers ----------------------------------------------------------
-    def _check(self, **arrays) -> None:
+    def _check(self, **arrays: Array) -> None:
         backend = _backend.backend_of(**arrays)
         if backend != self.backend:
             name = next(iter(arrays))
@@ -165,18 +180,19 @@ class Stream:
                 raise PagedAttentionError(
                     f"{name}: expected an array on device {self.device}, got device {_backend.device_id(a)}")
 
-    def _keep(self, *objs) -> None:
+    def _keep(self, *objs: Any) -> None:
         if self.capturing:
+            assert self._capture_keep is not None   # set with _capture
             self._capture_keep.extend(objs)
 
 
-def _dim3(v) -> tuple[int, int, int]:
+def _dim3(v: Dims) -> tuple[int, int, int]:
     if isinstance(v, (int, np.integer)):
         v = (int(v),)
-    v = tuple(int(x) for x in v) + (1,) * (3 - len(v))
-    if len(v) != 3 or any(x < 0 for x in v):
-        raise PagedAttentionError(f"launch dims: expected up to 3 non-negative ints, got {v}")
-    return v
+    dims = tuple(int(x) for x in v) + (1,) * (3 - len(v))
+    if len(dims) != 3 or any(x < 0 for x in dims):
+        raise PagedAttentionError(f"launch dims: expected up to 3 non-negative ints, got {dims}")
+    return dims
 
 
 class CpuStream(Stream):
@@ -186,8 +202,9 @@ class CpuStream(Stream):
     backend = _backend.CPU
     device = -1
 
-    def _run_or_record(self, op, *keep) -> None:
+    def _run_or_record(self, op: Callable[[], object], *keep: Any) -> None:
         if self.capturing:
+            assert self._capture is not None
             self._capture.append(op)
             self._keep(*keep)
         else:
@@ -222,6 +239,7 @@ class CpuStream(Stream):
 
     def _end_capture(self) -> Graph:
         ops, keep = self._capture, self._capture_keep
+        assert ops is not None and keep is not None   # end_capture checked that this thread is capturing
         self._capture = self._capture_keep = None
         return Graph(self, ops, keep)
 

@@ -15,12 +15,14 @@ bare structured scalar is accepted too; then nothing is kept alive by it.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 # C types a struct field may have (besides pointers) -> NumPy type.
-_SCALARS = {"u32": np.uint32, "int": np.int32, "u64": np.uint64, "float": np.float32}
+_SCALARS: dict[str, type[np.number]] = {"u32": np.uint32, "int": np.int32, "u64": np.uint64, "float": np.float32}
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class Field:
         return self.ctype.endswith("*")
 
     @property
-    def np_type(self):
+    def np_type(self) -> type[np.number]:
         if self.pointer:
             return np.uint64      # a device address
         try:
@@ -47,13 +49,13 @@ class Field:
             raise ValueError(f"field {self.name}: C type {self.ctype!r} has no NumPy counterpart") from None
 
 
-def struct_dtype(fields) -> np.dtype:
+def struct_dtype(fields: Iterable[Field]) -> np.dtype:
     """The NumPy structured dtype with the C layout of ``fields`` (C
     alignment: ``align=True``)."""
     return np.dtype([(f.name, f.np_type) for f in fields], align=True)
 
 
-def c_struct(name: str, fields, restrict: bool = True) -> str:
+def c_struct(name: str, fields: Iterable[Field], restrict: bool = True) -> str:
     """The C declaration of struct ``name`` with ``fields`` (pointers
     ``__restrict__`` when ``restrict``), followed by a static_assert of its
     size against ``struct_dtype(fields)``."""
@@ -75,7 +77,7 @@ class StructArg:
 
     __slots__ = ("value", "refs")
 
-    def __init__(self, value, refs=()):
+    def __init__(self, value: object, refs: Iterable[Any] = ()) -> None:
         if not isinstance(value, np.void) or value.dtype.names is None:
             raise TypeError(f"value: expected a structured NumPy scalar (np.void), got {type(value).__name__}")
         self.value = value
@@ -85,7 +87,7 @@ class StructArg:
     def nbytes(self) -> int:
         return self.value.dtype.itemsize
 
-    def __getitem__(self, name: str):
+    def __getitem__(self, name: str) -> Any:
         """A field's value (``arg["q_begin"]``)."""
         return self.value[name]
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .._runtime import stream_for, xp_of
+from .._runtime import Stream, stream_for, xp_of
+from .._runtime.arrays import Array
 from ..cache import PagedKVCache
 from ..errors import PagedAttentionError
 from ..graph import PagedDecodeLoop
@@ -25,6 +28,11 @@ from ..ops import layers
 from ..ops.sampling import argmax_into
 from ..plan import DevicePlan
 from ..testing import reference
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike, DTypeLike
+
+    from ..ops.attention.splits import SplitWorkspace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +90,7 @@ def init_weights(cfg: TinyConfig, seed: int = 0) -> dict:
     return w
 
 
-def rounded(weights: dict, dtype) -> dict:
+def rounded(weights: dict, dtype: DTypeLike) -> dict:
     """The weights as the model stores them (rounded to ``dtype``), back in
     float64: what the reference must use to isolate kernel arithmetic."""
     def r(a):
@@ -114,7 +122,7 @@ def _reference_mla(cfg: TinyConfig, lw: dict, h, cos, sin, mask) -> np.ndarray:
     return np.einsum("hqk,khv->qhv", reference.softmax(s, axis=-1), v).reshape(n, -1)
 
 
-def reference_logits(cfg: TinyConfig, weights: dict, tokens) -> np.ndarray:
+def reference_logits(cfg: TinyConfig, weights: dict, tokens: ArrayLike) -> np.ndarray:
     """float64 logits [n, vocab] of one sequence ``tokens`` [n], computed in
     full from scratch (no cache): the oracle for the paged model."""
     tokens = np.asarray(tokens, np.int64)
@@ -165,7 +173,7 @@ class TinyModel:
     [>= queries, vocab]. It allocates nothing and never synchronizes.
     """
 
-    def __init__(self, cfg: TinyConfig, weights: dict, like, *, dtype=np.float32, num_pages: int,
+    def __init__(self, cfg: TinyConfig, weights: dict, like: Array, *, dtype: DTypeLike = np.float32, num_pages: int,
                  page_size: int, max_rows: int):
         self.cfg, self.dtype, self.page_size, self.num_pages = cfg, np.dtype(dtype), page_size, num_pages
         self.xp = xp = xp_of(like)
@@ -191,7 +199,7 @@ class TinyModel:
         self.cache = PagedKVCache(num_pages, page_size, heads, d, self.dtype, layers=cfg.layers, value_dim=dv,
                                   like=like)
         self._live: list = []      # the sequences of the last generate
-        self._loop = None          # its decode loop (finished before the next generate frees them)
+        self._loop: PagedDecodeLoop | None = None   # its decode loop (finished before the next generate frees them)
         r, hd = max_rows, cfg.head_dim
         self.max_rows = r
         self.x = xp.zeros((r, cfg.hidden), self.dtype)
@@ -214,7 +222,8 @@ class TinyModel:
             self.v_out = xp.zeros((r, H * cfg.v_head_dim), self.dtype)
             self.scale = 1.0 / math.sqrt(cfg.nope_dim + P)   # from the model's QK dims, not from R
 
-    def forward(self, plan: DevicePlan, tokens, logits, *, workspace=None) -> None:
+    def forward(self, plan: DevicePlan, tokens: Array, logits: Array, *,
+                workspace: SplitWorkspace | None = None) -> None:
         cfg, n = self.cfg, plan.host.queries
         if n > self.max_rows:
             raise PagedAttentionError(f"plan: expected at most max_rows={self.max_rows} queries, got {n}")
@@ -267,11 +276,12 @@ class TinyModel:
         layers.linear(ol.reshape(n, -1), lw["w_uv_bd"], vo)
         layers.linear(vo, lw["wo"], x, accumulate=True)
 
-    def stream(self):
+    def stream(self) -> Stream:
         return stream_for(self.like)
 
 
-def generate(model: TinyModel, prompts, new_tokens: int, *, chunk: int = 16, graph: bool = True, on_step=None):
+def generate(model: TinyModel, prompts: Sequence[Sequence[int]], new_tokens: int, *, chunk: int = 16,
+             graph: bool = True, on_step: Callable[[int], object] | None = None) -> tuple[np.ndarray, PagedDecodeLoop]:
     """Greedy generation for a batch of prompts of different lengths, through
     the model's page manager.
 
@@ -318,8 +328,10 @@ def generate(model: TinyModel, prompts, new_tokens: int, *, chunk: int = 16, gra
     stream.copy(history, next_token, nbytes=8 * B)
     # ---- decode: step i feeds token i at position plen + i - 1
     plan, _ = cache.prepare(seqs, 1, reserve=new_tokens - 1)
-    loop = PagedDecodeLoop(lambda p: (model.forward(p, token_buf, logits), logits[:B])[1], plan,
-                           token_buf=token_buf, next_token=next_token, cache=cache, graph=graph)
+    def step(p: DevicePlan) -> Array:
+        model.forward(p, token_buf, logits)
+        return logits[:B]
+    loop = PagedDecodeLoop(step, plan, token_buf=token_buf, next_token=next_token, cache=cache, graph=graph)
     model._loop = loop
     for i in range(1, new_tokens):
         loop.advance()
@@ -330,7 +342,8 @@ def generate(model: TinyModel, prompts, new_tokens: int, *, chunk: int = 16, gra
     return tokens, loop
 
 
-def check_tokens(cfg: TinyConfig, weights64: dict, prompts, tokens, *, margin: float = 1e-3):
+def check_tokens(cfg: TinyConfig, weights64: dict, prompts: Sequence[Sequence[int]], tokens: np.ndarray, *,
+                 margin: float = 1e-3) -> tuple[int, bool]:
     """Compare generated tokens [B, N] with the float64 reference model.
 
     Returns (exact, ok): how many tokens equal the reference argmax, and

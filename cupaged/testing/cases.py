@@ -10,11 +10,16 @@ reads anything it should not reads NaN or an out-of-range page.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from .. import dtypes
 from . import reference
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike, DTypeLike
 
 PAGE_SENTINEL = 2 ** 30
 """Default value of page-table entries past a sequence's length."""
@@ -32,7 +37,7 @@ _TOLERANCE = {
 }
 
 
-def as_dtype(dtype) -> np.dtype:
+def as_dtype(dtype: DTypeLike) -> np.dtype:
     """A NumPy dtype from a dtype, a type or a name ("f32", "bfloat16", ...)."""
     if isinstance(dtype, str):
         if dtype in ("f64", "float64"):
@@ -59,7 +64,7 @@ FP8_ROUND_TRIP = {
 }
 
 
-def tolerance(dtype) -> tuple[float, float]:
+def tolerance(dtype: DTypeLike) -> tuple[float, float]:
     """(atol, rtol) for comparing a kernel result computed from ``dtype``
     inputs (and stored in ``dtype``) with the float64 reference; for an fp8
     format, the round trip of a value through it (FP8_ROUND_TRIP, atol for a
@@ -72,12 +77,12 @@ def tolerance(dtype) -> tuple[float, float]:
     return _TOLERANCE[name]
 
 
-def assert_close(actual, expected, dtype, what: str = "") -> None:
+def assert_close(actual: ArrayLike, expected: ArrayLike, dtype: DTypeLike, what: str = "") -> None:
     """``np.testing.assert_allclose`` with ``tolerance(dtype)``; infinities
     must match exactly, NaN must match NaN."""
     atol, rtol = tolerance(dtype)
-    actual = np.asarray(actual).astype(np.float64)
-    np.testing.assert_allclose(actual, np.asarray(expected, dtype=np.float64), atol=atol, rtol=rtol,
+    got = np.asarray(actual).astype(np.float64)
+    np.testing.assert_allclose(got, np.asarray(expected, dtype=np.float64), atol=atol, rtol=rtol,
                                equal_nan=True, err_msg=what)
 
 
@@ -92,15 +97,18 @@ def random_lengths(rng: np.random.Generator, sequences: int, max_len: int, page_
     return lens.astype(np.int32)
 
 
-def _q_lens(kv_lens: np.ndarray, q_lens) -> np.ndarray:
+def _q_lens(kv_lens: np.ndarray, q_lens: int | ArrayLike | None) -> np.ndarray:
     if q_lens is None:                       # decode: one new token per non-empty sequence
         q_lens = np.minimum(kv_lens, 1)
     elif np.isscalar(q_lens):
-        q_lens = np.minimum(kv_lens, int(q_lens))
+        q_lens = np.minimum(kv_lens, int(q_lens))  # type: ignore[arg-type]  # int() raises for a scalar it cannot take
     q_lens = np.asarray(q_lens, dtype=np.int32)
     if q_lens.shape != kv_lens.shape or np.any(q_lens < 0):     # q_lens > kv_lens: a non-causal-only case
         raise ValueError(f"q_lens: expected {kv_lens.shape} values >= 0, got {q_lens.tolist()}")
     return q_lens
+
+
+_Layout = TypeVar("_Layout", bound="PagedLayout")
 
 
 @dataclasses.dataclass
@@ -126,14 +134,14 @@ class PagedLayout:
     def num_queries(self) -> int:
         return int(self.q_lens.sum())
 
-    def map(self, fn):
+    def map(self: _Layout, fn: Callable[[np.ndarray], Any]) -> _Layout:
         """A copy with ``fn`` applied to every array field (e.g. ``cupy.asarray``)."""
         return dataclasses.replace(self, **{f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), np.ndarray)})
 
 
-def random_page_table(rng: np.random.Generator, lengths, page_size: int, num_pages: int, *, extra_cols: int = 0,
-                      unused_entry: int = -1, dtype=np.int64) -> np.ndarray:
+def random_page_table(rng: np.random.Generator, lengths: ArrayLike, page_size: int, num_pages: int, *,
+                      extra_cols: int = 0, unused_entry: int = -1, dtype: DTypeLike = np.int64) -> np.ndarray:
     """A page table [len(lengths), max pages + extra_cols] giving each
     sequence ceil(length / page_size) distinct pages, taken in order from a
     random permutation of 0..num_pages-1; ``unused_entry`` everywhere else."""
@@ -150,8 +158,9 @@ def random_page_table(rng: np.random.Generator, lengths, page_size: int, num_pag
     return table
 
 
-def make_layout(rng: np.random.Generator, kv_lens, q_lens=None, page_size: int = 16, extra_pages: int = 2,
-                extra_table_cols: int = 1, unused_entry: int = PAGE_SENTINEL) -> PagedLayout:
+def make_layout(rng: np.random.Generator, kv_lens: ArrayLike, q_lens: int | ArrayLike | None = None,
+                page_size: int = 16, extra_pages: int = 2, extra_table_cols: int = 1,
+                unused_entry: int = PAGE_SENTINEL) -> PagedLayout:
     """A random paged layout for ``kv_lens``.
 
     Pages are a random permutation of ``sum(ceil(kv_lens / page_size)) +
@@ -188,9 +197,10 @@ class PagedCase(PagedLayout):
     v_cache: [pages, page_size, Hkv, Dv] (NaN in every unused slot); scale.
     """
 
-    q: np.ndarray = None
-    k_cache: np.ndarray = None
-    v_cache: np.ndarray = None
+    # Set by make_paged_case; the None defaults only let them follow the layout's fields.
+    q: np.ndarray = None  # type: ignore[assignment]
+    k_cache: np.ndarray = None  # type: ignore[assignment]
+    v_cache: np.ndarray = None  # type: ignore[assignment]
     scale: float = 1.0
 
     def reference(self, causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -207,10 +217,11 @@ class MlaCase(PagedLayout):
     k_pos: [pages, page_size, 1, P] (NaN in every unused slot); scale.
     """
 
-    q: np.ndarray = None
-    q_pos: np.ndarray = None
-    latent: np.ndarray = None
-    k_pos: np.ndarray = None
+    # Set by make_mla_case; the None defaults only let them follow the layout's fields.
+    q: np.ndarray = None  # type: ignore[assignment]
+    q_pos: np.ndarray = None  # type: ignore[assignment]
+    latent: np.ndarray = None  # type: ignore[assignment]
+    k_pos: np.ndarray = None  # type: ignore[assignment]
     scale: float = 1.0
 
     def reference(self, causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -225,10 +236,11 @@ def _layout_args(rng, kv_lens, sequences, max_kv_len, page_size):
     return kv_lens
 
 
-def make_paged_case(rng: np.random.Generator, *, kv_lens=None, q_lens=None, sequences: int = 3,
+def make_paged_case(rng: np.random.Generator, *, kv_lens: ArrayLike | None = None,
+                    q_lens: int | ArrayLike | None = None, sequences: int = 3,
                     max_kv_len: int = 48, page_size: int = 16, num_q_heads: int = 4,
                     num_kv_heads: int | None = None, head_dim: int = 64, head_dim_v: int | None = None,
-                    dtype="f16", scale: float | None = None, extra_pages: int = 2,
+                    dtype: DTypeLike = "f16", scale: float | None = None, extra_pages: int = 2,
                     extra_table_cols: int = 1, unused_entry: int = PAGE_SENTINEL) -> PagedCase:
     """A random paged attention case (see the module docstring).
 
@@ -249,9 +261,10 @@ def make_paged_case(rng: np.random.Generator, *, kv_lens=None, q_lens=None, sequ
                      scale=float(head_dim ** -0.5 if scale is None else scale))
 
 
-def make_mla_case(rng: np.random.Generator, *, kv_lens=None, q_lens=None, sequences: int = 3,
+def make_mla_case(rng: np.random.Generator, *, kv_lens: ArrayLike | None = None,
+                  q_lens: int | ArrayLike | None = None, sequences: int = 3,
                   max_kv_len: int = 48, page_size: int = 16, num_heads: int = 4, latent_dim: int = 64,
-                  pos_dim: int = 16, dtype="bf16", scale: float | None = None, extra_pages: int = 2,
+                  pos_dim: int = 16, dtype: DTypeLike = "bf16", scale: float | None = None, extra_pages: int = 2,
                   extra_table_cols: int = 1, unused_entry: int = PAGE_SENTINEL) -> MlaCase:
     """A random paged MLA case; arguments as in ``make_paged_case``. scale
     defaults to 1/sqrt(latent_dim + pos_dim)."""

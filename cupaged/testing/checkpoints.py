@@ -10,11 +10,16 @@ the comparisons with transformers use its own ``save_pretrained``.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 #: NumPy dtype names -> safetensors dtype names.
 _ST_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
@@ -26,7 +31,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Q
                 "DeepseekV3ForCausalLM": "deepseek_v3"}
 
 
-def save_safetensors(path, tensors: dict, metadata: dict | None = None) -> Path:
+def save_safetensors(path: str | os.PathLike[str], tensors: dict, metadata: dict | None = None) -> Path:
     """Write ``tensors`` (name -> NumPy array) as a safetensors file: an
     8-byte little-endian header length, the JSON header (padded with spaces
     to 8 bytes), then each tensor's bytes in header order."""
@@ -50,7 +55,7 @@ def save_safetensors(path, tensors: dict, metadata: dict | None = None) -> Path:
     return path
 
 
-def save_raw_safetensors(path, header, data: bytes = b"") -> Path:
+def save_raw_safetensors(path: str | os.PathLike[str], header: dict | str | bytes, data: bytes = b"") -> Path:
     """Write a safetensors file with exactly this header (a dict, JSON-encoded
     as is, or the header's bytes / text) and ``data``: for broken files."""
     if isinstance(header, dict):
@@ -61,7 +66,7 @@ def save_raw_safetensors(path, header, data: bytes = b"") -> Path:
     return path
 
 
-def tiny_config(architecture: str = "LlamaForCausalLM", **overrides) -> dict:
+def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dict:
     """A small config.json dict of ``architecture`` (2 layers, hidden 64,
     vocab 256), with ``overrides`` applied."""
     cfg = {"architectures": [architecture], "model_type": _MODEL_TYPES.get(architecture, "llama"),
@@ -78,7 +83,7 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides) -> dict:
     return cfg
 
 
-def random_weights(config: dict, *, seed: int = 0, std: float = 0.2, dtype="float32") -> dict:
+def random_weights(config: dict, *, seed: int = 0, std: float = 0.2, dtype: DTypeLike = "float32") -> dict:
     """Random tensors (normal, ``std``; norm weights around 1) under the
     names and shapes transformers gives ``config``'s architecture."""
     rng = np.random.default_rng(seed)
@@ -145,8 +150,8 @@ def random_weights(config: dict, *, seed: int = 0, std: float = 0.2, dtype="floa
     return out
 
 
-def write_random_checkpoint(folder, architecture: str = "LlamaForCausalLM", *, seed: int = 0, std: float = 0.2,
-                            dtype="float32", **overrides) -> Path:
+def write_random_checkpoint(folder: str | os.PathLike[str], architecture: str = "LlamaForCausalLM", *, seed: int = 0,
+                            std: float = 0.2, dtype: DTypeLike = "float32", **overrides: Any) -> Path:
     """``folder`` (created) with ``tiny_config(architecture, **overrides)``
     as config.json and random weights as model.safetensors. Returns it."""
     folder = Path(folder)

@@ -110,6 +110,10 @@ class Arch:
         """(figure, value, source) rows for docs and ``perf_model --assumptions``."""
         if not self.modeled:
             return []
+        assert (self.hbm_nominal is not None and self.copy_bw is not None and self.latency_ns is not None
+                and self.l2_latency_ns is not None and self.l2_bw is not None and self.l2_bytes is not None
+                and self.mma_sync_flops is not None and self.tensor_ceiling is not None
+                and self.launch_us is not None), f"{self.name}: a modeled arch has every performance figure"
         rows = [
             ("SMs", f"{self.sms} ({self.device})", self.sources.get("sms", "")),
             ("clock", f"{self.clock_ghz:.2f} GHz", SOURCES["clock"]),
@@ -138,6 +142,7 @@ class Arch:
     def little_bytes_per_sm(self) -> float:
         """Bytes each SM must keep in flight to sustain ``copy_bw`` at
         ``latency_ns`` (Little's law)."""
+        assert self.copy_bw is not None and self.latency_ns is not None, f"{self.name}: not a modeled arch"
         return self.copy_bw * self.latency_ns * 1e-9 / self.sms
 
 

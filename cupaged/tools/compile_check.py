@@ -54,6 +54,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -175,9 +176,11 @@ def _process_pool(jobs: int) -> ProcessPoolExecutor:
     return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(method))
 
 
-def check(variants=None, archs=DEFAULT_ARCHS, *, filter: str | None = None, jobs: int = 1,
-          require_v4=(), max_stack: int | None = None, include_dir: str | None = None,
-          cache_dir: Path | None = None, keep_ptx: bool = False, launches=None,
+def check(variants: Iterable[tuple[str | Path, Mapping[str, object] | None]] | None = None,
+          archs: Iterable[str] = DEFAULT_ARCHS, *, filter: str | None = None, jobs: int = 1,
+          require_v4: Iterable[str] = (), max_stack: int | None = None, include_dir: str | None = None,
+          cache_dir: Path | None = None, keep_ptx: bool = False,
+          launches: Sequence[_launchcheck.Selected] | None = None,
           manifest: _manifest.Manifest | None = None) -> list[Result]:
     """Compile ``variants`` (``(stem or path, defines)`` pairs; default: every
     registered variant) for each of ``archs`` and return one Result per kernel
@@ -225,7 +228,8 @@ def check(variants=None, archs=DEFAULT_ARCHS, *, filter: str | None = None, jobs
 
     work = [(u, arch) for u in units for arch in _unit_archs(u[1], archs)]
 
-    keys, sampled = [None] * len(work), set()
+    keys: list[str | None] = [None] * len(work)
+    sampled: set[str] = set()
     if manifest is not None:
         keys = [_manifest.unit_key(text, _nvrtc.gate_options(arch, include_dir), include_dir)
                 for (_s, _d, _n, text, _k), arch in work]
@@ -233,13 +237,14 @@ def check(variants=None, archs=DEFAULT_ARCHS, *, filter: str | None = None, jobs
     compiled: list = [None] * len(work)
     todo = []
     for i, (((_s, _d, name, text, _k), arch), key) in enumerate(zip(work, keys)):
-        if key is not None and key in manifest.rows and key not in sampled and not keep_ptx:
+        if manifest is not None and key is not None and key in manifest.rows and key not in sampled \
+                and not keep_ptx:
             row = manifest.rows[key]
             compiled[i] = _Unit(row["ok"], "", row["wide"], 0.0, cached=True,
                                 reports=_manifest.row_reports(row))
         else:
-            fresh = key in sampled
-            todo.append((i, (text, arch, f"{name}.cu", include_dir, None if fresh else cache_dir, keep_ptx)))
+            recompile = key in sampled
+            todo.append((i, (text, arch, f"{name}.cu", include_dir, None if recompile else cache_dir, keep_ptx)))
     calls = [c for _, c in todo]
     if jobs > 1 and len(calls) > 1:
         with _process_pool(min(jobs, len(calls))) as pool:
@@ -257,6 +262,7 @@ def check(variants=None, archs=DEFAULT_ARCHS, *, filter: str | None = None, jobs
         reports = c.reports if c.reports is not None else (_nvrtc.parse_ptxas(c.log) if c.ok else {})
         unit_problems = []
         if manifest is not None:
+            assert key is not None   # every unit has a key when there is a manifest
             fresh = _manifest.unit_row(name, arch, c.ok, reports, c.wide)
             manifest.record(key, fresh, sampled=key in sampled)
             if key in sampled:
@@ -303,7 +309,7 @@ def _unit_archs(defines: dict, archs: tuple) -> tuple:
     return (target,) if any(re.sub(r"[af]$", "", a) == base for a in archs) else ()
 
 
-def unmatched(patterns, results: list[Result]) -> list[str]:
+def unmatched(patterns: Iterable[str], results: list[Result]) -> list[str]:
     """The ``--require-v4`` patterns that match no compiled kernel."""
     kernels = {r.kernel for r in results if r.compiled and r.is_entry}
     return [p for p in patterns if not any(p in k for k in kernels)]
@@ -315,7 +321,7 @@ def unmatched(patterns, results: list[Result]) -> list[str]:
 
 def format_table(results: list[Result]) -> str:
     head = ("variant", "kernel", "arch", "regs", "spill st", "spill ld", "stack", "smem", "v4", "ms", "status")
-    rows = []
+    rows: list[tuple[str, ...] | None] = []
     prev = None
     for r in results:
         if prev is not None and r.kernel != prev:
@@ -377,7 +383,7 @@ def _parse_define(s: str) -> tuple[str, str]:
     return name, (val if _ else "1")
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cupaged.tools.compile_check",
                                 description="Compile every cupaged kernel variant with NVRTC (no GPU needed); "
                                             "fail on compile errors and register spills.")
@@ -459,6 +465,7 @@ def main(argv=None) -> int:
                     manifest=manifest)
     wall = time.perf_counter() - t0
     if args.update_manifest:
+        assert manifest is not None   # --update-manifest uses the manifest
         _manifest.write(manifest.rows_now())
     summary = summarize(results, wall, args.jobs)
     missing = unmatched(args.require_v4, results)

@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,7 +30,9 @@ import numpy as np
 from .. import dtypes
 from .._runtime import cpu_arch_override, get_kernel
 from .._runtime import source as _source
+from .._runtime.cpu import CpuModule
 from ..ops.attention import plan_launches
+from ..ops.attention.schedule import Launch
 from ..plan import HostPlan
 
 NAMES_FALLBACK = ("mma_16816", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16", "cp_async_16_zero")
@@ -45,12 +48,12 @@ MMA_FLOP = 2 * 16 * 8 * 16
 WGMMA_NAMES = ("wgmma", "wgmma_flop", "wgmma_smem_bytes")
 
 
-def _lib(module) -> ctypes.CDLL:
+def _lib(module: CpuModule) -> ctypes.CDLL:
     # The module's own handle (dlopen of the same path returns it).
     return ctypes.CDLL(str(module.path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
 
 
-def names(module, which: str = "ptx") -> tuple[str, ...] | None:
+def names(module: CpuModule, which: str = "ptx") -> tuple[str, ...] | None:
     """Counter names of a CPU module (``which``: "ptx", the mma / ldmatrix /
     cp.async block; "wgmma"; "marker", the cold-path marker), or None when
     it has no such counters."""
@@ -63,7 +66,7 @@ def names(module, which: str = "ptx") -> tuple[str, ...] | None:
     return tuple(fn().decode().split(","))
 
 
-def _arrays(module):
+def _arrays(module: CpuModule):
     lib = _lib(module)
     out = []
     for which in ("ptx", "wgmma", "marker"):
@@ -76,7 +79,7 @@ def _arrays(module):
     return out
 
 
-def read(module) -> dict | None:
+def read(module: CpuModule) -> dict | None:
     """``{name: count}`` of a CPU module's mma / ldmatrix / cp.async
     counters (ptx.cuh), None without them."""
     arrays = _arrays(module)
@@ -86,7 +89,7 @@ def read(module) -> dict | None:
     return {k: int(v) for k, v in zip(n, arr)}
 
 
-def read_all(module) -> dict | None:
+def read_all(module: CpuModule) -> dict | None:
     """``read`` plus the wgmma and cold-path marker counters of ptx.cuh's
     sm_90a and marker blocks, None without any."""
     arrays = _arrays(module)
@@ -95,7 +98,7 @@ def read_all(module) -> dict | None:
     return {k: int(v) for n, arr in arrays for k, v in zip(n, arr)}
 
 
-def reset(module) -> None:
+def reset(module: CpuModule) -> None:
     for n, arr in _arrays(module):
         for i in range(len(n)):
             arr[i] = 0
@@ -170,8 +173,9 @@ def _run(host, np_dtype, hq, hkv, d, dv, rot, seed=0, kv_dtype: str | None = Non
                        **({} if kv_dtype is None else {"kv_dtype": kv_dtype}))
 
 
-def probe(launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, page_size: int,
-          lengths=(256, 512), use_cache: bool = True, arch: str | None = None, kv_dtype: str | None = None) -> Probe:
+def probe(launch: Launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, page_size: int,
+          lengths: Sequence[int] = (256, 512), use_cache: bool = True, arch: str | None = None,
+          kv_dtype: str | None = None) -> Probe:
     """Counts per block of ``launch`` (a ``plan_launches`` record of the
     modeled shape, for ``arch``): one sequence with the launch's queries per
     block, one KV head with its whole group (``hq // hkv`` query heads),
@@ -213,7 +217,9 @@ def probe(launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, p
         reset(mod)
         with (cpu_arch_override(arch) if arch else contextlib.nullcontext()):
             _run(host, np_dtype, group, 1, d, dv, rot, kv_dtype=kv_dtype)
-        counts.append(read_all(mod))
+        found = read_all(mod)
+        assert found is not None   # read(mod) found its counters
+        counts.append(found)
     else:
         result = None
     if result is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
 from .. import layout
 from .._runtime.source import kernel_dir
@@ -31,7 +32,7 @@ def stale() -> list[str]:
             if not (kernel_dir() / rel).is_file() or (kernel_dir() / rel).read_text() != gen()]
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cupaged.tools.gen_headers", description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="only report stale headers (exit 1 if any)")
     args = p.parse_args(argv)

@@ -16,7 +16,9 @@ CUDA-core MLA kernel on sm_86 / sm_89, the wgmma MLA build on sm_90).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +28,9 @@ from .._runtime import source as _source
 from ..ops.attention import plan_launches
 from ..plan import HostPlan
 from . import archs as _archs
+
+if TYPE_CHECKING:   # compile_check imports this module
+    from .compile_check import Result
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,7 @@ def selected_launches(arch: str | None = None) -> list[Selected]:
     (the largest dynamic shared memory and block seen per variant and
     kernel). ``arch`` is passed on when ``plan_launches`` takes it."""
     takes_arch = "arch" in inspect.signature(plan_launches).parameters
-    kw = {"arch": arch} if (takes_arch and arch) else {}
+    kw: dict[str, Any] = {"arch": arch} if (takes_arch and arch) else {}
     dims, mla, dts = _probe_dims()
     steps = [("decode", _host(4, 64, 1)), ("prefill", _host(1, 128, 64))]
     probes = []
@@ -98,7 +103,8 @@ def selected_launches(arch: str | None = None) -> list[Selected]:
     return sorted(found.values(), key=lambda s: (s.kernel, s.variant))
 
 
-def arch_problems(results, archs, selected=None) -> list[tuple]:
+def arch_problems(results: Sequence[Result], archs: Iterable[str], selected: Iterable[Selected] | None = None
+                  ) -> list[tuple[Result, list[str]]]:
     """``(result, problems)`` for every compiled kernel row of the gate
     (``results``) that is a selected launch (``selected``: default
     ``selected_launches()``) and cannot launch on its arch."""
@@ -126,7 +132,9 @@ def arch_problems(results, archs, selected=None) -> list[tuple]:
     return out
 
 
-def arch_warnings(results, compiled_archs, warn_archs=_archs.WARN_ARCHS, selected=None) -> list[str]:
+def arch_warnings(results: Sequence[Result], compiled_archs: Container[str],
+                  warn_archs: Iterable[str] = _archs.WARN_ARCHS,
+                  selected: Iterable[Selected] | None = None) -> list[str]:
     """For archs the gate did not compile (sm_86 / sm_89 by default): the
     selected launches that could not launch there, judged with the static
     shared memory and registers of the closest compiled arch (sm_80 first)."""

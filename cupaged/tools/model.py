@@ -41,6 +41,7 @@ import json
 import math
 import os
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,8 @@ import numpy as np
 
 from .._runtime import nvrtc as _nvrtc
 from .._runtime import source as _source
+from ..ops.attention.schedule import Launch
+from ..plan import HostPlan
 from . import archs as _archs
 from . import counters as _counters
 from . import kernels as _kernels
@@ -270,8 +273,8 @@ def split_chunk(visible: int, splits: int, tile: int = 16) -> int:
     return -(-c // tile) * tile
 
 
-def attention_blocks(launch, host, *, hkv: int, hq: int, d: int, dv: int, rot: int, itemsize: int, splits: int,
-                     causal: bool, x_reversed: bool) -> list[Block]:
+def attention_blocks(launch: Launch, host: HostPlan, *, hkv: int, hq: int, d: int, dv: int, rot: int, itemsize: int,
+                     splits: int, causal: bool, x_reversed: bool) -> list[Block]:
     """Every block of ``launch`` in launch order (x fastest, then y, then z =
     split): x = query block and y = KV head x tiles + tile, or with
     ``launch.tiles_in_x`` x = query block x tiles + tile and y = KV head (the
@@ -359,7 +362,8 @@ def _waterfill(rho: np.ndarray, demand: np.ndarray) -> tuple[np.ndarray, np.ndar
     return np.minimum(rho, cap), limited
 
 
-def simulate(blocks: list[Block], demands: dict, arch: _archs.Arch, per_sm: int, hbm_demand_fn) -> Sim:
+def simulate(blocks: list[Block], demands: dict, arch: _archs.Arch, per_sm: int,
+             hbm_demand_fn: Callable[..., float]) -> Sim:
     """Run the fluid model (module doc). ``demands``: resource -> array of
     seconds each block needs alone on an idle SM ("issue", "tensor",
     "smem"), alone on the machine ("L2") or by itself ("latency"); HBM
@@ -370,6 +374,8 @@ def simulate(blocks: list[Block], demands: dict, arch: _archs.Arch, per_sm: int,
     slots = max(1, per_sm) * sms
     if n == 0:
         return Sim(0.0, {}, 0.0, 0.0, 0.0, 0.0)
+    copy_bw = arch.copy_bw
+    assert copy_bw is not None and arch.l2_bw is not None, f"{arch.name}: not a modeled arch"
     sm_res = [r for r in ("issue", "tensor", "smem") if r in demands]
     lat = demands.get("latency", np.zeros(n))
     l2 = demands.get("L2", np.zeros(n))
@@ -387,7 +393,7 @@ def simulate(blocks: list[Block], demands: dict, arch: _archs.Arch, per_sm: int,
         b = blocks[i]
         by = hbm_demand_fn(i, key_active, loaded)
         hbm_bytes += by
-        hbm[i] = by / arch.copy_bw
+        hbm[i] = by / copy_bw
         for k, _ in b.keys:
             key_active[k] += 1
         sm_of[i] = sm
@@ -493,10 +499,13 @@ class LaunchModel:
 
 def model_launch(arch: _archs.Arch, facts: KernelFacts, desc: _kernels.KernelDesc, *, grid: tuple, threads: int,
                  dynamic_smem: int, blocks: list[Block], kv_bytes_per_token: float, probe: _counters.Probe | None,
-                 latency_ns: float, fits_l2: bool, kv_in_l2: bool = False, extra_notes=()) -> LaunchModel:
+                 latency_ns: float, fits_l2: bool, kv_in_l2: bool = False,
+                 extra_notes: Iterable[str] = ()) -> LaunchModel:
     """Model one launch (module doc). ``fits_l2``: the launch's K/V fits
     in half the L2, so a range read once is an L2 hit afterwards;
     ``kv_in_l2``: the data is already in L2 (the merge's partials)."""
+    assert (arch.clock_ghz is not None and arch.copy_bw is not None and arch.l2_bw is not None
+            and arch.mma_sync_flops is not None), f"{arch.name}: not a modeled arch"
     notes = list(extra_notes)
     if not desc.known:
         notes.append(f"{facts.kernel} is not in cupaged/tools/kernels.py: modeled as '{desc.loads}'")
@@ -588,7 +597,7 @@ def model_launch(arch: _archs.Arch, facts: KernelFacts, desc: _kernels.KernelDes
         notes.append("launch-bound: below the per-launch floor")
         sim.bound_share = {"launch": 1.0}
         time_s = arch.launch_us * 1e-6
-    binding = max(sim.bound_share, key=sim.bound_share.get) if sim.bound_share else "-"
+    binding = max(sim.bound_share, key=lambda r: sim.bound_share[r]) if sim.bound_share else "-"
     slots = max(1, occ.blocks_per_sm) * arch.sms
     bounds = {"HBM": sim.hbm_bytes / arch.copy_bw, "L2": float((kvb + io).sum()) / arch.l2_bw}
     for r in ("issue", "tensor", "smem"):

@@ -30,6 +30,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from ..errors import PagedAttentionError
 from ..graph import capture_graph
 from ..ops.advance import advance_plan
 from ..ops.attention import plan_launches
-from ..ops.attention.variants import MERGE, MERGE_HEADS_PER_BLOCK, merge_defines
+from ..ops.attention.kernels.merge import MERGE, MERGE_HEADS_PER_BLOCK, merge_defines
 from ..ops.sampling import argmax_into
 from ..plan import HostPlan, choose_splits
 from . import archs as _archs
@@ -153,6 +154,7 @@ def _launch_models(shape: Shape, arch: _archs.Arch, host, token: str, kv: str, *
                    splits: int | None = None) -> tuple[int, list]:
     """Models of the launches of ``shape`` (q / out dtype ``token``, caches
     ``kv``: ``token`` itself, or an fp8 format)."""
+    assert arch.latency_ns is not None and arch.l2_latency_ns is not None, f"{arch.name}: not a modeled arch"
     itemsize = dtypes.row("dtype", kv, kv=True).itemsize
     kv_arg = None if kv == token else kv
     if splits is None:
@@ -209,7 +211,7 @@ def _launch_models(shape: Shape, arch: _archs.Arch, host, token: str, kv: str, *
     return splits, out
 
 
-def binding_text(lm) -> str:
+def binding_text(lm: _model.LaunchModel) -> str:
     """The binding bound of a launch, with the others that limited it for
     at least 15% of the time: "HBM 56%, latency 44%"."""
     share = sorted(lm.bound_share.items(), key=lambda kv: -kv[1])
@@ -221,6 +223,7 @@ def binding_text(lm) -> str:
 
 
 def _attention_row(shape: Shape, arch: _archs.Arch, use_cache: bool, probes: bool) -> Row:
+    assert arch.copy_bw is not None and arch.tensor_ceiling is not None, f"{arch.name}: not a modeled arch"
     row = Row(shape, arch.name)
     token = shape.dtype
     kv = shape.kv_dtype or token
@@ -292,6 +295,7 @@ def _step_ops(batch: int, ctx: int, layers: int, model_cfg: tuple = ()) -> tuple
 
 
 def _loop_row(shape: Shape, arch: _archs.Arch, use_cache: bool, probes: bool) -> Row:
+    assert arch.copy_bw is not None and arch.launch_us is not None, f"{arch.name}: not a modeled arch"
     row = _attention_row(shape, arch, use_cache, probes)
     if row.status != "ok":
         return row
@@ -328,7 +332,8 @@ def model_shape(shape: Shape, arch: str = "sm_90", *, use_cache: bool = True, pr
         _attention_row(shape, a, use_cache, probes)
 
 
-def build_rows(arch: str = "sm_90", names=None, *, use_cache: bool = True, probes: bool = True) -> list[Row]:
+def build_rows(arch: str = "sm_90", names: Container[str] | None = None, *, use_cache: bool = True,
+               probes: bool = True) -> list[Row]:
     return [model_shape(s, arch, use_cache=use_cache, probes=probes) for s in SHAPES
             if not names or s.name in names]
 
@@ -369,7 +374,7 @@ def _table(head, rows) -> str:
 
 def summary_table(rows: list[Row]) -> str:
     head = ("shape", "modeled time", "modeled figure", "binding (modeled)", "splits", "HBM moved/must (modeled)")
-    body = []
+    body: list[tuple] = []
     for r in rows:
         if r.status != "ok":
             body.append((r.shape.name, "-", f"{r.status}: {r.reason}", "-", "-", "-"))
@@ -419,7 +424,7 @@ def hot_loop_table(rows: list[Row]) -> str:
                 continue
             seen.add((lm.variant, lm.kernel))
             per = {k: 4096 * v for k, v in h["classes_per_kv_byte"].items()}
-            named = set()
+            named: set[str] = set()
             cells = []
             for _, cls in _HOT_COLS:
                 if cls is None:
@@ -471,7 +476,7 @@ def markdown(rows: list[Row], arch: str) -> str:
     return "\n".join(out)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cupaged.tools.perf_model",
                                 description="Performance model of the cupaged kernels at the benchmark shapes; "
                                             "every figure is modeled (no GPU).")

@@ -104,7 +104,11 @@ def disassemble(cubin: bytes) -> str:
     with tempfile.TemporaryDirectory(prefix="cupaged-sass-") as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
-        cmd = [nvd, "-c", str(path)] if nvd else [cuo, "-sass", str(path)]
+        if nvd:
+            cmd = [nvd, "-c", str(path)]
+        else:
+            assert cuo is not None   # one of the two was found (checked above)
+            cmd = [cuo, "-sass", str(path)]
         r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0 or not r.stdout.strip():
         raise RuntimeError(f"{' '.join(cmd[:2])} failed (exit {r.returncode}): {r.stderr.strip()[:500]}")
