@@ -280,8 +280,11 @@ def _step_ops(batch: int, ctx: int, layers: int, model_cfg: tuple = ()) -> tuple
     per = -(-ctx // ps) + 1
     pages = batch * per
     model = tiny.TinyModel(cfg, w, like, dtype=np.float32, num_pages=pages, page_size=ps, max_rows=batch)
-    table = np.arange(pages, dtype=np.int64).reshape(batch, per)
-    plan = HostPlan.build(table, [ctx] * batch, [1] * batch, ps, pages).upload(like)
+    # the decode step's plan from the model's own cache (its forward appends
+    # through it): ctx - 1 tokens taken, then the step's one
+    seqs = [model.cache.add_sequence() for _ in range(batch)]
+    model.cache.prepare(seqs, ctx - 1)
+    plan, _ = model.cache.prepare(seqs, 1)
     tokens = np.zeros(batch, np.int64)
     logits = np.zeros((batch, cfg.vocab), np.float32)
     nxt = np.zeros(batch, np.int64)
