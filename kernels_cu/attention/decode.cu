@@ -34,7 +34,8 @@
 //   With splits > 1, split z covers positions [z*c, min(L, (z+1)*c)) with
 //   c = ceil(L / splits) rounded up to CP_SPLIT_TILE (span.cuh), and writes
 //   FP32 partials (an empty split writes out 0 and lse -inf);
-//   attention_split_merge combines them.
+//   attention_split_merge combines them. The rows are written by
+//   epilogue.cuh's writer (the sink, the V scale, out and lse or a partial).
 //
 // K, V and k_rot rows are addressed through the cache strides of
 // AttentionParams (page, slot, head; any view whose innermost dim is
@@ -72,6 +73,7 @@
 #include "params.cuh"
 #include "variant.cuh"
 #include "span.cuh"
+#include "epilogue.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 0
@@ -124,7 +126,7 @@ static_assert(kHeads >= 1 && kHeads <= 8, "GROUP_TILE in 1..8");
 static_assert(kStep <= kSplitTile * 8, "block step");
 // A lane's slice of q lines up with its slice of the K row: one chunk of
 // kVec elements for both, so a q (and out) chunk is kQParts 16-byte parts
-// (two for 16-bit q over an fp8 cache).
+// (two for 16-bit q over an fp8 cache; epi::store_values writes out's).
 static_assert(sizeof(kv_t) == sizeof(scalar_t) || (kKvScaled && sizeof(scalar_t) == 2),
               "q and K/V elements of one size, or 16-bit q over an fp8 cache");
 constexpr u32 kQParts = VEC_LOADS ? kVec * (u32)sizeof(scalar_t) / 16u : 1u;
@@ -141,7 +143,7 @@ typedef scalar_t q_chunk_t;
 typedef kv_t kv_chunk_t;
 #endif
 
-// A q chunk at p (16-byte aligned with VEC_LOADS), and an out chunk to p.
+// A q chunk at p (16-byte aligned with VEC_LOADS).
 __device__ __forceinline__ q_chunk_t load_q(const scalar_t* p) {
 #if VEC_LOADS
     q_chunk_t c;
@@ -150,14 +152,6 @@ __device__ __forceinline__ q_chunk_t load_q(const scalar_t* p) {
     return c;
 #else
     return ldv(p);
-#endif
-}
-__device__ __forceinline__ void store_out(scalar_t* p, const q_chunk_t& c) {
-#if VEC_LOADS
-#pragma unroll
-    for (u32 i = 0; i < kQParts; ++i) stv(reinterpret_cast<uint4*>(p) + i, c.part[i]);
-#else
-    stv(p, c);
 #endif
 }
 
@@ -197,15 +191,6 @@ __device__ __forceinline__ void unpack_kv(const kv_chunk_t& c, float* f) {
     for (u32 i = 0; i < kVec; ++i) f[i] = kv_to_float(e[i]);
 }
 
-// kVec outputs as a chunk of scalar_t.
-__device__ __forceinline__ q_chunk_t pack(const float* f) {
-    q_chunk_t c;
-    scalar_t* e = reinterpret_cast<scalar_t*>(&c);
-#pragma unroll
-    for (u32 i = 0; i < kVec; ++i) e[i] = from_float<scalar_t>(f[i]);
-    return c;
-}
-
 }  // namespace att
 
 // Reads p.q, p.k_cache, p.v_cache (p.q_rot, p.k_rot when ROT_CAP) and the
@@ -219,16 +204,7 @@ __device__ __forceinline__ q_chunk_t pack(const float* f) {
 // more.
 extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const AttentionParams p) {
     using namespace att;
-    // The arrays as __restrict__ locals (NVVM keeps restrict on these, not on
-    // struct members: read-only loads stay ld.global.nc).
-    const scalar_t* __restrict__ const q = p.q;
-    const kv_t* __restrict__ const k_cache = p.k_cache;
-    const kv_t* __restrict__ const v_cache = p.v_cache;
-    const u32* __restrict__ const words = p.words;
-    scalar_t* __restrict__ const out = p.out;
-    float* __restrict__ const lse = p.lse;
-    float* __restrict__ const part_out = p.part_out;
-    float* __restrict__ const part_lse = p.part_lse;
+    CP_ATTENTION_ARRAYS(p);   // the arrays as __restrict__ locals (epilogue.cuh)
     __shared__ float s_m[kWarps][kHeads];
     __shared__ float s_l[kWarps][kHeads];
     __shared__ __align__(16) float s_acc[kWarps][kHeads][kCap];
@@ -289,8 +265,6 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
         }
     }
 #if ROT_CAP
-    const scalar_t* __restrict__ const q_rot = p.q_rot;
-    const kv_t* __restrict__ const k_rot = p.k_rot;
     const u32 rot_dim = p.rot_dim;
     float qrs = qscale;
     if constexpr (kKvScaled) qrs *= v_sc;
@@ -513,34 +487,20 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
             total += s_l[w][g] * wt[w];
         }
         softmax::State all = softmax::make_state(mx, total);
-        float inv = all.inv_sum();
-        if constexpr (variant::kSinks) {
-            if (!split) {   // the head's sink, once (split partials leave it to the merge)
-                const float a = variant::fold_sink(all, sc.sink2(head0 + g));
-                inv = all.inv_sum() * a;
-            }
-        }
-        if constexpr (kKvScaled) inv *= ROT_CAP ? k_sc : v_sc;   // V's scale (the latent's with ROT_CAP)
+        const u32 h = head0 + g;
+        // The head's sink (not in a split partial) and V's scale (the latent's with ROT_CAP).
+        const float inv = epi::finish(all, sc, h, split, ROT_CAP ? k_sc : v_sc);
         float o[kVec];
 #pragma unroll
         for (u32 i = 0; i < kVec; ++i) {
             float a = 0.0f;
 #pragma unroll
             for (u32 w = 0; w < kWarps; ++w) a = fmaf(s_acc[w][g][e0 + i], wt[w], a);
-            o[i] = a * inv;
+            o[i] = a;
         }
-        const float lse_v = all.lse();   // natural log; -inf when the query (or split) sees nothing
-        const u32 h = head0 + g;
-        if (split) {
-            const u64 row_out = ((u64)blockIdx.z * p.queries + qi) * p.q_heads + h;
-            float* po = part_out + row_out * Dv + e0;
-#pragma unroll
-            for (u32 i = 0; i < kVec; ++i) po[i] = o[i];
-            if (chunk == 0) part_lse[row_out] = lse_v;
-        } else {
-            const u64 row_out = (u64)qi * p.q_heads + h;
-            store_out(out + row_out * Dv + e0, pack(o));
-            if (chunk == 0 && p.write_lse) lse[row_out] = lse_v;
-        }
+        const epi::Row r = epi::row_of(p, (u64)qi * p.q_heads + h, split);
+        epi::store_values(out, part_out, r.dst * Dv + e0, split, o, inv);
+        // natural log; -inf when the query (or split) sees nothing
+        if (chunk == 0) epi::store_lse(lse, part_lse, p.write_lse, r, split, all.lse());
     }
 }

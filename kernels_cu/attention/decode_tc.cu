@@ -54,7 +54,8 @@
 //     output). A NaN query gives NaN rows, as the reference does.
 //   At the end the two warps' states and O tiles meet in shared memory (the
 //   ring, reused) and each (head, 8 values) is written once: out / lse, or
-//   with splits > 1 the FP32 partials attention_split_merge combines.
+//   with splits > 1 the FP32 partials attention_split_merge combines
+//   (epilogue.cuh's row writer: the sink, the V scale, the stores).
 //
 // Memory traffic per block: the visible K and V rows of its split once,
 // L * 2 * D * sizeof(kv_t) bytes, for all its heads; q and the outputs are
@@ -79,6 +80,7 @@
 #include "variant.cuh"
 #include "span.cuh"
 #include "tc_common.cuh"
+#include "epilogue.cuh"
 
 namespace dtc {
 constexpr u32 kD = HEAD_DIM;
@@ -133,16 +135,7 @@ static_assert(sizeof(scalar_t) == 2 && (kFp8 || sizeof(kv_t) == 2), "f16 / bf16 
 // (splits == 1) or the partials (splits > 1).
 extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) paged_decode_tc(const AttentionParams p) {
     using namespace dtc;
-    // The arrays as __restrict__ locals (NVVM keeps restrict on these, not on
-    // struct members).
-    const scalar_t* __restrict__ const q = p.q;
-    const kv_t* __restrict__ const k_cache = p.k_cache;
-    const kv_t* __restrict__ const v_cache = p.v_cache;
-    const u32* __restrict__ const words = p.words;
-    scalar_t* __restrict__ const out = p.out;
-    float* __restrict__ const lse = p.lse;
-    float* __restrict__ const part_out = p.part_out;
-    float* __restrict__ const part_lse = p.part_lse;
+    CP_ATTENTION_ARRAYS(p);   // the arrays as __restrict__ locals (epilogue.cuh)
     CUPAGED_DYNAMIC_SHARED(scalar_t, smem);  // kWarps rings of two stages
     __shared__ u64 s_koff[kWarps][2][kN];  // element offset of each staged token's K row (0 when invalid)
     __shared__ u64 s_voff[kWarps][2][kN];  // and of its V row
@@ -450,15 +443,9 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
             total += ws[kRows + r] * wt[w];
         }
         softmax::State all = softmax::make_state(mx, total);
-        float inv = all.inv_sum();
-        if constexpr (variant::kSinks) {
-            if (!split) {  // the head's sink, once (split partials leave it to the merge)
-                const float a = variant::fold_sink(all, sc.sink2(head0 + r));
-                inv = all.inv_sum() * a;
-            }
-        }
-        if constexpr (kFp8)
-            if (p.v_scale) inv *= p.v_scale[kvh * p.v_scale_stride];  // the cache's V scale (null: 1)
+        const u32 h = head0 + r;
+        // The head's sink (not in a split partial) and the cache's V scale (fp8).
+        const float inv = epi::finish(all, sc, h, split, epi::v_scale(p, kvh));
         float v[8];
 #pragma unroll
         for (u32 i = 0; i < 8; ++i) v[i] = 0.0f;
@@ -466,23 +453,9 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
         for (u32 w = 0; w < kWarps; ++w)
 #pragma unroll
             for (u32 i = 0; i < 8; ++i) v[i] = fmaf(w0[w * kWarpElems / 2 + r * kD + e0 + i], wt[w], v[i]);
-        const u32 h = head0 + r;
-        const float lse_v = all.lse();  // natural log; -inf when the query (or split) sees nothing
-        if (split) {
-            const u64 row_out = ((u64)blockIdx.z * p.queries + qi) * q_heads + h;
-            float* po = part_out + row_out * kD + e0;
-#pragma unroll
-            for (u32 i = 0; i < 8; ++i) po[i] = v[i] * inv;
-            if (e0 == 0) part_lse[row_out] = lse_v;
-        } else {
-            const u64 row_out = (u64)qi * q_heads + h;
-            uint4 packed;
-            packed.x = ptx::pack2<scalar_t>(v[0] * inv, v[1] * inv);
-            packed.y = ptx::pack2<scalar_t>(v[2] * inv, v[3] * inv);
-            packed.z = ptx::pack2<scalar_t>(v[4] * inv, v[5] * inv);
-            packed.w = ptx::pack2<scalar_t>(v[6] * inv, v[7] * inv);
-            stv(reinterpret_cast<uint4*>(out + row_out * kD + e0), packed);
-            if (e0 == 0 && p.write_lse) lse[row_out] = lse_v;
-        }
+        const epi::Row row = epi::row_of(p, (u64)qi * q_heads + h, split);
+        epi::store_values(out, part_out, row.dst * kD + e0, split, v, inv);
+        // natural log; -inf when the query (or split) sees nothing
+        if (e0 == 0) epi::store_lse(lse, part_lse, p.write_lse, row, split, all.lse());
     }
 }

@@ -10,7 +10,7 @@
 // lse = log(sum_z exp(lse_z)), out = sum_z exp(lse_z - lse) * out_z; a split
 // with lse -inf adds nothing; all empty gives out 0, lse -inf; a NaN partial
 // gives NaN. With CP_SINKS the partials leave the head's sink out and the
-// merge folds it in once (variant::fold_sink): lse = log(exp(sink) +
+// merge folds it in once (epi::normalize, epilogue.cuh): lse = log(exp(sink) +
 // sum_z exp(lse_z)), out scaled to match; all empty then gives out 0, lse =
 // the sink.
 //
@@ -30,6 +30,7 @@
 #include "../softmax_state.cuh"
 #include "span.cuh"
 #include "variant.cuh"
+#include "epilogue.cuh"
 
 namespace merge {
 constexpr u32 kThreads = 128;
@@ -96,13 +97,7 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
     if (G == 1) {   // every thread: chunks tid, tid + 128, ... over all splits
         for (u32 c = c0; c < C; c += kThreads) {
             sum_splits<W>(part_out, part_lse, stride, rowi, value_dim, nsplit, 0u, 1u, c, st, acc);
-            float inv;
-            if constexpr (variant::kSinks) {
-                const float a = variant::fold_sink(st, sink);
-                inv = st.inv_sum() * a;
-            } else {
-                inv = st.inv_sum();
-            }
+            const float inv = epi::normalize(st, sink);   // the head's sink, once (CP_SINKS)
 #pragma unroll
             for (u32 i = 0; i < W; ++i)
                 if (c * W + i < value_dim) out[rowi * value_dim + c * W + i] = from_float<scalar_t>(acc[i] * inv);
@@ -133,13 +128,7 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
             for (u32 i = 0; i < W; ++i) o[i] = fmaf(w, s_acc[(k * C + tid) * W + i], o[i]);
         }
         softmax::State all = softmax::make_state(mx, total);
-        float inv;
-        if constexpr (variant::kSinks) {
-            const float a = variant::fold_sink(all, sink);
-            inv = all.inv_sum() * a;
-        } else {
-            inv = all.inv_sum();
-        }
+        const float inv = epi::normalize(all, sink);   // the head's sink, once (CP_SINKS)
 #pragma unroll
         for (u32 i = 0; i < W; ++i)
             if (tid * W + i < value_dim) out[rowi * value_dim + tid * W + i] = from_float<scalar_t>(o[i] * inv);

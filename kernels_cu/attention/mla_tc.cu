@@ -34,7 +34,8 @@
 //   splits R across warps the same way), rescaling its O rows with the
 //   maxima every warp derives identically (softmax_state.cuh). O: 64 x 64
 //   f32 per warp, 128 registers a lane. Tiles are double-buffered with
-//   cp.async (tc::run_ring, two buffers).
+//   cp.async (tc::run_ring, two buffers). Finished rows: epilogue.cuh's
+//   writer (the sink, the latent's scale, out and lse or a split partial).
 //   A valid token a stored row cannot see contributes nothing, also when its
 //   latent row holds Inf or NaN: a tile where some stored row misses a valid
 //   token runs its P V k-step by k-step (tc::pv_step: a 16-column slice with
@@ -59,6 +60,7 @@
 #include "variant.cuh"
 #include "span.cuh"
 #include "tc_common.cuh"
+#include "epilogue.cuh"
 
 namespace tcm {
 constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM, kK = kR + kP;
@@ -87,17 +89,7 @@ static_assert(sizeof(scalar_t) == 2 && (sizeof(kv_t) == sizeof(scalar_t) || kKvS
 }  // namespace tcm
 
 extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const AttentionParams p) {
-    // The arrays as __restrict__ locals (NVVM keeps restrict on these, not on
-    // struct members: read-only loads stay ld.global.nc).
-    const scalar_t* __restrict__ const q = p.q;
-    const scalar_t* __restrict__ const q_rot = p.q_rot;
-    const kv_t* __restrict__ const k_cache = p.k_cache;
-    const kv_t* __restrict__ const k_rot = p.k_rot;
-    const u32* __restrict__ const words = p.words;
-    scalar_t* __restrict__ const out = p.out;
-    float* __restrict__ const lse = p.lse;
-    float* __restrict__ const part_out = p.part_out;
-    float* __restrict__ const part_lse = p.part_lse;
+    CP_ATTENTION_ARRAYS(p);   // the arrays as __restrict__ locals (epilogue.cuh)
     using namespace tcm;
     using tc::kNone;
     using tc::kRows;
@@ -384,24 +376,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
         for (u32 h = 0; h < 2; ++h) {
             const u32 r = mt * 16 + g + 8 * h, slot = r / ht, hl = r - slot * ht;
             if (!(slot < qt && q0 + slot < q_end && hl < heads)) continue;
-            const u64 row = (q0 + slot) * q_heads + head0 + hl;
-            const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
-            float inv = so[mt][h].inv_sum();
-            if constexpr (variant::kSinks) {
-                if (!split) {   // the head's sink, once (split partials leave it to the merge)
-                    const float a = variant::fold_sink(so[mt][h], sc.sink2(head0 + hl));
-                    inv = so[mt][h].inv_sum() * a;
-                }
-            }
-            if constexpr (kKvScaled) inv *= ks;   // V is the latent: its codes times k_scale
+            const epi::Row row = epi::row_of(p, (q0 + slot) * q_heads + head0 + hl, split);
+            // The head's sink (not in a split partial); V is the latent: its codes times k_scale (fp8).
+            const float inv = epi::finish(so[mt][h], sc, head0 + hl, split, ks);
 #pragma unroll
             for (u32 n = 0; n < kOTiles; ++n)
-                tc::store_pair(out, part_out, row_out * kR + c0 + n * 8 + 2 * tq, split, o[mt][n][2 * h] * inv,
-                               o[mt][n][2 * h + 1] * inv);
-            if (warp == 0 && tq == 0) {
-                const float lse_v = so[mt][h].lse();
-                if (split) part_lse[row_out] = lse_v;
-                else if (p.write_lse) lse[row] = lse_v;
-            }
+                epi::store_pair(out, part_out, row.dst * kR + c0 + n * 8 + 2 * tq, split, o[mt][n][2 * h] * inv,
+                                o[mt][n][2 * h + 1] * inv);
+            if (warp == 0 && tq == 0) epi::store_lse(lse, part_lse, p.write_lse, row, split, so[mt][h].lse());
         }
 }

@@ -41,6 +41,8 @@
 //        rows (128 f32 registers a thread): 4 wgmma m64n256k16, two with its
 //        own P from registers, two with the other half of P from sP; V is the
 //        latent tile itself, read N-major (the same bytes serve S K-major).
+//   Finished rows: epilogue.cuh's writer (the sink, the latent's scale, out
+//   and lse or a split partial).
 //   Per 64-token tile and block: 9.4 MFLOP in 288 wgmma warp-parts; the
 //   shared-memory operand reads are 64 rows x 32 B of Q and 32 x 32 B of K
 //   per S k-step and warpgroup, and 256 x 32 B of V (plus P) per P V k-step.
@@ -68,6 +70,7 @@
 #include "variant.cuh"
 #include "span.cuh"
 #include "tc_common.cuh"
+#include "epilogue.cuh"
 
 namespace mwg {
 constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM, kK = kR + kP;
@@ -98,15 +101,7 @@ __device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7
 }  // namespace mwg
 
 extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const AttentionParams p) {
-    const scalar_t* __restrict__ const q = p.q;
-    const scalar_t* __restrict__ const q_rot = p.q_rot;
-    const kv_t* __restrict__ const k_cache = p.k_cache;
-    const kv_t* __restrict__ const k_rot = p.k_rot;
-    const u32* __restrict__ const words = p.words;
-    scalar_t* __restrict__ const out = p.out;
-    float* __restrict__ const lse = p.lse;
-    float* __restrict__ const part_out = p.part_out;
-    float* __restrict__ const part_lse = p.part_lse;
+    CP_ATTENTION_ARRAYS(p);   // the arrays as __restrict__ locals (epilogue.cuh)
     using namespace mwg;
     using tc::kNone;
     CUPAGED_DYNAMIC_SHARED(unsigned char, smem_raw);
@@ -446,6 +441,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
         sm[h].l = s_max[r] + s_max[kRows + r];
         const u32 slot = my_slot[h];
         if (slot == kNone) continue;
+        // The row writer inline, not epilogue.cuh's (a documented hook: through epi::finish / row_of /
+        // store_lse ptxas spills the all-features builds at the 255-register cap).
         const u64 row = (q0 + slot) * q_heads + head0 + (r - slot * ht);
         const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
         float inv = sm[h].inv_sum();
@@ -458,8 +455,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
         if constexpr (kKvScaled) inv *= ks;   // V is the latent: its codes times k_scale
 #pragma unroll
         for (u32 j = 0; j < 32; ++j)
-            tc::store_pair(out, part_out, row_out * kR + 256 * wg + 8 * j + 2 * tq, split, o[4 * j + 2 * h] * inv,
-                           o[4 * j + 2 * h + 1] * inv);
+            epi::store_pair(out, part_out, row_out * kR + 256 * wg + 8 * j + 2 * tq, split, o[4 * j + 2 * h] * inv,
+                            o[4 * j + 2 * h + 1] * inv);
         if (wg == 0 && tq == 0) {
             const float lse_v = sm[h].lse();
             if (split) part_lse[row_out] = lse_v;

@@ -25,7 +25,9 @@
 //   while one computes, one barrier a tile); S = Q K^T and O += P V run on
 //   mma.sync m16n8k16 with f32 accumulation; the online softmax
 //   (softmax_state.cuh) runs in f32 in the log2 domain on the S fragments
-//   (a row's max and sum live in the 4 lanes of a quad).
+//   (a row's max and sum live in the 4 lanes of a quad); each finished row
+//   goes through epilogue.cuh's writer (the sink, the V scale, out and lse or
+//   a split partial).
 //   fp8 caches: the ring holds the tiles' raw codes (K [kN][D], V [kN][D]
 //   bytes: half the bytes, same stages); after a tile's barrier the block
 //   decodes it, exactly (fp8.cuh), into one 16-bit K / V tile [kN][D + 8]
@@ -65,6 +67,7 @@
 #include "variant.cuh"
 #include "span.cuh"
 #include "tc_common.cuh"
+#include "epilogue.cuh"
 
 namespace tcp {
 constexpr u32 kD = HEAD_DIM;
@@ -120,16 +123,7 @@ static_assert((kN * kD / 8) % kThreads == 0, "whole decode steps per thread");
 }  // namespace tcp
 
 extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged_prefill_tc(const AttentionParams p) {
-    // The arrays as __restrict__ locals (NVVM keeps restrict on these, not on
-    // struct members: read-only loads stay ld.global.nc).
-    const scalar_t* __restrict__ const q = p.q;
-    const kv_t* __restrict__ const k_cache = p.k_cache;
-    const kv_t* __restrict__ const v_cache = p.v_cache;
-    const u32* __restrict__ const words = p.words;
-    scalar_t* __restrict__ const out = p.out;
-    float* __restrict__ const lse = p.lse;
-    float* __restrict__ const part_out = p.part_out;
-    float* __restrict__ const part_lse = p.part_lse;
+    CP_ATTENTION_ARRAYS(p);   // the arrays as __restrict__ locals (epilogue.cuh)
     using namespace tcp;
     using tc::kNone;
     CUPAGED_DYNAMIC_SHARED(scalar_t, smem);
@@ -491,6 +485,8 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             sm[mt][h].l = l;
             const u32 slot = my_slot[mt][h];
             if (slot == kNone) continue;
+            // The row writer inline, not epilogue.cuh's (a documented hook: through epi::finish / row_of /
+            // store_lse ptxas needs up to 8 more registers here and spills in the ALiBi builds at the cap).
             const u32 r = row0 + 16 * mt + g + 8 * h;
             const u64 row = (q0 + slot) * q_heads + head0 + (r - slot * ht);
             const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
@@ -506,8 +502,8 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             const float lse_v = sm[mt][h].lse();
 #pragma unroll
             for (u32 n = 0; n < kOTiles; ++n)
-                tc::store_pair(out, part_out, row_out * kD + n * 8 + 2 * tq, split, o[mt][n][2 * h] * inv,
-                               o[mt][n][2 * h + 1] * inv);
+                epi::store_pair(out, part_out, row_out * kD + n * 8 + 2 * tq, split, o[mt][n][2 * h] * inv,
+                                o[mt][n][2 * h + 1] * inv);
             if (tq == 0) {
                 if (split) part_lse[row_out] = lse_v;
                 else if (p.write_lse) lse[row] = lse_v;

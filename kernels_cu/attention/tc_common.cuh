@@ -2,8 +2,8 @@
 // (paged_prefill_tc in prefill_tc.cu, paged_mla_tc in mla_tc.cu,
 // paged_mla_wgmma in mla_wgmma.cu): the rows of a block, the page-by-page
 // K/V tile ring (cp.async), the passes over the sequences a block touches,
-// token masks, the P V step that keeps masked Inf / NaN values out, and the
-// output store. The inline PTX they use lives in ptx.cuh.
+// token masks and the P V step that keeps masked Inf / NaN values out (the
+// output rows: epilogue.cuh). The inline PTX they use lives in ptx.cuh.
 #pragma once
 #include "../common.cuh"
 #include "../plan_words.cuh"
@@ -65,19 +65,6 @@ __device__ __forceinline__ void decode_rows(const unsigned char* raw, T* dst, u3
             fp8::x4_to<T, kv_t>(x.y, y.z, y.w);
             *reinterpret_cast<uint4*>(dst + r * pitch + e) = y;
         }
-    }
-}
-
-// Store two adjacent outputs of one row: scalar_t pair, or f32 pair into the partials.
-__device__ __forceinline__ void store_pair(scalar_t* __restrict__ out, float* __restrict__ part, u64 idx,
-                                           bool split, float a, float b) {
-    if (split) {
-        float2 v;
-        v.x = a;
-        v.y = b;
-        *reinterpret_cast<float2*>(part + idx) = v;
-    } else {
-        *reinterpret_cast<u32*>(out + idx) = ptx::pack2<scalar_t>(a, b);
     }
 }
 
