@@ -1,6 +1,6 @@
 // span.cuh: which queries an attention launch serves, and which positions of
 // a query one block reads (the visibility hook, then the split's share).
-// Shared by the three attention kernels; docs/layout.md defines the rules.
+// Shared by the five attention kernels; docs/layout.md defines the rules.
 #pragma once
 #include "../common.cuh"
 #include "../plan_words.cuh"
