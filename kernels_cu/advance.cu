@@ -12,7 +12,7 @@
 // no host data. Word layout: docs/layout.md, plan_words.cuh.
 // grid (ceil(S / 128)), block 128.
 extern "C" __global__ void __launch_bounds__(128)
-advance_plan(u32* words, u32 queries, u32 sequences, u32 table_width, u32 page_size) {
+    advance_plan(u32* words, u32 queries, u32 sequences, u32 table_width, u32 page_size) {
     const u32 s = blockIdx.x * blockDim.x + threadIdx.x;
     if (s >= sequences) return;
     u32* q_pos = words + pw::q_pos(queries);
@@ -43,9 +43,9 @@ advance_plan(u32* words, u32 queries, u32 sequences, u32 table_width, u32 page_s
 // Then clock += 1. Word layout: docs/layout.md, plan_words.cuh.
 // Launch: grid 1, block up to 256 threads (threads stride over the slots).
 extern "C" __global__ void __launch_bounds__(256)
-advance_slots(u32* words, u32 queries, u32 sequences, u32 table_width, u32 page_size, u32* state, u32 stride,
-              u32* clock, const long long* __restrict__ tokens, const long long* __restrict__ stop, u32 num_stop,
-              long long* ring, u32 ring_rows, u32 full_finishes) {
+    advance_slots(u32* words, u32 queries, u32 sequences, u32 table_width, u32 page_size, u32* state, u32 stride,
+                  u32* clock, const long long* __restrict__ tokens, const long long* __restrict__ stop, u32 num_stop,
+                  long long* ring, u32 ring_rows, u32 full_finishes) {
     const u32 launch = clock[0];
     u32* q_pos = words + pw::q_pos(queries);
     u32* kv_len = words + pw::kv_len(queries);

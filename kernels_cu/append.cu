@@ -32,20 +32,26 @@
 #define CP_QUANT 0
 #endif
 
-template <u32 N> struct Bytes;
-template <> struct Bytes<1> {
+template <u32 N>
+struct Bytes;
+template <>
+struct Bytes<1> {
     typedef unsigned char T;
 };
-template <> struct Bytes<2> {
+template <>
+struct Bytes<2> {
     typedef unsigned short T;
 };
-template <> struct Bytes<4> {
+template <>
+struct Bytes<4> {
     typedef u32 T;
 };
-template <> struct Bytes<8> {
+template <>
+struct Bytes<8> {
     typedef uint2 T;
 };
-template <> struct Bytes<16> {
+template <>
+struct Bytes<16> {
     typedef uint4 T;
 };
 
@@ -53,9 +59,9 @@ template <> struct Bytes<16> {
 #ifndef CP_QVEC
 #error "CP_QVEC (8, 4, 2 or 1) must be defined with CP_QUANT"
 #endif
-typedef scalar_t src_t;   // the new rows
-typedef kv_t dst_t;       // the fp8 cache
-constexpr u32 kVec = CP_QVEC;   // elements a unit
+typedef scalar_t src_t;  // the new rows
+typedef kv_t dst_t;  // the fp8 cache
+constexpr u32 kVec = CP_QVEC;  // elements a unit
 static_assert(kVec == 1 || kVec == 2 || kVec == 4 || kVec == 8, "CP_QVEC: 1, 2, 4 or 8");
 static_assert(kKvScaled, "a quantizing append writes an fp8 cache");
 constexpr u32 kSrcBytes = kVec * (u32)sizeof(scalar_t);
@@ -102,12 +108,12 @@ __device__ __forceinline__ bool append_slot(const u32* __restrict__ words, u32 q
     const u64 table = pw::page_table(queries, sequences);
     const u32 s = words[pw::q_seq(queries) + q];
     const u32 p = words[pw::q_pos(queries) + q];
-    if (s >= sequences) return false;                         // padded or corrupt entry
-    if (p >= words[pw::kv_len(queries) + s]) return false;    // at or past its kv_len: a padded entry (length 0)
+    if (s >= sequences) return false;  // padded or corrupt entry
+    if (p >= words[pw::kv_len(queries) + s]) return false;  // at or past its kv_len: a padded entry (length 0)
     const u32 col = p / page_size;
-    if (col >= table_width) return false;                     // past the table
+    if (col >= table_width) return false;  // past the table
     page = words[table + (u64)s * table_width + col];
-    if (page >= num_pages) return false;                      // includes CP_NO_PAGE
+    if (page >= num_pages) return false;  // includes CP_NO_PAGE
     off = p - col * page_size;
     return true;
 }
@@ -216,7 +222,10 @@ extern "C" __global__ void copy_pages(unit_t* __restrict__ k_cache, unit_t* __re
             stv(w < page_units_k ? dk + w : dv + (w - page_units_k), b);
         }
         if (u < units) {
-            if (u < page_units_k) stv(dk + u, ldv(sk + u)); else stv(dv + (u - page_units_k), ldv(sv + (u - page_units_k)));
+            if (u < page_units_k)
+                stv(dk + u, ldv(sk + u));
+            else
+                stv(dv + (u - page_units_k), ldv(sv + (u - page_units_k)));
         }
     }
 }

@@ -34,16 +34,32 @@ __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+    return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+    return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
 
 #include "fp8.cuh"
 __device__ __forceinline__ float to_float(cp_fp8_e4m3 x) { return fp8::to_float(x); }
 __device__ __forceinline__ float to_float(cp_fp8_e5m2 x) { return fp8::to_float(x); }
-template <> __device__ __forceinline__ cp_fp8_e4m3 from_float<cp_fp8_e4m3>(float x) { return fp8::encode<cp_fp8_e4m3>(x); }
-template <> __device__ __forceinline__ cp_fp8_e5m2 from_float<cp_fp8_e5m2>(float x) { return fp8::encode<cp_fp8_e5m2>(x); }
+template <>
+__device__ __forceinline__ cp_fp8_e4m3 from_float<cp_fp8_e4m3>(float x) {
+    return fp8::encode<cp_fp8_e4m3>(x);
+}
+template <>
+__device__ __forceinline__ cp_fp8_e5m2 from_float<cp_fp8_e5m2>(float x) {
+    return fp8::encode<cp_fp8_e5m2>(x);
+}
 
 #ifdef CP_KV_DTYPE
 typedef CP_CAT(cp_type_, CP_KV_DTYPE) kv_t;
@@ -67,11 +83,13 @@ __device__ __forceinline__ float kv_to_float(kv_t x) { return to_float(x); }
 #define CUPAGED_SRC_LOC
 #define CUPAGED_CHECK_ALIGNED(p, bytes, what) ((void)0)
 #endif
-template <typename V> __device__ __forceinline__ V ldv(const V* p CUPAGED_SRC_LOC) {
+template <typename V>
+__device__ __forceinline__ V ldv(const V* p CUPAGED_SRC_LOC) {
     CUPAGED_CHECK_ALIGNED(p, sizeof(V), "load");
     return *p;
 }
-template <typename V> __device__ __forceinline__ void stv(V* p, const V& v CUPAGED_SRC_LOC) {
+template <typename V>
+__device__ __forceinline__ void stv(V* p, const V& v CUPAGED_SRC_LOC) {
     CUPAGED_CHECK_ALIGNED(p, sizeof(V), "store");
     *p = v;
 }

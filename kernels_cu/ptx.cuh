@@ -47,11 +47,14 @@
 namespace ptx {
 
 // Two floats as one register of two 16-bit T (f16 or bf16), lo in the low half.
-template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
-template <> __device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
+template <typename T>
+__device__ __forceinline__ u32 pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
     return (u32)__half_as_ushort(__float2half_rn(lo)) | ((u32)__half_as_ushort(__float2half_rn(hi)) << 16);
 }
-template <> __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
+template <>
+__device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
     return (u32)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
            ((u32)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
 }
@@ -65,10 +68,9 @@ enum Counter : int { kMma16816, kLdmatrixX4, kLdmatrixX4Trans, kCpAsync16, kCpAs
 inline unsigned long long counters[kNumCounters];
 inline void count(Counter c) { __atomic_fetch_add(&counters[c], 1ull, __ATOMIC_RELAXED); }
 inline float half_bits_to_float(unsigned short b, __half*) { return __half2float(__ushort_as_half(b)); }
-inline float half_bits_to_float(unsigned short b, __nv_bfloat16*) {
-    return __bfloat162float(__ushort_as_bfloat16(b));
-}
-template <typename T> inline float elem(u32 reg, int hi) {
+inline float half_bits_to_float(unsigned short b, __nv_bfloat16*) { return __bfloat162float(__ushort_as_bfloat16(b)); }
+template <typename T>
+inline float elem(u32 reg, int hi) {
     return half_bits_to_float((unsigned short)(hi ? reg >> 16 : reg & 0xffffu), (T*)nullptr);
 }
 
@@ -79,7 +81,8 @@ struct MmaLane {
 };
 
 // D = A B + D for the whole warp, from the fragments every lane posted.
-template <typename T> inline void mma_16816_warp(void** lanes, unsigned, void*) {
+template <typename T>
+inline void mma_16816_warp(void** lanes, unsigned, void*) {
     count(kMma16816);
     float A[16][16], B[16][8];
     for (int l = 0; l < 32; ++l) {
@@ -99,7 +102,7 @@ template <typename T> inline void mma_16816_warp(void** lanes, unsigned, void*) 
         const int g = l >> 2, t = l & 3;
         for (int i = 0; i < 4; ++i) {
             const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
-            float acc = d[i];   // 16-bit products are exact in f32; only the sum rounds
+            float acc = d[i];  // 16-bit products are exact in f32; only the sum rounds
             for (int k = 0; k < 16; ++k) acc = fmaf(A[row][k], B[k][col], acc);
             d[i] = acc;
         }
@@ -111,7 +114,8 @@ struct LdmLane {
     u32* r;
 };
 
-template <bool Trans> inline void ldmatrix_x4_warp(void** lanes, unsigned, void*) {
+template <bool Trans>
+inline void ldmatrix_x4_warp(void** lanes, unsigned, void*) {
     count(Trans ? kLdmatrixX4Trans : kLdmatrixX4);
     u32 out[32][4];
     for (int l = 0; l < 32; ++l) {
@@ -170,10 +174,10 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem_
 // here too. Queues are per thread of the block on each worker, reset when a
 // thread of another block (or kernel) starts copying.
 namespace cpu {
-constexpr unsigned kMaxAsync = 96;   // queued copies per thread; beyond, the oldest lands at once
+constexpr unsigned kMaxAsync = 96;  // queued copies per thread; beyond, the oldest lands at once
 struct AsyncCopy {
     void* dst;
-    const void* src;   // null: 16 zero bytes
+    const void* src;  // null: 16 zero bytes
     unsigned group;
 };
 struct AsyncQueue {
@@ -183,11 +187,13 @@ struct AsyncQueue {
     AsyncCopy q[kMaxAsync];
 };
 inline void land(const AsyncCopy& c) {
-    if (c.src) memcpy(c.dst, c.src, 16);
-    else memset(c.dst, 0, 16);
+    if (c.src)
+        memcpy(c.dst, c.src, 16);
+    else
+        memset(c.dst, 0, 16);
 }
 inline AsyncQueue& async_queue() {
-    static thread_local AsyncQueue* table = nullptr;   // one queue per thread of a block, per worker
+    static thread_local AsyncQueue* table = nullptr;  // one queue per thread of a block, per worker
     if (!table) table = static_cast<AsyncQueue*>(calloc(::cupaged::kMaxThreadsPerBlock, sizeof(AsyncQueue)));
     const ::cupaged::FiberPub* f = ::cupaged::cur();
     AsyncQueue& aq = table[f->linear];
@@ -204,8 +210,10 @@ inline void async_wait(unsigned keep) {
     AsyncQueue& aq = async_queue();
     unsigned m = 0;
     for (unsigned i = 0; i < aq.n; ++i) {
-        if (aq.q[i].group + keep < aq.committed) land(aq.q[i]);
-        else aq.q[m++] = aq.q[i];
+        if (aq.q[i].group + keep < aq.committed)
+            land(aq.q[i]);
+        else
+            aq.q[m++] = aq.q[i];
     }
     aq.n = m;
 }
@@ -216,11 +224,11 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
     CUPAGED_CHECK_ALIGNED(smem, 16, "cp.async shared-memory destination");
     if (valid) CUPAGED_CHECK_ALIGNED(gmem, 16, "cp.async global source");
 #ifdef CUPAGED_CP_ASYNC_EAGER
-    cpu::land(cpu::AsyncCopy{smem, valid ? gmem : nullptr, 0u});   // lands at issue
+    cpu::land(cpu::AsyncCopy{smem, valid ? gmem : nullptr, 0u});  // lands at issue
     return;
 #endif
     cpu::AsyncQueue& aq = cpu::async_queue();
-    if (aq.n == cpu::kMaxAsync) {   // full: the oldest copy lands now (a GPU may land any copy early)
+    if (aq.n == cpu::kMaxAsync) {  // full: the oldest copy lands now (a GPU may land any copy early)
         cpu::land(aq.q[0]);
         memmove(&aq.q[0], &aq.q[1], (cpu::kMaxAsync - 1) * sizeof(cpu::AsyncCopy));
         --aq.n;
@@ -228,7 +236,10 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
     aq.q[aq.n++] = cpu::AsyncCopy{smem, valid ? gmem : nullptr, aq.committed};
 }
 __device__ __forceinline__ void cp_async_commit() { ++cpu::async_queue().committed; }
-template <int N> __device__ __forceinline__ void cp_async_wait() { cpu::async_wait((unsigned)N); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    cpu::async_wait((unsigned)N);
+}
 
 #else
 // ---------------------------------------------------------------- GPU versions
@@ -239,13 +250,13 @@ template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]);
 // One specialization per 16-bit input type, from one template (CT the C++
 // type, TYPE its PTX type token).
-#define CP_MMA_16816(CT, TYPE)                                                                              \
-    template <>                                                                                             \
-    __device__ __forceinline__ void mma_16816<CT>(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {    \
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." #TYPE "." #TYPE                               \
-                     ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"               \
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                      \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));                  \
+#define CP_MMA_16816(CT, TYPE)                                                                         \
+    template <>                                                                                        \
+    __device__ __forceinline__ void mma_16816<CT>(float (&d)[4], const u32(&a)[4], const u32(&b)[2]) { \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." #TYPE "." #TYPE                          \
+                     ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"          \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                  \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));              \
     }
 CP_MMA_16816(__half, f16)
 CP_MMA_16816(__nv_bfloat16, bf16)
@@ -266,13 +277,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem_
 // 16 bytes global -> shared, bypassing L1 (.cg); !valid writes 16 zero bytes
 // and reads nothing (source size 0). Both addresses 16-byte aligned.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_addr(smem)), "l"(gmem), "r"(valid ? 16u : 0u) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+                 "r"(valid ? 16u : 0u)
+                 : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Wait until at most N of this thread's committed groups are still in flight.
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 #endif
 
@@ -349,11 +362,10 @@ inline void wg_count(WgCounter c, unsigned long long n) { __atomic_fetch_add(&wg
 // from a 1024-byte boundary, so that address bits 4-9 (the swizzles) are the
 // pointer's own.
 inline unsigned char* wg_window() {
-    return reinterpret_cast<unsigned char*>(reinterpret_cast<uintptr_t>(cupaged_rt_dynamic_shared()) & ~(uintptr_t)1023);
+    return reinterpret_cast<unsigned char*>(reinterpret_cast<uintptr_t>(cupaged_rt_dynamic_shared()) &
+                                            ~(uintptr_t)1023);
 }
-inline u32 wg_shared_address(const void* p) {
-    return (u32)(static_cast<const unsigned char*>(p) - wg_window());
-}
+inline u32 wg_shared_address(const void* p) { return (u32)(static_cast<const unsigned char*>(p) - wg_window()); }
 // Element (mn, k) of a shared-memory operand (16-bit elements): its byte
 // address in the window, from the descriptor and the canonical layouts.
 inline u32 wg_address(u64 desc, u32 mn, u32 k, u32 trans) {
@@ -363,11 +375,11 @@ inline u32 wg_address(u64 desc, u32 mn, u32 k, u32 trans) {
     const u32 mode = (u32)(desc >> 62) & 3u;
     const u32 b = mode == 1u ? 3u : mode == 2u ? 2u : mode == 3u ? 1u : 0u;
     u32 off;
-    if (!trans) {   // K-major
+    if (!trans) {  // K-major
         off = b ? (mn % 8) * (16u << b) + (mn / 8) * sbo + (k % 8) * 2 + (k / 8) * 16
                 : (mn % 8) * 16 + (mn / 8) * sbo + (k % 8) * 2 + (k / 8) * lbo;
-    } else {        // MN-major
-        const u32 w = 8u << b;   // elements along MN in one swizzle row
+    } else {  // MN-major
+        const u32 w = 8u << b;  // elements along MN in one swizzle row
         off = b ? (mn % w) * 2 + (mn / w) * lbo + (k % 8) * (16u << b) + (k / 8) * sbo
                 : (mn % 8) * 2 + (mn / 8) * sbo + (k % 8) * 16 + (k / 8) * lbo;
     }
@@ -375,7 +387,8 @@ inline u32 wg_address(u64 desc, u32 mn, u32 k, u32 trans) {
     const u32 mask = (1u << b) - 1u;
     return a ^ (((a >> 7) & mask) << 4);
 }
-template <typename T> inline float wg_elem(u64 desc, u32 mn, u32 k, u32 trans) {
+template <typename T>
+inline float wg_elem(u64 desc, u32 mn, u32 k, u32 trans) {
     unsigned short bits;
     memcpy(&bits, wg_window() + wg_address(desc, mn, k, trans), 2);
     return half_bits_to_float(bits, (T*)nullptr);
@@ -385,7 +398,7 @@ struct WgLane {
     float* d;
     u32 a[4];
     u64 da, db;
-    u32 warp4;   // this warp within its warpgroup
+    u32 warp4;  // this warp within its warpgroup
 };
 struct WgOp {
     float* d[32];
@@ -395,7 +408,7 @@ struct WgOp {
     bool rs, acc;
     unsigned char ta, tb, bf16;
 };
-constexpr unsigned kMaxWgOps = 48;   // queued per warp; beyond, the oldest runs at once
+constexpr unsigned kMaxWgOps = 48;  // queued per warp; beyond, the oldest runs at once
 struct WgQueue {
     const char* kernel;
     uint3 bid;
@@ -415,7 +428,8 @@ inline WgQueue& wg_queue() {
     }
     return *slot;
 }
-template <typename T> inline void wg_run_t(const WgOp& op) {
+template <typename T>
+inline void wg_run_t(const WgOp& op) {
     float A[16][16];
     for (int r = 0; r < 16; ++r)
         for (int k = 0; k < 16; ++k) {
@@ -435,7 +449,7 @@ template <typename T> inline void wg_run_t(const WgOp& op) {
         for (u32 j = 0; j < op.n / 8; ++j)
             for (int i = 0; i < 4; ++i) {
                 const int row = g + 8 * (i >> 1), col = 8 * j + 2 * t + (i & 1);
-                float acc = op.acc ? d[4 * j + i] : 0.0f;   // 16-bit products are exact in f32; only the sum rounds
+                float acc = op.acc ? d[4 * j + i] : 0.0f;  // 16-bit products are exact in f32; only the sum rounds
                 for (int k = 0; k < 16; ++k) acc = fmaf(A[row][k], B[k][col], acc);
                 d[4 * j + i] = acc;
             }
@@ -445,8 +459,10 @@ template <typename T> inline void wg_run_t(const WgOp& op) {
     wg_count(kWgmmaSmemBytes, (op.rs ? 0u : 16u * 32u) + op.n * 32u / 4u);
 }
 inline void wg_run(const WgOp& op) {
-    if (op.bf16) wg_run_t<__nv_bfloat16>(op);
-    else wg_run_t<__half>(op);
+    if (op.bf16)
+        wg_run_t<__nv_bfloat16>(op);
+    else
+        wg_run_t<__half>(op);
 }
 struct WgIssue {
     u32 n;
@@ -456,7 +472,7 @@ struct WgIssue {
 inline void wg_issue_warp(void** lanes, unsigned, void* ctx) {
     const WgIssue& is = *static_cast<const WgIssue*>(ctx);
     WgQueue& wq = wg_queue();
-    if (wq.n == kMaxWgOps) {   // full: the oldest runs now (a GPU may complete any wgmma early)
+    if (wq.n == kMaxWgOps) {  // full: the oldest runs now (a GPU may complete any wgmma early)
         wg_run(wq.q[0]);
         memmove(&wq.q[0], &wq.q[1], (kMaxWgOps - 1) * sizeof(WgOp));
         --wq.n;
@@ -486,13 +502,17 @@ inline void wg_wait_warp(void**, unsigned, void* ctx) {
     WgQueue& wq = wg_queue();
     unsigned m = 0;
     for (unsigned i = 0; i < wq.n; ++i) {
-        if (wq.q[i].group + keep < wq.committed) wg_run(wq.q[i]);
-        else wq.q[m++] = wq.q[i];
+        if (wq.q[i].group + keep < wq.committed)
+            wg_run(wq.q[i]);
+        else
+            wq.q[m++] = wq.q[i];
     }
     wq.n = m;
 }
-template <typename T> constexpr unsigned char wg_is_bf16 = 0;
-template <> constexpr unsigned char wg_is_bf16<__nv_bfloat16> = 1;
+template <typename T>
+constexpr unsigned char wg_is_bf16 = 0;
+template <>
+constexpr unsigned char wg_is_bf16<__nv_bfloat16> = 1;
 }  // namespace cpu
 
 extern "C" __attribute__((visibility("default"), used)) inline unsigned long long* cupaged_wgmma_counters() {
@@ -525,13 +545,15 @@ __device__ __forceinline__ void wgmma_commit() {
     int me = 0;
     cupaged_warp_collective(CP_FULL_MASK, &me, &cpu::wg_commit_warp, nullptr);
 }
-template <int N> __device__ __forceinline__ void wgmma_wait() {
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
     static_assert(N >= 0 && N <= 7, "wait_group 0 .. 7");
     unsigned keep = (unsigned)N;
     int me = 0;
     cupaged_warp_collective(CP_FULL_MASK, &me, &cpu::wg_wait_warp, &keep);
 }
-template <u32 kN> __device__ __forceinline__ void wgmma_fence_operand(float (&)[kN]) {}
+template <u32 kN>
+__device__ __forceinline__ void wgmma_fence_operand(float (&)[kN]) {}
 
 #elif defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ u64 wgmma_desc(const void* smem, u32 lbo, u32 sbo, u32 swizzle) {
@@ -539,12 +561,14 @@ __device__ __forceinline__ u64 wgmma_desc(const void* smem, u32 lbo, u32 sbo, u3
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // Keep the compiler from moving accesses of accumulator registers across a
 // wgmma issue or wait (they are read and written asynchronously).
-template <u32 kN> __device__ __forceinline__ void wgmma_fence_operand(float (&d)[kN]) {
+template <u32 kN>
+__device__ __forceinline__ void wgmma_fence_operand(float (&d)[kN]) {
 #pragma unroll
     for (u32 i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
@@ -554,72 +578,74 @@ template <u32 kN> __device__ __forceinline__ void wgmma_fence_operand(float (&d)
 // each 16-bit input type (CT the C++ type, TYPE its PTX type token: f16, bf16). In the asm
 // text D is %0 .. %NR - 1 (NR = N / 2 f32 registers a thread: CP_WG_D<NR>, CP_WG_OUT<NR>);
 // the numbers after NR are the indices of the other operands, as the asm text names them.
-template <typename T, u32 kN, u32 kTransA, u32 kTransB> struct WgSS;
-template <typename T, u32 kN, u32 kTransB> struct WgRS;
-#define CP_WG_D16 \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-#define CP_WG_D32 \
+template <typename T, u32 kN, u32 kTransA, u32 kTransB>
+struct WgSS;
+template <typename T, u32 kN, u32 kTransB>
+struct WgRS;
+#define CP_WG_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+#define CP_WG_D32                                                             \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-#define CP_WG_D128 \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
-    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+#define CP_WG_D128                                                                                 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "             \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "             \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "             \
     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-#define CP_WG_OUT16(d) \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-#define CP_WG_OUT32(d) \
-    CP_WG_OUT16(d), \
-    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define CP_WG_OUT128(d) \
-    CP_WG_OUT32(d), \
-    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
-    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
-    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
-    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-#define CP_WGMMA_SS(CT, TYPE, N, NR, IA, IB, IP, ITA, ITB) \
-    template <u32 kTransA, u32 kTransB> \
-    struct WgSS<CT, N, kTransA, kTransB> { \
-        __device__ __forceinline__ static void run(float (&d)[NR], u64 da, u64 db, bool acc) { \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n" \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TYPE "." #TYPE " " \
-                         CP_WG_D##NR "%" #IA ", %" #IB ", p, 1, 1, %" #ITA ", %" #ITB ";\n}\n" \
-                         : CP_WG_OUT##NR(d) \
-                         : "l"(da), "l"(db), "r"((u32)acc), "n"(kTransA), "n"(kTransB) \
-                         : "memory"); \
-        } \
+#define CP_WG_OUT16(d)                                                                                          \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define CP_WG_OUT32(d)                                                                                          \
+    CP_WG_OUT16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),  \
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), \
+        "+f"(d[31])
+#define CP_WG_OUT128(d)                                                                                            \
+    CP_WG_OUT32(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]),     \
+        "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]),    \
+        "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),    \
+        "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),    \
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]),    \
+        "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]),    \
+        "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]),    \
+        "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]),    \
+        "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), \
+        "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),          \
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),          \
+        "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),          \
+        "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+#define CP_WGMMA_SS(CT, TYPE, N, NR, IA, IB, IP, ITA, ITB)                                                 \
+    template <u32 kTransA, u32 kTransB>                                                                    \
+    struct WgSS<CT, N, kTransA, kTransB> {                                                                 \
+        __device__ __forceinline__ static void run(float (&d)[NR], u64 da, u64 db, bool acc) {             \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP                                          \
+                         ", 0;\n"                                                                          \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TYPE "." #TYPE " " CP_WG_D##NR \
+                         "%" #IA ", %" #IB ", p, 1, 1, %" #ITA ", %" #ITB ";\n}\n"                         \
+                         : CP_WG_OUT##NR(d)                                                                \
+                         : "l"(da), "l"(db), "r"((u32)acc), "n"(kTransA), "n"(kTransB)                     \
+                         : "memory");                                                                      \
+        }                                                                                                  \
     };
-#define CP_WGMMA_RS(CT, TYPE, N, NR, IA0, IA1, IA2, IA3, IB, IP, ITB) \
-    template <u32 kTransB> \
-    struct WgRS<CT, N, kTransB> { \
-        __device__ __forceinline__ static void run(float (&d)[NR], const u32 (&a)[4], u64 db, bool acc) { \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n" \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TYPE "." #TYPE " " \
-                         CP_WG_D##NR "{%" #IA0 ", %" #IA1 ", %" #IA2 ", %" #IA3 "}, %" #IB ", p, 1, 1, %" #ITB \
-                         ";\n}\n" \
-                         : CP_WG_OUT##NR(d) \
+#define CP_WGMMA_RS(CT, TYPE, N, NR, IA0, IA1, IA2, IA3, IB, IP, ITB)                                       \
+    template <u32 kTransB>                                                                                  \
+    struct WgRS<CT, N, kTransB> {                                                                           \
+        __device__ __forceinline__ static void run(float (&d)[NR], const u32 (&a)[4], u64 db, bool acc) {   \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP                                           \
+                         ", 0;\n"                                                                           \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TYPE "." #TYPE " " CP_WG_D##NR  \
+                         "{%" #IA0 ", %" #IA1 ", %" #IA2 ", %" #IA3 "}, %" #IB ", p, 1, 1, %" #ITB ";\n}\n" \
+                         : CP_WG_OUT##NR(d)                                                                 \
                          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"((u32)acc), "n"(kTransB) \
-                         : "memory"); \
-        } \
+                         : "memory");                                                                       \
+        }                                                                                                   \
     };
-#define CP_WGMMA_TYPE(CT, TYPE) \
-    CP_WGMMA_SS(CT, TYPE, 32, 16, 16, 17, 18, 19, 20) \
-    CP_WGMMA_SS(CT, TYPE, 64, 32, 32, 33, 34, 35, 36) \
-    CP_WGMMA_SS(CT, TYPE, 256, 128, 128, 129, 130, 131, 132) \
+#define CP_WGMMA_TYPE(CT, TYPE)                               \
+    CP_WGMMA_SS(CT, TYPE, 32, 16, 16, 17, 18, 19, 20)         \
+    CP_WGMMA_SS(CT, TYPE, 64, 32, 32, 33, 34, 35, 36)         \
+    CP_WGMMA_SS(CT, TYPE, 256, 128, 128, 129, 130, 131, 132)  \
     CP_WGMMA_RS(CT, TYPE, 32, 16, 16, 17, 18, 19, 20, 21, 22) \
     CP_WGMMA_RS(CT, TYPE, 64, 32, 32, 33, 34, 35, 36, 37, 38) \
     CP_WGMMA_RS(CT, TYPE, 256, 128, 128, 129, 130, 131, 132, 133, 134)

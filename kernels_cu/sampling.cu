@@ -12,24 +12,28 @@
 #include "common.cuh"
 
 // Bit layout of each storage type: width and the bit pattern of +inf.
-template <typename T> struct FloatBits;
-template <> struct FloatBits<float> {
+template <typename T>
+struct FloatBits;
+template <>
+struct FloatBits<float> {
     typedef u32 raw_t;
     enum : u32 { kBits = 32u, kInf = 0x7f800000u };
 };
-template <> struct FloatBits<__half> {
+template <>
+struct FloatBits<__half> {
     typedef unsigned short raw_t;
     enum : u32 { kBits = 16u, kInf = 0x7c00u };
 };
-template <> struct FloatBits<__nv_bfloat16> {
+template <>
+struct FloatBits<__nv_bfloat16> {
     typedef unsigned short raw_t;
     enum : u32 { kBits = 16u, kInf = 0x7f80u };
 };
 
 typedef FloatBits<scalar_t>::raw_t raw_t;
 #define CP_ELEM_BITS ((u32)FloatBits<scalar_t>::kBits)
-#define CP_VEC_ELEMS (128u / CP_ELEM_BITS)     // elements per 16-byte uint4 load
-#define CP_KEY_NONE 0u                          // below every value's key
+#define CP_VEC_ELEMS (128u / CP_ELEM_BITS)  // elements per 16-byte uint4 load
+#define CP_KEY_NONE 0u  // below every value's key
 #define CP_IDX_NONE 0xffffffffu
 
 // Order-preserving key of a value given its raw bits (low kBits of b):
@@ -39,9 +43,9 @@ __device__ __forceinline__ u32 order_key(u32 b) {
     const u32 sign = 1u << (CP_ELEM_BITS - 1u);
     const u32 all = sign | (sign - 1u);
     const u32 mag = b & (sign - 1u);
-    if (mag > FloatBits<scalar_t>::kInf) return all;    // NaN
-    if (mag == 0u) return sign;                         // -0.0 == +0.0
-    return (b & sign) ? (~b & all) : (b | sign);        // negatives reversed below positives
+    if (mag > FloatBits<scalar_t>::kInf) return all;  // NaN
+    if (mag == 0u) return sign;  // -0.0 == +0.0
+    return (b & sign) ? (~b & all) : (b | sign);  // negatives reversed below positives
 }
 
 // Keep (key, idx) if it beats the best so far: a larger key, or the same key
@@ -90,8 +94,7 @@ __device__ __forceinline__ void warp_argmax(u32& key, u32& idx) {
 // Launch: grid (batch), block (a multiple of 32, at most 1024); vocab >= 1.
 // Each row: a scalar head up to the first 16-byte boundary, 16-byte vector
 // loads for the body, a scalar tail.
-extern "C" __global__ void row_argmax(const scalar_t* __restrict__ logits, long long* __restrict__ out,
-                                      u32 vocab) {
+extern "C" __global__ void row_argmax(const scalar_t* __restrict__ logits, long long* __restrict__ out, u32 vocab) {
     __shared__ u32 warp_key[32];
     __shared__ u32 warp_idx[32];
 

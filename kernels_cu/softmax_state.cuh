@@ -16,15 +16,15 @@
 #include "common.cuh"
 
 namespace softmax {
-constexpr float kLog2e = 1.4426950408889634f;   // scores enter the log2 domain
-constexpr float kLn2 = 0.6931471805599453f;     // and the LSE leaves it
+constexpr float kLog2e = 1.4426950408889634f;  // scores enter the log2 domain
+constexpr float kLn2 = 0.6931471805599453f;  // and the LSE leaves it
 
 // exp2(m - ref) as a rescale factor; 0 for an empty state (m == -inf).
 __device__ __forceinline__ float rescale(float m, float ref) { return m == neg_inf() ? 0.0f : exp2f(m - ref); }
 
 struct State {
-    float m;   // running max (log2 domain), -inf while empty
-    float l;   // running sum of exp2(s - m)
+    float m;  // running max (log2 domain), -inf while empty
+    float l;  // running sum of exp2(s - m)
 
     __device__ __forceinline__ void clear() {
         m = neg_inf();

@@ -95,17 +95,17 @@ namespace att {
 
 constexpr u32 kWarps = 4;
 constexpr u32 kThreads = 32 * kWarps;
-constexpr u32 kVec = VEC_LOADS ? 16u / (u32)sizeof(kv_t) : 1u;   // elements per chunk (16 bytes of kv_t)
-constexpr u32 kCap = HEAD_DIM ? HEAD_DIM : DIM_CAP;   // largest D / Dv of the variant
-constexpr u32 kRowChunks = kCap / kVec;               // chunks in a row of kCap elements
-constexpr u32 kLanes = kRowChunks < 32 ? kRowChunks : 32;   // lanes per row (LANES)
-constexpr u32 kChunks = kRowChunks / kLanes;          // chunks per lane (CHUNKS)
-constexpr u32 kElems = kChunks * kVec;                // elements of a row per lane
-constexpr u32 kRows = 32 / kLanes;                    // rows a warp holds at once (ROWS)
+constexpr u32 kVec = VEC_LOADS ? 16u / (u32)sizeof(kv_t) : 1u;  // elements per chunk (16 bytes of kv_t)
+constexpr u32 kCap = HEAD_DIM ? HEAD_DIM : DIM_CAP;  // largest D / Dv of the variant
+constexpr u32 kRowChunks = kCap / kVec;  // chunks in a row of kCap elements
+constexpr u32 kLanes = kRowChunks < 32 ? kRowChunks : 32;  // lanes per row (LANES)
+constexpr u32 kChunks = kRowChunks / kLanes;  // chunks per lane (CHUNKS)
+constexpr u32 kElems = kChunks * kVec;  // elements of a row per lane
+constexpr u32 kRows = 32 / kLanes;  // rows a warp holds at once (ROWS)
 constexpr u32 kHeads = GROUP_TILE;
 constexpr u32 kRegsPerChunk = VEC_LOADS ? 4u : 1u;
 constexpr u32 kRotCap = ROT_CAP;
-constexpr u32 kRotElems = kRotCap ? (kRotCap + kLanes - 1) / kLanes : 1u;   // rotary elems per lane
+constexpr u32 kRotElems = kRotCap ? (kRotCap + kLanes - 1) / kLanes : 1u;  // rotary elems per lane
 // Rows per lane per step (STEP_U): about 32 load registers per lane (K, and V
 // or the rotary part), at most 16 scores (rows x heads), at most 4 rows.
 constexpr u32 kLoadRegsPerRow = kChunks * kRegsPerChunk * (kRotCap ? 1u : 2u) + (kRotCap ? kRotElems : 0u);
@@ -117,8 +117,8 @@ constexpr u32 kStepDecoded = kKvScaled ? 32u / kElems : 4u;
 constexpr u32 kStepMin = kStepLoads < kStepScores ? kStepLoads : kStepScores;
 constexpr u32 kStepRaw = kStepMin < kStepDecoded ? kStepMin : kStepDecoded;
 constexpr u32 kU = kStepRaw < 1u ? 1u : (kStepRaw > 4u ? 4u : kStepRaw);
-constexpr u32 kStep = kWarps * kRows * kU;            // tokens per block step
-constexpr u32 kNoPage = CP_NO_PAGE;                   // a token not loaded (past the split, bad page id)
+constexpr u32 kStep = kWarps * kRows * kU;  // tokens per block step
+constexpr u32 kNoPage = CP_NO_PAGE;  // a token not loaded (past the split, bad page id)
 static_assert(kCap >= 64 && kCap <= 1024 && (kCap & (kCap - 1)) == 0, "dim capacity: power of two in 64..1024");
 static_assert(kRowChunks * kVec == kCap && kLanes * kChunks == kRowChunks, "row chunking");
 static_assert(32 % kLanes == 0, "lanes per row divide a warp");
@@ -155,7 +155,8 @@ __device__ __forceinline__ q_chunk_t load_q(const scalar_t* p) {
 #endif
 }
 
-template <typename C> __device__ __forceinline__ C zero_chunk() {
+template <typename C>
+__device__ __forceinline__ C zero_chunk() {
 #if VEC_LOADS
     C z;
     uint4* w = reinterpret_cast<uint4*>(&z);
@@ -175,7 +176,7 @@ __device__ __forceinline__ void unpack_q(const q_chunk_t& c, float* f) {
 }
 __device__ __forceinline__ void unpack_kv(const kv_chunk_t& c, float* f) {
 #if VEC_LOADS
-    if constexpr (kKvScaled) {   // fp8 codes, two at a time (exact; fp8.cuh)
+    if constexpr (kKvScaled) {  // fp8 codes, two at a time (exact; fp8.cuh)
         const u32* w = reinterpret_cast<const u32*>(&c);
 #pragma unroll
         for (u32 i = 0; i < kVec / 2; ++i) {
@@ -204,7 +205,7 @@ __device__ __forceinline__ void unpack_kv(const kv_chunk_t& c, float* f) {
 // more.
 extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const AttentionParams p) {
     using namespace att;
-    CP_ATTENTION_ARRAYS(p);   // the arrays as __restrict__ locals (epilogue.cuh)
+    CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
     __shared__ float s_m[kWarps][kHeads];
     __shared__ float s_l[kWarps][kHeads];
     __shared__ __align__(16) float s_acc[kWarps][kHeads][kCap];
@@ -220,8 +221,8 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
     const u32 group = p.q_heads / p.kv_heads;
     const u32 tiles = (group + kHeads - 1) / kHeads;
     const u32 kvh = blockIdx.y / tiles;
-    const u32 head0 = kvh * group + (blockIdx.y - kvh * tiles) * kHeads;   // first query head of the tile
-    const u32 heads = min_u32(kHeads, (kvh + 1) * group - head0);       // real heads in the tile
+    const u32 head0 = kvh * group + (blockIdx.y - kvh * tiles) * kHeads;  // first query head of the tile
+    const u32 heads = min_u32(kHeads, (kvh + 1) * group - head0);  // real heads in the tile
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
     const u32 row = lane / kLanes, x = lane % kLanes;
 
@@ -230,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
     // stored in words 6..10 are not trusted).
     const u32 seq = words[pw::q_seq(p.queries) + qi];
     u32 start = 0, end = 0;
-    const u32* table = words;   // this sequence's page-table row (valid when end > start)
+    const u32* table = words;  // this sequence's page-table row (valid when end > start)
     if (seq < p.sequences) {
         const Span sp = query_span(p, qi, seq, blockIdx.z);
         start = sp.lo;
@@ -342,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
             for (u32 c = 0; c < kChunks; ++c) {
                 const u32 e = (x + c * kLanes) * kVec;
                 kc[u][c] = (ok[u] && (HEAD_DIM || e < D)) ? ldv(reinterpret_cast<const kv_chunk_t*>(krow + e))
-                                                           : zero_chunk<kv_chunk_t>();
+                                                          : zero_chunk<kv_chunk_t>();
             }
 #if !ROT_CAP
             const kv_t* vrow = v_base + (u64)page * v_page + slot * v_slot;
@@ -350,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
             for (u32 c = 0; c < kChunks; ++c) {
                 const u32 e = (x + c * kLanes) * kVec;
                 vc[u][c] = (ok[u] && (HEAD_DIM || e < Dv)) ? ldv(reinterpret_cast<const kv_chunk_t*>(vrow + e))
-                                                            : zero_chunk<kv_chunk_t>();
+                                                           : zero_chunk<kv_chunk_t>();
             }
 #else
             const kv_t* rrow = k_rot + (u64)page * p.rot_stride_page + slot * p.rot_stride_slot;
@@ -361,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
             }
 #endif
         }
-        locate(base + kStep);   // next step's page ids load while this step's rows are in flight
+        locate(base + kStep);  // next step's page ids load while this step's rows are in flight
 
         // Scores: this lane's partial dot products, then the sum over the row's lanes.
         float s[kU][kHeads];
@@ -420,8 +421,8 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
             // No skip when mx is -inf: a NaN score (a NaN query, a NaN in a
             // visible K row) is ignored by fmaxf and must still reach the
             // sum, as it does in the reference (issue #12, item 9).
-            const float alpha = st[g].move_to(mx);   // 0 while the row group has seen nothing
-            const float mu = st[g].offset();         // mx, or 0 while it is -inf
+            const float alpha = st[g].move_to(mx);  // 0 while the row group has seen nothing
+            const float mu = st[g].offset();  // mx, or 0 while it is -inf
             float p_[kU], psum = 0.0f;
 #pragma unroll
             for (u32 u = 0; u < kU; ++u) {
@@ -465,8 +466,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const Atten
 #pragma unroll
             for (u32 c = 0; c < kChunks; ++c)
 #pragma unroll
-                for (u32 i = 0; i < kVec; ++i)
-                    s_acc[warp][g][(x + c * kLanes) * kVec + i] = acc[g][c * kVec + i];
+                for (u32 i = 0; i < kVec; ++i) s_acc[warp][g][(x + c * kLanes) * kVec + i] = acc[g][c * kVec + i];
         }
     }
     __syncthreads();

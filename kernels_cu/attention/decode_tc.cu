@@ -98,7 +98,7 @@ constexpr u32 kOTiles = kD / 8;  // n-tiles of O
 // and V meet in an f16 mma, exact for every e4m3 / e5m2 code, P rounded to
 // f16 rather than bf16).
 constexpr bool kFp8 = kKvScaled;
-using tc::v16_t;   // P and V's type in O += P V
+using tc::v16_t;  // P and V's type in O += P V
 constexpr u32 kChunkElems = 16 / sizeof(kv_t);  // cache elements per 16-byte copy
 constexpr u32 kChunks = kD / kChunkElems;  // 16-byte copies per cache row
 constexpr u32 kTileElems = 2 * kN * kPitch;  // a 16-bit tile: K [kN][kPitch], then V [kN][kPitch]
@@ -135,7 +135,7 @@ static_assert(sizeof(scalar_t) == 2 && (kFp8 || sizeof(kv_t) == 2), "f16 / bf16 
 // (splits == 1) or the partials (splits > 1).
 extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) paged_decode_tc(const AttentionParams p) {
     using namespace dtc;
-    CP_ATTENTION_ARRAYS(p);   // the arrays as __restrict__ locals (epilogue.cuh)
+    CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
     CUPAGED_DYNAMIC_SHARED(scalar_t, smem);  // kWarps rings of two stages
     __shared__ u64 s_koff[kWarps][2][kN];  // element offset of each staged token's K row (0 when invalid)
     __shared__ u64 s_voff[kWarps][2][kN];  // and of its V row
@@ -207,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     // output (every row of the block reads KV head kvh).
     float qscale = p.scale * softmax::kLog2e;
     if constexpr (kFp8)
-        if (p.k_scale) qscale *= p.k_scale[kvh * p.k_scale_stride];   // null: 1
+        if (p.k_scale) qscale *= p.k_scale[kvh * p.k_scale_stride];  // null: 1
     softmax::State sm[2];  // rows g and g + 8
     float o[kOTiles][4];
 #pragma unroll
@@ -283,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
         tc::decode_rows<v16_t, kD, kN, 32>(src + kVOffB, reinterpret_cast<v16_t*>(ring), kPitch, lane);
     };
     auto compute = [&](u32 b, u32 valid, u32 t0) {
-        const scalar_t* const kt = ring + b * kTileElems;   // (16-bit caches)
+        const scalar_t* const kt = ring + b * kTileElems;  // (16-bit caches)
         const v16_t* const vt = reinterpret_cast<const v16_t*>(kFp8 ? ring : kt + kN * kPitch);
         // S = Q K^T: [16 heads x 16 tokens].
         float s[2][4];
@@ -330,8 +330,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
             for (u32 i = 0; i < 4; ++i) {
                 const u32 h = i >> 1;
                 float v = s[n][i] * qscale;
-                if constexpr (!variant::kPlainScore)
-                    v = variant::score(sc, srow[h], v, t0 + n * 8 + 2 * tq + (i & 1u));
+                if constexpr (!variant::kPlainScore) v = variant::score(sc, srow[h], v, t0 + n * 8 + 2 * tq + (i & 1u));
                 s[n][i] = ((vis >> (n * 8 + (i & 1u))) & 1u) ? v : neg_inf();
                 mx[h] = fmaxf(mx[h], s[n][i]);
             }

@@ -33,16 +33,16 @@
 // keeps restrict on these, not on struct members: read-only loads stay
 // ld.global.nc). A kernel reads the ones it needs; the others compile to
 // nothing. (A macro, not a struct: a struct's members would lose restrict.)
-#define CP_ATTENTION_ARRAYS(p)                                                \
-    [[maybe_unused]] const scalar_t* __restrict__ const q = (p).q;            \
-    [[maybe_unused]] const scalar_t* __restrict__ const q_rot = (p).q_rot;    \
-    [[maybe_unused]] const kv_t* __restrict__ const k_cache = (p).k_cache;    \
-    [[maybe_unused]] const kv_t* __restrict__ const v_cache = (p).v_cache;    \
-    [[maybe_unused]] const kv_t* __restrict__ const k_rot = (p).k_rot;        \
-    [[maybe_unused]] const u32* __restrict__ const words = (p).words;         \
-    [[maybe_unused]] scalar_t* __restrict__ const out = (p).out;              \
-    [[maybe_unused]] float* __restrict__ const lse = (p).lse;                 \
-    [[maybe_unused]] float* __restrict__ const part_out = (p).part_out;       \
+#define CP_ATTENTION_ARRAYS(p)                                             \
+    [[maybe_unused]] const scalar_t* __restrict__ const q = (p).q;         \
+    [[maybe_unused]] const scalar_t* __restrict__ const q_rot = (p).q_rot; \
+    [[maybe_unused]] const kv_t* __restrict__ const k_cache = (p).k_cache; \
+    [[maybe_unused]] const kv_t* __restrict__ const v_cache = (p).v_cache; \
+    [[maybe_unused]] const kv_t* __restrict__ const k_rot = (p).k_rot;     \
+    [[maybe_unused]] const u32* __restrict__ const words = (p).words;      \
+    [[maybe_unused]] scalar_t* __restrict__ const out = (p).out;           \
+    [[maybe_unused]] float* __restrict__ const lse = (p).lse;              \
+    [[maybe_unused]] float* __restrict__ const part_out = (p).part_out;    \
     [[maybe_unused]] float* __restrict__ const part_lse = (p).part_lse
 
 namespace epi {
@@ -75,7 +75,7 @@ __device__ __forceinline__ float finish(softmax::State& st, const variant::Score
                                         float v_scale) {
     float inv = st.inv_sum();
     if constexpr (variant::kSinks)
-        if (!split) inv = normalize(st, sc.sink2(head));   // the head's sink, once (partials: the merge's)
+        if (!split) inv = normalize(st, sc.sink2(head));  // the head's sink, once (partials: the merge's)
     if constexpr (kKvScaled) inv *= v_scale;
     return inv;
 }
@@ -97,8 +97,8 @@ __device__ __forceinline__ Row row_of(const AttentionParams& p, u64 row, bool sp
 // or an f32 pair into the partials. (A template: nothing of it is compiled
 // for an f32 build, which has no ptx::pack2.)
 template <typename T>
-__device__ __forceinline__ void store_pair(T* __restrict__ out, float* __restrict__ part, u64 idx, bool split,
-                                           float a, float b) {
+__device__ __forceinline__ void store_pair(T* __restrict__ out, float* __restrict__ part, u64 idx, bool split, float a,
+                                           float b) {
     if (split) {
         float2 v;
         v.x = a;
@@ -114,8 +114,8 @@ __device__ __forceinline__ void store_pair(T* __restrict__ out, float* __restric
 // elements are whole 16-byte parts (the caller's rows are then 16-byte
 // aligned), else one at a time.
 template <u32 kN>
-__device__ __forceinline__ void store_values(scalar_t* __restrict__ out, float* __restrict__ part, u64 idx,
-                                             bool split, const float (&v)[kN], float inv) {
+__device__ __forceinline__ void store_values(scalar_t* __restrict__ out, float* __restrict__ part, u64 idx, bool split,
+                                             const float (&v)[kN], float inv) {
     if (split) {
         float* po = part + idx;
 #pragma unroll
@@ -142,8 +142,10 @@ __device__ __forceinline__ void store_values(scalar_t* __restrict__ out, float* 
 // launch asks for it (write_lse).
 __device__ __forceinline__ void store_lse(float* __restrict__ lse, float* __restrict__ part_lse, u32 write_lse,
                                           const Row& r, bool split, float value) {
-    if (split) part_lse[r.dst] = value;
-    else if (write_lse) lse[r.row] = value;
+    if (split)
+        part_lse[r.dst] = value;
+    else if (write_lse)
+        lse[r.row] = value;
 }
 
 }  // namespace epi

@@ -34,7 +34,7 @@
 
 namespace merge {
 constexpr u32 kThreads = 128;
-constexpr u32 kBatch = 8;   // splits a thread loads before using any
+constexpr u32 kBatch = 8;  // splits a thread loads before using any
 
 // Group g's online-softmax state and sum over its splits of chunk c (W floats).
 template <u32 W>
@@ -73,7 +73,7 @@ __device__ __forceinline__ void sum_splits(const float* __restrict__ part_out, c
         for (u32 i = 0; i < W; ++i) acc[i] *= alpha;
 #pragma unroll
         for (u32 b = 0; b < kBatch; ++b) {
-            const float w = softmax::rescale(l2[b], st.m);   // 0 for an empty split, NaN for a NaN one
+            const float w = softmax::rescale(l2[b], st.m);  // 0 for an empty split, NaN for a NaN one
             psum += w;
 #pragma unroll
             for (u32 i = 0; i < W; ++i) acc[i] = fmaf(w, v[b][i], acc[i]);
@@ -84,26 +84,26 @@ __device__ __forceinline__ void sum_splits(const float* __restrict__ part_out, c
 
 template <u32 W>
 __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, const float* __restrict__ part_lse,
-                                          scalar_t* __restrict__ out, float* __restrict__ lse, u64 stride,
-                                          u64 rowi, u32 value_dim, u32 nsplit, u32 write_lse, float* s_m,
-                                          float* s_l, float* s_acc, float sink) {
+                                          scalar_t* __restrict__ out, float* __restrict__ lse, u64 stride, u64 rowi,
+                                          u32 value_dim, u32 nsplit, u32 write_lse, float* s_m, float* s_l,
+                                          float* s_acc, float sink) {
     const u32 tid = threadIdx.x;
-    const u32 C = (value_dim + W - 1) / W;     // chunks of the row
+    const u32 C = (value_dim + W - 1) / W;  // chunks of the row
     const u32 G = C >= kThreads ? 1u : kThreads / C;
     const u32 g = G == 1 ? 0u : tid / C;
     const u32 c0 = G == 1 ? tid : tid - g * C;
     softmax::State st;
     float acc[W];
-    if (G == 1) {   // every thread: chunks tid, tid + 128, ... over all splits
+    if (G == 1) {  // every thread: chunks tid, tid + 128, ... over all splits
         for (u32 c = c0; c < C; c += kThreads) {
             sum_splits<W>(part_out, part_lse, stride, rowi, value_dim, nsplit, 0u, 1u, c, st, acc);
-            const float inv = epi::normalize(st, sink);   // the head's sink, once (CP_SINKS)
+            const float inv = epi::normalize(st, sink);  // the head's sink, once (CP_SINKS)
 #pragma unroll
             for (u32 i = 0; i < W; ++i)
                 if (c * W + i < value_dim) out[rowi * value_dim + c * W + i] = from_float<scalar_t>(acc[i] * inv);
             if (c == 0 && write_lse) lse[rowi] = st.lse();
         }
-        return;   // G is uniform over the block: no barrier below is skipped by some threads only
+        return;  // G is uniform over the block: no barrier below is skipped by some threads only
     }
     if (g < G) {
         sum_splits<W>(part_out, part_lse, stride, rowi, value_dim, nsplit, g, G, c0, st, acc);
@@ -115,7 +115,7 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
         for (u32 i = 0; i < W; ++i) s_acc[tid * W + i] = acc[i];
     }
     __syncthreads();
-    if (tid < C) {   // group 0's threads: the groups' states as one
+    if (tid < C) {  // group 0's threads: the groups' states as one
         float mx = neg_inf();
         for (u32 k = 0; k < G; ++k) mx = fmaxf(mx, s_m[k]);
         float total = 0.0f, o[W];
@@ -128,7 +128,7 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
             for (u32 i = 0; i < W; ++i) o[i] = fmaf(w, s_acc[(k * C + tid) * W + i], o[i]);
         }
         softmax::State all = softmax::make_state(mx, total);
-        const float inv = epi::normalize(all, sink);   // the head's sink, once (CP_SINKS)
+        const float inv = epi::normalize(all, sink);  // the head's sink, once (CP_SINKS)
 #pragma unroll
         for (u32 i = 0; i < W; ++i)
             if (tid * W + i < value_dim) out[rowi * value_dim + tid * W + i] = from_float<scalar_t>(o[i] * inv);
@@ -140,15 +140,15 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
 // 8 resident blocks by design: 64 registers, no spill on sm_80 / sm_86 / sm_89 / sm_90 (with 128 alone
 // ptxas gave sm_86 / sm_89 72 registers and a 4-byte spill), and more of its loads in flight per SM.
 extern "C" __global__ void __launch_bounds__(merge::kThreads, 8)
-attention_split_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
-                      scalar_t* __restrict__ out, float* __restrict__ lse, u32 queries, u32 q_heads,
-                      u32 value_dim, u32 splits, u32 write_lse, const float* __restrict__ sinks) {
-    __shared__ float s_m[merge::kThreads], s_l[merge::kThreads];   // each group's state
-    __shared__ __align__(16) float s_acc[merge::kThreads * 4];       // and its sums
+    attention_split_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
+                          scalar_t* __restrict__ out, float* __restrict__ lse, u32 queries, u32 q_heads, u32 value_dim,
+                          u32 splits, u32 write_lse, const float* __restrict__ sinks) {
+    __shared__ float s_m[merge::kThreads], s_l[merge::kThreads];  // each group's state
+    __shared__ __align__(16) float s_acc[merge::kThreads * 4];  // and its sums
     const u32 qi = blockIdx.x, h = blockIdx.y;
-    if (qi >= queries || h >= q_heads) return;   // the whole block: before any barrier
+    if (qi >= queries || h >= q_heads) return;  // the whole block: before any barrier
     const u32 nsplit = att::min_u32(splits, CP_MAX_SPLITS);
-    const u64 stride = (u64)queries * q_heads;   // between splits, in (query, head) rows
+    const u64 stride = (u64)queries * q_heads;  // between splits, in (query, head) rows
     const u64 rowi = (u64)qi * q_heads + h;
     // sinks [q_heads] (natural units), read with CP_SINKS only; the log2-domain sink of head h
     const float sink = variant::kSinks ? sinks[h] * softmax::kLog2e : neg_inf();

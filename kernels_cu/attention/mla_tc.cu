@@ -64,11 +64,11 @@
 
 namespace tcm {
 constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM, kK = kR + kP;
-constexpr u32 kN = 32;                      // tokens per tile
+constexpr u32 kN = 32;  // tokens per tile
 constexpr u32 kWarps = 8, kThreads = 32 * kWarps;
-constexpr u32 kPitch = kK + 8;              // shared row pitch of Q and K (elements)
-constexpr u32 kPPitch = kN + 8;             // shared row pitch of P
-constexpr u32 kChunks = kK / 8, kRChunks = kR / 8;   // 16-byte chunks of a 16-bit row
+constexpr u32 kPitch = kK + 8;  // shared row pitch of Q and K (elements)
+constexpr u32 kPPitch = kN + 8;  // shared row pitch of P
+constexpr u32 kChunks = kK / 8, kRChunks = kR / 8;  // 16-byte chunks of a 16-bit row
 // The tile copies: 16 bytes each, kCopies a token (kRCopies of them latent).
 constexpr u32 kCopyElems = 16 / sizeof(kv_t);
 constexpr u32 kCopies = kK / kCopyElems, kRCopies = kR / kCopyElems;
@@ -77,7 +77,7 @@ constexpr u32 kCopies = kK / kCopyElems, kRCopies = kR / kCopyElems;
 // into the one 16-bit buffer as they are used.
 constexpr u32 kTileBufs = kKvScaled ? 1 : 2;
 constexpr u32 kKSteps = kK / 16;
-constexpr u32 kCols = kR / kWarps;          // value columns per warp
+constexpr u32 kCols = kR / kWarps;  // value columns per warp
 constexpr u32 kOTiles = kCols / 8;
 constexpr u32 kMTiles = tc::kRows / 16;
 static_assert(kR % 128 == 0 && kP % 16 == 0, "LATENT_DIM a multiple of 128, ROPE_DIM of 16");
@@ -89,19 +89,19 @@ static_assert(sizeof(scalar_t) == 2 && (sizeof(kv_t) == sizeof(scalar_t) || kKvS
 }  // namespace tcm
 
 extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const AttentionParams p) {
-    CP_ATTENTION_ARRAYS(p);   // the arrays as __restrict__ locals (epilogue.cuh)
+    CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
     using namespace tcm;
     using tc::kNone;
     using tc::kRows;
     CUPAGED_DYNAMIC_SHARED(scalar_t, smem);
-    scalar_t* const sQ = smem;                           // [kRows][kPitch]  q | q_pos
-    scalar_t* const sKV = sQ + kRows * kPitch;           // [kTileBufs][kN][kPitch]  latent | k_pos
+    scalar_t* const sQ = smem;  // [kRows][kPitch]  q | q_pos
+    scalar_t* const sKV = sQ + kRows * kPitch;  // [kTileBufs][kN][kPitch]  latent | k_pos
     scalar_t* const sP = sKV + kTileBufs * kN * kPitch;  // [kRows][kPPitch] softmax numerators
     // fp8 caches: [2][kN][kK] raw codes (the ring), after P
     unsigned char* const sRaw = reinterpret_cast<unsigned char*>(sP + kRows * kPPitch);
     __shared__ tc::Rows rows;
     __shared__ tc::Ring<kN, 2> st;
-    __shared__ float s_max[2][kRows], s_sum[2][kRows];   // per token half of the tile
+    __shared__ float s_max[2][kRows], s_sum[2][kRows];  // per token half of the tile
 
     const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
     const u32 g = lane >> 2, tq = lane & 3u;
@@ -110,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
     const u32 ht = q_heads < kRows ? q_heads : kRows;
     const u32 qt = kRows / ht;
     const u32 tiles = (q_heads + ht - 1) / ht;
-    const u32 qblk = blockIdx.x / tiles;   // the head tile is the fastest block index
+    const u32 qblk = blockIdx.x / tiles;  // the head tile is the fastest block index
     const u32 head0 = (blockIdx.x - qblk * tiles) * ht;
     const u32 heads = tc::min_u32(ht, q_heads - head0);
     // Queries q0 .. q0 + qt - 1 of the launch's range [q_begin, q_end); last
@@ -137,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
         ks = p.k_scale ? p.k_scale[0] : 1.0f;
         if constexpr (kP > 0) {
             const float vs = p.v_scale ? p.v_scale[0] : 1.0f;
-            if (vs != ks) {   // block-uniform
+            if (vs != ks) {  // block-uniform
                 const float ratio = vs / ks;
                 for (u32 c = tid; c < kRows * (kP / 2); c += kThreads) {
                     const u32 r = c / (kP / 2), e = c - r * (kP / 2);
@@ -179,11 +179,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
     }
 
     const u32* const tables = words + pw::page_table(p.queries, p.sequences);
-    const variant::Scorer sc(p);   // a score variant's arguments
+    const variant::Scorer sc(p);  // a score variant's arguments
 
     tc::for_each_pass(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
         u32 rlo[2], rhi[2];
-        variant::ScoreRow srow[2];   // for a score variant: the rows' query position, head, slope
+        variant::ScoreRow srow[2];  // for a score variant: the rows' query position, head, slope
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) {
             const u32 s = s_slot[h];
@@ -196,13 +196,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
         auto issue = [&](u32 sb, u32 b) {
             for (u32 c = tid; c < kN * kCopies; c += kThreads) {
                 const u32 r = c / kCopies, ch = c - r * kCopies;
-                const uint2 ps = st.row[sb][r];   // page, slot
+                const uint2 ps = st.row[sb][r];  // page, slot
                 const u64 page = ps.x;
                 const bool ok = ps.x != kNone;
                 const u64 slot = ps.y;
-                const kv_t* src = ch < kRCopies
-                    ? k_cache + page * p.k_stride_page + slot * p.k_stride_slot + ch * kCopyElems
-                    : k_rot + page * p.rot_stride_page + slot * p.rot_stride_slot + (ch - kRCopies) * kCopyElems;
+                const kv_t* src =
+                    ch < kRCopies
+                        ? k_cache + page * p.k_stride_page + slot * p.k_stride_slot + ch * kCopyElems
+                        : k_rot + page * p.rot_stride_page + slot * p.rot_stride_slot + (ch - kRCopies) * kCopyElems;
                 void* const dst = kKvScaled ? static_cast<void*>(sRaw + (b * kN + r) * kK + ch * 16)
                                             : static_cast<void*>(sKV + (b * kN + r) * kPitch + ch * 8);
                 ptx::cp_async_16(dst, ok ? src : k_cache, ok);
@@ -227,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
             // Bit dt of vis[h]: row h sees token t0 + 16 th + dt.
             const u32 vbits = (st.valid[b][0] >> (16 * th)) & 0xffffu;
             u32 vis[2];
-            bool miss = false;   // a stored row of this warp misses a valid token of its half
+            bool miss = false;  // a stored row of this warp misses a valid token of its half
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) {
                 vis[h] = vbits & (u32)tc::row_bits(rlo[h], rhi[h], t0 + 16 * th, 16);
@@ -284,8 +285,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
                 for (u32 n = 0; n < 2; ++n) {
                     const float p0 = exp2f(s[n][2 * h] - mu), p1 = exp2f(s[n][2 * h + 1] - mu);
                     ps[h] += p0 + p1;
-                    *reinterpret_cast<u32*>(sP + r * kPPitch + 16 * th + n * 8 + 2 * tq) =
-                        ptx::pack2<scalar_t>(p0, p1);
+                    *reinterpret_cast<u32*>(sP + r * kPPitch + 16 * th + n * 8 + 2 * tq) = ptx::pack2<scalar_t>(p0, p1);
                 }
                 ps[h] += __shfl_xor_sync(CP_FULL_MASK, ps[h], 1);
                 ps[h] += __shfl_xor_sync(CP_FULL_MASK, ps[h], 2);
@@ -314,12 +314,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
                     u32 a[kMTiles][4];
 #pragma unroll
                     for (u32 mt = 0; mt < kMTiles; ++mt)
-                        ptx::ldmatrix_x4(a[mt], sP + (mt * 16 + r8 + 8 * (tile & 1u)) * kPPitch + kk * 16 + 8 * (tile >> 1));
+                        ptx::ldmatrix_x4(a[mt],
+                                         sP + (mt * 16 + r8 + 8 * (tile & 1u)) * kPPitch + kk * 16 + 8 * (tile >> 1));
 #pragma unroll
                     for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
                         u32 bq[4];
-                        ptx::ldmatrix_x4_trans(bq, kt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + c0 + dp * 16 +
-                                                       8 * (tile >> 1));
+                        ptx::ldmatrix_x4_trans(
+                            bq, kt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + c0 + dp * 16 + 8 * (tile >> 1));
                         const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
 #pragma unroll
                         for (u32 mt = 0; mt < kMTiles; ++mt) {
@@ -339,15 +340,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
                     bool mx16[kMTiles];
 #pragma unroll
                     for (u32 mt = 0; mt < kMTiles; ++mt) {
-                        ptx::ldmatrix_x4(a[mt], sP + (mt * 16 + r8 + 8 * (tile & 1u)) * kPPitch + kk * 16 + 8 * (tile >> 1));
+                        ptx::ldmatrix_x4(a[mt],
+                                         sP + (mt * 16 + r8 + 8 * (tile & 1u)) * kPPitch + kk * 16 + 8 * (tile >> 1));
                         bool m = false;
 #pragma unroll
                         for (u32 h = 0; h < 2; ++h) {
                             const u32 r = mt * 16 + g + 8 * h, slot = r / ht, hl = r - slot * ht;
                             const bool stored = slot < qt && q0 + slot < q_end && hl < heads;
                             const bool in = stored && slot >= slot_lo && slot < slot_hi;
-                            kv[mt][h] = in ? valid16 & (u32)tc::row_bits(rows.lo[slot], rows.hi[slot], t0 + 16 * kk, 16)
-                                           : 0u;
+                            kv[mt][h] =
+                                in ? valid16 & (u32)tc::row_bits(rows.lo[slot], rows.hi[slot], t0 + 16 * kk, 16) : 0u;
                             m |= stored && kv[mt][h] != valid16;
                         }
                         mx16[mt] = __any_sync(CP_FULL_MASK, m);
@@ -355,8 +357,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
 #pragma unroll
                     for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
                         u32 bq[4];
-                        ptx::ldmatrix_x4_trans(bq, kt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + c0 + dp * 16 +
-                                                       8 * (tile >> 1));
+                        ptx::ldmatrix_x4_trans(
+                            bq, kt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + c0 + dp * 16 + 8 * (tile >> 1));
 #pragma unroll
                         for (u32 mt = 0; mt < kMTiles; ++mt)
                             tc::pv_step<scalar_t>(o[mt][2 * dp], o[mt][2 * dp + 1], a[mt], bq, mx16[mt], kv[mt][0],

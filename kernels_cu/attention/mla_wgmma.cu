@@ -74,13 +74,13 @@
 
 namespace mwg {
 constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM, kK = kR + kP;
-constexpr u32 kN = 64;                      // tokens per tile
-constexpr u32 kS = 2;                       // tile buffers
+constexpr u32 kN = 64;  // tokens per tile
+constexpr u32 kS = 2;  // tile buffers
 constexpr u32 kThreads = 256;
-constexpr u32 kRows = tc::kRows;            // 64
-constexpr u32 kRBlocks = kR / 64, kBlocks = kK / 64;   // 128-byte column blocks (8 latent, 9 in all)
-constexpr u32 kRotSteps = kP / 16;          // k-steps of the rotary part
-constexpr u32 kColBytes = 64 * 128;         // one column block of 64 rows (or tokens)
+constexpr u32 kRows = tc::kRows;  // 64
+constexpr u32 kRBlocks = kR / 64, kBlocks = kK / 64;  // 128-byte column blocks (8 latent, 9 in all)
+constexpr u32 kRotSteps = kP / 16;  // k-steps of the rotary part
+constexpr u32 kColBytes = 64 * 128;  // one column block of 64 rows (or tokens)
 constexpr u32 kQBytes = kRBlocks * kColBytes;
 constexpr u32 kKBytes = kBlocks * kColBytes;
 constexpr u32 kPBytes = kColBytes;
@@ -101,17 +101,17 @@ __device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7
 }  // namespace mwg
 
 extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const AttentionParams p) {
-    CP_ATTENTION_ARRAYS(p);   // the arrays as __restrict__ locals (epilogue.cuh)
+    CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
     using namespace mwg;
     using tc::kNone;
     CUPAGED_DYNAMIC_SHARED(unsigned char, smem_raw);
     // The swizzle patterns start on 1024-byte boundaries (descriptor base offset 0). The offset is
     // added to the shared array itself, so the compiler keeps shared-memory accesses (LDS / STS).
-    unsigned char* const sQ = smem_raw + ((0u - (u32)reinterpret_cast<u64>(smem_raw)) & 1023u);
-    unsigned char* const sK = sQ + kQBytes;                  // [kTileBufs][kBlocks][64][128 B]
-    unsigned char* const sRaw = sK + kTileBufs * kKBytes;    // fp8: [kS][64][kK] codes
-    unsigned char* const sP = sRaw + kS * kRawBytes;         // [64][128 B]
-    float* const s_max = reinterpret_cast<float*>(sP + kPBytes);   // [2][kRows]: each warpgroup's row maxima
+    unsigned char* const sQ = smem_raw + ((0u - (u32) reinterpret_cast<u64>(smem_raw)) & 1023u);
+    unsigned char* const sK = sQ + kQBytes;  // [kTileBufs][kBlocks][64][128 B]
+    unsigned char* const sRaw = sK + kTileBufs * kKBytes;  // fp8: [kS][64][kK] codes
+    unsigned char* const sP = sRaw + kS * kRawBytes;  // [64][128 B]
+    float* const s_max = reinterpret_cast<float*>(sP + kPBytes);  // [2][kRows]: each warpgroup's row maxima
     __shared__ tc::RowSet<kRows> rows;
     __shared__ tc::Ring<kN, kS> st;
 
@@ -121,11 +121,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
     const u32 ht = q_heads < kRows ? q_heads : kRows;
     const u32 qt = kRows / ht;
     const u32 tiles = (q_heads + ht - 1) / ht;
-    const u32 qblk = blockIdx.x / tiles;                     // head tile fastest: blocks x, x+1 share a query block
+    const u32 qblk = blockIdx.x / tiles;  // head tile fastest: blocks x, x+1 share a query block
     const u32 head0 = (blockIdx.x - qblk * tiles) * ht;
     const u32 heads = tc::min_u32(ht, q_heads - head0);
     const u32 q_end = att::range_end(p.queries, p.q_begin, p.q_count);
-    const u64 q0 = (u64)p.q_begin + (u64)(gridDim.x / tiles - 1 - qblk) * qt;   // last queries first
+    const u64 q0 = (u64)p.q_begin + (u64)(gridDim.x / tiles - 1 - qblk) * qt;  // last queries first
     auto row_ok = [&](u32 r, u32& slot, u32& hl) {
         slot = r / ht;
         hl = r - slot * ht;
@@ -134,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
 
     // ---- Q: the latent part into sQ (swizzled), the rotary part as A fragments ----
     for (u32 c = tid; c < kRows * kRBlocks * 8; c += kThreads) {
-        const u32 r = c / (kRBlocks * 8), ch = c - r * (kRBlocks * 8);   // chunk ch of row r
+        const u32 r = c / (kRBlocks * 8), ch = c - r * (kRBlocks * 8);  // chunk ch of row r
         u32 slot, hl;
         const bool ok = row_ok(r, slot, hl);
         const scalar_t* src = q + ((q0 + slot) * q_heads + head0 + hl) * kR + ch * 8;
@@ -143,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
     ptx::cp_async_commit();
     // Rows 16 warp4 + g (+ 8) of this thread in every wgmma fragment (both warpgroups: the same rows).
     u32 my_slot[2];
-    u32 qr[kRotSteps ? kRotSteps : 1][4];   // A fragments of Q's rotary part, k-steps of 16 dims
+    u32 qr[kRotSteps ? kRotSteps : 1][4];  // A fragments of Q's rotary part, k-steps of 16 dims
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         u32 slot, hl;
@@ -154,7 +154,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
 #pragma unroll
         for (u32 kr = 0; kr != kRotSteps; ++kr)
 #pragma unroll
-            for (u32 c = 0; c < 2; ++c)   // a[h + 2 c]: row g (+ 8), dims 16 kr + 8 c + 2 tq, + 1
+            for (u32 c = 0; c < 2; ++c)  // a[h + 2 c]: row g (+ 8), dims 16 kr + 8 c + 2 tq, + 1
                 qr[kr][h + 2 * c] = ok ? *reinterpret_cast<const u32*>(src + 16 * kr + 8 * c + 2 * tq) : 0u;
     }
     // fp8: score = scale * k_scale * (q.latent + q_rot.k_pos * v_scale / k_scale) over the codes.
@@ -173,12 +173,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
     }
     tc::setup_row_set(rows, p, q0, qt, q_end);
     ptx::cp_async_wait<0>();
-    ptx::fence_proxy_async_shared();   // Q is read by wgmma
+    ptx::fence_proxy_async_shared();  // Q is read by wgmma
     __syncthreads();
 
     const float qscale = kKvScaled ? p.scale * ks * softmax::kLog2e : p.scale * softmax::kLog2e;
-    softmax::State sm[2];   // rows g, g + 8: the max (shared by both warpgroups) and this lane's part of its half's sum
-    float o[128];           // O [64 x 256]: value columns 256 wg + 8 j + 2 tq (+ 1), rows as above
+    softmax::State sm[2];  // rows g, g + 8: the max (shared by both warpgroups) and this lane's part of its half's sum
+    float o[128];  // O [64 x 256]: value columns 256 wg + 8 j + 2 tq (+ 1), rows as above
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) sm[h].clear();
 #pragma unroll
@@ -186,11 +186,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
 
     const u32* const tables = words + pw::page_table(p.queries, p.sequences);
     constexpr u32 kSw = ptx::kSwizzle128B;
-    const variant::Scorer sc(p);   // a score variant's arguments
+    const variant::Scorer sc(p);  // a score variant's arguments
 
     tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
         u32 rlo[2], rhi[2];
-        variant::ScoreRow srow[2];   // for a score variant: the rows' query position, head, slope
+        variant::ScoreRow srow[2];  // for a score variant: the rows' query position, head, slope
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) {
             const u32 s = my_slot[h];
@@ -223,7 +223,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
                     ptx::cp_async_16(raw + r * kK + c16 * 16, ok ? src : k_cache, ok);
                 }
                 if constexpr (kRotSteps > 0) {
-                    constexpr u32 kRC = kRotSteps ? kRotSteps : 1;   // (a discarded branch still compiles)
+                    constexpr u32 kRC = kRotSteps ? kRotSteps : 1;  // (a discarded branch still compiles)
                     static_assert(kRotSteps == 0 || kN * kRotSteps == kThreads, "one rotary copy a thread");
                     const u32 r = tid / kRC, c = tid % kRC;
                     const uint2 ps = st.row[sb][r];
@@ -234,7 +234,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
             } else {
 #pragma unroll
                 for (u32 i = 0; i < kN / 4; ++i) {
-                    const uint2 ps = st.row[sb][lr0 + 4 * i];   // page, slot
+                    const uint2 ps = st.row[sb][lr0 + 4 * i];  // page, slot
                     const bool ok = ps.x != kNone;
                     const kv_t* src = k_cache + ps.x * p.k_stride_page + (u64)ps.y * p.k_stride_slot + lch * 8;
                     ptx::cp_async_16((i & 1u ? ldst1 : ldst0) + b * kKBytes + 4 * i * 128, ok ? src : k_cache, ok);
@@ -337,7 +337,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
                         s[i] = exp2f(s[i] - mu);
                         ps += s[i];
                     }
-                sm[h].add(alpha[h], ps);   // this lane's part of its half of the row sum
+                sm[h].add(alpha[h], ps);  // this lane's part of its half of the row sum
             }
             // P of this half into sP: S fragment element i is row g (+ 8 for i & 2), token 8 (i / 4) + 2 tq (+ 1).
 #pragma unroll
@@ -345,7 +345,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
                 const u32 r = 16 * warp4 + g + 4 * (i & 2u), c = 32 * wg + 8 * (i >> 2) + 2 * tq;
                 *reinterpret_cast<u32*>(sP + swz(r, c >> 3) + (c & 7u) * 2) = ptx::pack2<scalar_t>(s[i], s[i + 1]);
             }
-            ptx::fence_proxy_async_shared();   // sP is read by wgmma after the barrier below
+            ptx::fence_proxy_async_shared();  // sP is read by wgmma after the barrier below
 #pragma unroll
             for (u32 i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1u];
             // A tile where some stored row misses a valid token: its value rows' Inf / NaN must reach
@@ -355,15 +355,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
             bool bad = false;
             if (mixed) {
 #pragma unroll 1
-                for (u32 c = tid; c < kN * kRBlocks * 8; c += kThreads) {   // every 16-byte chunk of the values
+                for (u32 c = tid; c < kN * kRBlocks * 8; c += kThreads) {  // every 16-byte chunk of the values
                     ptx::cold_path();
                     const uint4 x = *reinterpret_cast<const uint4*>(kt + c * 16);
                     bad |= tc::nonfinite2<scalar_t>(x.x) | tc::nonfinite2<scalar_t>(x.y) |
                            tc::nonfinite2<scalar_t>(x.z) | tc::nonfinite2<scalar_t>(x.w);
                 }
-                bad = __syncthreads_or(bad) != 0;   // also: sP complete
+                bad = __syncthreads_or(bad) != 0;  // also: sP complete
             } else {
-                __syncthreads();   // sP complete
+                __syncthreads();  // sP complete
             }
             if (bad) {
 #pragma unroll 1
@@ -376,8 +376,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
                     const float p1 = tc::half_of<scalar_t>(
                         *reinterpret_cast<const u32*>(sP + swz(r0 + 8, tok >> 3) + (tok & 6u) * 2), tok & 1u);
 #pragma unroll
-                    for (u32 j = 0; j < 32; ++j) {   // unrolled: o stays in registers
-                        const u32 col = 256 * wg + 8 * j + 2 * tq;   // value columns col, col + 1
+                    for (u32 j = 0; j < 32; ++j) {  // unrolled: o stays in registers
+                        const u32 col = 256 * wg + 8 * j + 2 * tq;  // value columns col, col + 1
                         // volatile: one value at a time (no register pressure from early loads)
                         const u32 vb = *reinterpret_cast<const volatile u32*>(
                             kt + (col >> 6) * kColBytes + swz(tok, (col >> 3) & 7u) + (col & 7u) * 2);
@@ -391,9 +391,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
                             }
                     }
                 }
-                __syncthreads();   // every lane has read the tile's non-finite values
+                __syncthreads();  // every lane has read the tile's non-finite values
 #pragma unroll 1
-                for (u32 c = tid; c < kN * kRBlocks * 8 * 4; c += kThreads) {   // every 32-bit pair
+                for (u32 c = tid; c < kN * kRBlocks * 8 * 4; c += kThreads) {  // every 32-bit pair
                     ptx::cold_path();
                     u32* const w = reinterpret_cast<u32*>(kt) + c;
                     const u32 x = *w;
@@ -418,13 +418,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
         };
         // 16-bit tiles are read by wgmma as cp.async left them: fenced to the async proxy (fp8: compute fences
         // its converted tiles)
-        tc::run_ring<kN, kS, !kKvScaled>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages,
-                                          issue, compute);
+        tc::run_ring<kN, kS, !kKvScaled>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue,
+                                         compute);
     });
 
     // ---- normalize and write: warpgroup w its value columns of every row ----
     // Row sums: this lane's part of its half, over the quad, then both halves (through s_max).
-    __syncthreads();   // every warpgroup is done reading s_max
+    __syncthreads();  // every warpgroup is done reading s_max
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         float l = sm[h].l;
@@ -447,20 +447,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const Atten
         const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
         float inv = sm[h].inv_sum();
         if constexpr (variant::kSinks) {
-            if (!split) {   // the head's sink, once (split partials leave it to the merge)
+            if (!split) {  // the head's sink, once (split partials leave it to the merge)
                 const float a = variant::fold_sink(sm[h], sc.sink2(head0 + (r - slot * ht)));
                 inv = sm[h].inv_sum() * a;
             }
         }
-        if constexpr (kKvScaled) inv *= ks;   // V is the latent: its codes times k_scale
+        if constexpr (kKvScaled) inv *= ks;  // V is the latent: its codes times k_scale
 #pragma unroll
         for (u32 j = 0; j < 32; ++j)
             epi::store_pair(out, part_out, row_out * kR + 256 * wg + 8 * j + 2 * tq, split, o[4 * j + 2 * h] * inv,
                             o[4 * j + 2 * h + 1] * inv);
         if (wg == 0 && tq == 0) {
             const float lse_v = sm[h].lse();
-            if (split) part_lse[row_out] = lse_v;
-            else if (p.write_lse) lse[row] = lse_v;
+            if (split)
+                part_lse[row_out] = lse_v;
+            else if (p.write_lse)
+                lse[row] = lse_v;
         }
     }
 }

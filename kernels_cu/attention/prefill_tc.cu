@@ -71,25 +71,25 @@
 
 namespace tcp {
 constexpr u32 kD = HEAD_DIM;
-constexpr u32 kMT = TC_MTILES;              // m-tiles per warp
+constexpr u32 kMT = TC_MTILES;  // m-tiles per warp
 constexpr u32 kWarps = TC_WARPS, kThreads = 32 * kWarps;
-constexpr u32 kRows = 16 * kMT * kWarps;    // (query, head) rows per block
-constexpr u32 kN = TC_KV_TILE;              // tokens per K/V tile
-constexpr u32 kS = TC_STAGES;               // tile buffers
-constexpr u32 kPitch = kD + 8;              // shared row pitch (elements): conflict-free ldmatrix
-constexpr u32 kChunks = kD / 8;             // 16-byte chunks per q row
+constexpr u32 kRows = 16 * kMT * kWarps;  // (query, head) rows per block
+constexpr u32 kN = TC_KV_TILE;  // tokens per K/V tile
+constexpr u32 kS = TC_STAGES;  // tile buffers
+constexpr u32 kPitch = kD + 8;  // shared row pitch (elements): conflict-free ldmatrix
+constexpr u32 kChunks = kD / 8;  // 16-byte chunks per q row
 // fp8 caches (kKvScaled): the codes of a tile are copied raw (half the
 // bytes) into a ring of their own and, after the tile's barrier, decoded by
 // the block into one 16-bit K / V tile the fragments load from (K as
 // scalar_t, V as f16: tc::v16_t), then a second barrier.
 constexpr bool kFp8 = kKvScaled;
-constexpr u32 kCopyChunks = kD * sizeof(kv_t) / 16;   // 16-byte copies per cache row
-constexpr u32 kCopyElems = 16 / sizeof(kv_t);         // cache elements per copy
-constexpr u32 kKSteps = kD / 16;            // k-steps of S = Q K^T
-constexpr u32 kSTiles = kN / 8;             // n-tiles of S
-constexpr u32 kOTiles = kD / 8;             // n-tiles of O
+constexpr u32 kCopyChunks = kD * sizeof(kv_t) / 16;  // 16-byte copies per cache row
+constexpr u32 kCopyElems = 16 / sizeof(kv_t);  // cache elements per copy
+constexpr u32 kKSteps = kD / 16;  // k-steps of S = Q K^T
+constexpr u32 kSTiles = kN / 8;  // n-tiles of S
+constexpr u32 kOTiles = kD / 8;  // n-tiles of O
 constexpr bool kQInRegs = kMT * kD <= 128;  // Q's A fragments: kMT * kKSteps * 4 registers
-constexpr u32 kRowStep = kThreads / kCopyChunks;   // rows one pass of the block's threads copies
+constexpr u32 kRowStep = kThreads / kCopyChunks;  // rows one pass of the block's threads copies
 static_assert(kD == 64 || kD == 128 || kD == 256, "HEAD_DIM: 64, 128 or 256");
 static_assert(kMT == 1 || kMT == 2, "one or two m-tiles per warp");
 static_assert(kN == 16 || kN == 32 || kN == 64, "K/V tiles of 16, 32 or 64 tokens");
@@ -104,7 +104,7 @@ static_assert(sizeof(scalar_t) == 2 && (kFp8 || sizeof(kv_t) == 2), "f16 / bf16 
 constexpr u32 kQElems = kRows * kPitch;
 constexpr u32 kKvElems = 2 * (kFp8 ? 1 : kS) * kN * kPitch;
 constexpr u32 kRawOff = kQInRegs ? (kQElems > kKvElems ? kQElems : kKvElems) : kQElems + kKvElems;
-constexpr u32 kRawStage = 2 * kN * kD;                // bytes of one raw stage (fp8)
+constexpr u32 kRawStage = 2 * kN * kD;  // bytes of one raw stage (fp8)
 // How a copying thread forms its K / V row offsets (the views' strides). The kernel runs at its
 // register cap (__launch_bounds__), where ptxas' allocation decides spills, not the instruction
 // count: the NVRTC gate (no spills, sm_80 / sm_90, every registered variant) found the forms below.
@@ -112,10 +112,12 @@ constexpr u32 kRawStage = 2 * kN * kD;                // bytes of one raw stage 
 //     on_stage) into shared memory, the copying threads add their chunk (Q in registers, f16 q);
 //   else the copying thread computes them, the head's part from shared memory when Q stays in
 //     shared memory (s_head) and as a product ptxas hoists when Q is in registers (bf16 q).
-template <typename T> struct IsHalf {
+template <typename T>
+struct IsHalf {
     static constexpr bool value = false;
 };
-template <> struct IsHalf<__half> {
+template <>
+struct IsHalf<__half> {
     static constexpr bool value = true;
 };
 constexpr bool kStagedRows = kQInRegs && IsHalf<scalar_t>::value;
@@ -123,7 +125,7 @@ static_assert((kN * kD / 8) % kThreads == 0, "whole decode steps per thread");
 }  // namespace tcp
 
 extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged_prefill_tc(const AttentionParams p) {
-    CP_ATTENTION_ARRAYS(p);   // the arrays as __restrict__ locals (epilogue.cuh)
+    CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
     using namespace tcp;
     using tc::kNone;
     CUPAGED_DYNAMIC_SHARED(scalar_t, smem);
@@ -133,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
     scalar_t* const sQ = smem;
     scalar_t* const sK = kQInRegs ? smem : sQ + kRows * kPitch;
     scalar_t* const sV = sK + (kFp8 ? 1 : kS) * kN * kPitch;
-    unsigned char* const sRaw = reinterpret_cast<unsigned char*>(smem + kRawOff);   // fp8: the raw ring
+    unsigned char* const sRaw = reinterpret_cast<unsigned char*>(smem + kRawOff);  // fp8: the raw ring
     __shared__ tc::RowSet<kRows> rows;
     __shared__ tc::Ring<kN, kS> st;
     // The block's KV head's row offsets in K and V (element strides; kStagedRows below).
@@ -142,14 +144,14 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
     __shared__ u64 s_koff[kStagedRows ? 2 : 1][kStagedRows ? kN : 1], s_voff[kStagedRows ? 2 : 1][kStagedRows ? kN : 1];
 
     const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
-    const u32 g = lane >> 2, tq = lane & 3u;             // mma fragment coordinates
-    const u32 r8 = lane & 7u, tile = lane >> 3;          // ldmatrix: row within a tile, tile of the x4
-    const u32 row0 = warp * 16 * kMT;                    // the warp's first row
+    const u32 g = lane >> 2, tq = lane & 3u;  // mma fragment coordinates
+    const u32 r8 = lane & 7u, tile = lane >> 3;  // ldmatrix: row within a tile, tile of the x4
+    const u32 row0 = warp * 16 * kMT;  // the warp's first row
     const u32 q_heads = p.q_heads, kv_heads = p.kv_heads;
     const u32 group = q_heads / kv_heads;
-    const u32 ht = group < kRows ? group : kRows;        // heads per block
+    const u32 ht = group < kRows ? group : kRows;  // heads per block
     const u32 tiles = (group + ht - 1) / ht;
-    const u32 qt = kRows / ht;                           // query slots per block
+    const u32 qt = kRows / ht;  // query slots per block
     const u32 kvh = blockIdx.y / tiles;
     const u32 head0 = kvh * group + (blockIdx.y - kvh * tiles) * ht;
     const u32 heads = tc::min_u32(ht, (kvh + 1) * group - head0);
@@ -172,7 +174,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
         s_head[0] = (u64)kvh * p.k_stride_head;
         s_head[1] = (u64)kvh * p.v_stride_head;
     }
-    const variant::Scorer sc(p);   // a score variant's arguments
+    const variant::Scorer sc(p);  // a score variant's arguments
     tc::setup_slopes(rows, sc, head0);
     ptx::cp_async_wait<0>();
     __syncthreads();
@@ -201,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
     // output (every row of the block reads KV head kvh).
     float qscale = p.scale * softmax::kLog2e;
     if constexpr (kFp8)
-        if (p.k_scale) qscale *= p.k_scale[kvh * p.k_scale_stride];   // null: 1
+        if (p.k_scale) qscale *= p.k_scale[kvh * p.k_scale_stride];  // null: 1
     softmax::State sm[kMT][2];
     float o[kMT][kOTiles][4];
 #pragma unroll
@@ -217,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
     const u32* const tables = words + pw::page_table(p.queries, p.sequences);
 
     tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
-        u32 rlo[kMT][2], rhi[kMT][2];     // this thread's rows' positions in this pass
+        u32 rlo[kMT][2], rhi[kMT][2];  // this thread's rows' positions in this pass
 #pragma unroll
         for (u32 mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -236,10 +238,10 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             for (u32 i = 0; i < (kN + kRowStep - 1) / kRowStep; ++i) {
                 const u32 r = tid / kCopyChunks + i * kRowStep, ch = tid % kCopyChunks;
                 if (kN % kRowStep != 0 && r >= kN) break;
-                const uint2 ps = st.row[sb][r];   // page, slot
+                const uint2 ps = st.row[sb][r];  // page, slot
                 const bool ok = ps.x != kNone;
                 u64 koff, voff;
-                if constexpr (kStagedRows) {   // (0 for an invalid row: a row inside the caches, never read)
+                if constexpr (kStagedRows) {  // (0 for an invalid row: a row inside the caches, never read)
                     const u32 dst = (b * kN + r) * kPitch + ch * 8;
                     if constexpr (!kFp8) {
                         ptx::cp_async_16(sK + dst, k_cache + (s_koff[sb][r] + ch * kCopyElems), ok);
@@ -273,11 +275,11 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                 // block decodes tile j into the 16-bit tiles, then meets again.
                 const unsigned char* const raw = sRaw + b * kRawStage;
                 tc::decode_rows<scalar_t, kD, kN, kThreads>(raw, sK, kPitch, tid);
-                tc::decode_rows<tc::v16_t, kD, kN, kThreads>(raw + kN * kD, reinterpret_cast<tc::v16_t*>(sV),
-                                                             kPitch, tid);
+                tc::decode_rows<tc::v16_t, kD, kN, kThreads>(raw + kN * kD, reinterpret_cast<tc::v16_t*>(sV), kPitch,
+                                                             tid);
                 __syncthreads();
             }
-            const u32 tb = kFp8 ? 0u : b;   // the 16-bit tile to read
+            const u32 tb = kFp8 ? 0u : b;  // the 16-bit tile to read
             // Bit dt of vis[mt][h]: row (mt, h) sees token t0 + dt (its share, and a valid page).
             u64 vbits = st.valid[b][0];
             if constexpr (kN > 32) vbits |= (u64)st.valid[b][kN > 32 ? 1 : 0] << 32;
@@ -290,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                     vis[mt][h] = tc::tile_vis<kN>(vbits, rlo[mt][h], rhi[mt][h], t0);
                     any |= vis[mt][h] != 0;
                 }
-            if (!__any_sync(CP_FULL_MASK, any)) return;   // none of the warp's rows sees this tile
+            if (!__any_sync(CP_FULL_MASK, any)) return;  // none of the warp's rows sees this tile
 
             // S = Q K^T: [16 kMT x kN] per warp; each K fragment feeds kMT mma.
             const scalar_t* const kt = sK + tb * kN * kPitch;
@@ -310,8 +312,8 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
 #pragma unroll
                         for (u32 i = 0; i < 4; ++i) a[mt][i] = qf[kQInRegs ? mt : 0][kQInRegs ? ks : 0][i];
                     } else {
-                        ptx::ldmatrix_x4(a[mt], sQ + (row0 + 16 * mt + r8 + 8 * (tile & 1u)) * kPitch + ks * 16 +
-                                                    8 * (tile >> 1));
+                        ptx::ldmatrix_x4(
+                            a[mt], sQ + (row0 + 16 * mt + r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
                     }
                 }
 #pragma unroll
@@ -349,8 +351,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                     for (u32 i = 0; i < 4; ++i) {
                         const u32 h = i >> 1, col = n * 8 + 2 * tq + (i & 1u);
                         float v = s[mt][n][i] * qscale;
-                        if constexpr (!variant::kPlainScore)
-                            v = variant::score(sc, srow[mt][h], v, t0 + col);
+                        if constexpr (!variant::kPlainScore) v = variant::score(sc, srow[mt][h], v, t0 + col);
                         s[mt][n][i] = ((lv[h] >> (n * 8 + (i & 1u))) & 1u) ? v : neg_inf();
                         mx[h] = fmaxf(mx[h], s[mt][n][i]);
                     }
@@ -360,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                     mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 1));
                     mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 2));
                     alpha[h] = sm[mt][h].raise(mx[h]);
-                    mu[h] = sm[mt][h].offset();   // exp2(-inf - mu) = 0 for masked scores
+                    mu[h] = sm[mt][h].offset();  // exp2(-inf - mu) = 0 for masked scores
                 }
                 float ps[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -371,7 +372,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                         ps[i >> 1] += s[mt][n][i];
                     }
 #pragma unroll
-                for (u32 h = 0; h < 2; ++h) sm[mt][h].add(alpha[h], ps[h]);   // this lane's part of the row sum
+                for (u32 h = 0; h < 2; ++h) sm[mt][h].add(alpha[h], ps[h]);  // this lane's part of the row sum
 #pragma unroll
                 for (u32 n = 0; n < kOTiles; ++n)
 #pragma unroll
@@ -403,8 +404,8 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
 #pragma unroll
                     for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
                         u32 bq[4];
-                        ptx::ldmatrix_x4_trans(bq, vt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + dp * 16 +
-                                                       8 * (tile >> 1));
+                        ptx::ldmatrix_x4_trans(
+                            bq, vt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + dp * 16 + 8 * (tile >> 1));
                         const u32 b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
 #pragma unroll
                         for (u32 mt = 0; mt < kMT; ++mt) {
@@ -417,12 +418,12 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
 #pragma unroll 1
                 for (u32 kk = 0; kk < kN / 16; ++kk) {
                     u32 a[kMT][4];
-                    u32 kv[kMT][2];   // this lane's rows' visibility of the k-step's 16 tokens
+                    u32 kv[kMT][2];  // this lane's rows' visibility of the k-step's 16 tokens
                     bool mixed[kMT];
                     const u32 valid16 = (u32)(vbits >> (16 * kk)) & 0xffffu;
 #pragma unroll
                     for (u32 mt = 0; mt < kMT; ++mt) {
-                        float p[2][4];   // S n-tiles 2 kk, 2 kk + 1, picked without indexing by kk
+                        float p[2][4];  // S n-tiles 2 kk, 2 kk + 1, picked without indexing by kk
 #pragma unroll
                         for (u32 i = 0; i < 4; ++i) {
                             p[0][i] = s[mt][0][i];
@@ -452,12 +453,12 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
 #pragma unroll
                     for (u32 dp = 0; dp < kOTiles / 2; ++dp) {
                         u32 bq[4];
-                        ptx::ldmatrix_x4_trans(bq, vt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + dp * 16 +
-                                                       8 * (tile >> 1));
+                        ptx::ldmatrix_x4_trans(
+                            bq, vt + (kk * 16 + r8 + 8 * (tile & 1u)) * kPitch + dp * 16 + 8 * (tile >> 1));
 #pragma unroll
                         for (u32 mt = 0; mt < kMT; ++mt)
                             tc::pv_step<tc::v16_t>(o[mt][2 * dp], o[mt][2 * dp + 1], a[mt], bq, mixed[mt], kv[mt][0],
-                                                  kv[mt][1], vt + kk * 16 * kPitch, kPitch, dp * 16);
+                                                   kv[mt][1], vt + kk * 16 * kPitch, kPitch, dp * 16);
                     }
                 }
             }
@@ -469,8 +470,8 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
                 s_voff[sb][t] = ok ? (u64)page * p.v_stride_page + (u64)slot * p.v_stride_slot + s_head[1] : 0ull;
             }
         };
-        tc::run_ring<kN, kS>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue,
-                             compute, on_stage);
+        tc::run_ring<kN, kS>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue, compute,
+                             on_stage);
     });
 
     // ---- normalize and write ----
@@ -492,21 +493,23 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
             float inv = sm[mt][h].inv_sum();
             if constexpr (variant::kSinks) {
-                if (!split) {   // the head's sink, once (split partials leave it to the merge)
+                if (!split) {  // the head's sink, once (split partials leave it to the merge)
                     const float a = variant::fold_sink(sm[mt][h], sc.sink2(head0 + (r - slot * ht)));
                     inv = sm[mt][h].inv_sum() * a;
                 }
             }
             if constexpr (kFp8)
-                if (p.v_scale) inv *= p.v_scale[kvh * p.v_scale_stride];   // the cache's V scale (null: 1)
+                if (p.v_scale) inv *= p.v_scale[kvh * p.v_scale_stride];  // the cache's V scale (null: 1)
             const float lse_v = sm[mt][h].lse();
 #pragma unroll
             for (u32 n = 0; n < kOTiles; ++n)
                 epi::store_pair(out, part_out, row_out * kD + n * 8 + 2 * tq, split, o[mt][n][2 * h] * inv,
                                 o[mt][n][2 * h + 1] * inv);
             if (tq == 0) {
-                if (split) part_lse[row_out] = lse_v;
-                else if (p.write_lse) lse[row] = lse_v;
+                if (split)
+                    part_lse[row_out] = lse_v;
+                else if (p.write_lse)
+                    lse[row] = lse_v;
             }
         }
 }

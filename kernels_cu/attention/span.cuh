@@ -9,7 +9,7 @@
 
 namespace att {
 constexpr u32 kSplitTile = CP_SPLIT_TILE;
-constexpr u32 kMaxLen = CP_MAX_VISIBLE_LEN;   // visible lengths are clamped to this
+constexpr u32 kMaxLen = CP_MAX_VISIBLE_LEN;  // visible lengths are clamped to this
 
 __device__ __forceinline__ u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
 
@@ -35,8 +35,7 @@ __device__ __forceinline__ Span query_span(const AttentionParams& p, u32 qi, u32
     u64 L = words[pw::kv_len(p.queries) + seq];
     const u64 cap = (u64)p.table_width * p.page_size;
     if (L > cap) L = cap;
-    const variant::Range v =
-        variant::visible(L, p.causal, p.window, [&] { return words[pw::q_pos(p.queries) + qi]; });
+    const variant::Range v = variant::visible(L, p.causal, p.window, [&] { return words[pw::q_pos(p.queries) + qi]; });
     const u32 hi = (u32)(v.hi < kMaxLen ? v.hi : kMaxLen);
     Span r;
     r.lo = (u32)(v.lo < hi ? v.lo : hi);

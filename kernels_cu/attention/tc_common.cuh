@@ -15,8 +15,8 @@
 namespace tc {
 using att::min_u32;
 
-constexpr u32 kRows = 64;             // (query, head) rows per block: the M dimension
-constexpr u32 kNone = CP_NO_PAGE;     // no sequence / no page
+constexpr u32 kRows = 64;  // (query, head) rows per block: the M dimension
+constexpr u32 kNone = CP_NO_PAGE;  // no sequence / no page
 
 // Bits a .. e-1 of a tile's token mask (0 <= a, e <= 64; none when e <= a).
 __device__ __forceinline__ u64 span_bits(u32 a, u32 e) {
@@ -33,10 +33,12 @@ __device__ __forceinline__ u64 row_bits(u32 rlo, u32 rhi, u32 t0, u32 n) {
 }
 
 // A or B by a compile-time condition (no <type_traits> under NVRTC).
-template <bool C, typename A, typename B> struct Pick {
+template <bool C, typename A, typename B>
+struct Pick {
     typedef A type;
 };
-template <typename A, typename B> struct Pick<false, A, B> {
+template <typename A, typename B>
+struct Pick<false, A, B> {
     typedef B type;
 };
 
@@ -54,7 +56,7 @@ template <typename T, u32 kD, u32 kR, u32 kBy>
 __device__ __forceinline__ void decode_rows(const unsigned char* raw, T* dst, u32 pitch, u32 i) {
     constexpr u32 kSteps = kR * kD / 8;
     static_assert(kSteps % kBy == 0, "whole decode steps per thread");
-    if constexpr (kKvScaled) {   // (16-bit caches never call it; nothing to instantiate for them)
+    if constexpr (kKvScaled) {  // (16-bit caches never call it; nothing to instantiate for them)
 #pragma unroll
         for (u32 j = 0; j < kSteps / kBy; ++j) {
             const u32 c = i + j * kBy;
@@ -67,7 +69,6 @@ __device__ __forceinline__ void decode_rows(const unsigned char* raw, T* dst, u3
         }
     }
 }
-
 
 // ---------------------------------------------------------------------------
 // Generic pieces (paged_prefill_tc, paged_mla_tc): a block of kR rows, a ring
@@ -103,8 +104,8 @@ struct RowSlopesN<kR, false> {
 template <u32 kR>
 struct RowSet : RowPositionsN<kR, !variant::kPlainScore>, RowSlopesN<kR, variant::kAlibi> {
     static constexpr u32 kSize = kR;
-    u32 seq[kR];   // sequence of the slot's query, kNone when none
-    u32 lo[kR];    // this split's share [lo, hi) of the query's visible positions
+    u32 seq[kR];  // sequence of the slot's query, kNone when none
+    u32 lo[kR];  // this split's share [lo, hi) of the query's visible positions
     u32 hi[kR];
 };
 
@@ -179,7 +180,7 @@ __device__ __forceinline__ void for_each_pass_of(const RowSet<kR>& R, u32 qt, Pa
 template <u32 kN, u32 kS>
 struct Ring {
     static constexpr u32 kWords = (kN + 31) / 32;
-    uint2 row[2][kN];   // .x page id (kNone: no page), .y slot
+    uint2 row[2][kN];  // .x page id (kNone: no page), .y slot
     u32 valid[kS][kWords];
 };
 
@@ -208,13 +209,13 @@ struct NoStage {
     __device__ __forceinline__ void operator()(u32, u32, u32, u32) const {}
 };
 template <u32 kN, u32 kS, bool kToAsyncProxy = false, typename Issue, typename Compute, typename OnStage = NoStage>
-__device__ __forceinline__ void run_ring(Ring<kN, kS>& st, const u32* __restrict__ table, u32 lo, u32 hi,
-                                         u32 page_size, u32 num_pages, Issue&& issue, Compute&& compute,
+__device__ __forceinline__ void run_ring(Ring<kN, kS>& st, const u32* __restrict__ table, u32 lo, u32 hi, u32 page_size,
+                                         u32 num_pages, Issue&& issue, Compute&& compute,
                                          OnStage&& on_stage = OnStage()) {
     static_assert(kS >= 2 && kS <= 4, "2 to 4 stages");
     constexpr u32 kWords = Ring<kN, kS>::kWords;
     const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-    u32 raw = kNone, slot = 0;   // token tid of a later tile: page-table word (kNone past hi) and slot
+    u32 raw = kNone, slot = 0;  // token tid of a later tile: page-table word (kNone past hi) and slot
     auto fetch = [&](u32 t) {
         raw = kNone;
         slot = 0;
@@ -243,7 +244,7 @@ __device__ __forceinline__ void run_ring(Ring<kN, kS>& st, const u32* __restrict
         }
     };
     const u32 ntiles = (hi - lo + kN - 1) / kN;
-    __syncthreads();   // the previous pass is done with every buffer and the staging arrays
+    __syncthreads();  // the previous pass is done with every buffer and the staging arrays
     fetch(lo + tid);
 #pragma unroll
     for (u32 i = 0; i + 1 < kS; ++i) {
@@ -254,18 +255,18 @@ __device__ __forceinline__ void run_ring(Ring<kN, kS>& st, const u32* __restrict
             publish(i, ok);
             issue(i & 1u, i);
         }
-        ptx::cp_async_commit();   // possibly empty: one group per tile
+        ptx::cp_async_commit();  // possibly empty: one group per tile
     }
     for (u32 j = 0; j < ntiles; ++j) {
         const u32 n = j + kS - 1;
         const u32 b = j % kS, nb = n % kS;
         const bool ok = stage(n & 1u);
         fetch(lo + (n + 1) * kN + tid);
-        ptx::cp_async_wait<kS - 2>();   // tile j has landed (the kS - 2 after it may still be in flight)
+        ptx::cp_async_wait<kS - 2>();  // tile j has landed (the kS - 2 after it may still be in flight)
         if constexpr (kToAsyncProxy) ptx::fence_proxy_async_shared();
         __syncthreads();
         if (n < ntiles) {
-            publish(nb, ok);   // compute(j - 1) read these bits; it is done
+            publish(nb, ok);  // compute(j - 1) read these bits; it is done
             issue(n & 1u, nb);
         }
         ptx::cp_async_commit();
@@ -282,20 +283,26 @@ __device__ __forceinline__ u64 tile_vis(u64 vbits, u32 rlo, u32 rhi, u32 t0) {
 
 // Whether a 16-bit element pair (one u32 of an mma fragment) holds an Inf or
 // a NaN: exponent all ones in either half (f16: 5 bits, bf16: 8 bits).
-template <typename T> __device__ __forceinline__ bool nonfinite2(u32 x);
-template <> __device__ __forceinline__ bool nonfinite2<__half>(u32 x) {
+template <typename T>
+__device__ __forceinline__ bool nonfinite2(u32 x);
+template <>
+__device__ __forceinline__ bool nonfinite2<__half>(u32 x) {
     return ((x & 0x7c00u) == 0x7c00u) || ((x & 0x7c000000u) == 0x7c000000u);
 }
-template <> __device__ __forceinline__ bool nonfinite2<__nv_bfloat16>(u32 x) {
+template <>
+__device__ __forceinline__ bool nonfinite2<__nv_bfloat16>(u32 x) {
     return ((x & 0x7f80u) == 0x7f80u) || ((x & 0x7f800000u) == 0x7f800000u);
 }
 
 // Element (lo half when hi == 0) of a 16-bit pair as float.
-template <typename T> __device__ __forceinline__ float half_of(u32 x, u32 hi);
-template <> __device__ __forceinline__ float half_of<__half>(u32 x, u32 hi) {
+template <typename T>
+__device__ __forceinline__ float half_of(u32 x, u32 hi);
+template <>
+__device__ __forceinline__ float half_of<__half>(u32 x, u32 hi) {
     return __half2float(__ushort_as_half((unsigned short)(hi ? x >> 16 : x & 0xffffu)));
 }
-template <> __device__ __forceinline__ float half_of<__nv_bfloat16>(u32 x, u32 hi) {
+template <>
+__device__ __forceinline__ float half_of<__nv_bfloat16>(u32 x, u32 hi) {
     return __bfloat162float(__ushort_as_bfloat16((unsigned short)(hi ? x >> 16 : x & 0xffffu)));
 }
 

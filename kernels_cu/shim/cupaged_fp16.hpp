@@ -23,13 +23,13 @@ inline unsigned short f2h(float f) {
     const unsigned u = x & 0x7fffffffu;
     if (u >= 0x7f800000u) return u == 0x7f800000u ? (unsigned short)(sign | 0x7c00u) : (unsigned short)0x7fffu;
     if (u >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // >= 65520: rounds to inf
-    if (u >= 0x38800000u) {                                          // normal half (>= 2^-14)
-        unsigned r = u - 0x38000000u;                                // rebias 127 -> 15
+    if (u >= 0x38800000u) {  // normal half (>= 2^-14)
+        unsigned r = u - 0x38000000u;  // rebias 127 -> 15
         r += 0xfffu + ((r >> 13) & 1u);
         return (unsigned short)(sign | (r >> 13));
     }
     if (u <= 0x33000000u) return (unsigned short)sign;  // <= 2^-25: rounds to zero (tie to even)
-    const unsigned e = u >> 23;                          // 102..112: subnormal half
+    const unsigned e = u >> 23;  // 102..112: subnormal half
     const unsigned m = (u & 0x7fffffu) | 0x800000u;
     const unsigned shift = 126u - e;  // 14..24
     unsigned q = m >> shift;
@@ -80,10 +80,18 @@ inline double fma_odd(double a, double b, double c) {
 
 }  // namespace cupaged
 
-struct __half_raw { unsigned short x; };
-struct __nv_bfloat16_raw { unsigned short x; };
-struct __half2_raw { unsigned short x, y; };
-struct __nv_bfloat162_raw { unsigned short x, y; };
+struct __half_raw {
+    unsigned short x;
+};
+struct __nv_bfloat16_raw {
+    unsigned short x;
+};
+struct __half2_raw {
+    unsigned short x, y;
+};
+struct __nv_bfloat162_raw {
+    unsigned short x, y;
+};
 
 struct __half;
 struct __nv_bfloat16;
@@ -95,24 +103,42 @@ inline __nv_bfloat16 __double2bfloat16(double d);
 inline float __bfloat162float(__nv_bfloat16 h);
 
 // The integer conversions CUDA's types offer under __CUDACC__.
-#define CUPAGED_16BIT_INT_MEMBERS(T, TO_FLOAT, FROM_FLOAT)                                  \
-    T(short v) { __x = FROM_FLOAT((float)v); }                                              \
-    T(unsigned short v) { __x = FROM_FLOAT((float)v); }                                     \
-    T(int v) { __x = FROM_FLOAT((float)v); }                                                \
-    T(unsigned int v) { __x = FROM_FLOAT((float)v); }                                       \
-    T(long long v) { __x = FROM_FLOAT((float)v); }                                          \
-    T(unsigned long long v) { __x = FROM_FLOAT((float)v); }                                 \
-    T& operator=(short v) { __x = FROM_FLOAT((float)v); return *this; }                     \
-    T& operator=(unsigned short v) { __x = FROM_FLOAT((float)v); return *this; }            \
-    T& operator=(int v) { __x = FROM_FLOAT((float)v); return *this; }                       \
-    T& operator=(unsigned int v) { __x = FROM_FLOAT((float)v); return *this; }              \
-    T& operator=(long long v) { __x = FROM_FLOAT((float)v); return *this; }                 \
-    T& operator=(unsigned long long v) { __x = FROM_FLOAT((float)v); return *this; }        \
-    operator short() const { return (short)::cupaged::f2i_rz<short>(TO_FLOAT(__x)); }        \
-    operator unsigned short() const { return ::cupaged::f2i_rz<unsigned short>(TO_FLOAT(__x)); } \
-    operator int() const { return ::cupaged::f2i_rz<int>(TO_FLOAT(__x)); }                  \
-    operator unsigned int() const { return ::cupaged::f2i_rz<unsigned int>(TO_FLOAT(__x)); } \
-    operator long long() const { return ::cupaged::f2i_rz<long long>(TO_FLOAT(__x)); }      \
+#define CUPAGED_16BIT_INT_MEMBERS(T, TO_FLOAT, FROM_FLOAT)                                               \
+    T(short v) { __x = FROM_FLOAT((float)v); }                                                           \
+    T(unsigned short v) { __x = FROM_FLOAT((float)v); }                                                  \
+    T(int v) { __x = FROM_FLOAT((float)v); }                                                             \
+    T(unsigned int v) { __x = FROM_FLOAT((float)v); }                                                    \
+    T(long long v) { __x = FROM_FLOAT((float)v); }                                                       \
+    T(unsigned long long v) { __x = FROM_FLOAT((float)v); }                                              \
+    T& operator=(short v) {                                                                              \
+        __x = FROM_FLOAT((float)v);                                                                      \
+        return *this;                                                                                    \
+    }                                                                                                    \
+    T& operator=(unsigned short v) {                                                                     \
+        __x = FROM_FLOAT((float)v);                                                                      \
+        return *this;                                                                                    \
+    }                                                                                                    \
+    T& operator=(int v) {                                                                                \
+        __x = FROM_FLOAT((float)v);                                                                      \
+        return *this;                                                                                    \
+    }                                                                                                    \
+    T& operator=(unsigned int v) {                                                                       \
+        __x = FROM_FLOAT((float)v);                                                                      \
+        return *this;                                                                                    \
+    }                                                                                                    \
+    T& operator=(long long v) {                                                                          \
+        __x = FROM_FLOAT((float)v);                                                                      \
+        return *this;                                                                                    \
+    }                                                                                                    \
+    T& operator=(unsigned long long v) {                                                                 \
+        __x = FROM_FLOAT((float)v);                                                                      \
+        return *this;                                                                                    \
+    }                                                                                                    \
+    operator short() const { return (short)::cupaged::f2i_rz<short>(TO_FLOAT(__x)); }                    \
+    operator unsigned short() const { return ::cupaged::f2i_rz<unsigned short>(TO_FLOAT(__x)); }         \
+    operator int() const { return ::cupaged::f2i_rz<int>(TO_FLOAT(__x)); }                               \
+    operator unsigned int() const { return ::cupaged::f2i_rz<unsigned int>(TO_FLOAT(__x)); }             \
+    operator long long() const { return ::cupaged::f2i_rz<long long>(TO_FLOAT(__x)); }                   \
     operator unsigned long long() const { return ::cupaged::f2i_rz<unsigned long long>(TO_FLOAT(__x)); } \
     operator bool() const { return (__x & 0x7fffu) != 0u; }
 
@@ -125,7 +151,7 @@ inline I f2i_rz(float f) {
     constexpr double lo = sgn ? -(double)(1ull << (sizeof(I) * 8 - 1)) : 0.0;
     constexpr double hi = sgn ? (double)(1ull << (sizeof(I) * 8 - 1)) : 2.0 * (double)(1ull << (sizeof(I) * 8 - 1));
     if ((double)f <= lo) return sgn ? (I)(1ull << (sizeof(I) * 8 - 1)) : (I)0;
-    if ((double)f >= hi) return (I)~(sgn ? (1ull << (sizeof(I) * 8 - 1)) : 0ull) ;
+    if ((double)f >= hi) return (I) ~(sgn ? (1ull << (sizeof(I) * 8 - 1)) : 0ull);
     return (I)f;
 }
 }  // namespace cupaged
@@ -134,13 +160,22 @@ struct __attribute__((aligned(2), may_alias)) __half {
     unsigned short __x;
     __half() = default;
     constexpr __half(const __half_raw& r) : __x(r.x) {}
-    __half& operator=(const __half_raw& r) { __x = r.x; return *this; }
+    __half& operator=(const __half_raw& r) {
+        __x = r.x;
+        return *this;
+    }
     operator __half_raw() const { return __half_raw{__x}; }
     __half(float f) : __x(::cupaged::f2h(f)) {}
     __half(double d) : __x(::cupaged::f2h(::cupaged::d2f_odd(d))) {}
     operator float() const { return ::cupaged::h2f(__x); }
-    __half& operator=(float f) { __x = ::cupaged::f2h(f); return *this; }
-    __half& operator=(double d) { __x = ::cupaged::f2h(::cupaged::d2f_odd(d)); return *this; }
+    __half& operator=(float f) {
+        __x = ::cupaged::f2h(f);
+        return *this;
+    }
+    __half& operator=(double d) {
+        __x = ::cupaged::f2h(::cupaged::d2f_odd(d));
+        return *this;
+    }
     CUPAGED_16BIT_INT_MEMBERS(__half, ::cupaged::h2f, ::cupaged::f2h)
 };
 
@@ -148,13 +183,22 @@ struct __attribute__((aligned(2), may_alias)) __nv_bfloat16 {
     unsigned short __x;
     __nv_bfloat16() = default;
     constexpr __nv_bfloat16(const __nv_bfloat16_raw& r) : __x(r.x) {}
-    __nv_bfloat16& operator=(const __nv_bfloat16_raw& r) { __x = r.x; return *this; }
+    __nv_bfloat16& operator=(const __nv_bfloat16_raw& r) {
+        __x = r.x;
+        return *this;
+    }
     operator __nv_bfloat16_raw() const { return __nv_bfloat16_raw{__x}; }
     __nv_bfloat16(float f) : __x(::cupaged::f2bf(f)) {}
     __nv_bfloat16(double d) : __x(::cupaged::f2bf(::cupaged::d2f_odd(d))) {}
     operator float() const { return ::cupaged::bf2f(__x); }
-    __nv_bfloat16& operator=(float f) { __x = ::cupaged::f2bf(f); return *this; }
-    __nv_bfloat16& operator=(double d) { __x = ::cupaged::f2bf(::cupaged::d2f_odd(d)); return *this; }
+    __nv_bfloat16& operator=(float f) {
+        __x = ::cupaged::f2bf(f);
+        return *this;
+    }
+    __nv_bfloat16& operator=(double d) {
+        __x = ::cupaged::f2bf(::cupaged::d2f_odd(d));
+        return *this;
+    }
     CUPAGED_16BIT_INT_MEMBERS(__nv_bfloat16, ::cupaged::bf2f, ::cupaged::f2bf)
 };
 #undef CUPAGED_16BIT_INT_MEMBERS
@@ -223,8 +267,12 @@ inline __nv_bfloat16 __float2bfloat16_rz(float f) {
 inline __nv_bfloat16 __double2bfloat16(double d) { return __nv_bfloat16_raw{::cupaged::f2bf(::cupaged::d2f_odd(d))}; }
 inline float __bfloat162float(__nv_bfloat16 h) { return ::cupaged::bf2f(h.__x); }
 inline __nv_bfloat162 __float2bfloat162_rn(float f) { return __nv_bfloat162(__float2bfloat16(f), __float2bfloat16(f)); }
-inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return __nv_bfloat162(__float2bfloat16(a), __float2bfloat16(b)); }
-inline __nv_bfloat162 __float22bfloat162_rn(float2 v) { return __nv_bfloat162(__float2bfloat16(v.x), __float2bfloat16(v.y)); }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+    return __nv_bfloat162(__float2bfloat16(a), __float2bfloat16(b));
+}
+inline __nv_bfloat162 __float22bfloat162_rn(float2 v) {
+    return __nv_bfloat162(__float2bfloat16(v.x), __float2bfloat16(v.y));
+}
 inline float2 __bfloat1622float2(__nv_bfloat162 h) { return float2{__bfloat162float(h.x), __bfloat162float(h.y)}; }
 inline float __low2float(__nv_bfloat162 h) { return __bfloat162float(h.x); }
 inline float __high2float(__nv_bfloat162 h) { return __bfloat162float(h.y); }
@@ -247,74 +295,111 @@ inline __nv_bfloat16 __half2bfloat16(__half h) { return __float2bfloat16(__half2
 
 // ---- arithmetic, one rounding per operation ------------------------------------
 // Generated once for __half (H, ::cupaged::h2f/f2h) and once for __nv_bfloat16.
-#define CUPAGED_16BIT_MATH(H, H2, TOF, FROMF)                                                        \
-    inline H __hadd(H a, H b) { return H##_raw{FROMF(TOF(a.__x) + TOF(b.__x))}; }                      \
-    inline H __hsub(H a, H b) { return H##_raw{FROMF(TOF(a.__x) - TOF(b.__x))}; }                      \
-    inline H __hmul(H a, H b) { return H##_raw{FROMF(TOF(a.__x) * TOF(b.__x))}; }                      \
-    inline H __hdiv(H a, H b) { return H##_raw{FROMF(TOF(a.__x) / TOF(b.__x))}; }                      \
-    inline H __hadd_rn(H a, H b) { return __hadd(a, b); }                                              \
-    inline H __hsub_rn(H a, H b) { return __hsub(a, b); }                                              \
-    inline H __hmul_rn(H a, H b) { return __hmul(a, b); }                                              \
-    inline H __hadd_sat(H a, H b) { return H##_raw{FROMF(__builtin_fminf(__builtin_fmaxf(TOF(a.__x) + TOF(b.__x), 0.f), 1.f))}; } \
-    inline H __hmul_sat(H a, H b) { return H##_raw{FROMF(__builtin_fminf(__builtin_fmaxf(TOF(a.__x) * TOF(b.__x), 0.f), 1.f))}; } \
-    inline H __hfma(H a, H b, H c) {                                                                   \
+#define CUPAGED_16BIT_MATH(H, H2, TOF, FROMF)                                                              \
+    inline H __hadd(H a, H b) { return H##_raw{FROMF(TOF(a.__x) + TOF(b.__x))}; }                          \
+    inline H __hsub(H a, H b) { return H##_raw{FROMF(TOF(a.__x) - TOF(b.__x))}; }                          \
+    inline H __hmul(H a, H b) { return H##_raw{FROMF(TOF(a.__x) * TOF(b.__x))}; }                          \
+    inline H __hdiv(H a, H b) { return H##_raw{FROMF(TOF(a.__x) / TOF(b.__x))}; }                          \
+    inline H __hadd_rn(H a, H b) { return __hadd(a, b); }                                                  \
+    inline H __hsub_rn(H a, H b) { return __hsub(a, b); }                                                  \
+    inline H __hmul_rn(H a, H b) { return __hmul(a, b); }                                                  \
+    inline H __hadd_sat(H a, H b) {                                                                        \
+        return H##_raw{FROMF(__builtin_fminf(__builtin_fmaxf(TOF(a.__x) + TOF(b.__x), 0.f), 1.f))};        \
+    }                                                                                                      \
+    inline H __hmul_sat(H a, H b) {                                                                        \
+        return H##_raw{FROMF(__builtin_fminf(__builtin_fmaxf(TOF(a.__x) * TOF(b.__x), 0.f), 1.f))};        \
+    }                                                                                                      \
+    inline H __hfma(H a, H b, H c) {                                                                       \
         return H##_raw{FROMF(::cupaged::d2f_odd(::cupaged::fma_odd(TOF(a.__x), TOF(b.__x), TOF(c.__x))))}; \
-    }                                                                                                  \
-    inline H __hneg(H a) { return H##_raw{(unsigned short)(a.__x ^ 0x8000u)}; }                        \
-    inline H __habs(H a) { return H##_raw{(unsigned short)(a.__x & 0x7fffu)}; }                        \
-    inline H __hmax(H a, H b) { return H##_raw{FROMF(__builtin_fmaxf(TOF(a.__x), TOF(b.__x)))}; }     \
-    inline H __hmin(H a, H b) { return H##_raw{FROMF(__builtin_fminf(TOF(a.__x), TOF(b.__x)))}; }     \
-    inline bool __heq(H a, H b) { return TOF(a.__x) == TOF(b.__x); }                                   \
-    inline bool __hne(H a, H b) { float x = TOF(a.__x), y = TOF(b.__x); return x < y || x > y; }       \
-    inline bool __hlt(H a, H b) { return TOF(a.__x) < TOF(b.__x); }                                    \
-    inline bool __hle(H a, H b) { return TOF(a.__x) <= TOF(b.__x); }                                   \
-    inline bool __hgt(H a, H b) { return TOF(a.__x) > TOF(b.__x); }                                    \
-    inline bool __hge(H a, H b) { return TOF(a.__x) >= TOF(b.__x); }                                   \
-    inline bool __hequ(H a, H b) { return !__hne(a, b); }                                              \
-    inline bool __hneu(H a, H b) { return !__heq(a, b); }                                              \
-    inline bool __hltu(H a, H b) { return !__hge(a, b); }                                              \
-    inline bool __hleu(H a, H b) { return !__hgt(a, b); }                                              \
-    inline bool __hgtu(H a, H b) { return !__hle(a, b); }                                              \
-    inline bool __hgeu(H a, H b) { return !__hlt(a, b); }                                              \
-    inline bool __hisnan(H a) { float x = TOF(a.__x); return x != x; }                                 \
-    inline int __hisinf(H a) { float x = TOF(a.__x); return __builtin_isinf(x) ? (x < 0 ? -1 : 1) : 0; } \
-    inline H operator+(const H& a, const H& b) { return __hadd(a, b); }                                \
-    inline H operator-(const H& a, const H& b) { return __hsub(a, b); }                                \
-    inline H operator*(const H& a, const H& b) { return __hmul(a, b); }                                \
-    inline H operator/(const H& a, const H& b) { return __hdiv(a, b); }                                \
-    inline H& operator+=(H& a, const H& b) { a = __hadd(a, b); return a; }                             \
-    inline H& operator-=(H& a, const H& b) { a = __hsub(a, b); return a; }                             \
-    inline H& operator*=(H& a, const H& b) { a = __hmul(a, b); return a; }                             \
-    inline H& operator/=(H& a, const H& b) { a = __hdiv(a, b); return a; }                             \
-    inline H operator+(const H& a) { return a; }                                                       \
-    inline H operator-(const H& a) { return __hneg(a); }                                               \
-    inline bool operator==(const H& a, const H& b) { return __heq(a, b); }                             \
-    inline bool operator!=(const H& a, const H& b) { return __hneu(a, b); }                            \
-    inline bool operator<(const H& a, const H& b) { return __hlt(a, b); }                              \
-    inline bool operator<=(const H& a, const H& b) { return __hle(a, b); }                             \
-    inline bool operator>(const H& a, const H& b) { return __hgt(a, b); }                              \
-    inline bool operator>=(const H& a, const H& b) { return __hge(a, b); }                             \
-    inline H2 __hadd2(H2 a, H2 b) { return H2(__hadd(a.x, b.x), __hadd(a.y, b.y)); }                   \
-    inline H2 __hsub2(H2 a, H2 b) { return H2(__hsub(a.x, b.x), __hsub(a.y, b.y)); }                   \
-    inline H2 __hmul2(H2 a, H2 b) { return H2(__hmul(a.x, b.x), __hmul(a.y, b.y)); }                   \
-    inline H2 __h2div(H2 a, H2 b) { return H2(__hdiv(a.x, b.x), __hdiv(a.y, b.y)); }                   \
-    inline H2 __hfma2(H2 a, H2 b, H2 c) { return H2(__hfma(a.x, b.x, c.x), __hfma(a.y, b.y, c.y)); }   \
-    inline H2 __hneg2(H2 a) { return H2(__hneg(a.x), __hneg(a.y)); }                                   \
-    inline H2 __habs2(H2 a) { return H2(__habs(a.x), __habs(a.y)); }                                   \
-    inline H2 __hmax2(H2 a, H2 b) { return H2(__hmax(a.x, b.x), __hmax(a.y, b.y)); }                   \
-    inline H2 __hmin2(H2 a, H2 b) { return H2(__hmin(a.x, b.x), __hmin(a.y, b.y)); }                   \
-    inline bool __hbeq2(H2 a, H2 b) { return __heq(a.x, b.x) && __heq(a.y, b.y); }                     \
-    inline bool __hbneu2(H2 a, H2 b) { return __hneu(a.x, b.x) && __hneu(a.y, b.y); }                  \
-    inline H2 operator+(const H2& a, const H2& b) { return __hadd2(a, b); }                            \
-    inline H2 operator-(const H2& a, const H2& b) { return __hsub2(a, b); }                            \
-    inline H2 operator*(const H2& a, const H2& b) { return __hmul2(a, b); }                            \
-    inline H2 operator/(const H2& a, const H2& b) { return __h2div(a, b); }                            \
-    inline H2& operator+=(H2& a, const H2& b) { a = __hadd2(a, b); return a; }                         \
-    inline H2& operator-=(H2& a, const H2& b) { a = __hsub2(a, b); return a; }                         \
-    inline H2& operator*=(H2& a, const H2& b) { a = __hmul2(a, b); return a; }                         \
-    inline H2& operator/=(H2& a, const H2& b) { a = __h2div(a, b); return a; }                         \
-    inline H2 operator-(const H2& a) { return __hneg2(a); }                                            \
-    inline bool operator==(const H2& a, const H2& b) { return __hbeq2(a, b); }                         \
+    }                                                                                                      \
+    inline H __hneg(H a) { return H##_raw{(unsigned short)(a.__x ^ 0x8000u)}; }                            \
+    inline H __habs(H a) { return H##_raw{(unsigned short)(a.__x & 0x7fffu)}; }                            \
+    inline H __hmax(H a, H b) { return H##_raw{FROMF(__builtin_fmaxf(TOF(a.__x), TOF(b.__x)))}; }          \
+    inline H __hmin(H a, H b) { return H##_raw{FROMF(__builtin_fminf(TOF(a.__x), TOF(b.__x)))}; }          \
+    inline bool __heq(H a, H b) { return TOF(a.__x) == TOF(b.__x); }                                       \
+    inline bool __hne(H a, H b) {                                                                          \
+        float x = TOF(a.__x), y = TOF(b.__x);                                                              \
+        return x < y || x > y;                                                                             \
+    }                                                                                                      \
+    inline bool __hlt(H a, H b) { return TOF(a.__x) < TOF(b.__x); }                                        \
+    inline bool __hle(H a, H b) { return TOF(a.__x) <= TOF(b.__x); }                                       \
+    inline bool __hgt(H a, H b) { return TOF(a.__x) > TOF(b.__x); }                                        \
+    inline bool __hge(H a, H b) { return TOF(a.__x) >= TOF(b.__x); }                                       \
+    inline bool __hequ(H a, H b) { return !__hne(a, b); }                                                  \
+    inline bool __hneu(H a, H b) { return !__heq(a, b); }                                                  \
+    inline bool __hltu(H a, H b) { return !__hge(a, b); }                                                  \
+    inline bool __hleu(H a, H b) { return !__hgt(a, b); }                                                  \
+    inline bool __hgtu(H a, H b) { return !__hle(a, b); }                                                  \
+    inline bool __hgeu(H a, H b) { return !__hlt(a, b); }                                                  \
+    inline bool __hisnan(H a) {                                                                            \
+        float x = TOF(a.__x);                                                                              \
+        return x != x;                                                                                     \
+    }                                                                                                      \
+    inline int __hisinf(H a) {                                                                             \
+        float x = TOF(a.__x);                                                                              \
+        return __builtin_isinf(x) ? (x < 0 ? -1 : 1) : 0;                                                  \
+    }                                                                                                      \
+    inline H operator+(const H& a, const H& b) { return __hadd(a, b); }                                    \
+    inline H operator-(const H& a, const H& b) { return __hsub(a, b); }                                    \
+    inline H operator*(const H& a, const H& b) { return __hmul(a, b); }                                    \
+    inline H operator/(const H& a, const H& b) { return __hdiv(a, b); }                                    \
+    inline H& operator+=(H& a, const H& b) {                                                               \
+        a = __hadd(a, b);                                                                                  \
+        return a;                                                                                          \
+    }                                                                                                      \
+    inline H& operator-=(H& a, const H& b) {                                                               \
+        a = __hsub(a, b);                                                                                  \
+        return a;                                                                                          \
+    }                                                                                                      \
+    inline H& operator*=(H& a, const H& b) {                                                               \
+        a = __hmul(a, b);                                                                                  \
+        return a;                                                                                          \
+    }                                                                                                      \
+    inline H& operator/=(H& a, const H& b) {                                                               \
+        a = __hdiv(a, b);                                                                                  \
+        return a;                                                                                          \
+    }                                                                                                      \
+    inline H operator+(const H& a) { return a; }                                                           \
+    inline H operator-(const H& a) { return __hneg(a); }                                                   \
+    inline bool operator==(const H& a, const H& b) { return __heq(a, b); }                                 \
+    inline bool operator!=(const H& a, const H& b) { return __hneu(a, b); }                                \
+    inline bool operator<(const H& a, const H& b) { return __hlt(a, b); }                                  \
+    inline bool operator<=(const H& a, const H& b) { return __hle(a, b); }                                 \
+    inline bool operator>(const H& a, const H& b) { return __hgt(a, b); }                                  \
+    inline bool operator>=(const H& a, const H& b) { return __hge(a, b); }                                 \
+    inline H2 __hadd2(H2 a, H2 b) { return H2(__hadd(a.x, b.x), __hadd(a.y, b.y)); }                       \
+    inline H2 __hsub2(H2 a, H2 b) { return H2(__hsub(a.x, b.x), __hsub(a.y, b.y)); }                       \
+    inline H2 __hmul2(H2 a, H2 b) { return H2(__hmul(a.x, b.x), __hmul(a.y, b.y)); }                       \
+    inline H2 __h2div(H2 a, H2 b) { return H2(__hdiv(a.x, b.x), __hdiv(a.y, b.y)); }                       \
+    inline H2 __hfma2(H2 a, H2 b, H2 c) { return H2(__hfma(a.x, b.x, c.x), __hfma(a.y, b.y, c.y)); }       \
+    inline H2 __hneg2(H2 a) { return H2(__hneg(a.x), __hneg(a.y)); }                                       \
+    inline H2 __habs2(H2 a) { return H2(__habs(a.x), __habs(a.y)); }                                       \
+    inline H2 __hmax2(H2 a, H2 b) { return H2(__hmax(a.x, b.x), __hmax(a.y, b.y)); }                       \
+    inline H2 __hmin2(H2 a, H2 b) { return H2(__hmin(a.x, b.x), __hmin(a.y, b.y)); }                       \
+    inline bool __hbeq2(H2 a, H2 b) { return __heq(a.x, b.x) && __heq(a.y, b.y); }                         \
+    inline bool __hbneu2(H2 a, H2 b) { return __hneu(a.x, b.x) && __hneu(a.y, b.y); }                      \
+    inline H2 operator+(const H2& a, const H2& b) { return __hadd2(a, b); }                                \
+    inline H2 operator-(const H2& a, const H2& b) { return __hsub2(a, b); }                                \
+    inline H2 operator*(const H2& a, const H2& b) { return __hmul2(a, b); }                                \
+    inline H2 operator/(const H2& a, const H2& b) { return __h2div(a, b); }                                \
+    inline H2& operator+=(H2& a, const H2& b) {                                                            \
+        a = __hadd2(a, b);                                                                                 \
+        return a;                                                                                          \
+    }                                                                                                      \
+    inline H2& operator-=(H2& a, const H2& b) {                                                            \
+        a = __hsub2(a, b);                                                                                 \
+        return a;                                                                                          \
+    }                                                                                                      \
+    inline H2& operator*=(H2& a, const H2& b) {                                                            \
+        a = __hmul2(a, b);                                                                                 \
+        return a;                                                                                          \
+    }                                                                                                      \
+    inline H2& operator/=(H2& a, const H2& b) {                                                            \
+        a = __h2div(a, b);                                                                                 \
+        return a;                                                                                          \
+    }                                                                                                      \
+    inline H2 operator-(const H2& a) { return __hneg2(a); }                                                \
+    inline bool operator==(const H2& a, const H2& b) { return __hbeq2(a, b); }                             \
     inline bool operator!=(const H2& a, const H2& b) { return __hbneu2(a, b); }
 
 CUPAGED_16BIT_MATH(__half, __half2, ::cupaged::h2f, ::cupaged::f2h)

@@ -124,13 +124,13 @@ struct Fiber {
     Worker* w;
     unsigned lane, warp;
     State state;
-    int kind;                 // barrier or warp kind it waits in
+    int kind;  // barrier or warp kind it waits in
     std::source_location site;
-    unsigned mask;            // warp collective mask it waits with
+    unsigned mask;  // warp collective mask it waits with
     int b, width, pred;
     unsigned long long val, res;
-    void* ptr;                // cupaged_warp_collective lane data
-    void* cctx;               // cupaged_warp_collective context
+    void* ptr;  // cupaged_warp_collective lane data
+    void* cctx;  // cupaged_warp_collective context
     Ctx ctx;
 };
 static_assert(sizeof(Fiber) + (kColors - 1) * 64 <= kTop, "fiber state must fit the top of its region");
@@ -170,7 +170,7 @@ struct Launch {
 struct Worker {
     unsigned index = 0;
     std::vector<Fiber*> fibers;  // capacity grows to the largest block seen
-    void* smem = nullptr;        // dynamic shared memory, kMaxDynamicShared bytes
+    void* smem = nullptr;  // dynamic shared memory, kMaxDynamicShared bytes
     char* altstack = nullptr;
     BlockPub pub{};
     Launch* L = nullptr;
@@ -234,32 +234,54 @@ bool same_site(const std::source_location& a, const std::source_location& b) {
 
 const char* warp_kind_name(int k) {
     switch (k) {
-        case kShflIdx: return "__shfl_sync";
-        case kShflUp: return "__shfl_up_sync";
-        case kShflDown: return "__shfl_down_sync";
-        case kShflXor: return "__shfl_xor_sync";
-        case kBallot: return "__ballot_sync";
-        case kAny: return "__any_sync";
-        case kAll: return "__all_sync";
-        case kSyncwarp: return "__syncwarp";
-        case kReduceAddU: return "__reduce_add_sync";
-        case kReduceMinU: case kReduceMinI: return "__reduce_min_sync";
-        case kReduceMaxU: case kReduceMaxI: return "__reduce_max_sync";
-        case kReduceAnd: return "__reduce_and_sync";
-        case kReduceOr: return "__reduce_or_sync";
-        case kReduceXor: return "__reduce_xor_sync";
-        case kMatchAny: return "__match_any_sync";
-        case kMatchAll: return "__match_all_sync";
-        case kGeneric: return "cupaged_warp_collective";
+        case kShflIdx:
+            return "__shfl_sync";
+        case kShflUp:
+            return "__shfl_up_sync";
+        case kShflDown:
+            return "__shfl_down_sync";
+        case kShflXor:
+            return "__shfl_xor_sync";
+        case kBallot:
+            return "__ballot_sync";
+        case kAny:
+            return "__any_sync";
+        case kAll:
+            return "__all_sync";
+        case kSyncwarp:
+            return "__syncwarp";
+        case kReduceAddU:
+            return "__reduce_add_sync";
+        case kReduceMinU:
+        case kReduceMinI:
+            return "__reduce_min_sync";
+        case kReduceMaxU:
+        case kReduceMaxI:
+            return "__reduce_max_sync";
+        case kReduceAnd:
+            return "__reduce_and_sync";
+        case kReduceOr:
+            return "__reduce_or_sync";
+        case kReduceXor:
+            return "__reduce_xor_sync";
+        case kMatchAny:
+            return "__match_any_sync";
+        case kMatchAll:
+            return "__match_all_sync";
+        case kGeneric:
+            return "cupaged_warp_collective";
     }
     return "warp collective";
 }
 
 const char* barrier_name(int k) {
     switch (k) {
-        case kBarCount: return "__syncthreads_count";
-        case kBarAnd: return "__syncthreads_and";
-        case kBarOr: return "__syncthreads_or";
+        case kBarCount:
+            return "__syncthreads_count";
+        case kBarAnd:
+            return "__syncthreads_and";
+        case kBarOr:
+            return "__syncthreads_or";
     }
     return "__syncthreads";
 }
@@ -328,8 +350,9 @@ std::string barrier_mismatch_report(Worker* w, Fiber* last) {
             }
         if (!found) groups.push_back({f, {f->pub.linear}});
     }
-    std::string msg = "threads wait at different block barriers (every live thread of a block must reach the same "
-                      "__syncthreads; on a GPU this hangs or corrupts shared memory):";
+    std::string msg =
+        "threads wait at different block barriers (every live thread of a block must reach the same "
+        "__syncthreads; on a GPU this hangs or corrupts shared memory):";
     for (auto& g : groups) {
         std::sort(g.second.begin(), g.second.end());
         msg += fmt("\n  %s %s at %s() %s", g.second.size() == 1 ? "thread" : "threads", id_ranges(g.second).c_str(),
@@ -353,9 +376,15 @@ int release_barrier(Worker* w, Fiber* last) {
     const unsigned total = w->nbar + (last ? 1u : 0u);
     int result = 0;
     switch (ref->kind) {
-        case kBarCount: result = (int)count; break;
-        case kBarAnd: result = count == total; break;
-        case kBarOr: result = count != 0; break;
+        case kBarCount:
+            result = (int)count;
+            break;
+        case kBarAnd:
+            result = count == total;
+            break;
+        case kBarOr:
+            result = count != 0;
+            break;
     }
     for (unsigned i = 0; i < w->nbar; ++i) {
         w->barw[i]->res = (unsigned long long)(unsigned)result;
@@ -382,10 +411,22 @@ void complete(Worker* w, Fiber* last, WarpRt& W, unsigned pi) {
             long long j, maxl = minl | (p.kind == kShflUp ? 0 : (31u & ~seg));
             bool ok;
             switch (p.kind) {
-                case kShflUp: j = (long long)l - (long long)(unsigned)f->b; ok = j >= maxl; break;
-                case kShflDown: j = (long long)l + (long long)(unsigned)f->b; ok = j <= maxl; break;
-                case kShflXor: j = (long long)(l ^ (unsigned)f->b); ok = j <= maxl; break;
-                default: j = minl | ((unsigned)f->b & ~seg & 31u); ok = true; break;
+                case kShflUp:
+                    j = (long long)l - (long long)(unsigned)f->b;
+                    ok = j >= maxl;
+                    break;
+                case kShflDown:
+                    j = (long long)l + (long long)(unsigned)f->b;
+                    ok = j <= maxl;
+                    break;
+                case kShflXor:
+                    j = (long long)(l ^ (unsigned)f->b);
+                    ok = j <= maxl;
+                    break;
+                default:
+                    j = minl | ((unsigned)f->b & ~seg & 31u);
+                    ok = true;
+                    break;
             }
             // Reading a lane that does not take part is undefined on the GPU; own value here.
             if (!ok || !(m >> j & 1u)) j = l;
@@ -418,18 +459,42 @@ void complete(Worker* w, Fiber* last, WarpRt& W, unsigned pi) {
             all_eq = all_eq && v == v0;
         }
         switch (p.kind) {
-            case kBallot: r = bits; break;
-            case kAny: r = bits != 0; break;
-            case kAll: r = bits == m; break;
-            case kReduceAddU: r = acc_u; break;
-            case kReduceMinU: r = acc_min; break;
-            case kReduceMaxU: r = acc_max; break;
-            case kReduceMinI: r = (unsigned)acc_mini; break;
-            case kReduceMaxI: r = (unsigned)acc_maxi; break;
-            case kReduceAnd: r = acc_and; break;
-            case kReduceOr: r = acc_or; break;
-            case kReduceXor: r = acc_xor; break;
-            case kMatchAll: r = all_eq ? (m | (1ull << 32)) : 0; break;
+            case kBallot:
+                r = bits;
+                break;
+            case kAny:
+                r = bits != 0;
+                break;
+            case kAll:
+                r = bits == m;
+                break;
+            case kReduceAddU:
+                r = acc_u;
+                break;
+            case kReduceMinU:
+                r = acc_min;
+                break;
+            case kReduceMaxU:
+                r = acc_max;
+                break;
+            case kReduceMinI:
+                r = (unsigned)acc_mini;
+                break;
+            case kReduceMaxI:
+                r = (unsigned)acc_maxi;
+                break;
+            case kReduceAnd:
+                r = acc_and;
+                break;
+            case kReduceOr:
+                r = acc_or;
+                break;
+            case kReduceXor:
+                r = acc_xor;
+                break;
+            case kMatchAll:
+                r = all_eq ? (m | (1ull << 32)) : 0;
+                break;
         }
         for (unsigned rest = m; rest; rest &= rest - 1) {
             Fiber* f = lanes[__builtin_ctz(rest)];
@@ -470,13 +535,14 @@ std::string warp_misuse_report(Fiber* f, int kind, unsigned mask, int width, con
 }
 
 std::string warp_mismatch_report(Fiber* f, const Pending& p, int kind, unsigned mask, const std::source_location& loc) {
-    return fmt("lanes of warp %u wait in different warp collectives (lanes named in each other's masks must call the "
-               "same collective with the same mask):\n  %s\n  lane %u in %s(mask 0x%08x) at %s",
-               f->warp, pending_str(p).c_str(), f->lane, warp_kind_name(kind), mask, site_str(loc).c_str());
+    return fmt(
+        "lanes of warp %u wait in different warp collectives (lanes named in each other's masks must call the "
+        "same collective with the same mask):\n  %s\n  lane %u in %s(mask 0x%08x) at %s",
+        f->warp, pending_str(p).c_str(), f->lane, warp_kind_name(kind), mask, site_str(loc).c_str());
 }
 
-unsigned long long warp_op(int kind, unsigned mask, unsigned long long val, int b, int width, const void* fn,
-                           void* ptr, void* cctx, const std::source_location& loc) {
+unsigned long long warp_op(int kind, unsigned mask, unsigned long long val, int b, int width, const void* fn, void* ptr,
+                           void* cctx, const std::source_location& loc) {
     Fiber* f = self();
     Worker* w = f->w;
     WarpRt& W = w->warps[f->warp];
@@ -635,7 +701,9 @@ std::atomic<unsigned> g_nchunks{0};
 // The readable part of the region based at r: the stack and the fiber state
 // above it. Below is the guard of this fiber; above, the rest of the region is
 // more guard for the stack of the next region's fiber.
-constexpr std::uintptr_t stack_floor(std::uintptr_t r) { return (header_of_region(r) - kStack) & ~std::uintptr_t(4095); }
+constexpr std::uintptr_t stack_floor(std::uintptr_t r) {
+    return (header_of_region(r) - kStack) & ~std::uintptr_t(4095);
+}
 constexpr std::uintptr_t state_ceiling(std::uintptr_t r) {
     return (header_of_region(r) + sizeof(Fiber) + 4095) & ~std::uintptr_t(4095);
 }
@@ -735,9 +803,9 @@ void on_fault(int sig, siginfo_t* si, void* ucv) {
     if (!overflow) {
         std::uintptr_t sp = 0;
 #if defined(__x86_64__)
-        sp = (std::uintptr_t) static_cast<ucontext_t*>(ucv)->uc_mcontext.gregs[REG_RSP];
+        sp = (std::uintptr_t)static_cast<ucontext_t*>(ucv)->uc_mcontext.gregs[REG_RSP];
 #elif defined(__aarch64__)
-        sp = (std::uintptr_t) static_cast<ucontext_t*>(ucv)->uc_mcontext.sp;
+        sp = (std::uintptr_t)static_cast<ucontext_t*>(ucv)->uc_mcontext.sp;
 #else
         (void)ucv;
 #endif
@@ -844,7 +912,8 @@ void run_block(Worker* w, Launch* L, unsigned long long b) {
     if (w->failed) {
         std::string where = fmt("kernel '%s' block (%u,%u,%u)", L->kernel, w->pub.bid.x, w->pub.bid.y, w->pub.bid.z);
         if (by != 1 || bz != 1)
-            where += fmt(" (blockDim (%u,%u,%u); thread numbers are x + blockDim.x * (y + blockDim.y * z))", bx, by, bz);
+            where +=
+                fmt(" (blockDim (%u,%u,%u); thread numbers are x + blockDim.x * (y + blockDim.y * z))", bx, by, bz);
         L->fail(where + ": " + w->err);
         w->err.clear();
     }
@@ -1064,8 +1133,8 @@ CUPAGED_RT_API int cupaged_rt_launch(const char* kernel, const unsigned* grid3, 
         return 1;
     }
     if (shared_mem > kMaxDynamicShared) {
-        t_last_error = fmt("kernel '%s': %u bytes of dynamic shared memory; at most %u", kernel, shared_mem,
-                           kMaxDynamicShared);
+        t_last_error =
+            fmt("kernel '%s': %u bytes of dynamic shared memory; at most %u", kernel, shared_mem, kMaxDynamicShared);
         return 1;
     }
     const unsigned long long nblocks = (unsigned long long)grid3[0] * grid3[1] * grid3[2];
@@ -1096,7 +1165,7 @@ CUPAGED_RT_API int cupaged_rt_launch(const char* kernel, const unsigned* grid3, 
     const bool watch = on_main_thread();
     if (watch) {
         g_sigint = 0;
-        struct sigaction sa {};
+        struct sigaction sa{};
         sa.sa_sigaction = on_sigint;
         sa.sa_flags = SA_SIGINFO;
         sigemptyset(&sa.sa_mask);

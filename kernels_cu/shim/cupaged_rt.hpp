@@ -25,17 +25,17 @@
 namespace cupaged {
 
 inline constexpr std::uintptr_t kRegion = 128 * 1024;  // one fiber: guard + stack + state
-inline constexpr std::uintptr_t kStack = 64 * 1024;    // usable stack of one CUDA thread
-inline constexpr std::uintptr_t kTop = 32 * 1024;      // the header lies in the last kTop bytes
-inline constexpr std::uintptr_t kColors = 256;         // header offsets, 64 bytes apart
+inline constexpr std::uintptr_t kStack = 64 * 1024;  // usable stack of one CUDA thread
+inline constexpr std::uintptr_t kTop = 32 * 1024;  // the header lies in the last kTop bytes
+inline constexpr std::uintptr_t kColors = 256;  // header offsets, 64 bytes apart
 inline constexpr unsigned kMaxDynamicShared = 227 * 1024;
 inline constexpr unsigned kMaxThreadsPerBlock = 1024;
 
 // What kernels read: the block being run by the current worker.
 struct BlockPub {
-    uint3 bid;           // blockIdx
-    dim3 bdim;           // blockDim
-    dim3 gdim;           // gridDim
+    uint3 bid;  // blockIdx
+    dim3 bdim;  // blockDim
+    dim3 gdim;  // gridDim
     const char* kernel;  // kernel name, for messages
 };
 
@@ -88,7 +88,7 @@ enum WarpKind : int {
     kReduceXor,
     kMatchAny,
     kMatchAll,  // result: mask | (all_equal << 32)
-    kGeneric,   // cupaged_rt_warp_collective
+    kGeneric,  // cupaged_rt_warp_collective
 };
 
 // Block barrier kinds (cupaged_rt_barrier).
@@ -102,10 +102,11 @@ CUPAGED_RT_API int cupaged_rt_barrier(int kind, int pred, std::source_location l
 CUPAGED_RT_API unsigned long long cupaged_rt_warp_op(int kind, unsigned mask, unsigned long long value, int b,
                                                      int width, std::source_location loc);
 CUPAGED_RT_API void cupaged_rt_warp_collective(unsigned mask, void* lane_data,
-                                               void (*fn)(void** all_lane_data, unsigned mask, void* ctx),
-                                               void* ctx, std::source_location loc);
+                                               void (*fn)(void** all_lane_data, unsigned mask, void* ctx), void* ctx,
+                                               std::source_location loc);
 CUPAGED_RT_API unsigned cupaged_rt_activemask();
-CUPAGED_RT_API [[noreturn]] void cupaged_rt_trap(const char* what, const char* file, unsigned line, const char* function);
+CUPAGED_RT_API [[noreturn]] void cupaged_rt_trap(const char* what, const char* file, unsigned line,
+                                                 const char* function);
 CUPAGED_RT_API void* cupaged_rt_dynamic_shared();  // the calling worker's dynamic shared memory
 // Called from the export stubs (on the launching thread):
 CUPAGED_RT_API int cupaged_rt_launch(const char* kernel, const unsigned* grid3, const unsigned* block3,

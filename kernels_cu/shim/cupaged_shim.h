@@ -49,8 +49,7 @@
 
 // Dynamic shared memory: the worker's buffer of cupaged::kMaxDynamicShared
 // bytes (16-byte aligned). Works at block and at namespace scope.
-#define CUPAGED_DYNAMIC_SHARED(T, name) \
-    static thread_local T* const name = static_cast<T*>(cupaged_rt_dynamic_shared())
+#define CUPAGED_DYNAMIC_SHARED(T, name) static thread_local T* const name = static_cast<T*>(cupaged_rt_dynamic_shared())
 
 // ---- built-in variables ---------------------------------------------------------
 #define threadIdx (::cupaged::cur()->tid)
@@ -92,10 +91,10 @@ inline int __syncthreads_or(int pred, CUPAGED_LOC) {
 // ---- warp collectives -------------------------------------------------------------
 namespace cupaged {
 template <class T>
-concept WarpValue = (std::is_arithmetic_v<T> || std::is_pointer_v<T> || std::is_same_v<T, __half> ||
-                     std::is_same_v<T, __half2> || std::is_same_v<T, __nv_bfloat16> ||
-                     std::is_same_v<T, __nv_bfloat162>) &&
-                    sizeof(T) <= 8;
+concept WarpValue =
+    (std::is_arithmetic_v<T> || std::is_pointer_v<T> || std::is_same_v<T, __half> || std::is_same_v<T, __half2> ||
+     std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __nv_bfloat162>) &&
+    sizeof(T) <= 8;
 
 inline unsigned long long warp_op(int kind, unsigned mask, unsigned long long v, int b, int width,
                                   const std::source_location& loc) {
@@ -202,8 +201,9 @@ inline unsigned __match_all_sync(unsigned mask, T value, int* pred, CUPAGED_LOC)
 // fn(all_lane_data, mask, ctx) once, with all_lane_data[lane] the pointer each
 // lane posted (null for lanes outside the mask) and ctx that lane's ctx; then
 // all lanes proceed. fn must not call barriers or collectives itself.
-inline void cupaged_warp_collective(unsigned mask, void* lane_data, void (*fn)(void** all_lane_data, unsigned mask, void* ctx),
-                                    void* ctx, CUPAGED_LOC) {
+inline void cupaged_warp_collective(unsigned mask, void* lane_data,
+                                    void (*fn)(void** all_lane_data, unsigned mask, void* ctx), void* ctx,
+                                    CUPAGED_LOC) {
     CUPAGED_FENCE();
     cupaged_rt_warp_collective(mask, lane_data, fn, ctx, cupaged_loc);
     CUPAGED_FENCE();
@@ -220,8 +220,9 @@ inline unsigned cupaged_lane_id() { return ::cupaged::cur()->linear & 31u; }
 }
 // assert() in a kernel raises KernelError, with or without <cassert>: glibc's
 // assert calls __assert_fail, which each module defines for itself.
-extern "C" __attribute__((visibility("hidden"), noreturn)) inline void __assert_fail(
-    const char* expr, const char* file, unsigned int line, const char* function) noexcept {
+extern "C" __attribute__((visibility("hidden"), noreturn)) inline void __assert_fail(const char* expr, const char* file,
+                                                                                     unsigned int line,
+                                                                                     const char* function) noexcept {
     char what[512];
     snprintf(what, sizeof what, "assertion failed: %s", expr);
     cupaged_rt_trap(what, file, line, function);
@@ -242,8 +243,8 @@ namespace cupaged {
 inline void check_aligned(const void* p, unsigned bytes, const char* what, const std::source_location& loc) {
     if (__builtin_expect(reinterpret_cast<std::uintptr_t>(p) % bytes == 0, 1)) return;
     char msg[192];
-    snprintf(msg, sizeof msg, "misaligned %u-byte %s at address %p (a GPU faults: expected a multiple of %u)",
-             bytes, what, p, bytes);
+    snprintf(msg, sizeof msg, "misaligned %u-byte %s at address %p (a GPU faults: expected a multiple of %u)", bytes,
+             what, p, bytes);
     cupaged_rt_trap(msg, loc.file_name(), loc.line(), loc.function_name());
 }
 }  // namespace cupaged
@@ -252,38 +253,70 @@ inline void check_aligned(const void* p, unsigned bytes, const char* what, const
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_block() { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
-template <class T> inline T __ldg(const T* p) { return *p; }
-template <class T> inline T __ldca(const T* p) { return *p; }
-template <class T> inline T __ldcg(const T* p) { return *p; }
-template <class T> inline T __ldcs(const T* p) { return *p; }
-template <class T> inline T __ldlu(const T* p) { return *p; }
-template <class T> inline T __ldcv(const T* p) { return *p; }
-template <class T> inline void __stwb(T* p, T v) { *p = v; }
-template <class T> inline void __stcg(T* p, T v) { *p = v; }
-template <class T> inline void __stcs(T* p, T v) { *p = v; }
-template <class T> inline void __stwt(T* p, T v) { *p = v; }
+template <class T>
+inline T __ldg(const T* p) {
+    return *p;
+}
+template <class T>
+inline T __ldca(const T* p) {
+    return *p;
+}
+template <class T>
+inline T __ldcg(const T* p) {
+    return *p;
+}
+template <class T>
+inline T __ldcs(const T* p) {
+    return *p;
+}
+template <class T>
+inline T __ldlu(const T* p) {
+    return *p;
+}
+template <class T>
+inline T __ldcv(const T* p) {
+    return *p;
+}
+template <class T>
+inline void __stwb(T* p, T v) {
+    *p = v;
+}
+template <class T>
+inline void __stcg(T* p, T v) {
+    *p = v;
+}
+template <class T>
+inline void __stcs(T* p, T v) {
+    *p = v;
+}
+template <class T>
+inline void __stwt(T* p, T v) {
+    *p = v;
+}
 
 // ---- atomics (real atomics: blocks run concurrently on the workers) ---------------------
-#define CUPAGED_ATOMIC_INT(T)                                                                                    \
-    inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }                          \
-    inline T atomicSub(T* p, T v) { return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }                          \
-    inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }                        \
-    inline T atomicAnd(T* p, T v) { return __atomic_fetch_and(p, v, __ATOMIC_SEQ_CST); }                          \
-    inline T atomicOr(T* p, T v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }                            \
-    inline T atomicXor(T* p, T v) { return __atomic_fetch_xor(p, v, __ATOMIC_SEQ_CST); }                          \
-    inline T atomicCAS(T* p, T cmp, T v) {                                                                        \
-        __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);                       \
-        return cmp;                                                                                               \
-    }                                                                                                             \
-    inline T atomicMax(T* p, T v) {                                                                               \
-        T old = __atomic_load_n(p, __ATOMIC_RELAXED);                                                             \
-        while (old < v && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {} \
-        return old;                                                                                               \
-    }                                                                                                             \
-    inline T atomicMin(T* p, T v) {                                                                               \
-        T old = __atomic_load_n(p, __ATOMIC_RELAXED);                                                             \
-        while (old > v && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {} \
-        return old;                                                                                               \
+#define CUPAGED_ATOMIC_INT(T)                                                                                   \
+    inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }                        \
+    inline T atomicSub(T* p, T v) { return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }                        \
+    inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }                      \
+    inline T atomicAnd(T* p, T v) { return __atomic_fetch_and(p, v, __ATOMIC_SEQ_CST); }                        \
+    inline T atomicOr(T* p, T v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }                          \
+    inline T atomicXor(T* p, T v) { return __atomic_fetch_xor(p, v, __ATOMIC_SEQ_CST); }                        \
+    inline T atomicCAS(T* p, T cmp, T v) {                                                                      \
+        __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);                     \
+        return cmp;                                                                                             \
+    }                                                                                                           \
+    inline T atomicMax(T* p, T v) {                                                                             \
+        T old = __atomic_load_n(p, __ATOMIC_RELAXED);                                                           \
+        while (old < v && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) { \
+        }                                                                                                       \
+        return old;                                                                                             \
+    }                                                                                                           \
+    inline T atomicMin(T* p, T v) {                                                                             \
+        T old = __atomic_load_n(p, __ATOMIC_RELAXED);                                                           \
+        while (old > v && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) { \
+        }                                                                                                       \
+        return old;                                                                                             \
     }
 CUPAGED_ATOMIC_INT(int)
 CUPAGED_ATOMIC_INT(unsigned int)
@@ -296,13 +329,16 @@ inline unsigned short atomicCAS(unsigned short* p, unsigned short cmp, unsigned 
 }
 inline unsigned atomicInc(unsigned* p, unsigned limit) {  // ((old >= limit) ? 0 : old + 1)
     unsigned old = __atomic_load_n(p, __ATOMIC_RELAXED);
-    while (!__atomic_compare_exchange_n(p, &old, old >= limit ? 0u : old + 1u, true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {}
+    while (
+        !__atomic_compare_exchange_n(p, &old, old >= limit ? 0u : old + 1u, true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
+    }
     return old;
 }
 inline unsigned atomicDec(unsigned* p, unsigned limit) {  // ((old == 0 || old > limit) ? limit : old - 1)
     unsigned old = __atomic_load_n(p, __ATOMIC_RELAXED);
     while (!__atomic_compare_exchange_n(p, &old, (old == 0u || old > limit) ? limit : old - 1u, true, __ATOMIC_SEQ_CST,
-                                        __ATOMIC_RELAXED)) {}
+                                        __ATOMIC_RELAXED)) {
+    }
     return old;
 }
 namespace cupaged {
@@ -325,8 +361,8 @@ inline double atomicAdd(double* p, double v) {
     return ::cupaged::atomic_rmw<double, unsigned long long>(p, [v](double x) { return x + v; });
 }
 inline float atomicExch(float* p, float v) {
-    return __builtin_bit_cast(float, __atomic_exchange_n(reinterpret_cast<unsigned*>(p), __builtin_bit_cast(unsigned, v),
-                                                         __ATOMIC_SEQ_CST));
+    return __builtin_bit_cast(
+        float, __atomic_exchange_n(reinterpret_cast<unsigned*>(p), __builtin_bit_cast(unsigned, v), __ATOMIC_SEQ_CST));
 }
 inline float atomicMax(float* p, float v) {  // not CUDA API (sm_90 has it for some types); NaN-ignoring
     return ::cupaged::atomic_rmw<float, unsigned>(p, [v](float x) { return fmaxf(x, v); });
@@ -346,9 +382,15 @@ inline __half2 atomicAdd(__half2* p, __half2 v) {
 inline __nv_bfloat162 atomicAdd(__nv_bfloat162* p, __nv_bfloat162 v) {
     return ::cupaged::atomic_rmw<__nv_bfloat162, unsigned>(p, [v](__nv_bfloat162 x) { return __hadd2(x, v); });
 }
-#define CUPAGED_ATOMIC_SCOPED(name)                                              \
-    template <class T, class... R> inline T name##_block(T* p, R... r) { return name(p, r...); } \
-    template <class T, class... R> inline T name##_system(T* p, R... r) { return name(p, r...); }
+#define CUPAGED_ATOMIC_SCOPED(name)        \
+    template <class T, class... R>         \
+    inline T name##_block(T* p, R... r) {  \
+        return name(p, r...);              \
+    }                                      \
+    template <class T, class... R>         \
+    inline T name##_system(T* p, R... r) { \
+        return name(p, r...);              \
+    }
 CUPAGED_ATOMIC_SCOPED(atomicAdd)
 CUPAGED_ATOMIC_SCOPED(atomicSub)
 CUPAGED_ATOMIC_SCOPED(atomicExch)
@@ -361,8 +403,8 @@ CUPAGED_ATOMIC_SCOPED(atomicXor)
 #undef CUPAGED_ATOMIC_SCOPED
 
 // ---- integer min/max (CUDA's overload set) -------------------------------------------
-#define CUPAGED_MINMAX(R, A, B)                                               \
-    inline R min(A a, B b) { return (R)a < (R)b ? (R)a : (R)b; }              \
+#define CUPAGED_MINMAX(R, A, B)                                  \
+    inline R min(A a, B b) { return (R)a < (R)b ? (R)a : (R)b; } \
     inline R max(A a, B b) { return (R)a > (R)b ? (R)a : (R)b; }
 CUPAGED_MINMAX(int, int, int)
 CUPAGED_MINMAX(unsigned int, unsigned int, unsigned int)
@@ -416,7 +458,10 @@ inline float normcdff(float x) { return 0.5f * erfcf(-x * 0.70710678118654752f);
 inline double normcdf(double x) { return 0.5 * erfc(-x * 0.70710678118654752); }
 inline float sinpif(float x) { return (float)sin(3.14159265358979323846 * (double)x); }
 inline float cospif(float x) { return (float)cos(3.14159265358979323846 * (double)x); }
-inline void sincospif(float x, float* s, float* c) { *s = sinpif(x); *c = cospif(x); }
+inline void sincospif(float x, float* s, float* c) {
+    *s = sinpif(x);
+    *c = cospif(x);
+}
 inline float fdividef(float a, float b) { return a / b; }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __saturatef(float x) { return x >= 1.0f ? 1.0f : (x > 0.0f ? x : 0.0f); }
@@ -551,15 +596,20 @@ inline constexpr OpaqueCode kOpaqueCode = opaque_code(N);
 // cupaged/_runtime/structs.py).
 template <class T>
 constexpr const char* param_code() {
-    if constexpr (std::is_pointer_v<T>) return "p";
-    else if constexpr (std::is_same_v<T, bool>) return "b1";
+    if constexpr (std::is_pointer_v<T>)
+        return "p";
+    else if constexpr (std::is_same_v<T, bool>)
+        return "b1";
     else if constexpr (std::is_integral_v<T> && std::is_signed_v<T>)
         return sizeof(T) == 1 ? "i1" : sizeof(T) == 2 ? "i2" : sizeof(T) == 4 ? "i4" : "i8";
     else if constexpr (std::is_integral_v<T>)
         return sizeof(T) == 1 ? "u1" : sizeof(T) == 2 ? "u2" : sizeof(T) == 4 ? "u4" : "u8";
-    else if constexpr (std::is_same_v<T, float>) return "f4";
-    else if constexpr (std::is_same_v<T, double>) return "f8";
-    else return kOpaqueCode<sizeof(T)>.c;
+    else if constexpr (std::is_same_v<T, float>)
+        return "f4";
+    else if constexpr (std::is_same_v<T, double>)
+        return "f8";
+    else
+        return kOpaqueCode<sizeof(T)>.c;
 }
 template <class T>
 const char* param_type_name() {  // "... [with T = const float*]"
@@ -578,14 +628,14 @@ constexpr int param_count(void (*)(A...)) {
 }
 }  // namespace cupaged
 
-#define CUPAGED_EXPORT_KERNEL(NAME)                                                                            \
-    extern "C" __attribute__((visibility("default"))) int cupaged_launch_##NAME(                               \
-        const unsigned* grid3, const unsigned* block3, unsigned smem, void** args) {                           \
-        return ::cupaged::launch(#NAME, &NAME, grid3, block3, smem, args);                                     \
-    }                                                                                                          \
-    extern "C" __attribute__((visibility("default"))) int cupaged_nparams_##NAME() {                           \
-        return ::cupaged::param_count(&NAME);                                                                  \
-    }                                                                                                          \
-    extern "C" __attribute__((visibility("default"))) const char* cupaged_param_##NAME(int i, int what) {      \
-        return ::cupaged::param_info(&NAME, i, what);                                                          \
+#define CUPAGED_EXPORT_KERNEL(NAME)                                                                       \
+    extern "C" __attribute__((visibility("default"))) int cupaged_launch_##NAME(                          \
+        const unsigned* grid3, const unsigned* block3, unsigned smem, void** args) {                      \
+        return ::cupaged::launch(#NAME, &NAME, grid3, block3, smem, args);                                \
+    }                                                                                                     \
+    extern "C" __attribute__((visibility("default"))) int cupaged_nparams_##NAME() {                      \
+        return ::cupaged::param_count(&NAME);                                                             \
+    }                                                                                                     \
+    extern "C" __attribute__((visibility("default"))) const char* cupaged_param_##NAME(int i, int what) { \
+        return ::cupaged::param_info(&NAME, i, what);                                                     \
     }

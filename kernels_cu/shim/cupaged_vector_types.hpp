@@ -4,18 +4,18 @@
 // memory as float4 the way CUDA code does.
 #pragma once
 
-#define CUPAGED_VEC1(T, N, A)                                                          \
-    struct __attribute__((aligned(A), may_alias)) N##1 { T x; };                       \
-    inline N##1 make_##N##1(T x) { return N##1{x}; }
-#define CUPAGED_VEC2(T, N, A)                                                          \
-    struct __attribute__((aligned(A), may_alias)) N##2 { T x, y; };                    \
-    inline N##2 make_##N##2(T x, T y) { return N##2{x, y}; }
-#define CUPAGED_VEC3(T, N, A)                                                          \
-    struct __attribute__((aligned(A), may_alias)) N##3 { T x, y, z; };                 \
-    inline N##3 make_##N##3(T x, T y, T z) { return N##3{x, y, z}; }
-#define CUPAGED_VEC4(T, N, A)                                                          \
-    struct __attribute__((aligned(A), may_alias)) N##4 { T x, y, z, w; };              \
-    inline N##4 make_##N##4(T x, T y, T z, T w) { return N##4{x, y, z, w}; }
+#define CUPAGED_VEC1(T, N, A)                                    \
+    struct __attribute__((aligned(A), may_alias)) N##1 { T x; }; \
+    inline N##1 make_##N##1(T x) { return N##1 {x}; }
+#define CUPAGED_VEC2(T, N, A)                                       \
+    struct __attribute__((aligned(A), may_alias)) N##2 { T x, y; }; \
+    inline N##2 make_##N##2(T x, T y) { return N##2 {x, y}; }
+#define CUPAGED_VEC3(T, N, A)                                          \
+    struct __attribute__((aligned(A), may_alias)) N##3 { T x, y, z; }; \
+    inline N##3 make_##N##3(T x, T y, T z) { return N##3 {x, y, z}; }
+#define CUPAGED_VEC4(T, N, A)                                             \
+    struct __attribute__((aligned(A), may_alias)) N##4 { T x, y, z, w; }; \
+    inline N##4 make_##N##4(T x, T y, T z, T w) { return N##4 {x, y, z, w}; }
 #define CUPAGED_VECS(T, N, A1, A2, A3, A4) \
     CUPAGED_VEC1(T, N, A1) CUPAGED_VEC2(T, N, A2) CUPAGED_VEC3(T, N, A3) CUPAGED_VEC4(T, N, A4)
 

@@ -3,7 +3,7 @@
 // which caps the kernel at 32 registers, plus a dynamically indexed local
 // array (stack frame).
 extern "C" __global__ void __launch_bounds__(1024, 2)
-spill_heavy(const float* __restrict__ x, float* __restrict__ out, int n, int pick) {
+    spill_heavy(const float* __restrict__ x, float* __restrict__ out, int n, int pick) {
     float v[64];
 #pragma unroll
     for (int i = 0; i < 64; i++) v[i] = x[i * n + threadIdx.x];

@@ -13,7 +13,10 @@ extern "C" __global__ void copy_v4(const float4* __restrict__ src, float4* __res
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float4 v = src[i];
-        v.x *= GATE_SCALE; v.y *= GATE_SCALE; v.z *= GATE_SCALE; v.w *= GATE_SCALE;
+        v.x *= GATE_SCALE;
+        v.y *= GATE_SCALE;
+        v.z *= GATE_SCALE;
+        v.w *= GATE_SCALE;
         dst[i] = v;
     }
 }

@@ -9,9 +9,7 @@
 extern "C" __global__ void mma_direct(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
                                       float* __restrict__ c) {
     const u32 lane = threadIdx.x & 31u, g = lane >> 2, t = lane & 3u;
-    auto bits = [](scalar_t x) -> u32 {
-        return (u32)*reinterpret_cast<const unsigned short*>(&x);
-    };
+    auto bits = [](scalar_t x) -> u32 { return (u32) * reinterpret_cast<const unsigned short*>(&x); };
     u32 af[4], bf[2];
     af[0] = bits(a[g * 16 + 2 * t]) | bits(a[g * 16 + 2 * t + 1]) << 16;
     af[1] = bits(a[(g + 8) * 16 + 2 * t]) | bits(a[(g + 8) * 16 + 2 * t + 1]) << 16;
@@ -32,17 +30,16 @@ extern "C" __global__ void mma_direct(const scalar_t* __restrict__ a, const scal
 // (b_is_nk 0) or from ldmatrix.x4 when it is given as B^T [32 x K] (b_is_nk
 // 1), and mma.sync accumulates. 4 warps, warp w computes rows 16w..16w+15.
 // Rows are padded by 8 elements in shared memory (conflict-free ldmatrix).
-extern "C" __global__ void __launch_bounds__(128) mma_gemm(const scalar_t* __restrict__ a,
-                                                           const scalar_t* __restrict__ b,
-                                                           float* __restrict__ c, u32 k_dim, u32 a_rows,
-                                                           u32 b_is_nk) {
+extern "C" __global__ void __launch_bounds__(128)
+    mma_gemm(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b, float* __restrict__ c, u32 k_dim,
+             u32 a_rows, u32 b_is_nk) {
     constexpr u32 M = 64, N = 32, KMAX = 128;
-    constexpr u32 AP = KMAX + 8;               // A row pitch in shared memory
+    constexpr u32 AP = KMAX + 8;  // A row pitch in shared memory
     constexpr u32 BP = (KMAX > N ? KMAX : N) + 8;
     __shared__ __align__(16) scalar_t sa[M * AP];
     __shared__ __align__(16) scalar_t sb[KMAX * (N + 8) > N * BP ? KMAX * (N + 8) : N * BP];
     const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
-    const u32 kc = k_dim / 8;                  // 16-byte chunks per row of A (and of B^T)
+    const u32 kc = k_dim / 8;  // 16-byte chunks per row of A (and of B^T)
     for (u32 i = tid; i < M * kc; i += 128) {
         const u32 r = i / kc, ch = i - r * kc;
         const bool ok = r < a_rows;

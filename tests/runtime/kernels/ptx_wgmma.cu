@@ -25,8 +25,7 @@ extern "C" __global__ void __launch_bounds__(128)
                const u32* __restrict__ a_regs, float* __restrict__ early) {
     constexpr u32 kN = WG_N, kD = kN / 2;
     CUPAGED_DYNAMIC_SHARED(unsigned char, smem_raw);
-    unsigned char* const base = reinterpret_cast<unsigned char*>((reinterpret_cast<u64>(smem_raw) + 1023) &
-                                                                 ~1023ull);
+    unsigned char* const base = reinterpret_cast<unsigned char*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~1023ull);
     const u32 tid = threadIdx.x;
     for (u32 i = tid; i < a_words; i += 128) reinterpret_cast<u32*>(base)[i] = a_img[i];
     for (u32 i = tid; i < b_words; i += 128) reinterpret_cast<u32*>(base + b_off)[i] = b_img[i];
@@ -42,17 +41,29 @@ extern "C" __global__ void __launch_bounds__(128)
         const u64 db = ptx::wgmma_desc(base + b_off + b_koff[ks], b_lbo, b_sbo, b_swz);
         const bool add = ks > 0 || accumulate;
         switch (mode) {
-            case 0: ptx::wgmma_ss<scalar_t, kN, 0, 0>(acc, da, db, add); break;
-            case 2: ptx::wgmma_ss<scalar_t, kN, 1, 0>(acc, da, db, add); break;
-            case 4: ptx::wgmma_ss<scalar_t, kN, 0, 1>(acc, da, db, add); break;
-            case 6: ptx::wgmma_ss<scalar_t, kN, 1, 1>(acc, da, db, add); break;
-            case 1: ptx::wgmma_rs<scalar_t, kN, 0>(acc, a, db, add); break;
-            default: ptx::wgmma_rs<scalar_t, kN, 1>(acc, a, db, add); break;
+            case 0:
+                ptx::wgmma_ss<scalar_t, kN, 0, 0>(acc, da, db, add);
+                break;
+            case 2:
+                ptx::wgmma_ss<scalar_t, kN, 1, 0>(acc, da, db, add);
+                break;
+            case 4:
+                ptx::wgmma_ss<scalar_t, kN, 0, 1>(acc, da, db, add);
+                break;
+            case 6:
+                ptx::wgmma_ss<scalar_t, kN, 1, 1>(acc, da, db, add);
+                break;
+            case 1:
+                ptx::wgmma_rs<scalar_t, kN, 0>(acc, a, db, add);
+                break;
+            default:
+                ptx::wgmma_rs<scalar_t, kN, 1>(acc, a, db, add);
+                break;
         }
     }
     ptx::wgmma_commit();
 #ifdef CUPAGED_CPU
-    for (u32 i = 0; i < kD; ++i) early[tid * kD + i] = acc[i];   // before the wait: untouched on the CPU
+    for (u32 i = 0; i < kD; ++i) early[tid * kD + i] = acc[i];  // before the wait: untouched on the CPU
 #endif
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_operand(acc);
@@ -63,8 +74,7 @@ extern "C" __global__ void __launch_bounds__(128)
 // base a 1024-byte boundary of dynamic shared memory.
 extern "C" __global__ void wgmma_desc_fields(u64* out, u32 off, u32 lbo, u32 sbo, u32 sw) {
     CUPAGED_DYNAMIC_SHARED(unsigned char, smem_raw);
-    unsigned char* const base = reinterpret_cast<unsigned char*>((reinterpret_cast<u64>(smem_raw) + 1023) &
-                                                                 ~1023ull);
+    unsigned char* const base = reinterpret_cast<unsigned char*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~1023ull);
     out[0] = ptx::wgmma_desc(base + off, lbo, sbo, sw);
     out[1] = ptx::wgmma_desc(base, 0, 0, 0);
 }

@@ -10,39 +10,63 @@ extern "C" __global__ void geometry(int* out) {
     const unsigned nthreads = blockDim.x * blockDim.y * blockDim.z;
     const unsigned t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     int* o = out + 12 * (block * nthreads + t);
-    o[0] = threadIdx.x; o[1] = threadIdx.y; o[2] = threadIdx.z;
-    o[3] = blockIdx.x; o[4] = blockIdx.y; o[5] = blockIdx.z;
-    o[6] = blockDim.x; o[7] = blockDim.y; o[8] = blockDim.z;
-    o[9] = gridDim.x; o[10] = gridDim.y; o[11] = gridDim.z;
+    o[0] = threadIdx.x;
+    o[1] = threadIdx.y;
+    o[2] = threadIdx.z;
+    o[3] = blockIdx.x;
+    o[4] = blockIdx.y;
+    o[5] = blockIdx.z;
+    o[6] = blockDim.x;
+    o[7] = blockDim.y;
+    o[8] = blockDim.z;
+    o[9] = gridDim.x;
+    o[10] = gridDim.y;
+    o[11] = gridDim.z;
 }
 
 // Every parameter type the launcher converts.
 extern "C" __global__ void arg_types(double* out, const float* in, int i, unsigned u, long long ll,
                                      unsigned long long ull, float f, double d) {
     if (threadIdx.x != 0) return;
-    out[0] = in[0]; out[1] = i; out[2] = u; out[3] = (double)ll; out[4] = (double)ull; out[5] = f; out[6] = d;
+    out[0] = in[0];
+    out[1] = i;
+    out[2] = u;
+    out[3] = (double)ll;
+    out[4] = (double)ull;
+    out[5] = f;
+    out[6] = d;
 }
 
 // ---- warp collectives ------------------------------------------------------------------
 // mode 0 idx, 1 up, 2 down, 3 xor. Threads outside `mask` do not take part (out = -1).
 extern "C" __global__ void shfl_int(const int* in, int* out, int mode, int arg, int width, unsigned mask) {
     const unsigned t = threadIdx.x, lane = t & 31;
-    if (!(mask >> lane & 1u)) { out[t] = -1; return; }
+    if (!(mask >> lane & 1u)) {
+        out[t] = -1;
+        return;
+    }
     const int v = in[t];
     int r = 0;
     switch (mode) {
-        case 0: r = __shfl_sync(mask, v, arg, width); break;
-        case 1: r = __shfl_up_sync(mask, v, (unsigned)arg, width); break;
-        case 2: r = __shfl_down_sync(mask, v, (unsigned)arg, width); break;
-        default: r = __shfl_xor_sync(mask, v, arg, width); break;
+        case 0:
+            r = __shfl_sync(mask, v, arg, width);
+            break;
+        case 1:
+            r = __shfl_up_sync(mask, v, (unsigned)arg, width);
+            break;
+        case 2:
+            r = __shfl_down_sync(mask, v, (unsigned)arg, width);
+            break;
+        default:
+            r = __shfl_xor_sync(mask, v, arg, width);
+            break;
     }
     out[t] = r;
 }
 
 // Shuffles of the other value types: out columns float, double, u64, __half bits, bf162 bits.
-extern "C" __global__ void shfl_types(const float* fin, const double* din, const unsigned long long* uin,
-                                      float* fout, double* dout, unsigned long long* uout, unsigned short* hout,
-                                      unsigned* b2out) {
+extern "C" __global__ void shfl_types(const float* fin, const double* din, const unsigned long long* uin, float* fout,
+                                      double* dout, unsigned long long* uout, unsigned short* hout, unsigned* b2out) {
     const unsigned t = threadIdx.x;
     fout[t] = __shfl_xor_sync(CP_FULL_MASK, fin[t], 5);
     dout[t] = __shfl_down_sync(CP_FULL_MASK, din[t], 3, 16);
@@ -54,8 +78,7 @@ extern "C" __global__ void shfl_types(const float* fin, const double* din, const
 }
 
 // Votes over the lanes in `mask` (others do not take part).
-extern "C" __global__ void votes(const int* pred, unsigned* ballot, int* any, int* all, unsigned* uni,
-                                 unsigned mask) {
+extern "C" __global__ void votes(const int* pred, unsigned* ballot, int* any, int* all, unsigned* uni, unsigned mask) {
     const unsigned t = threadIdx.x, lane = t & 31;
     if (!(mask >> lane & 1u)) return;
     const int p = pred[t];
@@ -129,7 +152,10 @@ extern "C" __global__ void warp_sum_max(const float* in, float* sum, float* mx) 
 extern "C" __global__ void early_exit(const int* in, int* out) {
     __shared__ int buf[1024];
     const unsigned t = threadIdx.x, n = blockDim.x;
-    if (t % 3 == 0) { out[t] = -7; return; }
+    if (t % 3 == 0) {
+        out[t] = -7;
+        return;
+    }
     buf[t] = in[t];
     __syncthreads();
     const unsigned src = (t + 1) % n;
@@ -161,7 +187,10 @@ extern "C" __global__ void reduce_dynamic(const float* in, float* out, float* fi
     __syncthreads();
     if (t == 0 && blockIdx.x == 0) {
         const float4 q = reinterpret_cast<const float4*>(s)[0];
-        first4[0] = q.x; first4[1] = q.y; first4[2] = q.z; first4[3] = q.w;
+        first4[0] = q.x;
+        first4[1] = q.y;
+        first4[2] = q.z;
+        first4[3] = q.w;
     }
     for (unsigned h = blockDim.x / 2; h > 0; h >>= 1) {
         if (t < h) s[t] += s[t + h];
@@ -184,12 +213,16 @@ extern "C" __global__ void barrier_ops(const int* pred, int* out) {
     const int c = __syncthreads_count(p);
     const int a = __syncthreads_and(p);
     const int o = __syncthreads_or(p);
-    if (threadIdx.x == 0) { out[0] = c; out[1] = a; out[2] = o; }
+    if (threadIdx.x == 0) {
+        out[0] = c;
+        out[1] = a;
+        out[2] = o;
+    }
 }
 
 // ---- atomics across blocks ------------------------------------------------------------------
-extern "C" __global__ void atomics(int* ci, unsigned* cu, unsigned long long* cull, float* cf, int* mx,
-                                   unsigned* umx, int* mn, unsigned* cas_count, double* cd) {
+extern "C" __global__ void atomics(int* ci, unsigned* cu, unsigned long long* cull, float* cf, int* mx, unsigned* umx,
+                                   int* mn, unsigned* cas_count, double* cd) {
     const unsigned g = blockIdx.x * blockDim.x + threadIdx.x;
     atomicAdd(ci, 1);
     atomicSub(ci + 1, 2);
@@ -214,9 +247,8 @@ extern "C" __global__ void half_from_bits(const unsigned short* h, float* f, flo
     }
 }
 
-extern "C" __global__ void half_to_bits(const float* f, unsigned short* h, unsigned short* h_rn,
-                                        unsigned short* b, unsigned short* b_rn, unsigned short* h_ctor,
-                                        unsigned short* b_ctor, int n) {
+extern "C" __global__ void half_to_bits(const float* f, unsigned short* h, unsigned short* h_rn, unsigned short* b,
+                                        unsigned short* b_rn, unsigned short* h_ctor, unsigned short* b_ctor, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         h[i] = __half_as_ushort(__float2half(f[i]));
         h_rn[i] = __half_as_ushort(__float2half_rn(f[i]));
@@ -263,10 +295,23 @@ extern "C" __global__ void math_funcs(const float* x, float* out, int n) {
     if (i >= n) return;
     const float v = x[i];
     float* o = out + 20 * i;
-    o[0] = expf(v); o[1] = __expf(v); o[2] = exp2f(v); o[3] = logf(fabsf(v) + 1.f); o[4] = __logf(fabsf(v) + 1.f);
-    o[5] = sqrtf(fabsf(v)); o[6] = rsqrtf(fabsf(v) + 1.f); o[7] = fmaxf(v, 0.25f); o[8] = fminf(v, 0.25f);
-    o[9] = fmaf(v, 3.f, 1.f); o[10] = __fdividef(v, 3.f); o[11] = floorf(v); o[12] = ceilf(v);
-    o[13] = sinf(v); o[14] = __cosf(v); o[15] = powf(fabsf(v), 1.5f); o[16] = tanhf(v);
+    o[0] = expf(v);
+    o[1] = __expf(v);
+    o[2] = exp2f(v);
+    o[3] = logf(fabsf(v) + 1.f);
+    o[4] = __logf(fabsf(v) + 1.f);
+    o[5] = sqrtf(fabsf(v));
+    o[6] = rsqrtf(fabsf(v) + 1.f);
+    o[7] = fmaxf(v, 0.25f);
+    o[8] = fminf(v, 0.25f);
+    o[9] = fmaf(v, 3.f, 1.f);
+    o[10] = __fdividef(v, 3.f);
+    o[11] = floorf(v);
+    o[12] = ceilf(v);
+    o[13] = sinf(v);
+    o[14] = __cosf(v);
+    o[15] = powf(fabsf(v), 1.5f);
+    o[16] = tanhf(v);
     o[17] = __int_as_float(__float_as_int(v) ^ (int)0x80000000u);
     o[18] = (float)max(min((int)(v * 10.f), 7), -7);
     o[19] = __frcp_rn(v + 10.f);
@@ -279,8 +324,12 @@ extern "C" __global__ void vectors(const float4* in, float4* out, int2* iout, un
     const float2 f2 = reinterpret_cast<const float2*>(in)[2 * t + 1];
     iout[t] = make_int2((int)f2.x, (int)f2.y);
     if (t == 0) {
-        sizes[0] = sizeof(float4); sizes[1] = alignof(float4); sizes[2] = sizeof(uint2); sizes[3] = alignof(ushort4);
-        sizes[4] = sizeof(__half2); sizes[5] = alignof(__nv_bfloat162);
+        sizes[0] = sizeof(float4);
+        sizes[1] = alignof(float4);
+        sizes[2] = sizeof(uint2);
+        sizes[3] = alignof(ushort4);
+        sizes[4] = sizeof(__half2);
+        sizes[5] = alignof(__nv_bfloat162);
     }
 }
 
@@ -328,16 +377,20 @@ extern "C" __global__ void deadlock_skip(int* out) {
 // Lane 0 of warp 0 waits in a shuffle while everyone else waits at a barrier.
 extern "C" __global__ void deadlock_shfl_vs_barrier(int* out) {
     int v = threadIdx.x;
-    if (threadIdx.x == 0) v = __shfl_sync(CP_FULL_MASK, v, 1);  // @SHFL_WAIT
-    else __syncthreads();                                        // @BAR_WAIT
+    if (threadIdx.x == 0)
+        v = __shfl_sync(CP_FULL_MASK, v, 1);  // @SHFL_WAIT
+    else
+        __syncthreads();  // @BAR_WAIT
     out[threadIdx.x] = v;
 }
 
 // Lanes 0-15 call a ballot while lanes 16-31 call a shuffle, both full mask.
 extern "C" __global__ void different_collectives(int* out) {
     int v = threadIdx.x;
-    if (threadIdx.x < 16) v = __ballot_sync(CP_FULL_MASK, v & 1);  // @COLL_BALLOT
-    else v = __shfl_sync(CP_FULL_MASK, v, 0);                      // @COLL_SHFL
+    if (threadIdx.x < 16)
+        v = __ballot_sync(CP_FULL_MASK, v & 1);  // @COLL_BALLOT
+    else
+        v = __shfl_sync(CP_FULL_MASK, v, 0);  // @COLL_SHFL
     out[threadIdx.x] = v;
 }
 
@@ -350,8 +403,10 @@ extern "C" __global__ void exited_lane(int* out, int early) {
 // A lane whose mask lacks its own bit, or a width that is not a power of two.
 extern "C" __global__ void bad_mask(int* out, int which) {
     int v = threadIdx.x;
-    if (which == 0) v = __shfl_sync(0x0000fffeu, v, 1);
-    else v = __shfl_sync(CP_FULL_MASK, v, 1, 24);
+    if (which == 0)
+        v = __shfl_sync(0x0000fffeu, v, 1);
+    else
+        v = __shfl_sync(CP_FULL_MASK, v, 1, 24);
     out[threadIdx.x] = v;
 }
 
@@ -376,9 +431,7 @@ __device__ __noinline__ int deep(volatile int* p, int n) {
     if (n == 0) return *p;
     return deep(p, n - 1) + pad[(n * 7) & 63];
 }
-extern "C" __global__ void stack_overflow(int* out, int depth) {
-    out[threadIdx.x] = deep(out, depth);
-}
+extern "C" __global__ void stack_overflow(int* out, int depth) { out[threadIdx.x] = deep(out, depth); }
 
 // ---- timing -------------------------------------------------------------------------------
 extern "C" __global__ void bench_empty(int* out) {
