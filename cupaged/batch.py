@@ -28,15 +28,17 @@ Layout and rules: docs/layout.md, "Decode graphs".
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import layout
 from ._runtime import array_backend, check_not_capturing, checks, stream_for, zeros
+from ._runtime.arrays import Array
 from .cache import PagedKVCache, Sequence
 from .errors import PagedAttentionError, add_note
-from .graph import _token_buffer, capture_graph, seed_tokens
+from .graph import CapturedGraph, _token_buffer, capture_graph, seed_tokens
 from .layout import MAX_VISIBLE_LEN, metadata_offsets
 from .ops.advance import SlotBuffers, advance_slots
 from .ops.sampling import argmax_into
@@ -69,9 +71,9 @@ class Readback:
     (0-based, counting every launch of the batch, ``batch.launches``) that
     generated its last token; ``steps``: launches covered."""
 
-    tokens: dict = field(default_factory=dict)
-    finished: dict = field(default_factory=dict)
-    finished_at: dict = field(default_factory=dict)
+    tokens: dict[Sequence, list[int]] = field(default_factory=dict)
+    finished: dict[Sequence, str] = field(default_factory=dict)
+    finished_at: dict[Sequence, int] = field(default_factory=dict)
     steps: int = 0
 
 
@@ -80,7 +82,7 @@ class _Slot:
 
     __slots__ = ("seq", "max_len", "start", "len0", "written0", "first_on_device", "done")
 
-    def __init__(self, seq, max_len, start, first_on_device):
+    def __init__(self, seq: Sequence, max_len: int, start: int, first_on_device: bool):
         self.seq, self.max_len, self.start = seq, max_len, start
         self.len0 = seq.length          # prepared length at the start of this round
         self.written0 = seq.length - 1  # tokens written at the start of this round
@@ -120,8 +122,9 @@ class DecodeBatch:
     Every method holds the cache's lock (docs/layout.md, "Thread safety").
     """
 
-    def __init__(self, cache: PagedKVCache, step, *, token_buf, next_token, max_batch: int, max_len: int,
-                 stop_ids=(), readback_every: int = 8, buckets=None, graph: bool = True):
+    def __init__(self, cache: PagedKVCache, step: Callable[[DevicePlan], Array], *, token_buf: Array,
+                 next_token: Array, max_batch: int, max_len: int, stop_ids: Iterable[int] = (),
+                 readback_every: int = 8, buckets: Iterable[int] | None = None, graph: bool = True):
         if not isinstance(cache, PagedKVCache):
             raise PagedAttentionError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
         if not callable(step):
@@ -156,7 +159,7 @@ class DecodeBatch:
             plan = HostPlan.slots(b, self.table_width, cache.page_size, cache.num_pages).upload(cache.k)
             self._plans[b] = plan
             self._writes[b] = cache._track(plan)
-        self._graphs: dict = {}
+        self._graphs: dict[int, CapturedGraph] = {}
         self._step = step
         self._slot: list[_Slot | None] = [None] * self.max_batch
         self._bucket = bs[0]
@@ -196,7 +199,7 @@ class DecodeBatch:
         return self._plans[b]
 
     # -- membership -----------------------------------------------------------
-    def join(self, seq: Sequence, token, *, max_len: int | None = None) -> int:
+    def join(self, seq: Sequence, token: int | Array, *, max_len: int | None = None) -> int:
         """Put ``seq`` (prefilled: ``seq.length`` tokens written) into the
         lowest free slot, feeding ``token`` first at position ``seq.length``:
         an int (set on the device with memsets) or a 1-element int64 device
@@ -286,26 +289,25 @@ class DecodeBatch:
             self._advance()
 
     def _advance(self) -> None:
-        live = [i for i, s in enumerate(self._slot) if s is not None and not s.done]
+        live = [(i, s) for i, s in enumerate(self._slot) if s is not None and not s.done]
         if not live:
             raise PagedAttentionError("advance: no sequence to decode; join one first (sequences that reached "
                                       "their limit leave at the next readback())")
         if self.launches - self._read_at >= self.k:
             raise PagedAttentionError(f"advance: {self.k} launches since the last readback fill the token ring; "
                                       f"call readback() first")
-        short = [i for i in live if self._short(self._slot[i].seq, self._slot[i].max_len)]
+        short = [(i, s) for i, s in live if self._short(s.seq, s.max_len)]
         if short:
-            seqs = [self._slot[i].seq for i in short]
-            need = [self._target(s.length, self._slot[i].max_len) - s.length for i, s in zip(short, seqs)]
+            seqs = [s.seq for _, s in short]
+            need = [self._target(s.seq.length, s.max_len) - s.seq.length for _, s in short]
             self.cache._reserve(seqs, need)              # may raise: nothing changed, nothing launched
-            for i in short:
-                self._write_row(i, self._slot[i].seq)
+            for i, s in short:
+                self._write_row(i, s.seq)
         b = self._bucket
         self.stream.copy(self.token_buf, self.next_token, nbytes=8 * b)
         self._launch(b)
         self.launches += 1
-        for i in live:
-            s = self._slot[i]
+        for _, s in live:
             if s.seq.length + 1 >= s.max_len:           # the device finishes it at this launch
                 s.done = True
             else:
@@ -443,7 +445,7 @@ class DecodeBatch:
     def _bucket_for(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _words(self, bucket: int | None = None):
+    def _words(self, bucket: int | None = None) -> tuple[DevicePlan, dict[str, int]]:
         plan = self._plans[self._bucket if bucket is None else bucket]
         return plan, metadata_offsets(plan.host.queries, plan.host.sequences)
 
@@ -470,7 +472,9 @@ class DecodeBatch:
 
     def _release(self, slot: int) -> None:
         """The host forgets the slot; ``_settle`` pads it on the device."""
-        self._slot[slot].seq._batch = None
+        s = self._slot[slot]
+        assert s is not None, "only an occupied slot is released"
+        s.seq._batch = None
         self._slot[slot] = None
         self._pad.add(slot)
 
@@ -500,6 +504,7 @@ class DecodeBatch:
                 break
             src, dst = used[-1], free[0]
             s = self._slot[src]
+            assert s is not None        # src is in used
             for buf in (self.next_token, self.first):
                 self.stream.copy(buf, buf, nbytes=8, dst_offset=8 * dst, src_offset=8 * src)
             self._write_slot(dst, s.seq, s.max_len)

@@ -26,23 +26,27 @@ and one graph per batch bucket: ``cupaged.batch.DecodeBatch``.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Collection, Iterable, Iterator
+from typing import NoReturn
 
 import numpy as np
 
 from . import layout
-from ._runtime import GPU, Graph, backend_of, check_not_capturing, checks, empty, stream_for
+from ._runtime import GPU, Graph, Stream, backend_of, check_not_capturing, checks, empty, stream_for
+from ._runtime.arrays import Array
+from .cache import PagedKVCache, Sequence
 from .errors import PagedAttentionError
 from .layout import metadata_offsets
 from .ops.advance import SlotBuffers, advance_slots
 from .ops.sampling import argmax_into
-from .plan import DevicePlan
+from .plan import DevicePlan, HostPlan
 
 
 class CapturedGraph:
     """Yielded by ``capture_graph``; ``launch()`` replays the capture once it
     has ended. ``graph`` is the underlying ``cupaged.stream.Graph``."""
 
-    def __init__(self, stream):
+    def __init__(self, stream: Stream):
         self.stream = stream
         self.graph: Graph | None = None
 
@@ -52,7 +56,7 @@ class CapturedGraph:
         self.graph.launch()
 
 
-def _refuse_allocation(size):
+def _refuse_allocation(size: int) -> NoReturn:
     raise PagedAttentionError(
         f"allocation of {size} bytes inside graph capture: every buffer the graph uses must be allocated "
         f"before capture_graph (pass out= to cupaged ops)")
@@ -69,7 +73,7 @@ def capture_count() -> int:
 
 
 @contextlib.contextmanager
-def capture_graph(like):
+def capture_graph(like: Array) -> Iterator[CapturedGraph]:
     """Capture the stream work issued inside the ``with`` block on the stream
     of ``like``'s backend (CuPy's current stream on its device, or the CPU
     stream) and yield a CapturedGraph; call ``.launch()`` after the block.
@@ -112,7 +116,7 @@ class DeviceScalars:
     so paged kernels read them directly.
     """
 
-    def __init__(self, initial_seq_len: int, like):
+    def __init__(self, initial_seq_len: int, like: Array):
         n = checks.host_int("initial_seq_len", initial_seq_len, 0, 0x7FFFFFFF)
         self.stream = stream_for(like)
         check_not_capturing(self.stream, "DeviceScalars")
@@ -146,7 +150,7 @@ class DeviceScalars:
         self.stream.memset_d32(self.seq_len_k, n + 1, count=1)
 
 
-def seed_tokens(next_token, tokens, *, vocab: int | None = None) -> None:
+def seed_tokens(next_token: Array, tokens: int | Iterable[int] | np.ndarray, *, vocab: int | None = None) -> None:
     """Write host token ids ``tokens`` [batch] (ints >= 0, below ``vocab``
     when given: ``checks.token_ids``) into ``next_token`` int64 [batch] with
     stream-ordered 32-bit memsets of each value's low and high halves
@@ -166,7 +170,7 @@ def seed_tokens(next_token, tokens, *, vocab: int | None = None) -> None:
         stream.memset_d32(next_token, t >> 32, count=1, offset_bytes=8 * i + 4)
 
 
-def _token_buffer(name, buf):
+def _token_buffer(name: str, buf: Array) -> None:
     if str(buf.dtype) != "int64" or buf.ndim != 1 or not buf.flags.c_contiguous:
         raise PagedAttentionError(f"{name}: expected a contiguous int64 [batch] array, got {buf.dtype} "
                                   f"{checks.shape_str(buf.shape)}")
@@ -177,17 +181,18 @@ class _Loop:
     the first tokens, and run one step (graph launch or eager body)."""
 
     graph: CapturedGraph | None
-    next_token = None
+    next_token: Array = None
+    _argmax: Callable[[Array, Array], object]
     vocab: int | None = None      # the logits' last dim, once the step ran (captured or eager)
 
     def _body(self) -> None:
         raise NotImplementedError
 
-    def _argmax_of(self, logits) -> None:
+    def _argmax_of(self, logits: Array) -> None:
         self.vocab = int(logits.shape[-1])
         self._argmax(logits, self.next_token)
 
-    def _capture(self, graph: bool, like) -> None:
+    def _capture(self, graph: bool, like: Array) -> None:
         self.graph = None
         if graph:
             with capture_graph(like) as g:
@@ -200,7 +205,7 @@ class _Loop:
         else:
             self._body()
 
-    def seed(self, tokens) -> None:
+    def seed(self, tokens: int | Iterable[int] | np.ndarray) -> None:
         """Set the first input token(s): written to next_token, which the
         first ``advance`` copies into token_buf. Token ids are ints >= 0,
         below ``vocab`` once the step ran (under capture: at construction)."""
@@ -223,8 +228,9 @@ class DecodeLoop(_Loop):
     [1, half]); the graph launch; then ``seq_len += 1`` on the host.
     """
 
-    def __init__(self, step, *, token_buf, next_token, scalars: DeviceScalars, seq_len: int,
-                 rope_tables=None, rope_slices=None, graph: bool = True):
+    def __init__(self, step: Callable[[], Array], *, token_buf: Array, next_token: Array, scalars: DeviceScalars,
+                 seq_len: int, rope_tables: tuple[Array, Array] | None = None,
+                 rope_slices: tuple[Array, Array] | None = None, graph: bool = True):
         _token_buffer("token_buf", token_buf)
         _token_buffer("next_token", next_token)
         backend_of(token_buf=token_buf, next_token=next_token)
@@ -235,6 +241,7 @@ class DecodeLoop(_Loop):
         if (rope_tables is None) != (rope_slices is None):
             raise PagedAttentionError("rope_slices: expected both rope_tables and rope_slices, or neither")
         if rope_tables is not None:
+            assert rope_slices is not None     # both or neither (checked above)
             for t, sl, name in zip(rope_tables, rope_slices, ("cos", "sin")):
                 if t.ndim != 2 or sl.size != t.shape[1] or t.dtype != sl.dtype:
                     raise PagedAttentionError(f"rope_slices: expected a {name} slice of {t.shape[1]} "
@@ -259,6 +266,7 @@ class DecodeLoop(_Loop):
         s.copy(self.token_buf, self.next_token)
         self.scalars.update(self.seq_len)
         if self.rope_tables is not None:
+            assert self.rope_slices is not None    # both or neither (checked at construction)
             for table, sl in zip(self.rope_tables, self.rope_slices):
                 row = table.shape[1] * table.itemsize
                 s.copy(sl, table, nbytes=row, src_offset=self.seq_len * row)
@@ -305,8 +313,9 @@ class PagedDecodeLoop(_Loop):
     is skipped and it never advances; ``lengths`` is the host mirror.
     """
 
-    def __init__(self, step, plan: DevicePlan, *, token_buf, next_token, cache=None, seqs=None, active=None,
-                 graph: bool = True):
+    def __init__(self, step: Callable[[DevicePlan], Array], plan: DevicePlan, *, token_buf: Array,
+                 next_token: Array, cache: PagedKVCache | None = None, seqs: Collection[Sequence] | None = None,
+                 active: Iterable[bool] | None = None, graph: bool = True):
         if cache is not None and not hasattr(cache, "_drive"):
             raise PagedAttentionError(f"cache: expected a PagedKVCache (or None), got {type(cache).__name__}")
         self._lock = contextlib.nullcontext() if cache is None else cache._lock
@@ -316,7 +325,9 @@ class PagedDecodeLoop(_Loop):
             if cache is not None:
                 self._drive = cache._drive(plan, self)
 
-    def _build(self, step, plan, token_buf, next_token, cache, seqs, active, graph) -> None:
+    def _build(self, step: Callable[[DevicePlan], Array], plan: DevicePlan, token_buf: Array, next_token: Array,
+               cache: PagedKVCache | None, seqs: Collection[Sequence] | None, active: Iterable[bool] | None,
+               graph: bool) -> None:
         h = plan.host
         if h.queries != h.sequences or (h.q_lens != 1).any():
             raise PagedAttentionError("plan: expected one query per sequence (decode: q_lens all 1)")
@@ -326,10 +337,11 @@ class PagedDecodeLoop(_Loop):
             checks.shape_is(name, b, (h.sequences,))
         self.plan, self.stream = plan, plan.stream
         self.token_buf, self.next_token = token_buf, next_token
-        self.cache, self.seqs = cache, None
-        shared = set()
+        self.cache = cache
+        self.seqs: tuple[Sequence, ...] | None = None
+        shared: set[int] = set()
         if cache is not None:
-            owner = getattr(plan, "_cache", None)
+            owner: object = getattr(plan, "_cache", None)
             if owner is not cache or plan.seqs is None:
                 got = ("one of another PagedKVCache" if owner is not None and owner is not cache else
                        "a DecodeBatch's slot plan" if owner is not None else "a plan made by no PagedKVCache")
@@ -365,7 +377,7 @@ class PagedDecodeLoop(_Loop):
         self._writes = cache._track(plan) if cache is not None else None
         self._step, self._argmax = step, argmax_into
         self._capture(graph, token_buf)
-        self._all_layers = self._writes is not None and \
+        self._all_layers = cache is not None and self._writes is not None and \
             len(self._writes.captured if graph else self._writes.layers) == cache.layers
 
     def _body(self) -> None:
@@ -391,10 +403,12 @@ class PagedDecodeLoop(_Loop):
             self.stream.copy(self.token_buf, self.next_token)
             self._run_step()
             if self._writes is not None and not self._all_layers:    # eager: the first step tells
+                assert self.cache is not None                         # (the writes are the cache's)
                 self._all_layers = len(self._writes.layers) == self.cache.layers
             self._taken += 1
             last = self._taken == self._writable
             if self.cache is not None:
+                assert self.seqs is not None and self._drive is not None   # a cache-driven loop holds both
                 for s, n in zip(self.seqs, self.lengths):
                     s.length = int(n) if last else int(n) + 1
                     if self._all_layers:
@@ -421,7 +435,7 @@ class PagedDecodeLoop(_Loop):
             self._why = "the loop was finished"
 
 
-def _writable_steps(h, active, shared=frozenset()) -> tuple[int, str]:
+def _writable_steps(h: HostPlan, active: np.ndarray, shared: Collection[int] = frozenset()) -> tuple[int, str]:
     """(steps, why they end): how many decode steps every active sequence of
     the decode plan ``h`` can take while each step's write slot (position
     kv_len - 1 + t of its row) lies on a valid page id that appears nowhere

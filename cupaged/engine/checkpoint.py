@@ -24,7 +24,9 @@ import math
 import os
 import struct
 import functools
+from collections.abc import Iterable, KeysView, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,18 +42,18 @@ _FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
 @functools.cache
-def safetensors_dtypes() -> dict:
+def safetensors_dtypes() -> dict[str, np.dtype]:
     """safetensors dtype names -> NumPy dtypes."""
     return {k: dtypes.np_dtype(v) if dtypes.lookup(v) else np.dtype(v) for k, v in _NAMES.items()}
 
 
 @functools.cache
-def _name_of() -> dict:
+def _name_of() -> dict[np.dtype, str]:
     return {v: k for k, v in safetensors_dtypes().items()}
 
 
 @functools.cache
-def float_dtypes() -> tuple:
+def float_dtypes() -> tuple[np.dtype, ...]:
     """The dtypes a weight may be stored in (converted to the engine's dtype on load)."""
     return tuple(safetensors_dtypes()[k] for k in _FLOATS)
 
@@ -66,7 +68,7 @@ class SafetensorsFile:
     """One safetensors file, checked and memory-mapped: ``names``,
     ``info(name)`` -> (dtype, shape), ``get(name)`` -> a read-only view."""
 
-    def __init__(self, path):
+    def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         try:
             size = os.path.getsize(self.path)
@@ -93,13 +95,13 @@ class SafetensorsFile:
         for name, info in header.items():
             self._tensors[name] = _tensor_entry(self.path, name, info, data, size)
         _no_overlap(self.path, self._tensors)
-        self._map = None
+        self._map: np.memmap | None = None
 
     @property
-    def names(self):
+    def names(self) -> KeysView[str]:
         return self._tensors.keys()
 
-    def info(self, name: str) -> tuple:
+    def info(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
         dt, shape, _, _ = self._tensors[name]
         return dt, shape
 
@@ -208,13 +210,14 @@ class Checkpoint:
     (NumPy) arrays. ``get(name, shape)`` checks presence, a floating-point
     dtype and the shape."""
 
-    def __init__(self, tensors: dict, where: str, files=()):
+    def __init__(self, tensors: Mapping[str, tuple[SafetensorsFile | Mapping[str, Any], str]], where: str,
+                 files: Iterable[Path] = ()):
         self._tensors = tensors          # name -> (source, key): SafetensorsFile or a dict of arrays
         self.where = where
         self.files = tuple(files)
 
     @staticmethod
-    def read_config(path) -> dict:
+    def read_config(path: str | os.PathLike[str]) -> dict:
         """The ``config.json`` dict of a model folder."""
         root = Path(path)
         if not root.is_dir():
@@ -229,7 +232,7 @@ class Checkpoint:
             raise CheckpointError(f"{cfg_path}: not readable JSON: {e}") from None
 
     @classmethod
-    def from_folder(cls, path) -> "Checkpoint":
+    def from_folder(cls, path: str | os.PathLike[str]) -> "Checkpoint":
         """The tensors of a model folder's ``*.safetensors`` files; with a
         ``model.safetensors.index.json``, the files its weight_map names (each
         must exist and hold the tensors mapped to it). Each file's header is
@@ -266,7 +269,7 @@ class Checkpoint:
         return cls(tensors, str(root), files)
 
     @classmethod
-    def from_state_dict(cls, state: dict, where: str = "state dict") -> "Checkpoint":
+    def from_state_dict(cls, state: Mapping[str, Any], where: str = "state dict") -> "Checkpoint":
         """A checkpoint of host arrays (NumPy arrays, or torch tensors, which
         are copied to the host; bfloat16 through its int16 view)."""
         arrays = {}
@@ -277,10 +280,10 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
-    def names(self):
+    def names(self) -> KeysView[str]:
         return self._tensors.keys()
 
-    def get(self, name: str, shape=None) -> np.ndarray:
+    def get(self, name: str, shape: Sequence[int] | None = None) -> np.ndarray:
         """The host array of weight ``name``; CheckpointError when it is
         missing, not floating point or not of ``shape``."""
         a = self._array(name)

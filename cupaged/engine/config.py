@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class RopeSpec:
     type: str
     theta: float
     dim: int
-    params: dict = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
     max_position_embeddings: int = 0
 
 
@@ -94,7 +95,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
-    layer_windows: tuple = ()
+    layer_windows: tuple[int | None, ...] = ()
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
     qk_nope_dim: int = 0
@@ -102,8 +103,8 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_interleave: bool = False
     latent_eps: float = 1e-6
-    eos_token_ids: tuple = ()
-    raw: dict = field(default_factory=dict, repr=False, compare=False)
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 # ---------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def _architecture(raw: dict, hint: str | None) -> str:
                       f"model_type: {', '.join(MODEL_TYPES)}), got architectures={archs!r}, model_type={mt!r}")
 
 
-def token_ids(name: str, value, error=ConfigError) -> tuple:
+def token_ids(name: str, value: Any, error: type[Exception] = ConfigError) -> tuple[int, ...]:
     """Stop (eos) token ids: None (none), an int, or a sequence of ints >= 0,
     returned distinct and in order; at most ``MAX_STOP_IDS`` of them (the
     decode graph's stop list). Anything else raises ``error`` naming

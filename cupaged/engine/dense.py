@@ -10,7 +10,9 @@ the output projection added to the residual (fused in the product).
 """
 from __future__ import annotations
 
+from .._runtime.arrays import Array
 from ..ops import layers
+from ..plan import DevicePlan
 from .checkpoint import Checkpoint
 from .model import CausalLM
 
@@ -45,7 +47,7 @@ class DenseLM(CausalLM):
     def cache_layout(self) -> tuple[int, int, int]:
         return self.cfg.kv_heads, self.cfg.head_dim, self.cfg.head_dim
 
-    def _attention(self, plan, li: int, lw: dict, h, positions, n: int) -> None:
+    def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, positions: Array, n: int) -> None:
         cfg, proj = self.cfg, self.proj
         x, q, k, v, attn = self.x[:n], self.q[:n], self.k[:n], self.v[:n], self.attn[:n]
         q2, k2, v2 = q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)
@@ -62,9 +64,11 @@ class DenseLM(CausalLM):
             layers.rms_norm(kh, lw["k_norm"], kh, cfg.eps)
         layers.rope(q, positions, self.cos, self.sin)
         layers.rope(k, positions, self.cos, self.sin)
-        self.cache.append(plan, k, v, layer=li)
+        cache = self.cache
+        assert cache is not None                   # attach() ran before the first forward pass
+        cache.append(plan, k, v, layer=li)
         window = cfg.layer_windows[li] if cfg.layer_windows else None     # the layer's sliding window
-        plan.attention(q, self.cache.k[li], self.cache.v[li], cfg.scale, True, out=attn, window=window)
+        plan.attention(q, cache.k[li], cache.v[li], cfg.scale, True, out=attn, window=window)
         proj.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)
         if cfg.o_bias:
             layers.bias_add(x, lw["bo"])

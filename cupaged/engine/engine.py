@@ -3,12 +3,16 @@ and the attention kernels (see the package docstring)."""
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import dtypes
 from .._runtime import GPU, array_backend, checks, stream_for
+from .._runtime.arrays import Array
 from ..batch import DecodeBatch
 from ..cache import PagedKVCache
 from ..errors import CheckpointError, PagedAttentionError
@@ -18,6 +22,9 @@ from .config import ModelConfig, parse_config, token_ids
 from .dense import DenseLM
 from .mla import MlaLM
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 #: The CPU backend's default cache: ``max_batch`` sequences of this many
 #: tokens (or the model's longest, if shorter).
@@ -66,16 +73,16 @@ class Engine:
     shared from the prefix cache).
     """
 
-    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, *, like, dtype=None, page_size: int = 16,
-                 num_pages: int | None = None, max_batch: int = 8, prefix_cache: bool = True,
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, *, like: Array, dtype: DTypeLike | None = None,
+                 page_size: int = 16, num_pages: int | None = None, max_batch: int = 8, prefix_cache: bool = True,
                  prefill_chunk: int = 256, prefill_per_round: int = 2048, max_model_len: int | None = None,
                  readback_every: int = 8,
-                 graph: bool = True, eos_token_ids=None):
+                 graph: bool = True, eos_token_ids: int | Iterable[int] | None = None):
         if array_backend(like) is None:
             raise PagedAttentionError(f"like: expected a NumPy or CuPy array (it picks the backend), got "
                                       f"{type(like).__name__}")
         stored = dtype is None
-        if stored:     # the checkpoint's: its embedding's dtype
+        if dtype is None:     # the checkpoint's: its embedding's dtype
             name = "model.embed_tokens.weight"
             dtype = ckpt.dtype_of(name) if name in ckpt else np.dtype(np.float32)
         dt = dtypes.lookup(dtype)
@@ -117,13 +124,14 @@ class Engine:
         self.max_model_len = min(limit, num_pages * self.page_size) if max_model_len is None else limit
         self.max_model_len = max(2, self.max_model_len)
         self.stream = stream_for(like)
-        self._batches: dict = {}
-        self.stats: dict = {}
+        self._batches: dict[tuple[int, ...], DecodeBatch] = {}
+        self.stats: dict[str, float] = {}
 
     # -- construction -----------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path, *, like, dtype=None, page_size: int = 16, num_pages: int | None = None,
-                        max_batch: int = 8, prefix_cache: bool = True, **options) -> "Engine":
+    def from_pretrained(cls, path: str | os.PathLike[str], *, like: Array, dtype: DTypeLike | None = None,
+                        page_size: int = 16, num_pages: int | None = None, max_batch: int = 8,
+                        prefix_cache: bool = True, **options: Any) -> "Engine":
         """An engine from a local model folder: ``config.json`` and the
         ``*.safetensors`` files ``save_pretrained`` writes (nothing is
         downloaded), read through memory maps; the stop tokens default to
@@ -142,8 +150,9 @@ class Engine:
                    max_batch=max_batch, prefix_cache=prefix_cache, eos_token_ids=eos, **options)
 
     @classmethod
-    def from_transformers(cls, model, *, like, dtype=None, page_size: int = 16, num_pages: int | None = None,
-                          max_batch: int = 8, prefix_cache: bool = True, **options) -> "Engine":
+    def from_transformers(cls, model: Any, *, like: Array, dtype: DTypeLike | None = None, page_size: int = 16,
+                          num_pages: int | None = None, max_batch: int = 8, prefix_cache: bool = True,
+                          **options: Any) -> "Engine":
         """An engine from a ``transformers`` model object in memory: its
         config (``model.config.to_dict()``; the architecture is the model's
         class name when the config names none), its state dict (copied to the
@@ -184,8 +193,10 @@ class Engine:
                 f"max_batch={self.max_batch}, max_model_len={self.max_model_len})")
 
     # -- generation -------------------------------------------------------------
-    def generate(self, prompts, max_new_tokens: int, *, stop_token_ids=None, return_logits: bool = False,
-                 on_tokens=None):
+    def generate(self, prompts: Sequence[Sequence[int] | np.ndarray], max_new_tokens: int, *,
+                 stop_token_ids: int | Iterable[int] | None = None, return_logits: bool = False,
+                 on_tokens: Callable[[int, list[int]], object] | None = None
+                 ) -> list[list[int]] | tuple[list[list[int]], list[np.ndarray]]:
         """Greedy generation: a list, per prompt (token-id sequences), of its
         generated token ids: ``max_new_tokens`` of them, or fewer when a stop
         token came (it is included, as in transformers' greedy generate).

@@ -34,8 +34,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._runtime.arrays import Array
 from ..ops import layers
+from ..plan import DevicePlan
 from .checkpoint import Checkpoint
+from .config import ModelConfig
 from .model import CausalLM
 
 #: RMSNorm eps of the latent and q LoRA norms (transformers builds them with
@@ -43,7 +46,7 @@ from .model import CausalLM
 LATENT_EPS = 1e-6
 
 
-def fold_choice(cfg) -> tuple[bool, bool]:
+def fold_choice(cfg: ModelConfig) -> tuple[bool, bool]:
     """(fold W_UK into the query projection, fold W_UV into the output
     projection): each when the folded weight is not larger than the two it
     replaces."""
@@ -129,7 +132,7 @@ class MlaLM(CausalLM):
     def cache_layout(self) -> tuple[int, int, int]:
         return 1, self.cfg.kv_lora_rank, self.cfg.qk_rope_dim
 
-    def _attention(self, plan, li: int, lw: dict, h, positions, n: int) -> None:
+    def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, positions: Array, n: int) -> None:
         cfg, proj = self.cfg, self.proj
         x, q_rope, q_abs, lat, k_rope, o_lat = (b[:n] for b in (self.x, self.q_rope, self.q_abs, self.lat,
                                                                   self.k_rope, self.o_lat))
@@ -156,8 +159,10 @@ class MlaLM(CausalLM):
             layers.bias_add(kr2, lw["bkr"])
         layers.rms_norm(lat2, lw["kv_norm"], lat2, LATENT_EPS)
         layers.rope(k_rope, positions, self.cos, self.sin)
-        self.cache.append(plan, lat, k_rope, layer=li)
-        plan.mla(q_abs, q_rope, self.cache.k[li], self.cache.v[li], cfg.scale, True, out=o_lat)
+        cache = self.cache
+        assert cache is not None                   # attach() ran before the first forward pass
+        cache.append(plan, lat, k_rope, layer=li)
+        plan.mla(q_abs, q_rope, cache.k[li], cache.v[li], cfg.scale, True, out=o_lat)
         if self.fold_o:
             proj.linear(o_lat.reshape(n, -1), lw["wo_lat"], x, accumulate=True)
         else:

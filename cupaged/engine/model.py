@@ -12,16 +12,24 @@ prompt in the chunk) before the final norm and the LM head.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .._runtime import GPU, array_backend, xp_of
+from .._runtime.arrays import Array
+from ..cache import PagedKVCache
 from ..errors import CheckpointError, PagedAttentionError
 from ..layout import metadata_offsets
 from ..ops import layers
+from ..plan import DevicePlan
 from . import rope as rope_tables
 from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .projections import Projections
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 
 class CausalLM:
@@ -35,14 +43,14 @@ class CausalLM:
 
     family = ""
 
-    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, like, dtype, *, max_rows: int, max_logits: int,
-                 max_len: int):
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, like: Array, dtype: DTypeLike, *, max_rows: int,
+                 max_logits: int, max_len: int):
         self.cfg, self.like, self.dtype = cfg, like, np.dtype(dtype)
         self.xp = xp_of(like)
         self.gpu = array_backend(like) == GPU
         self.proj = Projections(like)
         self.max_rows, self.max_logits, self.max_len = max_rows, max_logits, max_len
-        self.cache = None
+        self.cache: PagedKVCache | None = None     # set by attach() before the first forward pass
         self.weight_bytes = 0
         H = cfg.hidden
         embed = self._w(ckpt, "model.embed_tokens.weight", (cfg.vocab, H))
@@ -123,18 +131,18 @@ class CausalLM:
     def _alloc_attention(self, rows: int) -> None:
         raise NotImplementedError
 
-    def _attention(self, plan, li: int, lw: dict, h, positions, n: int) -> None:
+    def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, positions: Array, n: int) -> None:
         raise NotImplementedError
 
     def cache_layout(self) -> tuple[int, int, int]:
         """(kv_heads, head_dim, value_dim) of the paged cache."""
         raise NotImplementedError
 
-    def attach(self, cache) -> None:
+    def attach(self, cache: PagedKVCache) -> None:
         self.cache = cache
 
     # -- the step -----------------------------------------------------------------
-    def forward(self, plan, tokens, n: int, gather: int | None = None):
+    def forward(self, plan: DevicePlan, tokens: Array, n: int, gather: int | None = None) -> Array:
         """One step's stream work for the plan's ``n`` queries (tokens int64
         [>= n] on the device). Returns the logits rows: all ``n`` (decode), or
         the ``gather`` rows listed in ``self.idx`` (prefill)."""

@@ -30,6 +30,7 @@ import ctypes
 import numpy as np
 
 from .._runtime import GPU, array_backend, stream_for, zeros
+from .._runtime.arrays import Array
 from ..errors import PagedAttentionError
 from ..ops import layers
 
@@ -114,19 +115,19 @@ class _Cublas:
 class Projections:
     """Matrix products on the backend of ``like`` (see the module docstring)."""
 
-    def __init__(self, like):
+    def __init__(self, like: Array):
         self.gpu = array_backend(like) == GPU
         self._blas = _Cublas(like) if self.gpu else None
 
     @staticmethod
-    def _dtype(*arrays) -> int:
+    def _dtype(*arrays: Array) -> int:
         name = str(arrays[0].dtype)
         if name not in _CUDA_R or any(str(a.dtype) != name for a in arrays):
             raise PagedAttentionError(f"linear: expected float32, float16 or bfloat16 operands of one dtype, got "
                                       f"{', '.join(str(a.dtype) for a in arrays)}")
         return _CUDA_R[name]
 
-    def linear(self, x, w, out, *, accumulate: bool = False) -> None:
+    def linear(self, x: Array, w: Array, out: Array, *, accumulate: bool = False) -> None:
         """out[M, N] (+)= x[M, K] @ w[N, K].T; all C-contiguous."""
         if not self.gpu:
             layers.linear(x, w, out, accumulate=accumulate)
@@ -141,13 +142,14 @@ class Projections:
             return
         dt = self._dtype(x, w, out)
         b = self._blas
+        assert b is not None        # made with the GPU backend
         b.bind(stream_for(out))
         vp = ctypes.c_void_p
         b.check(b.lib.cublasGemmEx(b.handle, _OP_T, _OP_N, n, m, k, ctypes.byref(b.one), vp(w.data.ptr), dt, k,
                                    vp(x.data.ptr), dt, k, ctypes.byref(b.one if accumulate else b.zero),
                                    vp(out.data.ptr), dt, n, _COMPUTE_32F, _GEMM_DEFAULT), "cublasGemmEx")
 
-    def linear_heads(self, x, w, out, *, accumulate: bool = False) -> None:
+    def linear_heads(self, x: Array, w: Array, out: Array, *, accumulate: bool = False) -> None:
         """out[M, H, N] (+)= x[M, H, K] @ w[H, N, K].T per head; C-contiguous."""
         if not self.gpu:
             layers.linear_heads(x, w, out, accumulate=accumulate)
@@ -162,6 +164,7 @@ class Projections:
             return
         dt = self._dtype(x, w, out)
         b = self._blas
+        assert b is not None        # made with the GPU backend
         b.bind(stream_for(out))
         vp = ctypes.c_void_p
         # per head: A = w[h] (stride N*K), B = head h's rows of x (ldb H*K,

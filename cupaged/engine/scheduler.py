@@ -34,11 +34,18 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..batch import DecodeBatch
+from ..cache import Sequence
 from ..ops.sampling import argmax_into
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 
 @dataclass(eq=False)
@@ -46,23 +53,24 @@ class Request:
     """One prompt of a generate call and what it produced."""
 
     index: int
-    prompt: list
+    prompt: list[int]
     max_new: int
-    seq: object = None
+    seq: Sequence | None = None        # its sequence in the cache, once admitted
     prefilled: int = 0                 # prompt tokens in the cache (a shared prefix included)
     need_pages: int = 0                # pages its whole life needs
-    out: list = field(default_factory=list)
+    out: list[int] = field(default_factory=list)
     launches: int = 0                  # decode launches it took part in
     done: bool = False
-    logits: list = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)
 
 
 class Scheduler:
     """One ``Engine.generate`` call (see the module docstring) decoding in
     ``batch``, the engine's DecodeBatch of these ``stop_ids``."""
 
-    def __init__(self, engine, batch, prompts, max_new: int, stop_ids: tuple, *, return_logits: bool = False,
-                 on_tokens=None):
+    def __init__(self, engine: Engine, batch: DecodeBatch, prompts: Iterable[Iterable[int]], max_new: int,
+                 stop_ids: tuple[int, ...], *, return_logits: bool = False,
+                 on_tokens: Callable[[int, list[int]], object] | None = None):
         self.e = engine
         self.cache, self.model = engine.cache, engine.model
         self.stream = engine.stream
@@ -75,7 +83,7 @@ class Scheduler:
             r.need_pages = -(-(len(r.prompt) + max_new - 1) // ps)
         self.waiting = deque(self.requests)
         self.prefilling: list[Request] = []
-        self.decoding: dict = {}           # seq -> Request
+        self.decoding: dict[Sequence, Request] = {}
         self._try_admit = True
         self._pending = 0                  # decode launches since the last readback
         self.stats = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0,
@@ -83,7 +91,7 @@ class Scheduler:
                       "advance_seconds": 0.0}
 
     # -- the loop -----------------------------------------------------------------
-    def run(self) -> list:
+    def run(self) -> list[list[int]]:
         while self.waiting or self.prefilling or self.decoding:
             self._admit()
             done = 0
@@ -153,9 +161,11 @@ class Scheduler:
                 if host_logits is not None:
                     r.logits.append(np.asarray(host_logits[i], np.float32))
                 if r.max_new == 1:
+                    assert host_best is not None           # read above: a request ends with max_new 1
                     self._emit(r, [int(host_best[i])])
                     self._finish(r)
                 else:
+                    assert r.seq is not None               # admitted
                     self.batch.join(r.seq, model.best[i:i + 1], max_len=len(r.prompt) + r.max_new)
                     self.decoding[r.seq] = r
         stream.synchronize()          # (for the prefill / decode time split in stats)
@@ -183,6 +193,7 @@ class Scheduler:
             if self.return_logits:
                 rows = self.stream.read(self.model.logits[:bucket])
                 for r in live:
+                    assert r.seq is not None           # a decoding request's sequence
                     r.logits.append(np.asarray(rows[batch.slot_of(r.seq)], np.float32))
         rb = batch.readback()
         self._pending = 0
@@ -218,7 +229,7 @@ class Scheduler:
         return ok
 
     # -- outputs ------------------------------------------------------------------
-    def _emit(self, r: Request, toks) -> None:
+    def _emit(self, r: Request, toks: Iterable[int]) -> None:
         """Append a request's new tokens, cut after the first stop token and
         at max_new; report them to ``on_tokens``."""
         new = []
