@@ -97,11 +97,10 @@ def test_each_module_imports_alone(module):
 def test_import_is_light():
     """``import cupaged`` loads neither ml_dtypes (~1 s; imported when a
     bfloat16 / fp8 dtype is first needed), torch, CuPy, cuda-python nor
-    transformers, and takes at most 0.3 s, NumPy included: the CPU time of
-    the import in a fresh interpreter (python's own start-up excluded; CPU
-    time, so other work on a loaded machine does not count), the fastest of
-    five."""
-    code = ("import sys, time; t = time.process_time(); import cupaged; dt = time.process_time() - t; "
+    transformers, and its own part (NumPy already imported: NumPy's ~0.1 s
+    is not ours) takes at most 0.2 s: CPU time in a fresh interpreter, so
+    other work on a loaded machine does not count, the fastest of five."""
+    code = ("import sys, time, numpy; t = time.process_time(); import cupaged; dt = time.process_time() - t; "
             "heavy = [m for m in ('ml_dtypes', 'torch', 'cupy', 'cuda.bindings', 'transformers') if m in sys.modules]; "
             "print(dt, ','.join(heavy))")
     runs = []
@@ -110,7 +109,7 @@ def test_import_is_light():
                              cwd=PACKAGE.parent).stdout.split()
         assert len(out) == 1, f"import cupaged loaded {out[1]}"
         runs.append(float(out[0]))
-    assert min(runs) <= 0.3, runs
+    assert min(runs) <= 0.2, runs
 
 
 def test_dtype_table_itemsizes_match_numpy():
