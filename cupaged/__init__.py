@@ -9,6 +9,7 @@ from .cache import PagedKVCache, Sequence, StepReport
 from .errors import CheckpointError, CompileError, ConfigError, KernelError, PagedAttentionError, SetupError
 from .graph import DecodeLoop, DeviceScalars, PagedDecodeLoop, capture_count, capture_graph
 from .layout import MAX_SPLITS
+from .ops.attention import AttentionOptions, KVLayer
 from .ops.sampling import argmax_into
 from .ops.slots import copy_pages, write_slots
 from .plan import DevicePlan, HostPlan, SplitWorkspace, choose_splits
@@ -18,7 +19,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompileError", "KernelError", "PagedAttentionError", "MAX_SPLITS", "DevicePlan", "HostPlan",
-    "SplitWorkspace", "choose_splits", "Graph", "Stream", "stream_for", "argmax_into", "PagedKVCache",
+    "SplitWorkspace", "choose_splits", "AttentionOptions", "KVLayer", "Graph", "Stream", "stream_for",
+    "argmax_into", "PagedKVCache",
     "DecodeLoop", "DeviceScalars", "PagedDecodeLoop", "capture_graph", "capture_count", "DecodeBatch", "Readback",
     "Sequence", "StepReport", "write_slots", "copy_pages", "Engine", "ConfigError", "CheckpointError", "SetupError",
 ]

@@ -38,6 +38,7 @@ from . import dtypes
 from ._runtime import GPU, array_backend, checks, empty, stream_for, zeros
 from .errors import PagedAttentionError
 from .layout import MAX_PAGE_SIZE, U32_MAX
+from .ops.attention.options import KVLayer
 from .ops.append import copy_pages
 from .plan import DevicePlan, HostPlan
 
@@ -313,6 +314,15 @@ class PagedKVCache:
         def at(s):   # [1] (per tensor) or [kv_heads]: views, so later writes to the scales are seen
             return s[layer:layer + 1] if s.ndim == 1 else s[layer]
         return dict(kv_dtype=self.kv_dtype, k_scale=at(self.k_scale), v_scale=at(self.v_scale))
+
+    def layer(self, layer: int) -> KVLayer:
+        """Layer ``layer`` of these caches as one argument of ``plan.attention``
+        / ``plan.mla`` / ``plan.append`` in place of K, V and their storage
+        options: ``k`` [pages, page_size, Hkv, D] and ``v`` [pages, page_size,
+        Hkv, Dv] (views of ``cache.k[layer]`` / ``cache.v[layer]``) and
+        ``kv_args(layer)``. ``plan.attention(q, cache.layer(0), scale=s)``."""
+        layer = checks.host_int("layer", layer, 0, self.layers - 1)
+        return KVLayer(self.k[layer], self.v[layer], **self.kv_args(layer))
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, kv_heads={self.kv_heads}, "

@@ -17,6 +17,7 @@ from .layout import MAX_PAGE_SIZE, MAX_SPLITS, MAX_VISIBLE_LEN, U32_MAX, metadat
 from .ops import append as append_op
 from .ops import attention as attention_op
 from .ops.attention import SplitWorkspace, choose_splits
+from .ops.attention.options import MISSING, document
 
 __all__ = ["HostPlan", "DevicePlan", "SplitWorkspace", "choose_splits", "MAX_SPLITS", "metadata_offsets"]
 
@@ -247,38 +248,35 @@ class DevicePlan:
         """Raise PagedAttentionError if the plan is stale (see ``guard``)."""
         self._fresh()
 
-    def attention(self, q, k_cache, v_cache, scale: float, causal: bool = True, *,
-                  workspace: SplitWorkspace | None = None, out=None, lse=None, return_lse: bool = False,
-                  soft_cap: float | None = None, window: int | None = None, sinks=None, alibi_slopes=None,
-                  kv_dtype=None, k_scale=None, v_scale=None):
+    @document
+    def attention(self, q, k_cache, v_cache=None, scale: float | None = None, causal: bool = True, *,
+                  workspace: SplitWorkspace | None = None, out=None, lse=None, return_lse: bool = False, **options):
         """Paged attention for the plan's packed queries.
 
         q [queries, Hq, D]; k_cache [pages, page_size, Hkv, D];
         v_cache [pages, page_size, Hkv, Dv]; Hq % Hkv == 0 and query head h
-        reads KV head h // (Hq // Hkv). ``causal``: the query at absolute
+        reads KV head h // (Hq // Hkv). Or ``k_cache`` a layer of the page
+        manager, ``cache.layer(i)`` (its K, V and storage options), v_cache
+        left out and ``scale=`` by keyword. ``causal``: the query at absolute
         position p sees positions 0..p of its sequence; otherwise all
         kv_lens[s] (a plan with q_lens > kv_lens is non-causal only).
         ``scale`` multiplies q.k before the softmax.
 
-        Score variants (docs/layout.md, "Score variants and visibility"; each
-        a compile-time choice of the kernels, none costs anything when off):
-        ``soft_cap`` (> 0): logit = cap * tanh(scale * q.k / cap) (Gemma 2);
-        ``window`` (>= 1): the query at p sees no position below
-        p - window + 1 (vLLM's sliding_window, FlashInfer's window_left + 1;
-        the pages before are never read); ``sinks`` float32 [Hq]: a
-        per-head logit in the softmax denominator (gpt-oss), counted by the
-        lse; ``alibi_slopes`` float32 [Hq]: logit += slope[h] * (k_pos -
-        q_pos) (BLOOM / MPT).
+        Options (keywords; ``AttentionOptions``, one row each in
+        ``cupaged/ops/attention/options.py``; docs/layout.md, "Score variants
+        and visibility"; each score option a compile-time choice of the
+        kernels, none costs anything when off):
+
+        {options}
 
         Caches (docs/layout.md, "Cache views and fp8 caches") may be any views
         whose innermost dim is contiguous: an HND cache
         ``[pages, Hkv, page_size, D].transpose(0, 2, 1, 3)``, the halves
         ``kv[:, 0]`` / ``kv[:, 1]`` of a combined ``[pages, 2, page_size, Hkv,
         D]`` tensor. An fp8 cache (ml_dtypes float8_e4m3fn / float8_e5m2
-        arrays, or uint8 storage with ``kv_dtype='e4m3'`` / ``'e5m2'``) takes
-        float16 / bfloat16 q; ``k_scale`` / ``v_scale`` (float32, shape [] or
-        [1], or [Hkv]; None: 1) dequantize it: K = code * k_scale. The
-        keywords are those of ``append`` and ``PagedKVCache.kv_args(layer)``.
+        arrays, or uint8 storage with ``kv_dtype``) takes float16 / bfloat16
+        q. The storage options are those of ``append`` and
+        ``PagedKVCache.kv_args(layer)``.
 
         Returns out [queries, Hq, Dv] in q's dtype, or (out, lse) with
         ``return_lse`` (or a given ``lse``): lse float32 [queries, Hq], natural
@@ -290,53 +288,56 @@ class DevicePlan:
         """
         self._fresh()
         return attention_op.attention(self, q, k_cache, v_cache, scale, causal, workspace=workspace, out=out,
-                                      lse=lse, return_lse=return_lse, soft_cap=soft_cap, window=window,
-                                      sinks=sinks, alibi_slopes=alibi_slopes, kv_dtype=kv_dtype, k_scale=k_scale,
-                                      v_scale=v_scale)
+                                      lse=lse, return_lse=return_lse, **options)
 
-    def mla(self, q, q_pos, latent, k_pos, scale: float, causal: bool = True, *,
-            workspace: SplitWorkspace | None = None, out=None, lse=None, return_lse: bool = False,
-            soft_cap: float | None = None, window: int | None = None, sinks=None, alibi_slopes=None,
-            kv_dtype=None, k_scale=None, v_scale=None):
+    @document
+    def mla(self, q, q_rot=MISSING, latent=None, k_rot=MISSING, scale: float | None = None,
+            causal: bool = True, *, workspace: SplitWorkspace | None = None, out=None, lse=None,
+            return_lse: bool = False, **options):
         """DeepSeek-style multi-head latent attention, absorbed form.
 
         q [queries, H, R]: the absorbed query (q_nope times the key
-        up-projection); q_pos [queries, H, P]: its rotary part;
+        up-projection); q_rot [queries, H, P]: its rotary part;
         latent [pages, page_size, 1, R]: the normalized latent cache (one
-        shared head); k_pos [pages, page_size, 1, P]: the rotated positional
-        cache. score = scale * (q . latent + q_pos . k_pos); the values are
+        shared head); k_rot [pages, page_size, 1, P]: the rotated positional
+        cache. score = scale * (q . latent + q_rot . k_rot); the values are
         the latent rows. Returns [queries, H, R] in q's dtype (and float32 lse
-        [queries, H] with ``return_lse``).
+        [queries, H] with ``return_lse``). ``q_pos`` / ``k_pos``: q_rot's and
+        k_rot's names before (keywords, deprecated; positions keep working).
 
         ``scale`` comes from the original model's QK head dimensions (e.g.
         1/sqrt(128 + 64) for DeepSeek-V3), not from R. The caller applies the
         value and output projections to the current queries only. Both caches
-        are written by ``append`` (heads = 1, D = R, Dv = P). Causal masking,
-        chunked prefill, split workspaces, outputs and the score variants
-        (``soft_cap``, ``window``, ``sinks``, ``alibi_slopes`` [H]) work as in
-        ``attention``.
+        are written by ``append`` (heads = 1, D = R, Dv = P); ``latent`` may
+        be a layer of the page manager, ``cache.layer(i)`` (K the latent, V
+        k_rot), k_rot left out and ``scale=`` by keyword. Causal masking,
+        chunked prefill, split workspaces, outputs and the options work as in
+        ``attention`` (the per-head arrays [H]):
 
-        Without a rotary part (P = 0) pass q_pos = k_pos = None, or
-        zero-width arrays (q_pos [queries, H, 0], k_pos [pages, page_size, 1,
+        {options}
+
+        Without a rotary part (P = 0) pass q_rot = k_rot = None, or
+        zero-width arrays (q_rot [queries, H, 0], k_rot [pages, page_size, 1,
         0]: FlashInfer's spelling), which mean the same. The caches
-        may be views (``latent = c[..., :R]``, ``k_pos = c[..., R:]`` of one
+        may be views (``latent = c[..., :R]``, ``k_rot = c[..., R:]`` of one
         [pages, page_size, 1, R + P] cache) and fp8 as in ``attention``:
-        ``k_scale`` dequantizes the latent, ``v_scale`` k_pos (append's K and
+        ``k_scale`` dequantizes the latent, ``v_scale`` k_rot (append's K and
         V).
         """
         self._fresh()
-        return attention_op.mla(self, q, q_pos, latent, k_pos, scale, causal, workspace=workspace, out=out,
-                                lse=lse, return_lse=return_lse, soft_cap=soft_cap, window=window, sinks=sinks,
-                                alibi_slopes=alibi_slopes, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+        return attention_op.mla(self, q, q_rot, latent, k_rot, scale, causal, workspace=workspace, out=out,
+                                lse=lse, return_lse=return_lse, **options)
 
-    def append(self, new_k, new_v, k_cache, v_cache, *, kv_dtype=None, k_scale=None, v_scale=None) -> None:
+    def append(self, new_k, new_v, k_cache, v_cache=None, *, kv_dtype=None, k_scale=None, v_scale=None) -> None:
         """Write new_k [queries, Hkv, D] and new_v [queries, Hkv, Dv] into the
         cache slot of each query's absolute position (page
         page_table[s, p // page_size], offset p % page_size), in place, in one
         kernel. Serves MLA caches too (Hkv = 1, D = R, Dv = P; new_v and
         v_cache None without a rotary part). Caches may be views whose
         innermost dim is contiguous; an fp8 cache (``kv_dtype`` for uint8
-        storage) gets the rows quantized with ``k_scale`` / ``v_scale``. See
+        storage) gets the rows quantized with ``k_scale`` / ``v_scale``;
+        ``k_cache`` may be a layer of the page manager, ``cache.layer(i)`` (its
+        caches and scales), v_cache then left out. See
         ``cupaged.ops.append.append``."""
         self._fresh()
         append_op.append(self, new_k, new_v, k_cache, v_cache, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)

@@ -350,8 +350,8 @@ def test_mla_zero_width_rotary_tensors(torch):
                          (q[..., :0], c[..., 80:])):
         out, lse = mplan.mla(q, q_pos, c[..., :64], k_pos, mc.scale, return_lse=True)
         assert torch.equal(out, base)
-    with pytest.raises(PagedAttentionError, match=r"q_pos, k_pos: expected both or neither .*got q_pos shape "
-                                                  r"\[3, 4, 0\] and k_pos shape \[\d+, 16, 1, 16\]"):
+    with pytest.raises(PagedAttentionError, match=r"q_rot, k_rot: expected both or neither .*got q_rot shape "
+                                                  r"\[3, 4, 0\] and k_rot shape \[\d+, 16, 1, 16\]"):
         mplan.mla(q, q.new_zeros(3, 4, 0), c[..., :64], c[..., 64:], mc.scale)
 
 

@@ -384,20 +384,20 @@ def _bad_mla(plan, q, qp, lat, kp, out, match, **kw):
 def test_mla_errors():
     plan, q, qp, lat, kp, out = _mla_case()
     _bad_mla(plan, q, qp, np.repeat(lat, 2, axis=2), kp, out, r"latent: expected one shared head")
-    _bad_mla(plan, q, qp, lat, np.repeat(kp, 2, axis=2), out, r"k_pos: expected one shared head")
-    _bad_mla(plan, q, qp[:, :2].copy(), lat, kp, out, r"q_pos: expected shape \[3, 4, P\] like q")
-    _bad_mla(plan, q, qp, lat, kp[..., :4].copy(), out, "k_pos: expected rotary dim P=8 like q_pos")
-    # zero-width q_pos / k_pos are P = 0 like None (issue #19 item 12, tests/attention/test_mla.py); beside a
+    _bad_mla(plan, q, qp, lat, np.repeat(kp, 2, axis=2), out, r"k_rot: expected one shared head")
+    _bad_mla(plan, q, qp[:, :2].copy(), lat, kp, out, r"q_rot: expected shape \[3, 4, P\] like q")
+    _bad_mla(plan, q, qp, lat, kp[..., :4].copy(), out, "k_rot: expected rotary dim P=8 like q_rot")
+    # zero-width q_rot / k_rot are P = 0 like None (issue #19 item 12, tests/attention/test_mla.py); beside a
     # real rotary part they are refused
     _bad_mla(plan, q, qp[..., :0].copy(), lat, kp, out,
-             r"q_pos, k_pos: expected both or neither .*got q_pos shape \[3, 4, 0\] and k_pos shape")
+             r"q_rot, k_rot: expected both or neither .*got q_rot shape \[3, 4, 0\] and k_rot shape")
     _bad_mla(plan, q, qp, lat, kp[..., :0].copy(), out,
-             r"q_pos, k_pos: expected both or neither .*got q_pos shape \[3, 4, 8\] and k_pos shape")
+             r"q_rot, k_rot: expected both or neither .*got q_rot shape \[3, 4, 8\] and k_rot shape")
     plan2, q2, qp2, lat2, kp2, out2 = _mla_case(p=257)
-    _bad_mla(plan2, q2, qp2, lat2, kp2, out2, "q_pos: expected a rotary dim P in 1..256, got 257")
+    _bad_mla(plan2, q2, qp2, lat2, kp2, out2, "q_rot: expected a rotary dim P in 1..256, got 257")
     _bad_mla(plan, q, qp, lat[..., :8].copy(), kp, out, "latent: expected R=16 like q")
     _bad_mla(plan, q, qp, lat, kp, out[..., :8].copy(), r"out: expected shape \[3, 4, 16\]")
-    _bad_mla(plan, q, qp.astype(np.float16), lat, kp, out, "q_pos: expected dtype float32 like q")
+    _bad_mla(plan, q, qp.astype(np.float16), lat, kp, out, "q_rot: expected dtype float32 like q")
     _bad_mla(plan, q, qp, lat, kp, out, "scale", scale=float("nan"))
     _bad_mla(plan, q[:1].copy(), qp[:1].copy(), lat, kp, out, r"q: expected 3 rows")
     _bad_mla(plan, q, qp, lat[:5].copy(), kp, out, r"latent: expected shape \[6, 4, ...\]")

@@ -210,18 +210,19 @@ def plan_cache(plan, name: str, cache, kv_dtype=None):
     a combined KV tensor, columns of an MLA cache), in a K/V format (fp8 as
     ml_dtypes arrays, or uint8 with ``kv_dtype``). A page's elements must
     fit 32-bit indexing; the whole cache need not (the kernels compute page
-    offsets in 64 bits). Returns its format (a ``dtypes`` row)."""
+    offsets in 64 bits). Returns its format (a ``dtypes`` row) and its
+    element strides (``row_view``)."""
     if getattr(cache, "ndim", 4) == 5:
         raise PagedAttentionError(
             f"{name}: expected a 4-D array [pages, page_size, heads, D], got shape {shape_str(cache.shape)} "
-            f"(5-D: a PagedKVCache's layer-major cache; pass one layer, cache.k[layer])")
-    fmt, _ = cache_view(name, cache, kv_dtype=kv_dtype)
+            f"(5-D: a PagedKVCache's layer-major cache; pass one layer: cache.layer(i), or cache.k[i])")
+    fmt, strides = cache_view(name, cache, kv_dtype=kv_dtype)
     exp = (plan.host.pages, plan.host.page_size)
     if tuple(int(x) for x in cache.shape[:2]) != exp:
         raise PagedAttentionError(
             f"{name}: expected shape [{exp[0]}, {exp[1]}, ...] (plan.pages, plan.page_size, ...), "
             f"got {shape_str(cache.shape)}")
-    return fmt
+    return fmt, strides
 
 
 # -- strided views (caches, new K/V rows) ------------------------------------

@@ -76,16 +76,23 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _runtime as _backend
 from .. import dtypes
-from ..cache import PagedKVCache
+from ..cache import PagedKVCache, StepReport
 from ..errors import PagedAttentionError
 from ..ops import layers as _layers
 from ..ops import sampling as _rowwise
+from ..ops.attention.options import MISSING, ROWS, document, renamed
+from .._runtime.arrays import Array
 from ..plan import DevicePlan, HostPlan, SplitWorkspace
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = [
     "as_array", "as_torch", "is_torch", "torch_stream", "TorchPlan", "torch_plan", "split_workspace",
@@ -95,7 +102,7 @@ __all__ = [
 _DL_CPU, _DL_CUDA, _DL_CUDA_MANAGED = 1, 2, 13
 
 
-def is_torch(x) -> bool:
+def is_torch(x: object) -> bool:
     """True for a torch.Tensor (torch itself is not imported)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
@@ -109,7 +116,7 @@ def _bf16():
 _FP8 = {d.torch_name: d.token for d in dtypes.TABLE if d.scaled}
 
 
-def fp8_format(x) -> str | None:
+def fp8_format(x: Any) -> str | None:
     """The fp8 format token ("e4m3" / "e5m2") of an fp8 torch tensor, else None."""
     return _FP8.get(str(x.dtype).removeprefix("torch.")) if is_torch(x) else None
 
@@ -124,7 +131,7 @@ def _check_same_memory(name: str, t, a) -> None:
 # ---------------------------------------------------------------------------
 # Views
 
-def as_array(x, name: str = "array"):
+def as_array(x: Any, name: str = "array") -> Array:
     """A NumPy (CPU) or CuPy (CUDA) view of ``x`` sharing its memory.
 
     ``x``: a torch tensor, a NumPy or CuPy array (returned as is) or any
@@ -183,7 +190,7 @@ def _torch_to_array(name: str, t):
     return a
 
 
-def as_torch(a):
+def as_torch(a: Any) -> Tensor:
     """A torch tensor sharing the memory of ``a`` (NumPy: CPU; CuPy: CUDA);
     a torch tensor is returned as is. ``ml_dtypes.bfloat16`` becomes
     torch.bfloat16. The tensor keeps ``a`` alive."""
@@ -217,7 +224,7 @@ _stream_wrappers: dict = {}
 
 
 @contextlib.contextmanager
-def torch_stream(device: int):
+def torch_stream(device: int) -> Iterator[Any]:
     """Within the block, CuPy's current device is ``device`` and its current
     stream there is torch's current CUDA stream (the same handle), so
     cupaged launches in torch's stream order. Yields the CuPy stream."""
@@ -319,8 +326,8 @@ def _views(args: dict) -> dict:
 
 
 def _score_views(arrays: dict) -> dict:
-    """sinks / alibi_slopes as arrays: a tensor's view; anything else as it
-    came (the op's checks name what is wrong with it)."""
+    """The array options (sinks, scales, ...) as arrays: a tensor's view;
+    anything else as it came (the op's checks name what is wrong with it)."""
     return {k: as_array(v, k) if is_torch(v) else v for k, v in arrays.items()}
 
 
@@ -365,53 +372,61 @@ class TorchPlan:
                 f"plan was uploaded on ({self.plan.stream.ptr:#x}); call it under the stream of torch_plan")
         return torch_stream(self.plan.device)
 
-    def attention(self, q, k_cache, v_cache, scale: float, causal: bool = True, *, workspace=None, out=None,
-                  lse=None, return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None,
-                  kv_dtype=None, k_scale=None, v_scale=None):
+    @document
+    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float, causal: bool = True, *,
+                  workspace: SplitWorkspace | None = None, out: Tensor | None = None, lse: Tensor | None = None,
+                  return_lse: bool = False, **options: Any) -> Tensor | tuple[Tensor, Tensor]:
         """``DevicePlan.attention`` on tensors: q [queries, Hq, D];
         k_cache [pages, page_size, Hkv, D]; v_cache [pages, page_size, Hkv, Dv]
         (any views whose innermost dim is contiguous; fp8 tensors
-        ``torch.float8_e4m3fn`` / ``float8_e5m2`` with float32 ``k_scale`` /
-        ``v_scale`` tensors or arrays, or uint8 with ``kv_dtype``);
-        the score variants ``soft_cap``, ``window`` and float32 [Hq] tensors
-        ``sinks`` / ``alibi_slopes`` as there. Returns out [queries, Hq, Dv]
-        (and float32 lse [queries, Hq] with ``return_lse`` or ``lse``): the
-        ``out``/``lse`` passed, else new tensors."""
+        ``torch.float8_e4m3fn`` / ``float8_e5m2``, or uint8 with ``kv_dtype``).
+        The options as there, the array ones tensors or arrays:
+
+        {options}
+
+        Returns out [queries, Hq, Dv] (and float32 lse [queries, Hq] with
+        ``return_lse`` or ``lse``): the ``out``/``lse`` passed, else new
+        tensors."""
         return self._attend("attention", dict(q=q, k_cache=k_cache, v_cache=v_cache), scale, causal,
-                            workspace, out, lse, return_lse,
-                            dict(soft_cap=soft_cap, window=window, sinks=sinks, alibi_slopes=alibi_slopes),
-                            dict(kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale))
+                            workspace, out, lse, return_lse, options)
 
-    def mla(self, q, q_pos, latent, k_pos, scale: float, causal: bool = True, *, workspace=None, out=None,
-            lse=None, return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None,
-            kv_dtype=None, k_scale=None, v_scale=None):
-        """``DevicePlan.mla`` on tensors: q [queries, H, R]; q_pos
-        [queries, H, P]; latent [pages, page_size, 1, R]; k_pos
-        [pages, page_size, 1, P] (q_pos and k_pos None: no rotary part);
-        views, fp8 and the score variants as ``attention``'s. Returns out
-        [queries, H, R] (and lse [queries, H]) as ``attention`` does."""
-        return self._attend("mla", dict(q=q, q_pos=q_pos, latent=latent, k_pos=k_pos), scale, causal,
-                            workspace, out, lse, return_lse,
-                            dict(soft_cap=soft_cap, window=window, sinks=sinks, alibi_slopes=alibi_slopes),
-                            dict(kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale))
+    @document
+    def mla(self, q: Tensor, q_rot: Tensor | None = MISSING, latent: Tensor | None = None,
+            k_rot: Tensor | None = MISSING, scale: float | None = None, causal: bool = True, *,
+            workspace: SplitWorkspace | None = None, out: Tensor | None = None, lse: Tensor | None = None,
+            return_lse: bool = False, **options: Any) -> Tensor | tuple[Tensor, Tensor]:
+        """``DevicePlan.mla`` on tensors: q [queries, H, R]; q_rot
+        [queries, H, P]; latent [pages, page_size, 1, R]; k_rot
+        [pages, page_size, 1, P] (q_rot and k_rot None: no rotary part;
+        ``q_pos`` / ``k_pos``: their deprecated keyword names); views, fp8
+        and the options as ``attention``'s:
 
-    def _attend(self, op, inputs, scale, causal, workspace, out, lse, return_lse, scores, storage):
-        # sinks / alibi_slopes / k_scale / v_scale: tensors (or arrays) read like the inputs; the scalars
+        {options}
+
+        Returns out [queries, H, R] (and lse [queries, H]) as ``attention``
+        does."""
+        rot = renamed(options, dict(q_rot=q_rot, k_rot=k_rot), dict(q_pos="q_rot", k_pos="k_rot"))
+        inputs = dict(q=q, q_rot=rot["q_rot"], latent=latent, k_rot=rot["k_rot"])
+        return self._attend("mla", {k: None if v is MISSING else v for k, v in inputs.items()}, scale, causal,
+                            workspace, out, lse, return_lse, options)
+
+    def _attend(self, op, inputs, scale, causal, workspace, out, lse, return_lse, options):
+        # The array options (ROWS: sinks, scales, ...): tensors or arrays read like the inputs; the others
         # pass as they are.
-        arrays = {k: v for k, v in {**scores, **storage}.items()
-                  if k in ("sinks", "alibi_slopes", "k_scale", "v_scale") and v is not None}
+        arrays = {k: v for k, v in options.items() if k in ROWS and ROWS[k].array and v is not None}
         _check_operands(dict(out=out, lse=lse), {**inputs, **arrays})
-        storage = dict(storage, kv_dtype=_kv_dtype(storage["kv_dtype"], inputs))
+        options = dict(options, kv_dtype=_kv_dtype(options.get("kv_dtype"), inputs))
         with self._context():
             a = _views(inputs)
             o, l_ = _views(dict(out=out, lse=lse)).values()
             res = getattr(self.plan, op)(*a.values(), scale, causal, workspace=workspace, out=o, lse=l_,
-                                         return_lse=return_lse, **{**scores, **storage, **_score_views(arrays)})
+                                         return_lse=return_lse, **{**options, **_score_views(arrays)})
             if not (return_lse or lse is not None):
                 return out if out is not None else as_torch(res)
             return (out if out is not None else as_torch(res[0]), lse if lse is not None else as_torch(res[1]))
 
-    def append(self, new_k, new_v, k_cache, v_cache, *, kv_dtype=None, k_scale=None, v_scale=None) -> None:
+    def append(self, new_k: Tensor, new_v: Tensor, k_cache: Tensor, v_cache: Tensor, *, kv_dtype: str | None = None,
+               k_scale: Any = None, v_scale: Any = None) -> None:
         """``DevicePlan.append`` on tensors: new_k [queries, Hkv, D] and
         new_v [queries, Hkv, Dv] into k_cache [pages, page_size, Hkv, D] and
         v_cache [pages, page_size, Hkv, Dv], in place (views; fp8 tensors
@@ -429,7 +444,7 @@ class TorchPlan:
             return SplitWorkspace(self.plan.queries, heads, value_dim, splits, self.plan.words)
 
 
-def torch_plan(host_plan: HostPlan, like) -> TorchPlan:
+def torch_plan(host_plan: HostPlan, like: Any) -> TorchPlan:
     """Upload ``host_plan`` to the device (and, for CUDA, torch's current
     stream) of ``like`` (a tensor or array) and wrap it in a TorchPlan."""
     if not isinstance(host_plan, HostPlan):
@@ -438,7 +453,7 @@ def torch_plan(host_plan: HostPlan, like) -> TorchPlan:
         return TorchPlan(host_plan.upload(as_array(like, "like")))
 
 
-def split_workspace(queries: int, heads: int, value_dim: int, splits: int, like) -> SplitWorkspace:
+def split_workspace(queries: int, heads: int, value_dim: int, splits: int, like: Any) -> SplitWorkspace:
     """``SplitWorkspace(queries, heads, value_dim, splits, like)`` for a tensor
     ``like`` (its device; torch's current stream for CUDA)."""
     with _context([like]):
@@ -463,9 +478,9 @@ class TorchKVCache:
     PagedKVCache's (``add_sequence``, ``fork``, ``free``, ``reserve``,
     ``page_table``, ``stats`` ...)."""
 
-    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, *,
-                 layers: int = 1, value_dim: int | None = None, like=None, prefix_cache: bool = False,
-                 k_scale=None, v_scale=None):
+    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: Any, *,
+                 layers: int = 1, value_dim: int | None = None, like: Any = None, prefix_cache: bool = False,
+                 k_scale: Any = None, v_scale: Any = None) -> None:
         with _context([like]):
             scales = {k: as_array(v, k) if is_torch(v) else v for k, v in (("k_scale", k_scale),
                                                                             ("v_scale", v_scale))}
@@ -474,6 +489,7 @@ class TorchKVCache:
                                       prefix_cache=prefix_cache, **scales)
             self.k, self.v = as_torch(self.cache.k), as_torch(self.cache.v)
             fmt = dtypes.lookup(self.cache.kv_dtype)
+            assert fmt is not None   # the cache's own K/V format
             if fmt.scaled:   # fp8 tensors (the CUDA arrays are raw uint8 storage)
                 import torch
                 t8 = getattr(torch, fmt.torch_name)
@@ -487,13 +503,13 @@ class TorchKVCache:
     def __repr__(self) -> str:
         return f"TorchKVCache({self.cache!r})"
 
-    def prepare(self, seqs, new_tokens, *, reserve=0):
+    def prepare(self, seqs: Any, new_tokens: Any, *, reserve: Any = 0) -> tuple[TorchPlan, StepReport]:
         """``PagedKVCache.prepare``; returns (TorchPlan, StepReport)."""
         with _context([self.k]):
             plan, report = self.cache.prepare(seqs, new_tokens, reserve=reserve)
         return TorchPlan(plan), report
 
-    def append(self, plan: TorchPlan, new_k, new_v, *, layer: int = 0) -> None:
+    def append(self, plan: TorchPlan, new_k: Tensor, new_v: Tensor, *, layer: int = 0) -> None:
         """``PagedKVCache.append``: layer ``layer``'s new rows, new_k
         [queries, Hkv, D] and new_v [queries, Hkv, Dv] (tensors)."""
         plan = plan if isinstance(plan, TorchPlan) else TorchPlan(plan)
@@ -513,39 +529,39 @@ def _call(fn, writes: dict, reads: dict, alias_ok=(), **kwargs):
         fn(**a, **kwargs)
 
 
-def argmax_into(logits, out):
+def argmax_into(logits: Tensor, out: Tensor) -> Tensor:
     """``cupaged.argmax_into``: logits [batch, vocab] float; out int64
     [batch], written in place and returned."""
     _call(_rowwise.argmax_into, dict(out=out), dict(logits=logits))
     return out
 
 
-def argmax(logits):
+def argmax(logits: Tensor) -> Tensor:
     """Row argmax of logits [batch, vocab] into a new int64 [batch] tensor."""
     with _context([logits]):
         return as_torch(_rowwise.argmax(as_array(logits, "logits")))
 
 
-def embed(tokens, table, out):
+def embed(tokens: Tensor, table: Tensor, out: Tensor) -> Tensor:
     """``layers.embed``: tokens int64 [rows], table [vocab, dim] -> out [rows, dim] (returned)."""
     _call(_layers.embed, dict(out=out), dict(tokens=tokens, table=table))
     return out
 
 
-def rms_norm(x, weight, out, eps: float = 1e-6):
+def rms_norm(x: Tensor, weight: Tensor, out: Tensor, eps: float = 1e-6) -> Tensor:
     """``layers.rms_norm``: x [rows, dim], weight [dim] -> out [rows, dim]
     (may be exactly x; returned)."""
     _call(_layers.rms_norm, dict(out=out), dict(x=x, weight=weight), alias_ok={("out", "x")}, eps=eps)
     return out
 
 
-def linear(x, weight, out, *, accumulate: bool = False):
+def linear(x: Tensor, weight: Tensor, out: Tensor, *, accumulate: bool = False) -> Tensor:
     """``layers.linear``: out [M, N] (+)= x [M, K] @ weight [N, K].T (returned)."""
     _call(_layers.linear, dict(out=out), dict(x=x, weight=weight), accumulate=accumulate)
     return out
 
 
-def rope(x, positions, cos, sin, *, position_stride: int = 1):
+def rope(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, *, position_stride: int = 1) -> Tensor:
     """``layers.rope`` in place on x [rows, heads, dim] (returned); positions
     uint32/int32 (e.g. ``plan.plan.words[...]``); cos, sin float32
     [max_pos, dim // 2]."""
@@ -553,7 +569,7 @@ def rope(x, positions, cos, sin, *, position_stride: int = 1):
     return x
 
 
-def silu_mul(gate_up, out):
+def silu_mul(gate_up: Tensor, out: Tensor) -> Tensor:
     """``layers.silu_mul``: gate_up [rows, 2F] -> out [rows, F] (returned)."""
     _call(_layers.silu_mul, dict(out=out), dict(gate_up=gate_up))
     return out

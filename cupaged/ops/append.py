@@ -28,6 +28,8 @@ from .. import dtypes
 from .._runtime import address, backend_of, checks, get_kernel, register
 from .._runtime.structs import Field, StructArg, c_struct, struct_dtype
 from ..errors import PagedAttentionError
+from .attention.inputs import layer_operands
+from .attention.options import KVLayer
 
 #: Copy units the raw kernels are compiled for (bytes); the host picks the
 #: widest that divides every row size, stride and base address.
@@ -229,7 +231,7 @@ def check_append(plan, new_k, new_v, k_cache, v_cache, *, kv_dtype=None, k_scale
                           v_scale=v_scale, lead=(plan.host.pages, plan.host.page_size))
 
 
-def append(plan, new_k, new_v, k_cache, v_cache, *, kv_dtype=None, k_scale=None, v_scale=None) -> None:
+def append(plan, new_k, new_v, k_cache, v_cache=None, *, kv_dtype=None, k_scale=None, v_scale=None) -> None:
     """Write new keys and values into the paged caches, in place.
 
     new_k [queries, Hkv, D], new_v [queries, Hkv, Dv]: one row per packed
@@ -244,7 +246,9 @@ def append(plan, new_k, new_v, k_cache, v_cache, *, kv_dtype=None, k_scale=None,
     Caches of the new rows' dtype (float32, float16 or bfloat16) get them bit
     for bit; an fp8 cache (its dtype, or ``kv_dtype`` for uint8 storage) gets
     them quantized with ``k_scale`` / ``v_scale`` (module docstring). Every
-    array may be a view whose innermost dim is contiguous.
+    array may be a view whose innermost dim is contiguous. ``k_cache`` may be
+    a layer of the page manager, ``cache.layer(i)`` (its caches and storage
+    options), v_cache then left out.
 
     One kernel launch on the plan's stream that reads positions and page ids
     from the plan's device words (so a captured graph replays with positions
@@ -252,7 +256,10 @@ def append(plan, new_k, new_v, k_cache, v_cache, *, kv_dtype=None, k_scale=None,
     two queries writing one slot (``HostPlan.validate_writes``) and every bad
     input before launching.
     """
-    w = check_append(plan, new_k, new_v, k_cache, v_cache, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+    storage = dict(kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+    if isinstance(k_cache, KVLayer):
+        k_cache, v_cache, storage = layer_operands("k_cache", k_cache, v_cache, "v_cache", storage)
+    w = check_append(plan, new_k, new_v, k_cache, v_cache, **storage)
     host = plan.host
     if host not in _validated:
         host.validate_writes()

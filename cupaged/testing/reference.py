@@ -152,8 +152,23 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: flo
                                    lambda s: (0, np.iinfo(np.int64).max))
 
 
+def _soft_cap(x, cap, head, q_pos, k_pos):
+    return cap * np.tanh(x / cap)
+
+
+def _alibi(x, slopes, head, q_pos, k_pos):
+    return x + _f64(slopes)[head][:, None] * (k_pos[None, :] - q_pos)
+
+
+#: The float64 logit hook of each option row that changes the logit
+#: (``cupaged/ops/attention/options.py``, ``Option.reference``), in the
+#: kernels' order (a score variant's first, then the cap, then ALiBi):
+#: ``hook(x [Hq, n] logits, value, head [Hq], q_pos, k_pos [n]) -> logits``.
+LOGIT_HOOKS = {"soft_cap": _soft_cap, "alibi_slopes": _alibi}
+
+
 def scored_attention(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: float, causal: bool = True, *,
-                     soft_cap=None, window=None, sinks=None, alibi_slopes=None) -> tuple[np.ndarray, np.ndarray]:
+                     window=None, sinks=None, **logit_options) -> tuple[np.ndarray, np.ndarray]:
     """Paged attention with the score variants (docs/layout.md, "Score
     variants and visibility"), written from their definitions; shapes as in
     ``paged_attention``. Query i of sequence s sits at position
@@ -162,8 +177,9 @@ def scored_attention(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: fl
 
     * visible keys: ``0 .. p`` when causal, else ``0 .. kv_lens[s] - 1``;
       with ``window`` only those ``>= p - window + 1``;
-    * logit of key k for head h: ``x = scale * q.k``; ``x = soft_cap *
-      tanh(x / soft_cap)``; ``x += alibi_slopes[h] * (k - p)``;
+    * logit of key k for head h: ``x = scale * q.k``, then each hook of
+      ``LOGIT_HOOKS`` given in ``logit_options`` in its order: ``x =
+      soft_cap * tanh(x / soft_cap)``; ``x += alibi_slopes[h] * (k - p)``;
     * ``sinks`` [Hq] (natural-unit logits): ``out = sum_k exp(x_k) v_k /
       (exp(sinks[h]) + sum_k exp(x_k))`` and ``lse = log(exp(sinks[h]) +
       sum_k exp(x_k))``; a query that sees nothing gets out 0 and lse
@@ -185,7 +201,11 @@ def scored_attention(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: fl
     kv_head = np.arange(hq) // (hq // hkv)
     q64 = _f64(q)
     sink = None if sinks is None else _f64(sinks).reshape(hq)
-    slopes = None if alibi_slopes is None else _f64(alibi_slopes).reshape(hq)
+    unknown = [n for n in logit_options if n not in LOGIT_HOOKS]
+    if unknown:
+        raise ValueError(f"no reference hook for {unknown} (LOGIT_HOOKS: {list(LOGIT_HOOKS)})")
+    hooks = [(h, logit_options[n]) for n, h in LOGIT_HOOKS.items() if logit_options.get(n) is not None]
+    heads = np.arange(hq)
     out = np.zeros((q.shape[0], hq, dv))
     lse = np.full((q.shape[0], hq), -np.inf) if sink is None else np.tile(sink, (q.shape[0], 1))
     i = 0
@@ -199,10 +219,8 @@ def scored_attention(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: fl
             if lo < hi:
                 pos = np.arange(lo, hi)
                 x = scale * np.einsum("hd,nhd->hn", q64[i], keys[lo:hi])           # [Hq, n]
-                if soft_cap is not None:
-                    x = soft_cap * np.tanh(x / soft_cap)
-                if slopes is not None:
-                    x = x + slopes[:, None] * (pos[None, :] - p)
+                for hook, value in hooks:
+                    x = hook(x, value, heads, p, pos)
                 cols = x if sink is None else np.concatenate([x, sink[:, None]], axis=1)
                 m = cols.max(axis=1, keepdims=True)
                 e = np.exp(cols - m)

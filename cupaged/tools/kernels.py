@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ops.attention.variants import MERGE
+from ..ops.attention.kernels import MERGE
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ struct AttentionParams {
     u32 window;                                 // CP_WINDOW: the query at p sees positions >= p - window + 1
     const float* __restrict__ sinks;            // CP_SINKS: [Hq] per-head sink logits (natural units)
     const float* __restrict__ alibi_slopes;     // CP_ALIBI: [Hq] slopes; logit += slope * (k_pos - q_pos)
+    const float* __restrict__ head_bias;        // CP_SCORE=head_bias: [Hq] logit += bias[h] (a score's runtime data)
     u64 k_stride_page;                          // k_cache strides: page, slot, head
     u64 v_stride_page;                          // v_cache strides
     u64 rot_stride_page;                        // k_rot strides: page, slot (one head)
@@ -50,4 +51,4 @@ struct AttentionParams {
     const float* __restrict__ k_scale;          // fp8 caches: K dequantization scale(s) (kKvScaled)
     const float* __restrict__ v_scale;          // fp8 caches: V dequantization scale(s)
 };
-static_assert(sizeof(AttentionParams) == 248, "AttentionParams: the NumPy dtype packs 248 bytes");
+static_assert(sizeof(AttentionParams) == 256, "AttentionParams: the NumPy dtype packs 256 bytes");

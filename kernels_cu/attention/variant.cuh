@@ -3,6 +3,7 @@
 // LogitsTransform / LogitsMask / OutputTransform). Each kernel calls each
 // function at one site:
 //   score(sc, row, s, k_pos)       the logit of a visible (query, key) pair
+//                                  (Score::apply(p, s, q_pos, k_pos, head))
 //   visible(len, causal, window, pos)  the positions [lo, hi) a query sees
 //   (sinks)                        fold_sink(state, sc.sink2(head)) where a
 //                                  row's softmax is finished (the kernel's
@@ -11,11 +12,13 @@
 // score: s arrives in the kernels' log2 domain, s = scale * log2(e) * q.k
 // (f32, the rotary part included for MLA); the variant returns the logit it
 // wants in the same domain (a change in natural units is multiplied by
-// softmax::kLog2e). q_pos, k_pos: absolute positions of the query and the key
-// in their sequence (docs/layout.md); head: the query head. The score is
-// composed at compile time of
+// softmax::kLog2e). p: the launch's AttentionParams (a score's runtime data,
+// e.g. a per-head array, is a params field its option row fills); q_pos,
+// k_pos: absolute positions of the query and the key in their sequence
+// (docs/layout.md); head: the query head. The score is composed at compile
+// time of
 //   * CP_SCORE: a name from the SCORES table of cupaged/ops/attention/
-//     variants.py, which selects struct score_<name> below (plain: s itself);
+//     options.py, which selects struct score_<name> below (plain: s itself);
 //   * CP_SOFT_CAP=1: logit = cap * tanh(logit / cap) (Gemma 2), on the
 //     score so far;
 //   * CP_ALIBI=1: logit += slope[head] * (k_pos - q_pos) (BLOOM / MPT; <= 0
@@ -65,7 +68,7 @@ namespace variant {
 // plain: softmax(scale * q.k), every built variant.
 struct score_plain {
     static constexpr bool kIdentity = true;
-    __device__ __forceinline__ static float apply(float s, u32, u32, u32) { return s; }
+    __device__ __forceinline__ static float apply(const AttentionParams&, float s, u32, u32, u32) { return s; }
 };
 
 // test_bias: scale * q.k + 0.5 + 0.125 * head - 0.03125 * (q_pos - k_pos), an
@@ -74,9 +77,21 @@ struct score_plain {
 // variant" of docs/layout.md); not registered for the NVRTC gate.
 struct score_test_bias {
     static constexpr bool kIdentity = false;
-    __device__ __forceinline__ static float apply(float s, u32 q_pos, u32 k_pos, u32 head) {
+    __device__ __forceinline__ static float apply(const AttentionParams&, float s, u32 q_pos, u32 k_pos, u32 head) {
         const float bias = 0.5f + 0.125f * (float)head - 0.03125f * ((float)q_pos - (float)k_pos);
         return s + bias * softmax::kLog2e;
+    }
+};
+
+// head_bias: scale * q.k + bias[head], bias float32 [Hq] at p.head_bias (natural
+// units): a score with runtime data, the worked example of docs/layout.md
+// ("Adding a score variant"). Tests only (its option row is added by
+// tests/attention/test_variant.py); not registered for the NVRTC gate. A head
+// past q_heads (a padded row) reads nothing.
+struct score_head_bias {
+    static constexpr bool kIdentity = false;
+    __device__ __forceinline__ static float apply(const AttentionParams& p, float s, u32, u32, u32 head) {
+        return head < p.q_heads ? fmaf(p.head_bias[head], softmax::kLog2e, s) : s;
     }
 };
 
@@ -144,7 +159,7 @@ __device__ __forceinline__ float tanh_accurate(float x) {
 }
 
 __device__ __forceinline__ float score(const Scorer& sc, const ScoreRow& r, float s, u32 k_pos) {
-    if constexpr (!Score::kIdentity) s = Score::apply(s, r.q_pos, k_pos, r.head);
+    if constexpr (!Score::kIdentity) s = Score::apply(sc.p, s, r.q_pos, k_pos, r.head);
     if constexpr (kSoftCap) s = sc.p.soft_cap * tanh_accurate(s * sc.p.inv_soft_cap);
     // k_pos - q_pos as a signed count (positions are below 2^31, a query's
     // may be negative: docs/layout.md), exact in f32 below 2^24.

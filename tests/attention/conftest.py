@@ -8,7 +8,7 @@ from cupaged.ops.attention import launch
 
 @pytest.fixture
 def kernels_used(monkeypatch):
-    """Names of the kernels launch_attention fetches while the test runs."""
+    """Names of the kernels the attention launch fetches while the test runs."""
     names = []
     real = launch.get_kernel
 
@@ -26,7 +26,7 @@ def launches(monkeypatch):
     launch_attention issues (q_begin and q_count None for the merge), in
     launch order: its stream is wrapped for the test."""
     log = []
-    real = attention.launch_attention
+    real = attention.launch_call
 
     class Spy:
         def __init__(self, stream):
@@ -39,7 +39,7 @@ def launches(monkeypatch):
                         int(params["q_count"]) if attn else None, grid[0] if isinstance(grid, tuple) else grid))
             return self.stream.launch(kernel, grid, block, args, shared_mem=shared_mem)
 
-    monkeypatch.setattr(attention, "launch_attention", lambda stream, *a, **k: real(Spy(stream), *a, **k))
+    monkeypatch.setattr(attention, "launch_call", lambda call, stream=None: real(call, Spy(stream or call.plan.stream)))
     return log
 
 

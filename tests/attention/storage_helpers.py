@@ -18,8 +18,7 @@ import dataclasses
 import numpy as np
 
 import cupaged
-from cupaged.ops.attention import AttentionOptions, launch
-from cupaged.ops.attention import checks as att_checks
+from cupaged.ops.attention import inputs, launch
 from cupaged.testing import assert_close, make_mla_case, make_paged_case, reference
 
 FP8 = ["e4m3", "e5m2"]
@@ -157,10 +156,9 @@ def run_attention(sc: StoredCase, causal=True, *, splits=None, **score):
     out = np.zeros((plan.queries, case.q.shape[1], sc.v_cache.shape[3]), case.q.dtype)
     o, lse = plan.attention(case.q, sc.k_cache, sc.v_cache, case.scale, causal, workspace=ws, out=out,
                             return_lse=True, **score, **sc.kv_args)
-    read = att_checks.attention_inputs(plan, case.q, sc.k_cache, sc.v_cache, **sc.kv_args)
-    opts = AttentionOptions(case.scale, causal, **{k: v for k, v in score.items() if k in ("soft_cap", "window")},
-                            sinks=score.get("sinks"), alibi_slopes=score.get("alibi_slopes"))
-    return o, lse, kernels(plan, case.q, sc.k_cache, sc.v_cache, out, opts, read=read)
+    call = inputs.attention_call(plan, case.q, sc.k_cache, sc.v_cache, case.scale, causal, workspace=ws, out=out,
+                                 **score, **sc.kv_args)
+    return o, lse, tuple(x.kernel for x in call.launches)
 
 
 def reference_out(sc: StoredCase, causal=True, **score):
@@ -252,9 +250,9 @@ def check_mla(sm: StoredMla, causal=True, *, splits=None, what="") -> tuple[str,
     assert np.isfinite(o.astype(np.float64)).all(), f"{what}: non-finite output"
     assert_close(o, ref_o, dt, f"{what} out")
     assert_close(lse, ref_lse, dt, f"{what} lse")
-    read = att_checks.mla_inputs(plan, case.q, q_pos, sm.latent, sm.k_pos, **sm.kv_args)
-    return kernels(plan, case.q, sm.latent, sm.latent, out, AttentionOptions(case.scale, causal), q_rot=q_pos,
-                   k_rot=sm.k_pos, read=read)
+    call = inputs.mla_call(plan, case.q, q_pos, sm.latent, sm.k_pos, case.scale, causal, workspace=ws, out=out,
+                           **sm.kv_args)
+    return tuple(x.kernel for x in call.launches)
 
 
 __all__ = ["FP8", "VIEWS", "StoredCase", "StoredMla", "as_view", "check_attention", "check_mla", "fp8_paged_case",

@@ -8,13 +8,18 @@ selection budgets for holds. The CPU backend stands in for an arch
 (CUPAGED_CPU_ARCH, cpu_arch_override) and runs what that arch selects."""
 from __future__ import annotations
 
+import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
 import cupaged
-from cupaged._runtime import archs, cpu_arch_override
+from cupaged._runtime import archs, cpu, cpu_arch_override, source
 from cupaged.errors import PagedAttentionError
 from cupaged.ops.attention import plan_launches, variants
+from cupaged.ops.attention.kernels import MERGE, SPECS, decode, geometry, prefill_tc, spec
 from cupaged.testing import assert_close, make_mla_case, make_paged_case
 from attention_helpers import TC_DTYPES, check, run
 
@@ -35,12 +40,12 @@ def test_selected_builds_fit_the_arch(arch):
     tensor-core build; sm_90 the wgmma MLA build, sm_80 the mma.sync one."""
     lim = archs.limits(arch)
     for dt in TC_DTYPES:
-        for d in variants.TC_PREFILL_DIMS:
+        for d in prefill_tc.DIMS:
             v = variants.select_tensor_core(dt, d, d, True, True, arch=arch)
             assert v is not None and v.runs_on(arch)
-            assert v.smem + variants.TC_STATIC_SMEM_BUDGET <= lim.smem_optin_per_block
-            assert v.tile == (variants.PREFILL_TILES[d][-1] if (arch in ("sm_86", "sm_89") and d == 256)
-                              else variants.PREFILL_TILES[d][0])
+            assert v.smem + spec.TC_STATIC_SMEM_BUDGET <= lim.smem_optin_per_block
+            assert v.tile == (prefill_tc.PREFILL_TILES[d][-1] if (arch in ("sm_86", "sm_89") and d == 256)
+                              else prefill_tc.PREFILL_TILES[d][0])
         mla = variants.select_tensor_core(dt, 512, 512, True, True, rot_dim=64, arch=arch)
         want = {"sm_80": "paged_mla_tc", "sm_86": None, "sm_89": None, "sm_90": "paged_mla_wgmma"}[arch]
         assert (mla.kernel if mla else None) == want
@@ -155,4 +160,147 @@ def test_gate_finds_no_launch_problem_on_any_arch():
     assert launchcheck.arch_warnings(results, ("sm_80", "sm_86", "sm_90")) == []
     for r in results:
         if r.kernel in ("paged_prefill_tc", "paged_mla_tc", "paged_mla_wgmma"):
-            assert r.smem <= variants.TC_STATIC_SMEM_BUDGET, (r.variant, r.arch, r.smem)
+            assert r.smem <= spec.TC_STATIC_SMEM_BUDGET, (r.variant, r.arch, r.smem)
+
+
+# ----------------------------------------------------------------- the kernels' specs
+# What each kernel states that its spec (cupaged/ops/attention/kernels/<stem>.py) states too, as C++
+# expressions over the kernel's own constants, per build: they hold once the kernel reads geometry.cuh
+# (geometry.header) and its layout agrees with the spec's shared-memory formula.
+def _decode_facts(v):
+    cap = v.head_dim or v.dim_cap
+    vec = decode._vec(v.kv_dtype, bool(v.head_dim or v.vec_loads))
+    facts = ["att::kWarps == geom::decode::kWarps", "att::kThreads == geom::decode::kThreads",
+             f"att::kCap == {cap}", f"att::kVec == {vec}", f"att::kElems == {decode.elems_per_lane(cap, vec)}",
+             # decode.max_group_tile: the largest tile within both bounds, or 1
+             "att::kHeads == 1 || att::kHeads * (att::kElems + (att::kRotCap ? att::kRotElems : 0))"
+             " <= geom::decode::kLaneFloats",
+             "att::kHeads == 1 || sizeof(float) * att::kWarps * att::kHeads * att::kCap"
+             " <= geom::decode::kMergeSmemBytes",
+             f"att::kHeads == {v.group_tile}"]
+    if v.rot_cap:
+        facts.append(f"att::kRotElems == {decode.rot_elems_per_lane(cap, vec, v.rot_cap)}")
+    return facts
+
+
+KERNEL_FACTS = {
+    "paged_attention": _decode_facts,
+    "paged_decode_tc": lambda v: [
+        "dtc::kWarps == geom::decode_tc::kWarps", "dtc::kThreads == geom::decode_tc::kThreads",
+        "dtc::kMinBlocks == geom::decode_tc::kMinBlocks", "dtc::kRows == geom::decode_tc::kRows",
+        "dtc::kN == geom::decode_tc::kN", "dtc::kPitch == dtc::kD + geom::kPitchPad",
+        "dtc::kRawKPitch == dtc::kD + geom::decode_tc::kRawKPad", f"dtc::kWarps * dtc::kWarpBytes == {v.smem}"],
+    "paged_prefill_tc": lambda v: [
+        f"tcp::kThreads == {v.threads}", f"tcp::kRows == {v.rows}", "tcp::kPitch == tcp::kD + geom::kPitchPad",
+        f"tcp::kQInRegs == {str(prefill_tc.q_in_registers(v.head_dim, v.tile)).lower()}",
+        f"2 * tcp::kRawOff + (tcp::kFp8 ? tcp::kS * tcp::kRawStage : 0) == {v.smem}"],
+    "paged_mla_tc": lambda v: [
+        "tcm::kWarps == geom::mla_tc::kWarps", "tcm::kThreads == geom::mla_tc::kThreads",
+        "tcm::kN == geom::mla_tc::kN", "tc::kRows == geom::kTcRows", "tcm::kPitch == tcm::kK + geom::kPitchPad",
+        "tcm::kPPitch == tcm::kN + geom::kPitchPad",
+        # mla_tc.cu's carve-up: sQ, sKV, sP (16-bit), then the fp8 ring sRaw [2][kN][kK]
+        f"(tc::kRows * tcm::kPitch + tcm::kTileBufs * tcm::kN * tcm::kPitch + tc::kRows * tcm::kPPitch) * 2"
+        f" + (kKvScaled ? 2 * tcm::kN * tcm::kK : 0) == {v.smem}"],
+    "paged_mla_wgmma": lambda v: [
+        "mwg::kThreads == geom::mla_wgmma::kThreads", "mwg::kN == geom::mla_wgmma::kN",
+        "mwg::kS == geom::mla_wgmma::kS", "mwg::kRows == geom::kTcRows", f"mwg::kSmemBytes == {v.smem}"],
+    MERGE.name: lambda v: ["merge::kThreads == geom::merge::kThreads"],
+}
+_LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\(\s*([^,()]+?)\s*,\s*([^()]+?)\s*\)\s*(\w+)\s*\(")
+
+
+def _launch_bounds(stem):
+    """{kernel: (threads, min blocks)} as the .cu text spells them."""
+    text = (source.kernel_dir() / f"{stem}.cu").read_text()
+    return {name: (a, b) for a, b, name in _LAUNCH_BOUNDS.findall(text)}
+
+
+def _decode_sample(v) -> bool:
+    """paged_attention builds checked (a compile each): f16 at the smallest
+    and largest dims, either load width, with and without a rotary part;
+    e4m3 where a rotary part leaves one head per block."""
+    if v.kv_dtype == "f16":
+        return v.head_dim in (64, 256) or v.dim_cap in (64, 1024)
+    return v.kv_dtype == "e4m3" and (v.head_dim == 128 or (v.dim_cap == 64 and v.vec_loads == 1))
+
+
+def _spec_builds():
+    """One build per distinct geometry of each tensor-core kernel (bf16 q,
+    a bf16 or e4m3 cache),
+    paged_attention's of ``_decode_sample`` (the largest tile of each), and
+    the merge; as (kernel, source, defines, threads, resident blocks, facts)."""
+    by_geometry = {}
+    for v in variants._built():
+        if v.kernel == "paged_attention":
+            if _decode_sample(v):
+                by_geometry[(v.kernel, v.head_dim, v.dim_cap, v.vec_loads, v.rot_cap, v.kv_dtype)] = v
+        elif v.dtype == "bf16" and v.kv_dtype in ("bf16", "e4m3"):
+            by_geometry.setdefault((v.kernel, v.head_dim, v.tile, v.latent_dim, v.rope_dim, v.kv_dtype), v)
+    out = [(v.kernel, v.source, v.defines(), v.threads, v.resident_blocks, KERNEL_FACTS[v.kernel](v))
+           for v in by_geometry.values()]
+    return out + [(MERGE.name, MERGE.source, MERGE.defines("f16", False), MERGE.threads, MERGE.min_blocks,
+                   KERNEL_FACTS[MERGE.name](None))]
+
+
+def _syntax_check(kernel, stem, defines, threads, blocks, facts):
+    """g++ -fsyntax-only over the build's assembled source, geometry.cuh's
+    namespace and a static_assert per fact; the compiler's message or None."""
+    a, b = _launch_bounds(stem)[kernel]
+    checks = facts + [f"({a}) == {threads}", f"({b}) == {blocks}"]
+    text = (source.assemble(stem, defines) + "\n" + geometry.body()
+            + "".join(f'static_assert({c}, "spec: {c}");\n' for c in checks))
+    shim = source.shim_dir()
+    r = subprocess.run([cpu._compiler()[0], "-std=c++20", "-fsyntax-only", "-w", "-DCUPAGED_CPU", "-include",
+                        str(shim / "cupaged_shim.h"), "-I", str(shim), "-x", "c++", "-"], input=text,
+                       capture_output=True, text=True)
+    return None if r.returncode == 0 else f"{kernel} {defines}: {r.stderr[-1500:]}"
+
+
+def test_specs_state_what_the_kernels_compile():
+    """Each spec's block, resident blocks (the .cu's ``__launch_bounds__``),
+    tile and padding constants (geometry.cuh's) and shared-memory bytes are
+    what the kernel compiles to, for one build of every geometry: g++ checks
+    a static_assert of each on the CPU backend's source."""
+    builds = _spec_builds()
+    assert {b[0] for b in builds} == set(variants.KERNELS) | {MERGE.name}
+    with ThreadPoolExecutor(max(1, min(4, cpu.num_workers()))) as pool:
+        bad = [m for m in pool.map(lambda b: _syntax_check(*b), builds) if m]
+    assert not bad, "\n".join(bad)
+
+
+def test_a_wrong_spec_fails_the_check():
+    """The check is live: a shared-memory figure or a resident-block count
+    one off fails to compile."""
+    kernel, stem, defines, threads, blocks, facts = next(b for b in _spec_builds() if b[0] == "paged_decode_tc")
+    assert _syntax_check(kernel, stem, defines, threads, blocks, facts) is None
+    assert "kWarpBytes" in _syntax_check(kernel, stem, defines, threads, blocks,
+                                         facts[:-1] + [facts[-1].replace("==", "== 16 +")])
+    assert f"== {blocks + 1}" in (_syntax_check(kernel, stem, defines, threads, blocks + 1, facts) or "")
+
+
+def test_each_spec_is_beside_its_kernel():
+    """A spec module per kernels_cu/attention/<stem>.cu, of that stem, naming
+    the kernel the file defines; SPECS holds every attention kernel with a
+    variant in the table, each spec's builds use only its fields (and the
+    common ones); RESIDENT_BLOCKS is the specs' min_blocks."""
+    mods = geometry.MODULES
+    for k in SPECS + (MERGE,):
+        stem = k.source.split("/", 1)[1]
+        assert stem in mods and (source.kernel_dir() / f"{k.source}.cu").is_file(), k
+        defines = (MERGE.defines("f16", False) if k is MERGE
+                   else next(v for v in variants._built() if v.kernel == k.name).defines())
+        assert source.kernel_names(source.assemble(k.source, defines)) == [k.name], k
+        assert set(_launch_bounds(k.source)) == {k.name}, k
+        assert mods[stem].GEOMETRY.get("kThreads", k.threads) == k.threads
+        assert mods[stem].GEOMETRY.get("kMinBlocks", k.min_blocks) == k.min_blocks
+    assert list(variants.KERNELS) == [k.name for k in SPECS]
+    common = {"kernel", "dtype", "kv_dtype", "score", "target", "group_tile"}
+    for v in variants._built():
+        k = variants.KERNELS[v.kernel]
+        used = {f for f in vars(v) if getattr(v, f) and f not in common}
+        assert used <= set(k.fields), (v, used)
+        assert v.target == k.target
+    assert variants.RESIDENT_BLOCKS == {k.name: k.min_blocks for k in SPECS if k.min_blocks}
+    assert variants.RESIDENT_BLOCKS == {"paged_attention": 2, "paged_decode_tc": 6, "paged_mla_tc": 1,
+                                        "paged_mla_wgmma": 1}
+    assert geometry.header().startswith("// geometry.cuh: GENERATED")

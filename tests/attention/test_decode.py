@@ -16,6 +16,7 @@ import pytest
 import cupaged
 from cupaged.layout import metadata_offsets
 from cupaged.ops.attention import variants
+from cupaged.ops.attention.kernels import decode_tc
 from cupaged.testing import assert_close, make_paged_case, reference
 from attention_helpers import DTYPES, _to_device, run, check
 
@@ -25,7 +26,7 @@ def cuda_core_kernel(monkeypatch, kernels_used):
     """Every test here runs paged_attention: the one selection rule would give
     f16 / bf16 decodes at D 64 / 128 to paged_decode_tc (test_decode_tc.py),
     so its smallest group is moved out of reach for this file."""
-    monkeypatch.setattr(variants, "DECODE_TC_MIN_GROUP", 1 << 30)
+    monkeypatch.setattr(decode_tc, "MIN_GROUP", 1 << 30)
     yield
     assert "paged_decode_tc" not in kernels_used
 

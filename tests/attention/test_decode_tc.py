@@ -19,6 +19,7 @@ import pytest
 import cupaged
 from cupaged.layout import metadata_offsets
 from cupaged.ops.attention import variants
+from cupaged.ops.attention.kernels import decode, decode_tc
 from cupaged.testing import assert_close, make_paged_case, reference
 from attention_helpers import DECODE_TC, TC_DTYPES, _to_device, run, check, check_capture_replay
 from storage_helpers import FP8
@@ -222,18 +223,18 @@ def test_capture_and_replay(xp_backend, kernels_used):
 
 def test_selection_rule():
     """One rule (variants.select_variant, _cost): paged_decode_tc for f16 /
-    bf16 queries with D == Dv in DECODE_TC_DIMS, 16-byte aligned arrays and
-    a group of at least DECODE_TC_MIN_GROUP; paged_attention otherwise. Every
+    bf16 queries with D == Dv in decode_tc.DIMS, 16-byte aligned arrays and
+    a group of at least decode_tc.MIN_GROUP; paged_attention otherwise. Every
     selectable variant is registered for the NVRTC gate."""
     sel = variants.select_variant
     for dt in TC_DTYPES:
-        for d in variants.DECODE_TC_DIMS:
-            for g in (variants.DECODE_TC_MIN_GROUP, 4, 8, 16, 20):
+        for d in decode_tc.DIMS:
+            for g in (decode_tc.MIN_GROUP, 4, 8, 16, 20):
                 v = sel(dt, d, d, True, g)
-                assert v == variants.Variant(DECODE_TC, dt, dt, head_dim=d, group_tile=variants.DECODE_TC_HEADS)
+                assert v == variants.Variant(DECODE_TC, dt, dt, head_dim=d, group_tile=decode_tc.HEADS)
                 assert v.defines() == {"CP_DTYPE": dt, "CP_KV_DTYPE": dt, "CP_SCORE": "plain", "HEAD_DIM": d}
-                assert v.threads == variants.DECODE_TC_THREADS and v.smem == variants.decode_tc_smem_bytes(d)
-    assert variants.decode_tc_smem_bytes(128) == 34816 and variants.decode_tc_smem_bytes(64) == 18432
+                assert v.threads == decode_tc.THREADS and v.smem == decode_tc.smem_bytes(d)
+    assert decode_tc.smem_bytes(128) == 34816 and decode_tc.smem_bytes(64) == 18432
     for args in (("f32", 128, 128, True, 4), ("f16", 96, 96, True, 4), ("f16", 128, 128, False, 4),
                  ("bf16", 256, 256, True, 4), ("f16", 128, 64, True, 4), ("bf16", 64, 64, True, 4, 16)):
         assert sel(*args).kernel == "paged_attention", args
@@ -241,17 +242,17 @@ def test_selection_rule():
     # in shared memory: less shared memory than the 16-bit ring at either dim).
     for dt in TC_DTYPES:
         for kv in FP8:
-            for d in variants.DECODE_TC_DIMS:
+            for d in decode_tc.DIMS:
                 v = sel(dt, d, d, True, 4, kv_dtype=kv)
-                assert v == variants.Variant(DECODE_TC, dt, kv, head_dim=d, group_tile=variants.DECODE_TC_HEADS)
-                assert v.smem == variants.decode_tc_smem_bytes(d, kv) < variants.decode_tc_smem_bytes(d)
-    assert variants.decode_tc_smem_bytes(128, "e4m3") == 2 * (16 * 136 * 2 + 2 * 16 * (160 + 128))
+                assert v == variants.Variant(DECODE_TC, dt, kv, head_dim=d, group_tile=decode_tc.HEADS)
+                assert v.smem == decode_tc.smem_bytes(d, kv) < decode_tc.smem_bytes(d)
+    assert decode_tc.smem_bytes(128, "e4m3") == 2 * (16 * 136 * 2 + 2 * 16 * (160 + 128))
     registered = {tuple(sorted(v.defines().items())) for v in variants.VARIANTS
                   if v.kernel == DECODE_TC and not v.features}     # (each feature too: test_scores.py)
     assert registered == {tuple(sorted({"CP_DTYPE": dt, "CP_KV_DTYPE": kv, "CP_SCORE": "plain",
                                         "HEAD_DIM": d}.items()))
-                          for dt in TC_DTYPES for kv in (dt,) + tuple(FP8) for d in variants.DECODE_TC_DIMS}
-    assert variants.resident_blocks(sel("bf16", 128, 128, True, 4)) == variants.RESIDENT_BLOCKS[DECODE_TC]
+                          for dt in TC_DTYPES for kv in (dt,) + tuple(FP8) for d in decode_tc.DIMS}
+    assert variants.resident_blocks(sel("bf16", 128, 128, True, 4)) == variants.RESIDENT_BLOCKS[DECODE_TC] == 6
 
 
 def test_launch_bounds_match_the_table():
@@ -259,11 +260,11 @@ def test_launch_bounds_match_the_table():
     __launch_bounds__ minimum."""
     from cupaged._runtime.source import kernel_dir
     text = (kernel_dir() / "attention" / "decode_tc.cu").read_text()
-    assert f"constexpr u32 kMinBlocks = {variants.RESIDENT_BLOCKS[DECODE_TC]};" in text
+    assert f"constexpr u32 kMinBlocks = {decode_tc.MIN_BLOCKS};" in text
     assert "__launch_bounds__(dtc::kThreads, dtc::kMinBlocks)" in text
-    assert f"constexpr u32 kWarps = {variants.DECODE_TC_THREADS // 32}" in text
+    assert f"constexpr u32 kWarps = {decode_tc.THREADS // 32}" in text
     text = (kernel_dir() / "attention" / "decode.cu").read_text()
-    assert f"__launch_bounds__(128, {variants.RESIDENT_BLOCKS['paged_attention']}) paged_attention" in text
+    assert f"__launch_bounds__({decode.THREADS}, {decode.MIN_BLOCKS}) paged_attention" in text
     # The GPU backend reads kernel names from the raw text, launch bounds and all.
     from cupaged._runtime import source
     names = source.kernel_names(source.assemble("attention/decode_tc", {"CP_DTYPE": "bf16", "CP_KV_DTYPE": "bf16",

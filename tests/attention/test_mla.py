@@ -43,10 +43,10 @@ def test_rotary_part_needs_one_latent_cache():
     out = np.empty((plan.queries, 2, 64), np.float32)
     k_rot = np.zeros(case.k_cache.shape[:3] + (8,), np.float32)
     q_rot = np.zeros((plan.queries, 2, 8), np.float32)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(cupaged.PagedAttentionError, match="v_cache: expected the K cache itself"):
         launch.launch_attention(plan.stream, plan, case.q, case.k_cache, case.v_cache, out, AttentionOptions(1.0),
                                 q_rot=q_rot, k_rot=k_rot)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(cupaged.PagedAttentionError, match="q_rot: expected a rotary dim up to 256"):
         launch.launch_attention(plan.stream, plan, case.q, case.k_cache, case.k_cache, out, AttentionOptions(1.0),
                                 q_rot=np.zeros((plan.queries, 2, 300), np.float32),
                                 k_rot=np.zeros(case.k_cache.shape[:3] + (300,), np.float32))
@@ -241,15 +241,15 @@ def test_zero_width_with_a_real_rotary_part_is_refused(kernels_used):
     out = np.full((plan.queries, 4, 64), 7, np.float32)
     zq, zk = case.q_pos[..., :0], case.k_pos[..., :0]
     for q_pos, k_pos, got in (
-            (zq, case.k_pos, r"got q_pos shape \[3, 4, 0\] and k_pos shape \[\d+, 16, 1, 16\]"),
-            (case.q_pos, zk, r"got q_pos shape \[3, 4, 16\] and k_pos shape \[\d+, 16, 1, 0\]"),
-            (None, case.k_pos, r"got q_pos None and k_pos shape \[\d+, 16, 1, 16\]"),
-            (case.q_pos, None, r"got q_pos shape \[3, 4, 16\] and k_pos None"),
-            (np.zeros((3, 0), np.float32), case.k_pos, r"got q_pos shape \[3, 0\] and k_pos shape")):
-        with pytest.raises(cupaged.PagedAttentionError, match=r"q_pos, k_pos: expected both or neither \(neither, "
+            (zq, case.k_pos, r"got q_rot shape \[3, 4, 0\] and k_rot shape \[\d+, 16, 1, 16\]"),
+            (case.q_pos, zk, r"got q_rot shape \[3, 4, 16\] and k_rot shape \[\d+, 16, 1, 0\]"),
+            (None, case.k_pos, r"got q_rot None and k_rot shape \[\d+, 16, 1, 16\]"),
+            (case.q_pos, None, r"got q_rot shape \[3, 4, 16\] and k_rot None"),
+            (np.zeros((3, 0), np.float32), case.k_pos, r"got q_rot shape \[3, 0\] and k_rot shape")):
+        with pytest.raises(cupaged.PagedAttentionError, match=r"q_rot, k_rot: expected both or neither \(neither, "
                                                               r"None or zero-width: MLA without a rotary part, "
                                                               r"P = 0\), " + got):
             plan.mla(case.q, q_pos, case.latent, k_pos, case.scale, out=out)
-    with pytest.raises(cupaged.PagedAttentionError, match="k_pos: expected a NumPy or CuPy array, got builtins.list"):
+    with pytest.raises(cupaged.PagedAttentionError, match="k_rot: expected a NumPy or CuPy array, got builtins.list"):
         plan.mla(case.q, case.q_pos, case.latent, [0.0], case.scale, out=out)
     assert kernels_used == [] and (out == 7).all()

@@ -7,7 +7,8 @@ import pytest
 
 import cupaged
 from cupaged.layout import metadata_offsets
-from cupaged.ops.attention import launch, schedule, variants
+from cupaged.ops.attention import inputs, schedule, variants
+from cupaged.ops.attention.kernels import prefill_tc
 from cupaged.testing import assert_close, make_paged_case
 from attention_helpers import (TC_DTYPES, _to_device, run, check, check_capture_replay, _host, Q_MIXED, MIXED_TC,
                                DECODE_TC)
@@ -16,7 +17,7 @@ from attention_helpers import (TC_DTYPES, _to_device, run, check, check_capture_
 def _prefill_qpb(group: int, head_dim: int) -> int:
     """Queries per paged_prefill_tc block: its tile's rows (the first tile of
     PREFILL_TILES) over min(G, rows)."""
-    return variants.tc_queries_per_block(group, variants.PREFILL_TILES[head_dim][0].rows)
+    return variants.tc_queries_per_block(group, prefill_tc.PREFILL_TILES[head_dim][0].rows)
 
 
 def test_block_passes():
@@ -261,7 +262,7 @@ def test_launch_range_is_clamped(xp_backend, monkeypatch, kernel):
     for begin, count, blocks in ((n - 5, 2 ** 32 - 1, 9), (n + 3, 4, 2), (2 ** 32 - 2, 5, 3), (3, 6, 20)):
         # One launch of `blocks` blocks along x over [begin, begin + count) (one head tile: G = 4).
         one = first._replace(blocks=blocks, tiles=1, q_begin=begin, q_count=count)
-        monkeypatch.setattr(launch, "plan_launches", lambda *a, one=one, **k: [one])
+        monkeypatch.setattr(inputs, "plan_launches", lambda *a, one=one, **k: [one])
         out = xp_backend.xp.full((n, 4, 64), 7, dtype=q.dtype)
         lse = xp_backend.xp.full((n, 4), 5.0, dtype=np.float32)
         plan.attention(q, k, v, case.scale, True, out=out, lse=lse)

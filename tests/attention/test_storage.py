@@ -226,13 +226,13 @@ def test_mla_errors():
     sm = stored_mla(rng, "e4m3", num_heads=4, latent_dim=64, pos_dim=16, kv_lens=[9, 17])
     c = sm.case
     plan = cupaged.HostPlan.build(c.page_table, c.kv_lens, c.q_lens, c.page_size, c.num_pages).upload(c.q)
-    with pytest.raises(PagedAttentionError, match="q_pos, k_pos: expected both or neither"):
+    with pytest.raises(PagedAttentionError, match="q_rot, k_rot: expected both or neither"):
         plan.mla(c.q, None, sm.latent, sm.k_pos, 0.1, **sm.kv_args)
-    with pytest.raises(PagedAttentionError, match="v_scale: expected None without k_pos"):
+    with pytest.raises(PagedAttentionError, match="v_scale: expected None without k_rot"):
         plan.mla(c.q, None, sm.latent, None, 0.1, **sm.kv_args)
     with pytest.raises(PagedAttentionError, match="q: expected dtype float16 or bfloat16"):
         plan.mla(c.q.astype(np.float32), c.q_pos.astype(np.float32), sm.latent, sm.k_pos, 0.1, **sm.kv_args)
-    with pytest.raises(PagedAttentionError, match="k_pos: expected dtype float8_e4m3fn or uint8"):
+    with pytest.raises(PagedAttentionError, match="k_rot: expected dtype float8_e4m3fn or uint8"):
         plan.mla(c.q, c.q_pos, sm.latent, c.k_pos, 0.1, **sm.kv_args)
 
 

@@ -1,8 +1,10 @@
 """The variant hook end to end: a toy score variant (``test_bias``, defined
-in kernels_cu/attention/variant.cuh) added by one row of ``variants.SCORES``
-here, compiled on the CPU backend for every attention kernel and checked
-against a float64 reference with the same biased score. Also keeps the
-worked example of docs/layout.md ("Adding a score variant") true."""
+in kernels_cu/attention/variant.cuh) added by one row of ``options.SCORES``
+here, and a score with runtime data (``head_bias``: a per-head bias array,
+one hook, one option row added here, one params field), compiled on the CPU
+backend for every attention kernel and checked against a float64 reference
+with the same score. Also keeps the worked example of docs/layout.md
+("Adding a score variant") true."""
 from __future__ import annotations
 
 import re
@@ -15,9 +17,9 @@ import pytest
 
 import cupaged
 from cupaged import PagedAttentionError
-from cupaged._runtime import cpu_arch_override
+from cupaged._runtime import address, cpu_arch_override
 from cupaged._runtime.source import kernel_dir
-from cupaged.ops.attention import AttentionOptions, launch, variants
+from cupaged.ops.attention import AttentionOptions, launch, options, params, variants
 from cupaged.testing import assert_close, make_mla_case, make_paged_case, reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -173,7 +175,16 @@ def test_worked_example_in_docs():
     row = textwrap.dedent(re.search(r"```python\n(.*?)```", doc, re.S).group(1)).strip().rstrip(",")
     assert eval("{" + row + "}", {"Score": variants.Score}) == {TEST_BIAS.name: TEST_BIAS}, \
         "the doc's table row is not the one this test adds"
-    assert "SCORES: dict[str, Score] = {" in (REPO / "cupaged/ops/attention/variants.py").read_text()
+    assert "SCORES: dict[str, Score] = {" in (REPO / "cupaged/ops/attention/options.py").read_text()
+    # The runtime-data example: its hook is variant.cuh's, its option row the one HEAD_BIAS_ROW adds, its
+    # params field the one params.py has.
+    hooks = [textwrap.dedent(h).strip() for h in re.findall(r"```cpp\n(.*?)```", doc, re.S)]
+    rows = [textwrap.dedent(r).strip() for r in re.findall(r"```python\n(.*?)```", doc, re.S)]
+    assert len(hooks) == 3 and len(rows) == 3
+    assert hooks[1] in (kernel_dir() / "attention" / "variant.cuh").read_text()
+    assert hooks[2] in (kernel_dir() / "attention" / "params.cuh").read_text()
+    assert rows[1] == HEAD_BIAS_SOURCE
+    assert rows[2] in (REPO / "cupaged/ops/attention/params.py").read_text()
     # One call site of each hook per kernel (visible: through att::query_span, shared by all four).
     att = kernel_dir() / "attention"
     for name in ("decode.cu", "decode_tc.cu", "prefill_tc.cu", "mla_tc.cu", "mla_wgmma.cu"):
@@ -183,3 +194,123 @@ def test_worked_example_in_docs():
     assert (att / "span.cuh").read_text().count("variant::visible(") == 1
     assert sum((att / n).read_text().count("query_span(p") for n in ("decode.cu", "decode_tc.cu",
                                                                         "tc_common.cuh")) == 3
+
+
+# ----------------------------------------------------------------- a score with runtime data
+
+#: The runtime-data toy's option row (docs/layout.md quotes it): the whole Python side of a score whose
+#: values come at run time (score_head_bias in variant.cuh reads them from AttentionParams.head_bias).
+HEAD_BIAS_SOURCE = textwrap.dedent("""\
+    Option("head_bias", "float32 [Hq]: logit += bias[h]", per_head, ("head_bias",), lambda a: (address(a),),
+           score="head_bias", array=True, reference="head_bias"),""").strip()
+HEAD_BIAS = eval(HEAD_BIAS_SOURCE.rstrip(","), {"Option": options.Option, "per_head": options.per_head,
+                                                "address": address})
+
+
+def head_bias_hook(x, bias, head, q_pos, k_pos):
+    """The float64 reference's hook: logit += bias[h]."""
+    return x + np.asarray(bias, np.float64)[head][:, None]
+
+
+@pytest.fixture
+def head_bias_row(monkeypatch):
+    """The option row and its reference hook (first: the score comes before the cap and ALiBi); the
+    launches' (kernel, CP_SCORE) are logged."""
+    monkeypatch.setitem(options.ROWS, HEAD_BIAS.name, HEAD_BIAS)
+    monkeypatch.setattr(reference, "LOGIT_HOOKS", {"head_bias": head_bias_hook, **reference.LOGIT_HOOKS})
+    used = []
+    real = launch.get_kernel
+
+    def spy(like, source, kernel, defines=None):
+        used.append((kernel, (defines or {}).get("CP_SCORE")))
+        return real(like, source, kernel, defines)
+
+    monkeypatch.setattr(launch, "get_kernel", spy)
+    return used
+
+
+@pytest.mark.parametrize("what, dtype, d, kernel", [
+    ("decode", "f32", 64, "paged_attention"),
+    ("decode", "bf16", 96, "paged_attention"),
+    ("decode", "bf16", 128, "paged_decode_tc"),
+    ("decode", "f16", 64, "paged_decode_tc"),
+    ("prefill", "f16", 64, "paged_prefill_tc"),
+    ("mixed", "f16", 64, None),
+])
+@pytest.mark.parametrize("causal, splits, extra", [(True, None, {}), (False, 3, {}),
+                                                   (True, 2, dict(soft_cap=0.7, alibi_slopes=True))])
+def test_head_bias_score(head_bias_row, what, dtype, d, kernel, causal, splits, extra):
+    rng = np.random.default_rng(zlib.crc32(f"bias/{what}/{dtype}/{d}".encode()))
+    q_lens = {"decode": [1, 1, 1], "prefill": [40, 20, 33], "mixed": [1] * 6 + [40] + [1] * 6 + [33]}[what]
+    kv_lens = {"decode": [70, 33, 90], "prefill": [70, 33, 90],
+               "mixed": [20, 3, 35, 9, 17, 5, 50, 7, 30, 2, 18, 40, 6, 45]}[what]
+    case = make_paged_case(rng, kv_lens=np.array(kv_lens, np.int32), q_lens=np.array(q_lens), page_size=16,
+                           num_q_heads=8, num_kv_heads=2, head_dim=d, dtype=dtype)
+    bias = rng.uniform(-2.0, 2.0, 8).astype(np.float32)
+    if extra.get("alibi_slopes"):
+        extra = dict(extra, alibi_slopes=rng.uniform(0.0, 0.2, 8).astype(np.float32))
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
+    ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, 8, d, splits, case.q)
+    o, lse = plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causal, workspace=ws, return_lse=True,
+                            head_bias=bias, **extra)
+    ref_o, ref_lse = reference.scored_attention(case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens,
+                                                case.q_lens, case.scale, causal, head_bias=bias, **extra)
+    assert_close(o, ref_o, dtype, f"{what} out")
+    assert_close(lse, ref_lse, dtype, f"{what} lse")
+    attention_kernels = {k for k, _ in head_bias_row if k != "attention_split_merge"}
+    assert attention_kernels == ({kernel} if kernel else {"paged_decode_tc", "paged_prefill_tc"})
+    assert {s for k, s in head_bias_row if k != "attention_split_merge"} == {"head_bias"}
+    # Without the bias the same plan runs plain: the unbiased reference.
+    assert_close(plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causal, workspace=ws),
+                 case.reference(causal)[0], dtype, f"{what} plain")
+
+
+@pytest.mark.parametrize("dtype, r, p, heads, kernel, arch", [
+    ("f32", 64, 16, 4, "paged_attention", "sm_90"),
+    ("bf16", 512, 64, 16, "paged_mla_tc", "sm_80"),
+    ("bf16", 512, 64, 16, "paged_mla_wgmma", "sm_90"),
+])
+def test_head_bias_score_mla(head_bias_row, dtype, r, p, heads, kernel, arch):
+    rng = np.random.default_rng(r + p + 1)
+    case = make_mla_case(rng, kv_lens=[40, 70], q_lens=[1, 20], page_size=16, num_heads=heads, latent_dim=r,
+                         pos_dim=p, dtype=dtype)
+    bias = rng.uniform(-2.0, 2.0, heads).astype(np.float32)
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
+    with cpu_arch_override(arch):
+        o, lse = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, return_lse=True, head_bias=bias)
+    q_all, keys, values = reference.mla_as_attention(case.q, case.q_pos, case.latent, case.k_pos)
+    ref_o, ref_lse = reference.scored_attention(q_all, keys, values, case.page_table, case.kv_lens, case.q_lens,
+                                                case.scale, True, head_bias=bias)
+    assert_close(o, ref_o, dtype, "mla out")
+    assert_close(lse, ref_lse, dtype, "mla lse")
+    assert {k for k, _ in head_bias_row} == {kernel}
+
+
+def test_head_bias_is_one_row_hook_and_field(head_bias_row):
+    """The option fills its one params field (0 when not given), selects its score and is checked like
+    every per-head array, before anything runs."""
+    rng = np.random.default_rng(5)
+    case = make_paged_case(rng, kv_lens=np.array([9, 4], np.int32), page_size=8, num_q_heads=4, num_kv_heads=2,
+                           head_dim=64, dtype="f32")
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 8, case.num_pages).upload(case.q)
+    bias = np.ones(4, np.float32)
+    opts = AttentionOptions.checked(1.0, True, plan=plan, heads=4, head_bias=bias)
+    assert opts.params()["head_bias"] == bias.ctypes.data and opts.kernel_score == "head_bias"
+    assert AttentionOptions.checked(1.0).params()["head_bias"] == 0 and "head_bias" in params.NAMES
+    out = np.full((plan.queries, 4, 64), 7.0, np.float32)
+    for bad, msg in ((np.ones(3, np.float32), r"head_bias: expected shape \[4\]"),
+                     (np.ones(4, np.float64), r"head_bias: expected float32 \[4\]"),
+                     ([1.0] * 4, r"head_bias: expected a NumPy or CuPy float32 array")):
+        with pytest.raises(PagedAttentionError, match=msg):
+            plan.attention(case.q, case.k_cache, case.v_cache, case.scale, out=out, head_bias=bad)
+    assert head_bias_row == [] and (out == 7).all()
+
+
+def test_unknown_option_is_named():
+    """Without its row an option is an unknown keyword, named (a cupaged error, nothing runs)."""
+    rng = np.random.default_rng(6)
+    case = make_paged_case(rng, kv_lens=np.array([9], np.int32), page_size=8, num_q_heads=2, num_kv_heads=1,
+                           head_dim=64, dtype="f32")
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 8, case.num_pages).upload(case.q)
+    with pytest.raises(PagedAttentionError, match=r"head_bias: expected an option among score, soft_cap, window"):
+        plan.attention(case.q, case.k_cache, case.v_cache, case.scale, head_bias=np.ones(2, np.float32))

@@ -87,6 +87,6 @@ def test_probe_of_an_attention_launch():
         pytest.skip(f"prefill runs on {launches[0].kernel} now")
     p = counters.probe(launches[0], dtype="bf16", hq=32, hkv=8, d=128, dv=128, rot=0, page_size=16, use_cache=False)
     assert p.slope["cp_async_16"] == pytest.approx(32)
-    from cupaged.ops.attention import variants
-    assert p.slope["mma_16816"] == pytest.approx(variants.PREFILL_TILES[128][0].rows / 8)
+    from cupaged.ops.attention.kernels import prefill_tc
+    assert p.slope["mma_16816"] == pytest.approx(prefill_tc.PREFILL_TILES[128][0].rows / 8)
     assert p.slope["cp_async_16_zero"] == 0

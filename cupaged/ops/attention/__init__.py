@@ -2,16 +2,19 @@
 prefill over a paged K/V cache, optionally split over the visible history
 with a merge. Layout, positions, metadata words and LSE: ``docs/layout.md``.
 
-``launch.launch_attention`` is the launch layer under ``DevicePlan.attention``: its
-arguments are already checked; it picks the kernel of each segment of the
-step (``tc_segments``) and issues one launch per segment (at most
-MAX_SEGMENTS), then the split merge with a workspace. It allocates nothing, never
+``inputs.attention_call`` / ``inputs.mla_call`` check one call and return
+its record (``inputs.Call``: formats, strides, alignment, the kernel of each
+segment of the step (``tc_segments``) and the grids, computed once);
+``launch.launch_call`` issues one launch per segment (at most MAX_SEGMENTS), then
+the split merge with a workspace. It allocates nothing, never
 synchronizes and never reads device data on the host: grid and arguments
 depend only on shapes, the plan's static sizes and array addresses, so it
 is safe inside stream capture and a captured graph replays with whatever
 lengths the device metadata holds.
 
-Files: ``checks.py`` (every input check, ``AttentionOptions``), ``variants.py``
+Files: ``options.py`` (``AttentionOptions`` and the one row of each option: check, params
+fields, compile-time column, reference hook, docs), ``inputs.py`` (every input check, the call's
+record), ``variants.py``
 (``Variant``: every compile-time choice; what is built and what runs),
 ``schedule.py`` (segments, ``Launch`` records), ``splits.py`` (the split
 workspace and count), ``params.py`` (the kernels' one argument struct),
@@ -86,55 +89,39 @@ still depend only on shapes and the plan's static sizes.
 
 from __future__ import annotations
 
-from . import checks
-from .checks import AttentionOptions
-from .launch import launch_attention
+import warnings
+
+from . import inputs
+from .inputs import attention_call, mla_call
+from .launch import launch_attention, launch_call
+from .options import ROWS, SCORES, AttentionOptions, KVLayer
 from .schedule import MAX_SEGMENTS, block_passes, plan_launches, tc_schedule_ok, tc_segments, unsplit_blocks
 from .splits import MIN_TOKENS_PER_SPLIT, SplitWorkspace, choose_splits
 from .variants import VARIANTS, select_tensor_core, select_variant
 
-__all__ = ["attention", "mla", "AttentionOptions", "SplitWorkspace", "choose_splits", "MIN_TOKENS_PER_SPLIT",
-           "launch_attention", "MAX_SEGMENTS", "block_passes", "plan_launches", "tc_schedule_ok", "tc_segments",
-           "unsplit_blocks", "VARIANTS", "select_tensor_core", "select_variant"]
+__all__ = ["attention", "mla", "AttentionOptions", "KVLayer", "ROWS", "SCORES", "SplitWorkspace", "choose_splits",
+           "MIN_TOKENS_PER_SPLIT", "launch_attention", "MAX_SEGMENTS", "block_passes", "plan_launches",
+           "tc_schedule_ok", "tc_segments", "unsplit_blocks", "VARIANTS", "select_tensor_core", "select_variant"]
 
 
-def attention(plan, q, k_cache, v_cache, scale, causal=True, *, workspace=None, out=None, lse=None,
-              return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None, kv_dtype=None,
-              k_scale=None, v_scale=None):
-    """``DevicePlan.attention`` (its docstring has the shapes): check, then launch."""
-    read = checks.attention_inputs(plan, q, k_cache, v_cache, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
-    opts = AttentionOptions.checked(scale, causal, soft_cap=soft_cap, window=window, sinks=sinks,
-                                    alibi_slopes=alibi_slopes, plan=plan, heads=int(q.shape[1]))
-    opts.check_plan(plan, "attention")
-    want_lse = return_lse or lse is not None
-    o = checks.outputs(plan, q, out, lse, want_lse, int(q.shape[1]), int(v_cache.shape[3]), workspace,
-                       dict(q=q, k_cache=k_cache, v_cache=v_cache, **_score_arrays(opts), **read.arrays()))
-    launch_attention(plan.stream, plan, q, k_cache, v_cache, o.out, opts, lse=o.lse, workspace=o.workspace,
-                     read=read)
-    return (o.out, o.lse) if want_lse else o.out
+def attention(plan, q, k_cache, v_cache, scale, causal=True, **kwargs):
+    """``DevicePlan.attention`` (its docstring has the shapes and options): check, then launch."""
+    call = attention_call(plan, q, k_cache, v_cache, scale, causal, **kwargs)
+    launch_call(call)
+    return call.result()
 
 
-def mla(plan, q, q_pos, latent, k_pos, scale, causal=True, *, workspace=None, out=None, lse=None,
-        return_lse: bool = False, soft_cap=None, window=None, sinks=None, alibi_slopes=None, kv_dtype=None,
-        k_scale=None, v_scale=None):
-    """``DevicePlan.mla`` (its docstring has the shapes): check, then launch.
-    q_pos and k_pos None, or both zero-width: MLA without a rotary part (P = 0)."""
-    q_pos, k_pos = checks.rotary_parts(q_pos, k_pos)
-    read = checks.mla_inputs(plan, q, q_pos, latent, k_pos, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
-    opts = AttentionOptions.checked(scale, causal, soft_cap=soft_cap, window=window, sinks=sinks,
-                                    alibi_slopes=alibi_slopes, plan=plan, heads=int(q.shape[1]))
-    opts.check_plan(plan, "mla")
-    want_lse = return_lse or lse is not None
-    h, r = int(q.shape[1]), int(q.shape[2])
-    o = checks.outputs(plan, q, out, lse, want_lse, h, r, workspace, dict(q=q, q_pos=q_pos, latent=latent,
-                                                                           k_pos=k_pos, **_score_arrays(opts),
-                                                                           **read.arrays()))
-    launch_attention(plan.stream, plan, q, latent, latent, o.out, opts, q_rot=q_pos,
-                     k_rot=k_pos, lse=o.lse, workspace=o.workspace, read=read)
-    return (o.out, o.lse) if want_lse else o.out
+def mla(plan, q, *args, **kwargs):
+    """``DevicePlan.mla`` (its docstring has the shapes and options): check, then launch.
+    q_rot and k_rot None, or both zero-width: MLA without a rotary part (P = 0)."""
+    call = mla_call(plan, q, *args, **kwargs)
+    launch_call(call)
+    return call.result()
 
 
-def _score_arrays(opts: AttentionOptions) -> dict:
-    """The options' arrays (sinks, ALiBi slopes) given, by name: inputs the
-    outputs must not overlap."""
-    return {k: a for k, a in (("sinks", opts.sinks), ("alibi_slopes", opts.alibi_slopes)) if a is not None}
+def __getattr__(name):
+    if name == "checks":    # the module's name before inputs.py (one release)
+        warnings.warn("cupaged.ops.attention.checks is now cupaged.ops.attention.inputs", DeprecationWarning,
+                      stacklevel=2)
+        return inputs
+    raise AttributeError(name)

@@ -53,6 +53,7 @@ FIELDS: tuple[Field, ...] = (
     Field("window", "u32", "CP_WINDOW: the query at p sees positions >= p - window + 1"),
     Field("sinks", "const float*", "CP_SINKS: [Hq] per-head sink logits (natural units)"),
     Field("alibi_slopes", "const float*", "CP_ALIBI: [Hq] slopes; logit += slope * (k_pos - q_pos)"),
+    Field("head_bias", "const float*", "CP_SCORE=head_bias: [Hq] logit += bias[h] (a score's runtime data)"),
     # Cache storage (docs/layout.md, "Cache views"): element strides of
     # kv_t (any view whose innermost dim is contiguous), and the
     # dequantization scales of an fp8 cache (null for 16/32-bit caches).

@@ -289,7 +289,7 @@ def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim:
     defines, block and shared memory; ``score`` and ``features``
     (``variants.FEATURES`` names) are compile-time columns of every launch's
     variant and change no choice. ``arch``: the device's
-    (``cupaged._runtime.device_arch``; launch_attention passes it): only
+    (``cupaged._runtime.device_arch``; inputs.record passes it): only
     builds that launch there are chosen (``select_tensor_core``); None
     checks no arch. ``kv_dtype``: the caches' format token (q's dtype when
     None; ``"e4m3"`` / ``"e5m2"``: an fp8 cache); ``strided``: a cache view

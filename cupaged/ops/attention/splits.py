@@ -17,7 +17,8 @@ from ... import dtypes
 from ...errors import PagedAttentionError
 from ...layout import MAX_HEAD_DIM, MAX_ROPE_DIM, MAX_SPLITS, U32_MAX
 from .schedule import plan_launches
-from .variants import DECODE, RESIDENT_BLOCKS
+from .kernels import DECODE
+from .variants import RESIDENT_BLOCKS
 
 #: Tokens per split below which splitting does not pay (see choose_splits).
 MIN_TOKENS_PER_SPLIT = 256

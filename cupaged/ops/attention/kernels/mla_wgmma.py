@@ -1,0 +1,64 @@
+"""paged_mla_wgmma (``kernels_cu/attention/mla_wgmma.cu``): MLA on
+wgmma.mma_async, sm_90a only: two warpgroups per block of TC_ROWS (query,
+head) rows, K tiles of TILE_TOKENS tokens in 128-byte-swizzled column
+blocks; what paged_mla_tc serves, preferred to it where the device's arch
+is TARGET's."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .mla_tc import MlaTc
+from .spec import TC_ROWS, is_fp8
+
+if TYPE_CHECKING:
+    from ..variants import Variant
+
+#: Threads per block (mwg::kThreads, the first ``__launch_bounds__``
+#: argument): two warpgroups.
+THREADS = 256
+#: Resident blocks per SM by design (the second ``__launch_bounds__`` argument).
+MIN_BLOCKS = 1
+#: Tokens per K tile (mwg::kN).
+TILE_TOKENS = 64
+#: Tile buffers of the ring (mwg::kS).
+STAGES = 2
+#: Bytes of alignment slack before the layout (1024-byte swizzle atoms).
+ALIGN_BYTES = 1024
+#: The compile target of every build (CP_TARGET).
+TARGET = "sm_90a"
+#: (R, P) latent and rotary dims.
+DIMS = ((512, 64), (512, 0))
+#: The constants mla_wgmma.cu shares with this spec (geometry.header: geom::mla_wgmma).
+GEOMETRY = {"kThreads": THREADS, "kMinBlocks": MIN_BLOCKS, "kN": TILE_TOKENS, "kS": STAGES, "kAlignBytes": ALIGN_BYTES}
+
+
+def smem_bytes(latent_dim: int, rope_dim: int, kv_dtype: str | None = None) -> int:
+    """Dynamic shared memory (mwg::kSmemBytes): ALIGN_BYTES of alignment,
+    Q's latent part [TC_ROWS][R], STAGES tiles of [TILE_TOKENS][R + P] and P
+    [TC_ROWS][TILE_TOKENS], 16-bit, and the row maxima [2][TC_ROWS] f32. An
+    fp8 cache (``kv_dtype`` e4m3 / e5m2): one 16-bit tile and STAGES raw
+    tiles of codes [TILE_TOKENS][R + P] in place of the tiles (the same bytes
+    at two stages)."""
+    tile = TILE_TOKENS * (latent_dim + rope_dim) * 2
+    tiles = STAGES * tile
+    if is_fp8(kv_dtype):
+        tiles = tile + STAGES * TILE_TOKENS * (latent_dim + rope_dim)
+    return ALIGN_BYTES + TC_ROWS * latent_dim * 2 + tiles + TC_ROWS * TILE_TOKENS * 2 + 2 * TC_ROWS * 4
+
+
+class MlaWgmma(MlaTc):
+    """paged_mla_tc's defines and shapes, its own block and layout, built
+    for TARGET."""
+
+    name = "paged_mla_wgmma"
+    source = "attention/mla_wgmma"
+    threads = THREADS
+    min_blocks = MIN_BLOCKS
+    target = TARGET
+    dims = DIMS
+
+    def smem(self, v: Variant) -> int:
+        return smem_bytes(v.latent_dim, v.rope_dim, v.kv_dtype)
+
+
+MLA_WGMMA = MlaWgmma()
