@@ -30,17 +30,25 @@ import itertools
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import dtypes
 from ._runtime import GPU, array_backend, checks, empty, stream_for, zeros
+from ._runtime.arrays import Array
 from .errors import PagedAttentionError
 from .layout import MAX_PAGE_SIZE, U32_MAX
 from .ops.attention.options import KVLayer
 from .ops.append import copy_pages
 from .plan import DevicePlan, HostPlan
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
+    from .batch import DecodeBatch
 
 #: Most layers of one cache (the copy kernel's grid covers them in one launch).
 MAX_LAYERS = 65535
@@ -75,7 +83,7 @@ class Sequence:
         self._tokens: list[int] = []
         self._written = length     # tokens whose K/V are known written (prefix index; docs/layout.md)
         self._indexed = 0          # leading pages already offered to the prefix index
-        self._batch = None         # the DecodeBatch whose slot holds it
+        self._batch: DecodeBatch | None = None     # the DecodeBatch whose slot holds it
         self._drive = None         # the _Drive of the live PagedDecodeLoop driving it
 
     @property
@@ -91,7 +99,7 @@ class Sequence:
         return tuple(self._tokens)
 
     @property
-    def batch(self):
+    def batch(self) -> DecodeBatch | None:
         """The DecodeBatch whose slot holds this sequence (set by ``join``),
         or None: not in one, or it left (``leave``, or finishing at a
         ``readback``). Such a sequence cannot be prepared, forked or freed."""
@@ -185,7 +193,7 @@ def _locked(method):
 _ROOT_KEY = b"cupaged-prefix-root"
 
 
-def page_key(parent_key: bytes, tokens) -> bytes:
+def page_key(parent_key: bytes, tokens: Iterable[int] | np.ndarray) -> bytes:
     """The prefix-index key of a full page: a 128-bit BLAKE2b hash of the
     parent page's key and the page's token ids (int64 little-endian). A
     sequence's first page has the parent key ``_ROOT_KEY``; so a key covers
@@ -235,9 +243,9 @@ class PagedKVCache:
     safety").
     """
 
-    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, *,
-                 layers: int = 1, value_dim: int | None = None, like=None, prefix_cache: bool = False,
-                 k_scale=None, v_scale=None):
+    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: DTypeLike, *,
+                 layers: int = 1, value_dim: int | None = None, like: Array | None = None, prefix_cache: bool = False,
+                 k_scale: float | Array | None = None, v_scale: float | Array | None = None):
         #: The one lock of this cache, its DecodeBatches and cache-driven loops (reentrant).
         self._lock = threading.RLock()
         self.num_pages = checks.host_int("num_pages", num_pages, 1, U32_MAX - 1)
@@ -278,13 +286,13 @@ class PagedKVCache:
         self._stats = {"hits": 0, "misses": 0, "evictions": 0}
         self._writes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # plan -> _Writes
         self._next_id = 0
-        self._pairs = None      # the device page list of copies (GPU), kept with the cache
+        self._pairs: Array | None = None      # the device page list of copies (GPU), kept with the cache
         self._generation = 0    # bumped by every fork, free, prepare and reserve: older plans are stale
 
     def _scale(self, name: str, val, like):
         """A [layers] or [layers, kv_heads] float32 scale array on the cache's
         device, every value finite and > 0 (``checks.scale_values``)."""
-        host = np.ones(self.layers, np.float32) if val is None else val
+        host: Any = np.ones(self.layers, np.float32) if val is None else val   # a number, host or CuPy data
         if array_backend(host) == GPU:
             host = host.get()
         if isinstance(host, (int, float, np.integer, np.floating)) and not isinstance(host, bool):
@@ -327,7 +335,7 @@ class PagedKVCache:
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, kv_heads={self.kv_heads}, "
                 f"head_dim={self.head_dim}, value_dim={self.value_dim}, layers={self.layers}, "
-                f"dtype={dtypes.lookup(self.kv_dtype).name}, backend={self.backend!r}, free={self.num_free_pages}"
+                f"dtype={dtypes.dtype_name(self.kv_dtype)}, backend={self.backend!r}, free={self.num_free_pages}"
                 f"{f', cached={len(self._lru)}' if self.prefix_cache else ''})")
 
     # -- queries ------------------------------------------------------------
@@ -362,7 +370,7 @@ class PagedKVCache:
         return dict(self._stats, cached_pages=len(self._lru), indexed_pages=len(self._entry))
 
     @_locked
-    def page_table(self, seqs) -> np.ndarray:
+    def page_table(self, seqs: Sequence | Iterable[Sequence]) -> np.ndarray:
         """int32 [len(seqs), max(1, most pages)]: row i lists seqs[i].pages,
         padded with -1."""
         seqs = self._check_seqs(seqs, "seqs")
@@ -374,7 +382,7 @@ class PagedKVCache:
 
     # -- sequences ----------------------------------------------------------
     @_locked
-    def add_sequence(self, tokens=None) -> Sequence:
+    def add_sequence(self, tokens: int | Iterable[int] | np.ndarray | None = None) -> Sequence:
         """A new sequence. ``tokens``: its token ids (the prompt, int [n]),
         which the cache keeps (``seq.tokens``) to index its full pages once
         written. With ``prefix_cache``, every full page cached for the
@@ -414,7 +422,7 @@ class PagedKVCache:
         return seq
 
     @_locked
-    def add_tokens(self, seq: Sequence, tokens) -> None:
+    def add_tokens(self, seq: Sequence, tokens: int | Iterable[int] | np.ndarray) -> None:
         """Record further token ids of ``seq`` (e.g. sampled tokens read back;
         ints >= 0), which lets its full pages enter the prefix index once
         written."""
@@ -466,7 +474,8 @@ class PagedKVCache:
 
     # -- a step ---------------------------------------------------------------
     @_locked
-    def prepare(self, seqs, new_tokens, *, reserve=0) -> tuple[DevicePlan, StepReport]:
+    def prepare(self, seqs: Sequence | Iterable[Sequence], new_tokens: int | Iterable[int] | np.ndarray, *,
+                reserve: int | Iterable[int] | np.ndarray = 0) -> tuple[DevicePlan, StepReport]:
         """Make room for one step and return ``(plan, report)``.
 
         seqs: distinct live sequences of this cache, in the batch's order.
@@ -516,7 +525,7 @@ class PagedKVCache:
         return plan, self._report(pairs, taken, evict)
 
     @_locked
-    def reserve(self, seqs, tokens) -> StepReport:
+    def reserve(self, seqs: Sequence | Iterable[Sequence], tokens: int | Iterable[int] | np.ndarray) -> StepReport:
         """Make each of ``seqs`` hold pages for ``tokens`` (an int, or one
         per sequence) tokens past its length, copying every shared page those
         tokens will write (one launch), without building a plan or changing
@@ -534,7 +543,7 @@ class PagedKVCache:
         return self._report(pairs, taken, evict)
 
     @_locked
-    def append(self, plan: DevicePlan, new_k, new_v, *, layer: int = 0) -> None:
+    def append(self, plan: DevicePlan, new_k: Array, new_v: Array | None, *, layer: int = 0) -> None:
         """``plan.append(new_k, new_v, self.k[layer], self.v[layer])``: layer
         ``layer``'s new rows. ``plan``: one of this cache's (its ``prepare``'s,
         or a slot plan of one of its DecodeBatches); a plan of another cache

@@ -6,7 +6,9 @@ The layout of page tables, positions and metadata words is defined in
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,6 +20,9 @@ from .ops import append as append_op
 from .ops import attention as attention_op
 from .ops.attention import SplitWorkspace, choose_splits
 from .ops.attention.options import MISSING, document
+
+if TYPE_CHECKING:
+    from .cache import PagedKVCache, Sequence
 
 __all__ = ["HostPlan", "DevicePlan", "SplitWorkspace", "choose_splits", "MAX_SPLITS", "metadata_offsets"]
 
@@ -218,6 +223,10 @@ class DevicePlan:
     """A HostPlan uploaded to one backend, device and stream. Reusable while
     the schedule is unchanged; ops launch on the stream of the upload."""
 
+    #: The PagedKVCache whose ``prepare`` made the plan (or that took it over:
+    #: a DecodeBatch's slot plan); unset otherwise: read with ``getattr(plan, "_cache", None)``.
+    _cache: PagedKVCache
+
     def __init__(self, host: HostPlan, words, stream: Stream):
         self.host = host
         self.words = words
@@ -226,9 +235,9 @@ class DevicePlan:
         self.device = stream.device
         #: None, or a callable that raises PagedAttentionError once the plan
         #: is stale (plans of ``PagedKVCache.prepare``); every op calls it first.
-        self.guard = None
+        self.guard: Callable[[], None] | None = None
         #: The sequences of a ``PagedKVCache.prepare`` plan, in row order (else None).
-        self.seqs = None
+        self.seqs: tuple[Sequence, ...] | None = None
 
     def __getattr__(self, name):  # queries, sequences, page_size, ... from the host plan
         if name in ("queries", "sequences", "table_width", "page_size", "pages", "max_kv_len"):

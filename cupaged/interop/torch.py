@@ -87,7 +87,7 @@ from ..cache import PagedKVCache, StepReport
 from ..errors import PagedAttentionError
 from ..ops import layers as _layers
 from ..ops import sampling as _rowwise
-from ..ops.attention.options import MISSING, ROWS, document, renamed
+from ..ops.attention.options import MISSING, ROWS, _Missing, document, renamed
 from .._runtime.arrays import Array
 from ..plan import DevicePlan, HostPlan, SplitWorkspace
 
@@ -391,8 +391,8 @@ class TorchPlan:
                             workspace, out, lse, return_lse, options)
 
     @document
-    def mla(self, q: Tensor, q_rot: Tensor | None = MISSING, latent: Tensor | None = None,
-            k_rot: Tensor | None = MISSING, scale: float | None = None, causal: bool = True, *,
+    def mla(self, q: Tensor, q_rot: Tensor | None | _Missing = MISSING, latent: Tensor | None = None,
+            k_rot: Tensor | None | _Missing = MISSING, scale: float | None = None, causal: bool = True, *,
             workspace: SplitWorkspace | None = None, out: Tensor | None = None, lse: Tensor | None = None,
             return_lse: bool = False, **options: Any) -> Tensor | tuple[Tensor, Tensor]:
         """``DevicePlan.mla`` on tensors: q [queries, H, R]; q_rot

@@ -21,11 +21,13 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .. import dtypes
-from .._runtime import address, backend_of, checks, get_kernel, register
+from .._runtime import Stream, address, backend_of, checks, get_kernel, register
+from .._runtime.arrays import Array
 from .._runtime.structs import Field, StructArg, c_struct, struct_dtype
 from ..errors import PagedAttentionError
 from .attention.inputs import layer_operands
@@ -117,22 +119,23 @@ class KvWrite:
 
     fmt: dtypes.DType
     quantize: bool
-    new_k: object
-    new_v: object
-    k_cache: object
-    v_cache: object
-    src_k: tuple
-    src_v: tuple
-    dst_k: tuple
-    dst_v: tuple
-    k_scale: object = None
-    v_scale: object = None
+    new_k: Array
+    new_v: Array | None
+    k_cache: Array
+    v_cache: Array | None
+    src_k: tuple[int, ...] | None     # None: no new_k (a write that cannot launch)
+    src_v: tuple[int, ...] | None     # None without v_cache (K only)
+    dst_k: tuple[int, ...]
+    dst_v: tuple[int, ...] | None
+    k_scale: Array | None = None
+    v_scale: Array | None = None
     k_scale_stride: int = 0
     v_scale_stride: int = 0
 
 
-def check_kv_write(new_k, new_v, k_cache, v_cache, tokens: int | None, *, kv_dtype=None, k_scale=None,
-                   v_scale=None, lead: tuple = (), ref: str = "new_k") -> KvWrite:
+def check_kv_write(new_k: Array, new_v: Array | None, k_cache: Array, v_cache: Array | None, tokens: int | None, *,
+                   kv_dtype: object = None, k_scale: Array | None = None, v_scale: Array | None = None,
+                   lead: tuple[int, ...] = (), ref: str = "new_k") -> KvWrite:
     """Every check of writing new_k [tokens, Hkv, D] / new_v [tokens, Hkv,
     Dv] into k_cache [*lead, Hkv, D] / v_cache [*lead, Hkv, Dv] (4-D caches;
     ``lead`` the expected first two dims when given). new_v and v_cache may
@@ -189,7 +192,7 @@ def check_kv_write(new_k, new_v, k_cache, v_cache, tokens: int | None, *, kv_dty
             f"k_cache, v_cache: expected Hkv, D and Dv >= 1, got shapes {checks.shape_str(k_cache.shape)}"
             + ("" if v_cache is None else f" and {checks.shape_str(v_cache.shape)}"))
     n = int(new_k.shape[0]) if tokens is None else tokens
-    srcs = []
+    srcs: list[tuple[int, ...] | None] = []
     for name, a, dim in (("new_k", new_k, d), ("new_v", new_v, dv)):
         if a is None:
             srcs.append(None)
@@ -216,7 +219,8 @@ def check_kv_write(new_k, new_v, k_cache, v_cache, tokens: int | None, *, kv_dty
                    k_scale, v_scale, ks, vs)
 
 
-def check_append(plan, new_k, new_v, k_cache, v_cache, *, kv_dtype=None, k_scale=None, v_scale=None) -> KvWrite:
+def check_append(plan: Any, new_k: Array, new_v: Array, k_cache: Array, v_cache: Array, *,
+                 kv_dtype: object = None, k_scale: Array | None = None, v_scale: Array | None = None) -> KvWrite:
     """Every input check of ``append`` (raises PagedAttentionError naming the
     argument; launches and writes nothing)."""
     if not (hasattr(plan, "host") and hasattr(plan, "words") and hasattr(plan, "stream")):
@@ -231,7 +235,8 @@ def check_append(plan, new_k, new_v, k_cache, v_cache, *, kv_dtype=None, k_scale
                           v_scale=v_scale, lead=(plan.host.pages, plan.host.page_size))
 
 
-def append(plan, new_k, new_v, k_cache, v_cache=None, *, kv_dtype=None, k_scale=None, v_scale=None) -> None:
+def append(plan: Any, new_k: Array, new_v: Array | None, k_cache: Array, v_cache: Array | None = None, *,
+           kv_dtype: object = None, k_scale: Array | None = None, v_scale: Array | None = None) -> None:
     """Write new keys and values into the paged caches, in place.
 
     new_k [queries, Hkv, D], new_v [queries, Hkv, Dv]: one row per packed
@@ -270,13 +275,18 @@ def append(plan, new_k, new_v, k_cache, v_cache=None, *, kv_dtype=None, k_scale=
             table_width=host.table_width, page_size=host.page_size, num_pages=host.pages)
 
 
-def launch_kv_write(stream, kernel_name: str, w: KvWrite, tokens: int, **fields) -> None:
+def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, **fields: Any) -> None:
     """One launch of ``paged_append`` or ``write_slots`` for a checked write."""
     nk, nv, kc, vc = w.new_k, w.new_v, w.k_cache, w.v_cache
     hkv, d = int(kc.shape[2]), int(kc.shape[3])
     dv = int(vc.shape[3]) if vc is not None else 0
     src_k, dst_k = w.src_k, w.dst_k
-    src_v, dst_v = (w.src_v, w.dst_v) if vc is not None else ((0, 0, 1), (0, 0, 0, 1))
+    assert src_k is not None, "new_k: a write needs the new rows"
+    src_v: tuple[int, ...] = (0, 0, 1)
+    dst_v: tuple[int, ...] = (0, 0, 0, 1)
+    if vc is not None:
+        assert w.src_v is not None and w.dst_v is not None     # check_kv_write: V's strides with v_cache
+        src_v, dst_v = w.src_v, w.dst_v
     # All heads of a token one contiguous row in the new rows and the caches: one row of Hkv * D.
     heads = hkv
     if (hkv > 1 and src_k[1] == d and dst_k[2] == d and (vc is None or (src_v[1] == dv and dst_v[2] == dv))
@@ -327,7 +337,7 @@ def launch_kv_write(stream, kernel_name: str, w: KvWrite, tokens: int, **fields)
     stream.launch(kernel, (math.ceil(tokens / by),), (bx, by), (arg,))
 
 
-def copy_pages(stream, k_cache, v_cache, pairs_dev, num_pairs: int) -> None:
+def copy_pages(stream: Stream, k_cache: Array, v_cache: Array, pairs_dev: Array, num_pairs: int) -> None:
     """One launch of ``copy_pages``: page ``pairs[i, 0]`` of both caches to
     page ``pairs[i, 1]``, in every layer. k_cache [pages, page_size, Hkv, D]
     or layer-major [layers, pages, page_size, Hkv, D] (v_cache alike, its own
@@ -362,8 +372,9 @@ def row_block(units_k: int, units_v: int) -> tuple[int, int]:
     return bx, max(1, _BLOCK_THREADS // bx)
 
 
-def launch_write_slots(stream, new_k, new_v, k_cache, v_cache, slots_dev, tokens: int, *, kv_dtype=None,
-                       k_scale=None, v_scale=None) -> None:
+def launch_write_slots(stream: Stream, new_k: Array, new_v: Array | None, k_cache: Array, v_cache: Array | None,
+                       slots_dev: Array, tokens: int, *, kv_dtype: object = None, k_scale: Array | None = None,
+                       v_scale: Array | None = None) -> None:
     """One launch of ``write_slots`` (checked public form:
     ``cupaged.write_slots``): row t of new_k / new_v to slot slots_dev[t]
     (int64) of the [pages, page_size, Hkv, D] caches; slots outside

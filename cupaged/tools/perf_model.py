@@ -294,6 +294,7 @@ def _step_ops(batch: int, ctx: int, layers: int, model_cfg: tuple = ()) -> tuple
         advance_plan(plan)
     weights = sum(a.nbytes for k, a in model.w.items() if k != "layers") + sum(
         a.nbytes for lw in model.w["layers"] for a in lw.values())
+    assert g.graph is not None      # set when the capture ended
     return g.graph.num_ops, float(weights)
 
 

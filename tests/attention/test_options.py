@@ -166,6 +166,11 @@ def test_layer_view_errors_name_it():
         plan.attention(q, cache.layer(0), 0.3)
     with pytest.raises(PagedAttentionError, match=r"layer: expected"):
         cache.layer(2)
+    for v in (None, ):   # a plain K cache without its V: named, not an AttributeError
+        with pytest.raises(PagedAttentionError, match=r"v_cache: expected the V cache .*cache.layer\(i\)"):
+            plan.attention(q, cache.k[0], v, 0.3)
+    with pytest.raises(PagedAttentionError, match=r"v_cache: expected the V cache"):
+        plan.attention(q, cache.k[0], scale=0.3)
 
 
 def test_errors_are_cupaged_errors():

@@ -6,20 +6,23 @@ argument, what was expected and what came, before anything is allocated or
 launched.
 
 ``plan`` is any object with ``host`` (a HostPlan), ``backend``, ``device``
-and ``stream`` (a DevicePlan).
+and ``stream`` (a DevicePlan; ``Any`` in annotations: plan.py is a layer above
+the ops).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 
 from ..._runtime import address, array_backend, check_not_capturing, checks, device_arch, empty
+from ..._runtime.arrays import Array
 from ... import dtypes
 from ...errors import PagedAttentionError
 from ...layout import MAX_HEAD_DIM, MAX_ROPE_DIM, MAX_SPLITS
 from . import params
-from .options import MISSING, AttentionOptions, KVLayer, head_array, renamed
+from .options import MISSING, AttentionOptions, KVLayer, _Missing, head_array, renamed
 from .schedule import Launch, plan_launches
 from .splits import SplitWorkspace
 from .variants import MERGE_HEADS_PER_BLOCK, ROT_CAPS, VECTOR_BYTES
@@ -33,8 +36,8 @@ class Outputs:
     """Where a checked call writes: ``out``, ``lse`` (or None) and the
     split workspace (or None)."""
 
-    out: object
-    lse: object
+    out: Array
+    lse: Array
     workspace: SplitWorkspace | None
 
 
@@ -48,18 +51,18 @@ class CacheRead:
     latent's and ``v_scale`` k_rot's (as ``append`` writes them)."""
 
     fmt: dtypes.DType
-    k_scale: object = None
-    v_scale: object = None
+    k_scale: Array = None
+    v_scale: Array = None
     k_scale_stride: int = 0
     v_scale_stride: int = 0
-    strides: dict = field(default_factory=dict, compare=False)
+    strides: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
 
     @property
     def kv_dtype(self) -> str:
         """The caches' format token (CP_KV_DTYPE)."""
         return self.fmt.token
 
-    def arrays(self) -> dict:
+    def arrays(self) -> dict[str, Array]:
         """The scales given, by name: inputs the outputs must not overlap."""
         return {k: a for k, a in (("k_scale", self.k_scale), ("v_scale", self.v_scale)) if a is not None}
 
@@ -73,18 +76,18 @@ class Call:
     range) with ``refs`` (the arrays they address, kept alive by the
     arguments), the outputs, the split workspace and ``opts``."""
 
-    plan: object
+    plan: Any
     opts: AttentionOptions
-    out: object
-    lse: object
+    out: Array
+    lse: Array
     workspace: SplitWorkspace | None
     launches: tuple[Launch, ...]
     splits: int
-    values: dict
-    refs: tuple
+    values: dict[str, Any]      # field name -> int (floats: scale and score options)
+    refs: tuple[Array, ...]
     want_lse: bool = False
 
-    def result(self):
+    def result(self) -> Array | tuple[Array, Array]:
         """What the op returns: out, or (out, lse)."""
         return (self.out, self.lse) if self.want_lse else self.out
 
@@ -98,7 +101,7 @@ def head_dims(hq: int, hkv: int, d: int, dv: int) -> None:
             raise PagedAttentionError(f"{name}: expected a head dim in 1..{MAX_HEAD_DIM}, got {v}")
 
 
-def queries(plan, q) -> int:
+def queries(plan: Any, q: Array) -> int:
     """q's rows are the plan's queries; returns its head count."""
     checks.float_array("q", q, 3)
     if int(q.shape[0]) != plan.host.queries:
@@ -107,7 +110,7 @@ def queries(plan, q) -> int:
     return int(q.shape[1])
 
 
-def workspace(plan, ws, heads: int, value_dim: int) -> SplitWorkspace | None:
+def workspace(plan: Any, ws: object, heads: int, value_dim: int) -> SplitWorkspace | None:
     if ws is None:
         return None
     if not isinstance(ws, SplitWorkspace):
@@ -128,13 +131,14 @@ def workspace(plan, ws, heads: int, value_dim: int) -> SplitWorkspace | None:
     return ws
 
 
-def outputs(plan, q, out, lse, return_lse: bool, heads: int, value_dim: int, ws, inputs: dict) -> Outputs:
+def outputs(plan: Any, q: Array, out: Array | None, lse: Array | None, return_lse: bool, heads: int, value_dim: int,
+            ws: object, inputs: dict[str, Array]) -> Outputs:
     """Check (or allocate, outside capture) ``out`` [queries, heads,
     value_dim] in q's dtype and ``lse`` float32 [queries, heads] when asked
     for; neither may overlap an input or the workspace."""
-    ws = workspace(plan, ws, heads, value_dim)
-    if ws is not None:
-        inputs = dict(inputs, workspace_out=ws.partial_out, workspace_lse=ws.partial_lse)
+    checked = workspace(plan, ws, heads, value_dim)
+    if checked is not None:
+        inputs = dict(inputs, workspace_out=checked.partial_out, workspace_lse=checked.partial_lse)
     shape = (plan.host.queries, heads, value_dim)
     checks.u32_size("out", shape)
     if out is None:
@@ -155,11 +159,11 @@ def outputs(plan, q, out, lse, return_lse: bool, heads: int, value_dim: int, ws,
             raise PagedAttentionError(f"lse: expected a C-contiguous float32 array, got {lse.dtype}")
         checks.shape_is("lse", lse, shape[:2])
         checks.no_overlap("lse", lse, out=out, **inputs)
-    return Outputs(out, lse, ws)
+    return Outputs(out, lse, checked)
 
 
-def cache_read(plan, q, caches: dict, opts: AttentionOptions, kv_heads: int, *, v_name: str = "v_cache",
-               q_extra: dict | None = None) -> CacheRead:
+def cache_read(plan: Any, q: Array, caches: dict[str, Array], opts: AttentionOptions, kv_heads: int, *,
+               v_name: str = "v_cache", q_extra: dict[str, Array] | None = None) -> CacheRead:
     """The caches' format, strides and scales (the storage options of
     ``opts``), checked against q: ``caches`` (name -> array, the K cache
     first) share one format; an unscaled cache has q's dtype (as do the
@@ -178,7 +182,7 @@ def cache_read(plan, q, caches: dict, opts: AttentionOptions, kv_heads: int, *, 
     q_extra = {k: a for k, a in (q_extra or {}).items() if a is not None}
     if fmt.scaled:
         checks.same_dtype(k_name, k_cache, **present)
-        if str(q.dtype) not in (dtypes.np_dtype(t).name for t in dtypes.TC_TOKENS if dtypes.lookup(t).query):
+        if str(q.dtype) not in (d.np_dtype.name for d in dtypes.TABLE if d.tensor_core and d.query):
             raise PagedAttentionError(f"q: expected dtype float16 or bfloat16 with an fp8 ({fmt.token}) cache, got "
                                       f"{dtypes.dtype_name(q.dtype)}")
         checks.same_dtype("q", q, **q_extra)
@@ -197,7 +201,8 @@ def cache_read(plan, q, caches: dict, opts: AttentionOptions, kv_heads: int, *, 
     return CacheRead(fmt, k_scale, v_scale, ks, vs, strides)
 
 
-def layer_operands(name: str, layer: KVLayer, other, other_name: str, options: dict) -> tuple:
+def layer_operands(name: str, layer: KVLayer, other: object, other_name: str,
+                   options: dict[str, Any]) -> tuple[Array, Array, dict[str, Any]]:
     """A layer view (``cache.layer(i)``) in place of the two caches: (its K,
     its V, ``options`` with its storage options), ``other`` (the V slot)
     left out."""
@@ -211,8 +216,9 @@ def layer_operands(name: str, layer: KVLayer, other, other_name: str, options: d
     return layer.k, layer.v, {**options, **layer.storage()}
 
 
-def attention_call(plan, q, k_cache, v_cache, scale, causal=True, *, workspace=None, out=None, lse=None,
-                   return_lse: bool = False, **options) -> Call:
+def attention_call(plan: Any, q: Array, k_cache: Array, v_cache: Array, scale: float | None,
+                   causal: bool = True, *, workspace: SplitWorkspace | None = None, out: Array | None = None,
+                   lse: Array | None = None, return_lse: bool = False, **options: Any) -> Call:
     """``DevicePlan.attention``'s checks (its docstring has the shapes): q
     [queries, Hq, D]; k_cache [pages, page_size, Hkv, D]; v_cache [pages,
     page_size, Hkv, Dv] (views whose innermost dim is contiguous, possibly of
@@ -221,6 +227,9 @@ def attention_call(plan, q, k_cache, v_cache, scale, causal=True, *, workspace=N
     bfloat16 queries; Hq a multiple of Hkv. Returns the call's record."""
     if isinstance(k_cache, KVLayer):
         k_cache, v_cache, options = layer_operands("k_cache", k_cache, v_cache, "v_cache", options)
+    elif v_cache is None or v_cache is MISSING:
+        raise PagedAttentionError("v_cache: expected the V cache [pages, page_size, Hkv, Dv] (or k_cache = "
+                                  "cache.layer(i), which holds both), got None")
     checks.plan_arrays(plan, q=q, k_cache=k_cache, v_cache=v_cache)
     hq = queries(plan, q)
     opts = AttentionOptions.checked(scale, causal, plan=plan, heads=hq, **options)
@@ -238,17 +247,17 @@ def attention_call(plan, q, k_cache, v_cache, scale, causal=True, *, workspace=N
     return record(plan, q, k_cache, v_cache, opts, o, read, want_lse=return_lse or lse is not None)
 
 
-def _zero_width(a) -> bool:
+def _zero_width(a: Array) -> bool:
     return array_backend(a) is not None and a.ndim >= 1 and int(a.shape[-1]) == 0
 
 
-def _operand(a) -> str:
+def _operand(a: Array) -> str:
     if a is None:
         return "None"
     return f"shape {checks.shape_str(a.shape)}" if array_backend(a) is not None else type(a).__name__
 
 
-def rotary_parts(q_rot, k_rot) -> tuple:
+def rotary_parts(q_rot: Array | None, k_rot: Array | None) -> tuple[Array | None, Array | None]:
     """MLA's rotary operands, with P = 0 spelled either way: None, or
     zero-width arrays (last dim 0, FlashInfer's spelling: q_rot [queries,
     H, 0], k_rot [pages, page_size, 1, 0]), both alike. Returns (q_rot,
@@ -262,8 +271,10 @@ def rotary_parts(q_rot, k_rot) -> tuple:
     return q_rot, k_rot
 
 
-def mla_call(plan, q, q_rot=MISSING, latent=None, k_rot=MISSING, scale=None, causal=True, *, workspace=None,
-             out=None, lse=None, return_lse: bool = False, **options) -> Call:
+def mla_call(plan: Any, q: Array, q_rot: Array | _Missing = MISSING, latent: Array = None,
+             k_rot: Array | _Missing = MISSING, scale: float | None = None, causal: bool = True, *,
+             workspace: SplitWorkspace | None = None, out: Array | None = None, lse: Array | None = None,
+             return_lse: bool = False, **options: Any) -> Call:
     """``DevicePlan.mla``'s checks (its docstring has the shapes): q
     [queries, H, R]; q_rot [queries, H, P]; latent [pages, page_size, 1,
     R]; k_rot [pages, page_size, 1, P] (views whose innermost dim is
@@ -299,6 +310,7 @@ def mla_call(plan, q, q_rot=MISSING, latent=None, k_rot=MISSING, scale=None, cau
         p = int(q_rot.shape[2])
         if not 1 <= p <= MAX_ROPE_DIM:
             raise PagedAttentionError(f"q_rot: expected a rotary dim P in 1..{MAX_ROPE_DIM}, got {p}")
+        assert k_rot is not None        # rotary_parts: both or neither
         if int(k_rot.shape[3]) != p:
             raise PagedAttentionError(f"k_rot: expected rotary dim P={p} like q_rot, got shape "
                                       f"{checks.shape_str(k_rot.shape)}")
@@ -315,7 +327,7 @@ def mla_call(plan, q, q_rot=MISSING, latent=None, k_rot=MISSING, scale=None, cau
 # ---------------------------------------------------------------------------
 # The record
 
-def contiguous(a) -> bool:
+def contiguous(a: Array) -> bool:
     """``a`` is laid out C-contiguously (dims of size 1 ignored)."""
     step = int(a.itemsize)
     for n, s in reversed(list(zip(a.shape, a.strides))):
@@ -325,14 +337,14 @@ def contiguous(a) -> bool:
     return True
 
 
-def same_view(a, b) -> bool:
+def same_view(a: Array, b: Array) -> bool:
     """``a`` and ``b`` are one view (address, shape and strides)."""
     return (address(a) == address(b) and tuple(a.shape) == tuple(b.shape) and tuple(a.strides) == tuple(b.strides)
             and a.itemsize == b.itemsize)
 
 
-def record(plan, q, k_cache, v_cache, opts: AttentionOptions, o: Outputs, read: CacheRead, *, q_rot=None,
-           k_rot=None, want_lse: bool = False) -> Call:
+def record(plan: Any, q: Array, k_cache: Array, v_cache: Array, opts: AttentionOptions, o: Outputs, read: CacheRead,
+           *, q_rot: Array | None = None, k_rot: Array | None = None, want_lse: bool = False) -> Call:
     """The record of a checked call (its inputs already checked; ``read``
     holds the caches' format, scales and strides). The launches' variants
     are chosen from dtypes, dims, alignment (every base address and every
@@ -349,7 +361,7 @@ def record(plan, q, k_cache, v_cache, opts: AttentionOptions, o: Outputs, read: 
     ws = o.workspace
     splits = 1 if ws is None else int(ws.splits)
     latent = same_view(k_cache, v_cache)
-    launches = ()
+    launches: tuple[Launch, ...] = ()
     if queries:
         aligned = all(checks.aligned(a, VECTOR_BYTES) for a in (q, k_cache, v_cache, o.out))
         aligned_tc = aligned and (not rot_dim or all(checks.aligned(a, VECTOR_BYTES) for a in (q_rot, k_rot)))
@@ -379,17 +391,19 @@ def record(plan, q, k_cache, v_cache, opts: AttentionOptions, o: Outputs, read: 
     k_strides = read.strides[k_names[0]]
     v_strides = read.strides[k_names[1]] if len(k_names) > 1 and not latent else k_strides
     rot_strides = read.strides["k_rot"][:2] if k_rot is not None else (0, 0)   # page, slot (one head)
-    split = splits > 1
+    split = ws if splits > 1 else None     # the workspace of the split partials (None: unsplit)
     refs = tuple(a for a in (q, k_cache, v_cache, q_rot, k_rot, plan.words, o.out, o.lse, *opts.arrays().values(),
-                             k_scale, v_scale) if a is not None) + ((ws.partial_out, ws.partial_lse) if split else ())
+                             k_scale, v_scale) if a is not None) + (
+        (split.partial_out, split.partial_lse) if split is not None else ())
     # Pointers a launch never reads are 0 (no rotary part, no lse, no split, an option not given).
-    values = dict.fromkeys(params.NAMES, 0)
+    values: dict[str, Any] = dict.fromkeys(params.NAMES, 0)
     values.update(opts.params())
     values.update(
         q=address(q), k_cache=address(k_cache), v_cache=address(v_cache),
         q_rot=0 if q_rot is None else address(q_rot), k_rot=0 if k_rot is None else address(k_rot),
         words=address(plan.words), out=address(o.out), lse=0 if o.lse is None else address(o.lse),
-        part_out=address(ws.partial_out) if split else 0, part_lse=address(ws.partial_lse) if split else 0,
+        part_out=address(split.partial_out) if split is not None else 0,
+        part_lse=address(split.partial_lse) if split is not None else 0,
         queries=host.queries, sequences=host.sequences, table_width=host.table_width,
         page_size=host.page_size, num_pages=host.pages, q_heads=hq, kv_heads=hkv, head_dim=d, value_dim=dv,
         rot_dim=rot_dim, splits=splits, causal=int(opts.causal), write_lse=int(o.lse is not None),
@@ -402,8 +416,9 @@ def record(plan, q, k_cache, v_cache, opts: AttentionOptions, o: Outputs, read: 
     return Call(plan, opts, o.out, o.lse, ws, launches, splits, values, refs, want_lse)
 
 
-def unchecked(plan, q, k_cache, v_cache, out, opts: AttentionOptions, *, q_rot=None, k_rot=None, lse=None,
-              workspace=None, read: CacheRead | None = None) -> Call:
+def unchecked(plan: Any, q: Array, k_cache: Array, v_cache: Array, out: Array, opts: AttentionOptions, *,
+              q_rot: Array | None = None, k_rot: Array | None = None, lse: Array | None = None,
+              workspace: SplitWorkspace | None = None, read: CacheRead | None = None) -> Call:
     """The record of arrays that come unchecked (``launch.launch_attention``,
     the layer under the ops): the rotary parts' structure is checked and the
     caches' strides computed here (``read``: format and scales, None: q's
@@ -418,8 +433,8 @@ def unchecked(plan, q, k_cache, v_cache, out, opts: AttentionOptions, *, q_rot=N
         if hkv != 1 or dv != d or address(v_cache) != address(k_cache):
             raise PagedAttentionError("v_cache: expected the K cache itself with a rotary part (one KV head, "
                                       "v_cache the same array as k_cache: the MLA latent cache)")
-    if read is None:
-        read = CacheRead(dtypes.lookup(k_cache.dtype))
+    if read is None:    # the caller's contract: a known dtype (unchecked here; no launch reads None's format)
+        read = CacheRead(cast(dtypes.DType, dtypes.lookup(k_cache.dtype)))
     caches = dict(k_cache=k_cache, v_cache=v_cache, **({} if k_rot is None else dict(k_rot=k_rot)))
     read = CacheRead(read.fmt, read.k_scale, read.v_scale, read.k_scale_stride, read.v_scale_stride,
                      {n: checks.row_view(n, c) for n, c in caches.items()})

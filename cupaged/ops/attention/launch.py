@@ -6,20 +6,24 @@ on the host.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import numpy as np
 
 from ... import dtypes
-from ..._runtime import get_kernel
+from ..._runtime import Stream, get_kernel
+from ..._runtime.arrays import Array
 from . import params
 from .inputs import CacheRead, Call, unchecked
 from .options import LOG2E, AttentionOptions
+from .schedule import Launch
+from .splits import SplitWorkspace
 from .kernels.merge import MERGE, MERGE_HEADS_PER_BLOCK, THREADS, merge_defines
 
 __all__ = ["LOG2E", "launch_call", "launch_attention", "launches_for"]
 
 
-def launch_call(call: Call, stream=None) -> None:
+def launch_call(call: Call, stream: Stream | None = None) -> None:
     """Issue a checked call's launches (``call.launches``, one per segment,
     each taking one ``AttentionParams`` struct of ``call.values`` and its
     query range), then, with a split workspace, the merge; on ``stream``
@@ -28,20 +32,22 @@ def launch_call(call: Call, stream=None) -> None:
         return
     stream = call.plan.stream if stream is None else stream
     q = call.refs[0]
-    values, ws, sinks = dict(call.values), call.workspace, call.opts.sinks
-    kernels = [get_kernel(q, launch.source, launch.kernel, launch.defines) for launch in call.launches]
     split = call.splits > 1
+    values, sinks = dict(call.values), call.opts.sinks
+    ws = call.workspace if split else None      # the split partials' workspace (None: unsplit)
+    kernels = [get_kernel(q, launch.source, launch.kernel, launch.defines) for launch in call.launches]
     merge = (get_kernel(q, MERGE.source, MERGE.name, merge_defines(dtypes.token(q.dtype), sinks is not None))
              if split else None)
     hkv = values["kv_heads"]
+    assert ws is not None or not split, "a split call has a workspace (inputs.record)"
     # A workspace is held from the first split kernel to the merge: threads
     # sharing one run one step after the other (on the GPU, also in stream order).
-    with ws.lock if split else contextlib.nullcontext():
+    with ws.lock if ws is not None else contextlib.nullcontext():
         for launch, kernel in zip(call.launches, kernels):
             values["q_begin"], values["q_count"] = launch.q_begin, launch.q_count
             args = params.pack(values, call.refs)
             stream.launch(kernel, launch.grid(hkv, call.splits), (launch.threads,), (args,), shared_mem=launch.smem)
-        if split:
+        if ws is not None:
             u32, queries, hq, lse = np.uint32, values["queries"], values["q_heads"], call.lse
             stream.launch(merge, (queries, -(-hq // MERGE_HEADS_PER_BLOCK)), (THREADS,), (
                 ws.partial_out, ws.partial_lse, call.out, call.out if lse is None else lse,
@@ -49,16 +55,19 @@ def launch_call(call: Call, stream=None) -> None:
                 sinks if sinks is not None else np.uint64(0)))
 
 
-def launches_for(plan, q, k_cache, v_cache, out, opts: AttentionOptions, *, q_rot=None, k_rot=None,
-                 read: CacheRead | None = None):
+def launches_for(plan: Any, q: Array, k_cache: Array, v_cache: Array, out: Array, opts: AttentionOptions, *,
+                 q_rot: Array | None = None, k_rot: Array | None = None,
+                 read: CacheRead | None = None) -> tuple[Launch, ...]:
     """The launches (``schedule.Launch``, one per segment) that
     ``launch_attention`` issues for these arrays (``inputs.record`` chooses
     them)."""
     return unchecked(plan, q, k_cache, v_cache, out, opts, q_rot=q_rot, k_rot=k_rot, read=read).launches
 
 
-def launch_attention(stream, plan, q, k_cache, v_cache, out, opts: AttentionOptions, *,
-                     q_rot=None, k_rot=None, lse=None, workspace=None, read: CacheRead | None = None) -> None:
+def launch_attention(stream: Stream | None, plan: Any, q: Array, k_cache: Array, v_cache: Array, out: Array,
+                     opts: AttentionOptions, *, q_rot: Array | None = None, k_rot: Array | None = None,
+                     lse: Array | None = None, workspace: SplitWorkspace | None = None,
+                     read: CacheRead | None = None) -> None:
     """Launch paged attention for ``plan`` on arrays that come unchecked
     (the layer under ``DevicePlan.attention``, which checks and calls
     ``launch_call`` with its record; ``opts``: ``AttentionOptions``).

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, TypeVar
 
 from ..._runtime import address, array_backend, checks
+from ..._runtime.arrays import Array
 from ...errors import PagedAttentionError
 from ...layout import U32_MAX
 
@@ -46,7 +48,7 @@ SCORES: dict[str, Score] = {
 }
 
 
-def head_array(plan, name: str, a, heads: int) -> None:
+def head_array(plan: Any, name: str, a: Array, heads: int) -> None:
     """``a``: a C-contiguous float32 [heads] array on the plan's backend and
     device (sinks, ALiBi slopes)."""
     if array_backend(a) is None:
@@ -62,7 +64,7 @@ def head_array(plan, name: str, a, heads: int) -> None:
         raise PagedAttentionError(f"{name}: expected a contiguous array, got strides {tuple(a.strides)}")
 
 
-def per_head(name: str, a, plan, heads):
+def per_head(name: str, a: Array, plan: Any, heads: int | None) -> Array:
     """The check of a per-query-head float32 [Hq] option (``head_array``)."""
     if plan is None or heads is None:
         raise PagedAttentionError(f"{name}: AttentionOptions.checked needs plan= and heads= to check it")
@@ -70,10 +72,14 @@ def per_head(name: str, a, plan, heads):
     return a
 
 
-def score_name(name: str, s, plan, heads) -> str:
+def score_name(name: str, s: object, plan: Any, heads: int | None) -> str:
     if not isinstance(s, str) or s not in SCORES:
         raise PagedAttentionError(f"{name}: expected one of {', '.join(map(repr, SCORES))}, got {s!r}")
     return s
+
+
+#: An option's host check: ``(name, value, plan, heads) -> the value kept``.
+Check = Callable[[str, Any, Any, int | None], Any]
 
 
 @dataclass(frozen=True)
@@ -96,9 +102,9 @@ class Option:
 
     name: str
     doc: str
-    check: Callable | None = None
+    check: Check | None = None
     fields: tuple[str, ...] = ()
-    params: Callable | None = None
+    params: Callable[[Any], tuple[float, ...]] | None = None
     feature: str = ""
     score: str = ""
     array: bool = False
@@ -106,11 +112,11 @@ class Option:
     default: object = None
 
 
-def _cap(name, v, plan, heads) -> float:
+def _cap(name: str, v: object, plan: Any, heads: int | None) -> float:
     return checks.positive_scale(v, name)
 
 
-def _window(name, v, plan, heads) -> int:
+def _window(name: str, v: object, plan: Any, heads: int | None) -> int:
     return checks.host_int(name, v, 1, U32_MAX)
 
 
@@ -163,9 +169,9 @@ class AttentionOptions:
     scale: float
     causal: bool
     #: (name, value) of the options given (not None), in row order.
-    given: tuple
+    given: tuple[tuple[str, Any], ...]
 
-    def __init__(self, scale, causal=True, *args, **options):
+    def __init__(self, scale: float, causal: bool = True, *args: Any, **options: Any):
         if len(args) > len(ROWS):
             raise PagedAttentionError(f"AttentionOptions: expected at most {len(ROWS) + 2} positional arguments")
         for name, v in zip(ROWS, args):
@@ -178,7 +184,7 @@ class AttentionOptions:
         object.__setattr__(self, "causal", causal)
         object.__setattr__(self, "given", tuple((n, options[n]) for n in ROWS if options.get(n) is not None))
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         row = ROWS.get(name)
         if row is None or name == "given":
             raise AttributeError(name)
@@ -200,29 +206,33 @@ class AttentionOptions:
         score of its own (runtime data), else ``score``."""
         return next((ROWS[n].score for n, _ in self.given if ROWS[n].score), self.score)
 
-    def params(self) -> dict:
+    def params(self) -> dict[str, float]:
         """The AttentionParams fields of the rows: their values where given,
         0 where not."""
         values = dict(self.given)
-        out = {}
+        out: dict[str, float] = {}
         for row in ROWS.values():
             if row.fields:
                 v = values.get(row.name)
-                out.update(zip(row.fields, (0,) * len(row.fields) if v is None else row.params(v)))
+                if v is None:
+                    out.update(zip(row.fields, (0,) * len(row.fields)))
+                else:
+                    assert row.params is not None, f"{row.name}: a row with fields has params"
+                    out.update(zip(row.fields, row.params(v)))
         return out
 
-    def arrays(self) -> dict:
+    def arrays(self) -> dict[str, Array]:
         """The array options given, by name: inputs the outputs must not overlap."""
         return {n: v for n, v in self.given if ROWS[n].array}
 
     @classmethod
-    def checked(cls, scale, causal=True, score: str = "plain", *, plan=None, heads: int | None = None,
-                **options) -> "AttentionOptions":
+    def checked(cls, scale: object, causal: object = True, score: str = "plain", *, plan: Any = None,
+                heads: int | None = None, **options: Any) -> AttentionOptions:
         """Every option checked (the storage ones go unchecked here: they are
         checked with the caches); the per-head arrays against ``plan``
         (backend, device, stream) and ``heads`` (Hq), which they then need."""
         options["score"] = score
-        values = {}
+        values: dict[str, Any] = {}
         for name, v in options.items():
             row = _row(name)
             values[name] = v if v is None or row.check is None else row.check(name, v, plan, heads)
@@ -233,7 +243,7 @@ class AttentionOptions:
                                       f"(each selects a score variant), got score={opts.score!r} and {scored}")
         return opts
 
-    def check_plan(self, plan, what: str = "attention") -> None:
+    def check_plan(self, plan: Any, what: str = "attention") -> None:
         """A plan with a sequence whose queries outnumber its keys (q_len >
         kv_len, kv_len 0 included) is non-causal only (docs/layout.md): a
         causal query at a negative position means its K/V were not appended.
@@ -251,7 +261,10 @@ def docs(indent: str = "") -> str:
     return "\n".join(f"{indent}``{r.name}``: {r.doc}" for r in ROWS.values())
 
 
-def document(fn):
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def document(fn: _F) -> _F:
     """Replace the ``{options}`` line of ``fn``'s docstring with ``docs()``
     at that line's indent."""
     if fn.__doc__:
@@ -270,19 +283,19 @@ class KVLayer:
     (None unless fp8). ``plan.attention`` / ``plan.mla`` / ``plan.append``
     take it in place of the caches and their scales."""
 
-    k: object
-    v: object
+    k: Array
+    v: Array
     kv_dtype: object = None
-    k_scale: object = None
-    v_scale: object = None
+    k_scale: Array = None
+    v_scale: Array = None
 
-    def storage(self) -> dict:
+    def storage(self) -> dict[str, Any]:
         """The storage options given, by name."""
         return {n: v for n, v in (("kv_dtype", self.kv_dtype), ("k_scale", self.k_scale),
                                   ("v_scale", self.v_scale)) if v is not None}
 
 
-def renamed(options: dict, new: dict, old: dict) -> dict:
+def renamed(options: dict[str, Any], new: dict[str, Any], old: dict[str, str]) -> dict[str, Any]:
     """``new`` (name -> value, ``MISSING`` when not given) with the values
     of the deprecated spellings ``old`` (old name -> new name) taken out of
     ``options`` (a DeprecationWarning each; both spellings: an error)."""

@@ -5,12 +5,18 @@ Rules in ``tc_segments``; docs/layout.md, "Which kernel serves which queries".
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import numpy as np
 
 from ... import dtypes
 from .variants import TC_ROWS, select_tensor_core, select_variant, tc_queries_per_block
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
+# ``host`` below: a ``cupaged.plan.HostPlan``, a layer above the ops (so Any to the type checker).
 
 #: The tensor-core kernels serve the sequences whose queries meet in one
 #: block one after the other (a pass each, reading that sequence's K/V
@@ -36,7 +42,7 @@ _passes_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _segments_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _query_ranks(host) -> np.ndarray:
+def _query_ranks(host: Any) -> np.ndarray:
     """Active-sequence rank of each packed query (sequences without queries
     do not count), int64 [queries]."""
     ql = np.asarray(host.q_lens, dtype=np.int64)
@@ -71,7 +77,7 @@ def _passes_ok(rows: int, most: int, total: int) -> bool:
     return 0 < most <= TC_MAX_PASSES and rows * TC_MAX_PASSES >= TC_ROWS * total
 
 
-def block_passes(host, queries_per_block: int) -> tuple[int, int]:
+def block_passes(host: Any, queries_per_block: int) -> tuple[int, int]:
     """(most, total) passes of the blocks of ``queries_per_block``
     consecutive packed queries: the sequences whose queries meet in a block
     (host plan data, fixed per schedule; cached per plan)."""
@@ -85,7 +91,7 @@ def block_passes(host, queries_per_block: int) -> tuple[int, int]:
     return per_plan[queries_per_block]
 
 
-def tc_schedule_ok(host, group: int) -> bool:
+def tc_schedule_ok(host: Any, group: int) -> bool:
     """Whether the step's packing suits the tensor-core kernels (see
     TC_MAX_PASSES): at most TC_MAX_PASSES passes in a block and at least
     64 / TC_MAX_PASSES rows a pass on average. ``group``: query heads per
@@ -122,7 +128,7 @@ class _TcRun:
         return True
 
 
-def _coalesce(segs: list) -> list:
+def _coalesce(segs: Iterable[list]) -> list:
     """Adjacent segments of one kind as one."""
     out: list = []
     for seg in segs:
@@ -157,7 +163,7 @@ def _keep_largest(segs: list, queries: int) -> None:
 _BRIDGE_RUNS = 16
 
 
-def _segment(host, group: int) -> tuple[tuple[bool, int, int], ...]:
+def _segment(host: Any, group: int) -> tuple[tuple[bool, int, int], ...]:
     """tc_segments without the cache. Host cost: O(queries / block + sequences)
     NumPy work plus O(runs) Python steps."""
     queries = host.queries
@@ -213,7 +219,7 @@ def _segment(host, group: int) -> tuple[tuple[bool, int, int], ...]:
     return tuple((on_tc, b, e - b) for on_tc, b, e in segs)
 
 
-def tc_segments(host, group: int) -> tuple[tuple[bool, int, int], ...]:
+def tc_segments(host: Any, group: int) -> tuple[tuple[bool, int, int], ...]:
     """The step's launches as ``(tensor_core, q_begin, q_count)``: contiguous
     ranges of packed queries, in order, covering every query (empty without
     queries). Host plan data only (``q_lens``: fixed per schedule; cached per
@@ -280,7 +286,15 @@ class Launch(NamedTuple):
 _launches_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
+class _Storage(TypedDict):
+    """The cache-storage keywords of ``select_tensor_core`` / ``select_variant``."""
+
+    kv_dtype: str | None
+    strided: bool
+    latent: bool
+
+
+def plan_launches(host: Any, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
                   aligned_tc: bool, score: str = "plain", arch: str | None = None,
                   features: tuple[str, ...] = (), *, kv_dtype: str | None = None, strided: bool = False,
                   latent: bool = False) -> tuple[Launch, ...]:
@@ -306,13 +320,13 @@ def plan_launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim:
     return launches
 
 
-def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
+def _launches(host: Any, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
               aligned_tc: bool, score: str, arch: str | None, features: tuple[str, ...], kv_dtype: str,
               strided: bool, latent: bool) -> tuple[Launch, ...]:
     """plan_launches without the cache."""
     group = hq // hkv
     segs = tc_segments(host, group)
-    storage = dict(kv_dtype=kv_dtype, strided=strided, latent=latent)
+    storage = _Storage(kv_dtype=kv_dtype, strided=strided, latent=latent)
     tc = select_tensor_core(dtype, d, dv, aligned_tc, any(seg[0] for seg in segs), rot_dim, score=score,
                             arch=arch, features=features, **storage)
     if tc is None:
@@ -321,6 +335,7 @@ def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int
     for on_tc, begin, count in segs:
         if on_tc:
             # v.rows rows per block: qt queries x ht heads of one KV head's group.
+            assert tc is not None       # without a tensor-core variant the step is one CUDA-core segment
             v, rows = tc, tc.rows
             tiles, blocks = -(-group // min(group, rows)), -(-count // tc_queries_per_block(group, rows))
         else:
@@ -331,8 +346,8 @@ def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int
     return tuple(launches)
 
 
-def unsplit_blocks(host, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, dtype, rot_dim: int = 0,
-                   *, kv_dtype=None) -> int:
+def unsplit_blocks(host: Any, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, dtype: DTypeLike,
+                   rot_dim: int = 0, *, kv_dtype: DTypeLike | None = None) -> int:
     """Blocks of the unsplit attention grids for a plan and these shapes
     (16-byte aligned arrays assumed; ``kv_dtype``: the caches' format, q's
     dtype by default), summed over the step's segments: what
