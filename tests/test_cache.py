@@ -442,7 +442,8 @@ def test_input_errors():
     with pytest.raises(PagedAttentionError, match="layer: expected an int in 0..0, got 1"):
         cache.append(cache.prepare([a], 0)[0], np.zeros((0, 2, 8), np.float16), np.zeros((0, 2, 4), np.float16),
                      layer=1)
-    with pytest.raises(PagedAttentionError, match=r"k_cache: expected a 4-D array .* pass one layer: cache.layer\(i\), or cache.k\[i\]"):
+    with pytest.raises(PagedAttentionError,
+                       match=r"k_cache: expected a 4-D array .* pass one layer: cache.layer\(i\), or cache.k\[i\]"):
         cache.prepare([a], 0)[0].attention(np.zeros((0, 2, 8), np.float16), cache.k, cache.v, 0.5)
     assert a.length == 0 and cache.num_free_pages == 8
 
