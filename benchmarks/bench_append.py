@@ -22,12 +22,15 @@ import argparse
 import sys
 
 import numpy as np
-
 from benchlib import Cpu, Gpu, Modeler, dtype_of  # noqa: E402 (also puts a source tree on sys.path)
+
 from cupaged import HostPlan, stream_for  # noqa: E402
-from cupaged.ops.append import append, copy_pages as launch_copy_pages  # noqa: E402
-from cupaged.testing import reference  # noqa: E402
-from cupaged.testing import random_page_table  # noqa: E402
+from cupaged.ops.append import append  # noqa: E402
+from cupaged.ops.append import copy_pages as launch_copy_pages
+from cupaged.testing import (
+    random_page_table,  # noqa: E402
+    reference,  # noqa: E402
+)
 
 
 def parse_args(argv=None):

@@ -29,9 +29,9 @@ from __future__ import annotations
 import argparse
 import math
 
+import benchlib  # noqa: I001 (adds the source tree to sys.path)
 import numpy as np
 
-import benchlib  # noqa: I001 (adds the source tree to sys.path)
 import cupaged
 from cupaged import HostPlan, SplitWorkspace
 from cupaged._runtime import device_arch

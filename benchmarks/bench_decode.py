@@ -28,9 +28,9 @@ import argparse
 import dataclasses
 import time
 
+import benchlib  # noqa: I001
 import numpy as np
 
-import benchlib  # noqa: I001
 import cupaged
 from cupaged.demo import tiny
 

@@ -32,9 +32,9 @@ from __future__ import annotations
 import argparse
 import time
 
+import benchlib  # noqa: I001
 import numpy as np
 
-import benchlib  # noqa: I001
 import cupaged
 from cupaged.engine import Checkpoint, parse_config
 from cupaged.testing import random_weights

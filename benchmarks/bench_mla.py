@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
-
 import benchlib  # noqa: I001
-import cupaged
+import numpy as np
 from bench_attention import fill_cache
+
+import cupaged
 from cupaged import HostPlan, SplitWorkspace
 from cupaged._runtime import device_arch
 from cupaged.testing import random_page_table

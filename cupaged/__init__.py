@@ -4,6 +4,7 @@ NumPy arrays run the same CUDA C kernels on the CPU backend; CuPy arrays run
 them on the GPU. See README.md and docs/layout.md (its "Where things are"
 section maps the package).
 """
+from ._runtime import Graph, Stream, stream_for
 from .batch import DecodeBatch, Readback
 from .cache import PagedKVCache, Sequence, StepReport
 from .errors import CheckpointError, CompileError, ConfigError, KernelError, PagedAttentionError, SetupError
@@ -13,7 +14,6 @@ from .ops.attention import AttentionOptions, KVLayer
 from .ops.sampling import argmax_into
 from .ops.slots import copy_pages, write_slots
 from .plan import DevicePlan, HostPlan, SplitWorkspace, choose_splits
-from ._runtime import Graph, Stream, stream_for
 
 __version__ = "0.1.0"
 

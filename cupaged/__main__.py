@@ -31,8 +31,19 @@ from pathlib import Path
 
 import numpy as np
 
-from . import CheckpointError, CompileError, ConfigError, Engine, HostPlan, KernelError, PagedAttentionError, \
-    SetupError, SplitWorkspace, argmax_into, stream_for
+from . import (
+    CheckpointError,
+    CompileError,
+    ConfigError,
+    Engine,
+    HostPlan,
+    KernelError,
+    PagedAttentionError,
+    SetupError,
+    SplitWorkspace,
+    argmax_into,
+    stream_for,
+)
 from ._runtime import xp_of
 from .demo import tiny
 from .engine import parse_config
@@ -188,7 +199,7 @@ def _tokenizer(folder: str):
     if not path.is_file():
         return None
     try:
-        import tokenizers      # the optional `tokenizers` extra
+        import tokenizers  # the optional `tokenizers` extra
     except ImportError:
         return None
     try:

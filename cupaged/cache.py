@@ -41,8 +41,8 @@ from ._runtime import GPU, array_backend, checks, empty, stream_for, zeros
 from ._runtime.arrays import Array
 from .errors import PagedAttentionError
 from .layout import MAX_PAGE_SIZE, U32_MAX
-from .ops.attention.options import KVLayer
 from .ops.append import copy_pages
+from .ops.attention.options import KVLayer
 from .plan import DevicePlan, HostPlan
 
 if TYPE_CHECKING:

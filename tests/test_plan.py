@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import HostPlan, PagedAttentionError, SplitWorkspace
-from cupaged import layout
+from cupaged import HostPlan, PagedAttentionError, SplitWorkspace, layout
 from cupaged.layout import HEADER_WORDS, MAGIC, metadata_offsets
 
 BF16 = ml_dtypes.bfloat16

@@ -9,7 +9,6 @@ import pytest
 from cupaged import testing
 from cupaged.testing import reference as ref
 
-
 # ---------------------------------------------------------------- brute force
 
 def brute_attention(q, keys, values, kv_lens, q_lens, scale, causal):

@@ -11,7 +11,6 @@ from . import cpu, gpu, source
 from .arrays import CPU, GPU, Array, array_backend, device_id
 from .stream import CpuStream, Stream
 
-
 _kernels: dict[tuple, Any] = {}
 
 

@@ -19,11 +19,11 @@ tensor it names.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import struct
-import functools
 from collections.abc import Iterable, KeysView, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -350,7 +350,7 @@ def _host(t) -> np.ndarray:
         return t
     mod = type(t).__module__
     if mod.startswith("torch"):
-        import torch        # only reached with a torch tensor in hand
+        import torch  # only reached with a torch tensor in hand
         t = t.detach().to("cpu").contiguous()
         if t.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(dtypes.np_dtype("bf16"))

@@ -176,7 +176,7 @@ class Engine:
         per_seq = -(-limit // self.page_size)
         if array_backend(self.like) != GPU:
             return self.max_batch * per_seq
-        import cupy          # the GPU backend: CuPy is loaded
+        import cupy  # the GPU backend: CuPy is loaded
         free, _ = cupy.cuda.runtime.memGetInfo()
         budget = int(free * GPU_MEMORY_SHARE) - GPU_RESERVE_BYTES
         pages = budget // page_bytes

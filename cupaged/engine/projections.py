@@ -48,7 +48,7 @@ def _load_cublas():
     """libcublas through ctypes, found as CuPy finds it."""
     errors = []
     try:
-        from cuda.pathfinder import load_nvidia_dynamic_lib     # comes with cuda-python / CuPy 14
+        from cuda.pathfinder import load_nvidia_dynamic_lib  # comes with cuda-python / CuPy 14
         return ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)
     except Exception as e:  # noqa: BLE001 -- try the loader's search path next
         errors.append(str(e))
@@ -76,7 +76,7 @@ class _Cublas:
         lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
         lib.cublasGemmStridedBatchedEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, ll, vp, i, i, ll, vp, vp, i, i,
                                                    ll, i, i, i]
-        import cupy     # the GPU backend: CuPy is loaded
+        import cupy  # the GPU backend: CuPy is loaded
         with cupy.cuda.Device(like.device.id):
             h = vp()
             self.check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")

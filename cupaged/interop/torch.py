@@ -83,12 +83,12 @@ import numpy as np
 
 from .. import _runtime as _backend
 from .. import dtypes
+from .._runtime.arrays import Array
 from ..cache import PagedKVCache, StepReport
 from ..errors import PagedAttentionError
 from ..ops import layers as _layers
 from ..ops import sampling as _rowwise
 from ..ops.attention.options import MISSING, ROWS, _Missing, document, renamed
-from .._runtime.arrays import Array
 from ..plan import DevicePlan, HostPlan, SplitWorkspace
 
 if TYPE_CHECKING:

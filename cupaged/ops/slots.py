@@ -22,9 +22,8 @@ import numpy as np
 from .. import dtypes
 from .._runtime import GPU, array_backend, backend_of, check_not_capturing, checks, empty, stream_for
 from ..errors import PagedAttentionError
-from .append import check_kv_write
+from .append import check_kv_write, launch_kv_write
 from .append import copy_pages as launch_copy_pages
-from .append import launch_kv_write
 
 
 def _caches(k_cache, v_cache, ranks) -> None:

@@ -5,9 +5,21 @@ checkpoints written with NumPy (``checkpoints``)."""
 from __future__ import annotations
 
 from . import reference
+from .cases import (
+                    PAGE_SENTINEL,
+                    MlaCase,
+                    PagedCase,
+                    PagedLayout,
+                    as_dtype,
+                    assert_close,
+                    make_layout,
+                    make_mla_case,
+                    make_paged_case,
+                    random_lengths,
+                    random_page_table,
+                    tolerance,
+)
 from .checkpoints import random_weights, save_safetensors, tiny_config, write_random_checkpoint
-from .cases import (PAGE_SENTINEL, MlaCase, PagedCase, PagedLayout, as_dtype, assert_close, make_layout,
-                    make_mla_case, make_paged_case, random_lengths, random_page_table, tolerance)
 
 __all__ = ["reference", "PAGE_SENTINEL", "MlaCase", "PagedCase", "PagedLayout", "as_dtype", "assert_close",
            "make_layout", "make_mla_case", "make_paged_case", "random_lengths", "random_page_table", "tolerance",

@@ -6,6 +6,7 @@ import pytest
 from cupaged.ops import attention
 from cupaged.ops.attention import launch
 
+
 @pytest.fixture
 def kernels_used(monkeypatch):
     """Names of the kernels the attention launch fetches while the test runs."""

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from attention_helpers import TC_DTYPES, check, run
 
 import cupaged
 from cupaged._runtime import archs, cpu, cpu_arch_override, source
@@ -21,7 +22,6 @@ from cupaged.errors import PagedAttentionError
 from cupaged.ops.attention import plan_launches, variants
 from cupaged.ops.attention.kernels import MERGE, SPECS, decode, geometry, prefill_tc, spec
 from cupaged.testing import assert_close, make_mla_case, make_paged_case
-from attention_helpers import TC_DTYPES, check, run
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from attention_helpers import check, run
 
 import cupaged
 from cupaged._runtime import cpu as _cpu
-from cupaged._runtime import cpu_arch_override
-from cupaged._runtime import dispatch
+from cupaged._runtime import cpu_arch_override, dispatch
 from cupaged.testing import assert_close, make_mla_case, make_paged_case, reference
-from attention_helpers import check, run
 
 pytestmark = pytest.mark.slow
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from attention_helpers import DTYPES, _to_device, check, run
 
 import cupaged
 from cupaged.layout import metadata_offsets
 from cupaged.ops.attention import variants
 from cupaged.ops.attention.kernels import decode_tc
 from cupaged.testing import assert_close, make_paged_case, reference
-from attention_helpers import DTYPES, _to_device, run, check
 
 
 @pytest.fixture(autouse=True)

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from attention_helpers import DECODE_TC, TC_DTYPES, _to_device, check, check_capture_replay, run
+from storage_helpers import FP8
 
 import cupaged
 from cupaged.layout import metadata_offsets
 from cupaged.ops.attention import variants
 from cupaged.ops.attention.kernels import decode, decode_tc
 from cupaged.testing import assert_close, make_paged_case, reference
-from attention_helpers import DECODE_TC, TC_DTYPES, _to_device, run, check, check_capture_replay
-from storage_helpers import FP8
+
 
 @pytest.fixture(autouse=True)
 def per_query_only(monkeypatch):

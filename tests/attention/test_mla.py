@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from attention_helpers import DTYPES, TC_DTYPES, _to_device, check
 
 import cupaged
 from cupaged.ops.attention import AttentionOptions, launch, variants
 from cupaged.testing import assert_close, make_mla_case, make_paged_case, reference
-from attention_helpers import DTYPES, TC_DTYPES, _to_device, check
-
 
 # ----------------------------------------------------------------- MLA (rotary part)
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from attention_helpers import _to_device
 
 import cupaged
 from cupaged.testing import as_dtype, assert_close, make_mla_case, reference
-from attention_helpers import _to_device
 
 R, P = 512, 64
 KV_LENS = np.array([45, 3, 30], np.int32)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from attention_helpers import TC_DTYPES, _to_device, check, check_capture_replay, run
 
 import cupaged
 from cupaged.layout import metadata_offsets
 from cupaged.ops.attention import variants
 from cupaged.testing import assert_close, make_paged_case, reference
-from attention_helpers import TC_DTYPES, _to_device, run, check, check_capture_replay
-
 
 # (page_size, head_dim, q_heads, kv_heads): GQA 1 (64 queries a block, so
 # blocks straddle sequences), 4 and 8, page sizes 1 / 16 / 64, D 64 / 128 / 256.

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from attention_helpers import (
+    DECODE_TC,
+    MIXED_TC,
+    Q_MIXED,
+    TC_DTYPES,
+    _host,
+    _to_device,
+    check,
+    check_capture_replay,
+    run,
+)
 
 import cupaged
 from cupaged.layout import metadata_offsets
 from cupaged.ops.attention import inputs, schedule, variants
 from cupaged.ops.attention.kernels import prefill_tc
 from cupaged.testing import assert_close, make_paged_case
-from attention_helpers import (TC_DTYPES, _to_device, run, check, check_capture_replay, _host, Q_MIXED, MIXED_TC,
-                               DECODE_TC)
 
 
 def _prefill_qpb(group: int, head_dim: int) -> int:

@@ -19,12 +19,20 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
+from storage_helpers import (
+    check_attention,
+    check_mla,
+    fp8_paged_case,
+    only_kernels,
+    reference_out,
+    run_attention,
+    store,
+    stored_mla,
+)
 
 import cupaged
 from cupaged import PagedAttentionError
 from cupaged.testing import assert_close, make_paged_case, reference
-from storage_helpers import (check_attention, check_mla, fp8_paged_case, only_kernels, reference_out,
-                             run_attention, store, stored_mla)
 
 FAMILIES = ["paged_attention"]
 

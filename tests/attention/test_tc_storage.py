@@ -27,9 +27,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from storage_helpers import (
+    StoredCase,
+    as_view,
+    check_attention,
+    fp8_paged_case,
+    quantized,
+    reference_out,
+    run_attention,
+)
 
-from storage_helpers import (StoredCase, as_view, check_attention, fp8_paged_case, quantized, reference_out,
-                             run_attention)
 from cupaged.testing import assert_close, reference
 
 DECODE_TC, PREFILL_TC = "paged_decode_tc", "paged_prefill_tc"

@@ -17,8 +17,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupaged  # noqa: E402
-from cupaged.cache import PagedKVCache  # noqa: E402
 from cupaged._runtime import cpu_arch_override  # noqa: E402
+from cupaged.cache import PagedKVCache  # noqa: E402
 from cupaged.layout import metadata_offsets  # noqa: E402
 from cupaged.ops import layers  # noqa: E402
 from cupaged.ops.advance import SlotBuffers, advance_plan, advance_slots  # noqa: E402

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged._runtime import cpu as _cpu
 from cupaged._runtime import address, get_kernel
-from cupaged._runtime.structs import StructArg
-from cupaged.ops import append as append_op
+from cupaged._runtime import cpu as _cpu
 from cupaged._runtime import source as _source
+from cupaged._runtime.structs import StructArg
 from cupaged.errors import KernelError, PagedAttentionError
+from cupaged.ops import append as append_op
 
 KERNELS = Path(__file__).parent / "kernels" / "vector_access.cu"
 

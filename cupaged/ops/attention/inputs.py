@@ -16,9 +16,9 @@ from typing import Any, cast
 
 import numpy as np
 
+from ... import dtypes
 from ..._runtime import address, array_backend, check_not_capturing, checks, device_arch, empty
 from ..._runtime.arrays import Array
-from ... import dtypes
 from ...errors import PagedAttentionError
 from ...layout import MAX_HEAD_DIM, MAX_ROPE_DIM, MAX_SPLITS
 from . import params

@@ -15,10 +15,10 @@ from ..._runtime import Stream, get_kernel
 from ..._runtime.arrays import Array
 from . import params
 from .inputs import CacheRead, Call, unchecked
+from .kernels.merge import MERGE, MERGE_HEADS_PER_BLOCK, THREADS, merge_defines
 from .options import LOG2E, AttentionOptions
 from .schedule import Launch
 from .splits import SplitWorkspace
-from .kernels.merge import MERGE, MERGE_HEADS_PER_BLOCK, THREADS, merge_defines
 
 __all__ = ["LOG2E", "launch_call", "launch_attention", "launches_for"]
 

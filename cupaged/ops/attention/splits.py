@@ -11,13 +11,21 @@ import threading
 
 import numpy as np
 
-from ..._runtime import (array_backend, check_not_capturing, checks, device_arch, device_id, empty,
-                         multiprocessor_count, stream_for)
 from ... import dtypes
+from ..._runtime import (
+    array_backend,
+    check_not_capturing,
+    checks,
+    device_arch,
+    device_id,
+    empty,
+    multiprocessor_count,
+    stream_for,
+)
 from ...errors import PagedAttentionError
 from ...layout import MAX_HEAD_DIM, MAX_ROPE_DIM, MAX_SPLITS, U32_MAX
-from .schedule import plan_launches
 from .kernels import DECODE
+from .schedule import plan_launches
 from .variants import RESIDENT_BLOCKS
 
 #: Tokens per split below which splitting does not pay (see choose_splits).
