@@ -38,6 +38,11 @@ def bias(head, q_pos, k_pos):
 def toy_score(monkeypatch):
     """SCORES with the toy's row; the launches' (kernel, CP_SCORE) are logged."""
     monkeypatch.setitem(variants.SCORES, TEST_BIAS.name, TEST_BIAS)
+    return _launch_log(monkeypatch)
+
+
+def _launch_log(monkeypatch):
+    """The (kernel, CP_SCORE) of every launch from now on, in a list."""
     used = []
     real = launch.get_kernel
 
@@ -218,15 +223,7 @@ def head_bias_row(monkeypatch):
     launches' (kernel, CP_SCORE) are logged."""
     monkeypatch.setitem(options.ROWS, HEAD_BIAS.name, HEAD_BIAS)
     monkeypatch.setattr(reference, "LOGIT_HOOKS", {"head_bias": head_bias_hook, **reference.LOGIT_HOOKS})
-    used = []
-    real = launch.get_kernel
-
-    def spy(like, source, kernel, defines=None):
-        used.append((kernel, (defines or {}).get("CP_SCORE")))
-        return real(like, source, kernel, defines)
-
-    monkeypatch.setattr(launch, "get_kernel", spy)
-    return used
+    return _launch_log(monkeypatch)
 
 
 @pytest.mark.parametrize("what, dtype, d, kernel", [
