@@ -191,7 +191,8 @@ def test_compile_error_fails_gate_with_log():
     for r in results:
         assert not r.compiled and not r.ok and r.kernel == ""
         assert r.problems == ["compile error"]
-        assert "not_declared_anywhere" in r.log and "gate_error.cu(4)" in r.log
+        line = next(i for i, t in enumerate(ERROR.read_text().splitlines(), 1) if "not_declared_anywhere" in t)
+        assert "not_declared_anywhere" in r.log and f"gate_error.cu({line})" in r.log
 
 
 def test_defines_filter_and_max_stack():
