@@ -98,9 +98,9 @@ def test_import_is_light():
     """``import cupaged`` loads neither ml_dtypes (~1 s; imported when a
     bfloat16 / fp8 dtype is first needed), torch, CuPy, cuda-python nor
     transformers, and its own part (NumPy already imported: NumPy's ~0.1 s
-    is not ours) takes at most 0.25 s: CPU time in a fresh interpreter, the
-    fastest of five (0.13-0.2 s on a loaded 2-core machine; ml_dtypes alone
-    would add ~1 s)."""
+    is not ours) takes at most 0.3 s: CPU time in a fresh interpreter, the
+    fastest of five (0.13-0.22 s measured on this 2-core machine, idle to
+    fully loaded by the suite's two workers; ml_dtypes alone adds ~1 s)."""
     code = ("import sys, time, numpy; t = time.process_time(); import cupaged; dt = time.process_time() - t; "
             "heavy = [m for m in ('ml_dtypes', 'torch', 'cupy', 'cuda.bindings', 'transformers') if m in sys.modules]; "
             "print(dt, ','.join(heavy))")
@@ -110,7 +110,7 @@ def test_import_is_light():
                              cwd=PACKAGE.parent).stdout.split()
         assert len(out) == 1, f"import cupaged loaded {out[1]}"
         runs.append(float(out[0]))
-    assert min(runs) <= 0.25, runs
+    assert min(runs) <= 0.3, runs
 
 
 def test_dtype_table_itemsizes_match_numpy():
