@@ -226,10 +226,7 @@ class Checkpoint:
         cfg_path = root / "config.json"
         if not cfg_path.is_file():
             raise CheckpointError(f"{root}: missing config.json (a folder written by save_pretrained has one)")
-        try:
-            return json.loads(cfg_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{cfg_path}: not readable JSON: {e}") from None
+        return read_json(cfg_path)  # type: ignore[return-value]  # (config.parse_config refuses a non-object)
 
     @classmethod
     def from_folder(cls, path: str | os.PathLike[str]) -> "Checkpoint":
@@ -319,15 +316,21 @@ def _float_weight(where: str, name: str, dt: np.dtype) -> None:
                               f"not cast into a weight")
 
 
+def read_json(path: Path, readable: str = "readable JSON") -> object:
+    """The JSON value in ``path``; a file that cannot be read or parsed is a
+    CheckpointError "<path>: not <readable>: <why>"."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not {readable}: {e}") from None
+
+
 def _weight_map(index: Path) -> dict | None:
     """The ``weight_map`` of a model.safetensors.index.json (None: no index):
     a JSON object of tensor names -> file names in the folder."""
     if not index.is_file():
         return None
-    try:
-        raw = json.loads(index.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{index}: not a readable index: {e}") from None
+    raw = read_json(index, "a readable index")
     if not isinstance(raw, dict):
         raise CheckpointError(f"{index}: expected a JSON object with a weight_map, got {type(raw).__name__}")
     wm = raw.get("weight_map")

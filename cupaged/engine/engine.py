@@ -2,7 +2,6 @@
 and the attention kernels (see the package docstring)."""
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -17,7 +16,7 @@ from ..batch import DecodeBatch
 from ..cache import PagedKVCache
 from ..errors import CheckpointError, PagedAttentionError
 from ..layout import MAX_PAGE_SIZE
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, read_json
 from .config import ModelConfig, parse_config, token_ids
 from .dense import DenseLM
 from .mla import MlaLM
@@ -315,10 +314,7 @@ def _generation_eos(folder: Path):
     p = folder / "generation_config.json"
     if not p.is_file():
         return None
-    try:
-        raw = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{p}: not readable JSON: {e}") from None
+    raw = read_json(p)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{p}: expected a JSON object, got {type(raw).__name__}")
     return token_ids("generation_config.json: eos_token_id", raw.get("eos_token_id")) or None
