@@ -16,6 +16,7 @@ cudaMemcpyAsync (CuPy), so "% memcpy" compares like with like. Times are
 medians of CUDA-event-timed single runs; the L2 cache is flushed before each
 run unless --no-flush. GB/s = bytes / time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,9 @@ from cupaged.testing import (
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     p.add_argument("--cpu", action="store_true", help="smoke run on the CPU backend with tiny shapes")
     p.add_argument("--dtype", default="bf16", choices=["f32", "f16", "bf16"])
     p.add_argument("--kv-heads", type=int, default=8)
@@ -54,6 +56,7 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------
 # cases
 
+
 def append_case(backend, rng, dt, kv_lens, q_lens, hkv, d, dv, ps, check: bool):
     """(run, bytes moved, checked) for one append over a random page permutation."""
     kv = np.asarray(kv_lens, np.int64)
@@ -70,6 +73,7 @@ def append_case(backend, rng, dt, kv_lens, q_lens, hkv, d, dv, ps, check: bool):
 
     def run():
         append(plan, nk, nv, k, v)
+
     if check:
         run()
         ek, ev = reference.paged_append(nk_h, nv_h, k_h, v_h, table, kv, ql)
@@ -89,6 +93,7 @@ def cow_case(backend, rng, dt, copies, hkv, d, dv, ps, check: bool):
 
     def run():
         launch_copy_pages(stream, k, v, pairs, copies)
+
     if check:
         run()
         ek, ev = k_h.copy(), v_h.copy()
@@ -109,11 +114,15 @@ def main(argv=None) -> int:
     else:
         try:
             import cupy
+
             if cupy.cuda.runtime.getDeviceCount() < 1:
                 raise RuntimeError("no CUDA device")
         except Exception as e:
-            print(f"bench_append: no usable GPU ({type(e).__name__}: {e}). This benchmark times CuPy arrays on a "
-                  f"CUDA device; run it on a GPU machine, or use --cpu for a smoke run.", file=sys.stderr)
+            print(
+                f"bench_append: no usable GPU ({type(e).__name__}: {e}). This benchmark times CuPy arrays on a "
+                f"CUDA device; run it on a GPU machine, or use --cpu for a smoke run.",
+                file=sys.stderr,
+            )
             return 2
         backend = Gpu(flush=not args.no_flush)
         hkv, d, ps = args.kv_heads, args.head_dim, args.page_size
@@ -124,19 +133,24 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     dt = dtype_of(args.dtype, backend)
     print(f"# cupaged append bandwidth on {backend.device}")
-    print(f"# dtype {dt.name}, {hkv} kv heads x {d} dims, page size {ps}; median of {reps} runs"
-          + ("" if backend.name == "cpu" or args.no_flush else ", L2 flushed before each"))
+    print(
+        f"# dtype {dt.name}, {hkv} kv heads x {d} dims, page size {ps}; median of {reps} runs"
+        + ("" if backend.name == "cpu" or args.no_flush else ", L2 flushed before each")
+    )
     cases = []
     for b in batches:
-        cases.append((f"decode B={b}",
-                      append_case(backend, rng, dt, [context + 1] * b, [1] * b, hkv, d, dv, ps, args.cpu)))
+        cases.append(
+            (f"decode B={b}", append_case(backend, rng, dt, [context + 1] * b, [1] * b, hkv, d, dv, ps, args.cpu))
+        )
     for n in prefills:
         cases.append((f"prefill {n}", append_case(backend, rng, dt, [n], [n], hkv, d, dv, ps, args.cpu)))
     for b in batches:
         cases.append((f"cow B={b}", cow_case(backend, rng, dt, b, hkv, d, dv, ps, args.cpu)))
     modeler = Modeler(backend, not args.no_model)
-    head = (f"{'case':<16} {'bytes':>12} {'time us':>10} {'GB/s':>9} {'memcpy GB/s':>12} {'% memcpy':>9} "
-            f"{'modeled us':>11} {'modeled GB/s':>13} {'modeled bound':>13}")
+    head = (
+        f"{'case':<16} {'bytes':>12} {'time us':>10} {'GB/s':>9} {'memcpy GB/s':>12} {'% memcpy':>9} "
+        f"{'modeled us':>11} {'modeled GB/s':>13} {'modeled bound':>13}"
+    )
     print(head)
     print("-" * len(head))
     for name, (run, nbytes) in cases:
@@ -146,8 +160,10 @@ def main(argv=None) -> int:
         gbs, mgbs = nbytes / t / 1e9, nbytes / tm / 1e9
         m = modeler.copy(nbytes)
         mus = f"{1e3 * float(m['modeled_ms']):.1f}" if m.get("modeled_GBps") else "n/a"
-        print(f"{name:<16} {nbytes:>12,d} {t * 1e6:>10.1f} {gbs:>9.1f} {mgbs:>12.1f} {100 * gbs / mgbs:>8.0f}% "
-              f"{mus:>11} {m.get('modeled_GBps', 'n/a'):>13} {m.get('modeled_bound', 'n/a'):>13}")
+        print(
+            f"{name:<16} {nbytes:>12,d} {t * 1e6:>10.1f} {gbs:>9.1f} {mgbs:>12.1f} {100 * gbs / mgbs:>8.0f}% "
+            f"{mus:>11} {m.get('modeled_GBps', 'n/a'):>13} {m.get('modeled_bound', 'n/a'):>13}"
+        )
     print("# " + modeler.legend() + " (an append / page copy modeled as a copy of its bytes, at least one launch)")
     if args.cpu:
         print("# smoke run: every case matched reference.paged_append / a NumPy page copy bit for bit")

@@ -27,6 +27,7 @@ decode step's time is mostly the cuBLAS products).
 Compare on the same GPU, model shape and batch with vLLM and SGLang decode
 tokens/s (docs/performance.md, "Engine").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,21 +42,58 @@ from cupaged.testing import random_weights
 
 SHAPES = {
     # Llama-3.2-1B and Llama-3.1-8B (dims from their config.json), random weights
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
     # the CPU smoke shape: the same structure (GQA 4, llama3 rope), tiny sizes
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=2, head_dim=32, vocab_size=1024, tie_word_embeddings=True),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1024,
+        tie_word_embeddings=True,
+    ),
 }
 
 
 def llama_config(shape: str, max_len: int) -> dict:
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-           "rms_norm_eps": 1e-5, "max_position_embeddings": max_len, "bos_token_id": 1, "eos_token_id": None,
-           "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": max_len,
+        "bos_token_id": 1,
+        "eos_token_id": None,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     cfg.update(SHAPES[shape])
     return cfg
 
@@ -75,16 +113,33 @@ def fast_random_weights(cfg: dict, dtype) -> dict:
 
 def _shrunk(cfg: dict) -> dict:
     """A one-layer copy of cfg whose tensor names are those of layer 0."""
-    return dict(cfg, num_hidden_layers=1, vocab_size=8, hidden_size=8, intermediate_size=8, head_dim=2,
-                num_attention_heads=cfg["num_attention_heads"] // cfg["num_key_value_heads"], num_key_value_heads=1)
+    return dict(
+        cfg,
+        num_hidden_layers=1,
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        head_dim=2,
+        num_attention_heads=cfg["num_attention_heads"] // cfg["num_key_value_heads"],
+        num_key_value_heads=1,
+    )
 
 
 def _full_shape(name: str, cfg: dict) -> tuple:
     H, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    table = {"embed_tokens.weight": (V, H), "lm_head.weight": (V, H), "norm.weight": (H,),
-             "q_proj.weight": (q, H), "k_proj.weight": (kv, H), "v_proj.weight": (kv, H), "o_proj.weight": (H, q),
-             "gate_proj.weight": (F, H), "up_proj.weight": (F, H), "down_proj.weight": (H, F)}
+    table = {
+        "embed_tokens.weight": (V, H),
+        "lm_head.weight": (V, H),
+        "norm.weight": (H,),
+        "q_proj.weight": (q, H),
+        "k_proj.weight": (kv, H),
+        "v_proj.weight": (kv, H),
+        "o_proj.weight": (H, q),
+        "gate_proj.weight": (F, H),
+        "up_proj.weight": (F, H),
+        "down_proj.weight": (H, F),
+    }
     for suffix, shape in table.items():
         if name.endswith(suffix):
             return shape
@@ -122,6 +177,7 @@ class LaunchCounter:
         def launch(*a, **kw):
             self.n += 1
             return self.real(*a, **kw)
+
         stream.launch = launch
 
     def close(self):
@@ -151,12 +207,23 @@ def main(argv=None) -> int:
     weights = all_layers(fast_random_weights(cfg_dict, dtype), cfg.layers)
     like = be.asarray(np.zeros(1, np.float32))
     pages = 2 * max_batch * -(-max_len // 16) + 8
-    engine = cupaged.Engine(cfg, Checkpoint.from_state_dict(weights), like=like, dtype=dtype, max_batch=max_batch,
-                            num_pages=pages, prefill_chunk=64 if args.cpu else 512, max_model_len=max_len)
+    engine = cupaged.Engine(
+        cfg,
+        Checkpoint.from_state_dict(weights),
+        like=like,
+        dtype=dtype,
+        max_batch=max_batch,
+        num_pages=pages,
+        prefill_chunk=64 if args.cpu else 512,
+        max_model_len=max_len,
+    )
     del weights
-    print(f"device: {be.device}; Llama shape '{shape}': {cfg.layers} layers, hidden {cfg.hidden}, heads "
-          f"{cfg.heads}/{cfg.kv_heads} x {cfg.head_dim}, ffn {cfg.ffn}, vocab {cfg.vocab}, {dtype.name}; "
-          f"prompt {prompt}, {new} new tokens; engine built in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(
+        f"device: {be.device}; Llama shape '{shape}': {cfg.layers} layers, hidden {cfg.hidden}, heads "
+        f"{cfg.heads}/{cfg.kv_heads} x {cfg.head_dim}, ffn {cfg.ffn}, vocab {cfg.vocab}, {dtype.name}; "
+        f"prompt {prompt}, {new} new tokens; engine built in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
     bw = None if args.cpu else benchlib.copy_bandwidth(be)
     rng = np.random.default_rng(1)
     rows = []
@@ -171,24 +238,31 @@ def main(argv=None) -> int:
         s = engine.stats
         assert all(len(o) == new for o in out)
         batch = engine._batches[()]
-        graph = batch._graphs.get(next(x for x in batch.buckets if x >= b))    # the full batch's graph
+        graph = batch._graphs.get(next(x for x in batch.buckets if x >= b))  # the full batch's graph
         launches = max(s["decode_launches"], 1)
-        rows.append(dict(
-            batch=b, prefill_tok_s=f"{s['prefill_tokens'] / s['prefill_seconds']:.0f}",
-            decode_tok_s=f"{s['decode_tokens'] / s['decode_seconds']:.0f}",
-            host_us_per_step=f"{s['advance_seconds'] / launches * 1e6:.0f}",
-            host_us_per_token=f"{s['advance_seconds'] / max(s['decode_tokens'], 1) * 1e6:.1f}",
-            graph_launches_per_token=f"{launches / max(s['decode_tokens'], 1):.3f}",
-            kernels_per_step=graph.graph.num_ops if graph is not None and not engine.model.gpu else "-",
-            prefill_launches_per_chunk=f"{counter.n / max(s['prefill_chunks'], 1):.0f}",
-            captures=batch.captures, roofline_decode_tok_s=_roofline(engine, b, prompt + new // 2, bw)))
+        rows.append(
+            dict(
+                batch=b,
+                prefill_tok_s=f"{s['prefill_tokens'] / s['prefill_seconds']:.0f}",
+                decode_tok_s=f"{s['decode_tokens'] / s['decode_seconds']:.0f}",
+                host_us_per_step=f"{s['advance_seconds'] / launches * 1e6:.0f}",
+                host_us_per_token=f"{s['advance_seconds'] / max(s['decode_tokens'], 1) * 1e6:.1f}",
+                graph_launches_per_token=f"{launches / max(s['decode_tokens'], 1):.3f}",
+                kernels_per_step=graph.graph.num_ops if graph is not None and not engine.model.gpu else "-",
+                prefill_launches_per_chunk=f"{counter.n / max(s['prefill_chunks'], 1):.0f}",
+                captures=batch.captures,
+                roofline_decode_tok_s=_roofline(engine, b, prompt + new // 2, bw),
+            )
+        )
         print(benchlib.table([rows[-1]], list(rows[-1])).splitlines()[-1], flush=True)
     print()
     print(benchlib.table(rows, list(rows[0])))
     if args.cpu:
-        print("(CPU backend: the figures above are the emulator's, not a GPU's; its stream runs the kernels inside "
-              "advance(), so host_us includes them; kernels_per_step and the launch counts are what the GPU "
-              "replays too)")
+        print(
+            "(CPU backend: the figures above are the emulator's, not a GPU's; its stream runs the kernels inside "
+            "advance(), so host_us includes them; kernels_per_step and the launch counts are what the GPU "
+            "replays too)"
+        )
     return 0
 
 

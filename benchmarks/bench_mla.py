@@ -11,6 +11,7 @@ device-to-device copy measured in the same run (read + write bytes/s).
 TFLOP/s: 2 x B x L x H x (2R + P) (scores and values). The modeled_*
 columns are cupaged.tools.perf_model's model of the same case (not measured).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,9 @@ from cupaged.testing import random_page_table
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--reps", type=int, default=20)
@@ -58,25 +60,53 @@ def main(argv=None) -> int:
             k_pos = fill_cache(be, (pages, ps, 1, P), dt, 2)
             q, q_pos = be.random((B, h, R), dt, 3), be.random((B, h, P), dt, 4)
             dplan = plan.upload(q)
-            splits = cupaged.choose_splits(plan, 1, multiprocessors=be.sms, q_heads=h, head_dim=R, dtype=dt,
-                                           rot_dim=P, arch=device_arch(q))
+            splits = cupaged.choose_splits(
+                plan, 1, multiprocessors=be.sms, q_heads=h, head_dim=R, dtype=dt, rot_dim=P, arch=device_arch(q)
+            )
             ws = SplitWorkspace(B, h, R, splits, q) if splits > 1 else None
             out = be.empty((B, h, R), dt)
             scale = (128 + 64) ** -0.5
-            t = be.time(lambda: dplan.mla(q, q_pos, latent, k_pos, scale, True, workspace=ws, out=out),
-                        args.reps, 3)
+            t = be.time(lambda: dplan.mla(q, q_pos, latent, k_pos, scale, True, workspace=ws, out=out), args.reps, 3)
             nbytes = (B * L * (R + P) + B * h * (2 * R + P)) * dt.itemsize
-            row = dict(H=h, B=B, L=L, splits=splits, ms=f"{t * 1e3:.3f}", GBps=f"{nbytes / t / 1e9:.0f}",
-                       pct_copy=f"{100 * nbytes / t / copy_bw:.0f}%")
+            row = dict(
+                H=h,
+                B=B,
+                L=L,
+                splits=splits,
+                ms=f"{t * 1e3:.3f}",
+                GBps=f"{nbytes / t / 1e9:.0f}",
+                pct_copy=f"{100 * nbytes / t / copy_bw:.0f}%",
+            )
             visible = B * L
             row["TFLOPs"] = f"{2 * visible * h * (2 * R + P) / t / 1e12:.1f}"
-            row.update(modeler.shape(batch=B, ctx=L, new=1, hq=h, hkv=1, d=R, dv=R, rot=P, page=ps, dtype=args.dtype,
-                                     metric="flops"))
+            row.update(
+                modeler.shape(
+                    batch=B, ctx=L, new=1, hq=h, hkv=1, d=R, dv=R, rot=P, page=ps, dtype=args.dtype, metric="flops"
+                )
+            )
             rows.append(row)
             print(benchlib.table([row], list(row)).splitlines()[-1], flush=True)
     print()
-    print(benchlib.table(rows, ["H", "B", "L", "splits", "ms", "GBps", "pct_copy", "TFLOPs", "modeled_ms",
-                                "modeled_GBps", "modeled_pct_copy", "modeled_TFLOPs", "modeled_bound"]))
+    print(
+        benchlib.table(
+            rows,
+            [
+                "H",
+                "B",
+                "L",
+                "splits",
+                "ms",
+                "GBps",
+                "pct_copy",
+                "TFLOPs",
+                "modeled_ms",
+                "modeled_GBps",
+                "modeled_pct_copy",
+                "modeled_TFLOPs",
+                "modeled_bound",
+            ],
+        )
+    )
     print(modeler.legend())
     return 0
 

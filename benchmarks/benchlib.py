@@ -1,6 +1,7 @@
 """Shared pieces of the benchmark scripts: backends (GPU through CuPy with
 CUDA-event timing and an L2 flush; CPU smoke mode), dtype lookup, a measured
 device-to-device copy bandwidth, and table printing."""
+
 from __future__ import annotations
 
 import statistics
@@ -22,6 +23,7 @@ class Gpu:
 
     def __init__(self, flush: bool = True):
         import cupy
+
         self.cp = cupy
         # All work on one non-default stream made current for the process: CUDA
         # cannot capture the legacy default stream (bench_decode's graphs).
@@ -111,6 +113,7 @@ def backend(cpu: bool, flush: bool = True):
         return Cpu()
     try:
         import cupy
+
         if not cupy.cuda.is_available():
             raise RuntimeError("cupy.cuda.is_available() is False")
     except Exception as e:  # noqa: BLE001
@@ -120,6 +123,7 @@ def backend(cpu: bool, flush: bool = True):
 
 def dtype_of(name: str, be) -> np.dtype:
     import ml_dtypes
+
     dt = np.dtype({"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}[name])
     if be.name == "gpu":
         try:
@@ -153,9 +157,10 @@ class Modeler:
             return
         try:
             from cupaged.tools import perf_model
+
             self._pm = perf_model
             if be.name == "gpu":
-                cc = be.cp.cuda.Device().compute_capability      # "90"
+                cc = be.cp.cuda.Device().compute_capability  # "90"
                 self.arch, self.note = perf_model.arch_for(int(cc[:-1]), int(cc[-1]))
             else:
                 self.note = "CPU backend run: modeled for the target GPU"
@@ -166,9 +171,12 @@ class Modeler:
         if not self.enabled:
             return f"modeled_*: n/a ({self.note or '--no-model'})"
         from cupaged.tools import archs
+
         a = archs.get(self.arch)
-        return (f"modeled_*: MODELED by cupaged.tools.perf_model for {self.arch} ({a.device}; copy "
-                f"{a.copy_bw / 1e12:.1f} TB/s assumed), not measured" + (f"; {self.note}" if self.note else ""))
+        return (
+            f"modeled_*: MODELED by cupaged.tools.perf_model for {self.arch} ({a.device}; copy "
+            f"{a.copy_bw / 1e12:.1f} TB/s assumed), not measured" + (f"; {self.note}" if self.note else "")
+        )
 
     def _fail(self, e) -> dict:
         if not self._warned:
@@ -199,6 +207,7 @@ class Modeler:
 
     def copy_bw(self) -> float:
         from cupaged.tools import archs
+
         return archs.get(self.arch).copy_bw
 
     def copy(self, nbytes: float) -> dict:
@@ -208,12 +217,16 @@ class Modeler:
             return {}
         try:
             from cupaged.tools import archs
+
             a = archs.get(self.arch)
             t = max(nbytes / a.copy_bw, a.launch_us * 1e-6)
         except Exception as e:  # noqa: BLE001
             return self._fail(e)
-        return {"modeled_ms": f"{t * 1e3:.4f}", "modeled_GBps": f"{nbytes / t / 1e9:.0f}",
-                "modeled_bound": "launch" if t > nbytes / a.copy_bw else "HBM"}
+        return {
+            "modeled_ms": f"{t * 1e3:.4f}",
+            "modeled_GBps": f"{nbytes / t / 1e9:.0f}",
+            "modeled_bound": "launch" if t > nbytes / a.copy_bw else "HBM",
+        }
 
 
 def table(rows: list[dict], cols: list[str]) -> str:

@@ -4,6 +4,7 @@ NumPy arrays run the same CUDA C kernels on the CPU backend; CuPy arrays run
 them on the GPU. See README.md and docs/layout.md (its "Where things are"
 section maps the package).
 """
+
 from ._runtime import Graph, Stream, stream_for
 from .batch import DecodeBatch, Readback
 from .cache import PagedKVCache, Sequence, StepReport
@@ -18,11 +19,36 @@ from .plan import DevicePlan, HostPlan, SplitWorkspace, choose_splits
 __version__ = "0.1.0"
 
 __all__ = [
-    "CompileError", "KernelError", "PagedAttentionError", "MAX_SPLITS", "DevicePlan", "HostPlan",
-    "SplitWorkspace", "choose_splits", "AttentionOptions", "KVLayer", "Graph", "Stream", "stream_for",
-    "argmax_into", "PagedKVCache",
-    "DecodeLoop", "DeviceScalars", "PagedDecodeLoop", "capture_graph", "capture_count", "DecodeBatch", "Readback",
-    "Sequence", "StepReport", "write_slots", "copy_pages", "Engine", "ConfigError", "CheckpointError", "SetupError",
+    "CompileError",
+    "KernelError",
+    "PagedAttentionError",
+    "MAX_SPLITS",
+    "DevicePlan",
+    "HostPlan",
+    "SplitWorkspace",
+    "choose_splits",
+    "AttentionOptions",
+    "KVLayer",
+    "Graph",
+    "Stream",
+    "stream_for",
+    "argmax_into",
+    "PagedKVCache",
+    "DecodeLoop",
+    "DeviceScalars",
+    "PagedDecodeLoop",
+    "capture_graph",
+    "capture_count",
+    "DecodeBatch",
+    "Readback",
+    "Sequence",
+    "StepReport",
+    "write_slots",
+    "copy_pages",
+    "Engine",
+    "ConfigError",
+    "CheckpointError",
+    "SetupError",
 ]
 
 
@@ -31,5 +57,6 @@ def __getattr__(name):
     # the forward passes) stays out of ``import cupaged``.
     if name == "Engine":
         from .engine import Engine
+
         return Engine
     raise AttributeError(f"module 'cupaged' has no attribute {name!r}")

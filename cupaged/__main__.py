@@ -19,6 +19,7 @@ error) prints one line and exits with status 2; anything else is a bug in
 cupaged and prints one line and exits with status 1. --traceback (before or
 after the command) or CUPAGED_TRACEBACK=1 shows the traceback instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,6 +60,7 @@ def _like(force_cpu: bool):
     if not force_cpu:
         try:
             import cupy
+
             if cupy.cuda.is_available():
                 # CUDA cannot capture the legacy default stream (the demo's decode graph):
                 # make a stream of our own current for the rest of the process.
@@ -75,33 +77,56 @@ def _sync(like):
 
 def cmd_demo(args: argparse.Namespace) -> int:
     like, backend = _like(args.cpu)
-    cfg = tiny.TinyConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                          kv_heads=args.kv_heads, head_dim=args.head_dim, ffn=2 * args.hidden,
-                          max_pos=max(1024, args.prompt_max + args.tokens + 8), mla=args.mla,
-                          latent_dim=args.latent_dim, rope_dim=args.rope_dim, nope_dim=args.head_dim,
-                          v_head_dim=args.head_dim)
+    cfg = tiny.TinyConfig(
+        vocab=args.vocab,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        ffn=2 * args.hidden,
+        max_pos=max(1024, args.prompt_max + args.tokens + 8),
+        mla=args.mla,
+        latent_dim=args.latent_dim,
+        rope_dim=args.rope_dim,
+        nope_dim=args.head_dim,
+        v_head_dim=args.head_dim,
+    )
     dtype = {"f32": np.float32}[args.dtype]
     weights = tiny.rounded(tiny.init_weights(cfg, seed=args.seed), dtype)
     rng = np.random.default_rng(args.seed)
     lens = rng.integers(max(1, args.prompt_max // 3), args.prompt_max + 1, size=args.batch)
     prompts = [rng.integers(0, cfg.vocab, size=int(n)).tolist() for n in lens]
     pages = int(sum(-(-(int(n) + args.tokens) // args.page_size) for n in lens)) + 4
-    attn = (f"MLA: {cfg.heads} heads, latent {cfg.latent_dim}, rotary {cfg.rope_dim}" if cfg.mla else
-            f"GQA: {cfg.heads}/{cfg.kv_heads} heads x {cfg.head_dim}")
-    print(f"cupaged demo on the {backend} backend: {cfg.layers} layers, hidden {cfg.hidden}, {attn}, "
-          f"vocab {cfg.vocab}, {args.dtype}")
-    print(f"batch {args.batch}, prompt lengths {lens.tolist()}, prefill chunk {args.chunk}, "
-          f"{args.tokens} new tokens each, page size {args.page_size}, {pages} pages")
-    model = tiny.TinyModel(cfg, weights, like, dtype=dtype, num_pages=pages, page_size=args.page_size,
-                           max_rows=max(args.batch, args.batch * args.chunk))
+    attn = (
+        f"MLA: {cfg.heads} heads, latent {cfg.latent_dim}, rotary {cfg.rope_dim}"
+        if cfg.mla
+        else f"GQA: {cfg.heads}/{cfg.kv_heads} heads x {cfg.head_dim}"
+    )
+    print(
+        f"cupaged demo on the {backend} backend: {cfg.layers} layers, hidden {cfg.hidden}, {attn}, "
+        f"vocab {cfg.vocab}, {args.dtype}"
+    )
+    print(
+        f"batch {args.batch}, prompt lengths {lens.tolist()}, prefill chunk {args.chunk}, "
+        f"{args.tokens} new tokens each, page size {args.page_size}, {pages} pages"
+    )
+    model = tiny.TinyModel(
+        cfg,
+        weights,
+        like,
+        dtype=dtype,
+        num_pages=pages,
+        page_size=args.page_size,
+        max_rows=max(args.batch, args.batch * args.chunk),
+    )
     t0 = time.perf_counter()
 
     def progress(i):
         if args.tokens >= 32 and i % max(1, args.tokens // 8) == 0:
             print(f"  step {i}/{args.tokens - 1}", flush=True)
 
-    tokens, loop = tiny.generate(model, prompts, args.tokens, chunk=args.chunk, graph=not args.eager,
-                                 on_step=progress)
+    tokens, loop = tiny.generate(model, prompts, args.tokens, chunk=args.chunk, graph=not args.eager, on_step=progress)
     _sync(like)
     total = time.perf_counter() - t0
     # time the decode steps alone (host + device), after the first run compiled everything
@@ -115,10 +140,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for s in range(args.batch):
         print(f"  seq {s}: {tokens[s].tolist()}")
     mode = "eager" if args.eager else "one graph launch per token"
-    print(f"decode ({mode}): {per_step * 1e3:.2f} ms per step, {args.batch / per_step:.1f} tokens/s "
-          f"(batch {args.batch}); whole run incl. compile and prefill {total:.1f} s")
-    print(f"tokens matching the float64 reference argmax: {exact}/{tokens.size}; "
-          f"all within a {1e-3} logit margin: {'yes' if ok else 'NO'}")
+    print(
+        f"decode ({mode}): {per_step * 1e3:.2f} ms per step, {args.batch / per_step:.1f} tokens/s "
+        f"(batch {args.batch}); whole run incl. compile and prefill {total:.1f} s"
+    )
+    print(
+        f"tokens matching the float64 reference argmax: {exact}/{tokens.size}; "
+        f"all within a {1e-3} logit margin: {'yes' if ok else 'NO'}"
+    )
     return 0 if ok else 1
 
 
@@ -133,14 +162,23 @@ def cmd_check(args: argparse.Namespace) -> int:
         dev = xp.asarray(logits)
         t = _timed(like, lambda: argmax_into(dev, out), args.repeat)
         bad = int((_host(out) != reference.row_argmax(logits)).sum())
-        print(f"argmax [{args.batch}, {args.vocab}] {args.dtype} on {backend}: {bad} mismatching rows, "
-              f"{t * 1e3:.3f} ms")
+        print(
+            f"argmax [{args.batch}, {args.vocab}] {args.dtype} on {backend}: {bad} mismatching rows, {t * 1e3:.3f} ms"
+        )
         return int(bad != 0)
     q_lens = None if args.q_len == 1 else args.q_len
     if args.op == "mla":
-        mcase = make_mla_case(rng, sequences=args.batch, max_kv_len=args.context, page_size=args.page_size,
-                              num_heads=args.heads, latent_dim=args.head_dim, pos_dim=args.rope_dim, dtype=dt,
-                              q_lens=q_lens)
+        mcase = make_mla_case(
+            rng,
+            sequences=args.batch,
+            max_kv_len=args.context,
+            page_size=args.page_size,
+            num_heads=args.heads,
+            latent_dim=args.head_dim,
+            pos_dim=args.rope_dim,
+            dtype=dt,
+            q_lens=q_lens,
+        )
         mplan = HostPlan.build(mcase.page_table, mcase.kv_lens, mcase.q_lens, args.page_size, mcase.num_pages)
         dm = mplan.upload(like)
         mq, mq_pos, mlatent, mk_pos = (xp.asarray(a) for a in (mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos))
@@ -148,17 +186,28 @@ def cmd_check(args: argparse.Namespace) -> int:
         out = xp.zeros(mcase.q.shape, dt)
         ws = SplitWorkspace(mplan.queries, args.heads, args.head_dim, args.splits, like) if args.splits > 1 else None
         t = _timed(like, lambda: dm.mla(mq, mq_pos, mlatent, mk_pos, scale, True, out=out, workspace=ws), args.repeat)
-        exp_out, _ = reference.paged_mla(mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos, mcase.page_table,
-                                         mcase.kv_lens, mcase.q_lens, scale, True)
+        exp_out, _ = reference.paged_mla(
+            mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos, mcase.page_table, mcase.kv_lens, mcase.q_lens, scale, True
+        )
         err, ok = _max_error(out, exp_out, dt)
-        print(f"mla: {mplan.queries} queries x {args.heads} heads, R {args.head_dim}, P {args.rope_dim}, "
-              f"{args.dtype}, splits {args.splits} on {backend}: max |out - ref| {err:.2e} "
-              f"({'ok' if ok else 'TOO LARGE'}), {t * 1e3:.3f} ms")
+        print(
+            f"mla: {mplan.queries} queries x {args.heads} heads, R {args.head_dim}, P {args.rope_dim}, "
+            f"{args.dtype}, splits {args.splits} on {backend}: max |out - ref| {err:.2e} "
+            f"({'ok' if ok else 'TOO LARGE'}), {t * 1e3:.3f} ms"
+        )
         return 0 if ok else 1
     heads = args.kv_heads if args.op == "append" else args.heads
-    case = make_paged_case(rng, sequences=args.batch, max_kv_len=args.context, page_size=args.page_size,
-                           num_q_heads=heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dt,
-                           q_lens=q_lens)
+    case = make_paged_case(
+        rng,
+        sequences=args.batch,
+        max_kv_len=args.context,
+        page_size=args.page_size,
+        num_q_heads=heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=dt,
+        q_lens=q_lens,
+    )
     plan = HostPlan.build(case.page_table, case.kv_lens, case.q_lens, args.page_size, case.num_pages)
     dplan = plan.upload(like)
     q, k, v = (xp.asarray(a) for a in (case.q, case.k_cache, case.v_cache))
@@ -168,28 +217,34 @@ def cmd_check(args: argparse.Namespace) -> int:
         ws = SplitWorkspace(plan.queries, args.heads, args.head_dim, splits, like) if splits > 1 else None
         out = xp.zeros(q.shape[:2] + (args.head_dim,), dt)
         lse = xp.zeros(q.shape[:2], np.float32)
-        t = _timed(like, lambda: dplan.attention(q, k, v, scale, True, workspace=ws, out=out, lse=lse),
-                   args.repeat)
-        exp_out, exp_lse = reference.paged_attention(case.q, case.k_cache, case.v_cache, case.page_table,
-                                                     case.kv_lens, case.q_lens, scale, True)
+        t = _timed(like, lambda: dplan.attention(q, k, v, scale, True, workspace=ws, out=out, lse=lse), args.repeat)
+        exp_out, exp_lse = reference.paged_attention(
+            case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens, scale, True
+        )
         err, ok = _max_error(out, exp_out, dt)
         lerr = float(np.max(np.abs(_host(lse) - exp_lse))) if exp_lse.size else 0.0
-        print(f"{args.op}: {plan.queries} queries x {args.heads}/{args.kv_heads} heads x d{args.head_dim}, "
-              f"context <= {args.context}, page {args.page_size}, {args.dtype}, splits {splits}, on {backend}: "
-              f"max |out - ref| {err:.2e}, max |lse - ref| {lerr:.2e} ({'ok' if ok else 'TOO LARGE'}), "
-              f"{t * 1e3:.3f} ms")
+        print(
+            f"{args.op}: {plan.queries} queries x {args.heads}/{args.kv_heads} heads x d{args.head_dim}, "
+            f"context <= {args.context}, page {args.page_size}, {args.dtype}, splits {splits}, on {backend}: "
+            f"max |out - ref| {err:.2e}, max |lse - ref| {lerr:.2e} ({'ok' if ok else 'TOO LARGE'}), "
+            f"{t * 1e3:.3f} ms"
+        )
         return 0 if ok else 1
     # append
     new_k = rng.standard_normal((plan.queries, args.kv_heads, args.head_dim)).astype(dt)
     new_v = rng.standard_normal((plan.queries, args.kv_heads, args.head_dim)).astype(dt)
-    exp_k, exp_v = reference.paged_append(new_k, new_v, case.k_cache, case.v_cache, case.page_table,
-                                          case.kv_lens, case.q_lens)
+    exp_k, exp_v = reference.paged_append(
+        new_k, new_v, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens
+    )
     nk, nv = xp.asarray(new_k), xp.asarray(new_v)
     t = _timed(like, lambda: dplan.append(nk, nv, k, v), args.repeat)
-    same = np.array_equal(_host(k).astype(np.float64), exp_k, equal_nan=True) and \
-        np.array_equal(_host(v).astype(np.float64), exp_v, equal_nan=True)
-    print(f"append: {plan.queries} rows x {args.kv_heads} heads x d{args.head_dim} {args.dtype} on {backend}: "
-          f"{'bit-exact' if same else 'MISMATCH'}, {t * 1e3:.3f} ms")
+    same = np.array_equal(_host(k).astype(np.float64), exp_k, equal_nan=True) and np.array_equal(
+        _host(v).astype(np.float64), exp_v, equal_nan=True
+    )
+    print(
+        f"append: {plan.queries} rows x {args.kv_heads} heads x d{args.head_dim} {args.dtype} on {backend}: "
+        f"{'bit-exact' if same else 'MISMATCH'}, {t * 1e3:.3f} ms"
+    )
     return 0 if same else 1
 
 
@@ -204,13 +259,13 @@ def _tokenizer(folder: str):
         return None
     try:
         return tokenizers.Tokenizer.from_file(str(path))
-    except Exception as e:      # noqa: BLE001 -- tokenizers raises plain Exceptions for a bad file
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises plain Exceptions for a bad file
         raise CheckpointError(f"{path}: not a readable tokenizer.json: {e}") from None
 
 
 def _prompt_ids(text: str) -> list[int] | None:
     parts = text.replace(",", " ").split()
-    if not parts or not all(p.isascii() and p.isdigit() for p in parts):     # (not '²', '١')
+    if not parts or not all(p.isascii() and p.isdigit() for p in parts):  # (not '²', '١')
         return None
     return [int(p) for p in parts]
 
@@ -224,19 +279,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         ids = _prompt_ids(args.prompt)
         if ids is None:
-            why = "--ids was given" if args.ids else (
-                "the model folder has no tokenizer.json" if not (Path(args.model) / "tokenizer.json").is_file()
-                else "the tokenizers package is not installed (pip install 'cupaged[tokenizers]')")
+            why = (
+                "--ids was given"
+                if args.ids
+                else (
+                    "the model folder has no tokenizer.json"
+                    if not (Path(args.model) / "tokenizer.json").is_file()
+                    else "the tokenizers package is not installed (pip install 'cupaged[tokenizers]')"
+                )
+            )
             print(f"{prog}: --prompt: expected token ids like '1 2 3' ({why}), got {args.prompt!r}", file=sys.stderr)
             return 2
     dtype = {None: None, "f32": "float32", "f16": "float16", "bf16": "bfloat16"}[args.dtype]
-    max_len = min(len(ids) + args.max_new_tokens, _model_limit(args.model)) if args.max_model_len is None \
+    max_len = (
+        min(len(ids) + args.max_new_tokens, _model_limit(args.model))
+        if args.max_model_len is None
         else args.max_model_len
-    engine = Engine.from_pretrained(args.model, like=like, dtype=dtype, max_batch=1, page_size=args.page_size,
-                                    max_model_len=max_len, num_pages=-(-max_len // args.page_size) + 1)
+    )
+    engine = Engine.from_pretrained(
+        args.model,
+        like=like,
+        dtype=dtype,
+        max_batch=1,
+        page_size=args.page_size,
+        max_model_len=max_len,
+        num_pages=-(-max_len // args.page_size) + 1,
+    )
     c = engine.config
-    print(f"{c.architecture} on the {backend} backend: {c.layers} layers, hidden {c.hidden}, "
-          f"{engine.dtype.name}; prompt {len(ids)} tokens, up to {args.max_new_tokens} new", flush=True)
+    print(
+        f"{c.architecture} on the {backend} backend: {c.layers} layers, hidden {c.hidden}, "
+        f"{engine.dtype.name}; prompt {len(ids)} tokens, up to {args.max_new_tokens} new",
+        flush=True,
+    )
     state = {"ids": list(ids), "text": tok.decode(ids, skip_special_tokens=True) if tok is not None else ""}
 
     def show(_, new):
@@ -246,19 +320,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         state["ids"].extend(new)
         text = tok.decode(state["ids"], skip_special_tokens=True)
         done = state["text"]
-        print(text[len(done):] if text.startswith(done) else text, end="", flush=True)
+        print(text[len(done) :] if text.startswith(done) else text, end="", flush=True)
         state["text"] = text
 
     if tok is not None:
-        print(state["text"], end="", flush=True)      # the prompt as the tokenizer reads it
+        print(state["text"], end="", flush=True)  # the prompt as the tokenizer reads it
     engine.generate([ids], args.max_new_tokens, on_tokens=show)
     s = engine.stats
     print()
     pre = s["prefill_tokens"] / s["prefill_seconds"] if s["prefill_seconds"] else float("inf")
     dec = s["decode_tokens"] / s["decode_seconds"] if s["decode_seconds"] else float("inf")
-    print(f"prefill: {s['prefill_tokens']} tokens in {s['prefill_seconds']:.3f} s ({pre:.1f} tokens/s); "
-          f"decode: {s['decode_tokens']} tokens in {s['decode_seconds']:.3f} s ({dec:.1f} tokens/s, "
-          f"{s['decode_launches']} graph launches)")
+    print(
+        f"prefill: {s['prefill_tokens']} tokens in {s['prefill_seconds']:.3f} s ({pre:.1f} tokens/s); "
+        f"decode: {s['decode_tokens']} tokens in {s['decode_seconds']:.3f} s ({dec:.1f} tokens/s, "
+        f"{s['decode_launches']} graph launches)"
+    )
     return 0
 
 
@@ -266,7 +342,7 @@ def _model_limit(folder: str) -> int:
     """The model's longest sequence (engine checks come later, with the config)."""
     try:
         return parse_config(json.loads((Path(folder) / "config.json").read_text())).max_len
-    except Exception:       # noqa: BLE001 -- the engine reports the real error with its message
+    except Exception:  # noqa: BLE001 -- the engine reports the real error with its message
         return 1 << 30
 
 
@@ -310,6 +386,7 @@ def _int_in(lo: int, hi: int, what: str = "an integer"):
         if not lo <= v <= hi:
             raise argparse.ArgumentTypeError(f"expected {what} from {lo} to {hi}, got {v}")
         return v
+
     parse.__name__ = "int"
     return parse
 
@@ -322,6 +399,7 @@ def _even_in(lo: int, hi: int):
         if v % 2:
             raise argparse.ArgumentTypeError(f"expected an even integer from {lo} to {hi}, got {v}")
         return v
+
     parse.__name__ = "int"
     return parse
 
@@ -332,15 +410,22 @@ def _opt(p, flag, type_, default, help_):
 
 def _traceback_flag(p, default=argparse.SUPPRESS):
     """--traceback (a subcommand's default leaves the top level's in place)."""
-    p.add_argument("--traceback", action="store_true", default=default,
-                   help=f"on an error, print its traceback, not one line (or set {TRACEBACK_ENV}=1)")
+    p.add_argument(
+        "--traceback",
+        action="store_true",
+        default=default,
+        help=f"on an error, print its traceback, not one line (or set {TRACEBACK_ENV}=1)",
+    )
 
 
 def _demo_parser(sub):
-    d = sub.add_parser("demo", help="tiny decoder: chunked prefill + graph decode, checked against float64",
-                       description="A tiny Llama-style decoder (or DeepSeek-style MLA with --mla): chunked "
-                                   "prefill, then greedy decode through the paged decode graph, every token "
-                                   "checked against a float64 reference.")
+    d = sub.add_parser(
+        "demo",
+        help="tiny decoder: chunked prefill + graph decode, checked against float64",
+        description="A tiny Llama-style decoder (or DeepSeek-style MLA with --mla): chunked "
+        "prefill, then greedy decode through the paged decode graph, every token "
+        "checked against a float64 reference.",
+    )
     _opt(d, "--batch", _int_in(1, 1024), 3, "sequences")
     _opt(d, "--tokens", _int_in(1, 4096), 16, "new tokens per sequence")
     _opt(d, "--prompt-max", _int_in(1, 4096), 24, "longest prompt")
@@ -369,9 +454,12 @@ def _check_demo(p, args) -> None:
 
 
 def _check_parsers(sub):
-    c = sub.add_parser("check", help="run one kernel on random data against the float64 reference",
-                       description="Run one kernel on random data against the float64 reference, with its "
-                                   "error and time. `check OP --help` lists that op's options.")
+    c = sub.add_parser(
+        "check",
+        help="run one kernel on random data against the float64 reference",
+        description="Run one kernel on random data against the float64 reference, with its "
+        "error and time. `check OP --help` lists that op's options.",
+    )
     ops = c.add_subparsers(dest="op", required=True, metavar="OP", parser_class=_Parser)
     common = _Parser(add_help=False)
     common.add_argument("--dtype", default="bf16", choices=["f32", "f16", "bf16"], help="(default bf16)")
@@ -396,14 +484,18 @@ def _check_parsers(sub):
             _opt(o, "--heads", _int_in(1, 1024), 8, "query heads")
         if op != "mla":
             _opt(o, "--kv-heads", _int_in(1, 1024), 2, "KV heads")
-        _opt(o, "--head-dim", _int_in(1, 1024), 128,
-             "latent dim R" if op == "mla" else "head dim D")
+        _opt(o, "--head-dim", _int_in(1, 1024), 128, "latent dim R" if op == "mla" else "head dim D")
         if op == "mla":
             _opt(o, "--rope-dim", _int_in(1, 256), 64, "rotary dim P")
         if splits is not None:
             lo = 2 if op == "merge" else 1
-            _opt(o, "--splits", _int_in(lo, 64), splits, "splits of each history" + (" (a merge needs 2)"
-                                                                                      if op == "merge" else ""))
+            _opt(
+                o,
+                "--splits",
+                _int_in(lo, 64),
+                splits,
+                "splits of each history" + (" (a merge needs 2)" if op == "merge" else ""),
+            )
         o.set_defaults(fn=cmd_check, checks=_check_check)
     a = ops.add_parser("argmax", parents=[common], help="row argmax over logits", description="Check argmax.")
     _opt(a, "--batch", _int_in(1, 1 << 20), 4, "rows")
@@ -420,20 +512,29 @@ def _check_check(p, args) -> None:
 
 
 def _generate_parser(sub):
-    g = sub.add_parser("generate", help="greedy generation with a local Hugging Face model folder",
-                       description="Greedy generation with a local Hugging Face model folder (config.json, "
-                                   "*.safetensors; tokenizer.json for text) through cupaged.Engine: tokens print "
-                                   "as they come, then prefill and decode tokens/s.")
+    g = sub.add_parser(
+        "generate",
+        help="greedy generation with a local Hugging Face model folder",
+        description="Greedy generation with a local Hugging Face model folder (config.json, "
+        "*.safetensors; tokenizer.json for text) through cupaged.Engine: tokens print "
+        "as they come, then prefill and decode tokens/s.",
+    )
     g.add_argument("--model", required=True, metavar="DIR", help="the model folder")
-    g.add_argument("--prompt", required=True, help="text (with the folder's tokenizer.json and the tokenizers "
-                                                   "package), or token ids like '1 2 3'")
+    g.add_argument(
+        "--prompt",
+        required=True,
+        help="text (with the folder's tokenizer.json and the tokenizers package), or token ids like '1 2 3'",
+    )
     _opt(g, "--max-new-tokens", _int_in(1, 1 << 20), 32, "tokens to generate")
     g.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"], help="(default: the checkpoint's)")
     _opt(g, "--page-size", _int_in(1, 256), 16, "tokens per page")
-    g.add_argument("--max-model-len", type=_int_in(2, 1 << 24), default=None,
-                   help="longest sequence the cache holds (default: prompt + new tokens)")
-    g.add_argument("--ids", action="store_true", help="read --prompt as token ids and print ids, even with a "
-                                                      "tokenizer")
+    g.add_argument(
+        "--max-model-len",
+        type=_int_in(2, 1 << 24),
+        default=None,
+        help="longest sequence the cache holds (default: prompt + new tokens)",
+    )
+    g.add_argument("--ids", action="store_true", help="read --prompt as token ids and print ids, even with a tokenizer")
     g.add_argument("--cpu", action="store_true", help="use the CPU backend even when a GPU is present")
     _traceback_flag(g)
     g.set_defaults(fn=cmd_generate, checks=None)
@@ -456,15 +557,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.fn(args)
     try:
         return args.fn(args)
-    except REFUSED as e:        # a refused input or a broken environment: one line, no traceback
+    except REFUSED as e:  # a refused input or a broken environment: one line, no traceback
         print(f"{prog}: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:      # noqa: BLE001 -- a bug: one line and how to see the traceback
-        print(f"{prog}: internal error (a bug in cupaged): {type(e).__name__}: {_one_line(e)}; rerun with "
-              f"--traceback or {TRACEBACK_ENV}=1 for the traceback", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 -- a bug: one line and how to see the traceback
+        print(
+            f"{prog}: internal error (a bug in cupaged): {type(e).__name__}: {_one_line(e)}; rerun with "
+            f"--traceback or {TRACEBACK_ENV}=1 for the traceback",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -26,6 +26,7 @@ Layout and rules: docs/layout.md, "Decode graphs".
         batch.advance()                    # one copy + one graph launch, no host data
     out = batch.readback()                 # {seq: [tokens]}, which finished and why
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -84,10 +85,10 @@ class _Slot:
 
     def __init__(self, seq: Sequence, max_len: int, start: int, first_on_device: bool):
         self.seq, self.max_len, self.start = seq, max_len, start
-        self.len0 = seq.length          # prepared length at the start of this round
+        self.len0 = seq.length  # prepared length at the start of this round
         self.written0 = seq.length - 1  # tokens written at the start of this round
         self.first_on_device = first_on_device
-        self.done = False               # the host knows it finishes (its max_len)
+        self.done = False  # the host knows it finishes (its max_len)
 
 
 class DecodeBatch:
@@ -122,14 +123,26 @@ class DecodeBatch:
     Every method holds the cache's lock (docs/layout.md, "Thread safety").
     """
 
-    def __init__(self, cache: PagedKVCache, step: Callable[[DevicePlan], Array], *, token_buf: Array,
-                 next_token: Array, max_batch: int, max_len: int, stop_ids: Iterable[int] = (),
-                 readback_every: int = 8, buckets: Iterable[int] | None = None, graph: bool = True):
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        step: Callable[[DevicePlan], Array],
+        *,
+        token_buf: Array,
+        next_token: Array,
+        max_batch: int,
+        max_len: int,
+        stop_ids: Iterable[int] = (),
+        readback_every: int = 8,
+        buckets: Iterable[int] | None = None,
+        graph: bool = True,
+    ):
         if not isinstance(cache, PagedKVCache):
             raise PagedAttentionError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
         if not callable(step):
-            raise PagedAttentionError(f"step: expected a callable step(plan) -> logits [B, vocab], got "
-                                      f"{type(step).__name__}")
+            raise PagedAttentionError(
+                f"step: expected a callable step(plan) -> logits [B, vocab], got {type(step).__name__}"
+            )
         self.cache = cache
         self.max_batch = checks.host_int("max_batch", max_batch, 1, MAX_BATCH)
         self.max_len = checks.host_int("max_len", max_len, 2, MAX_VISIBLE_LEN)
@@ -142,11 +155,15 @@ class DecodeBatch:
             if array_backend(b) != cache.backend:
                 raise PagedAttentionError(f"{name}: expected an array of the cache's {cache.backend} backend")
         self.token_buf, self.next_token = token_buf, next_token
-        bs = default_buckets(self.max_batch) if buckets is None else \
-            tuple(sorted({int(b) for b in checks.host_int_array("buckets", buckets, 1)}))
+        bs = (
+            default_buckets(self.max_batch)
+            if buckets is None
+            else tuple(sorted({int(b) for b in checks.host_int_array("buckets", buckets, 1)}))
+        )
         if not bs or bs[0] < 1 or bs[-1] != self.max_batch:
-            raise PagedAttentionError(f"buckets: expected batch sizes in 1..{self.max_batch} ending at max_batch, "
-                                      f"got {list(bs)}")
+            raise PagedAttentionError(
+                f"buckets: expected batch sizes in 1..{self.max_batch} ending at max_batch, got {list(bs)}"
+            )
         self.buckets = bs
         self.stream = stream_for(cache.k)
         check_not_capturing(self.stream, "DecodeBatch")
@@ -166,12 +183,12 @@ class DecodeBatch:
         self.launches = 0
         self._read_at = 0
         self.captures = 0
-        self._appends_all = True     # every launch so far appended every layer (prefix index)
-        self._row = np.empty(self.table_width, np.uint32)      # host staging of one page-table row
+        self._appends_all = True  # every launch so far appended every layer (prefix index)
+        self._row = np.empty(self.table_width, np.uint32)  # host staging of one page-table row
         self.vocab: int | None = None
         self._pad: set[int] = set()  # released slots whose padding on the device is still to issue
-        self._unsettled = False      # padding, packing or a bucket change is still to issue (_settle)
-        self._held: Readback | None = None   # a readback whose reorganization failed: the next one returns it
+        self._unsettled = False  # padding, packing or a bucket change is still to issue (_settle)
+        self._held: Readback | None = None  # a readback whose reorganization failed: the next one returns it
 
     # -- queries ------------------------------------------------------------
     @property
@@ -223,13 +240,16 @@ class DecodeBatch:
         limit = self.max_len if max_len is None else checks.host_int("max_len", max_len, 2, self.max_len)
         L = seq.length
         if L + 1 >= limit:
-            raise PagedAttentionError(f"max_len: sequence {seq.id} holds {L} tokens and feeds one more; expected "
-                                      f"a limit above {L + 1}, got {limit}")
+            raise PagedAttentionError(
+                f"max_len: sequence {seq.id} holds {L} tokens and feeds one more; expected "
+                f"a limit above {L + 1}, got {limit}"
+            )
         device_token = not isinstance(token, (int, np.integer)) or isinstance(token, bool)
         if device_token:
             if array_backend(token) is None or str(token.dtype) != "int64" or token.size != 1:
-                raise PagedAttentionError(f"token: expected an int or a 1-element int64 array, got "
-                                          f"{type(token).__name__}")
+                raise PagedAttentionError(
+                    f"token: expected an int or a 1-element int64 array, got {type(token).__name__}"
+                )
             checks.plan_arrays(self._plans[self._bucket], token=token)
         else:
             token = int(checks.token_ids("token", token, self.vocab)[0])
@@ -237,21 +257,22 @@ class DecodeBatch:
             slot = self._slot.index(None)
         except ValueError:
             raise PagedAttentionError(f"seq: the batch is full ({self.max_batch} slots)") from None
-        target = self._target(L + 1, limit)            # positions L .. target - 1 in its own pages
+        target = self._target(L + 1, limit)  # positions L .. target - 1 in its own pages
         if -(-target // self.cache.page_size) > self.table_width:
-            raise PagedAttentionError(f"seq: sequence {seq.id} needs more than {self.table_width} pages "
-                                      f"(max_len {self.max_len})")
+            raise PagedAttentionError(
+                f"seq: sequence {seq.id} needs more than {self.table_width} pages (max_len {self.max_len})"
+            )
         self.cache._reserve([seq], max(0, target - L))  # may raise: nothing changed
         if slot >= self._bucket:
             self._switch(self._bucket_for(slot + 1))
         seq._batch = self
-        seq.length = L + 1                             # the fed token is prepared (docs/layout.md)
+        seq.length = L + 1  # the fed token is prepared (docs/layout.md)
         self._slot[slot] = _Slot(seq, limit, self.launches, device_token)
         if device_token:
             self.stream.copy(self.next_token, token, nbytes=8, dst_offset=8 * slot)
             self.stream.copy(self.first, token, nbytes=8, dst_offset=8 * slot)
         else:
-            seed_tokens(self.next_token[slot:slot + 1], [token])
+            seed_tokens(self.next_token[slot : slot + 1], [token])
             if len(seq._tokens) == L:
                 seq._tokens.append(token)
         self._write_slot(slot, seq, limit)
@@ -266,16 +287,21 @@ class DecodeBatch:
             self._settle()
             slot = self.slot_of(seq)
             if self.launches != self._read_at:
-                raise PagedAttentionError("leave: the batch ran since its last readback(); call readback() first so "
-                                          "the sequence's length and tokens are known")
+                raise PagedAttentionError(
+                    "leave: the batch ran since its last readback(); call readback() first so "
+                    "the sequence's length and tokens are known"
+                )
             self._release(slot)
             seq.length -= 1
             self._unsettled = True
             try:
                 self._settle()
             except BaseException as err:
-                add_note(err, "DecodeBatch.leave: the sequence has left; padding and packing its slot failed and are "
-                             "issued again by the next call")
+                add_note(
+                    err,
+                    "DecodeBatch.leave: the sequence has left; padding and packing its slot failed and are "
+                    "issued again by the next call",
+                )
                 raise
 
     # -- running --------------------------------------------------------------
@@ -291,16 +317,19 @@ class DecodeBatch:
     def _advance(self) -> None:
         live = [(i, s) for i, s in enumerate(self._slot) if s is not None and not s.done]
         if not live:
-            raise PagedAttentionError("advance: no sequence to decode; join one first (sequences that reached "
-                                      "their limit leave at the next readback())")
+            raise PagedAttentionError(
+                "advance: no sequence to decode; join one first (sequences that reached "
+                "their limit leave at the next readback())"
+            )
         if self.launches - self._read_at >= self.k:
-            raise PagedAttentionError(f"advance: {self.k} launches since the last readback fill the token ring; "
-                                      f"call readback() first")
+            raise PagedAttentionError(
+                f"advance: {self.k} launches since the last readback fill the token ring; call readback() first"
+            )
         short = [(i, s) for i, s in live if self._short(s.seq, s.max_len)]
         if short:
             seqs = [s.seq for _, s in short]
             need = [self._target(s.seq.length, s.max_len) - s.seq.length for _, s in short]
-            self.cache._reserve(seqs, need)              # may raise: nothing changed, nothing launched
+            self.cache._reserve(seqs, need)  # may raise: nothing changed, nothing launched
             for i, s in short:
                 self._write_row(i, s.seq)
         b = self._bucket
@@ -308,7 +337,7 @@ class DecodeBatch:
         self._launch(b)
         self.launches += 1
         for _, s in live:
-            if s.seq.length + 1 >= s.max_len:           # the device finishes it at this launch
+            if s.seq.length + 1 >= s.max_len:  # the device finishes it at this launch
                 s.done = True
             else:
                 s.seq.length += 1
@@ -335,8 +364,11 @@ class DecodeBatch:
             try:
                 out = self._learn()
             except BaseException as err:
-                add_note(err, "DecodeBatch.readback: nothing was learned and the batch is as it was before this "
-                             "call; call readback() again")
+                add_note(
+                    err,
+                    "DecodeBatch.readback: nothing was learned and the batch is as it was before this "
+                    "call; call readback() again",
+                )
                 raise
             if self._held is not None:
                 out = _merged(self._held, out)
@@ -344,8 +376,11 @@ class DecodeBatch:
             try:
                 self._settle()
             except BaseException as err:
-                add_note(err, "DecodeBatch.readback: the tokens were read and are kept, the next readback() returns "
-                             "them; packing the slots failed and is issued again by the next call")
+                add_note(
+                    err,
+                    "DecodeBatch.readback: the tokens were read and are kept, the next readback() returns "
+                    "them; packing the slots failed and is issued again by the next call",
+                )
                 raise
             self._held = None
             return out
@@ -357,8 +392,7 @@ class DecodeBatch:
         out = Readback(steps=self.launches - self._read_at)
         ring = self.stream.read(self.slots.ring)
         words = self.stream.read(self.slots.words)
-        first = self.stream.read(self.first) if any(s is not None and s.first_on_device for s in self._slot) \
-            else None
+        first = self.stream.read(self.first) if any(s is not None and s.first_on_device for s in self._slot) else None
         saved = self._snapshot()
         try:
             self._learn_from(out, ring, words, first)
@@ -409,10 +443,14 @@ class DecodeBatch:
     def _snapshot(self):
         """What ``_learn_from`` changes (the prefix index aside: an entry it
         added describes written pages, and offering them again finds it)."""
-        slots = [(s, s.start, s.len0, s.written0, s.first_on_device, s.done) if s is not None else None
-                 for s in self._slot]
-        seqs = [(s.seq, s.seq.length, len(s.seq._tokens), s.seq._written, s.seq._indexed, s.seq._batch)
-                for s in self._slot if s is not None]
+        slots = [
+            (s, s.start, s.len0, s.written0, s.first_on_device, s.done) if s is not None else None for s in self._slot
+        ]
+        seqs = [
+            (s.seq, s.seq.length, len(s.seq._tokens), s.seq._written, s.seq._indexed, s.seq._batch)
+            for s in self._slot
+            if s is not None
+        ]
         return slots, seqs, set(self._pad), self._read_at, self._unsettled
 
     def _restore(self, saved) -> None:
@@ -454,7 +492,7 @@ class DecodeBatch:
         plan, off = self._words()
         row = self._row
         row[:] = layout.NO_PAGE
-        row[:len(seq._pages)] = seq._pages
+        row[: len(seq._pages)] = seq._pages
         self.stream.copy_from_host(plan.words, row, dst_offset=4 * (off["page_table"] + slot * self.table_width))
         self.slots.set(slot, layout.SLOT_CAP, seq.capacity)
 
@@ -504,11 +542,11 @@ class DecodeBatch:
                 break
             src, dst = used[-1], free[0]
             s = self._slot[src]
-            assert s is not None        # src is in used
+            assert s is not None  # src is in used
             for buf in (self.next_token, self.first):
                 self.stream.copy(buf, buf, nbytes=8, dst_offset=8 * dst, src_offset=8 * src)
             self._write_slot(dst, s.seq, s.max_len)
-            self._slot[dst], self._slot[src] = s, None      # src still active on the device: padded next
+            self._slot[dst], self._slot[src] = s, None  # src still active on the device: padded next
             self._pad.add(src)
             self._pad_slot(src)
             self._pad.discard(src)
@@ -526,8 +564,9 @@ class DecodeBatch:
         new, off_new = self._words(bucket)
         m = min(self._bucket, bucket)
         for name, n in (("kv_len", m), ("q_pos", m), ("page_table", m * self.table_width)):
-            self.stream.copy(new.words, old.words, nbytes=4 * n, dst_offset=4 * off_new[name],
-                             src_offset=4 * off_old[name])
+            self.stream.copy(
+                new.words, old.words, nbytes=4 * n, dst_offset=4 * off_new[name], src_offset=4 * off_old[name]
+            )
         if bucket > m:
             self.stream.memset_d32(new.words, 0, count=bucket - m, offset_bytes=4 * (off_new["kv_len"] + m))
         self._bucket = bucket
@@ -557,8 +596,12 @@ class DecodeBatch:
 
 def _merged(a: Readback, b: Readback) -> Readback:
     """Readback ``a`` followed by ``b``."""
-    out = Readback(tokens={s: list(t) for s, t in a.tokens.items()}, finished=dict(a.finished),
-                   finished_at=dict(a.finished_at), steps=a.steps + b.steps)
+    out = Readback(
+        tokens={s: list(t) for s, t in a.tokens.items()},
+        finished=dict(a.finished),
+        finished_at=dict(a.finished_at),
+        steps=a.steps + b.steps,
+    )
     for s, t in b.tokens.items():
         out.tokens.setdefault(s, []).extend(t)
     out.finished.update(b.finished)

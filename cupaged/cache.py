@@ -22,6 +22,7 @@ Layout of caches, positions and metadata words: ``docs/layout.md``.
     b = cache.fork(a)                                  # shares every page of a
     plan, report = cache.prepare([a, b], [1, 1])       # decode: copies a shared last page
 """
+
 from __future__ import annotations
 
 import functools
@@ -70,8 +71,20 @@ class Sequence:
     ``batch``: the DecodeBatch whose slot holds it, or None; ``alive``:
     False once freed."""
 
-    __slots__ = ("id", "length", "_pages", "_cache", "alive", "cached_tokens", "_tokens", "_written", "_indexed",
-                 "_batch", "_drive", "__weakref__")
+    __slots__ = (
+        "id",
+        "length",
+        "_pages",
+        "_cache",
+        "alive",
+        "cached_tokens",
+        "_tokens",
+        "_written",
+        "_indexed",
+        "_batch",
+        "_drive",
+        "__weakref__",
+    )
 
     def __init__(self, cache: "PagedKVCache", seq_id: int, pages: list[int], length: int):
         self.id = seq_id
@@ -81,10 +94,10 @@ class Sequence:
         self.alive = True
         self.cached_tokens = 0
         self._tokens: list[int] = []
-        self._written = length     # tokens whose K/V are known written (prefix index; docs/layout.md)
-        self._indexed = 0          # leading pages already offered to the prefix index
-        self._batch: DecodeBatch | None = None     # the DecodeBatch whose slot holds it
-        self._drive = None         # the _Drive of the live PagedDecodeLoop driving it
+        self._written = length  # tokens whose K/V are known written (prefix index; docs/layout.md)
+        self._indexed = 0  # leading pages already offered to the prefix index
+        self._batch: DecodeBatch | None = None  # the DecodeBatch whose slot holds it
+        self._drive = None  # the _Drive of the live PagedDecodeLoop driving it
 
     @property
     def pages(self) -> tuple[int, ...]:
@@ -149,7 +162,7 @@ class _Writes:
         self.seqs, self.starts, self.ends, self.auto = seqs, starts, ends, auto
         self.layers: set = set()
         self.captured: set = set()
-        self.driven = False        # a PagedDecodeLoop has driven the plan (its device words moved on)
+        self.driven = False  # a PagedDecodeLoop has driven the plan (its device words moved on)
 
 
 class _Drive:
@@ -183,10 +196,12 @@ class _Drive:
 
 def _locked(method):
     """Run ``method`` holding its cache's lock (docs/layout.md, "Thread safety")."""
+
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
+
     return locked
 
 
@@ -243,9 +258,21 @@ class PagedKVCache:
     safety").
     """
 
-    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: DTypeLike, *,
-                 layers: int = 1, value_dim: int | None = None, like: Array | None = None, prefix_cache: bool = False,
-                 k_scale: float | Array | None = None, v_scale: float | Array | None = None):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: DTypeLike,
+        *,
+        layers: int = 1,
+        value_dim: int | None = None,
+        like: Array | None = None,
+        prefix_cache: bool = False,
+        k_scale: float | Array | None = None,
+        v_scale: float | Array | None = None,
+    ):
         #: The one lock of this cache, its DecodeBatches and cache-driven loops (reentrant).
         self._lock = threading.RLock()
         self.num_pages = checks.host_int("num_pages", num_pages, 1, U32_MAX - 1)
@@ -266,8 +293,9 @@ class PagedKVCache:
         self.dtype = np.dtype(np.uint8) if fmt.scaled and array_backend(like) == GPU else fmt.np_dtype
         for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
             if val is not None and not fmt.scaled:
-                raise PagedAttentionError(f"{name}: expected None for a {fmt.name} cache (scales belong to fp8 "
-                                          f"caches: dtype e4m3 / e5m2)")
+                raise PagedAttentionError(
+                    f"{name}: expected None for a {fmt.name} cache (scales belong to fp8 caches: dtype e4m3 / e5m2)"
+                )
         k_shape = (self.layers, self.num_pages, self.page_size, self.kv_heads, self.head_dim)
         v_shape = k_shape[:4] + (self.value_dim,)
         # per-page sizes must fit 32-bit indexing; page offsets are 64-bit (docs/layout.md)
@@ -279,30 +307,32 @@ class PagedKVCache:
         self.k_scale = self._scale("k_scale", k_scale, like) if fmt.scaled else None
         self.v_scale = self._scale("v_scale", v_scale, like) if fmt.scaled else None
         self._refs = [0] * self.num_pages
-        self._free = list(range(self.num_pages - 1, -1, -1))   # a stack: page 0 is handed out first
-        self._lru: OrderedDict[int, None] = OrderedDict()     # cached pages no sequence holds, oldest first
-        self._index: dict[bytes, _Entry] = {}                  # key -> entry
-        self._entry: dict[int, _Entry] = {}                    # page -> its entry
+        self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages no sequence holds, oldest first
+        self._index: dict[bytes, _Entry] = {}  # key -> entry
+        self._entry: dict[int, _Entry] = {}  # page -> its entry
         self._stats = {"hits": 0, "misses": 0, "evictions": 0}
-        self._writes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # plan -> _Writes
+        self._writes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # plan -> _Writes
         self._next_id = 0
-        self._pairs: Array | None = None      # the device page list of copies (GPU), kept with the cache
-        self._generation = 0    # bumped by every fork, free, prepare and reserve: older plans are stale
+        self._pairs: Array | None = None  # the device page list of copies (GPU), kept with the cache
+        self._generation = 0  # bumped by every fork, free, prepare and reserve: older plans are stale
 
     def _scale(self, name: str, val, like):
         """A [layers] or [layers, kv_heads] float32 scale array on the cache's
         device, every value finite and > 0 (``checks.scale_values``)."""
-        host: Any = np.ones(self.layers, np.float32) if val is None else val   # a number, host or CuPy data
+        host: Any = np.ones(self.layers, np.float32) if val is None else val  # a number, host or CuPy data
         if array_backend(host) == GPU:
             host = host.get()
         if isinstance(host, (int, float, np.integer, np.floating)) and not isinstance(host, bool):
             host = np.full(self.layers, host, np.float64)
         host = np.asarray(host)
         if host.dtype.kind not in "fiu" or host.shape not in ((self.layers,), (self.layers, self.kv_heads)):
-            raise PagedAttentionError(f"{name}: expected a number or float data of shape [{self.layers}] (per layer) "
-                                      f"or [{self.layers}, {self.kv_heads}] (per layer and KV head), got "
-                                      f"{host.dtype} {checks.shape_str(host.shape)}")
-        with np.errstate(over="ignore"):     # a value past float32's range becomes inf, which is refused
+            raise PagedAttentionError(
+                f"{name}: expected a number or float data of shape [{self.layers}] (per layer) "
+                f"or [{self.layers}, {self.kv_heads}] (per layer and KV head), got "
+                f"{host.dtype} {checks.shape_str(host.shape)}"
+            )
+        with np.errstate(over="ignore"):  # a value past float32's range becomes inf, which is refused
             checks.scale_values(name, host.astype(np.float32))
         out = zeros(like, host.shape, np.float32)
         if array_backend(out) == GPU:
@@ -319,8 +349,10 @@ class PagedKVCache:
         layer = checks.host_int("layer", layer, 0, self.layers - 1)
         if self.k_scale is None:
             return {}
-        def at(s):   # [1] (per tensor) or [kv_heads]: views, so later writes to the scales are seen
-            return s[layer:layer + 1] if s.ndim == 1 else s[layer]
+
+        def at(s):  # [1] (per tensor) or [kv_heads]: views, so later writes to the scales are seen
+            return s[layer : layer + 1] if s.ndim == 1 else s[layer]
+
         return dict(kv_dtype=self.kv_dtype, k_scale=at(self.k_scale), v_scale=at(self.v_scale))
 
     def layer(self, layer: int) -> KVLayer:
@@ -333,10 +365,12 @@ class PagedKVCache:
         return KVLayer(self.k[layer], self.v[layer], **self.kv_args(layer))
 
     def __repr__(self) -> str:
-        return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, kv_heads={self.kv_heads}, "
-                f"head_dim={self.head_dim}, value_dim={self.value_dim}, layers={self.layers}, "
-                f"dtype={dtypes.dtype_name(self.kv_dtype)}, backend={self.backend!r}, free={self.num_free_pages}"
-                f"{f', cached={len(self._lru)}' if self.prefix_cache else ''})")
+        return (
+            f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, kv_heads={self.kv_heads}, "
+            f"head_dim={self.head_dim}, value_dim={self.value_dim}, layers={self.layers}, "
+            f"dtype={dtypes.dtype_name(self.kv_dtype)}, backend={self.backend!r}, free={self.num_free_pages}"
+            f"{f', cached={len(self._lru)}' if self.prefix_cache else ''})"
+        )
 
     # -- queries ------------------------------------------------------------
     @property
@@ -377,7 +411,7 @@ class PagedKVCache:
         width = max([1] + [len(s._pages) for s in seqs])
         table = np.full((len(seqs), width), -1, np.int32)
         for i, s in enumerate(seqs):
-            table[i, :len(s._pages)] = s._pages
+            table[i, : len(s._pages)] = s._pages
         return table
 
     # -- sequences ----------------------------------------------------------
@@ -403,7 +437,7 @@ class PagedKVCache:
             limit = (len(ids) - 1) // ps
             matched, parent, key = [], None, _ROOT_KEY
             for j in range(limit):
-                toks = tuple(ids[j * ps:(j + 1) * ps])
+                toks = tuple(ids[j * ps : (j + 1) * ps])
                 key = page_key(key, toks)
                 e = self._index.get(key)
                 if e is None or e.tokens != toks or e.parent is not parent:
@@ -414,7 +448,7 @@ class PagedKVCache:
             self._stats["misses"] += limit - len(matched)
             for e in matched:
                 if self._refs[e.page] == 0:
-                    del self._lru[e.page]      # revived
+                    del self._lru[e.page]  # revived
                 self._refs[e.page] += 1
             seq._pages = [e.page for e in matched]
             seq.length = seq.cached_tokens = seq._written = len(matched) * ps
@@ -443,7 +477,7 @@ class PagedKVCache:
         used = -(-seq.length // self.page_size)
         child = Sequence(self, self._next_id, list(seq._pages[:used]), seq.length)
         self._next_id += 1
-        child._tokens = list(seq._tokens[:seq.length])
+        child._tokens = list(seq._tokens[: seq.length])
         child._written = min(seq._written, seq.length)
         child._indexed = min(seq._indexed, used)
         for p in child._pages:
@@ -474,8 +508,13 @@ class PagedKVCache:
 
     # -- a step ---------------------------------------------------------------
     @_locked
-    def prepare(self, seqs: Sequence | Iterable[Sequence], new_tokens: int | Iterable[int] | np.ndarray, *,
-                reserve: int | Iterable[int] | np.ndarray = 0) -> tuple[DevicePlan, StepReport]:
+    def prepare(
+        self,
+        seqs: Sequence | Iterable[Sequence],
+        new_tokens: int | Iterable[int] | np.ndarray,
+        *,
+        reserve: int | Iterable[int] | np.ndarray = 0,
+    ) -> tuple[DevicePlan, StepReport]:
         """Make room for one step and return ``(plan, report)``.
 
         seqs: distinct live sequences of this cache, in the batch's order.
@@ -506,9 +545,10 @@ class PagedKVCache:
         width = max([1] + [len(p) for p in pages])
         table = np.full((len(seqs), width), -1, np.int64)
         for i, p in enumerate(pages):
-            table[i, :len(p)] = p
-        host = HostPlan.build(table, np.array(lengths, np.int64), np.array(counts, np.int64), self.page_size,
-                              self.num_pages)
+            table[i, : len(p)] = p
+        host = HostPlan.build(
+            table, np.array(lengths, np.int64), np.array(counts, np.int64), self.page_size, self.num_pages
+        )
         # The device work, which may still fail (inside a capture the upload
         # is refused; the copy kernel may fail to compile): the plan's upload,
         # then the copies, which write only pages no sequence holds.
@@ -520,7 +560,7 @@ class PagedKVCache:
             s.length = n
         plan.guard = self._guard()
         plan.seqs = tuple(seqs)
-        plan._cache = self          # a plan knows its cache: another cache's methods refuse it
+        plan._cache = self  # a plan knows its cache: another cache's methods refuse it
         self._writes[plan] = _Writes(plan.seqs, starts, lengths, auto=True)
         return plan, self._report(pairs, taken, evict)
 
@@ -577,8 +617,10 @@ class PagedKVCache:
         self._check_plan(plan, "plan")
         w = self._writes.get(plan)
         if w is not None and w.driven:
-            raise PagedAttentionError("plan: a PagedDecodeLoop already drove this plan (its device lengths moved on); "
-                                      "prepare a new plan: cache.prepare(seqs, 1, reserve=...)")
+            raise PagedAttentionError(
+                "plan: a PagedDecodeLoop already drove this plan (its device lengths moved on); "
+                "prepare a new plan: cache.prepare(seqs, 1, reserve=...)"
+            )
         if w is None:
             w = _Writes((), [], [], auto=False)
             self._writes[plan] = w
@@ -600,9 +642,11 @@ class PagedKVCache:
             if d.dropped:
                 raise PagedAttentionError(
                     f"plan: stale: its PagedDecodeLoop was finished after {d.taken} of {d.steps} steps (its device "
-                    f"lengths count a step that was not run); use the plan of a new cache.prepare")
+                    f"lengths count a step that was not run); use the plan of a new cache.prepare"
+                )
             if fresh is not None:
                 fresh()
+
         plan.guard = guard
         weakref.finalize(loop, d.end, True).atexit = False
         return d
@@ -622,20 +666,20 @@ class PagedKVCache:
         ps = self.page_size
         full = min(seq._written, len(seq._tokens), seq.length) // ps
         j = min(seq._indexed, full)
-        while j > 0 and seq._pages[j - 1] not in self._entry:    # an ancestor was evicted: look again
+        while j > 0 and seq._pages[j - 1] not in self._entry:  # an ancestor was evicted: look again
             j -= 1
         parent = self._entry[seq._pages[j - 1]] if j else None
         # a page that is not indexed because the same content is cached
         # elsewhere chains its successors under that entry
         while j < full:
             page = seq._pages[j]
-            toks = tuple(seq._tokens[j * ps:(j + 1) * ps])
+            toks = tuple(seq._tokens[j * ps : (j + 1) * ps])
             key = page_key(parent.key if parent else _ROOT_KEY, toks)
             e = self._index.get(key)
             if e is not None:
                 if e.tokens != toks or e.parent is not parent:
-                    break                   # a hash collision: index nothing past it
-                parent = e                  # this content is cached already (maybe in this very page)
+                    break  # a hash collision: index nothing past it
+                parent = e  # this content is cached already (maybe in this very page)
             elif page in self._entry:
                 parent = self._entry[page]  # (unreachable: a held page's entry is keyed by its content)
             else:
@@ -670,8 +714,8 @@ class PagedKVCache:
         pages taken, how many of them are evicted cached pages)."""
         ps = self.page_size
         holders: dict[int, int] = {}
-        cows = []           # per sequence: (column, shared page) pairs it copies
-        fresh = []          # per sequence: pages its tokens need
+        cows = []  # per sequence: (column, shared page) pairs it copies
+        fresh = []  # per sequence: pages its tokens need
         for s, n, r in zip(seqs, counts, reserves):
             end = s.length + n + r
             mine = []
@@ -690,9 +734,10 @@ class PagedKVCache:
             cached = f" ({len(self._lru)} of them cached prefix pages)" if self._lru else ""
             raise PagedAttentionError(
                 f"{what}: out of pages: this step needs {need} page(s) ({sum(fresh)} for new tokens, "
-                f"{copies} to copy shared pages), {self.num_free_pages} of {self.num_pages} free{cached}")
+                f"{copies} to copy shared pages), {self.num_free_pages} of {self.num_pages} free{cached}"
+            )
         from_free = min(need, len(self._free))
-        taken = self._free[len(self._free) - from_free:][::-1] + list(itertools.islice(self._lru, need - from_free))
+        taken = self._free[len(self._free) - from_free :][::-1] + list(itertools.islice(self._lru, need - from_free))
         it = iter(taken)
         pairs, pages = [], []
         for s, mine, f in zip(seqs, cows, fresh):
@@ -710,13 +755,13 @@ class PagedKVCache:
             return
         if stream is None:
             stream = stream_for(self.k)
-        pairs_host = np.array(pairs, np.uint32)              # [copies, 2]
+        pairs_host = np.array(pairs, np.uint32)  # [copies, 2]
         if self.backend == GPU:
             # one device page list, reused in stream order (the copy that
             # refills it runs after the kernel that read it); it grows rarely
             if self._pairs is None or self._pairs.shape[0] < len(pairs):
                 self._pairs = empty(self.k, (max(64, 2 * len(pairs)), 2), np.uint32)
-            pairs_dev = self._pairs[:len(pairs)]
+            pairs_dev = self._pairs[: len(pairs)]
             stream.copy_from_host(pairs_dev, pairs_host)
         else:
             pairs_dev = pairs_host
@@ -725,12 +770,12 @@ class PagedKVCache:
     def _commit(self, seqs, pages, pairs, taken, evict) -> None:
         """Apply ``_grow``'s result (nothing here can fail); earlier plans go stale."""
         from_free = len(taken) - evict
-        del self._free[len(self._free) - from_free:]
+        del self._free[len(self._free) - from_free :]
         released: list[int] = []
-        evicted = taken[from_free:]            # cached pages, oldest first
+        evicted = taken[from_free:]  # cached pages, oldest first
         for p in evicted:
             del self._lru[p]
-        for p in evicted:                      # their entries, and the entries under them
+        for p in evicted:  # their entries, and the entries under them
             e = self._entry.get(p)
             if e is not None:
                 self._drop_entry(e, released)
@@ -739,7 +784,7 @@ class PagedKVCache:
             self._refs[p] = 1
         for src, _ in pairs:
             self._refs[src] -= 1
-            if self._refs[src] == 0:           # (cannot happen: a copied page keeps another holder)
+            if self._refs[src] == 0:  # (cannot happen: a copied page keeps another holder)
                 self._free.append(src)
         for s, p in zip(seqs, pages):
             s._pages = p
@@ -747,8 +792,12 @@ class PagedKVCache:
         self._new_generation()
 
     def _report(self, pairs, taken, evict) -> StepReport:
-        return StepReport(copied_pages=pairs, copied_bytes=len(pairs) * self.page_bytes,
-                          allocated_pages=len(taken), evicted_pages=evict)
+        return StepReport(
+            copied_pages=pairs,
+            copied_bytes=len(pairs) * self.page_bytes,
+            allocated_pages=len(taken),
+            evicted_pages=evict,
+        )
 
     def _new_generation(self) -> None:
         self._generation += 1
@@ -765,7 +814,9 @@ class PagedKVCache:
             if cache is not None and cache._generation != gen:
                 raise PagedAttentionError(
                     "plan: stale: made by PagedKVCache.prepare before a later fork, free or prepare of that cache; "
-                    "use the plan of the latest prepare")
+                    "use the plan of the latest prepare"
+                )
+
         return guard
 
     def _check_seqs(self, seqs, name: str) -> list[Sequence]:
@@ -799,11 +850,15 @@ class PagedKVCache:
         if owner is self:
             return
         if owner is not None:
-            raise PagedAttentionError(f"{name}: expected a plan of this cache, got one of another PagedKVCache "
-                                      f"({owner!r}); its page table names that cache's pages")
-        raise PagedAttentionError(f"{name}: expected a plan of this cache (made by its prepare, or a DecodeBatch's), "
-                                  f"got {type(plan).__name__} made by no PagedKVCache; write such a plan's rows with "
-                                  f"plan.append(new_k, new_v, cache.k[layer], cache.v[layer])")
+            raise PagedAttentionError(
+                f"{name}: expected a plan of this cache, got one of another PagedKVCache "
+                f"({owner!r}); its page table names that cache's pages"
+            )
+        raise PagedAttentionError(
+            f"{name}: expected a plan of this cache (made by its prepare, or a DecodeBatch's), "
+            f"got {type(plan).__name__} made by no PagedKVCache; write such a plan's rows with "
+            f"plan.append(new_k, new_v, cache.k[layer], cache.v[layer])"
+        )
 
     @staticmethod
     def _check_not_driven(seq: Sequence, label: str, what: str) -> None:
@@ -812,14 +867,16 @@ class PagedKVCache:
             raise PagedAttentionError(
                 f"{label}: sequence {seq.id} is driven by a live PagedDecodeLoop ({d.taken} of {d.steps} steps "
                 f"run), and its length {seq.length} counts the step prepared next, whose token is in next_token, "
-                f"not in the cache; call loop.finish() before {what}")
+                f"not in the cache; call loop.finish() before {what}"
+            )
 
     @staticmethod
     def _check_not_in_batch(seq: Sequence, label: str, what: str) -> None:
         if seq._batch is not None:
             raise PagedAttentionError(
                 f"{label}: sequence {seq.id} sits in a DecodeBatch slot, which writes its pages on the device; "
-                f"batch.leave(seq) (after batch.readback()) before {what}")
+                f"batch.leave(seq) (after batch.readback()) before {what}"
+            )
 
     @staticmethod
     def _per_seq(name: str, value, n: int) -> list[int]:
@@ -827,8 +884,9 @@ class PagedKVCache:
             value = [checks.host_int(name, value, 0, U32_MAX)] * n
         counts = checks.host_int_array(name, value, 1)
         if counts.shape[0] != n:
-            raise PagedAttentionError(f"{name}: expected shape [{n}] (one per sequence), got "
-                                      f"{checks.shape_str(counts.shape)}")
+            raise PagedAttentionError(
+                f"{name}: expected shape [{n}] (one per sequence), got {checks.shape_str(counts.shape)}"
+            )
         if n and (counts.min() < 0 or counts.max() > U32_MAX):
             i = int(np.argmax((counts < 0) | (counts > U32_MAX)))
             raise PagedAttentionError(f"{name}[{i}]: expected an int in 0..{U32_MAX}, got {counts[i]}")

@@ -19,6 +19,7 @@ named by the ops' ``kv_dtype=`` argument (``kv_storage``), as vLLM's
 Nothing here imports the rest of the package. ``ml_dtypes`` (~1 s to
 import) is imported when a bfloat16 or fp8 row's NumPy dtype is first needed.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,17 +38,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DType:
-    token: str            # CP_DTYPE / CP_KV_DTYPE value, and the short name users pass ("bf16")
-    name: str             # NumPy's name of the dtype ("bfloat16")
-    np_type: str          # "module.attribute" of the NumPy scalar type ("ml_dtypes.bfloat16")
-    itemsize: int         # bytes per element (the format's, so no import is needed to know it)
-    torch_name: str       # attribute of the torch module ("bfloat16")
-    query: bool           # may be q / out / a dense layer's storage
-    kv: bool              # may be K/V cache storage
-    tensor_core: bool     # the tensor-core kernels take it (16-bit q, 16-bit or fp8 K/V)
+    token: str  # CP_DTYPE / CP_KV_DTYPE value, and the short name users pass ("bf16")
+    name: str  # NumPy's name of the dtype ("bfloat16")
+    np_type: str  # "module.attribute" of the NumPy scalar type ("ml_dtypes.bfloat16")
+    itemsize: int  # bytes per element (the format's, so no import is needed to know it)
+    torch_name: str  # attribute of the torch module ("bfloat16")
+    query: bool  # may be q / out / a dense layer's storage
+    kv: bool  # may be K/V cache storage
+    tensor_core: bool  # the tensor-core kernels take it (16-bit q, 16-bit or fp8 K/V)
     scaled: bool = False  # fp8: stored codes times a float32 scale (k_scale / v_scale)
-    max_finite: float = 0.0   # fp8: the largest finite value (appends saturate to it)
-    aliases: tuple = ()   # other names users pass ("fp8", vLLM's kv_cache_dtype names)
+    max_finite: float = 0.0  # fp8: the largest finite value (appends saturate to it)
+    aliases: tuple = ()  # other names users pass ("fp8", vLLM's kv_cache_dtype names)
 
     @functools.cached_property
     def np_dtype(self) -> np.dtype:
@@ -60,14 +61,35 @@ TABLE: tuple[DType, ...] = (
     DType("f32", "float32", "numpy.float32", 4, "float32", query=True, kv=True, tensor_core=False),
     DType("f16", "float16", "numpy.float16", 2, "float16", query=True, kv=True, tensor_core=True),
     DType("bf16", "bfloat16", "ml_dtypes.bfloat16", 2, "bfloat16", query=True, kv=True, tensor_core=True),
-    DType("e4m3", "float8_e4m3fn", "ml_dtypes.float8_e4m3fn", 1, "float8_e4m3fn", query=False, kv=True,
-          tensor_core=True, scaled=True, max_finite=448.0, aliases=("fp8", "fp8_e4m3")),
-    DType("e5m2", "float8_e5m2", "ml_dtypes.float8_e5m2", 1, "float8_e5m2", query=False, kv=True,
-          tensor_core=True, scaled=True, max_finite=57344.0, aliases=("fp8_e5m2",)),
+    DType(
+        "e4m3",
+        "float8_e4m3fn",
+        "ml_dtypes.float8_e4m3fn",
+        1,
+        "float8_e4m3fn",
+        query=False,
+        kv=True,
+        tensor_core=True,
+        scaled=True,
+        max_finite=448.0,
+        aliases=("fp8", "fp8_e4m3"),
+    ),
+    DType(
+        "e5m2",
+        "float8_e5m2",
+        "ml_dtypes.float8_e5m2",
+        1,
+        "float8_e5m2",
+        query=False,
+        kv=True,
+        tensor_core=True,
+        scaled=True,
+        max_finite=57344.0,
+        aliases=("fp8_e5m2",),
+    ),
 )
 
-_BY_NAME = {**{d.token: d for d in TABLE}, **{d.name: d for d in TABLE},
-            **{a: d for d in TABLE for a in d.aliases}}
+_BY_NAME = {**{d.token: d for d in TABLE}, **{d.name: d for d in TABLE}, **{a: d for d in TABLE for a in d.aliases}}
 
 #: Tokens of the dtypes kernels are built for, in table order.
 TOKENS = tuple(d.token for d in TABLE)
@@ -109,22 +131,26 @@ def kv_storage(name: str, dtype: DTypeLike, kv_dtype: DTypeLike | None = None) -
         d = lookup(kv_dtype) if isinstance(kv_dtype, str) else lookup(kv_dtype)
         kv_rows = tuple(r for r in TABLE if r.kv)
         if d is None or not d.kv:
-            raise PagedAttentionError(f"kv_dtype: expected one of {', '.join(repr(r.token) for r in kv_rows)} "
-                                      f"(or aliases {', '.join(repr(a) for r in kv_rows for a in r.aliases)}), "
-                                      f"got {kv_dtype!r}")
+            raise PagedAttentionError(
+                f"kv_dtype: expected one of {', '.join(repr(r.token) for r in kv_rows)} "
+                f"(or aliases {', '.join(repr(a) for r in kv_rows for a in r.aliases)}), "
+                f"got {kv_dtype!r}"
+            )
         got = np.dtype(dtype) if not isinstance(dtype, str) else None
         if got is not None and (got == d.np_dtype or (d.scaled and got == np.dtype(np.uint8))):
             return d
         want = f"{d.name}" + (" or uint8 (raw fp8 storage)" if d.scaled else "")
-        raise PagedAttentionError(f"{name}: expected dtype {want} for kv_dtype={kv_dtype!r}, got "
-                                  f"{dtype_name(dtype)}")
+        raise PagedAttentionError(f"{name}: expected dtype {want} for kv_dtype={kv_dtype!r}, got {dtype_name(dtype)}")
     d = lookup(dtype)
     if d is None or not d.kv:
         if not isinstance(dtype, str) and _is_uint8(dtype):
-            raise PagedAttentionError(f"{name}: uint8 is raw fp8 storage: name its format with "
-                                      f"kv_dtype='e4m3' or kv_dtype='e5m2'")
-        raise PagedAttentionError(f"{name}: expected dtype {names(tuple(r for r in TABLE if r.kv))} (or uint8 "
-                                  f"with kv_dtype=), got {dtype_name(dtype)}")
+            raise PagedAttentionError(
+                f"{name}: uint8 is raw fp8 storage: name its format with kv_dtype='e4m3' or kv_dtype='e5m2'"
+            )
+        raise PagedAttentionError(
+            f"{name}: expected dtype {names(tuple(r for r in TABLE if r.kv))} (or uint8 "
+            f"with kv_dtype=), got {dtype_name(dtype)}"
+        )
     return d
 
 
@@ -142,7 +168,7 @@ def row(name: str, dtype: DTypeLike, *, kv: bool = False) -> DType:
     d = lookup(dtype)
     allowed = tuple(r for r in TABLE if (r.kv if kv else r.query))
     if d is None or d not in allowed:
-        if name == "dtype":   # the argument itself: "dtype: expected float32, ..., got 'int8'"
+        if name == "dtype":  # the argument itself: "dtype: expected float32, ..., got 'int8'"
             raise PagedAttentionError(f"dtype: expected {names(allowed)}, got {dtype!r}")
         raise PagedAttentionError(f"{name}: expected dtype {names(allowed)}, got {dtype_name(dtype)}")
     return d

@@ -23,6 +23,7 @@
 Decode batches whose membership changes between launches, on stable buffers
 and one graph per batch bucket: ``cupaged.batch.DecodeBatch``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,7 +60,8 @@ class CapturedGraph:
 def _refuse_allocation(size: int) -> NoReturn:
     raise PagedAttentionError(
         f"allocation of {size} bytes inside graph capture: every buffer the graph uses must be allocated "
-        f"before capture_graph (pass out= to cupaged ops)")
+        f"before capture_graph (pass out= to cupaged ops)"
+    )
 
 
 _captures = 0
@@ -90,6 +92,7 @@ def capture_graph(like: Array) -> Iterator[CapturedGraph]:
     try:
         if stream.backend == GPU:
             import cupy
+
             with cupy.cuda.using_allocator(_refuse_allocation):
                 yield handle
         else:
@@ -133,15 +136,16 @@ class DeviceScalars:
         host = plan.host
         s = checks.host_int("sequence", sequence, 0, host.sequences - 1)
         if host.q_lens[s] != 1:
-            raise PagedAttentionError(f"sequence: expected a sequence with exactly one query (decode), "
-                                      f"q_lens[{s}] = {host.q_lens[s]}")
+            raise PagedAttentionError(
+                f"sequence: expected a sequence with exactly one query (decode), q_lens[{s}] = {host.q_lens[s]}"
+            )
         off = metadata_offsets(host.queries, host.sequences)
         q = int(np.searchsorted(np.cumsum(host.q_lens), s, side="right"))
         self = cls.__new__(cls)
         self.stream = plan.stream
         self.buffer = plan.words
-        self.seq_len_k = plan.words[off["kv_len"] + s:off["kv_len"] + s + 1]
-        self.write_pos = plan.words[off["q_pos"] + q:off["q_pos"] + q + 1]
+        self.seq_len_k = plan.words[off["kv_len"] + s : off["kv_len"] + s + 1]
+        self.write_pos = plan.words[off["q_pos"] + q : off["q_pos"] + q + 1]
         return self
 
     def update(self, seq_len: int) -> None:
@@ -158,8 +162,9 @@ def seed_tokens(next_token: Array, tokens: int | Iterable[int] | np.ndarray, *, 
     the first memset."""
     stream = stream_for(next_token)
     if str(next_token.dtype) != "int64" or next_token.ndim != 1:
-        raise PagedAttentionError(f"next_token: expected an int64 [batch] array, got {next_token.dtype} "
-                                  f"{checks.shape_str(next_token.shape)}")
+        raise PagedAttentionError(
+            f"next_token: expected an int64 [batch] array, got {next_token.dtype} {checks.shape_str(next_token.shape)}"
+        )
     if isinstance(tokens, np.ndarray) and tokens.ndim == 0:
         tokens = tokens.reshape(1)
     tokens = [int(t) for t in checks.token_ids("tokens", tokens, vocab)]
@@ -172,8 +177,9 @@ def seed_tokens(next_token: Array, tokens: int | Iterable[int] | np.ndarray, *, 
 
 def _token_buffer(name: str, buf: Array) -> None:
     if str(buf.dtype) != "int64" or buf.ndim != 1 or not buf.flags.c_contiguous:
-        raise PagedAttentionError(f"{name}: expected a contiguous int64 [batch] array, got {buf.dtype} "
-                                  f"{checks.shape_str(buf.shape)}")
+        raise PagedAttentionError(
+            f"{name}: expected a contiguous int64 [batch] array, got {buf.dtype} {checks.shape_str(buf.shape)}"
+        )
 
 
 class _Loop:
@@ -183,7 +189,7 @@ class _Loop:
     graph: CapturedGraph | None
     next_token: Array = None
     _argmax: Callable[[Array, Array], object]
-    vocab: int | None = None      # the logits' last dim, once the step ran (captured or eager)
+    vocab: int | None = None  # the logits' last dim, once the step ran (captured or eager)
 
     def _body(self) -> None:
         raise NotImplementedError
@@ -228,9 +234,18 @@ class DecodeLoop(_Loop):
     [1, half]); the graph launch; then ``seq_len += 1`` on the host.
     """
 
-    def __init__(self, step: Callable[[], Array], *, token_buf: Array, next_token: Array, scalars: DeviceScalars,
-                 seq_len: int, rope_tables: tuple[Array, Array] | None = None,
-                 rope_slices: tuple[Array, Array] | None = None, graph: bool = True):
+    def __init__(
+        self,
+        step: Callable[[], Array],
+        *,
+        token_buf: Array,
+        next_token: Array,
+        scalars: DeviceScalars,
+        seq_len: int,
+        rope_tables: tuple[Array, Array] | None = None,
+        rope_slices: tuple[Array, Array] | None = None,
+        graph: bool = True,
+    ):
         _token_buffer("token_buf", token_buf)
         _token_buffer("next_token", next_token)
         backend_of(token_buf=token_buf, next_token=next_token)
@@ -241,11 +256,13 @@ class DecodeLoop(_Loop):
         if (rope_tables is None) != (rope_slices is None):
             raise PagedAttentionError("rope_slices: expected both rope_tables and rope_slices, or neither")
         if rope_tables is not None:
-            assert rope_slices is not None     # both or neither (checked above)
+            assert rope_slices is not None  # both or neither (checked above)
             for t, sl, name in zip(rope_tables, rope_slices, ("cos", "sin")):
                 if t.ndim != 2 or sl.size != t.shape[1] or t.dtype != sl.dtype:
-                    raise PagedAttentionError(f"rope_slices: expected a {name} slice of {t.shape[1]} "
-                                              f"{t.dtype} values, got {sl.dtype} {checks.shape_str(sl.shape)}")
+                    raise PagedAttentionError(
+                        f"rope_slices: expected a {name} slice of {t.shape[1]} "
+                        f"{t.dtype} values, got {sl.dtype} {checks.shape_str(sl.shape)}"
+                    )
         self._step, self._argmax = step, argmax_into
         self._capture(graph, token_buf)
 
@@ -261,12 +278,13 @@ class DecodeLoop(_Loop):
         if self.rope_tables is not None:
             for table in self.rope_tables:
                 if self.seq_len >= table.shape[0]:
-                    raise PagedAttentionError(f"seq_len: position {self.seq_len} is past the RoPE table "
-                                              f"({table.shape[0]} rows)")
+                    raise PagedAttentionError(
+                        f"seq_len: position {self.seq_len} is past the RoPE table ({table.shape[0]} rows)"
+                    )
         s.copy(self.token_buf, self.next_token)
         self.scalars.update(self.seq_len)
         if self.rope_tables is not None:
-            assert self.rope_slices is not None    # both or neither (checked at construction)
+            assert self.rope_slices is not None  # both or neither (checked at construction)
             for table, sl in zip(self.rope_tables, self.rope_slices):
                 row = table.shape[1] * table.itemsize
                 s.copy(sl, table, nbytes=row, src_offset=self.seq_len * row)
@@ -313,9 +331,18 @@ class PagedDecodeLoop(_Loop):
     is skipped and it never advances; ``lengths`` is the host mirror.
     """
 
-    def __init__(self, step: Callable[[DevicePlan], Array], plan: DevicePlan, *, token_buf: Array,
-                 next_token: Array, cache: PagedKVCache | None = None, seqs: Collection[Sequence] | None = None,
-                 active: Iterable[bool] | None = None, graph: bool = True):
+    def __init__(
+        self,
+        step: Callable[[DevicePlan], Array],
+        plan: DevicePlan,
+        *,
+        token_buf: Array,
+        next_token: Array,
+        cache: PagedKVCache | None = None,
+        seqs: Collection[Sequence] | None = None,
+        active: Iterable[bool] | None = None,
+        graph: bool = True,
+    ):
         if cache is not None and not hasattr(cache, "_drive"):
             raise PagedAttentionError(f"cache: expected a PagedKVCache (or None), got {type(cache).__name__}")
         self._lock = contextlib.nullcontext() if cache is None else cache._lock
@@ -325,9 +352,17 @@ class PagedDecodeLoop(_Loop):
             if cache is not None:
                 self._drive = cache._drive(plan, self)
 
-    def _build(self, step: Callable[[DevicePlan], Array], plan: DevicePlan, token_buf: Array, next_token: Array,
-               cache: PagedKVCache | None, seqs: Collection[Sequence] | None, active: Iterable[bool] | None,
-               graph: bool) -> None:
+    def _build(
+        self,
+        step: Callable[[DevicePlan], Array],
+        plan: DevicePlan,
+        token_buf: Array,
+        next_token: Array,
+        cache: PagedKVCache | None,
+        seqs: Collection[Sequence] | None,
+        active: Iterable[bool] | None,
+        graph: bool,
+    ) -> None:
         h = plan.host
         if h.queries != h.sequences or (h.q_lens != 1).any():
             raise PagedAttentionError("plan: expected one query per sequence (decode: q_lens all 1)")
@@ -343,21 +378,27 @@ class PagedDecodeLoop(_Loop):
         if cache is not None:
             owner: object = getattr(plan, "_cache", None)
             if owner is not cache or plan.seqs is None:
-                got = ("one of another PagedKVCache" if owner is not None and owner is not cache else
-                       "a DecodeBatch's slot plan" if owner is not None else "a plan made by no PagedKVCache")
+                got = (
+                    "one of another PagedKVCache"
+                    if owner is not None and owner is not cache
+                    else "a DecodeBatch's slot plan"
+                    if owner is not None
+                    else "a plan made by no PagedKVCache"
+                )
                 raise PagedAttentionError(f"plan: expected a plan made by cache.prepare of the given cache, got {got}")
             plan.check_fresh()
-            if seqs is not None and (len(seqs) != len(plan.seqs)
-                                     or any(a is not b for a, b in zip(seqs, plan.seqs))):
+            if seqs is not None and (len(seqs) != len(plan.seqs) or any(a is not b for a, b in zip(seqs, plan.seqs))):
                 raise PagedAttentionError("seqs: expected the plan's sequences (plan.seqs), in row order")
             if active is not None:
-                raise PagedAttentionError("active: a loop driven by a cache decodes every sequence of its plan; "
-                                          "prepare only the sequences that decode")
+                raise PagedAttentionError(
+                    "active: a loop driven by a cache decodes every sequence of its plan; "
+                    "prepare only the sequences that decode"
+                )
             self.seqs = plan.seqs
             shared = {p for s in self.seqs for p in s._pages if cache.ref_count(p) > 1}
         self.active = np.ones(h.sequences, bool) if active is None else np.asarray(active, bool)
         checks.shape_is("active", self.active, (h.sequences,))
-        self.lengths = np.where(self.active, h.kv_lens, 0)   # host mirror of the device lengths
+        self.lengths = np.where(self.active, h.kv_lens, 0)  # host mirror of the device lengths
         self.capacity = h.table_width * h.page_size
         self._writable, self._why = _writable_steps(h, self.active, shared)
         self._taken = 0
@@ -367,9 +408,9 @@ class PagedDecodeLoop(_Loop):
         self.slots = SlotBuffers(plan.words, max(1, n))
         state = np.zeros(len(layout.SLOT_FIELDS) * self.slots.stride + 1, np.uint32)
         cap = self.lengths - 1 + self._writable if cache is not None else np.full(n, self.capacity)
-        state[layout.SLOT_ACTIVE * self.slots.stride:][:n] = self.active
-        state[layout.SLOT_CAP * self.slots.stride:][:n] = np.clip(cap, 0, layout.U32_MAX)
-        state[layout.SLOT_MAX_LEN * self.slots.stride:][:n] = layout.NO_LIMIT
+        state[layout.SLOT_ACTIVE * self.slots.stride :][:n] = self.active
+        state[layout.SLOT_CAP * self.slots.stride :][:n] = np.clip(cap, 0, layout.U32_MAX)
+        state[layout.SLOT_MAX_LEN * self.slots.stride :][:n] = layout.NO_LIMIT
         self.stream.copy_from_host(self.slots.words, state)
         off = metadata_offsets(h.queries, h.sequences)
         for s in np.nonzero(~self.active)[0]:
@@ -377,8 +418,11 @@ class PagedDecodeLoop(_Loop):
         self._writes = cache._track(plan) if cache is not None else None
         self._step, self._argmax = step, argmax_into
         self._capture(graph, token_buf)
-        self._all_layers = cache is not None and self._writes is not None and \
-            len(self._writes.captured if graph else self._writes.layers) == cache.layers
+        self._all_layers = (
+            cache is not None
+            and self._writes is not None
+            and len(self._writes.captured if graph else self._writes.layers) == cache.layers
+        )
 
     def _body(self) -> None:
         self._argmax_of(self._step(self.plan))
@@ -402,20 +446,20 @@ class PagedDecodeLoop(_Loop):
                 self.plan.check_fresh()
             self.stream.copy(self.token_buf, self.next_token)
             self._run_step()
-            if self._writes is not None and not self._all_layers:    # eager: the first step tells
-                assert self.cache is not None                         # (the writes are the cache's)
+            if self._writes is not None and not self._all_layers:  # eager: the first step tells
+                assert self.cache is not None  # (the writes are the cache's)
                 self._all_layers = len(self._writes.layers) == self.cache.layers
             self._taken += 1
             last = self._taken == self._writable
             if self.cache is not None:
-                assert self.seqs is not None and self._drive is not None   # a cache-driven loop holds both
+                assert self.seqs is not None and self._drive is not None  # a cache-driven loop holds both
                 for s, n in zip(self.seqs, self.lengths):
                     s.length = int(n) if last else int(n) + 1
                     if self._all_layers:
                         self.cache._wrote(s, int(n) - 1, int(n))
                 self._drive.taken = self._taken
                 if last:
-                    self._drive.end(False)        # the last step does not advance: nothing to drop
+                    self._drive.end(False)  # the last step does not advance: nothing to drop
             if not (last and self.cache is not None):
                 self.lengths[self.active] += 1
 
@@ -452,7 +496,7 @@ def _writable_steps(h: HostPlan, active: np.ndarray, shared: Collection[int] = f
             holders[int(p)] = holders.get(int(p), 0) + 1
     best, why = None, "no active sequence"
     for r in rows:
-        p0 = int(h.kv_lens[r]) - 1                   # the first step writes at the query's position
+        p0 = int(h.kv_lens[r]) - 1  # the first step writes at the query's position
         col0 = p0 // ps
         steps, reason = width * ps - p0, f"sequence {r}'s page-table row is full"
         for col in range(col0, width):

@@ -22,6 +22,7 @@ Kernels compute these offsets from the plan's static sizes (kernel
 arguments); the offsets stored in words 6..10 are for readers and tools,
 never trusted for memory safety.
 """
+
 from __future__ import annotations
 
 #: ``"CPG1"``, word 0 of every plan.
@@ -81,6 +82,7 @@ def metadata_words(queries: int, sequences: int, table_width: int) -> int:
 # ---------------------------------------------------------------------------
 # kernels_cu/plan_words.cuh
 # ---------------------------------------------------------------------------
+
 
 def plan_words_header() -> str:
     """The text of ``kernels_cu/plan_words.cuh``."""

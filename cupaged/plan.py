@@ -4,6 +4,7 @@
 The layout of page tables, positions and metadata words is defined in
 ``docs/layout.md``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -81,17 +82,27 @@ class HostPlan:
         checks.u32_size("metadata words", (n_words,))
         off = metadata_offsets(slots, slots)
         words = np.zeros(n_words, np.uint32)
-        words[layout.W_MAGIC:layout.W_NUM_PAGES + 1] = (layout.MAGIC, slots, slots, table_width, page_size,
-                                                         num_pages)
-        words[layout.W_OFFSETS:layout.W_OFFSETS + len(layout.ARRAYS)] = [off[a] for a in layout.ARRAYS]
+        words[layout.W_MAGIC : layout.W_NUM_PAGES + 1] = (layout.MAGIC, slots, slots, table_width, page_size, num_pages)
+        words[layout.W_OFFSETS : layout.W_OFFSETS + len(layout.ARRAYS)] = [off[a] for a in layout.ARRAYS]
         seq = np.arange(slots, dtype=np.int64)
-        words[off["q_seq"]:off["q_pos"]] = seq
-        words[off["q_start"]:off["page_table"]] = np.arange(slots + 1)
-        words[off["page_table"]:] = layout.NO_PAGE
-        return cls(queries=slots, sequences=slots, table_width=table_width, page_size=page_size, pages=num_pages,
-                   max_kv_len=0, words=words, page_table=np.full((slots, table_width), -1, np.int64),
-                   kv_lens=np.zeros(slots, np.int64), q_lens=np.ones(slots, np.int64), q_seq=seq,
-                   q_pos=np.zeros(slots, np.int64), stable=True)
+        words[off["q_seq"] : off["q_pos"]] = seq
+        words[off["q_start"] : off["page_table"]] = np.arange(slots + 1)
+        words[off["page_table"] :] = layout.NO_PAGE
+        return cls(
+            queries=slots,
+            sequences=slots,
+            table_width=table_width,
+            page_size=page_size,
+            pages=num_pages,
+            max_kv_len=0,
+            words=words,
+            page_table=np.full((slots, table_width), -1, np.int64),
+            kv_lens=np.zeros(slots, np.int64),
+            q_lens=np.ones(slots, np.int64),
+            q_seq=seq,
+            q_pos=np.zeros(slots, np.int64),
+            stable=True,
+        )
 
     @classmethod
     def build(cls, page_table, kv_lens, q_lens, page_size: int, num_pages: int) -> "HostPlan":
@@ -118,24 +129,31 @@ class HostPlan:
         sequences, width = table.shape
         if kv.shape[0] != sequences:
             raise PagedAttentionError(
-                f"kv_lens: expected shape [{sequences}] (one per page_table row), got {checks.shape_str(kv.shape)}")
+                f"kv_lens: expected shape [{sequences}] (one per page_table row), got {checks.shape_str(kv.shape)}"
+            )
         if ql.shape[0] != sequences:
             raise PagedAttentionError(
-                f"q_lens: expected shape [{sequences}] (one per page_table row), got {checks.shape_str(ql.shape)}")
+                f"q_lens: expected shape [{sequences}] (one per page_table row), got {checks.shape_str(ql.shape)}"
+            )
         if width < 1:
             raise PagedAttentionError(
-                f"page_table: expected at least one column, got shape {checks.shape_str(table.shape)}")
+                f"page_table: expected at least one column, got shape {checks.shape_str(table.shape)}"
+            )
         capacity = width * page_size
         for s in range(sequences):
             if kv[s] > MAX_VISIBLE_LEN:
                 raise PagedAttentionError(
-                    f"kv_lens[{s}]: expected at most {MAX_VISIBLE_LEN} (positions the kernels index), got {kv[s]}")
+                    f"kv_lens[{s}]: expected at most {MAX_VISIBLE_LEN} (positions the kernels index), got {kv[s]}"
+                )
             if kv[s] < 0 or kv[s] > capacity:
                 raise PagedAttentionError(
-                    f"kv_lens[{s}]: expected 0..{capacity} (table_width {width} x page_size {page_size}), got {kv[s]}")
+                    f"kv_lens[{s}]: expected 0..{capacity} (table_width {width} x page_size {page_size}), got {kv[s]}"
+                )
             if ql[s] < 0 or ql[s] > MAX_VISIBLE_LEN:
-                raise PagedAttentionError(f"q_lens[{s}]: expected 0..{MAX_VISIBLE_LEN} (more than kv_lens[{s}]="
-                                          f"{kv[s]} for non-causal attention only), got {ql[s]}")
+                raise PagedAttentionError(
+                    f"q_lens[{s}]: expected 0..{MAX_VISIBLE_LEN} (more than kv_lens[{s}]="
+                    f"{kv[s]} for non-causal attention only), got {ql[s]}"
+                )
         used = -(-kv // page_size)  # pages inside each sequence's length
         inside = np.arange(width)[None, :] < used[:, None]
         bad = inside & ((table < 0) | (table >= num_pages))
@@ -143,7 +161,8 @@ class HostPlan:
             s, j = (int(x) for x in np.argwhere(bad)[0])
             raise PagedAttentionError(
                 f"page_table[{s}, {j}]: expected a page id in 0..{num_pages - 1} (inside kv_lens[{s}]={kv[s]}), "
-                f"got {table[s, j]}")
+                f"got {table[s, j]}"
+            )
         queries = int(ql.sum())
         checks.u32_size("page_table", table.shape)
         checks.u32_size("queries", (queries,))
@@ -155,20 +174,31 @@ class HostPlan:
         n_words = layout.metadata_words(queries, sequences, width)
         checks.u32_size("metadata words", (n_words,))
         words = np.zeros(n_words, np.uint32)
-        words[layout.W_MAGIC:layout.W_NUM_PAGES + 1] = (layout.MAGIC, queries, sequences, width, page_size,
-                                                         num_pages)
-        words[layout.W_OFFSETS:layout.W_OFFSETS + len(layout.ARRAYS)] = [off[a] for a in layout.ARRAYS]
-        words[off["q_seq"]:off["q_pos"]] = q_seq
-        words[off["q_pos"]:off["kv_len"]] = q_pos & 0xFFFFFFFF   # signed 32-bit: negative when q_len > kv_len
-        words[off["kv_len"]:off["q_start"]] = kv
-        words[off["q_start"]:off["page_table"]] = q_start
+        words[layout.W_MAGIC : layout.W_NUM_PAGES + 1] = (layout.MAGIC, queries, sequences, width, page_size, num_pages)
+        words[layout.W_OFFSETS : layout.W_OFFSETS + len(layout.ARRAYS)] = [off[a] for a in layout.ARRAYS]
+        words[off["q_seq"] : off["q_pos"]] = q_seq
+        words[off["q_pos"] : off["kv_len"]] = q_pos & 0xFFFFFFFF  # signed 32-bit: negative when q_len > kv_len
+        words[off["kv_len"] : off["q_start"]] = kv
+        words[off["q_start"] : off["page_table"]] = q_start
         valid = (table >= 0) & (table < num_pages)
-        words[off["page_table"]:] = np.where(valid, table, U32_MAX).reshape(-1)
-        cross = np.nonzero(ql > kv)[0]    # causal queries at negative positions: a caller bug (forgot to append)
-        return cls(queries=queries, sequences=sequences, table_width=width, page_size=page_size,
-                   pages=num_pages, max_kv_len=int(kv.max()) if sequences else 0, words=words,
-                   page_table=table, kv_lens=kv, q_lens=ql, q_seq=q_seq, q_pos=q_pos,
-                   causal_ok=not len(cross), non_causal_sequence=int(cross[0]) if len(cross) else -1)
+        words[off["page_table"] :] = np.where(valid, table, U32_MAX).reshape(-1)
+        cross = np.nonzero(ql > kv)[0]  # causal queries at negative positions: a caller bug (forgot to append)
+        return cls(
+            queries=queries,
+            sequences=sequences,
+            table_width=width,
+            page_size=page_size,
+            pages=num_pages,
+            max_kv_len=int(kv.max()) if sequences else 0,
+            words=words,
+            page_table=table,
+            kv_lens=kv,
+            q_lens=ql,
+            q_seq=q_seq,
+            q_pos=q_pos,
+            causal_ok=not len(cross),
+            non_causal_sequence=int(cross[0]) if len(cross) else -1,
+        )
 
     def write_slots(self) -> tuple[np.ndarray, np.ndarray]:
         """(page [queries], offset [queries]) each query's new K/V goes to."""
@@ -187,7 +217,8 @@ class HostPlan:
             s = int(self.q_seq[i])
             raise PagedAttentionError(
                 f"query {i}: sits at position {self.q_pos[i]} (sequence {s} has q_lens={self.q_lens[s]} > "
-                f"kv_lens={self.kv_lens[s]}), which has no cache slot; expected q_lens <= kv_lens to write K/V")
+                f"kv_lens={self.kv_lens[s]}), which has no cache slot; expected q_lens <= kv_lens to write K/V"
+            )
         cols = self.q_pos // self.page_size
         if (cols >= self.table_width).any():
             i = int(np.argmax(cols >= self.table_width))
@@ -204,7 +235,8 @@ class HostPlan:
             raise PagedAttentionError(
                 f"queries {who[0]} and {who[1]} (sequences {self.q_seq[who[0]]} and {self.q_seq[who[1]]}) both "
                 f"write page {slot // self.page_size} offset {slot % self.page_size}; a shared page must be "
-                f"copied before it is written")
+                f"copied before it is written"
+            )
 
     def upload(self, like) -> "DevicePlan":
         """Copy the metadata words to the backend, device and stream of
@@ -246,8 +278,10 @@ class DevicePlan:
 
     def __repr__(self) -> str:
         h = self.host
-        return (f"DevicePlan(queries={h.queries}, sequences={h.sequences}, table_width={h.table_width}, "
-                f"page_size={h.page_size}, pages={h.pages}, backend={self.backend!r}, device={self.device})")
+        return (
+            f"DevicePlan(queries={h.queries}, sequences={h.sequences}, table_width={h.table_width}, "
+            f"page_size={h.page_size}, pages={h.pages}, backend={self.backend!r}, device={self.device})"
+        )
 
     def _fresh(self) -> None:
         if self.guard is not None:
@@ -258,8 +292,20 @@ class DevicePlan:
         self._fresh()
 
     @document
-    def attention(self, q, k_cache, v_cache=None, scale: float | None = None, causal: bool = True, *,
-                  workspace: SplitWorkspace | None = None, out=None, lse=None, return_lse: bool = False, **options):
+    def attention(
+        self,
+        q,
+        k_cache,
+        v_cache=None,
+        scale: float | None = None,
+        causal: bool = True,
+        *,
+        workspace: SplitWorkspace | None = None,
+        out=None,
+        lse=None,
+        return_lse: bool = False,
+        **options,
+    ):
         """Paged attention for the plan's packed queries.
 
         q [queries, Hq, D]; k_cache [pages, page_size, Hkv, D];
@@ -296,13 +342,36 @@ class DevicePlan:
         sync).
         """
         self._fresh()
-        return attention_op.attention(self, q, k_cache, v_cache, scale, causal, workspace=workspace, out=out,
-                                      lse=lse, return_lse=return_lse, **options)
+        return attention_op.attention(
+            self,
+            q,
+            k_cache,
+            v_cache,
+            scale,
+            causal,
+            workspace=workspace,
+            out=out,
+            lse=lse,
+            return_lse=return_lse,
+            **options,
+        )
 
     @document
-    def mla(self, q, q_rot=MISSING, latent=None, k_rot=MISSING, scale: float | None = None,
-            causal: bool = True, *, workspace: SplitWorkspace | None = None, out=None, lse=None,
-            return_lse: bool = False, **options):
+    def mla(
+        self,
+        q,
+        q_rot=MISSING,
+        latent=None,
+        k_rot=MISSING,
+        scale: float | None = None,
+        causal: bool = True,
+        *,
+        workspace: SplitWorkspace | None = None,
+        out=None,
+        lse=None,
+        return_lse: bool = False,
+        **options,
+    ):
         """DeepSeek-style multi-head latent attention, absorbed form.
 
         q [queries, H, R]: the absorbed query (q_nope times the key
@@ -334,8 +403,20 @@ class DevicePlan:
         V).
         """
         self._fresh()
-        return attention_op.mla(self, q, q_rot, latent, k_rot, scale, causal, workspace=workspace, out=out,
-                                lse=lse, return_lse=return_lse, **options)
+        return attention_op.mla(
+            self,
+            q,
+            q_rot,
+            latent,
+            k_rot,
+            scale,
+            causal,
+            workspace=workspace,
+            out=out,
+            lse=lse,
+            return_lse=return_lse,
+            **options,
+        )
 
     def append(self, new_k, new_v, k_cache, v_cache=None, *, kv_dtype=None, k_scale=None, v_scale=None) -> None:
         """Write new_k [queries, Hkv, D] and new_v [queries, Hkv, Dv] into the

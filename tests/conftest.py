@@ -8,6 +8,7 @@
   (the array module), ``asarray(x)`` (NumPy -> that backend) and
   ``to_numpy(a)``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,5 +60,6 @@ class Backend:
 def xp_backend(request) -> Backend:
     if request.param == "gpu":
         import cupy
+
         return Backend("gpu", cupy)
     return Backend("cpu", np)

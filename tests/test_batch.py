@@ -4,6 +4,7 @@ every k launches. Checked on the tiny decoder against each sequence decoded
 alone, step by step, eagerly (tokens and every K/V byte equal), plus the
 membership rules, no recapture, no device allocation on the hot paths and
 every misuse (which changes nothing)."""
+
 import numpy as np
 import pytest
 
@@ -13,8 +14,13 @@ from cupaged._runtime import arrays as runtime_arrays
 from cupaged.demo import tiny
 
 CFG = tiny.TinyConfig(vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ffn=48, max_pos=256)
-PROMPTS = [[5, 17, 3, 88, 40, 2, 9], [1, 2, 3], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71],
-           [9, 9, 9, 9], [33, 21, 8, 90, 4, 4]]
+PROMPTS = [
+    [5, 17, 3, 88, 40, 2, 9],
+    [1, 2, 3],
+    [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71],
+    [9, 9, 9, 9],
+    [33, 21, 8, 90, 4, 4],
+]
 PAGE = 4
 
 
@@ -36,12 +42,14 @@ class Engine:
 
     def __init__(self, weights, num_pages=60, max_batch=4, prefix_cache=False, **kw):
         like = np.zeros(1, np.float32)
-        self.model = tiny.TinyModel(CFG, weights, like, dtype=np.float32, num_pages=num_pages, page_size=PAGE,
-                                    max_rows=32)
+        self.model = tiny.TinyModel(
+            CFG, weights, like, dtype=np.float32, num_pages=num_pages, page_size=PAGE, max_rows=32
+        )
         if prefix_cache:
             c = self.model.cache
-            self.model.cache = cupaged.PagedKVCache(num_pages, PAGE, c.kv_heads, c.head_dim, np.float32,
-                                                    layers=c.layers, like=like, prefix_cache=True)
+            self.model.cache = cupaged.PagedKVCache(
+                num_pages, PAGE, c.kv_heads, c.head_dim, np.float32, layers=c.layers, like=like, prefix_cache=True
+            )
         self.cache = self.model.cache
         self.tok = np.zeros(max_batch, np.int64)
         self.nxt = np.zeros(max_batch, np.int64)
@@ -52,31 +60,32 @@ class Engine:
         def step(plan):
             self.steps += 1
             self.model.forward(plan, self.tok, self.logits)
-            return self.logits[:plan.sequences]
-        self.batch = DecodeBatch(self.cache, step, token_buf=self.tok, next_token=self.nxt, max_batch=max_batch,
-                                 **kw)
+            return self.logits[: plan.sequences]
+
+        self.batch = DecodeBatch(self.cache, step, token_buf=self.tok, next_token=self.nxt, max_batch=max_batch, **kw)
 
     def prefill(self, prompt):
         """A prefilled sequence and its first token (a 1-element device array)."""
         s = self.cache.add_sequence(tokens=prompt)
         plan, _ = self.cache.prepare([s], [len(prompt)])
         self.model.forward(plan, np.asarray(prompt, np.int64), self.logits)
-        argmax_into(self.logits[:len(prompt)], self.best[:len(prompt)])
-        return s, self.best[len(prompt) - 1:len(prompt)].copy()
+        argmax_into(self.logits[: len(prompt)], self.best[: len(prompt)])
+        return s, self.best[len(prompt) - 1 : len(prompt)].copy()
 
 
 def eager(weights, prompt, n, stop=()):
     """Decode ``prompt`` alone, one prepare + forward per token: (tokens, K, V
     of the written tokens)."""
-    m = tiny.TinyModel(CFG, weights, np.zeros(1, np.float32), dtype=np.float32, num_pages=60, page_size=PAGE,
-                       max_rows=32)
+    m = tiny.TinyModel(
+        CFG, weights, np.zeros(1, np.float32), dtype=np.float32, num_pages=60, page_size=PAGE, max_rows=32
+    )
     c = m.cache
     logits = np.zeros((32, CFG.vocab), np.float32)
     best = np.zeros(32, np.int64)
     s = c.add_sequence()
     plan, _ = c.prepare([s], [len(prompt)])
     m.forward(plan, np.asarray(prompt, np.int64), logits)
-    argmax_into(logits[:len(prompt)], best[:len(prompt)])
+    argmax_into(logits[: len(prompt)], best[: len(prompt)])
     out = [int(best[len(prompt) - 1])]
     tok = np.zeros(1, np.int64)
     while len(out) < n and out[-1] not in stop:
@@ -94,7 +103,7 @@ def test_changing_membership_equals_each_sequence_decoded_alone(weights):
     from the host), finish by length limit at different times, the batch
     grows through buckets 1, 2, 4 and shrinks again; each sequence's tokens
     and K/V bytes equal an eager decode of it alone."""
-    limits = [7, 12, 9, 10, 8]           # generated tokens per prompt
+    limits = [7, 12, 9, 10, 8]  # generated tokens per prompt
     e = Engine(weights, max_len=40, readback_every=3)
     got, seqs, order = {}, {}, list(range(len(PROMPTS)))
     captures0 = cupaged.capture_count()
@@ -136,8 +145,8 @@ def test_stop_tokens_finish_on_the_device(weights):
     goes on (and moves to slot 0, the bucket shrinking to 1)."""
     exp, _, _ = eager(weights, PROMPTS[1], 12)
     at = next(i for i in range(3, 12) if exp[i] not in exp[:i])
-    stop = exp[at]                                  # first generated at decode step `at`
-    for j in (0, 2, 3, 4):      # a sequence that does not meet the stop id
+    stop = exp[at]  # first generated at decode step `at`
+    for j in (0, 2, 3, 4):  # a sequence that does not meet the stop id
         exp0, _, _ = eager(weights, PROMPTS[j], at + 6)
         if stop not in exp0:
             break
@@ -150,11 +159,11 @@ def test_stop_tokens_finish_on_the_device(weights):
     e.batch.join(other, ofirst)
     for _ in range(at + 2):
         e.batch.advance()
-    assert s.length == len(PROMPTS[1]) + 1 + at + 2     # the host does not know yet
+    assert s.length == len(PROMPTS[1]) + 1 + at + 2  # the host does not know yet
     snap = e.cache.k[:, list(s.pages)].copy()
     r = e.batch.readback()
-    assert r.finished == {s: "stop"} and r.tokens[s] == exp[1:at + 1] and r.finished_at == {s: at - 1}
-    assert s.length == len(PROMPTS[1]) + at and s not in e.batch.members   # `at` decode steps wrote `at` tokens
+    assert r.finished == {s: "stop"} and r.tokens[s] == exp[1 : at + 1] and r.finished_at == {s: at - 1}
+    assert s.length == len(PROMPTS[1]) + at and s not in e.batch.members  # `at` decode steps wrote `at` tokens
     _, k, v = eager(weights, PROMPTS[1], at + 1)
     gk, gv = rows(e.cache, s)
     np.testing.assert_array_equal(gk.view(np.uint8), k.view(np.uint8))
@@ -162,7 +171,7 @@ def test_stop_tokens_finish_on_the_device(weights):
     assert e.batch.bucket == 1 and e.batch.slot_of(other) == 0
     for _ in range(3):
         e.batch.advance()
-    assert np.array_equal(e.cache.k[:, list(s.pages)], snap)        # nothing written for s since it stopped
+    assert np.array_equal(e.cache.k[:, list(s.pages)], snap)  # nothing written for s since it stopped
     r2 = e.batch.readback()
     assert r.tokens[other][0] == exp0[0] and r.tokens[other][1:] + r2.tokens[other] == exp0[1:]
 
@@ -184,7 +193,7 @@ def test_graph_and_eager_batches_agree_and_replay_without_recapture(weights):
         runs.append((out, e.cache.k.copy(), e.batch.captures, e.steps))
     (g, gk, gcap, gsteps), (q, qk, qcap, qsteps) = runs
     assert g == q and np.array_equal(gk.view(np.uint8), qk.view(np.uint8))
-    assert gcap == 1 and gsteps == 1 and qcap == 0 and qsteps == 12   # captured once, replayed 12 times
+    assert gcap == 1 and gsteps == 1 and qcap == 0 and qsteps == 12  # captured once, replayed 12 times
 
 
 def test_hot_paths_allocate_nothing(weights, monkeypatch):
@@ -196,11 +205,12 @@ def test_hot_paths_allocate_nothing(weights, monkeypatch):
     c, fc = e.prefill(PROMPTS[3])
     e.batch.join(a, fa)
     e.batch.join(b, fb)
-    e.batch.advance()                 # bucket 2 captured
+    e.batch.advance()  # bucket 2 captured
     e.batch.readback()
 
     def refuse(*args, **kw):
         raise AssertionError("allocation on a hot path")
+
     monkeypatch.setattr(runtime_arrays, "_new", refuse)
     e.batch.leave(b)
     e.batch.join(c, fc)
@@ -212,8 +222,8 @@ def test_hot_paths_allocate_nothing(weights, monkeypatch):
 
 def test_misuse_raises_and_changes_nothing(weights):
     e = Engine(weights, num_pages=8, max_len=24, readback_every=5, max_batch=2)
-    a, fa = e.prefill(PROMPTS[0])                          # 7 tokens: 2 pages
-    b, fb = e.prefill(PROMPTS[2])                          # 12 tokens: 3 pages
+    a, fa = e.prefill(PROMPTS[0])  # 7 tokens: 2 pages
+    b, fb = e.prefill(PROMPTS[2])  # 12 tokens: 3 pages
     with pytest.raises(PagedAttentionError, match="advance: no sequence to decode"):
         e.batch.advance()
     with pytest.raises(PagedAttentionError, match=r"step: expected a callable step\(plan\)"):
@@ -227,18 +237,23 @@ def test_misuse_raises_and_changes_nothing(weights):
     e.batch.join(a, fa)
     with pytest.raises(PagedAttentionError, match="seq: sequence 0 is already in a DecodeBatch"):
         e.batch.join(a, fa)
-    for call, msg in [(lambda: e.cache.free(a), "seq: sequence 0 sits in a DecodeBatch slot"),
-                      (lambda: e.cache.fork(a), "seq: sequence 0 sits in a DecodeBatch slot"),
-                      (lambda: e.cache.prepare([a], 1), r"seqs\[0\]: sequence 0 sits in a DecodeBatch slot"),
-                      (lambda: e.cache.reserve([a], 1), r"seqs\[0\]: sequence 0 sits in a DecodeBatch slot"),
-                      (lambda: e.batch.join(b, fb, max_len=13), "max_len: sequence 1 holds 12 tokens"),
-                      (lambda: e.batch.join(b, 1.5), "token: expected an int or a 1-element int64 array"),
-                      (lambda: e.batch.leave(b), "seq: sequence 1 is not in this batch")]:
+    for call, msg in [
+        (lambda: e.cache.free(a), "seq: sequence 0 sits in a DecodeBatch slot"),
+        (lambda: e.cache.fork(a), "seq: sequence 0 sits in a DecodeBatch slot"),
+        (lambda: e.cache.prepare([a], 1), r"seqs\[0\]: sequence 0 sits in a DecodeBatch slot"),
+        (lambda: e.cache.reserve([a], 1), r"seqs\[0\]: sequence 0 sits in a DecodeBatch slot"),
+        (lambda: e.batch.join(b, fb, max_len=13), "max_len: sequence 1 holds 12 tokens"),
+        (lambda: e.batch.join(b, 1.5), "token: expected an int or a 1-element int64 array"),
+        (lambda: e.batch.leave(b), "seq: sequence 1 is not in this batch"),
+    ]:
         snap = (e.cache.k.copy(), list(e.cache._free), [s.length for s in (a, b)], e.batch.bucket)
         with pytest.raises(PagedAttentionError, match=msg):
             call()
-        assert np.array_equal(snap[0], e.cache.k) and snap[1:] == (list(e.cache._free), [a.length, b.length],
-                                                                    e.batch.bucket)
+        assert np.array_equal(snap[0], e.cache.k) and snap[1:] == (
+            list(e.cache._free),
+            [a.length, b.length],
+            e.batch.bucket,
+        )
     # out of pages on join: b needs 2 more pages for its next 5 steps, 1 is free
     words = e.batch.plan(2).words.copy()
     with pytest.raises(PagedAttentionError, match="reserve: out of pages"):
@@ -256,7 +271,7 @@ def test_misuse_raises_and_changes_nothing(weights):
     n = a.length
     e.batch.leave(a)
     assert a.length == n - 1 and a._batch is None and e.batch.members == ()
-    e.cache.free(a)                                        # allowed now
+    e.cache.free(a)  # allowed now
     e.batch.join(b, fb)
     e.batch.advance()
     assert e.batch.readback().tokens[b]
@@ -271,7 +286,8 @@ def test_sequence_batch_names_the_batch_that_holds_it(weights):
 
     def step2(plan):
         e.model.forward(plan, tok2, e.logits)
-        return e.logits[:plan.sequences]
+        return e.logits[: plan.sequences]
+
     other = DecodeBatch(e.cache, step2, token_buf=tok2, next_token=nxt2, max_batch=4, max_len=40, readback_every=2)
     a, fa = e.prefill(PROMPTS[0])
     b, fb = e.prefill(PROMPTS[1])
@@ -281,7 +297,7 @@ def test_sequence_batch_names_the_batch_that_holds_it(weights):
         e.batch.join(a, fa, max_len=8)
     assert a.batch is None
     e.batch.join(a, fa)
-    e.batch.join(b, int(fb[0]), max_len=len(PROMPTS[1]) + 2)    # finishes by its limit
+    e.batch.join(b, int(fb[0]), max_len=len(PROMPTS[1]) + 2)  # finishes by its limit
     other.join(c, fc)
     assert a.batch is e.batch and b.batch is e.batch and c.batch is other
     with pytest.raises(PagedAttentionError, match="already in a DecodeBatch"):
@@ -303,7 +319,7 @@ def test_sequence_batch_names_the_batch_that_holds_it(weights):
     other.leave(c)
     assert c.batch is None
     for s in (a, b, c, child):
-        e.cache.free(s)                                    # none is held by a batch
+        e.cache.free(s)  # none is held by a batch
     assert e.cache.num_free_pages == e.cache.num_pages
 
 
@@ -311,8 +327,8 @@ def test_exhaustion_during_advance_launches_nothing(weights):
     """A slot whose next step needs a page when none is free: advance raises
     before any stream work; after a readback the engine preempts one."""
     e = Engine(weights, num_pages=8, max_len=40, readback_every=2)
-    a, fa = e.prefill(PROMPTS[0])      # 7 tokens
-    b, fb = e.prefill(PROMPTS[1])      # 3 tokens
+    a, fa = e.prefill(PROMPTS[0])  # 7 tokens
+    b, fb = e.prefill(PROMPTS[1])  # 3 tokens
     e.batch.join(a, fa)
     e.batch.join(b, fb)
     launched = 0
@@ -323,8 +339,11 @@ def test_exhaustion_during_advance_launches_nothing(weights):
             launched += 1
         except PagedAttentionError as err:
             assert "reserve: out of pages" in str(err)
-            assert np.array_equal(before[0], e.cache.k) and before[1:] == (e.batch.launches, [a.length, b.length],
-                                                                          list(e.cache._free))
+            assert np.array_equal(before[0], e.cache.k) and before[1:] == (
+                e.batch.launches,
+                [a.length, b.length],
+                list(e.cache._free),
+            )
             break
         if e.batch.launches - e.batch._read_at == 2:
             e.batch.readback()
@@ -332,15 +351,25 @@ def test_exhaustion_during_advance_launches_nothing(weights):
     e.batch.readback()
     e.batch.leave(b)
     e.cache.free(b)
-    e.batch.advance()                  # a goes on with b's pages
+    e.batch.advance()  # a goes on with b's pages
     assert e.batch.readback().tokens[a]
 
 
 # --------------------------------------------------------------------------- issue #19: nothing silent, round 3
 def _batch_state(e):
     b = e.batch
-    return (e.cache.k.copy(), list(e.cache._free), list(e.cache._refs), b.members, b.bucket, b.launches, b._read_at,
-            [(s.length, s.pages, s.tokens, s._batch) for s in e.cache_seqs], e.nxt.copy(), b.plan().words.copy())
+    return (
+        e.cache.k.copy(),
+        list(e.cache._free),
+        list(e.cache._refs),
+        b.members,
+        b.bucket,
+        b.launches,
+        b._read_at,
+        [(s.length, s.pages, s.tokens, s._batch) for s in e.cache_seqs],
+        e.nxt.copy(),
+        b.plan().words.copy(),
+    )
 
 
 def _same_state(x, y):
@@ -357,9 +386,12 @@ def test_join_checks_token_ids(weights):
     a, fa = e.prefill(PROMPTS[0])
     b, fb = e.prefill(PROMPTS[1])
     e.cache_seqs = [a, b]
-    cases = [(2**64 + 5, rf"token: expected an int in 0..9223372036854775807, got {2**64 + 5}"),
-             (-1, "token: expected an int in 0..9223372036854775807, got -1"),
-             (np.int64(-7), "got -7"), (np.uint64(2**63), f"got {2**63}")]
+    cases = [
+        (2**64 + 5, rf"token: expected an int in 0..9223372036854775807, got {2**64 + 5}"),
+        (-1, "token: expected an int in 0..9223372036854775807, got -1"),
+        (np.int64(-7), "got -7"),
+        (np.uint64(2**63), f"got {2**63}"),
+    ]
     for token, msg in cases:
         snap = _batch_state(e)
         with pytest.raises(PagedAttentionError, match=msg):
@@ -389,15 +421,19 @@ def test_bucket_plans_are_range_checked_and_belong_to_the_batch_cache(weights):
     for bad in (0, -3, 1025, 2.5):
         with pytest.raises(PagedAttentionError, match=f"max_batch: expected an int in 1..1024, got {bad}"):
             cupaged.batch.default_buckets(bad)
-    for bad, msg in [(3, r"bucket: expected one of the batch's buckets \[1, 2, 4\], got 3"),
-                     (0, r"bucket: expected an int in 1..4, got 0"), (8, "got 8"), (2.0, "got 2.0")]:
+    for bad, msg in [
+        (3, r"bucket: expected one of the batch's buckets \[1, 2, 4\], got 3"),
+        (0, r"bucket: expected an int in 1..4, got 0"),
+        (8, "got 8"),
+        (2.0, "got 2.0"),
+    ]:
         with pytest.raises(PagedAttentionError, match=msg):
             e.batch.plan(bad)
     new = np.zeros((1, CFG.kv_heads, CFG.head_dim), np.float32)
     with pytest.raises(PagedAttentionError, match="plan: expected a plan of this cache, got one of another"):
         other.cache.append(e.batch.plan(1), new, new)
     # a step that writes through the other cache is refused at its first launch
-    e.batch._step = lambda plan: (other.cache.append(plan, new, new), e.logits[:plan.sequences])[1]
+    e.batch._step = lambda plan: (other.cache.append(plan, new, new), e.logits[: plan.sequences])[1]
     a, fa = e.prefill(PROMPTS[0])
     e.batch.join(a, fa)
     with pytest.raises(PagedAttentionError, match="plan: expected a plan of this cache, got one of another"):
@@ -414,6 +450,7 @@ def _once(fn, exc, at=1):
         if calls[0] == at:
             raise exc
         return fn(*args, **kw)
+
     return wrapped
 
 
@@ -431,8 +468,8 @@ def test_a_failing_readback_leaves_the_batch_usable(weights, monkeypatch, where)
     b, fb = e.prefill(PROMPTS[1])
     a, fa = e.prefill(PROMPTS[0])
     e.cache_seqs = [b, a]
-    e.batch.join(b, fb, max_len=len(PROMPTS[1]) + 3)    # slot 0: finishes in the first round
-    e.batch.join(a, int(fa[0]))                         # slot 1: moves to slot 0 then
+    e.batch.join(b, fb, max_len=len(PROMPTS[1]) + 3)  # slot 0: finishes in the first round
+    e.batch.join(a, int(fa[0]))  # slot 1: moves to slot 0 then
     got = {a: [int(fa[0])], b: []}
     for _ in range(2):
         e.batch.advance()
@@ -470,7 +507,7 @@ def test_a_failing_readback_leaves_the_batch_usable(weights, monkeypatch, where)
     for s, prompt in ((a, PROMPTS[0]), (b, PROMPTS[1])):
         exp, k, v = eager(weights, prompt, len(got[s]))
         assert got[s] == exp, (where, s.id, got[s], exp)
-        assert k.shape[1] == len(prompt) + len(exp) - 1    # written: the last token is fed next (a) / not written (b)
+        assert k.shape[1] == len(prompt) + len(exp) - 1  # written: the last token is fed next (a) / not written (b)
         gk, gv = rows(e.cache, s, k.shape[1])
         np.testing.assert_array_equal(gk.view(np.uint8), k.view(np.uint8))
         np.testing.assert_array_equal(gv.view(np.uint8), v.view(np.uint8))
@@ -484,6 +521,7 @@ def test_threads_join_while_another_thread_advances(weights):
     to grow the bucket mid-launch, copying the running slot's words before
     the device advanced them, so that slot decoded one position wrong."""
     import threading
+
     e = Engine(weights, max_len=40, readback_every=4, graph=False)
     a, fa = e.prefill(PROMPTS[0])
     b, fb = e.prefill(PROMPTS[2])
@@ -497,6 +535,7 @@ def test_threads_join_while_another_thread_advances(weights):
             inside.set()
             joined.wait(0.5)
         return step(plan)
+
     e.batch._step = slow
     errors = []
 
@@ -504,9 +543,10 @@ def test_threads_join_while_another_thread_advances(weights):
         inside.wait(10)
         try:
             e.batch.join(b, int(fb[0]))
-        except Exception as err:        # pragma: no cover - reported below
+        except Exception as err:  # pragma: no cover - reported below
             errors.append(err)
         joined.set()
+
     t = threading.Thread(target=joiner)
     t.start()
     got = {a: [int(fa[0])], b: [int(fb[0])]}

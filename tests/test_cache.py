@@ -2,6 +2,7 @@
 long random schedule checked against a pure-Python model of every sequence's
 tokens (and, when the attention kernels are present, attention over the
 cache against reference.paged_attention)."""
+
 import importlib.util
 import zlib
 
@@ -34,6 +35,7 @@ def device(cache, x: np.ndarray):
     if cache.backend == "cpu":
         return x
     import cupy
+
     with cache.k.device:
         return cupy.asarray(x)
 
@@ -67,8 +69,8 @@ class Model:
         """nk [layers, queries, H, D], nv [layers, queries, H, Dv]: the step's rows."""
         i = 0
         for s, n in zip(seqs, counts):
-            self.k[s.id].extend(nk[:, i:i + n].swapaxes(0, 1))
-            self.v[s.id].extend(nv[:, i:i + n].swapaxes(0, 1))
+            self.k[s.id].extend(nk[:, i : i + n].swapaxes(0, 1))
+            self.v[s.id].extend(nv[:, i : i + n].swapaxes(0, 1))
             i += n
 
     def check(self, cache, seqs):
@@ -97,9 +99,17 @@ def step(cache, seqs, counts, rng, model=None, reserve=0):
 
 
 def snapshot(cache, seqs):
-    return (bits(host(cache.k)).copy(), bits(host(cache.v)).copy(), cache.num_free_pages, list(cache._free),
-            list(cache._refs), [(s.length, s.pages) for s in seqs], list(cache._lru), sorted(cache._entry),
-            dict(cache._stats))
+    return (
+        bits(host(cache.k)).copy(),
+        bits(host(cache.v)).copy(),
+        cache.num_free_pages,
+        list(cache._free),
+        list(cache._refs),
+        [(s.length, s.pages) for s in seqs],
+        list(cache._lru),
+        sorted(cache._entry),
+        dict(cache._stats),
+    )
 
 
 def check_invariants(cache, live):
@@ -114,7 +124,7 @@ def check_invariants(cache, live):
     held = [p for p in range(cache.num_pages) if refs[p]]
     assert len(set(cache._free)) == len(cache._free) and not set(cache._free) & set(cache._lru)
     assert sorted(held + list(cache._free) + list(cache._lru)) == list(range(cache.num_pages))
-    assert all(p in cache._entry for p in cache._lru)      # a cached page is indexed
+    assert all(p in cache._entry for p in cache._lru)  # a cached page is indexed
 
 
 def small_cache(num_pages=8, page_size=4, dtype="f16", **kw):
@@ -132,6 +142,7 @@ def make_cache(backend, dtype="f16", **kw):
 
 
 # ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_prefill_then_decode_matches_model(xp_backend, dtype):
@@ -166,7 +177,7 @@ def test_mla_shapes():
     c = cache.fork(a)
     model.fork(a, c)
     _, report, _, _ = step(cache, [a, c], [1, 2], rng, model)
-    assert report.copied_pages == [(c.pages[1], a.pages[1])]   # a copies, c (the last holder) writes in place
+    assert report.copied_pages == [(c.pages[1], a.pages[1])]  # a copies, c (the last holder) writes in place
     assert report.copied_bytes == 16 * (512 + 64) * 2
     model.check(cache, [a, c])
 
@@ -177,15 +188,15 @@ def test_fork_isolation_and_copy_report(xp_backend):
     model = Model()
     parent = cache.add_sequence()
     model.add(parent)
-    step(cache, [parent], [6], rng, model)              # pages [p0 full, p1 with 2 of 4 slots]
+    step(cache, [parent], [6], rng, model)  # pages [p0 full, p1 with 2 of 4 slots]
     shared = parent.pages[1]
     child = cache.fork(parent)
     model.fork(parent, child)
     assert child.pages == parent.pages and child.length == 6 and child.id != parent.id
-    assert cache.ref_count(shared) == 2 and cache.num_free_pages == 6   # nothing copied by fork
+    assert cache.ref_count(shared) == 2 and cache.num_free_pages == 6  # nothing copied by fork
     before_k, before_v = (bits(x).copy() for x in tokens(cache, parent))
     plan, report, _, _ = step(cache, [child], [1], rng, model)
-    (src, dst), = report.copied_pages
+    ((src, dst),) = report.copied_pages
     assert src == shared and dst not in parent.pages and child.pages == (parent.pages[0], dst)
     assert report.copied_bytes == cache.page_bytes == 4 * 2 * (8 + 4) * 2
     assert cache.ref_count(shared) == 1 and cache.ref_count(dst) == 1 and cache.ref_count(parent.pages[0]) == 2
@@ -207,10 +218,10 @@ def test_fork_isolation_attention_bit_identical(xp_backend):
     rng = np.random.default_rng(4)
     cache = make_cache(xp_backend, page_size=4, dtype="f32", value_dim=8)
     parent = cache.add_sequence()
-    step(cache, [parent], [7], rng)                       # last page 3 of 4 full
+    step(cache, [parent], [7], rng)  # last page 3 of 4 full
     child = cache.fork(parent)
     table = cache.page_table([parent])
-    view = HostPlan.build(table, [7], [7], 4, cache.num_pages).upload(cache.k)   # all 7 tokens as queries
+    view = HostPlan.build(table, [7], [7], 4, cache.num_pages).upload(cache.k)  # all 7 tokens as queries
     q = rng.standard_normal((7, 4, 8)).astype(np.float32)
     before = host(view.attention(device(cache, q), cache.k[0], cache.v[0], 0.3, causal=True))
     _, report, _, _ = step(cache, [child], [2], rng)
@@ -234,7 +245,7 @@ def test_both_holders_write_one_copy():
     shared = a.pages[1]
     _, report, _, _ = step(cache, [a, b], [1, 2], rng, model)
     assert len(report.copied_pages) == 1 and report.copied_pages[0][0] == shared
-    assert b.pages[1] == shared and a.pages[1] == report.copied_pages[0][1]   # the last holder writes in place
+    assert b.pages[1] == shared and a.pages[1] == report.copied_pages[0][1]  # the last holder writes in place
     model.check(cache, [a, b])
     check_invariants(cache, [a, b])
 
@@ -245,14 +256,17 @@ def test_exhaustion_changes_nothing():
     model = Model()
     a = cache.add_sequence()
     model.add(a)
-    step(cache, [a], [10], rng, model)                    # 3 pages, the last half full
+    step(cache, [a], [10], rng, model)  # 3 pages, the last half full
     b = cache.fork(a)
     model.fork(a, b)
-    cache.k[:, cache._free] = np.nan                      # the free page too
+    cache.k[:, cache._free] = np.nan  # the free page too
     snap = snapshot(cache, [a, b])
     # a: one copy + one new page; b then writes the old page in place + one new page = 3 > 1 free
-    with pytest.raises(PagedAttentionError, match=r"out of pages: this step needs 3 page\(s\) \(2 for new tokens, "
-                                                  r"1 to copy shared pages\), 1 of 4 free"):
+    with pytest.raises(
+        PagedAttentionError,
+        match=r"out of pages: this step needs 3 page\(s\) \(2 for new tokens, "
+        r"1 to copy shared pages\), 1 of 4 free",
+    ):
         cache.prepare([a, b], [3, 3])
     now = snapshot(cache, [a, b])
     for x, y in zip(snap, now):
@@ -290,8 +304,9 @@ def test_stale_plans_raise_and_write_nothing():
 
     def stale(p):
         snap = snapshot(cache, [a])
-        with pytest.raises(PagedAttentionError, match="plan: stale: made by PagedKVCache.prepare before a later "
-                                                      "fork, free or prepare"):
+        with pytest.raises(
+            PagedAttentionError, match="plan: stale: made by PagedKVCache.prepare before a later fork, free or prepare"
+        ):
             cache.append(p, nk, nv)
         with pytest.raises(PagedAttentionError, match="plan: stale"):
             p.append(nk, nv, cache.k[0], cache.v[0])
@@ -299,13 +314,13 @@ def test_stale_plans_raise_and_write_nothing():
             p.attention(q, cache.k[0], cache.v[0], 0.5)
         _same(snap, snapshot(cache, [a]))
 
-    b = cache.fork(a)                      # the plan's last page is now shared with b
+    b = cache.fork(a)  # the plan's last page is now shared with b
     model.fork(a, b)
     stale(plan)
-    model.check(cache, [a, b])             # b did not get a's rows
+    model.check(cache, [a, b])  # b did not get a's rows
     plan2, _, _, _ = step(cache, [a], [1], rng, model)
     stale(plan)
-    c = cache.add_sequence()               # a new empty sequence moves no page: plan2 stays valid
+    c = cache.add_sequence()  # a new empty sequence moves no page: plan2 stays valid
     plan2.attention(np.ones((1, 2, 8), np.float32), cache.k[0], cache.v[0], 0.5)
     cache.free(c)
     stale(plan2)
@@ -325,8 +340,8 @@ def test_failing_prepare_changes_nothing(monkeypatch):
     model = Model()
     a = cache.add_sequence()
     model.add(a)
-    step(cache, [a], [6], rng, model)      # 2 pages, the last half full
-    b = cache.fork(a)                      # the next step of both copies a's last page
+    step(cache, [a], [6], rng, model)  # 2 pages, the last half full
+    b = cache.fork(a)  # the next step of both copies a's last page
     model.fork(a, b)
     snap = _state(cache, [a, b])
     with pytest.raises(PagedAttentionError, match="plan.upload: allocation inside graph capture"):
@@ -336,13 +351,14 @@ def test_failing_prepare_changes_nothing(monkeypatch):
 
     def no_copy_kernel(like, source, kernel, defines=None):
         raise CompileError(f"cannot build {kernel}")
+
     with monkeypatch.context() as m:
         m.setattr(append_op, "get_kernel", no_copy_kernel)
         with pytest.raises(CompileError, match="cannot build copy_pages"):
             cache.prepare([a, b], [1, 1])
     _same(snap, _state(cache, [a, b]))
     model.check(cache, [a, b])
-    step(cache, [a, b], [1, 1], rng, model)     # the history survived: both read their 6 tokens + 1
+    step(cache, [a, b], [1, 1], rng, model)  # the history survived: both read their 6 tokens + 1
     model.check(cache, [a, b])
 
 
@@ -364,13 +380,14 @@ def test_caches_over_2_32_elements():
     plan = HostPlan.build(table, kv, ql, ps, pages).upload(k)
     nk = rng.standard_normal((29, 1, d)).astype(np.float16)
     nv = rng.standard_normal((29, 1, d)).astype(np.float16)
-    ref_k, ref_v = reference.paged_append(nk, nv, k[table.reshape(-1)], v[table.reshape(-1)],
-                                          np.arange(4).reshape(2, 2), kv, ql)
+    ref_k, ref_v = reference.paged_append(
+        nk, nv, k[table.reshape(-1)], v[table.reshape(-1)], np.arange(4).reshape(2, 2), kv, ql
+    )
     plan.append(nk, nv, k, v)
     np.testing.assert_array_equal(k[table.reshape(-1)].astype(np.float64), ref_k)
     q = rng.standard_normal((29, 2, d)).astype(np.float16)
-    out = plan.attention(q, k, v, d ** -0.5)
-    exp, _ = reference.paged_attention(q, ref_k, ref_v, np.arange(4).reshape(2, 2), kv, ql, d ** -0.5, True)
+    out = plan.attention(q, k, v, d**-0.5)
+    exp, _ = reference.paged_attention(q, ref_k, ref_v, np.arange(4).reshape(2, 2), kv, ql, d**-0.5, True)
     np.testing.assert_allclose(out.astype(np.float64), exp, **dict(zip(("atol", "rtol"), tolerance("f16"))))
     launch_copy_pages(stream_for(k), k, v, np.array([[pages - 1, pages - 4]], np.uint32), 1)
     np.testing.assert_array_equal(k[pages - 4], k[pages - 1])
@@ -390,12 +407,12 @@ def test_freed_pages_are_reused_and_refcounted():
     pages_a = set(a.pages)
     b = cache.fork(a)
     cache.free(a)
-    assert not a.alive and cache.num_free_pages == 3      # b still holds them
+    assert not a.alive and cache.num_free_pages == 3  # b still holds them
     cache.free(b)
     assert cache.num_free_pages == 6
     c = cache.add_sequence()
     step(cache, [c], [12], rng)
-    assert set(c.pages) == pages_a                        # the most recently freed pages first
+    assert set(c.pages) == pages_a  # the most recently freed pages first
     with pytest.raises(PagedAttentionError, match="seq: sequence 0 was freed"):
         cache.free(a)
     with pytest.raises(PagedAttentionError, match=r"seqs\[1\]: sequence 1 was freed"):
@@ -420,8 +437,10 @@ def test_input_errors():
         cache.prepare([a], [1.5])
     with pytest.raises(PagedAttentionError, match="seq: expected a Sequence of this cache"):
         cache.fork(object())
-    with pytest.raises(PagedAttentionError,
-                       match="dtype: expected float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got 'int8'"):
+    with pytest.raises(
+        PagedAttentionError,
+        match="dtype: expected float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got 'int8'",
+    ):
         PagedKVCache(4, 4, 1, 8, "int8")
     with pytest.raises(PagedAttentionError, match="page_size: expected an int in 1..256, got 0"):
         PagedKVCache(4, 0, 1, 8, "f16")
@@ -430,7 +449,7 @@ def test_input_errors():
     with pytest.raises(PagedAttentionError, match="like: expected a NumPy or CuPy array"):
         PagedKVCache(4, 4, 1, 8, "f16", like=[1.0])
     with pytest.raises(PagedAttentionError, match="k: .* elements exceed 32-bit indexing"):
-        PagedKVCache(2, 256, 2**17, 256, "f16")      # one page past 32-bit indexing
+        PagedKVCache(2, 256, 2**17, 256, "f16")  # one page past 32-bit indexing
     with pytest.raises(PagedAttentionError, match="layers: expected an int in 1..65535, got 0"):
         PagedKVCache(4, 4, 1, 8, "f16", layers=0)
     with pytest.raises(PagedAttentionError, match="prefix_cache: expected True or False, got int 1"):
@@ -440,10 +459,12 @@ def test_input_errors():
     with pytest.raises(PagedAttentionError, match="tokens: expected an integer array"):
         cache.add_sequence(tokens=[1.5, 2.0])
     with pytest.raises(PagedAttentionError, match="layer: expected an int in 0..0, got 1"):
-        cache.append(cache.prepare([a], 0)[0], np.zeros((0, 2, 8), np.float16), np.zeros((0, 2, 4), np.float16),
-                     layer=1)
-    with pytest.raises(PagedAttentionError,
-                       match=r"k_cache: expected a 4-D array .* pass one layer: cache.layer\(i\), or cache.k\[i\]"):
+        cache.append(
+            cache.prepare([a], 0)[0], np.zeros((0, 2, 8), np.float16), np.zeros((0, 2, 4), np.float16), layer=1
+        )
+    with pytest.raises(
+        PagedAttentionError, match=r"k_cache: expected a 4-D array .* pass one layer: cache.layer\(i\), or cache.k\[i\]"
+    ):
         cache.prepare([a], 0)[0].attention(np.zeros((0, 2, 8), np.float16), cache.k, cache.v, 0.5)
     assert a.length == 0 and cache.num_free_pages == 8
 
@@ -463,16 +484,16 @@ def test_copy_pages_skips_bad_ids():
     rng = np.random.default_rng(8)
     buf_k = np.full(4 * 16 + 32, np.nan, np.float32)
     buf_v = np.full(4 * 8 + 32, np.nan, np.float32)
-    k = buf_k[16:16 + 64].reshape(4, 2, 2, 4)
-    v = buf_v[16:16 + 32].reshape(4, 2, 2, 2)
+    k = buf_k[16 : 16 + 64].reshape(4, 2, 2, 4)
+    v = buf_v[16 : 16 + 32].reshape(4, 2, 2, 2)
     k[...] = rng.standard_normal(k.shape)
     v[...] = rng.standard_normal(v.shape)
     gk, gv = buf_k.copy(), buf_v.copy()
     pairs = np.array([[1, 3], [0, 4], [7, 2], [0xFFFFFFFF, 0]], np.uint32)
     launch_copy_pages(stream_for(k), k, v, pairs, len(pairs))
     exp_k, exp_v = gk.copy(), gv.copy()
-    exp_k[16:16 + 64].reshape(4, 16)[3] = gk[16:16 + 64].reshape(4, 16)[1]
-    exp_v[16:16 + 32].reshape(4, 8)[3] = gv[16:16 + 32].reshape(4, 8)[1]
+    exp_k[16 : 16 + 64].reshape(4, 16)[3] = gk[16 : 16 + 64].reshape(4, 16)[1]
+    exp_v[16 : 16 + 32].reshape(4, 8)[3] = gv[16 : 16 + 32].reshape(4, 8)[1]
     np.testing.assert_array_equal(bits(buf_k), bits(exp_k))
     np.testing.assert_array_equal(bits(buf_v), bits(exp_v))
 
@@ -481,8 +502,9 @@ def test_copy_pages_skips_bad_ids():
 def test_random_schedule_matches_model(xp_backend, page_size, seed):
     """200 steps of add / fork / free / prepare+append on a small cache."""
     rng = np.random.default_rng(seed)
-    cache = PagedKVCache(40 if page_size == 4 else 120, page_size, 2, 8, "f16", value_dim=4,
-                         like=xp_backend.xp.zeros(1, np.float16))
+    cache = PagedKVCache(
+        40 if page_size == 4 else 120, page_size, 2, 8, "f16", value_dim=4, like=xp_backend.xp.zeros(1, np.float16)
+    )
     model = Model()
     live: list[Sequence] = []
     copies = exhausted = attention_checks = 0
@@ -502,7 +524,7 @@ def test_random_schedule_matches_model(xp_backend, page_size, seed):
             cache.free(s)
             model.free(s)
         else:
-            batch = [live[i] for i in rng.permutation(len(live))[:rng.integers(1, len(live) + 1)]]
+            batch = [live[i] for i in rng.permutation(len(live))[: rng.integers(1, len(live) + 1)]]
             counts = [int(rng.integers(0, 7)) if rng.random() < 0.3 else int(rng.integers(0, 2)) for _ in batch]
             snap = snapshot(cache, live)
             try:
@@ -522,8 +544,9 @@ def test_random_schedule_matches_model(xp_backend, page_size, seed):
                 q = rng.standard_normal((plan.queries, 4, 8)).astype(np.float16)
                 out = host(plan.attention(device(cache, q), cache.k[0], cache.v[0], 0.35, causal=True))
                 h = plan.host
-                exp, _ = reference.paged_attention(q, host(cache.k)[0], host(cache.v)[0], h.page_table, h.kv_lens,
-                                                   h.q_lens, 0.35)
+                exp, _ = reference.paged_attention(
+                    q, host(cache.k)[0], host(cache.v)[0], h.page_table, h.kv_lens, h.q_lens, 0.35
+                )
                 atol, rtol = tolerance("f16")
                 np.testing.assert_allclose(np.asarray(out, np.float64), exp, atol=atol, rtol=rtol)
         model.check(cache, live)
@@ -550,7 +573,7 @@ def test_layers_share_one_table_and_copy_in_one_launch(monkeypatch):
     rng = np.random.default_rng(21)
     cache = small_cache(layers=3, dtype="bf16")
     assert cache.k.shape == (3, 8, 4, 2, 8) and cache.v.shape == (3, 8, 4, 2, 4)
-    for layer in range(3):   # each layer's view is contiguous and inside the one allocation
+    for layer in range(3):  # each layer's view is contiguous and inside the one allocation
         assert cache.k[layer].flags.c_contiguous and cache.k[layer].base is cache.k
     model = Model()
     a = cache.add_sequence()
@@ -561,7 +584,7 @@ def test_layers_share_one_table_and_copy_in_one_launch(monkeypatch):
     seen = count_launches(monkeypatch, cache.k)
     _, report, _, _ = step(cache, [a, b], [1, 3], rng, model)
     assert len(report.copied_pages) == 1 and report.copied_bytes == 3 * 4 * 2 * (8 + 4) * 2
-    assert len(seen) == 1 + 3             # one copy for every layer, then one append per layer
+    assert len(seen) == 1 + 3  # one copy for every layer, then one append per layer
     model.check(cache, [a, b])
     check_invariants(cache, [a, b])
 
@@ -572,10 +595,10 @@ def test_reserve_holds_pages_and_copies_what_they_will_write():
     model = Model()
     a = cache.add_sequence()
     model.add(a)
-    plan, report, _, _ = step(cache, [a], [5], rng, model, reserve=6)    # 5 tokens, pages for 11
+    plan, report, _, _ = step(cache, [a], [5], rng, model, reserve=6)  # 5 tokens, pages for 11
     assert a.length == 5 and len(a.pages) == 3 and a.capacity == 12 and report.allocated_pages == 3
     assert plan.table_width == 3 and plan.host.page_table[0].tolist() == list(a.pages)
-    b = cache.fork(a)                       # shares the pages holding a's 5 tokens, not a's reserve
+    b = cache.fork(a)  # shares the pages holding a's 5 tokens, not a's reserve
     model.fork(a, b)
     assert b.pages == a.pages[:2] and cache.ref_count(a.pages[2]) == 1
     # b reserves without adding tokens: its shared, half-full page 1 is what those tokens write
@@ -589,8 +612,11 @@ def test_reserve_holds_pages_and_copies_what_they_will_write():
     check_invariants(cache, [a, b])
     # exhaustion with a reserve changes nothing
     snap = snapshot(cache, [a, b])
-    with pytest.raises(PagedAttentionError, match=r"prepare: out of pages: this step needs 10 page\(s\) \(10 for "
-                                                  r"new tokens, 0 to copy shared pages\), 7 of 12 free"):
+    with pytest.raises(
+        PagedAttentionError,
+        match=r"prepare: out of pages: this step needs 10 page\(s\) \(10 for "
+        r"new tokens, 0 to copy shared pages\), 7 of 12 free",
+    ):
         cache.prepare([a], 1, reserve=40)
     with pytest.raises(PagedAttentionError, match=r"reserve: out of pages"):
         cache.reserve([a, b], [20, 20])
@@ -604,7 +630,7 @@ def kv_of_prefix(cache, tokens):
     k = np.empty((cache.layers, n, cache.kv_heads, cache.head_dim), cache.dtype)
     v = np.empty((cache.layers, n, cache.kv_heads, cache.value_dim), cache.dtype)
     for p in range(n):
-        r = np.random.default_rng(zlib.crc32(np.asarray(tokens[:p + 1], np.int64).tobytes()))
+        r = np.random.default_rng(zlib.crc32(np.asarray(tokens[: p + 1], np.int64).tobytes()))
         k[:, p] = r.standard_normal(k[:, p].shape)
         v[:, p] = r.standard_normal(v[:, p].shape)
     return k, v
@@ -617,7 +643,7 @@ def prefill(cache, seq, tokens, model=None, layers=None):
     start = seq.length
     plan, _ = cache.prepare([seq], [n])
     k, v = kv_of_prefix(cache, tokens)
-    for layer in (range(cache.layers) if layers is None else layers):
+    for layer in range(cache.layers) if layers is None else layers:
         cache.append(plan, k[layer, start:], v[layer, start:], layer=layer)
     if model is not None:
         model.append([seq], [n], k[:, start:], v[:, start:])
@@ -627,16 +653,16 @@ def prefill(cache, seq, tokens, model=None, layers=None):
 def test_prefix_hits_share_written_pages_only():
     cache = small_cache(num_pages=16, layers=2, prefix_cache=True)
     model = Model()
-    prompt = [7, 1, 9, 4, 4, 2, 8, 3, 5, 6]                     # 2 full pages of 4 + 2 tokens
+    prompt = [7, 1, 9, 4, 4, 2, 8, 3, 5, 6]  # 2 full pages of 4 + 2 tokens
     a = cache.add_sequence(tokens=prompt)
     model.add(a)
     assert a.cached_tokens == 0 and cache.stats()["misses"] == 2
-    plan = prefill(cache, a, prompt, model, layers=[0])         # one of two layers written: pending
+    plan = prefill(cache, a, prompt, model, layers=[0])  # one of two layers written: pending
     assert cache.stats()["indexed_pages"] == 0
     b = cache.add_sequence(tokens=prompt + [1])
     assert b.cached_tokens == 0 and b.pages == ()
     k, v = kv_of_prefix(cache, prompt)
-    cache.append(plan, k[1], v[1], layer=1)                     # every layer written: indexed
+    cache.append(plan, k[1], v[1], layer=1)  # every layer written: indexed
     assert cache.stats()["indexed_pages"] == 2
     c = cache.add_sequence(tokens=prompt + [1, 2, 3])
     model.k[c.id], model.v[c.id] = model.k[a.id][:8], model.v[a.id][:8]
@@ -659,7 +685,7 @@ def test_stale_plans_drop_their_pending_pages():
     prompt = list(range(20, 29))
     a = cache.add_sequence(tokens=prompt)
     plan = prefill(cache, a, prompt, layers=[0])
-    b = cache.fork(a)                                            # the plan goes stale before layer 1
+    b = cache.fork(a)  # the plan goes stale before layer 1
     k, v = kv_of_prefix(cache, prompt)
     with pytest.raises(PagedAttentionError, match="plan: stale"):
         cache.append(plan, k[1], v[1], layer=1)
@@ -676,7 +702,7 @@ def test_freed_pages_stay_cached_and_are_evicted_least_recently_used():
     b = cache.add_sequence(tokens=p2)
     prefill(cache, b, p2)
     pa, pb = a.pages, b.pages
-    cache.free(a)                            # a's 2 full pages stay cached, its last page goes free
+    cache.free(a)  # a's 2 full pages stay cached, its last page goes free
     cache.free(b)
     assert cache.num_cached_pages == 4 and cache.num_free_pages == 6
     assert cache.stats()["cached_pages"] == 4
@@ -684,7 +710,7 @@ def test_freed_pages_stay_cached_and_are_evicted_least_recently_used():
     # a hit revives p1's pages (and makes them the most recently used)
     c = cache.add_sequence(tokens=p1)
     assert c.pages == pa[:2] and cache.num_cached_pages == 2
-    cache.free(c)                            # p1's pages are now younger than p2's
+    cache.free(c)  # p1's pages are now younger than p2's
     # a new 5-page sequence takes the 2 free pages, then evicts 3 cached ones, oldest first:
     # b's last full page, then b's first, then (cascade-free) a's second page
     d = cache.add_sequence(tokens=list(range(40, 60)))
@@ -692,9 +718,9 @@ def test_freed_pages_stay_cached_and_are_evicted_least_recently_used():
     step(cache, [d], [20], rng)
     ev = cache.stats()["evictions"]
     assert ev == 3 and set(pb[:2]) <= set(d.pages) and pa[1] in d.pages and cache.num_cached_pages == 1
-    assert cache.add_sequence(tokens=p2).cached_tokens == 0     # evicted: a miss
+    assert cache.add_sequence(tokens=p2).cached_tokens == 0  # evicted: a miss
     e = cache.add_sequence(tokens=p1)
-    assert e.cached_tokens == 4 and e.pages == pa[:1]           # p1's first page is still cached
+    assert e.cached_tokens == 4 and e.pages == pa[:1]  # p1's first page is still cached
     check_invariants(cache, [d, e])
     with pytest.raises(PagedAttentionError, match=r"out of pages: .*0 of 6 free"):
         cache.prepare([e], 4)
@@ -710,7 +736,7 @@ def test_hash_collisions_cannot_share_wrong_pages(monkeypatch):
     a = cache.add_sequence(tokens=p1)
     model.add(a)
     prefill(cache, a, p1, model)
-    assert cache.stats()["indexed_pages"] == 1       # the second page collides with the first: not indexed
+    assert cache.stats()["indexed_pages"] == 1  # the second page collides with the first: not indexed
     b = cache.add_sequence(tokens=p2)
     assert b.cached_tokens == 0
     model.add(b)
@@ -733,11 +759,11 @@ def test_fork_and_copy_on_write_over_shared_prefix_pages():
     b = cache.add_sequence(tokens=prompt + [3, 5])
     model.k[b.id], model.v[b.id] = model.k[a.id][:8], model.v[a.id][:8]
     prefill(cache, b, prompt + [3, 5], model)
-    c = cache.fork(b)                         # shares b's prefix pages (refcount 3) and its partial page
+    c = cache.fork(b)  # shares b's prefix pages (refcount 3) and its partial page
     model.fork(b, c)
     shared = b.pages[2]
     _, report, _, _ = step(cache, [b, c], [2, 1], rng, model)
-    assert report.copied_pages == [(shared, b.pages[2])] and c.pages[2] == shared   # c, the last holder, in place
+    assert report.copied_pages == [(shared, b.pages[2])] and c.pages[2] == shared  # c, the last holder, in place
     assert cache.ref_count(a.pages[0]) == 3
     model.check(cache, [a, b, c])
     for s in (a, b):
@@ -765,7 +791,7 @@ class TokenModel:
         self.tokens[seq.id], self.written[seq.id] = list(tokens), written
 
     def fork(self, parent, child):
-        self.tokens[child.id] = list(self.tokens[parent.id][:self.written[parent.id]])
+        self.tokens[child.id] = list(self.tokens[parent.id][: self.written[parent.id]])
         self.written[child.id] = self.written[parent.id]
 
     def free(self, seq):
@@ -822,11 +848,20 @@ def test_random_schedule_through_graph_decode_loops(seed):
                 cache.append(plan, nk[:B].reshape(B, H, D), nv[:B].reshape(B, H, DV), layer=layer)
             cupaged_layers.embed(token_buf[:B], nt, logits[:B])
             return logits[:B]
+
         return step
 
     tok, nxt = np.zeros(max_batch, np.int64), np.zeros(max_batch, np.int64)
-    batch = cupaged.DecodeBatch(cache, make_step(tok), token_buf=tok, next_token=nxt, max_batch=max_batch,
-                                max_len=40, stop_ids=[stop], readback_every=k_steps)
+    batch = cupaged.DecodeBatch(
+        cache,
+        make_step(tok),
+        token_buf=tok,
+        next_token=nxt,
+        max_batch=max_batch,
+        max_len=40,
+        stop_ids=[stop],
+        readback_every=k_steps,
+    )
     live: list[Sequence] = []
     prompts: list[list] = []
     device_first: dict[int, int] = {}
@@ -857,15 +892,15 @@ def test_random_schedule_through_graph_decode_loops(seed):
             # the model's prediction: feed, generate by succ until the stop id or the limit
             exp, w = [], model.written[s.id]
             toks = model.tokens[s.id]
-            assert len(toks) == w + 1              # the token it feeds next is known
+            assert len(toks) == w + 1  # the token it feeds next is known
             for _ in range(r.steps):
-                w += 1                             # a launch writes the pending token ...
-                toks.append(int(succ[toks[-1]]))   # ... and generates the next one
+                w += 1  # a launch writes the pending token ...
+                toks.append(int(succ[toks[-1]]))  # ... and generates the next one
                 exp.append(toks[-1])
                 if toks[-1] == stop or len(toks) >= limits[s.id]:
                     break
             done = bool(exp) and (exp[-1] == stop or len(toks) >= limits[s.id])
-            if s.id in device_first:               # a first token that joined from the device
+            if s.id in device_first:  # a first token that joined from the device
                 exp.insert(0, device_first.pop(s.id))
             got = r.tokens.get(s, [])
             assert got == exp, (s.id, got, exp, r.steps)
@@ -881,24 +916,26 @@ def test_random_schedule_through_graph_decode_loops(seed):
     for _ in range(120):
         r = rng.random()
         if r < 0.2 or not live:
-            if prompts and rng.random() < 0.5:        # share a prefix of an earlier prompt
+            if prompts and rng.random() < 0.5:  # share a prefix of an earlier prompt
                 base = prompts[rng.integers(len(prompts))]
-                prompt = base[:rng.integers(1, len(base) + 1)] + rng.integers(1, V, rng.integers(1, 4)).tolist()
+                prompt = base[: rng.integers(1, len(base) + 1)] + rng.integers(1, V, rng.integers(1, 4)).tolist()
             else:
                 prompt = rng.integers(1, V, rng.integers(3, 11)).tolist()
             s = cache.add_sequence(tokens=prompt)
             counts["hits"] += s.cached_tokens > 0
             model.add(s, prompt, s.cached_tokens)
             live.append(s)
-            model.check(cache, [s])                    # a hit's pages hold exactly its prefix
+            model.check(cache, [s])  # a hit's pages hold exactly its prefix
             start = s.length
 
             def pre():
                 plan, _ = cache.prepare([s], [len(prompt) - start])
                 toks = np.asarray(prompt[start:], np.int64)
                 for layer in range(layers):
-                    cache.append(plan, tk[layer][toks].reshape(-1, H, D), tv[layer][toks].reshape(-1, H, DV),
-                                 layer=layer)
+                    cache.append(
+                        plan, tk[layer][toks].reshape(-1, H, D), tv[layer][toks].reshape(-1, H, DV), layer=layer
+                    )
+
             if fail_unchanged(pre, "out of pages"):
                 live.remove(s)
                 cache.free(s)
@@ -921,6 +958,7 @@ def test_random_schedule_through_graph_decode_loops(seed):
 
             def join():
                 batch.join(s, tok_arg, max_len=limit)
+
             if fail_unchanged(join, "out of pages" if len(batch.members) < max_batch else "batch is full"):
                 continue
             counts["joins"] += 1
@@ -944,7 +982,7 @@ def test_random_schedule_through_graph_decode_loops(seed):
             s = batch.members[rng.integers(len(batch.members))]
             batch.leave(s)
             counts["leaves"] += 1
-            model.tokens[s.id] = model.tokens[s.id][:model.written[s.id] + 1]
+            model.tokens[s.id] = model.tokens[s.id][: model.written[s.id] + 1]
         elif r < 0.75 and idle():
             group = [s for s in idle() if s.length][:3]
             if not group:
@@ -954,6 +992,7 @@ def test_random_schedule_through_graph_decode_loops(seed):
 
             def prep():
                 got.append(cache.prepare(group, 1, reserve=reserve)[0])
+
             if fail_unchanged(prep, "out of pages"):
                 continue
             plan = got[0]
@@ -966,13 +1005,13 @@ def test_random_schedule_through_graph_decode_loops(seed):
             kv = cupaged.layout.metadata_offsets(len(group), len(group))["kv_len"]
             for _ in range(loop.steps_left):
                 loop.advance()
-                assert [s.length for s in group] == plan.words[kv:kv + len(group)].tolist()
+                assert [s.length for s in group] == plan.words[kv : kv + len(group)].tolist()
                 for s, t in zip(group, nb):
                     model.written[s.id] += 1
                     model.tokens[s.id].append(int(t))
             for s in group:
                 assert s.length == model.written[s.id]
-                model.tokens[s.id] = model.tokens[s.id][:model.written[s.id] + 1]
+                model.tokens[s.id] = model.tokens[s.id][: model.written[s.id] + 1]
             counts["loops"] += 1
         elif batch.members:
             for _ in range(k_steps):
@@ -981,6 +1020,7 @@ def test_random_schedule_through_graph_decode_loops(seed):
 
                 def adv():
                     batch.advance()
+
                 if fail_unchanged(adv, "out of pages"):
                     break
                 counts["batch_steps"] += 1
@@ -1016,25 +1056,31 @@ def test_a_plan_of_another_cache_is_refused_and_writes_nothing():
     model = Model()
     t = target.add_sequence()
     model.add(t)
-    step(target, [t], 6, rng, model)                  # target's sequence 0 holds pages 0 and 1
+    step(target, [t], 6, rng, model)  # target's sequence 0 holds pages 0 and 1
     d = draft.add_sequence()
-    plan, _ = draft.prepare([d], 3)                   # draft's sequence 0 gets page 0 too
+    plan, _ = draft.prepare([d], 3)  # draft's sequence 0 gets page 0 too
     nk = rng.standard_normal((3, 2, 8)).astype(np.float16)
     nv = rng.standard_normal((3, 2, 4)).astype(np.float16)
     before = snapshot(target, [t]), snapshot(draft, [d])
-    with pytest.raises(PagedAttentionError, match=r"plan: expected a plan of this cache, got one of another "
-                                                  r"PagedKVCache \(PagedKVCache\(num_pages=8"):
+    with pytest.raises(
+        PagedAttentionError,
+        match=r"plan: expected a plan of this cache, got one of another "
+        r"PagedKVCache \(PagedKVCache\(num_pages=8",
+    ):
         target.append(plan, nk, nv)
     hand = HostPlan.build(plan.host.page_table, plan.host.kv_lens, plan.host.q_lens, 4, 8).upload(target.k)
-    with pytest.raises(PagedAttentionError, match=r"plan: expected a plan of this cache \(made by its prepare, or a "
-                                                  r"DecodeBatch's\), got DevicePlan made by no PagedKVCache"):
+    with pytest.raises(
+        PagedAttentionError,
+        match=r"plan: expected a plan of this cache \(made by its prepare, or a "
+        r"DecodeBatch's\), got DevicePlan made by no PagedKVCache",
+    ):
         target.append(hand, nk, nv)
     with pytest.raises(PagedAttentionError, match="got int made by no PagedKVCache"):
         target.append(3, nk, nv)
     _same(before[0], snapshot(target, [t]))
     _same(before[1], snapshot(draft, [d]))
-    model.check(target, [t])                          # target's rows are what it wrote
-    draft.append(plan, nk, nv)                        # its own cache takes it
+    model.check(target, [t])  # target's rows are what it wrote
+    draft.append(plan, nk, nv)  # its own cache takes it
     k, _ = tokens(draft, d)
     np.testing.assert_array_equal(bits(k[:, 0]), bits(nk))
     model.check(target, [t])
@@ -1049,31 +1095,46 @@ def test_ref_count_and_counts_are_range_checked():
     cache.prepare([a], 5)
     assert [cache.ref_count(p) for p in range(8)] == [1, 1, 0, 0, 0, 0, 0, 0]
     assert cache.ref_count(np.int64(1)) == 1
-    for bad, msg in [(-1, "got -1"), (8, "got 8"), (2**64, f"got {2**64}"), (1.0, "got 1.0"), (True, "got True"),
-                     ("0", "got '0'"), (None, "got None")]:
+    for bad, msg in [
+        (-1, "got -1"),
+        (8, "got 8"),
+        (2**64, f"got {2**64}"),
+        (1.0, "got 1.0"),
+        (True, "got True"),
+        ("0", "got '0'"),
+        (None, "got None"),
+    ]:
         with pytest.raises(PagedAttentionError, match=rf"page: expected an int in 0..7, {msg}"):
             cache.ref_count(bad)
     snap = snapshot(cache, [a])
-    for call, msg in [(lambda: cache.prepare([a], 2**70), rf"new_tokens: expected an int in 0..4294967295, got "
-                                                          rf"{2**70}"),
-                      (lambda: cache.prepare([a], 1, reserve=2**40), "reserve: expected an int in 0..4294967295"),
-                      (lambda: cache.reserve([a], -1), "tokens: expected an int in 0..4294967295, got -1"),
-                      (lambda: cache.reserve([a], True), "tokens: expected an integer array, got dtype bool"),
-                      (lambda: cache.kv_args(-1), "layer: expected an int in 0..0, got -1")]:
+    for call, msg in [
+        (
+            lambda: cache.prepare([a], 2**70),
+            rf"new_tokens: expected an int in 0..4294967295, got "
+            rf"{2**70}",
+        ),
+        (lambda: cache.prepare([a], 1, reserve=2**40), "reserve: expected an int in 0..4294967295"),
+        (lambda: cache.reserve([a], -1), "tokens: expected an int in 0..4294967295, got -1"),
+        (lambda: cache.reserve([a], True), "tokens: expected an integer array, got dtype bool"),
+        (lambda: cache.kv_args(-1), "layer: expected an int in 0..0, got -1"),
+    ]:
         with pytest.raises(PagedAttentionError, match=msg):
             call()
         _same(snap, snapshot(cache, [a]))
 
 
-@pytest.mark.parametrize("bad, msg", [
-    ([1, -1], r"tokens\[1\]: expected a token id in 0..9223372036854775807, got -1"),
-    ([3, 2**64 + 5], rf"tokens\[1\]: expected a token id in 0..9223372036854775807, got {2**64 + 5}"),
-    ([2**63], rf"tokens\[0\]: expected a token id in 0..9223372036854775807, got {2**63}"),
-    (np.array([4, 5, -3]), r"tokens\[2\]: expected a token id in 0..9223372036854775807, got -3"),
-    (np.array([1.0]), "tokens: expected an integer array, got dtype float64"),
-    ([[1, 2]], "tokens: expected a 1-D array"),
-    ([True, False], "tokens: expected an integer array, got dtype bool"),
-])
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        ([1, -1], r"tokens\[1\]: expected a token id in 0..9223372036854775807, got -1"),
+        ([3, 2**64 + 5], rf"tokens\[1\]: expected a token id in 0..9223372036854775807, got {2**64 + 5}"),
+        ([2**63], rf"tokens\[0\]: expected a token id in 0..9223372036854775807, got {2**63}"),
+        (np.array([4, 5, -3]), r"tokens\[2\]: expected a token id in 0..9223372036854775807, got -3"),
+        (np.array([1.0]), "tokens: expected an integer array, got dtype float64"),
+        ([[1, 2]], "tokens: expected a 1-D array"),
+        ([True, False], "tokens: expected an integer array, got dtype bool"),
+    ],
+)
 def test_token_ids_are_checked_where_they_enter_the_cache(bad, msg):
     """add_sequence(tokens=) and add_tokens take ints >= 0 (int64): a huge or
     negative id is refused before anything changes (it used to be kept, and
@@ -1087,7 +1148,7 @@ def test_token_ids_are_checked_where_they_enter_the_cache(bad, msg):
         cache.add_tokens(a, bad)
     _same(snap, snapshot(cache, [a]))
     assert a.tokens == (1, 2, 3, 4, 5) and cache._next_id == n
-    cache.add_tokens(a, np.array([2**63 - 1], np.uint64))       # the largest id an int64 holds
+    cache.add_tokens(a, np.array([2**63 - 1], np.uint64))  # the largest id an int64 holds
     assert a.tokens[-1] == 2**63 - 1
 
 
@@ -1097,17 +1158,19 @@ def test_threads_share_one_cache_safely(monkeypatch):
     another thread's prepare meanwhile waits instead of choosing the same
     free pages (which both would then hold with a count of 1)."""
     import threading
+
     cache = small_cache(num_pages=8)
     a, b = cache.add_sequence(), cache.add_sequence()
     entered, done = threading.Event(), threading.Event()
     copy = cache._copy
     first = threading.get_ident()
 
-    def slow_copy(stream, pairs):           # inside prepare: pages chosen, not yet taken
+    def slow_copy(stream, pairs):  # inside prepare: pages chosen, not yet taken
         if threading.get_ident() == first:
             entered.set()
-            done.wait(0.5)                   # the other thread's prepare would finish here without the lock
+            done.wait(0.5)  # the other thread's prepare would finish here without the lock
         copy(stream, pairs)
+
     monkeypatch.setattr(cache, "_copy", slow_copy)
     errors = []
 
@@ -1115,9 +1178,10 @@ def test_threads_share_one_cache_safely(monkeypatch):
         entered.wait(5)
         try:
             cache.prepare([b], 8)
-        except Exception as e:               # pragma: no cover - reported below
+        except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
         done.set()
+
     t = threading.Thread(target=other)
     t.start()
     cache.prepare([a], 8)
@@ -1135,6 +1199,7 @@ def test_threads_random_schedule_keeps_every_invariant():
     is the number of sequences holding the page."""
     import sys
     import threading
+
     cache = small_cache(num_pages=64, prefix_cache=True)
     live, lock = set(), threading.Lock()
     errors = []
@@ -1152,16 +1217,18 @@ def test_threads_random_schedule_keeps_every_invariant():
                     mine.append(cache.fork(mine[rng.integers(len(mine))]))
                 elif op == 2:
                     try:
-                        cache.prepare([mine[rng.integers(len(mine))]], int(rng.integers(1, 4)),
-                                      reserve=int(rng.integers(3)))
+                        cache.prepare(
+                            [mine[rng.integers(len(mine))]], int(rng.integers(1, 4)), reserve=int(rng.integers(3))
+                        )
                     except PagedAttentionError as e:
                         assert "out of pages" in str(e)
                 else:
                     cache.free(mine.pop(rng.integers(len(mine))))
-        except Exception as e:          # pragma: no cover - reported below
+        except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
         with lock:
             live.update(mine)
+
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:

@@ -1,4 +1,5 @@
 """The README's main job and the standalone kernel checks, as a newcomer runs them."""
+
 import re
 
 import pytest
@@ -20,28 +21,36 @@ def test_demo_runs_on_the_cpu_and_every_token_matches(capsys, flags):
 PAGED = ["--cpu", "--repeat", "1", "--context", "40", "--batch", "3"]
 
 
-@pytest.mark.parametrize("op, extra", [
-    ("attention", PAGED + ["--splits", "3", "--dtype", "f16", "--head-dim", "64", "--heads", "4", "--kv-heads", "2"]),
-    ("merge", PAGED + ["--head-dim", "64", "--heads", "4", "--kv-heads", "2"]),
-    ("append", PAGED + ["--dtype", "f32", "--head-dim", "64", "--kv-heads", "2"]),
-    ("argmax", ["--cpu", "--repeat", "1", "--batch", "3", "--vocab", "1001"]),
-    ("mla", PAGED + ["--heads", "4", "--head-dim", "64", "--rope-dim", "16"]),
-    ("mla", PAGED + ["--heads", "4", "--head-dim", "64", "--rope-dim", "16", "--splits", "3"]),
-])
+@pytest.mark.parametrize(
+    "op, extra",
+    [
+        (
+            "attention",
+            PAGED + ["--splits", "3", "--dtype", "f16", "--head-dim", "64", "--heads", "4", "--kv-heads", "2"],
+        ),
+        ("merge", PAGED + ["--head-dim", "64", "--heads", "4", "--kv-heads", "2"]),
+        ("append", PAGED + ["--dtype", "f32", "--head-dim", "64", "--kv-heads", "2"]),
+        ("argmax", ["--cpu", "--repeat", "1", "--batch", "3", "--vocab", "1001"]),
+        ("mla", PAGED + ["--heads", "4", "--head-dim", "64", "--rope-dim", "16"]),
+        ("mla", PAGED + ["--heads", "4", "--head-dim", "64", "--rope-dim", "16", "--splits", "3"]),
+    ],
+)
 def test_check_ops_report_ok(op, extra, capsys):
     rc = main(["check", op] + extra)
     text = capsys.readouterr().out
     assert rc == 0, text
     assert re.search(r"\(ok\)|bit-exact|0 mismatching rows", text), text
     if "--splits" in extra:
-        assert "splits 3" in text, text          # honoured, not ignored
+        assert "splits 3" in text, text  # honoured, not ignored
 
 
 def test_each_op_lists_its_own_options(capsys):
-    for op, has, lacks in (("append", ["--kv-heads", "--head-dim"], ["--splits", "--vocab", "--heads "]),
-                           ("argmax", ["--vocab", "--batch"], ["--splits", "--head-dim", "--context"]),
-                           ("mla", ["--rope-dim", "--splits"], ["--kv-heads", "--vocab"]),
-                           ("merge", ["--splits"], ["--vocab"])):
+    for op, has, lacks in (
+        ("append", ["--kv-heads", "--head-dim"], ["--splits", "--vocab", "--heads "]),
+        ("argmax", ["--vocab", "--batch"], ["--splits", "--head-dim", "--context"]),
+        ("mla", ["--rope-dim", "--splits"], ["--kv-heads", "--vocab"]),
+        ("merge", ["--splits"], ["--vocab"]),
+    ):
         with pytest.raises(SystemExit) as e:
             main(["check", op, "--help"])
         assert e.value.code == 0
@@ -53,18 +62,26 @@ def test_each_op_lists_its_own_options(capsys):
         assert "(default" in text
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["demo", "--tokens", "0"], "python -m cupaged demo: argument --tokens: expected an integer from 1 to 4096, got 0"),
-    (["demo", "--head-dim", "15"], "argument --head-dim: expected an even integer from 2 to 1024, got 15"),
-    (["demo", "--heads", "6", "--kv-heads", "4"], "--kv-heads: expected a divisor of --heads 6, got 4"),
-    (["check", "attention", "--context", "0"],
-     "python -m cupaged check attention: argument --context: expected an integer from 1 to 16777216, got 0"),
-    (["check", "merge", "--splits", "1"], "argument --splits: expected an integer from 2 to 64, got 1"),
-    (["check", "append", "--splits", "3"], "check append: unrecognized arguments: --splits 3"),
-    (["check", "argmax", "--head-dim", "64"], "check argmax: unrecognized arguments: --head-dim 64"),
-    (["check", "attention", "--q-len", "50", "--context", "40"], "--q-len: expected at most --context 40, got 50"),
-    (["check", "attention", "--batch", "x"], "argument --batch: expected an integer from 1 to 65536, got 'x'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["demo", "--tokens", "0"],
+            "python -m cupaged demo: argument --tokens: expected an integer from 1 to 4096, got 0",
+        ),
+        (["demo", "--head-dim", "15"], "argument --head-dim: expected an even integer from 2 to 1024, got 15"),
+        (["demo", "--heads", "6", "--kv-heads", "4"], "--kv-heads: expected a divisor of --heads 6, got 4"),
+        (
+            ["check", "attention", "--context", "0"],
+            "python -m cupaged check attention: argument --context: expected an integer from 1 to 16777216, got 0",
+        ),
+        (["check", "merge", "--splits", "1"], "argument --splits: expected an integer from 2 to 64, got 1"),
+        (["check", "append", "--splits", "3"], "check append: unrecognized arguments: --splits 3"),
+        (["check", "argmax", "--head-dim", "64"], "check argmax: unrecognized arguments: --head-dim 64"),
+        (["check", "attention", "--q-len", "50", "--context", "40"], "--q-len: expected at most --context 40, got 50"),
+        (["check", "attention", "--batch", "x"], "argument --batch: expected an integer from 1 to 65536, got 'x'"),
+    ],
+)
 def test_wrong_arguments_are_one_line(argv, message, capsys):
     """A wrong flag is one line naming it and its range, exit status 2, no traceback."""
     with pytest.raises(SystemExit) as e:
@@ -74,14 +91,22 @@ def test_wrong_arguments_are_one_line(argv, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("argv", [["demo", "--cpu"], ["check", "argmax", "--cpu", "--repeat", "1"],
-                                  ["check", "attention", "--cpu", "--repeat", "1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--cpu"],
+        ["check", "argmax", "--cpu", "--repeat", "1"],
+        ["check", "attention", "--cpu", "--repeat", "1"],
+    ],
+)
 def test_environment_errors_are_one_line_and_traceback_on_request(argv, capsys, monkeypatch):
     """A broken environment (cupaged.SetupError: no compiler, a missing extra,
     an unwritable cache) met by any command: one line, exit status 2; with
     --traceback (or CUPAGED_TRACEBACK=1) the exception itself."""
+
     def broken(*args, **kwargs):
         raise cupaged.SetupError("no C++ compiler found: the CPU backend needs g++ (apt install g++)")
+
     monkeypatch.setattr(cli, "_like", broken)
     monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
     assert main(argv) == 2

@@ -1,6 +1,7 @@
 """CUDA-graph decode on the CPU backend (the same tests run on a GPU):
 graph replays == eager loop == float64 reference model; cache equality;
 stable buffers; misuse errors."""
+
 import gc
 
 import numpy as np
@@ -60,7 +61,7 @@ def test_device_scalars_update_with_memsets():
     addr = sc.buffer.ctypes.data
     s = cupaged.stream_for(like)
     s.begin_capture()
-    sc.update(11)        # captured: runs on replay
+    sc.update(11)  # captured: runs on replay
     g = s.end_capture()
     assert sc.write_pos.tolist() == [7]
     g.launch()
@@ -153,8 +154,15 @@ def test_decode_loop_with_rope_slices(weights):
         s.copy(logits, sin_sl, nbytes=4, dst_offset=4)
         return logits
 
-    loop = DecodeLoop(step, token_buf=token_buf, next_token=next_token, scalars=sc, seq_len=5,
-                      rope_tables=(cos, sin), rope_slices=(cos_sl, sin_sl))
+    loop = DecodeLoop(
+        step,
+        token_buf=token_buf,
+        next_token=next_token,
+        scalars=sc,
+        seq_len=5,
+        rope_tables=(cos, sin),
+        rope_slices=(cos_sl, sin_sl),
+    )
     loop.seed(3)
     for _ in range(3):
         loop.advance()
@@ -174,11 +182,19 @@ def test_decode_loop_past_its_rope_table_changes_nothing():
     sc = DeviceScalars(0, like)
     token_buf, next_token = np.zeros(1, np.int64), np.array([9], np.int64)
     logits = np.zeros((1, 4), np.float32)
-    loop = DecodeLoop(lambda: logits, token_buf=token_buf, next_token=next_token, scalars=sc, seq_len=2,
-                      rope_tables=(cos, sin), rope_slices=slices, graph=False)
-    loop.advance()                          # position 2: the table's last row
+    loop = DecodeLoop(
+        lambda: logits,
+        token_buf=token_buf,
+        next_token=next_token,
+        scalars=sc,
+        seq_len=2,
+        rope_tables=(cos, sin),
+        rope_slices=slices,
+        graph=False,
+    )
+    loop.advance()  # position 2: the table's last row
     assert slices[0].tolist() == [[4.0, 5.0]] and loop.seq_len == 3
-    token_buf[0] = 5                        # anything the failed call would overwrite
+    token_buf[0] = 5  # anything the failed call would overwrite
     before = (token_buf.copy(), sc.buffer.copy(), slices[0].copy(), next_token.copy())
     with pytest.raises(PagedAttentionError, match=r"seq_len: position 3 is past the RoPE table \(3 rows\)"):
         loop.advance()
@@ -210,10 +226,11 @@ def test_padded_entries_are_safe_in_a_paged_decode_graph():
         return logits
 
     pages_before = k[2:].copy(), v[2:].copy()
-    loop = PagedDecodeLoop(step, plan, token_buf=np.zeros(2, np.int64), next_token=np.zeros(2, np.int64),
-                           active=[True, False])
+    loop = PagedDecodeLoop(
+        step, plan, token_buf=np.zeros(2, np.int64), next_token=np.zeros(2, np.int64), active=[True, False]
+    )
     k_ref, v_ref = k.copy(), v.copy()
-    for i in range(4):                      # positions 2, 3, 4, 5 of sequence 0
+    for i in range(4):  # positions 2, 3, 4, 5 of sequence 0
         loop.advance()
         pos = 2 + i
         k_ref[table[0, pos // ps], pos % ps] = new_k[0]
@@ -223,15 +240,18 @@ def test_padded_entries_are_safe_in_a_paged_decode_graph():
         np.testing.assert_array_equal(out[1], 0.0)
     np.testing.assert_array_equal(k[2:], pages_before[0])
     np.testing.assert_array_equal(v[2:], pages_before[1])
-    assert loop.steps_left == 8 - 7 + 1   # lengths 7 now: positions 6 and 7 remain
+    assert loop.steps_left == 8 - 7 + 1  # lengths 7 now: positions 6 and 7 remain
 
 
-@pytest.mark.parametrize("table, kv, steps, why", [
-    ([[0, 1], [2, 1]], [3, 3], 2, "page 1 .*is held twice"),            # a reserved page shared by two rows
-    ([[0, -1]], [3], 2, "sequence 0's page-table column 1 holds no page"),
-    ([[0, 0]], [3], 0, "page 0 .*is held twice"),                          # one page at two columns
-    ([[0, 1], [0, 2]], [3, 3], None, "queries 0 and 1 .* both write page 0 offset 2"),   # a shared last page
-])
+@pytest.mark.parametrize(
+    "table, kv, steps, why",
+    [
+        ([[0, 1], [2, 1]], [3, 3], 2, "page 1 .*is held twice"),  # a reserved page shared by two rows
+        ([[0, -1]], [3], 2, "sequence 0's page-table column 1 holds no page"),
+        ([[0, 0]], [3], 0, "page 0 .*is held twice"),  # one page at two columns
+        ([[0, 1], [0, 2]], [3, 3], None, "queries 0 and 1 .* both write page 0 offset 2"),  # a shared last page
+    ],
+)
 def test_paged_decode_loop_stops_before_a_write_that_is_not_its_own(table, kv, steps, why):
     """A decode loop whose reserved columns hold no page, or a page another
     sequence holds, stops before the step that would write there: that
@@ -251,7 +271,7 @@ def test_paged_decode_loop_stops_before_a_write_that_is_not_its_own(table, kv, s
         p.append(new, new, k, v)
         return logits
 
-    if steps is None:     # the first step's writes already collide: the capture of its append refuses
+    if steps is None:  # the first step's writes already collide: the capture of its append refuses
         with pytest.raises(PagedAttentionError, match=why):
             PagedDecodeLoop(step, plan, token_buf=np.zeros(n, np.int64), next_token=np.zeros(n, np.int64))
         return
@@ -268,6 +288,7 @@ def test_paged_decode_loop_stops_before_a_write_that_is_not_its_own(table, kv, s
 
 def test_graph_keeps_buffers_alive_after_user_references_are_dropped():
     import weakref
+
     like = np.zeros(1, np.float32)
     logits = np.zeros((2, 5), np.float32)
     logits[0, 3] = 1.0
@@ -276,10 +297,10 @@ def test_graph_keeps_buffers_alive_after_user_references_are_dropped():
     with capture_graph(like) as g:
         cupaged.argmax_into(logits, out)
     alive = weakref.ref(logits)
-    view = logits[:]               # still reaches the same memory
+    view = logits[:]  # still reaches the same memory
     del logits
     gc.collect()
-    assert alive() is not None     # the graph holds it
+    assert alive() is not None  # the graph holds it
     view[0, :] = [0, 0, 0, 0, 9]
     junk = [np.ones((64, 64)) for _ in range(8)]  # noqa: F841
     g.launch()
@@ -293,6 +314,7 @@ def test_arrays_of_another_backend_or_device_are_rejected_in_capture():
 
         class device:
             id = 0
+
     like = np.zeros(1, np.float32)
     out = np.zeros(2, np.int64)
     with pytest.raises(PagedAttentionError, match="NumPy array .* got a CuPy array"):
@@ -308,13 +330,25 @@ def test_mla_model_graph_equals_eager_and_non_absorbed_reference():
     """The MLA variant: latent + rotary caches through append, absorbed
     attention through DevicePlan.mla, against a float64 model that
     up-projects keys and values for every token (no absorption)."""
-    cfg = tiny.TinyConfig(vocab=96, hidden=32, layers=2, heads=4, ffn=48, max_pos=256, mla=True,
-                          latent_dim=24, rope_dim=6, nope_dim=8, v_head_dim=10)
+    cfg = tiny.TinyConfig(
+        vocab=96,
+        hidden=32,
+        layers=2,
+        heads=4,
+        ffn=48,
+        max_pos=256,
+        mla=True,
+        latent_dim=24,
+        rope_dim=6,
+        nope_dim=8,
+        v_head_dim=10,
+    )
     w = tiny.rounded(tiny.init_weights(cfg, seed=5), np.float32)
     like = np.zeros(1, np.float32)
 
     def model():
         return tiny.TinyModel(cfg, w, like, dtype=np.float32, num_pages=40, page_size=4, max_rows=32)
+
     m_graph, m_eager = model(), model()
     t_graph, _ = tiny.generate(m_graph, PROMPTS, 7, chunk=5, graph=True)
     t_eager, _ = tiny.generate(m_eager, PROMPTS, 7, chunk=5, graph=False)
@@ -335,7 +369,7 @@ def _rows(cache, seq):
 def _prefill(m, seqs, prompts, logits, best, next_token):
     plan, _ = m.cache.prepare(seqs, [len(p) for p in prompts])
     m.forward(plan, np.concatenate([np.asarray(p, np.int64) for p in prompts]), logits)
-    argmax_into(logits[:plan.queries], best[:plan.queries])
+    argmax_into(logits[: plan.queries], best[: plan.queries])
     ends = plan.host.q_lens.cumsum() - 1
     next_token[:] = best[ends]
 
@@ -360,16 +394,22 @@ def test_cache_driven_loop_follows_the_device_and_continues_like_eager(weights, 
             for reserve in (5, 2):
                 plan, _ = m.cache.prepare(seqs, 1, reserve=reserve)
                 L = np.array([s.length for s in seqs]) - 1
-                loop = PagedDecodeLoop(lambda p: (m.forward(p, token_buf, logits), logits[:B])[1], plan,
-                                       token_buf=token_buf, next_token=next_token, cache=m.cache, seqs=seqs,
-                                       graph=graph)
+                loop = PagedDecodeLoop(
+                    lambda p: (m.forward(p, token_buf, logits), logits[:B])[1],
+                    plan,
+                    token_buf=token_buf,
+                    next_token=next_token,
+                    cache=m.cache,
+                    seqs=seqs,
+                    graph=graph,
+                )
                 steps = loop.steps_left
                 assert steps == min(s.capacity - int(n) for s, n in zip(seqs, L)) and steps >= 1 + reserve
                 kv = metadata_offsets(B, B)["kv_len"]
                 for _ in range(steps):
                     loop.advance()
                     history.append(next_token.copy())
-                    assert [s.length for s in seqs] == plan.words[kv:kv + B].tolist()
+                    assert [s.length for s in seqs] == plan.words[kv : kv + B].tolist()
                 assert [s.length for s in seqs] == (L + steps).tolist()
                 with pytest.raises(PagedAttentionError, match="reserve more pages"):
                     loop.advance()
@@ -401,6 +441,7 @@ def test_cache_driven_loop_misuse_and_finish(weights):
     def step(p):
         m.forward(p, token_buf, logits)
         return logits[:2]
+
     plan, _ = m.cache.prepare(seqs, 1, reserve=6)
     with pytest.raises(PagedAttentionError, match=r"seqs: expected the plan's sequences \(plan.seqs\), in row order"):
         PagedDecodeLoop(step, plan, token_buf=token_buf, next_token=next_token, cache=m.cache, seqs=seqs[::-1])
@@ -413,7 +454,7 @@ def test_cache_driven_loop_misuse_and_finish(weights):
     for _ in range(3):
         loop.advance()
     lengths = [s.length for s in seqs]
-    loop.finish()                    # the token prepared for step 4 is not written: lengths drop it
+    loop.finish()  # the token prepared for step 4 is not written: lengths drop it
     assert [s.length for s in seqs] == [n - 1 for n in lengths] and loop.steps_left == 0
     with pytest.raises(PagedAttentionError, match="the loop was finished"):
         loop.advance()
@@ -436,8 +477,9 @@ class _Driven:
     cache-driven decode loops; ``history`` collects each step's tokens."""
 
     def __init__(self, weights, prompts=PROMPTS[:2], num_pages=40):
-        self.m = tiny.TinyModel(CFG, weights, np.zeros(1, np.float32), dtype=np.float32, num_pages=num_pages,
-                                page_size=4, max_rows=32)
+        self.m = tiny.TinyModel(
+            CFG, weights, np.zeros(1, np.float32), dtype=np.float32, num_pages=num_pages, page_size=4, max_rows=32
+        )
         self.cache, self.B, self.prompts = self.m.cache, len(prompts), prompts
         self.seqs = [self.cache.add_sequence() for _ in prompts]
         self.logits, self.best = np.zeros((32, CFG.vocab), np.float32), np.zeros(32, np.int64)
@@ -447,12 +489,13 @@ class _Driven:
 
     def step(self, p):
         self.m.forward(p, self.tok, self.logits)
-        return self.logits[:self.B]
+        return self.logits[: self.B]
 
     def loop(self, reserve, graph=True):
         plan, _ = self.cache.prepare(self.seqs, 1, reserve=reserve)
-        return plan, PagedDecodeLoop(self.step, plan, token_buf=self.tok, next_token=self.nxt, cache=self.cache,
-                                     graph=graph)
+        return plan, PagedDecodeLoop(
+            self.step, plan, token_buf=self.tok, next_token=self.nxt, cache=self.cache, graph=graph
+        )
 
     def advance(self, loop, n):
         for _ in range(n):
@@ -465,7 +508,7 @@ class _Driven:
             self.tok[:] = self.nxt
             plan, _ = self.cache.prepare(self.seqs, 1)
             self.m.forward(plan, self.tok, self.logits)
-            argmax_into(self.logits[:self.B], self.nxt)
+            argmax_into(self.logits[: self.B], self.nxt)
             self.history.append(self.nxt.copy())
 
     def check_against(self, ref: "_Driven", weights):
@@ -500,33 +543,39 @@ def test_touching_a_sequence_of_a_live_loop_raises_naming_finish(weights, graph)
     plan, loop = d.loop(reserve=5, graph=graph)
     d.advance(loop, 2)
     a = d.seqs[0]
-    batch = cupaged.DecodeBatch(d.cache, d.step, token_buf=np.zeros(2, np.int64), next_token=np.zeros(2, np.int64),
-                                max_batch=2, max_len=40)
+    batch = cupaged.DecodeBatch(
+        d.cache, d.step, token_buf=np.zeros(2, np.int64), next_token=np.zeros(2, np.int64), max_batch=2, max_len=40
+    )
     snap = _manager_state(d)
-    for call, what in [(lambda: d.cache.prepare(d.seqs, 1), r"seqs\[0\]: .* before prepare or reserve"),
-                       (lambda: d.cache.prepare([d.seqs[1]], 1), r"seqs\[0\]: sequence 1 .* before prepare"),
-                       (lambda: d.cache.reserve([a], 4), r"seqs\[0\]: .* before prepare or reserve"),
-                       (lambda: d.cache.fork(a), "seq: .* before fork"),
-                       (lambda: d.cache.free(a), "seq: .* before free"),
-                       (lambda: batch.join(a, 3), "seq: .* before join")]:
-        with pytest.raises(PagedAttentionError, match=r"sequence \d is driven by a live PagedDecodeLoop \(2 of \d+ "
-                                                      r"steps run\), and its length \d+ counts the step prepared "
-                                                      r"next.*call loop.finish\(\)"):
+    for call, what in [
+        (lambda: d.cache.prepare(d.seqs, 1), r"seqs\[0\]: .* before prepare or reserve"),
+        (lambda: d.cache.prepare([d.seqs[1]], 1), r"seqs\[0\]: sequence 1 .* before prepare"),
+        (lambda: d.cache.reserve([a], 4), r"seqs\[0\]: .* before prepare or reserve"),
+        (lambda: d.cache.fork(a), "seq: .* before fork"),
+        (lambda: d.cache.free(a), "seq: .* before free"),
+        (lambda: batch.join(a, 3), "seq: .* before join"),
+    ]:
+        with pytest.raises(
+            PagedAttentionError,
+            match=r"sequence \d is driven by a live PagedDecodeLoop \(2 of \d+ "
+            r"steps run\), and its length \d+ counts the step prepared "
+            r"next.*call loop.finish\(\)",
+        ):
             call()
         with pytest.raises(PagedAttentionError, match=what):
             call()
         for x, y in zip(snap, _manager_state(d)):
             assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
     assert batch.members == () and a._batch is None
-    d.advance(loop, 1)                       # the refused calls left the loop alone
+    d.advance(loop, 1)  # the refused calls left the loop alone
     loop.finish()
-    loop.finish()                            # twice: nothing more
+    loop.finish()  # twice: nothing more
     assert [s.length for s in d.seqs] == [len(p) + 3 for p in PROMPTS[:2]]
     with pytest.raises(PagedAttentionError, match="the loop was finished"):
         loop.advance()
     d.eager(4)
     d.check_against(ref, weights)
-    d.cache.free(a)                          # free again
+    d.cache.free(a)  # free again
 
 
 @pytest.mark.parametrize("graph", [True, False])
@@ -542,6 +591,7 @@ def test_a_dropped_loop_lets_its_sequences_go(weights, graph):
     def partial():
         _, loop = d.loop(reserve=4, graph=graph)
         d.advance(loop, 2)
+
     gc.collect()
     gc.disable()
     try:
@@ -571,10 +621,16 @@ def test_a_stale_loop_can_still_finish_and_its_plan_goes_stale(weights):
     assert [s.length for s in d.seqs] == [len(p) + 3 for p in PROMPTS[:2]]
     d.cache.free(other)
     nk = np.zeros((2, CFG.kv_heads, CFG.head_dim), np.float32)
-    for call in (lambda: d.cache.append(plan, nk, nk), lambda: plan.append(nk, nk, d.cache.k[0], d.cache.v[0]),
-                 lambda: PagedDecodeLoop(d.step, plan, token_buf=d.tok, next_token=d.nxt, cache=d.cache)):
-        with pytest.raises(PagedAttentionError, match=r"plan: stale: its PagedDecodeLoop was finished after 3 of "
-                                                      r"\d+ steps"):
+    for call in (
+        lambda: d.cache.append(plan, nk, nk),
+        lambda: plan.append(nk, nk, d.cache.k[0], d.cache.v[0]),
+        lambda: PagedDecodeLoop(d.step, plan, token_buf=d.tok, next_token=d.nxt, cache=d.cache),
+    ):
+        with pytest.raises(
+            PagedAttentionError,
+            match=r"plan: stale: its PagedDecodeLoop was finished after 3 of "
+            r"\d+ steps",
+        ):
             call()
     d.eager(4)
     d.check_against(ref, weights)
@@ -594,18 +650,21 @@ def test_a_loop_refuses_a_plan_of_another_cache(weights):
     d, e = _Driven(weights), _Driven(weights)
     plan, _ = d.cache.prepare(d.seqs, 1, reserve=2)
     e_state = _manager_state(e)
-    with pytest.raises(PagedAttentionError, match="plan: expected a plan made by cache.prepare of the given cache, "
-                                                  "got one of another PagedKVCache"):
+    with pytest.raises(
+        PagedAttentionError,
+        match="plan: expected a plan made by cache.prepare of the given cache, got one of another PagedKVCache",
+    ):
         PagedDecodeLoop(d.step, plan, token_buf=d.tok, next_token=d.nxt, cache=e.cache)
-    batch = cupaged.DecodeBatch(d.cache, d.step, token_buf=np.zeros(2, np.int64), next_token=np.zeros(2, np.int64),
-                                max_batch=2, max_len=40)
+    batch = cupaged.DecodeBatch(
+        d.cache, d.step, token_buf=np.zeros(2, np.int64), next_token=np.zeros(2, np.int64), max_batch=2, max_len=40
+    )
     with pytest.raises(PagedAttentionError, match="got a DecodeBatch's slot plan"):
         PagedDecodeLoop(d.step, batch.plan(2), token_buf=d.tok, next_token=d.nxt, cache=d.cache)
     with pytest.raises(PagedAttentionError, match="cache: expected a PagedKVCache"):
         PagedDecodeLoop(d.step, plan, token_buf=d.tok, next_token=d.nxt, cache=object())
     for x, y in zip(e_state, _manager_state(e)):
         assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
-    PagedDecodeLoop(d.step, plan, token_buf=d.tok, next_token=d.nxt, cache=d.cache).advance()   # its own cache
+    PagedDecodeLoop(d.step, plan, token_buf=d.tok, next_token=d.nxt, cache=d.cache).advance()  # its own cache
 
 
 def test_seeds_and_scalars_are_checked_before_any_stream_work(weights):
@@ -613,11 +672,16 @@ def test_seeds_and_scalars_are_checked_before_any_stream_work(weights):
     step ran); DeviceScalars.update an int. A bad value writes nothing (2**64
     + 5 used to be fed as token 5, -2 as 2**64 - 2)."""
     buf = np.full(2, 7, np.int64)
-    for tokens, msg in [([1, -2], r"tokens\[1\]: expected a token id in 0..9223372036854775807, got -2"),
-                        ([2**64 + 5, 1], rf"tokens\[0\]: expected a token id in 0..9223372036854775807, got "
-                                         rf"{2**64 + 5}"),
-                        ([1.5, 2], "tokens: expected an integer array, got dtype float64"),
-                        (np.array([3, -1]), r"tokens\[1\]: expected a token id .* got -1")]:
+    for tokens, msg in [
+        ([1, -2], r"tokens\[1\]: expected a token id in 0..9223372036854775807, got -2"),
+        (
+            [2**64 + 5, 1],
+            rf"tokens\[0\]: expected a token id in 0..9223372036854775807, got "
+            rf"{2**64 + 5}",
+        ),
+        ([1.5, 2], "tokens: expected an integer array, got dtype float64"),
+        (np.array([3, -1]), r"tokens\[1\]: expected a token id .* got -1"),
+    ]:
         with pytest.raises(PagedAttentionError, match=msg):
             seed_tokens(buf, tokens)
         assert buf.tolist() == [7, 7]

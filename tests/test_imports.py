@@ -1,5 +1,6 @@
 """Imports run one way: public concepts (plan, cache, graph) -> ops ->
 runtime, with no cycle and no function-level import of our own modules."""
+
 from __future__ import annotations
 
 import ast
@@ -39,7 +40,7 @@ def _layer(module: str) -> int | None:
         if parts[1] in roots:
             return i
     if not (PACKAGE / parts[1]).exists() and not (PACKAGE / f"{parts[1]}.py").exists():
-        return len(LAYERS) - 1     # a name the package root re-exports: as high as the root itself
+        return len(LAYERS) - 1  # a name the package root re-exports: as high as the root itself
     raise AssertionError(f"{module}: not in any layer of tests/test_imports.py")
 
 
@@ -89,8 +90,9 @@ def test_imports_run_one_way():
 @pytest.mark.parametrize("module", [n for n, _ in _modules() if not n.endswith("__main__")])
 def test_each_module_imports_alone(module):
     """Each module imports first in a fresh interpreter (a cycle would fail)."""
-    r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
-                       cwd=str(PACKAGE.parent))
+    r = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, cwd=str(PACKAGE.parent)
+    )
     assert r.returncode == 0, r.stderr[-2000:]
 
 
@@ -101,13 +103,16 @@ def test_import_is_light():
     is not ours) takes at most 0.3 s: CPU time in a fresh interpreter, the
     fastest of five (0.13-0.22 s measured on this 2-core machine, idle to
     fully loaded by the suite's two workers; ml_dtypes alone adds ~1 s)."""
-    code = ("import sys, time, numpy; t = time.process_time(); import cupaged; dt = time.process_time() - t; "
-            "heavy = [m for m in ('ml_dtypes', 'torch', 'cupy', 'cuda.bindings', 'transformers') if m in sys.modules]; "
-            "print(dt, ','.join(heavy))")
+    code = (
+        "import sys, time, numpy; t = time.process_time(); import cupaged; dt = time.process_time() - t; "
+        "heavy = [m for m in ('ml_dtypes', 'torch', 'cupy', 'cuda.bindings', 'transformers') if m in sys.modules]; "
+        "print(dt, ','.join(heavy))"
+    )
     runs = []
     for _ in range(5):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             cwd=PACKAGE.parent).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
+        ).stdout.split()
         assert len(out) == 1, f"import cupaged loaded {out[1]}"
         runs.append(float(out[0]))
     assert min(runs) <= 0.3, runs
@@ -117,5 +122,6 @@ def test_dtype_table_itemsizes_match_numpy():
     """The table's item sizes (known without importing ml_dtypes) are the
     NumPy dtypes' own."""
     from cupaged import dtypes
+
     for d in dtypes.TABLE:
         assert d.itemsize == d.np_dtype.itemsize and d.np_dtype.name == d.name, d

@@ -1,5 +1,6 @@
 """Each fact once: the metadata words, the shared limits and the dtype table
 are defined in Python and reach the kernels only through generated headers."""
+
 from __future__ import annotations
 
 import re
@@ -24,15 +25,18 @@ def test_generated_headers_are_current():
 def test_kernels_use_no_literal_word_offsets():
     """No kernel spells a metadata word offset (16 + ..., 17 + ...) or a
     limit mirrored from Python; they come from plan_words.cuh."""
-    pattern = re.compile(r"words\s*\[\s*1[67]\s*\+|words\s*\+\s*1[67]\s*\+"
-                         r"|=\s*(?:16u?|64u?);\s*//.*(?:SPLIT|MAX_SPLITS)")
+    pattern = re.compile(
+        r"words\s*\[\s*1[67]\s*\+|words\s*\+\s*1[67]\s*\+"
+        r"|=\s*(?:16u?|64u?);\s*//.*(?:SPLIT|MAX_SPLITS)"
+    )
     for path in kernel_dir().rglob("*.cu*"):
         if path.name == "plan_words.cuh" or "shim" in path.parts:
             continue
         text = path.read_text()
         assert not pattern.search(text), f"{path.name}: a literal metadata offset or mirrored constant"
-        assert "in attention.py" not in text and "in plan.py" not in text, \
+        assert "in attention.py" not in text and "in plan.py" not in text, (
             f"{path.name}: a constant mirrored by comment"
+        )
 
 
 def test_header_matches_the_words_a_plan_writes():
@@ -42,11 +46,11 @@ def test_header_matches_the_words_a_plan_writes():
     off = layout.metadata_offsets(host.queries, host.sequences)
     w = host.words
     assert w[layout.W_MAGIC] == layout.MAGIC
-    assert list(w[layout.W_OFFSETS:layout.W_OFFSETS + 5]) == [off[a] for a in layout.ARRAYS]
-    assert list(w[off["q_seq"]:off["q_pos"]]) == [0, 0, 0, 1]
-    assert list(w[off["q_pos"]:off["kv_len"]]) == [17, 18, 19, 34]
-    assert list(w[off["kv_len"]:off["q_start"]]) == [20, 35]
-    assert list(w[off["page_table"]:]) == [4, 1, layout.NO_PAGE, 0, 2, 3]
+    assert list(w[layout.W_OFFSETS : layout.W_OFFSETS + 5]) == [off[a] for a in layout.ARRAYS]
+    assert list(w[off["q_seq"] : off["q_pos"]]) == [0, 0, 0, 1]
+    assert list(w[off["q_pos"] : off["kv_len"]]) == [17, 18, 19, 34]
+    assert list(w[off["kv_len"] : off["q_start"]]) == [20, 35]
+    assert list(w[off["page_table"] :]) == [4, 1, layout.NO_PAGE, 0, 2, 3]
     assert len(w) == layout.metadata_words(4, 2, 3)
     text = layout.plan_words_header()
     # The header's formulas, evaluated for these sizes, give the same offsets.
@@ -71,8 +75,10 @@ def test_dtype_table():
     assert dtypes.lookup("fp8_e5m2").token == "e5m2" and dtypes.lookup(np.uint8) is None
     with pytest.raises(PagedAttentionError, match="x: expected dtype float32, float16 or bfloat16, got int32"):
         dtypes.row("x", np.int32)
-    with pytest.raises(PagedAttentionError, match="dtype: expected float32, float16, bfloat16, float8_e4m3fn or "
-                                                  "float8_e5m2, got 'int8'"):
+    with pytest.raises(
+        PagedAttentionError,
+        match="dtype: expected float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got 'int8'",
+    ):
         dtypes.row("dtype", "int8", kv=True)
     with pytest.raises(PagedAttentionError, match="x: expected dtype float32, float16 or bfloat16, got float8_e4m3fn"):
         dtypes.row("x", ml_dtypes.float8_e4m3fn)
@@ -81,8 +87,11 @@ def test_dtype_table():
     assert dtypes.kv_storage("k", ml_dtypes.float8_e4m3fn).token == "e4m3"
     with pytest.raises(PagedAttentionError, match="k: uint8 is raw fp8 storage: name its format with kv_dtype="):
         dtypes.kv_storage("k", np.uint8)
-    with pytest.raises(PagedAttentionError, match=r"k: expected dtype float8_e5m2 or uint8 \(raw fp8 storage\) for "
-                                                  "kv_dtype='e5m2', got float16"):
+    with pytest.raises(
+        PagedAttentionError,
+        match=r"k: expected dtype float8_e5m2 or uint8 \(raw fp8 storage\) for "
+        "kv_dtype='e5m2', got float16",
+    ):
         dtypes.kv_storage("k", np.float16, "e5m2")
     with pytest.raises(PagedAttentionError, match="kv_dtype: expected one of 'f32'"):
         dtypes.kv_storage("k", np.uint8, "int4")

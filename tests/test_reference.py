@@ -1,5 +1,6 @@
 """Checks of the float64 references themselves: hand-computed cases and
 brute-force Python loops, so the oracle every kernel test relies on is right."""
+
 import math
 
 import ml_dtypes
@@ -10,6 +11,7 @@ from cupaged import testing
 from cupaged.testing import reference as ref
 
 # ---------------------------------------------------------------- brute force
+
 
 def brute_attention(q, keys, values, kv_lens, q_lens, scale, causal):
     """Per query, per head, per key Python loop over dense per-sequence
@@ -24,8 +26,10 @@ def brute_attention(q, keys, values, kv_lens, q_lens, scale, causal):
             seen = pos + 1 if causal else kv
             for h in range(hq):
                 g = h // (hq // hkv)
-                scores = [scale * sum(float(q[i, h, d]) * float(keys[s][t, g, d]) for d in range(q.shape[2]))
-                          for t in range(seen)]
+                scores = [
+                    scale * sum(float(q[i, h, d]) * float(keys[s][t, g, d]) for d in range(q.shape[2]))
+                    for t in range(seen)
+                ]
                 if not scores:
                     continue
                 m = max(scores)
@@ -40,11 +44,16 @@ def brute_attention(q, keys, values, kv_lens, q_lens, scale, causal):
 def dense_kv(cache, page_table, kv_lens):
     """Per-sequence dense copies by a plain token loop."""
     ps = cache.shape[1]
-    return [np.array([cache[page_table[s, t // ps], t % ps] for t in range(kv)], dtype=np.float64)
-            .reshape(kv, *cache.shape[2:]) for s, kv in enumerate(kv_lens)]
+    return [
+        np.array([cache[page_table[s, t // ps], t % ps] for t in range(kv)], dtype=np.float64).reshape(
+            kv, *cache.shape[2:]
+        )
+        for s, kv in enumerate(kv_lens)
+    ]
 
 
 # ---------------------------------------------------------------- positions
+
 
 def test_query_positions_hand_case():
     q_seq, q_pos = ref.query_positions([5, 3, 0, 4], [2, 3, 0, 1])
@@ -64,7 +73,7 @@ def test_query_positions_empty_and_invalid():
 def test_gather_kv_reads_only_the_sequence_slots():
     # cache[p, o] = 10 * p + o, NaN in every slot that is not read.
     cache = np.full((4, 3, 1, 1), np.nan)
-    table = np.array([[2, 0, 2 ** 30]])
+    table = np.array([[2, 0, 2**30]])
     for t in range(5):
         p, o = table[0, t // 3], t % 3
         cache[p, o] = 10 * p + o
@@ -76,12 +85,22 @@ def test_gather_kv_reads_only_the_sequence_slots():
 
 # ---------------------------------------------------------------- attention
 
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (3, 1)])
 def test_paged_attention_matches_brute_force(causal, hq, hkv):
     rng = np.random.default_rng(hq * 10 + hkv + causal)
-    case = testing.make_paged_case(rng, kv_lens=[5, 1, 7, 0], q_lens=[2, 1, 3, 0], page_size=3,
-                                   num_q_heads=hq, num_kv_heads=hkv, head_dim=3, head_dim_v=2, dtype="f32")
+    case = testing.make_paged_case(
+        rng,
+        kv_lens=[5, 1, 7, 0],
+        q_lens=[2, 1, 3, 0],
+        page_size=3,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=3,
+        head_dim_v=2,
+        dtype="f32",
+    )
     out, lse = case.reference(causal)
     keys = dense_kv(case.k_cache, case.page_table, case.kv_lens)
     values = dense_kv(case.v_cache, case.page_table, case.kv_lens)
@@ -152,46 +171,77 @@ def test_low_precision_inputs_are_cast_exactly():
     for dtype in ("f16", "bf16"):
         case = testing.make_paged_case(rng, kv_lens=[6], q_lens=[2], page_size=4, head_dim=8, dtype=dtype)
         out, lse = case.reference()
-        out64, lse64 = ref.paged_attention(case.q.astype(np.float64), case.k_cache.astype(np.float64),
-                                           case.v_cache.astype(np.float64), case.page_table, case.kv_lens,
-                                           case.q_lens, case.scale)
+        out64, lse64 = ref.paged_attention(
+            case.q.astype(np.float64),
+            case.k_cache.astype(np.float64),
+            case.v_cache.astype(np.float64),
+            case.page_table,
+            case.kv_lens,
+            case.q_lens,
+            case.scale,
+        )
         np.testing.assert_array_equal(out, out64)
         np.testing.assert_array_equal(lse, lse64)
-    assert float(np.asarray(1 + 2 ** -7, dtype=ml_dtypes.bfloat16).astype(np.float64)) == 1 + 2 ** -7
+    assert float(np.asarray(1 + 2**-7, dtype=ml_dtypes.bfloat16).astype(np.float64)) == 1 + 2**-7
 
 
 def test_paged_mla_matches_direct_loop():
     rng = np.random.default_rng(4)
-    case = testing.make_mla_case(rng, kv_lens=[5, 3], q_lens=[2, 1], page_size=2, num_heads=2, latent_dim=3,
-                                 pos_dim=2, dtype="f32")
+    case = testing.make_mla_case(
+        rng, kv_lens=[5, 3], q_lens=[2, 1], page_size=2, num_heads=2, latent_dim=3, pos_dim=2, dtype="f32"
+    )
     out, lse = case.reference()
     latent = dense_kv(case.latent, case.page_table, case.kv_lens)
     kpos = dense_kv(case.k_pos, case.page_table, case.kv_lens)
     q_seq, q_pos = ref.query_positions(case.kv_lens, case.q_lens)
     for i, (s, p) in enumerate(zip(q_seq, q_pos)):
         for h in range(2):
-            scores = np.array([case.scale * (sum(float(case.q[i, h, r]) * latent[s][t, 0, r] for r in range(3))
-                                             + sum(float(case.q_pos[i, h, r]) * kpos[s][t, 0, r] for r in range(2)))
-                               for t in range(p + 1)])
+            scores = np.array(
+                [
+                    case.scale
+                    * (
+                        sum(float(case.q[i, h, r]) * latent[s][t, 0, r] for r in range(3))
+                        + sum(float(case.q_pos[i, h, r]) * kpos[s][t, 0, r] for r in range(2))
+                    )
+                    for t in range(p + 1)
+                ]
+            )
             w = np.exp(scores - scores.max())
             np.testing.assert_allclose(lse[i, h], scores.max() + math.log(w.sum()), rtol=1e-12)
-            np.testing.assert_allclose(out[i, h], (w[:, None] * latent[s][:p + 1, 0]).sum(0) / w.sum(), rtol=1e-12)
+            np.testing.assert_allclose(out[i, h], (w[:, None] * latent[s][: p + 1, 0]).sum(0) / w.sum(), rtol=1e-12)
     # The MLA operands serve the split helper too.
-    po, pl = ref.split_attention_partials(*ref.mla_as_attention(case.q, case.q_pos, case.latent, case.k_pos),
-                                          case.page_table, case.kv_lens, case.q_lens, case.scale, 2)
+    po, pl = ref.split_attention_partials(
+        *ref.mla_as_attention(case.q, case.q_pos, case.latent, case.k_pos),
+        case.page_table,
+        case.kv_lens,
+        case.q_lens,
+        case.scale,
+        2,
+    )
     np.testing.assert_allclose(ref.merge_splits(po, pl)[0], out, rtol=1e-12, atol=1e-13)
 
 
 # ---------------------------------------------------------------- splits
 
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("split_size", [1, 3, 5, 64, [2, 7, 4]])
 def test_merge_of_splits_equals_unsplit(causal, split_size):
     rng = np.random.default_rng(5)
-    case = testing.make_paged_case(rng, kv_lens=[11, 3, 17], q_lens=[3, 1, 4], page_size=4, num_q_heads=4,
-                                   num_kv_heads=2, head_dim=8, dtype="bf16")
-    po, pl = ref.split_attention_partials(case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens,
-                                          case.q_lens, case.scale, split_size, causal=causal)
+    case = testing.make_paged_case(
+        rng, kv_lens=[11, 3, 17], q_lens=[3, 1, 4], page_size=4, num_q_heads=4, num_kv_heads=2, head_dim=8, dtype="bf16"
+    )
+    po, pl = ref.split_attention_partials(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.page_table,
+        case.kv_lens,
+        case.q_lens,
+        case.scale,
+        split_size,
+        causal=causal,
+    )
     assert po.shape[1:] == case.q.shape and pl.shape[1:] == case.q.shape[:2]
     out, lse = ref.merge_splits(po, pl)
     want_out, want_lse = case.reference(causal)
@@ -202,8 +252,9 @@ def test_merge_of_splits_equals_unsplit(causal, split_size):
 def test_split_partials_empty_splits_and_extra_splits():
     rng = np.random.default_rng(6)
     case = testing.make_paged_case(rng, kv_lens=[5], q_lens=[5], page_size=2, head_dim=4, dtype="f32")
-    po, pl = ref.split_attention_partials(case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens,
-                                          case.q_lens, case.scale, 2, num_splits=4)
+    po, pl = ref.split_attention_partials(
+        case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens, case.scale, 2, num_splits=4
+    )
     # Query at position p sees splits 0..p // 2; later splits are empty; split 3 is past every length.
     for i in range(5):
         for j in range(4):
@@ -216,8 +267,8 @@ def test_split_partials_empty_splits_and_extra_splits():
 
 
 def test_merge_hand_case_and_empty():
-    po = np.array([[[[1.0, 0.0]]], [[[0.0, 1.0]]], [[[np.nan, np.nan]]]])     # [3, 1, 1, 2]
-    pl = np.array([[[math.log(1.0)]], [[math.log(3.0)]], [[-math.inf]]])        # [3, 1, 1]
+    po = np.array([[[[1.0, 0.0]]], [[[0.0, 1.0]]], [[[np.nan, np.nan]]]])  # [3, 1, 1, 2]
+    pl = np.array([[[math.log(1.0)]], [[math.log(3.0)]], [[-math.inf]]])  # [3, 1, 1]
     out, lse = ref.merge_splits(po, pl)
     np.testing.assert_allclose(out[0, 0], [0.25, 0.75], rtol=1e-15)
     np.testing.assert_allclose(lse[0, 0], math.log(4.0), rtol=1e-15)
@@ -230,26 +281,29 @@ def test_merge_hand_case_and_empty():
 
 # ---------------------------------------------------------------- append
 
+
 def test_paged_append_writes_exact_slots():
     rng = np.random.default_rng(7)
-    case = testing.make_paged_case(rng, kv_lens=[6, 0, 3], q_lens=[2, 0, 3], page_size=4, num_q_heads=2,
-                                   head_dim=2, dtype="f16")
+    case = testing.make_paged_case(
+        rng, kv_lens=[6, 0, 3], q_lens=[2, 0, 3], page_size=4, num_q_heads=2, head_dim=2, dtype="f16"
+    )
     new_k = rng.standard_normal((5, 2, 2)).astype(np.float16)
     new_v = rng.standard_normal((5, 2, 2)).astype(np.float16)
     k0, v0 = case.k_cache.copy(), case.v_cache.copy()
     k1, v1 = ref.paged_append(new_k, new_v, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens)
-    np.testing.assert_array_equal(case.k_cache, k0)          # inputs untouched
+    np.testing.assert_array_equal(case.k_cache, k0)  # inputs untouched
     assert k1.dtype == np.float16
     expect_k, expect_v = k0.copy(), v0.copy()
-    slots = [(0, 4), (0, 5), (2, 0), (2, 1), (2, 2)]          # (sequence, position) of each query
+    slots = [(0, 4), (0, 5), (2, 0), (2, 1), (2, 2)]  # (sequence, position) of each query
     for i, (s, p) in enumerate(slots):
         expect_k[case.page_table[s, p // 4], p % 4] = new_k[i]
         expect_v[case.page_table[s, p // 4], p % 4] = new_v[i]
-    np.testing.assert_array_equal(k1, expect_k)               # NaN == NaN elsewhere
+    np.testing.assert_array_equal(k1, expect_k)  # NaN == NaN elsewhere
     np.testing.assert_array_equal(v1, expect_v)
 
 
 # ---------------------------------------------------------------- row argmax
+
 
 def brute_argmax(row):
     best = 0
@@ -262,8 +316,14 @@ def brute_argmax(row):
 
 def test_row_argmax_hand_cases():
     nan, inf = math.nan, math.inf
-    rows = [[1.0, 3.0, 3.0, 2.0], [-inf, -inf, -inf, -inf], [0.0, nan, 5.0, nan], [-0.0, 0.0, -1.0, -0.0],
-            [inf, 1.0, inf, nan], [-1.0, -inf, -0.5, -2.0]]
+    rows = [
+        [1.0, 3.0, 3.0, 2.0],
+        [-inf, -inf, -inf, -inf],
+        [0.0, nan, 5.0, nan],
+        [-0.0, 0.0, -1.0, -0.0],
+        [inf, 1.0, inf, nan],
+        [-1.0, -inf, -0.5, -2.0],
+    ]
     assert ref.row_argmax(np.array(rows)).tolist() == [1, 0, 1, 0, 3, 2]
     assert ref.row_argmax(np.array(rows)).dtype == np.int64
     assert ref.row_argmax(np.zeros((0, 4))).shape == (0,)
@@ -274,7 +334,7 @@ def test_row_argmax_hand_cases():
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_row_argmax_matches_loop(dtype):
     rng = np.random.default_rng(8)
-    x = rng.integers(-3, 4, size=(40, 13)).astype(np.float64)       # many ties
+    x = rng.integers(-3, 4, size=(40, 13)).astype(np.float64)  # many ties
     x[rng.random(x.shape) < 0.05] = np.nan
     x[rng.random(x.shape) < 0.1] = -np.inf
     x = x.astype(testing.as_dtype(dtype))
@@ -282,6 +342,7 @@ def test_row_argmax_matches_loop(dtype):
 
 
 # ---------------------------------------------------------------- model pieces
+
 
 def test_rms_norm():
     x = np.array([[3.0, 4.0]])
@@ -291,21 +352,23 @@ def test_rms_norm():
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rope(interleaved):
     rng = np.random.default_rng(9)
-    d, r = 8, 6                                                    # partial rotary: last 2 dims pass through
+    d, r = 8, 6  # partial rotary: last 2 dims pass through
     cos, sin = ref.rope_tables(np.arange(5), r)
     assert cos.shape == (5, 3)
-    np.testing.assert_allclose(cos[:, 0], np.cos(np.arange(5)))    # frequency base**0 = 1
+    np.testing.assert_allclose(cos[:, 0], np.cos(np.arange(5)))  # frequency base**0 = 1
     x = rng.standard_normal((5, 2, d))
     y = ref.apply_rope(x, cos, sin, interleaved)
-    np.testing.assert_array_equal(y[0], x[0])                      # position 0 is the identity
+    np.testing.assert_array_equal(y[0], x[0])  # position 0 is the identity
     np.testing.assert_array_equal(y[..., r:], x[..., r:])
     np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-13)
     # Relative: <rope(q, m), rope(k, n)> depends only on m - n.
     q, k = rng.standard_normal((1, 1, d)), rng.standard_normal((1, 1, d))
+
     def dot(m, n):
         cm, sm = ref.rope_tables([m], r)
         cn, sn = ref.rope_tables([n], r)
         return float(np.sum(ref.apply_rope(q, cm, sm, interleaved) * ref.apply_rope(k, cn, sn, interleaved)))
+
     np.testing.assert_allclose(dot(7, 3), dot(104, 100), rtol=1e-11)
     # Pairs by hand for position 1, pair 0 (angle 1).
     a, b = (x[1, 0, 0], x[1, 0, 1]) if interleaved else (x[1, 0, 0], x[1, 0, 3])
@@ -334,12 +397,22 @@ def test_softmax():
 
 # ---------------------------------------------------------------- the test-case builder
 
+
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("page_size", [1, 5, 16])
 def test_make_paged_case_is_poisoned_and_permuted(dtype, page_size):
     rng = np.random.default_rng(11)
-    case = testing.make_paged_case(rng, sequences=5, max_kv_len=40, page_size=page_size, num_q_heads=4,
-                                   num_kv_heads=2, head_dim=8, dtype=dtype, q_lens=3)
+    case = testing.make_paged_case(
+        rng,
+        sequences=5,
+        max_kv_len=40,
+        page_size=page_size,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=dtype,
+        q_lens=3,
+    )
     assert case.k_cache.dtype == testing.as_dtype(dtype) and case.q.dtype == testing.as_dtype(dtype)
     assert case.page_table.dtype == np.int32 and case.kv_lens.dtype == np.int32 and case.q_lens.dtype == np.int32
     assert case.q.shape == (int(case.q_lens.sum()), 4, 8) and case.k_cache.shape[2:] == (2, 8)
@@ -361,8 +434,9 @@ def test_make_paged_case_is_poisoned_and_permuted(dtype, page_size):
 
 def test_make_paged_case_options():
     rng = np.random.default_rng(12)
-    case = testing.make_paged_case(rng, kv_lens=[0, 4, 9], q_lens=[0, 4, 2], page_size=8, unused_entry=-1,
-                                   extra_pages=0, head_dim=16)
+    case = testing.make_paged_case(
+        rng, kv_lens=[0, 4, 9], q_lens=[0, 4, 2], page_size=8, unused_entry=-1, extra_pages=0, head_dim=16
+    )
     assert case.page_table[0].tolist() == [-1, -1, -1] and case.page_table[1, 1:].tolist() == [-1, -1]
     assert sorted(case.page_table[case.page_table >= 0].tolist()) == [0, 1, 2]
     assert case.scale == 0.25 and case.num_queries == 6
@@ -370,7 +444,7 @@ def test_make_paged_case_options():
     assert gpu_like is not case and np.array_equal(gpu_like.page_table, case.page_table)
     with pytest.raises(ValueError, match="q_lens"):
         testing.make_paged_case(rng, kv_lens=[2], q_lens=[-1])
-    assert testing.make_paged_case(rng, kv_lens=[2], q_lens=[3]).num_queries == 3   # a non-causal-only case
+    assert testing.make_paged_case(rng, kv_lens=[2], q_lens=[3]).num_queries == 3  # a non-causal-only case
 
 
 def test_tolerance():

@@ -14,6 +14,7 @@ families moved.
 
 Exit status: 0 when every case matches (or without --against), 1 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,50 +46,84 @@ def cases() -> dict:
     out: dict[str, str] = {}
 
     def attention(name, case, causal=True, splits=None, lse=True):
-        plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
-                                      case.num_pages).upload(case.q)
+        plan = cupaged.HostPlan.build(
+            case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages
+        ).upload(case.q)
         ws = None
         if splits:
             ws = cupaged.SplitWorkspace(plan.queries, case.q.shape[1], case.v_cache.shape[3], splits, like=case.q)
-        o, l_ = plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causal, workspace=ws,
-                               return_lse=True)
+        o, l_ = plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causal, workspace=ws, return_lse=True)
         out[name] = _digest(o, l_) if lse else _digest(o)
 
     def mla(name, case, causal=True, splits=None):
-        plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
-                                      case.num_pages).upload(case.q)
+        plan = cupaged.HostPlan.build(
+            case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages
+        ).upload(case.q)
         ws = None
         if splits:
             ws = cupaged.SplitWorkspace(plan.queries, case.q.shape[1], case.q.shape[2], splits, like=case.q)
-        o, l_ = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, causal, workspace=ws,
-                         return_lse=True)
+        o, l_ = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, causal, workspace=ws, return_lse=True)
         out[name] = _digest(o, l_)
 
     for dt in ("f32", "f16", "bf16"):
         for d, hq, hkv in ((64, 8, 2), (128, 4, 4), (256, 8, 1), (96, 6, 3), (40, 4, 2)):
             rng = np.random.default_rng(zlib.crc32(f"{dt}/{d}/{hq}".encode()))
-            c = make_paged_case(rng, sequences=4, max_kv_len=70, page_size=16, num_q_heads=hq,
-                                num_kv_heads=hkv, head_dim=d, dtype=dt)
+            c = make_paged_case(
+                rng, sequences=4, max_kv_len=70, page_size=16, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dt
+            )
             attention(f"decode/{dt}/d{d}/h{hq}x{hkv}", c)
             attention(f"decode-split3/{dt}/d{d}/h{hq}x{hkv}", c, splits=3)
         rng = np.random.default_rng(7)
-        c = make_paged_case(rng, sequences=3, max_kv_len=90, page_size=8, num_q_heads=16, num_kv_heads=2,
-                            head_dim=64, head_dim_v=128, dtype=dt)
+        c = make_paged_case(
+            rng,
+            sequences=3,
+            max_kv_len=90,
+            page_size=8,
+            num_q_heads=16,
+            num_kv_heads=2,
+            head_dim=64,
+            head_dim_v=128,
+            dtype=dt,
+        )
         attention(f"decode-dv/{dt}", c, causal=False)
         for d in (64, 128, 256):
             rng = np.random.default_rng(11 + d)
-            c = make_paged_case(rng, kv_lens=[70, 33, 90], q_lens=[40, 20, 33], page_size=16, num_q_heads=8,
-                                num_kv_heads=2, head_dim=d, dtype=dt)
+            c = make_paged_case(
+                rng,
+                kv_lens=[70, 33, 90],
+                q_lens=[40, 20, 33],
+                page_size=16,
+                num_q_heads=8,
+                num_kv_heads=2,
+                head_dim=d,
+                dtype=dt,
+            )
             attention(f"prefill/{dt}/d{d}", c)
             attention(f"prefill-noncausal-split2/{dt}/d{d}", c, causal=False, splits=2)
         rng = np.random.default_rng(5)
-        c = make_paged_case(rng, kv_lens=[50, 3, 70, 9, 60, 4], q_lens=[1, 1, 40, 1, 33, 1], page_size=16,
-                            num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=dt)
+        c = make_paged_case(
+            rng,
+            kv_lens=[50, 3, 70, 9, 60, 4],
+            q_lens=[1, 1, 40, 1, 33, 1],
+            page_size=16,
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            dtype=dt,
+        )
         attention(f"mixed/{dt}", c)
         for h, r, p in ((16, 512, 64), (4, 64, 16), (128, 512, 64)):
             rng = np.random.default_rng(h + r)
-            c = make_mla_case(rng, kv_lens=[40, 70], q_lens=[1, 20] if h < 128 else [1, 1], page_size=16,
-                              num_heads=h, latent_dim=r, pos_dim=p, dtype=dt)
+            c = make_mla_case(
+                rng,
+                kv_lens=[40, 70],
+                q_lens=[1, 20] if h < 128 else [1, 1],
+                page_size=16,
+                num_heads=h,
+                latent_dim=r,
+                pos_dim=p,
+                dtype=dt,
+            )
             mla(f"mla/{dt}/h{h}/r{r}/p{p}", c)
             mla(f"mla-split2/{dt}/h{h}/r{r}/p{p}", c, splits=2)
 
@@ -98,9 +133,11 @@ def cases() -> dict:
         npdt = {"f32": np.float32, "f16": np.float16}.get(dt)
         if npdt is None:
             import ml_dtypes
+
             npdt = ml_dtypes.bfloat16
-        cache = cupaged.PagedKVCache(num_pages=16, page_size=4, kv_heads=2, head_dim=24, dtype=dt,
-                                     like=np.zeros(1, np.float32))
+        cache = cupaged.PagedKVCache(
+            num_pages=16, page_size=4, kv_heads=2, head_dim=24, dtype=dt, like=np.zeros(1, np.float32)
+        )
         a = cache.add_sequence()
         plan, _ = cache.prepare([a], [7])
         kv = rng.standard_normal((7, 2, 24)).astype(npdt)
@@ -136,11 +173,15 @@ def cases() -> dict:
 
     # the demo's tokens (graph decode on the CPU backend)
     for extra in ([], ["--mla"]):
-        r = subprocess.run([sys.executable, "-m", "cupaged", "demo", "--cpu", "--tokens", "12", *extra],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-m", "cupaged", "demo", "--cpu", "--tokens", "12", *extra], capture_output=True, text=True
+        )
         lines = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("seq ")]
-        out["demo" + "".join(extra)] = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16] \
-            if r.returncode == 0 else f"failed: {r.stderr[-200:]}"
+        out["demo" + "".join(extra)] = (
+            hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+            if r.returncode == 0
+            else f"failed: {r.stderr[-200:]}"
+        )
     return out
 
 
@@ -148,12 +189,14 @@ def _run_at(rev: str) -> dict:
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="cupaged-bitcheck-") as tmp:
         wt = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(wt), rev], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(root), "worktree", "add", "--detach", str(wt), rev], check=True, capture_output=True
+        )
         try:
             env = dict(os.environ, PYTHONPATH=str(wt), CUPAGED_BITCHECK_INNER="1")
-            r = subprocess.run([sys.executable, str(Path(__file__).resolve())], cwd=str(wt), env=env,
-                               capture_output=True, text=True)
+            r = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve())], cwd=str(wt), env=env, capture_output=True, text=True
+            )
             if r.returncode:
                 raise SystemExit(f"bitcheck at {rev} failed:\n{r.stderr[-3000:]}")
             return json.loads(r.stdout)

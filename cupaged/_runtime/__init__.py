@@ -6,6 +6,7 @@ streams).
 
 Ops import from here; nothing here imports an op or a public concept.
 """
+
 from __future__ import annotations
 
 from . import archs, checks, registry
@@ -16,7 +17,27 @@ from .registry import register
 from .stream import CpuStream, Graph, Stream, check_not_capturing
 
 __all__ = [
-    "CPU", "GPU", "address", "array_backend", "backend_of", "device_id", "empty", "xp_of", "zeros", "checks",
-    "registry", "register", "get_kernel", "multiprocessor_count", "stream_for", "Stream", "Graph", "CpuStream",
-    "check_not_capturing", "archs", "cpu_arch_override", "device_arch", "launchable",
+    "CPU",
+    "GPU",
+    "address",
+    "array_backend",
+    "backend_of",
+    "device_id",
+    "empty",
+    "xp_of",
+    "zeros",
+    "checks",
+    "registry",
+    "register",
+    "get_kernel",
+    "multiprocessor_count",
+    "stream_for",
+    "Stream",
+    "Graph",
+    "CpuStream",
+    "check_not_capturing",
+    "archs",
+    "cpu_arch_override",
+    "device_arch",
+    "launchable",
 ]

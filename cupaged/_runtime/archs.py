@@ -12,6 +12,7 @@ of a CuPy array's GPU, or for the CPU backend the arch it stands in for,
 CPU backend runs exactly the variants that arch would run (tests switch it
 with ``cpu_arch(...)``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,12 +33,13 @@ class BlockLimits:
     """What one block may use on an arch (CUDA C++ Programming Guide,
     'Technical Specifications per Compute Capability'; cuda_occupancy.h for
     the allocation units)."""
+
     max_threads_per_block: int = 1024
-    smem_optin_per_block: int = 227 * KIB   # static + dynamic, with cudaFuncAttributeMaxDynamicSharedMemorySize
+    smem_optin_per_block: int = 227 * KIB  # static + dynamic, with cudaFuncAttributeMaxDynamicSharedMemorySize
     static_smem_limit: int = 48 * KIB
     regs_per_block: int = 65536
     max_regs_per_thread: int = 255
-    reg_alloc_unit: int = 256               # registers per warp, allocation granularity
+    reg_alloc_unit: int = 256  # registers per warp, allocation granularity
     sub_partitions: int = 4
 
 
@@ -66,8 +68,9 @@ def limits(arch: str) -> BlockLimits | None:
     return LIMITS.get(base_arch(arch))
 
 
-def launch_problems(arch: str, static_smem: int, dynamic_smem: int, threads: int,
-                    registers: int | None = None) -> list[str]:
+def launch_problems(
+    arch: str, static_smem: int, dynamic_smem: int, threads: int, registers: int | None = None
+) -> list[str]:
     """Why a block of ``threads`` threads with ``static_smem`` +
     ``dynamic_smem`` bytes of shared memory (and ``registers`` per thread,
     when given) cannot launch on ``arch``; empty when it can (with the
@@ -84,21 +87,25 @@ def launch_problems(arch: str, static_smem: int, dynamic_smem: int, threads: int
         out.append(f"static shared memory {static_smem} B > {a.static_smem_limit} B ({name})")
     total = static_smem + dynamic_smem
     if total > a.smem_optin_per_block:
-        out.append(f"shared memory {static_smem} static + {dynamic_smem} dynamic = {total} B > "
-                   f"{a.smem_optin_per_block} B opt-in limit per block on {name}")
+        out.append(
+            f"shared memory {static_smem} static + {dynamic_smem} dynamic = {total} B > "
+            f"{a.smem_optin_per_block} B opt-in limit per block on {name}"
+        )
     if registers is not None:
         warps = -(-threads // 32)
         per_warp = -(-registers * 32 // a.reg_alloc_unit) * a.reg_alloc_unit
         if registers > a.max_regs_per_thread:
             out.append(f"{registers} registers per thread > {a.max_regs_per_thread} ({name})")
         elif per_warp * (-(-warps // a.sub_partitions) * a.sub_partitions) > a.regs_per_block:
-            out.append(f"{registers} registers x {threads} threads exceed {a.regs_per_block} registers per block "
-                       f"({name})")
+            out.append(
+                f"{registers} registers x {threads} threads exceed {a.regs_per_block} registers per block ({name})"
+            )
     return out
 
 
-def launchable(arch: str | None, static_smem: int, dynamic_smem: int, threads: int,
-               registers: int | None = None) -> bool:
+def launchable(
+    arch: str | None, static_smem: int, dynamic_smem: int, threads: int, registers: int | None = None
+) -> bool:
     """Whether such a block launches on ``arch`` (always, for ``None``)."""
     return arch is None or not launch_problems(arch, static_smem, dynamic_smem, threads, registers)
 
@@ -156,6 +163,7 @@ def device_arch(like: Array) -> str:
     arch = _gpu_arch.get(dev)
     if arch is None:
         import cupy
-        cc = cupy.cuda.Device(dev).compute_capability    # "90"
+
+        cc = cupy.cuda.Device(dev).compute_capability  # "90"
         arch = _gpu_arch[dev] = f"sm_{cc}"
     return arch

@@ -6,6 +6,7 @@ shim), CuPy arrays on the GPU (NVRTC through CuPy ``RawModule``). Mixing them
 in one call is an error. CuPy is never imported here: a CuPy array is
 recognized only when the ``cupy`` module is already loaded.
 """
+
 from __future__ import annotations
 
 import sys
@@ -69,7 +70,8 @@ def backend_of(**arrays: Array | None) -> str:
         b = array_backend(a)
         if b is None:
             raise PagedAttentionError(
-                f"{name}: expected a NumPy or CuPy array, got {type(a).__module__}.{type(a).__name__}")
+                f"{name}: expected a NumPy or CuPy array, got {type(a).__module__}.{type(a).__name__}"
+            )
         if backend is None:
             first_name, backend, dev = name, b, device_id(a)
             continue
@@ -77,10 +79,12 @@ def backend_of(**arrays: Array | None) -> str:
             raise PagedAttentionError(
                 f"{name}: expected a {'NumPy' if backend == CPU else 'CuPy'} array like {first_name} "
                 f"({backend} backend), got a {'NumPy' if b == CPU else 'CuPy'} array; arrays of one call "
-                f"must share a backend")
+                f"must share a backend"
+            )
         if device_id(a) != dev:
             raise PagedAttentionError(
-                f"{name}: expected an array on device {dev} like {first_name}, got device {device_id(a)}")
+                f"{name}: expected an array on device {dev} like {first_name}, got device {device_id(a)}"
+            )
     if backend is None:
         raise PagedAttentionError("expected at least one NumPy or CuPy array")
     return backend

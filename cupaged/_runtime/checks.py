@@ -1,5 +1,6 @@
 """Named input checks shared by every op. Each raises PagedAttentionError
 naming the argument, what was expected and what came, before any launch."""
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,8 @@ def same_dtype(ref_name: str, ref, **arrays) -> None:
         if a is not None and str(a.dtype) != str(ref.dtype):
             raise PagedAttentionError(
                 f"{name}: expected dtype {dtypes.dtype_name(ref.dtype)} like {ref_name}, got "
-                f"{dtypes.dtype_name(a.dtype)}")
+                f"{dtypes.dtype_name(a.dtype)}"
+            )
 
 
 def shape_is(name: str, a, expected) -> None:
@@ -49,7 +51,8 @@ def v_like_k(k_cache, v_cache) -> None:
     if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
         raise PagedAttentionError(
             f"v_cache: expected shape [{', '.join(str(x) for x in k_cache.shape[:3])}, Dv] like k_cache, got "
-            f"{shape_str(v_cache.shape)}")
+            f"{shape_str(v_cache.shape)}"
+        )
 
 
 def u32_size(name: str, shape, *, total: bool = True) -> None:
@@ -59,7 +62,8 @@ def u32_size(name: str, shape, *, total: bool = True) -> None:
             raise PagedAttentionError(f"{name}: dimension {int(d)} exceeds 32-bit indexing (max {U32_MAX})")
     if total and math.prod(int(d) for d in shape) > U32_MAX:
         raise PagedAttentionError(
-            f"{name}: {math.prod(int(d) for d in shape)} elements exceed 32-bit indexing (max {U32_MAX})")
+            f"{name}: {math.prod(int(d) for d in shape)} elements exceed 32-bit indexing (max {U32_MAX})"
+        )
 
 
 def positive_scale(scale, name: str = "scale") -> float:
@@ -113,13 +117,18 @@ def _overlap(a, b) -> bool:
     olo, ohi = _span(b)
     if not (lo < ohi and olo < hi):
         return False
-    if (tuple(a.shape[:-1]) != tuple(b.shape[:-1]) or tuple(a.strides[:-1]) != tuple(b.strides[:-1])
-            or a.ndim == 0 or int(a.strides[-1]) != a.itemsize or int(b.strides[-1]) != b.itemsize):
+    if (
+        tuple(a.shape[:-1]) != tuple(b.shape[:-1])
+        or tuple(a.strides[:-1]) != tuple(b.strides[:-1])
+        or a.ndim == 0
+        or int(a.strides[-1]) != a.itemsize
+        or int(b.strides[-1]) != b.itemsize
+    ):
         return True
     wa, wb = int(a.shape[-1]) * a.itemsize, int(b.shape[-1]) * b.itemsize
     dims = sorted(((int(s), int(n)) for n, s in zip(a.shape[:-1], a.strides[:-1]) if int(n) > 1), reverse=True)
     reach = max(wa, wb)
-    for s, n in reversed(dims):          # each stride must clear the reach of the smaller ones
+    for s, n in reversed(dims):  # each stride must clear the reach of the smaller ones
         if s < reach:
             return True
         reach += (n - 1) * s
@@ -143,7 +152,8 @@ def host_int_array(name: str, a, ndim: int) -> np.ndarray:
     if _backend.array_backend(a) == _backend.GPU:
         raise PagedAttentionError(
             f"{name}: expected host data (a NumPy array or a sequence), got a CuPy array; plans are built on "
-            f"the host so that no device-to-host copy is needed")
+            f"the host so that no device-to-host copy is needed"
+        )
     arr = np.asarray(a)
     if arr.dtype == bool or arr.dtype.kind not in "iu":
         if arr.size == 0 and arr.dtype.kind == "f":
@@ -173,7 +183,7 @@ def token_ids(name: str, tokens, vocab: int | None = None) -> np.ndarray:
     hi = (1 << 63) - 1 if vocab is None else int(vocab) - 1
     if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, bool):
         return np.array([host_int(name, tokens, 0, hi)], np.int64)
-    if isinstance(tokens, (list, tuple)):        # name a Python int past int64 before NumPy turns it to objects
+    if isinstance(tokens, (list, tuple)):  # name a Python int past int64 before NumPy turns it to objects
         for i, t in enumerate(tokens):
             if isinstance(t, int) and not isinstance(t, bool) and not 0 <= t <= hi:
                 raise PagedAttentionError(f"{name}[{i}]: expected a token id in 0..{hi}, got {t}")
@@ -193,15 +203,18 @@ def plan_arrays(plan, **arrays) -> None:
     name = next(k for k, v in arrays.items() if v is not None)
     if backend != plan.backend:
         raise PagedAttentionError(
-            f"{name}: expected an array of the plan's {plan.backend} backend, got the {backend} backend")
+            f"{name}: expected an array of the plan's {plan.backend} backend, got the {backend} backend"
+        )
     for n, a in arrays.items():
         if a is not None and _backend.device_id(a) != plan.device:
             raise PagedAttentionError(
-                f"{n}: expected an array on the plan's device {plan.device}, got device {_backend.device_id(a)}")
+                f"{n}: expected an array on the plan's device {plan.device}, got device {_backend.device_id(a)}"
+            )
     if backend == _backend.GPU and stream_for(arrays[name]) is not plan.stream:
         raise PagedAttentionError(
             f"{name}: CuPy's current stream is not the stream this plan was uploaded on; "
-            f"upload the plan on the stream you launch on")
+            f"upload the plan on the stream you launch on"
+        )
 
 
 def plan_cache(plan, name: str, cache, kv_dtype=None):
@@ -215,13 +228,15 @@ def plan_cache(plan, name: str, cache, kv_dtype=None):
     if getattr(cache, "ndim", 4) == 5:
         raise PagedAttentionError(
             f"{name}: expected a 4-D array [pages, page_size, heads, D], got shape {shape_str(cache.shape)} "
-            f"(5-D: a PagedKVCache's layer-major cache; pass one layer: cache.layer(i), or cache.k[i])")
+            f"(5-D: a PagedKVCache's layer-major cache; pass one layer: cache.layer(i), or cache.k[i])"
+        )
     fmt, strides = cache_view(name, cache, kv_dtype=kv_dtype)
     exp = (plan.host.pages, plan.host.page_size)
     if tuple(int(x) for x in cache.shape[:2]) != exp:
         raise PagedAttentionError(
             f"{name}: expected shape [{exp[0]}, {exp[1]}, ...] (plan.pages, plan.page_size, ...), "
-            f"got {shape_str(cache.shape)}")
+            f"got {shape_str(cache.shape)}"
+        )
     return fmt, strides
 
 
@@ -234,23 +249,28 @@ def row_view(name: str, a) -> tuple[int, ...]:
     item = int(a.itemsize)
     shape = tuple(int(n) for n in a.shape)
     strides = tuple(int(s) for s in a.strides)
-    if 0 in shape:       # no element: any strides; report the C-contiguous ones
-        return tuple(int(math.prod(shape[i + 1:])) if shape[i] > 1 else 0 for i in range(len(shape) - 1)) + (1,)
+    if 0 in shape:  # no element: any strides; report the C-contiguous ones
+        return tuple(int(math.prod(shape[i + 1 :])) if shape[i] > 1 else 0 for i in range(len(shape) - 1)) + (1,)
     if shape[-1] > 1 and strides[-1] != item:
         raise PagedAttentionError(
             f"{name}: expected a contiguous innermost dim (stride {item} bytes), got strides {strides} for shape "
-            f"{shape_str(shape)}; pass a view whose last dim is contiguous (e.g. .copy() this one)")
+            f"{shape_str(shape)}; pass a view whose last dim is contiguous (e.g. .copy() this one)"
+        )
     out = []
     for n, s in zip(shape[:-1], strides[:-1]):
         if n > 1 and (s < 0 or s % item):
-            raise PagedAttentionError(f"{name}: expected non-negative strides that are multiples of the item size "
-                                      f"{item}, got strides {strides}")
+            raise PagedAttentionError(
+                f"{name}: expected non-negative strides that are multiples of the item size "
+                f"{item}, got strides {strides}"
+            )
         out.append(s // item if n > 1 else 0)
     reach = shape[-1]
     for s, n in sorted(((s, n) for s, n in zip(out, shape[:-1]) if n > 1)):
         if s < reach:
-            raise PagedAttentionError(f"{name}: expected rows that do not overlap one another, got strides "
-                                      f"{strides} for shape {shape_str(shape)}")
+            raise PagedAttentionError(
+                f"{name}: expected rows that do not overlap one another, got strides "
+                f"{strides} for shape {shape_str(shape)}"
+            )
         reach += (n - 1) * s
     return tuple(out) + (1,)
 
@@ -271,8 +291,10 @@ def cache_view(name: str, a, *, kv_dtype=None, ndim: int = 4):
     u32_size(name, a.shape, total=False)
     page = sum((int(n) - 1) * s for n, s in zip(a.shape[1:], strides[1:])) + 1
     if page > U32_MAX or strides[0] > U32_MAX:
-        raise PagedAttentionError(f"{name}: expected pages that span at most {U32_MAX} elements (32-bit "
-                                  f"offsets inside a page), got strides {tuple(int(s) for s in a.strides)}")
+        raise PagedAttentionError(
+            f"{name}: expected pages that span at most {U32_MAX} elements (32-bit "
+            f"offsets inside a page), got strides {tuple(int(s) for s in a.strides)}"
+        )
     return row, strides
 
 
@@ -281,7 +303,8 @@ def aligned(a, nbytes: int = 16) -> bool:
     dim (all but the innermost, whose elements are loaded together) longer
     than 1 is a multiple of it: each row starts on such a boundary."""
     return _backend.address(a) % nbytes == 0 and all(
-        int(s) % nbytes == 0 for n, s in zip(a.shape[:-1], a.strides[:-1]) if int(n) > 1)
+        int(s) % nbytes == 0 for n, s in zip(a.shape[:-1], a.strides[:-1]) if int(n) > 1
+    )
 
 
 def scale_values(name: str, values) -> None:
@@ -305,12 +328,15 @@ def kv_scale(name: str, s, kv_heads: int, like) -> int:
     array's values are not read). Returns its stride in the kernels'
     indexing (0: one scale, 1: per head)."""
     if _backend.array_backend(s) is None:
-        raise PagedAttentionError(f"{name}: expected a float32 NumPy or CuPy array (one scale, or one per KV head), "
-                                  f"got {type(s).__name__}")
+        raise PagedAttentionError(
+            f"{name}: expected a float32 NumPy or CuPy array (one scale, or one per KV head), got {type(s).__name__}"
+        )
     if _backend.array_backend(s) != _backend.array_backend(like) or _backend.device_id(s) != _backend.device_id(like):
-        raise PagedAttentionError(f"{name}: expected an array on the caches' {_backend.array_backend(like)} backend, "
-                                  f"device {_backend.device_id(like)}, got {_backend.array_backend(s)} backend, "
-                                  f"device {_backend.device_id(s)}")
+        raise PagedAttentionError(
+            f"{name}: expected an array on the caches' {_backend.array_backend(like)} backend, "
+            f"device {_backend.device_id(like)}, got {_backend.array_backend(s)} backend, "
+            f"device {_backend.device_id(s)}"
+        )
     if str(s.dtype) != "float32":
         raise PagedAttentionError(f"{name}: expected dtype float32, got {dtypes.dtype_name(s.dtype)}")
     shape = tuple(int(n) for n in s.shape)
@@ -319,8 +345,10 @@ def kv_scale(name: str, s, kv_heads: int, like) -> int:
     elif shape == (int(kv_heads),) and s.flags.c_contiguous:
         stride = 1
     else:
-        raise PagedAttentionError(f"{name}: expected shape [] or [1] (per tensor) or [{int(kv_heads)}] (per KV "
-                                  f"head, contiguous), got {shape_str(shape)}")
+        raise PagedAttentionError(
+            f"{name}: expected shape [] or [1] (per tensor) or [{int(kv_heads)}] (per KV "
+            f"head, contiguous), got {shape_str(shape)}"
+        )
     if _backend.array_backend(s) == _backend.CPU:
         scale_values(name, s)
     return stride
@@ -334,12 +362,16 @@ def dense_pages(name: str, a, inner: int = 3) -> None:
     step = int(a.itemsize)
     for s, n in dims:
         if s != step:
-            raise PagedAttentionError(f"{name}: expected each page ({inner} last dims) to fill one contiguous "
-                                      f"block, got strides {tuple(int(x) for x in a.strides)} for shape "
-                                      f"{shape_str(a.shape)}")
+            raise PagedAttentionError(
+                f"{name}: expected each page ({inner} last dims) to fill one contiguous "
+                f"block, got strides {tuple(int(x) for x in a.strides)} for shape "
+                f"{shape_str(a.shape)}"
+            )
         step *= n
     for s, n in sorted((int(s), int(n)) for n, s in zip(a.shape[:-inner], a.strides[:-inner]) if int(n) > 1):
         if s < step or s % int(a.itemsize):
-            raise PagedAttentionError(f"{name}: expected pages that do not overlap, got strides "
-                                      f"{tuple(int(x) for x in a.strides)} for shape {shape_str(a.shape)}")
+            raise PagedAttentionError(
+                f"{name}: expected pages that do not overlap, got strides "
+                f"{tuple(int(x) for x in a.strides)} for shape {shape_str(a.shape)}"
+            )
         step += (n - 1) * s

@@ -44,6 +44,7 @@ headers besides ``<cuda_fp16.h>``/``<cuda_bf16.h>``; never spin-wait on
 another thread or block (fibers are not pre-empted); use ``__syncwarp`` or
 ``*_sync`` collectives between dependent warp lanes.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -67,19 +68,33 @@ from . import source as _source
 from .structs import StructArg
 
 MAX_THREADS_PER_BLOCK = 1024
-_INTERRUPTED = 2   # cupaged_rt_launch's return code when SIGINT stopped the launch
+_INTERRUPTED = 2  # cupaged_rt_launch's return code when SIGINT stopped the launch
 MAX_BLOCK_DIM = (1024, 1024, 64)
 MAX_GRID_DIM = (2**31 - 1, 65535, 65535)
 MAX_SHARED_MEM = 227 * 1024
 
 # Flags of kernel modules (part of the cache key; emulator.md explains each).
 MODULE_FLAGS = (
-    "-std=c++20", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-fno-extern-tls-init",
-    "-ftls-model=global-dynamic", "-fvisibility=hidden", "-fno-math-errno", "-fstack-clash-protection",
+    "-std=c++20",
+    "-O2",
+    "-fPIC",
+    "-shared",
+    "-fno-strict-aliasing",
+    "-fno-extern-tls-init",
+    "-ftls-model=global-dynamic",
+    "-fvisibility=hidden",
+    "-fno-math-errno",
+    "-fstack-clash-protection",
     "-DCUPAGED_CPU",
 )
 RUNTIME_FLAGS = (
-    "-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-fvisibility=hidden",
+    "-std=c++20",
+    "-O2",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+    "-fno-strict-aliasing",
+    "-fvisibility=hidden",
     "-DCUPAGED_CPU",
 )
 _SHIM_SUFFIXES = (".h", ".hpp", ".cpp")
@@ -90,7 +105,7 @@ _modules: dict[str, "CpuModule"] = {}
 
 
 # ---- configuration -----------------------------------------------------------
-MIN_GCC = 12    # the oldest g++ the shim is written for (C++20 std::source_location, -fno-extern-tls-init)
+MIN_GCC = 12  # the oldest g++ the shim is written for (C++20 std::source_location, -fno-extern-tls-init)
 _FIX_CXX = f"install g++ {MIN_GCC} or later (apt-get install g++) or set CUPAGED_CXX to its path"
 
 
@@ -117,7 +132,7 @@ def fallback_dirs(primary: Path, sub: str) -> list[Path]:
         out.append(Path(xdg) / "cupaged" / sub)
     try:
         out.append(_user_cache() / "cupaged" / sub)
-    except RuntimeError:    # no home folder
+    except RuntimeError:  # no home folder
         pass
     out.append(_private_tmp() / sub)
     return list(dict.fromkeys(p for p in out if p != primary))
@@ -173,12 +188,18 @@ def writable_dir(primary: Path, sub: str, what: str, variable: str) -> Path:
             with _lock:
                 if primary not in _noticed:
                     _noticed.add(primary)
-                    print(f"cupaged: kernel cache {primary} is not writable ({why}); building new {what} in "
-                          f"{folder} (set {variable} to choose the folder)", file=sys.stderr, flush=True)
+                    print(
+                        f"cupaged: kernel cache {primary} is not writable ({why}); building new {what} in "
+                        f"{folder} (set {variable} to choose the folder)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             return folder
         tried.append(f"{folder} ({other})")
-    raise SetupError(f"kernel cache {primary} is not writable ({why}), nor are the fallbacks {', '.join(tried)}: "
-                     f"set {variable} to a writable folder")
+    raise SetupError(
+        f"kernel cache {primary} is not writable ({why}), nor are the fallbacks {', '.join(tried)}: "
+        f"set {variable} to a writable folder"
+    )
 
 
 def _library(name: str, build) -> Path:
@@ -203,8 +224,10 @@ def _building(folder: Path, build, path: Path) -> None:
     try:
         build(path)
     except OSError as e:
-        raise SetupError(f"kernel cache {folder}: cannot write {path.name} ({e.strerror or e}): set "
-                         f"CUPAGED_CACHE_DIR to a writable folder with free space") from None
+        raise SetupError(
+            f"kernel cache {folder}: cannot write {path.name} ({e.strerror or e}): set "
+            f"CUPAGED_CACHE_DIR to a writable folder with free space"
+        ) from None
 
 
 ASAN_FLAGS = ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")
@@ -232,15 +255,19 @@ def _runtime_flags() -> tuple[str, ...]:
     fibers = os.environ.get("CUPAGED_CPU_FIBERS", "").strip().lower()
     if fibers not in ("", "asm", "ucontext"):
         raise PagedAttentionError(f"CUPAGED_CPU_FIBERS: expected 'asm' or 'ucontext', got {fibers!r}")
-    return (RUNTIME_FLAGS + (("-DCUPAGED_FIBER_UCONTEXT",) if fibers == "ucontext" else ())
-            + (ASAN_FLAGS if _asan() else ()))
+    return (
+        RUNTIME_FLAGS
+        + (("-DCUPAGED_FIBER_UCONTEXT",) if fibers == "ucontext" else ())
+        + (ASAN_FLAGS if _asan() else ())
+    )
 
 
 def _check_asan_loaded() -> None:
     if _asan() and not hasattr(ctypes.CDLL(None), "__asan_init"):
         raise PagedAttentionError(
             "CUPAGED_CPU_ASAN=1: expected libasan to be loaded before Python starts, it is not; run with "
-            "LD_PRELOAD=$(g++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0")
+            "LD_PRELOAD=$(g++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0"
+        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -278,7 +305,7 @@ def _compiler() -> tuple[str, str]:
             out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
         except (OSError, subprocess.CalledProcessError) as e:
             raise SetupError(f"CPU backend: `{path} --version` failed ({e}); {_FIX_CXX}") from None
-        try:    # only saves running --version in later processes: a read-only cache goes without
+        try:  # only saves running --version in later processes: a read-only cache goes without
             cache_dir().mkdir(parents=True, exist_ok=True)
             _write_atomic(cache_dir() / stamp, out.encode())
         except OSError:
@@ -300,12 +327,16 @@ def _check_version(path: str, text: str) -> None:
         return
     m = _GCC_VERSION.search(first) or (_ANY_VERSION.findall(first) or [None])[-1]
     if m is None:
-        raise SetupError(f"CPU backend: cannot read the version of {path} (`--version` printed {first!r}): "
-                         f"expected g++ {MIN_GCC} or later; {_FIX_CXX}")
+        raise SetupError(
+            f"CPU backend: cannot read the version of {path} (`--version` printed {first!r}): "
+            f"expected g++ {MIN_GCC} or later; {_FIX_CXX}"
+        )
     major, minor = (int(x) for x in (m.groups() if isinstance(m, re.Match) else m))
     if major < MIN_GCC:
-        raise SetupError(f"CPU backend: g++ {major}.{minor} ({path}) is too old: expected g++ {MIN_GCC} or later "
-                         f"(C++20); install it (apt-get install g++-{MIN_GCC}) and set CUPAGED_CXX=g++-{MIN_GCC}")
+        raise SetupError(
+            f"CPU backend: g++ {major}.{minor} ({path}) is too old: expected g++ {MIN_GCC} or later "
+            f"(C++20); install it (apt-get install g++-{MIN_GCC}) and set CUPAGED_CXX=g++-{MIN_GCC}"
+        )
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -344,6 +375,7 @@ def _fsync_dir(folder: Path) -> None:
 # or a full disk during a write) dies with SIGBUS, which no later run could
 # recover from. Anything that does not match is rebuilt.
 
+
 def _sum_path(lib: Path) -> Path:
     return lib.with_name(lib.name + ".sum")
 
@@ -361,7 +393,7 @@ def _install(built: Path, lib: Path) -> None:
     with open(built, "rb+") as f:
         os.fsync(f.fileno())
     size, digest = built.stat().st_size, _digest_file(built)
-    _sum_path(lib).unlink(missing_ok=True)     # a crash before the new sum is written leaves no stale one
+    _sum_path(lib).unlink(missing_ok=True)  # a crash before the new sum is written leaves no stale one
     os.replace(built, lib)
     _fsync_dir(lib.parent)
     _write_atomic(_sum_path(lib), f"{size} {digest}\n".encode())
@@ -382,8 +414,9 @@ def _run_compiler(args: list[str], what: str) -> str:
     except OSError as e:
         raise CompileError(f"cannot run {args[0]} for {what}: {e}") from None
     if r.returncode != 0:
-        raise CompileError(f"g++ failed to compile {what} (exit {r.returncode}):\n{r.stderr.strip()}\n"
-                           f"command: {shlex.join(args)}")
+        raise CompileError(
+            f"g++ failed to compile {what} (exit {r.returncode}):\n{r.stderr.strip()}\ncommand: {shlex.join(args)}"
+        )
     return r.stdout
 
 
@@ -392,8 +425,10 @@ def _build_runtime(cxx: str, flags: tuple[str, ...], path: Path) -> None:
     shim = _source.shim_dir()
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
         out = Path(tmp) / path.name
-        _run_compiler([cxx, *flags, "-I", str(shim), str(shim / "cupaged_rt.cpp"), "-o", str(out)],
-                      "the CPU backend runtime (kernels_cu/shim/cupaged_rt.cpp)")
+        _run_compiler(
+            [cxx, *flags, "-I", str(shim), str(shim / "cupaged_rt.cpp"), "-o", str(out)],
+            "the CPU backend runtime (kernels_cu/shim/cupaged_rt.cpp)",
+        )
         _install(out, path)
 
 
@@ -453,8 +488,10 @@ def num_workers() -> int:
 def _export_block(names: list[str]) -> str:
     lines = ['#line 1 "<cupaged exports>"']
     lines += [f"CUPAGED_EXPORT_KERNEL({n})" for n in names]
-    lines.append('extern "C" __attribute__((visibility("default"))) const char* cupaged_kernel_names() '
-                 f'{{ return "{",".join(names)}"; }}')
+    lines.append(
+        'extern "C" __attribute__((visibility("default"))) const char* cupaged_kernel_names() '
+        f'{{ return "{",".join(names)}"; }}'
+    )
     return "\n" + "\n".join(lines) + "\n"
 
 
@@ -471,8 +508,10 @@ def _build_module(source_text: str, variant: str, path: Path, flags: tuple[str, 
         source_text = _PRAGMA_ONCE.sub("", source_text)
         src.write_text(source_text)
         # The kernels as the compiler sees them, after #if and macros.
-        pre = _run_compiler([cxx, *flags, "-E", "-P", "-DCUPAGED_KERNEL_SCAN", *common, "-x", "c++", str(src)],
-                            f"CPU kernel module {variant}")
+        pre = _run_compiler(
+            [cxx, *flags, "-E", "-P", "-DCUPAGED_KERNEL_SCAN", *common, "-x", "c++", str(src)],
+            f"CPU kernel module {variant}",
+        )
         names = _source.kernel_names(pre)
         src.write_text(source_text + _export_block(names))
         out = Path(tmp) / path.name
@@ -529,7 +568,8 @@ class CpuModule:
             if name not in self.kernel_names:
                 raise PagedAttentionError(
                     f"kernel: expected one of {', '.join(self.kernel_names) or '(none)'} in module "
-                    f"{self.variant}, got {name!r}")
+                    f"{self.variant}, got {name!r}"
+                )
             fn = self._functions[name] = CpuFunction(self, name)
         return fn
 
@@ -541,9 +581,17 @@ _PRETTY_T = re.compile(r"\[with T = (.*)\]$")
 
 # numpy scalar (kind, itemsize) -> ctypes type
 _SCALAR_CTYPES = {
-    ("i", 1): ctypes.c_int8, ("i", 2): ctypes.c_int16, ("i", 4): ctypes.c_int32, ("i", 8): ctypes.c_int64,
-    ("u", 1): ctypes.c_uint8, ("u", 2): ctypes.c_uint16, ("u", 4): ctypes.c_uint32, ("u", 8): ctypes.c_uint64,
-    ("f", 4): ctypes.c_float, ("f", 8): ctypes.c_double, ("b", 1): ctypes.c_bool,
+    ("i", 1): ctypes.c_int8,
+    ("i", 2): ctypes.c_int16,
+    ("i", 4): ctypes.c_int32,
+    ("i", 8): ctypes.c_int64,
+    ("u", 1): ctypes.c_uint8,
+    ("u", 2): ctypes.c_uint16,
+    ("u", 4): ctypes.c_uint32,
+    ("u", 8): ctypes.c_uint64,
+    ("f", 4): ctypes.c_float,
+    ("f", 8): ctypes.c_double,
+    ("b", 1): ctypes.c_bool,
 }
 
 
@@ -559,8 +607,21 @@ def _scalar_ctype(dt: np.dtype, code: str):
 
 # (numpy scalar type, parameter code) -> converter, for the fast path of bind
 _SCALAR_CONVERT = {}
-for _t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64, np.float32,
-           np.float64, np.bool_, np.longlong, np.ulonglong):
+for _t in (
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.float32,
+    np.float64,
+    np.bool_,
+    np.longlong,
+    np.ulonglong,
+):
     for _code in ("i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f4", "f8", "b1"):
         _ct = _scalar_ctype(np.dtype(_t), _code)
         if _ct is not None:
@@ -579,8 +640,12 @@ class CpuFunction:
         self._rt = module._rt
         self._launch = getattr(lib, f"cupaged_launch_{name}")
         self._launch.restype = ctypes.c_int
-        self._launch.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint), ctypes.c_uint,
-                                ctypes.POINTER(ctypes.c_void_p)]
+        self._launch.argtypes = [
+            ctypes.POINTER(ctypes.c_uint),
+            ctypes.POINTER(ctypes.c_uint),
+            ctypes.c_uint,
+            ctypes.POINTER(ctypes.c_void_p),
+        ]
         nparams = getattr(lib, f"cupaged_nparams_{name}")
         nparams.restype = ctypes.c_int
         info = getattr(lib, f"cupaged_param_{name}")
@@ -603,17 +668,25 @@ class CpuFunction:
         block = _check_dims("block", block, MAX_BLOCK_DIM, self.name, lo=1)
         nthreads = block[0] * block[1] * block[2]
         if nthreads > MAX_THREADS_PER_BLOCK:
-            raise PagedAttentionError(f"block: expected at most {MAX_THREADS_PER_BLOCK} threads per block for kernel "
-                                      f"{self.name}, got {block} = {nthreads} threads")
-        if isinstance(shared_mem, (bool, np.bool_)) or not isinstance(shared_mem, (int, np.integer)) \
-                or not 0 <= int(shared_mem) <= MAX_SHARED_MEM:
-            raise PagedAttentionError(f"shared_mem: expected 0 to {MAX_SHARED_MEM} bytes of dynamic shared memory "
-                                      f"for kernel {self.name}, got {shared_mem!r}")
+            raise PagedAttentionError(
+                f"block: expected at most {MAX_THREADS_PER_BLOCK} threads per block for kernel "
+                f"{self.name}, got {block} = {nthreads} threads"
+            )
+        if (
+            isinstance(shared_mem, (bool, np.bool_))
+            or not isinstance(shared_mem, (int, np.integer))
+            or not 0 <= int(shared_mem) <= MAX_SHARED_MEM
+        ):
+            raise PagedAttentionError(
+                f"shared_mem: expected 0 to {MAX_SHARED_MEM} bytes of dynamic shared memory "
+                f"for kernel {self.name}, got {shared_mem!r}"
+            )
         args = tuple(args)
         if len(args) != self.num_params:
             raise PagedAttentionError(
                 f"args: kernel {self.name} takes {self.num_params} arguments ({', '.join(self.param_types)}), "
-                f"got {len(args)}")
+                f"got {len(args)}"
+            )
         values, keep = [], []
         for i, (a, code) in enumerate(zip(args, self.param_codes)):
             if code == "p" and type(a) is np.ndarray:
@@ -644,23 +717,29 @@ class CpuFunction:
             if code == "p":
                 if dt.kind in "iu" and dt.itemsize == 8:
                     return ctypes.c_void_p(int(a) & 0xFFFFFFFFFFFFFFFF)
-                raise PagedAttentionError(f"{where}: expected a NumPy array (or an np.uint64 address), "
-                                          f"got numpy.{type(a).__name__}")
+                raise PagedAttentionError(
+                    f"{where}: expected a NumPy array (or an np.uint64 address), got numpy.{type(a).__name__}"
+                )
             ctype = _scalar_ctype(dt, code)
             if ctype is not None:
                 return ctype(a.item())
             kind = {"i": "integer", "u": "integer", "b": "bool", "f": "floating-point"}.get(code[0])
             if kind is None:
                 raise PagedAttentionError(f"{where}: this parameter type cannot be passed by the CPU launcher")
-            raise PagedAttentionError(f"{where}: expected a {code[1:]}-byte {kind} NumPy scalar "
-                                      f"(e.g. {_example(code)}), got numpy.{type(a).__name__}")
+            raise PagedAttentionError(
+                f"{where}: expected a {code[1:]}-byte {kind} NumPy scalar "
+                f"(e.g. {_example(code)}), got numpy.{type(a).__name__}"
+            )
         if isinstance(a, (bool, int, float)):
-            want = "a NumPy array (or an np.uint64 address)" if code == "p" else \
-                f"a NumPy scalar such as {_example(code)}"
-            raise PagedAttentionError(f"{where}: expected {want}, got Python {type(a).__name__} {a!r} "
-                                      f"(its C type would be ambiguous)")
-        raise PagedAttentionError(f"{where}: expected a NumPy array or NumPy scalar, got "
-                                  f"{type(a).__module__}.{type(a).__name__}")
+            want = (
+                "a NumPy array (or an np.uint64 address)" if code == "p" else f"a NumPy scalar such as {_example(code)}"
+            )
+            raise PagedAttentionError(
+                f"{where}: expected {want}, got Python {type(a).__name__} {a!r} (its C type would be ambiguous)"
+            )
+        raise PagedAttentionError(
+            f"{where}: expected a NumPy array or NumPy scalar, got {type(a).__module__}.{type(a).__name__}"
+        )
 
     def _struct(self, i: int, a, code: str):
         """The bytes of structured scalar ``a`` for the struct parameter
@@ -671,11 +750,14 @@ class CpuFunction:
             raise PagedAttentionError(f"{where}: expected {_example(code)}, got a struct (StructArg)")
         n = int(code[1:])
         if not isinstance(a, np.void) or a.dtype.names is None:
-            raise PagedAttentionError(f"{where}: expected a structured NumPy scalar (np.void) of {n} bytes, "
-                                      f"got numpy.{type(a).__name__}")
+            raise PagedAttentionError(
+                f"{where}: expected a structured NumPy scalar (np.void) of {n} bytes, got numpy.{type(a).__name__}"
+            )
         if a.dtype.itemsize != n:
-            raise PagedAttentionError(f"{where}: expected a structured NumPy scalar of {n} bytes (the struct's "
-                                      f"size), got {a.dtype.itemsize} bytes")
+            raise PagedAttentionError(
+                f"{where}: expected a structured NumPy scalar of {n} bytes (the struct's "
+                f"size), got {a.dtype.itemsize} bytes"
+            )
         buf = (ctypes.c_uint64 * ((n + 7) // 8))()
         ctypes.memmove(buf, a.tobytes(), n)
         return buf
@@ -685,28 +767,46 @@ class CpuFunction:
 
 
 def _example(code: str) -> str:
-    return {"p": "a NumPy array", "i4": "np.int32(...)", "u4": "np.uint32(...)", "i8": "np.int64(...)",
-            "u8": "np.uint64(...)", "f4": "np.float32(...)", "f8": "np.float64(...)", "b1": "np.bool_(...)",
-            "i2": "np.int16(...)", "u2": "np.uint16(...)", "i1": "np.int8(...)", "u1": "np.uint8(...)",
-            }.get(code, "a NumPy scalar")
+    return {
+        "p": "a NumPy array",
+        "i4": "np.int32(...)",
+        "u4": "np.uint32(...)",
+        "i8": "np.int64(...)",
+        "u8": "np.uint64(...)",
+        "f4": "np.float32(...)",
+        "f8": "np.float64(...)",
+        "b1": "np.bool_(...)",
+        "i2": "np.int16(...)",
+        "u2": "np.uint16(...)",
+        "i1": "np.int8(...)",
+        "u1": "np.uint8(...)",
+    }.get(code, "a NumPy scalar")
 
 
 def _check_dims(name: str, v, limits, kernel: str, lo: int) -> tuple[int, int, int]:
-    if type(v) is tuple and len(v) == 3 and all(type(x) is int for x in v) \
-            and lo <= v[0] <= limits[0] and lo <= v[1] <= limits[1] and lo <= v[2] <= limits[2]:
+    if (
+        type(v) is tuple
+        and len(v) == 3
+        and all(type(x) is int for x in v)
+        and lo <= v[0] <= limits[0]
+        and lo <= v[1] <= limits[1]
+        and lo <= v[2] <= limits[2]
+    ):
         return v
     try:
         t = tuple(v)
     except TypeError:
         t = None
-    if t is None or len(t) != 3 or any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer))
-                                       for x in t):
+    if (
+        t is None
+        or len(t) != 3
+        or any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) for x in t)
+    ):
         raise PagedAttentionError(f"{name}: expected 3 ints for kernel {kernel}, got {v!r}")
     t = tuple(int(x) for x in t)
     for axis, x, top in zip("xyz", t, limits):
         if not lo <= x <= top:
-            raise PagedAttentionError(f"{name}: expected {name}.{axis} from {lo} to {top} for kernel {kernel}, "
-                                      f"got {t}")
+            raise PagedAttentionError(f"{name}: expected {name}.{axis} from {lo} to {top} for kernel {kernel}, got {t}")
     return t
 
 
@@ -716,8 +816,15 @@ class BoundLaunch:
 
     __slots__ = ("function", "grid", "block", "shared_mem", "_grid", "_block", "_values", "_argv", "_keep")
 
-    def __init__(self, function: CpuFunction, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
-                 values: list, keep: list):
+    def __init__(
+        self,
+        function: CpuFunction,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_mem: int,
+        values: list,
+        keep: list,
+    ):
         self.function = function
         self.grid = grid
         self.block = block
@@ -732,7 +839,7 @@ class BoundLaunch:
         if 0 in self.grid:
             return
         rc = self.function._launch(self._grid, self._block, self.shared_mem, self._argv)
-        if rc == _INTERRUPTED:    # SIGINT (Ctrl-C) stopped the launch; the pool is usable again
+        if rc == _INTERRUPTED:  # SIGINT (Ctrl-C) stopped the launch; the pool is usable again
             raise KeyboardInterrupt(self.function._rt.cupaged_rt_last_error().decode(errors="replace"))
         if rc:
             msg = self.function._rt.cupaged_rt_last_error()

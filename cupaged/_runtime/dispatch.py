@@ -1,6 +1,7 @@
 """Backend dispatch: the compiled kernel for an array's backend and device,
 and the stream its work goes to. The only place that chooses between the
 CPU backend (``cpu``) and the GPU backend (``gpu``)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,7 +37,7 @@ def get_kernel(like: Array, source_path: str | Path, kernel: str, defines: dict 
     if backend == CPU:
         fn = cpu.load_module(text, variant).get_function(kernel)
     elif backend == GPU:
-        target = str((defines or {}).get("CP_TARGET", "")) or None   # an arch-specific build (sm_90a)
+        target = str((defines or {}).get("CP_TARGET", "")) or None  # an arch-specific build (sm_90a)
         fn = gpu.load_module(text, variant, dev, target).get_function(kernel)
     else:
         raise PagedAttentionError(f"like: expected a NumPy or CuPy array, got {type(like).__name__}")

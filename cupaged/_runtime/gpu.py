@@ -24,6 +24,7 @@ one CuPy uses) current, pushed only when another one is current.
 CuPy and the driver are imported lazily: importing this module needs neither
 (the CPU-only tests read its option and cache-key helpers).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,6 +62,7 @@ _lock = threading.Lock()
 # cuda-python driver access
 # ---------------------------------------------------------------------------
 
+
 def driver_module() -> Any:
     """``cuda.bindings.driver`` (cuda-python 12.6+ and 13.x), else the older
     ``cuda.cuda`` of early 12.x releases. Importing it needs no driver."""
@@ -74,7 +76,8 @@ def driver_module() -> Any:
             except ImportError:
                 raise PagedAttentionError(
                     f"the GPU backend (CuPy arrays) needs cuda-python for its driver streams and graphs, "
-                    f"which is not installed: {_nvrtc.gpu_extra_hint()}") from None
+                    f"which is not installed: {_nvrtc.gpu_extra_hint()}"
+                ) from None
         _drv = driver
     return _drv
 
@@ -86,8 +89,10 @@ def _driver():
     if not _drv_ready:
         err = drv.cuInit(0)[0]
         if int(err) != 0:
-            raise SetupError(f"cuInit failed: {_error_text(err)}; the GPU backend needs an NVIDIA driver (the CPU "
-                               f"backend runs on NumPy arrays without one)")
+            raise SetupError(
+                f"cuInit failed: {_error_text(err)}; the GPU backend needs an NVIDIA driver (the CPU "
+                f"backend runs on NumPy arrays without one)"
+            )
         _drv_ready = True
     return drv
 
@@ -147,6 +152,7 @@ def _pop() -> None:
 
 class _OnDevice:
     """``with _OnDevice(dev):`` runs driver calls in ``dev``'s context."""
+
     __slots__ = ("device", "pushed")
 
     def __init__(self, device: int):
@@ -166,6 +172,7 @@ class _OnDevice:
 def multiprocessor_count(device: int) -> int:
     """SMs of GPU ``device`` (one attribute query; CuPy's Device.attributes reads them all)."""
     import cupy
+
     rt = cupy.cuda.runtime
     return int(rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, int(device)))
 
@@ -173,6 +180,7 @@ def multiprocessor_count(device: int) -> int:
 # ---------------------------------------------------------------------------
 # Modules and functions
 # ---------------------------------------------------------------------------
+
 
 def module_options() -> tuple[str, ...]:
     """NVRTC options for ``RawModule`` (see ``cupaged._runtime.nvrtc``). Without a
@@ -204,8 +212,11 @@ def load_module(source_text: str, variant: str, device: int, target: str | None 
         with _lock:
             mod = _modules.get(key)
             if mod is None:
-                mod = (TargetModule(source_text, variant, int(device), target) if target else
-                       GpuModule(source_text, variant, int(device)))
+                mod = (
+                    TargetModule(source_text, variant, int(device), target)
+                    if target
+                    else GpuModule(source_text, variant, int(device))
+                )
                 _modules[key] = mod
     return mod
 
@@ -221,6 +232,7 @@ def _compile_cached(raw, source_text: str, options: tuple[str, ...], arch: str) 
     stderr), where a marker sends later processes directly. Called under
     ``_lock`` (``load_module``): ``CUPY_CACHE_DIR`` is swapped meanwhile."""
     from cupy.cuda import compiler
+
     primary = Path(compiler.get_cache_dir())
     marker = f"cupaged-{_source.digest(source_text, ' '.join(options), arch)}.moved"
     for folder in _cpu.fallback_dirs(primary, "cupy"):
@@ -232,14 +244,14 @@ def _compile_cached(raw, source_text: str, options: tuple[str, ...], arch: str) 
         raw.compile()
         return
     except OSError:
-        if _cpu.unwritable(primary) is None:    # not the cache folder's fault
+        if _cpu.unwritable(primary) is None:  # not the cache folder's fault
             raise
     folder = _cpu.writable_dir(primary, "cupy", "GPU kernels (CuPy's cache)", CUPY_CACHE_ENV)
     with _cupy_cache(folder):
         raw.compile()
     try:
         (folder / marker).touch()
-    except OSError:     # only saves a compile in later processes
+    except OSError:  # only saves a compile in later processes
         pass
 
 
@@ -262,6 +274,7 @@ class GpuModule:
     def __init__(self, source_text: str, variant: str, device: int):
         import cupy
         from cupy.cuda import compiler
+
         self.variant = variant
         self.device = device
         self.kernel_names = _source.kernel_names(source_text)
@@ -280,15 +293,16 @@ class GpuModule:
             if name not in self.kernel_names:
                 raise KeyError(f"kernel {name!r} is not in {self.variant}; it has {self.kernel_names}")
             import cupy
+
             with cupy.cuda.Device(self.device):
                 try:
                     raw_kernel = self._raw.get_function(name)
-                    cufn = raw_kernel.kernel                     # cupy.cuda.function.Function
-                except cupy.cuda.driver.CUDADriverError as e:   # e.g. a kernel inside an #if not taken
+                    cufn = raw_kernel.kernel  # cupy.cuda.function.Function
+                except cupy.cuda.driver.CUDADriverError as e:  # e.g. a kernel inside an #if not taken
                     raise KeyError(f"kernel {name!r} is not in the compiled {self.variant}: {e}") from None
                 static_smem = int(raw_kernel.shared_size_bytes)
             fn = GpuFunction(name, int(cufn.ptr), self.device, self, static_smem=static_smem)
-            fn._cupy_function = cufn   # holds its CUmodule, independently of CuPy's memo cache
+            fn._cupy_function = cufn  # holds its CUmodule, independently of CuPy's memo cache
             self._functions[name] = fn
         return fn
 
@@ -301,6 +315,7 @@ class TargetModule:
 
     def __init__(self, source_text: str, variant: str, device: int, target: str):
         import cupy
+
         self.variant = variant
         self.device = device
         self.kernel_names = _source.kernel_names(source_text)
@@ -331,8 +346,7 @@ class TargetModule:
         return fn
 
 
-def pack_args(args: tuple, kernel: str = "kernel"
-              ) -> tuple[ctypes.Array[ctypes.c_void_p], list] | tuple[None, None]:
+def pack_args(args: tuple, kernel: str = "kernel") -> tuple[ctypes.Array[ctypes.c_void_p], list] | tuple[None, None]:
     """``cuLaunchKernel`` parameters for ``args``: a ctypes ``void*`` array
     (one pointer per argument, to its value) and the objects holding the
     values, which must live until the launch call returns. A CuPy array
@@ -347,7 +361,7 @@ def pack_args(args: tuple, kernel: str = "kernel"
     holders: list = []
     for i, a in enumerate(args):
         if type(a) is StructArg:
-            a = a.value      # its arrays are kept alive by the caller's reference to the StructArg
+            a = a.value  # its arrays are kept alive by the caller's reference to the StructArg
         if isinstance(a, np.generic):
             value = np.array(a)  # 0-d copy with its own storage, C layout of the dtype
             slots[i] = value.ctypes.data
@@ -362,7 +376,8 @@ def pack_args(args: tuple, kernel: str = "kernel"
         else:
             raise PagedAttentionError(
                 f"args[{i}] of {kernel}: expected a CuPy array, a NumPy scalar (np.int32, np.float32, ...), "
-                f"a StructArg or None, got {type(a).__name__}")
+                f"a StructArg or None, got {type(a).__name__}"
+            )
         slots[i] = ctypes.addressof(v)
         holders.append(v)
     return slots, holders
@@ -375,8 +390,8 @@ class GpuFunction:
         self.name = name
         self.device = device
         self.handle = handle
-        self._module = module          # keeps the CUmodule loaded
-        self._cupy_function: Any = None     # CuPy's Function object, which also holds the CUmodule
+        self._module = module  # keeps the CUmodule loaded
+        self._cupy_function: Any = None  # CuPy's Function object, which also holds the CUmodule
         self._cufunc = driver_module().CUfunction(handle)
         # Without opting in, static + dynamic shared memory may total 48 KiB:
         # the driver rejects dynamic bytes above 48 KiB - static.
@@ -398,20 +413,34 @@ class GpuFunction:
         with _OnDevice(self.device):
             if shared_mem > self._smem_optin:
                 attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                _check(drv.cuFuncSetAttribute(self._cufunc, attr, shared_mem),
-                       f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={shared_mem}) for {self.name}")
+                _check(
+                    drv.cuFuncSetAttribute(self._cufunc, attr, shared_mem),
+                    f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={shared_mem}) for {self.name}",
+                )
                 self._smem_optin = shared_mem
-            _check(drv.cuLaunchKernel(self._cufunc, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                                      shared_mem, int(stream_ptr),
-                                      None if slots is None else ctypes.addressof(slots), 0),
-                   f"cuLaunchKernel({self.name}, grid={tuple(grid)}, block={tuple(block)}, "
-                   f"shared_mem={shared_mem})")
+            _check(
+                drv.cuLaunchKernel(
+                    self._cufunc,
+                    grid[0],
+                    grid[1],
+                    grid[2],
+                    block[0],
+                    block[1],
+                    block[2],
+                    shared_mem,
+                    int(stream_ptr),
+                    None if slots is None else ctypes.addressof(slots),
+                    0,
+                ),
+                f"cuLaunchKernel({self.name}, grid={tuple(grid)}, block={tuple(block)}, shared_mem={shared_mem})",
+            )
         del holders  # the driver has copied the parameter values
 
 
 # ---------------------------------------------------------------------------
 # Streams and graphs
 # ---------------------------------------------------------------------------
+
 
 class _NativeGraph(tuple):
     """``(CUgraph, CUgraphExec)``; destroys both when the Graph goes. An exec
@@ -461,7 +490,7 @@ class GpuStream(Stream):
         self.device = int(device)
         self.ptr = int(cupy_stream.ptr)
         self._stream_ref = weakref.ref(cupy_stream)
-        self._inflight: deque = deque()   # (CUevent, pinned buffer) of host copies, oldest first
+        self._inflight: deque = deque()  # (CUevent, pinned buffer) of host copies, oldest first
         self._free_events: list = []
 
     def __repr__(self):
@@ -471,14 +500,17 @@ class GpuStream(Stream):
     def _launch(self, kernel, grid, block, shared_mem, args) -> None:
         if not isinstance(kernel, GpuFunction):
             raise PagedAttentionError(
-                f"kernel: expected a GPU kernel (from get_kernel with a CuPy array), got {type(kernel).__name__}")
+                f"kernel: expected a GPU kernel (from get_kernel with a CuPy array), got {type(kernel).__name__}"
+            )
         if kernel.device != self.device:
             raise PagedAttentionError(
-                f"kernel: expected a kernel loaded on device {self.device}, got one for device {kernel.device}")
+                f"kernel: expected a kernel loaded on device {self.device}, got one for device {kernel.device}"
+            )
         for i, a in enumerate(args):
             if _backend.array_backend(a) == _backend.GPU and int(a.device.id) != self.device:
                 raise PagedAttentionError(
-                    f"args[{i}]: expected an array on device {self.device}, got device {a.device.id}")
+                    f"args[{i}]: expected an array on device {self.device}, got device {a.device.id}"
+                )
         kernel.launch(self.ptr, grid, block, shared_mem, args)
         self._keep(kernel, *(a for a in args if not isinstance(a, np.generic)))
 
@@ -496,8 +528,10 @@ class GpuStream(Stream):
     def _copy(self, dst, src, nbytes, dst_offset, src_offset) -> None:
         drv = _driver()
         with _OnDevice(self.device):
-            _check(drv.cuMemcpyDtoDAsync(int(dst.data.ptr) + dst_offset, int(src.data.ptr) + src_offset,
-                                         nbytes, self.ptr), "cuMemcpyDtoDAsync")
+            _check(
+                drv.cuMemcpyDtoDAsync(int(dst.data.ptr) + dst_offset, int(src.data.ptr) + src_offset, nbytes, self.ptr),
+                "cuMemcpyDtoDAsync",
+            )
         self._keep(dst, src)
 
     def _copy_from_host(self, dst, host, dst_offset) -> None:
@@ -506,6 +540,7 @@ class GpuStream(Stream):
         completion (checked lazily at the next host copy or synchronize), or,
         under capture, as long as the graph (a replay copies it again)."""
         import cupy
+
         drv = _driver()
         n = host.nbytes
         capturing = self.capturing
@@ -516,13 +551,17 @@ class GpuStream(Stream):
         buf = cupy.cuda.alloc_pinned_memory(n)
         ctypes.memmove(int(buf.ptr), host.ctypes.data, n)
         with _OnDevice(self.device):
-            _check(drv.cuMemcpyHtoDAsync(int(dst.data.ptr) + dst_offset, int(buf.ptr), n, self.ptr),
-                   "cuMemcpyHtoDAsync")
+            _check(
+                drv.cuMemcpyHtoDAsync(int(dst.data.ptr) + dst_offset, int(buf.ptr), n, self.ptr), "cuMemcpyHtoDAsync"
+            )
             if capturing:
                 self._keep(dst, buf)
                 return
-            event = self._free_events.pop() if self._free_events else _check(
-                drv.cuEventCreate(int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)), "cuEventCreate")
+            event = (
+                self._free_events.pop()
+                if self._free_events
+                else _check(drv.cuEventCreate(int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)), "cuEventCreate")
+            )
             _check(drv.cuEventRecord(event, self.ptr), "cuEventRecord")
         self._inflight.append((event, buf))
 
@@ -535,16 +574,19 @@ class GpuStream(Stream):
         if self.ptr in (0, 1):
             raise PagedAttentionError(
                 "stream: CUDA cannot capture the legacy default stream; make a non-default stream current "
-                "first, e.g. `with cupy.cuda.Stream(non_blocking=True):`")
+                "first, e.g. `with cupy.cuda.Stream(non_blocking=True):`"
+            )
         drv = _driver()
         with _OnDevice(self.device):
-            _check(drv.cuStreamBeginCapture(self.ptr, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
-                   "cuStreamBeginCapture")
+            _check(
+                drv.cuStreamBeginCapture(self.ptr, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+                "cuStreamBeginCapture",
+            )
         self._capture, self._capture_keep = [], []
 
     def _end_capture(self) -> Graph:
         keep = self._capture_keep
-        assert keep is not None   # end_capture checked that this thread is capturing
+        assert keep is not None  # end_capture checked that this thread is capturing
         self._capture = self._capture_keep = None
         drv = _driver()
         with _OnDevice(self.device):

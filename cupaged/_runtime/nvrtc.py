@@ -27,6 +27,7 @@ CuPy also appends ``--device-as-default-execution-space`` (and its own include
 folders, which our sources do not use); the gate adds the former so that both
 compile the same translation unit (``CUPY_APPENDED_OPTIONS``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -58,8 +59,9 @@ def gpu_extra_hint() -> str:
     major = None
     try:
         import cupy
+
         major = int(cupy.cuda.runtime.runtimeGetVersion()) // 1000
-    except Exception:   # no CuPy, or one that cannot reach its runtime
+    except Exception:  # no CuPy, or one that cannot reach its runtime
         pass
     if major in (12, 13):
         return f"pip install 'cupaged[cuda{major}]' (CuPy here is built for CUDA {major})"
@@ -76,8 +78,10 @@ def nvrtc_module() -> ModuleType:
         try:
             from cuda import nvrtc
         except ImportError:
-            raise CompileError(f"NVRTC needs cuda-python, which is not installed: {gpu_extra_hint()}, or "
-                               f"pip install 'cupaged[gate]' for the NVRTC gate alone") from None
+            raise CompileError(
+                f"NVRTC needs cuda-python, which is not installed: {gpu_extra_hint()}, or "
+                f"pip install 'cupaged[gate]' for the NVRTC gate alone"
+            ) from None
     return nvrtc
 
 
@@ -104,11 +108,13 @@ def _check_nvrtc(nvrtc: ModuleType, err: Any, call: str) -> None:
 # Header discovery
 # ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class HeaderDir:
     """A folder that holds ``cuda_fp16.h`` and ``cuda_bf16.h``."""
+
     path: str
-    found_via: str          # "env", "wheel-cu13", "wheel-cu12", "pathfinder", "CUDA_PATH", ...
+    found_via: str  # "env", "wheel-cu13", "wheel-cu12", "pathfinder", "CUDA_PATH", ...
     cuda_major: int | None  # from CUDART_VERSION in cuda_runtime_api.h, when present
 
 
@@ -130,6 +136,7 @@ def _nvidia_roots() -> list[Path]:
     roots: list[Path] = []
     try:
         import nvidia  # namespace package of the nvidia-* wheels
+
         roots += [Path(p) for p in getattr(nvidia, "__path__", [])]
     except ImportError:
         pass
@@ -160,8 +167,12 @@ def _pathfinder_dir() -> str | None:
         return None
 
 
-def header_dir_candidates(*, env: Mapping[str, str] | None = None, nvidia_roots: Iterable[str | Path] | None = None,
-                          use_pathfinder: bool = True) -> list[HeaderDir]:
+def header_dir_candidates(
+    *,
+    env: Mapping[str, str] | None = None,
+    nvidia_roots: Iterable[str | Path] | None = None,
+    use_pathfinder: bool = True,
+) -> list[HeaderDir]:
     """Folders that hold both ``cuda_fp16.h`` and ``cuda_bf16.h``, best first.
 
     Looked for, in this order:
@@ -186,7 +197,7 @@ def header_dir_candidates(*, env: Mapping[str, str] | None = None, nvidia_roots:
     raw: list[tuple[Path, str]] = []
     if env.get(INCLUDE_ENV):
         raw.append((Path(env[INCLUDE_ENV]), "env"))
-    for root in (_nvidia_roots() if nvidia_roots is None else [Path(r) for r in nvidia_roots]):
+    for root in _nvidia_roots() if nvidia_roots is None else [Path(r) for r in nvidia_roots]:
         raw.append((root / "cu13" / "include", "wheel-cu13"))
         raw.append((root / "cuda_runtime" / "include", "wheel-cu12"))
     tail: list[tuple[Path, str]] = []
@@ -195,6 +206,7 @@ def header_dir_candidates(*, env: Mapping[str, str] | None = None, nvidia_roots:
             tail.append((Path(env[var]) / "include", var))
     if env.get("CONDA_PREFIX"):
         import platform
+
         tail.append((Path(env["CONDA_PREFIX"]) / "targets" / f"{platform.machine()}-linux" / "include", "conda"))
         tail.append((Path(env["CONDA_PREFIX"]) / "include", "conda"))
     tail.append((Path("/usr/local/cuda/include"), "/usr/local/cuda"))
@@ -238,8 +250,13 @@ def searched_locations() -> list[str]:
     locs = [f"${INCLUDE_ENV}"]
     for root in _nvidia_roots() or [Path("<site-packages>/nvidia")]:
         locs += [str(root / "cu13" / "include"), str(root / "cuda_runtime" / "include")]
-    locs += ["cuda-pathfinder find_nvidia_header_directory('cudart')",
-             "$CUDA_PATH/include", "$CUDA_HOME/include", "$CONDA_PREFIX/include", "/usr/local/cuda/include"]
+    locs += [
+        "cuda-pathfinder find_nvidia_header_directory('cudart')",
+        "$CUDA_PATH/include",
+        "$CUDA_HOME/include",
+        "$CONDA_PREFIX/include",
+        "/usr/local/cuda/include",
+    ]
     return locs
 
 
@@ -252,7 +269,8 @@ def find_header_dir() -> str:
     if not found:
         raise CompileError(
             f"cuda_fp16.h / cuda_bf16.h not found: {gpu_extra_hint()} (they bring nvidia-cuda-runtime-cu12 / "
-            f"nvidia-cuda-runtime), or set ${INCLUDE_ENV}. Searched: " + "; ".join(searched_locations()))
+            f"nvidia-cuda-runtime), or set ${INCLUDE_ENV}. Searched: " + "; ".join(searched_locations())
+        )
     return found[0].path
 
 
@@ -276,9 +294,11 @@ def gate_options(arch: str, include_dir: str | None = None) -> tuple[str, ...]:
 # Compiling
 # ---------------------------------------------------------------------------
 
+
 @dataclass
 class Compiled:
     """What one NVRTC compile of one source for one architecture gave."""
+
     ok: bool
     arch: str
     log: str
@@ -300,8 +320,7 @@ def _get_bytes(nvrtc: ModuleType, prog: Any, size_fn: Any, get_fn: Any, call: st
     return buf[:n]
 
 
-def compile_source(text: str, arch: str, *, name: str = "cupaged.cu",
-                   options: Iterable[str] | None = None) -> Compiled:
+def compile_source(text: str, arch: str, *, name: str = "cupaged.cu", options: Iterable[str] | None = None) -> Compiled:
     """Compile ``text`` with NVRTC for ``arch`` (``sm_XX`` gives PTX and
     cubin plus the ptxas report in the log; ``compute_XX`` gives PTX only).
     ``options`` defaults to ``gate_options(arch)``. Needs no GPU and no driver.
@@ -315,8 +334,7 @@ def compile_source(text: str, arch: str, *, name: str = "cupaged.cu",
         enc = [o.encode() for o in opts]
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(enc), enc)
         seconds = time.perf_counter() - t0
-        raw_log = _get_bytes(nvrtc, prog, nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog,
-                             "nvrtcGetProgramLog")
+        raw_log = _get_bytes(nvrtc, prog, nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, "nvrtcGetProgramLog")
         log = raw_log.rstrip(b"\0").decode(errors="replace").strip()
         if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             if res != nvrtc.nvrtcResult.NVRTC_ERROR_COMPILATION:
@@ -337,10 +355,12 @@ def compile_source(text: str, arch: str, *, name: str = "cupaged.cu",
 # Reading the ptxas report and the PTX
 # ---------------------------------------------------------------------------
 
+
 @dataclass
 class FunctionReport:
     """ptxas figures for one function (an entry point or a device function
     that was not inlined)."""
+
     name: str
     is_entry: bool = False
     registers: int = 0
@@ -348,8 +368,8 @@ class FunctionReport:
     stack_frame: int = 0
     spill_stores: int = 0
     spill_loads: int = 0
-    smem: int = 0           # static shared memory, bytes
-    cmem: int = 0           # constant bank 0, bytes
+    smem: int = 0  # static shared memory, bytes
+    cmem: int = 0  # constant bank 0, bytes
     cumulative_stack: int = 0
 
 
@@ -406,8 +426,12 @@ def parse_ptxas(log: str) -> dict[str, FunctionReport]:
         if m and entry is not None:
             r = get(entry)
             r.registers = int(m.group(1))
-            for rx, attr in ((_RE_BARRIERS, "barriers"), (_RE_SMEM, "smem"), (_RE_CMEM, "cmem"),
-                             (_RE_CUMSTACK, "cumulative_stack")):
+            for rx, attr in (
+                (_RE_BARRIERS, "barriers"),
+                (_RE_SMEM, "smem"),
+                (_RE_CMEM, "cmem"),
+                (_RE_CUMSTACK, "cumulative_stack"),
+            ):
                 mm = rx.search(line)
                 if mm:
                     setattr(r, attr, int(mm.group(1)))
@@ -415,10 +439,13 @@ def parse_ptxas(log: str) -> dict[str, FunctionReport]:
 
 
 _RE_PTX_FUNC = re.compile(
-    r"^[ \t]*(?:\.(?:visible|weak|extern)[ \t]+)*\.(entry|func)\b[ \t]*(?:\([^)]*\)[ \t]*)?([\w$]+)", re.M)
+    r"^[ \t]*(?:\.(?:visible|weak|extern)[ \t]+)*\.(entry|func)\b[ \t]*(?:\([^)]*\)[ \t]*)?([\w$]+)", re.M
+)
 _RE_LD_GLOBAL = re.compile(r"\bld\.global((?:\.[\w:]+)*)")
-_RE_CP_ASYNC = re.compile(r"\bcp\.async(?:\.[\w:]+)*\.shared(?:::\w+)?\.global(?:\.[\w:]+)*\s+\[[^\]]*\]\s*,"
-                          r"\s*\[[^\]]*\]\s*,\s*(\d+)")
+_RE_CP_ASYNC = re.compile(
+    r"\bcp\.async(?:\.[\w:]+)*\.shared(?:::\w+)?\.global(?:\.[\w:]+)*\s+\[[^\]]*\]\s*,"
+    r"\s*\[[^\]]*\]\s*,\s*(\d+)"
+)
 _RE_CP_BULK = re.compile(r"\bcp\.async\.bulk\b")
 _RE_TYPE = re.compile(r"^(?:[bsuf](8|16|32|64)|f16x2|bf16x2|bf16|e4m3x2|e5m2x2)$")
 
@@ -453,7 +480,7 @@ def ptx_functions(ptx: str) -> dict[str, tuple[str, str]]:
     for i, m in enumerate(heads):
         end = heads[i + 1].start() if i + 1 < len(heads) else len(ptx)
         kind, name = m.group(1), m.group(2)
-        body = ptx[m.start():end]
+        body = ptx[m.start() : end]
         if name in out:
             body = out[name][1] + body  # a prototype and then the definition
         out[name] = (kind, body)
@@ -476,5 +503,4 @@ def widest_global_load(body: str) -> int:
 
 def kernel_wide_loads(ptx: str) -> dict[str, int]:
     """``{entry name: widest global load in bits}`` for every kernel in ``ptx``."""
-    return {name: widest_global_load(body) for name, (kind, body) in ptx_functions(ptx).items()
-            if kind == "entry"}
+    return {name: widest_global_load(body) for name, (kind, body) in ptx_functions(ptx).items() if kind == "entry"}

@@ -5,6 +5,7 @@ compile-time choices it may ask ``get_kernel`` for; the gate
 (``python -m cupaged.tools.compile_check``) imports ``cupaged.ops`` (every
 op module) and compiles each registered variant for sm_80 and sm_90.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping

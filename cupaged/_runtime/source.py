@@ -8,6 +8,7 @@ NVRTC finds them in the CUDA runtime headers, g++ finds the shim's stand-ins.
 Inlining keeps every byte that matters inside the string, so a hash of it is a
 complete cache key.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,15 +19,15 @@ from pathlib import Path
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M)
 # ``__launch_bounds__(...)`` may stand before or after ``void`` (the kernels
 # put it after); the GPU backend scans the raw text, where it is still there.
-_LB = r'(?:__launch_bounds__\s*\([^)]*\)\s*)?'
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+' + _LB + r'void\s+' + _LB + r'(\w+)\s*\(')
+_LB = r"(?:__launch_bounds__\s*\([^)]*\)\s*)?"
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+' + _LB + r"void\s+" + _LB + r"(\w+)\s*\(")
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_dir() -> Path:
     """The folder holding the ``.cu`` and ``.cuh`` files: the installed
     ``cupaged/kernels_cu`` of a wheel, else ``kernels_cu/`` of a source tree."""
-    package = Path(__file__).resolve().parents[1]    # cupaged/
+    package = Path(__file__).resolve().parents[1]  # cupaged/
     for cand in (package / "kernels_cu", package.parent / "kernels_cu"):
         if (cand / "common.cuh").is_file():
             return cand

@@ -15,6 +15,7 @@ Arguments to ``launch`` follow ``cuLaunchKernel``: a tuple where an array
 stands for its data pointer and a NumPy scalar (``np.int32``, ``np.uint32``,
 ``np.float32``, ``np.int64``, ``np.uint64``) for a value of that C type.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -35,7 +36,8 @@ Dims = int | Sequence[int]
 def _check_span(name: str, arr: Array, offset: int, nbytes: int) -> None:
     if offset < 0 or nbytes < 0 or offset + nbytes > arr.nbytes:
         raise PagedAttentionError(
-            f"{name}: expected bytes [{offset}, {offset + nbytes}) inside an array of {arr.nbytes} bytes")
+            f"{name}: expected bytes [{offset}, {offset + nbytes}) inside an array of {arr.nbytes} bytes"
+        )
     if not arr.flags.c_contiguous:
         raise PagedAttentionError(f"{name}: expected a C-contiguous array")
 
@@ -76,7 +78,7 @@ class Stream:
     def __init__(self) -> None:
         self._capture: list | None = None
         self._capture_keep: list | None = None
-        self._capture_thread: int | None = None   # the thread whose capture is open
+        self._capture_thread: int | None = None  # the thread whose capture is open
 
     # -- public API -------------------------------------------------------
     @property
@@ -93,8 +95,10 @@ class Stream:
             self._work_during_foreign_capture()
 
     def _work_during_foreign_capture(self) -> None:
-        raise PagedAttentionError("stream: another thread is capturing this stream; use a stream of your own "
-                                  "(work issued here would be folded into that thread's graph)")
+        raise PagedAttentionError(
+            "stream: another thread is capturing this stream; use a stream of your own "
+            "(work issued here would be folded into that thread's graph)"
+        )
 
     def launch(self, kernel: Any, grid: Dims, block: Dims, args: Sequence[Any], shared_mem: int = 0) -> None:
         """Launch ``kernel`` (from ``cupaged._runtime.get_kernel``) with ``grid`` and
@@ -174,15 +178,17 @@ class Stream:
         if backend != self.backend:
             name = next(iter(arrays))
             raise PagedAttentionError(
-                f"{name}: expected an array of the {self.backend} backend, got one of the {backend} backend")
+                f"{name}: expected an array of the {self.backend} backend, got one of the {backend} backend"
+            )
         for name, a in arrays.items():
             if _backend.device_id(a) != self.device:
                 raise PagedAttentionError(
-                    f"{name}: expected an array on device {self.device}, got device {_backend.device_id(a)}")
+                    f"{name}: expected an array on device {self.device}, got device {_backend.device_id(a)}"
+                )
 
     def _keep(self, *objs: Any) -> None:
         if self.capturing:
-            assert self._capture_keep is not None   # set with _capture
+            assert self._capture_keep is not None  # set with _capture
             self._capture_keep.extend(objs)
 
 
@@ -224,6 +230,7 @@ class CpuStream(Stream):
 
         def op():
             np.frombuffer((ctypes.c_uint32 * count).from_address(addr), dtype=np.uint32)[:] = value
+
         self._run_or_record(op, dst)
 
     def _copy(self, dst, src, nbytes, dst_offset, src_offset) -> None:
@@ -239,7 +246,7 @@ class CpuStream(Stream):
 
     def _end_capture(self) -> Graph:
         ops, keep = self._capture, self._capture_keep
-        assert ops is not None and keep is not None   # end_capture checked that this thread is capturing
+        assert ops is not None and keep is not None  # end_capture checked that this thread is capturing
         self._capture = self._capture_keep = None
         return Graph(self, ops, keep)
 
@@ -257,4 +264,5 @@ def check_not_capturing(stream: Stream, what: str) -> None:
     a graph, and its address could not be used safely outside it."""
     if stream.capturing:
         raise PagedAttentionError(
-            f"{what}: allocation inside graph capture; allocate it before capture_graph and pass it in")
+            f"{what}: allocation inside graph capture; allocate it before capture_graph and pass it in"
+        )

@@ -13,6 +13,7 @@ against the compiled kernel's parameter) and keep the arrays alive with the
 argument, as they do for array arguments (a captured graph keeps them). A
 bare structured scalar is accepted too; then nothing is kept alive by it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -42,7 +43,7 @@ class Field:
     @property
     def np_type(self) -> type[np.number]:
         if self.pointer:
-            return np.uint64      # a device address
+            return np.uint64  # a device address
         try:
             return _SCALARS[self.ctype]
         except KeyError:
@@ -65,8 +66,9 @@ def c_struct(name: str, fields: Iterable[Field], restrict: bool = True) -> str:
         decl = f"{f.ctype} __restrict__ {f.name};" if f.pointer and restrict else f"{f.ctype} {f.name};"
         lines.append(f"    {decl:<44}// {f.doc}" if f.doc else f"    {decl}")
     lines.append("};")
-    lines.append(f'static_assert(sizeof({name}) == {dt.itemsize}, '
-                 f'"{name}: the NumPy dtype packs {dt.itemsize} bytes");')
+    lines.append(
+        f'static_assert(sizeof({name}) == {dt.itemsize}, "{name}: the NumPy dtype packs {dt.itemsize} bytes");'
+    )
     return "\n".join(lines) + "\n"
 
 

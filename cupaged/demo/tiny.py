@@ -9,6 +9,7 @@ buffers, so one decode step can be captured into a graph on either backend.
 cache-driven ``PagedDecodeLoop``. Used by the decode-graph tests and by
 ``python -m cupaged demo``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,36 +69,57 @@ def init_weights(cfg: TinyConfig, seed: int = 0) -> dict:
         return rng.standard_normal((n_out, n_in)) * gain / math.sqrt(n_in)
 
     hq, hkv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    w = {"embed": rng.standard_normal((cfg.vocab, cfg.hidden)),
-         "final_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden),
-         "lm_head": lin(cfg.vocab, cfg.hidden, 4.0), "layers": []}
+    w = {
+        "embed": rng.standard_normal((cfg.vocab, cfg.hidden)),
+        "final_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden),
+        "lm_head": lin(cfg.vocab, cfg.hidden, 4.0),
+        "layers": [],
+    }
     H, R, P, Dn, Dv = cfg.heads, cfg.latent_dim, cfg.rope_dim, cfg.nope_dim, cfg.v_head_dim
     for _ in range(cfg.layers):
         if cfg.mla:
-            attn = {"w_dkv": lin(R, cfg.hidden), "kv_norm": 1.0 + 0.1 * rng.standard_normal(R),
-                    "w_kr": lin(P, cfg.hidden), "w_qn": lin(H * Dn, cfg.hidden), "w_qr": lin(H * P, cfg.hidden),
-                    "w_uk": rng.standard_normal((H, Dn, R)) / math.sqrt(R),     # k_nope[h] = w_uk[h] @ c
-                    "w_uv": rng.standard_normal((H, Dv, R)) / math.sqrt(R),     # v[h] = w_uv[h] @ c
-                    "wo": lin(cfg.hidden, H * Dv)}
+            attn = {
+                "w_dkv": lin(R, cfg.hidden),
+                "kv_norm": 1.0 + 0.1 * rng.standard_normal(R),
+                "w_kr": lin(P, cfg.hidden),
+                "w_qn": lin(H * Dn, cfg.hidden),
+                "w_qr": lin(H * P, cfg.hidden),
+                "w_uk": rng.standard_normal((H, Dn, R)) / math.sqrt(R),  # k_nope[h] = w_uk[h] @ c
+                "w_uv": rng.standard_normal((H, Dv, R)) / math.sqrt(R),  # v[h] = w_uv[h] @ c
+                "wo": lin(cfg.hidden, H * Dv),
+            }
         else:
-            attn = {"wq": lin(hq, cfg.hidden), "wk": lin(hkv, cfg.hidden), "wv": lin(hkv, cfg.hidden),
-                    "wo": lin(cfg.hidden, hq)}
-        w["layers"].append({
-            "attn_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden), **attn,
-            "mlp_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden),
-            "w_gate_up": lin(2 * cfg.ffn, cfg.hidden), "w_down": lin(cfg.hidden, cfg.ffn),
-        })
+            attn = {
+                "wq": lin(hq, cfg.hidden),
+                "wk": lin(hkv, cfg.hidden),
+                "wv": lin(hkv, cfg.hidden),
+                "wo": lin(cfg.hidden, hq),
+            }
+        w["layers"].append(
+            {
+                "attn_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden),
+                **attn,
+                "mlp_norm": 1.0 + 0.1 * rng.standard_normal(cfg.hidden),
+                "w_gate_up": lin(2 * cfg.ffn, cfg.hidden),
+                "w_down": lin(cfg.hidden, cfg.ffn),
+            }
+        )
     return w
 
 
 def rounded(weights: dict, dtype: DTypeLike) -> dict:
     """The weights as the model stores them (rounded to ``dtype``), back in
     float64: what the reference must use to isolate kernel arithmetic."""
+
     def r(a):
         return np.asarray(a).astype(dtype).astype(np.float64)
-    return {"embed": r(weights["embed"]), "final_norm": r(weights["final_norm"]),
-            "lm_head": r(weights["lm_head"]),
-            "layers": [{k: r(v) for k, v in lw.items()} for lw in weights["layers"]]}
+
+    return {
+        "embed": r(weights["embed"]),
+        "final_norm": r(weights["final_norm"]),
+        "lm_head": r(weights["lm_head"]),
+        "layers": [{k: r(v) for k, v in lw.items()} for lw in weights["layers"]],
+    }
 
 
 def rope_tables(cfg: TinyConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -110,14 +132,15 @@ def _reference_mla(cfg: TinyConfig, lw: dict, h, cos, sin, mask) -> np.ndarray:
     up-projected from the latent for every token (what the absorbed kernel
     path must equal). h [n, hidden] -> attention output [n, H * Dv]."""
     n, H, P = h.shape[0], cfg.heads, cfg.rope_dim
-    c = reference.rms_norm(h @ lw["w_dkv"].T, lw["kv_norm"], cfg.eps)                 # [n, R]
+    c = reference.rms_norm(h @ lw["w_dkv"].T, lw["kv_norm"], cfg.eps)  # [n, R]
     k_rope = reference.apply_rope((h @ lw["w_kr"].T).reshape(n, 1, P), cos, sin)[:, 0]  # [n, P]
     q_nope = (h @ lw["w_qn"].T).reshape(n, H, cfg.nope_dim)
     q_rope = reference.apply_rope((h @ lw["w_qr"].T).reshape(n, H, P), cos, sin)
-    k_nope = np.einsum("hdr,kr->khd", lw["w_uk"], c)                                 # [n, H, Dn]
-    v = np.einsum("hvr,kr->khv", lw["w_uv"], c)                                      # [n, H, Dv]
-    s = (np.einsum("qhd,khd->hqk", q_nope, k_nope) + np.einsum("qhp,kp->hqk", q_rope, k_rope)) \
-        / math.sqrt(cfg.nope_dim + P)
+    k_nope = np.einsum("hdr,kr->khd", lw["w_uk"], c)  # [n, H, Dn]
+    v = np.einsum("hvr,kr->khv", lw["w_uv"], c)  # [n, H, Dv]
+    s = (np.einsum("qhd,khd->hqk", q_nope, k_nope) + np.einsum("qhp,kp->hqk", q_rope, k_rope)) / math.sqrt(
+        cfg.nope_dim + P
+    )
     s = np.where(mask[None], s, -np.inf)
     return np.einsum("hqk,khv->qhv", reference.softmax(s, axis=-1), v).reshape(n, -1)
 
@@ -129,7 +152,7 @@ def reference_logits(cfg: TinyConfig, weights: dict, tokens: ArrayLike) -> np.nd
     n, d = len(tokens), cfg.head_dim
     cos, sin = rope_tables(cfg)
     cos, sin = cos[:n], sin[:n]
-    x = weights["embed"][tokens]                                        # [n, hidden]
+    x = weights["embed"][tokens]  # [n, hidden]
     group = cfg.heads // cfg.kv_heads
     mask = np.tril(np.ones((n, n), bool))
     for lw in weights["layers"]:
@@ -140,13 +163,13 @@ def reference_logits(cfg: TinyConfig, weights: dict, tokens: ArrayLike) -> np.nd
             q = reference.apply_rope((h @ lw["wq"].T).reshape(n, cfg.heads, d), cos, sin)
             k = reference.apply_rope((h @ lw["wk"].T).reshape(n, cfg.kv_heads, d), cos, sin)
             v = (h @ lw["wv"].T).reshape(n, cfg.kv_heads, d)
-            k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # [n, heads, d]
+            k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [n, heads, d]
             s = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
             s = np.where(mask[None], s, -np.inf)
             attn = np.einsum("hqk,khd->qhd", reference.softmax(s, axis=-1), v).reshape(n, -1)
         x = x + attn @ lw["wo"].T
         h = reference.rms_norm(x, lw["mlp_norm"], cfg.eps)
-        gate, up = lw["w_gate_up"][:cfg.ffn], lw["w_gate_up"][cfg.ffn:]
+        gate, up = lw["w_gate_up"][: cfg.ffn], lw["w_gate_up"][cfg.ffn :]
         x = x + reference.swiglu_mlp(h, gate.T, up.T, lw["w_down"].T)
     return reference.rms_norm(x, weights["final_norm"], cfg.eps) @ weights["lm_head"].T
 
@@ -156,7 +179,7 @@ def _block_diag(blocks) -> np.ndarray:
     out = np.zeros((rows, cols))
     r = c = 0
     for b in blocks:
-        out[r:r + b.shape[0], c:c + b.shape[1]] = b
+        out[r : r + b.shape[0], c : c + b.shape[1]] = b
         r, c = r + b.shape[0], c + b.shape[1]
     return out
 
@@ -173,8 +196,17 @@ class TinyModel:
     [>= queries, vocab]. It allocates nothing and never synchronizes.
     """
 
-    def __init__(self, cfg: TinyConfig, weights: dict, like: Array, *, dtype: DTypeLike = np.float32, num_pages: int,
-                 page_size: int, max_rows: int):
+    def __init__(
+        self,
+        cfg: TinyConfig,
+        weights: dict,
+        like: Array,
+        *,
+        dtype: DTypeLike = np.float32,
+        num_pages: int,
+        page_size: int,
+        max_rows: int,
+    ):
         self.cfg, self.dtype, self.page_size, self.num_pages = cfg, np.dtype(dtype), page_size, num_pages
         self.xp = xp = xp_of(like)
         self.like = like
@@ -185,21 +217,25 @@ class TinyModel:
         host_layers = [dict(lw) for lw in weights["layers"]]
         if cfg.mla:  # absorb the up-projections as block-diagonal Linear weights (tiny sizes: fine)
             for lw in host_layers:
-                lw["w_uk_bd"] = _block_diag([m.T for m in lw.pop("w_uk")])   # q_nope[h] -> q_abs[h] (R)
-                lw["w_uv_bd"] = _block_diag(list(lw.pop("w_uv")))            # o_lat[h] -> v_out[h] (Dv)
-        self.w = {"embed": dev(weights["embed"]), "final_norm": dev(weights["final_norm"]),
-                  "lm_head": dev(weights["lm_head"]),
-                  "layers": [{k: dev(v) for k, v in lw.items()} for lw in host_layers]}
+                lw["w_uk_bd"] = _block_diag([m.T for m in lw.pop("w_uk")])  # q_nope[h] -> q_abs[h] (R)
+                lw["w_uv_bd"] = _block_diag(list(lw.pop("w_uv")))  # o_lat[h] -> v_out[h] (Dv)
+        self.w = {
+            "embed": dev(weights["embed"]),
+            "final_norm": dev(weights["final_norm"]),
+            "lm_head": dev(weights["lm_head"]),
+            "layers": [{k: dev(v) for k, v in lw.items()} for lw in host_layers],
+        }
         cos, sin = rope_tables(cfg)
         self.cos, self.sin = dev(cos, np.float32), dev(sin, np.float32)
-        if cfg.mla:   # k: the latent [.., pages, ps, 1, R]; v: the rotated k_pos [.., pages, ps, 1, P]
+        if cfg.mla:  # k: the latent [.., pages, ps, 1, R]; v: the rotated k_pos [.., pages, ps, 1, P]
             heads, d, dv = 1, cfg.latent_dim, cfg.rope_dim
         else:
             heads, d, dv = cfg.kv_heads, cfg.head_dim, cfg.head_dim
-        self.cache = PagedKVCache(num_pages, page_size, heads, d, self.dtype, layers=cfg.layers, value_dim=dv,
-                                  like=like)
-        self._live: list = []      # the sequences of the last generate
-        self._loop: PagedDecodeLoop | None = None   # its decode loop (finished before the next generate frees them)
+        self.cache = PagedKVCache(
+            num_pages, page_size, heads, d, self.dtype, layers=cfg.layers, value_dim=dv, like=like
+        )
+        self._live: list = []  # the sequences of the last generate
+        self._loop: PagedDecodeLoop | None = None  # its decode loop (finished before the next generate frees them)
         r, hd = max_rows, cfg.head_dim
         self.max_rows = r
         self.x = xp.zeros((r, cfg.hidden), self.dtype)
@@ -220,16 +256,17 @@ class TinyModel:
             self.q_abs = xp.zeros((r, H, R), self.dtype)
             self.o_lat = xp.zeros((r, H, R), self.dtype)
             self.v_out = xp.zeros((r, H * cfg.v_head_dim), self.dtype)
-            self.scale = 1.0 / math.sqrt(cfg.nope_dim + P)   # from the model's QK dims, not from R
+            self.scale = 1.0 / math.sqrt(cfg.nope_dim + P)  # from the model's QK dims, not from R
 
-    def forward(self, plan: DevicePlan, tokens: Array, logits: Array, *,
-                workspace: SplitWorkspace | None = None) -> None:
+    def forward(
+        self, plan: DevicePlan, tokens: Array, logits: Array, *, workspace: SplitWorkspace | None = None
+    ) -> None:
         cfg, n = self.cfg, plan.host.queries
         if n > self.max_rows:
             raise PagedAttentionError(f"plan: expected at most max_rows={self.max_rows} queries, got {n}")
         x, h, gu, act = (b[:n] for b in (self.x, self.h, self.gu, self.act))
         off = metadata_offsets(plan.host.queries, plan.host.sequences)["q_pos"]
-        positions = plan.words[off:off + n]
+        positions = plan.words[off : off + n]
         layers.embed(tokens[:n], self.w["embed"], x)
         for li, lw in enumerate(self.w["layers"]):
             layers.rms_norm(x, lw["attn_norm"], h, cfg.eps)
@@ -261,8 +298,9 @@ class TinyModel:
         q_abs[h] = w_uk[h]^T q_nope[h]; the kernel attends over the latent;
         v_out[h] = w_uv[h] o_lat[h]; x += wo(v_out)."""
         cfg = self.cfg
-        x, lat, kr, qn, qr, qa, ol, vo = (b[:n] for b in (self.x, self.lat, self.k_rope, self.q_nope,
-                                                           self.q_rope, self.q_abs, self.o_lat, self.v_out))
+        x, lat, kr, qn, qr, qa, ol, vo = (
+            b[:n] for b in (self.x, self.lat, self.k_rope, self.q_nope, self.q_rope, self.q_abs, self.o_lat, self.v_out)
+        )
         layers.linear(h, lw["w_dkv"], lat.reshape(n, -1))
         layers.rms_norm(lat.reshape(n, -1), lw["kv_norm"], lat.reshape(n, -1), cfg.eps)
         layers.linear(h, lw["w_kr"], kr.reshape(n, -1))
@@ -280,8 +318,15 @@ class TinyModel:
         return stream_for(self.like)
 
 
-def generate(model: TinyModel, prompts: Sequence[Sequence[int]], new_tokens: int, *, chunk: int = 16,
-             graph: bool = True, on_step: Callable[[int], object] | None = None) -> tuple[np.ndarray, PagedDecodeLoop]:
+def generate(
+    model: TinyModel,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    *,
+    chunk: int = 16,
+    graph: bool = True,
+    on_step: Callable[[int], object] | None = None,
+) -> tuple[np.ndarray, PagedDecodeLoop]:
     """Greedy generation for a batch of prompts of different lengths, through
     the model's page manager.
 
@@ -297,7 +342,7 @@ def generate(model: TinyModel, prompts: Sequence[Sequence[int]], new_tokens: int
     xp, like = model.xp, model.like
     cache = model.cache
     if model._loop is not None:
-        model._loop.finish()       # its spare step was never run: the loop lets its sequences go
+        model._loop.finish()  # its spare step was never run: the loop lets its sequences go
     for s in model._live:
         if s.alive:
             cache.free(s)
@@ -316,21 +361,23 @@ def generate(model: TinyModel, prompts: Sequence[Sequence[int]], new_tokens: int
         q_lens = np.minimum(chunk, plens - done)
         kv = done + q_lens
         plan, _ = cache.prepare(seqs, q_lens)
-        toks = np.concatenate([np.asarray(prompts[s][done[s]:kv[s]], np.int64) for s in range(B)])
+        toks = np.concatenate([np.asarray(prompts[s][done[s] : kv[s]], np.int64) for s in range(B)])
         tok_dev = xp.asarray(toks)
         model.forward(plan, tok_dev, logits)
-        argmax_into(logits[:plan.host.queries], best[:plan.host.queries])
+        argmax_into(logits[: plan.host.queries], best[: plan.host.queries])
         ends = plan.host.q_lens.cumsum() - 1
         for s in range(B):
-            if q_lens[s] and kv[s] == plens[s]:   # this chunk ends the prompt: its last row predicts token 1
+            if q_lens[s] and kv[s] == plens[s]:  # this chunk ends the prompt: its last row predicts token 1
                 stream.copy(next_token, best, nbytes=8, dst_offset=8 * s, src_offset=8 * int(ends[s]))
         done = kv
     stream.copy(history, next_token, nbytes=8 * B)
     # ---- decode: step i feeds token i at position plen + i - 1
     plan, _ = cache.prepare(seqs, 1, reserve=new_tokens - 1)
+
     def step(p: DevicePlan) -> Array:
         model.forward(p, token_buf, logits)
         return logits[:B]
+
     loop = PagedDecodeLoop(step, plan, token_buf=token_buf, next_token=next_token, cache=cache, graph=graph)
     model._loop = loop
     for i in range(1, new_tokens):
@@ -342,8 +389,9 @@ def generate(model: TinyModel, prompts: Sequence[Sequence[int]], new_tokens: int
     return tokens, loop
 
 
-def check_tokens(cfg: TinyConfig, weights64: dict, prompts: Sequence[Sequence[int]], tokens: np.ndarray, *,
-                 margin: float = 1e-3) -> tuple[int, bool]:
+def check_tokens(
+    cfg: TinyConfig, weights64: dict, prompts: Sequence[Sequence[int]], tokens: np.ndarray, *, margin: float = 1e-3
+) -> tuple[int, bool]:
     """Compare generated tokens [B, N] with the float64 reference model.
 
     Returns (exact, ok): how many tokens equal the reference argmax, and
@@ -353,7 +401,7 @@ def check_tokens(cfg: TinyConfig, weights64: dict, prompts: Sequence[Sequence[in
     exact, ok = 0, True
     for s, prompt in enumerate(prompts):
         seq = np.concatenate([np.asarray(prompt, np.int64), tokens[s]])
-        ref = reference_logits(cfg, weights64, seq[:-1])[len(prompt) - 1:]     # rows predicting tokens[s]
+        ref = reference_logits(cfg, weights64, seq[:-1])[len(prompt) - 1 :]  # rows predicting tokens[s]
         for j, t in enumerate(tokens[s]):
             exact += int(np.argmax(ref[j]) == t)
             ok &= bool(ref[j, t] >= ref[j].max() - margin)

@@ -21,6 +21,7 @@ Modules, one per concern:
 * ``scheduler``: continuous batching (chunked prefill between decode rounds);
 * ``engine``: ``Engine`` (construction, ``generate``).
 """
+
 from __future__ import annotations
 
 from ..errors import CheckpointError, ConfigError
@@ -28,5 +29,14 @@ from .checkpoint import Checkpoint, SafetensorsFile
 from .config import ARCHITECTURES, ModelConfig, RopeSpec, parse_config
 from .engine import Engine
 
-__all__ = ["Engine", "ConfigError", "CheckpointError", "ARCHITECTURES", "ModelConfig", "RopeSpec", "parse_config",
-           "Checkpoint", "SafetensorsFile"]
+__all__ = [
+    "Engine",
+    "ConfigError",
+    "CheckpointError",
+    "ARCHITECTURES",
+    "ModelConfig",
+    "RopeSpec",
+    "parse_config",
+    "Checkpoint",
+    "SafetensorsFile",
+]

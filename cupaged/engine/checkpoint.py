@@ -17,6 +17,7 @@ Every tensor the engine reads is a weight and must be floating point
 not cast. A ``model.safetensors.index.json`` decides which file holds each
 tensor it names.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,8 +37,20 @@ from ..errors import CheckpointError
 #: safetensors dtype names -> cupaged dtype tokens / NumPy dtype names (the
 #: NumPy dtypes through ``safetensors_dtypes()``, which imports ml_dtypes
 #: only when a checkpoint is first read).
-_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bf16", "I64": "int64", "I32": "int32",
-          "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "e4m3", "F8_E5M2": "e5m2"}
+_NAMES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bf16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "e4m3",
+    "F8_E5M2": "e5m2",
+}
 _FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
@@ -75,15 +88,18 @@ class SafetensorsFile:
             with open(self.path, "rb") as fh:
                 head = fh.read(8)
                 if len(head) < 8:
-                    raise CheckpointError(f"{self.path}: truncated: {size} bytes; a safetensors file starts with "
-                                          f"an 8-byte header length")
+                    raise CheckpointError(
+                        f"{self.path}: truncated: {size} bytes; a safetensors file starts with an 8-byte header length"
+                    )
                 (n,) = struct.unpack("<Q", head)
                 if n > MAX_HEADER:
-                    raise CheckpointError(f"{self.path}: not a safetensors file: header length {n} bytes "
-                                          f"(at most {MAX_HEADER})")
+                    raise CheckpointError(
+                        f"{self.path}: not a safetensors file: header length {n} bytes (at most {MAX_HEADER})"
+                    )
                 if 8 + n > size:
-                    raise CheckpointError(f"{self.path}: truncated: the header needs {8 + n} bytes, the file has "
-                                          f"{size}")
+                    raise CheckpointError(
+                        f"{self.path}: truncated: the header needs {8 + n} bytes, the file has {size}"
+                    )
                 text = fh.read(n)
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot read: {e}") from None
@@ -113,7 +129,7 @@ class SafetensorsFile:
             return np.zeros(shape, dt)
         if self._map is None:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        raw = self._map[self._start + a:self._start + b]
+        raw = self._map[self._start + a : self._start + b]
         if (self._start + a) % dt.itemsize:
             raw = raw.copy()
         return raw.view(dt).reshape(shape)
@@ -141,13 +157,15 @@ def _header_json(path: Path, text: bytes) -> dict:
     try:
         header = json.loads(text.decode("utf-8"), object_pairs_hook=_pairs, parse_constant=_constant)
     except _Duplicate as e:
-        raise CheckpointError(f"{path}: not a safetensors file: key {e.args[0]!r} appears twice in its header") \
-            from None
-    except (UnicodeDecodeError, ValueError) as e:     # (json.JSONDecodeError is a ValueError)
+        raise CheckpointError(
+            f"{path}: not a safetensors file: key {e.args[0]!r} appears twice in its header"
+        ) from None
+    except (UnicodeDecodeError, ValueError) as e:  # (json.JSONDecodeError is a ValueError)
         raise CheckpointError(f"{path}: not a safetensors file: its header is not JSON ({e})") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a safetensors file: its header is not a JSON object, got "
-                              f"{type(header).__name__}")
+        raise CheckpointError(
+            f"{path}: not a safetensors file: its header is not a JSON object, got {type(header).__name__}"
+        )
     return header
 
 
@@ -168,27 +186,37 @@ def _tensor_entry(path: Path, name: str, info, data: int, size: int) -> tuple:
     """(dtype, shape, begin, end) of one header entry, every field checked:
     begin / end are offsets into the ``data`` bytes after the header."""
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-        raise CheckpointError(f"{path}: tensor {name!r}: expected dtype, shape and data_offsets in the "
-                              f"header, got {info!r}"[:300])
+        raise CheckpointError(
+            f"{path}: tensor {name!r}: expected dtype, shape and data_offsets in the header, got {info!r}"[:300]
+        )
     kind, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
     dt = safetensors_dtypes().get(kind) if isinstance(kind, str) else None
     if dt is None:
-        raise CheckpointError(f"{path}: tensor {name!r}: dtype {kind!r} is not supported "
-                              f"(known: {', '.join(_NAMES)})")
-    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_int(d) and 0 <= d <= MAX_DIM
-                                                                       for d in shape)):
-        raise CheckpointError(f"{path}: tensor {name!r}: shape: expected a list of at most {MAX_DIMS} ints in "
-                              f"0..{MAX_DIM}, got {shape!r}"[:300])
+        raise CheckpointError(f"{path}: tensor {name!r}: dtype {kind!r} is not supported (known: {', '.join(_NAMES)})")
+    if not (
+        isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_int(d) and 0 <= d <= MAX_DIM for d in shape)
+    ):
+        raise CheckpointError(
+            f"{path}: tensor {name!r}: shape: expected a list of at most {MAX_DIMS} ints in "
+            f"0..{MAX_DIM}, got {shape!r}"[:300]
+        )
     if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs) and 0 <= offs[0] <= offs[1]):
-        raise CheckpointError(f"{path}: tensor {name!r}: data_offsets: expected [begin, end] ints with 0 <= begin "
-                              f"<= end, got {offs!r}"[:300])
-    nbytes = math.prod(shape) * dt.itemsize          # Python ints: no overflow
+        raise CheckpointError(
+            f"{path}: tensor {name!r}: data_offsets: expected [begin, end] ints with 0 <= begin <= end, got {offs!r}"[
+                :300
+            ]
+        )
+    nbytes = math.prod(shape) * dt.itemsize  # Python ints: no overflow
     if offs[1] - offs[0] != nbytes:
-        raise CheckpointError(f"{path}: tensor {name!r}: {kind} {shape} needs {nbytes} bytes, its data_offsets "
-                              f"{offs} span {offs[1] - offs[0]}")
+        raise CheckpointError(
+            f"{path}: tensor {name!r}: {kind} {shape} needs {nbytes} bytes, its data_offsets "
+            f"{offs} span {offs[1] - offs[0]}"
+        )
     if offs[1] > data:
-        raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at data byte {offs[1]}, the file holds "
-                              f"{data} data bytes ({size} bytes in all)")
+        raise CheckpointError(
+            f"{path}: truncated: tensor {name!r} ends at data byte {offs[1]}, the file holds "
+            f"{data} data bytes ({size} bytes in all)"
+        )
     return dt, tuple(shape), offs[0], offs[1]
 
 
@@ -199,8 +227,10 @@ def _no_overlap(path: Path, tensors: dict) -> None:
     for a, b, name in spans:
         if owner is not None and a < reach:
             oa, ob = tensors[owner][2:]
-            raise CheckpointError(f"{path}: tensors {owner!r} and {name!r}: overlapping data_offsets [{oa}, {ob}) "
-                                  f"and [{a}, {b}); each tensor needs bytes of its own")
+            raise CheckpointError(
+                f"{path}: tensors {owner!r} and {name!r}: overlapping data_offsets [{oa}, {ob}) "
+                f"and [{a}, {b}); each tensor needs bytes of its own"
+            )
         if b > reach:
             reach, owner = b, name
 
@@ -210,9 +240,13 @@ class Checkpoint:
     (NumPy) arrays. ``get(name, shape)`` checks presence, a floating-point
     dtype and the shape."""
 
-    def __init__(self, tensors: Mapping[str, tuple[SafetensorsFile | Mapping[str, Any], str]], where: str,
-                 files: Iterable[Path] = ()):
-        self._tensors = tensors          # name -> (source, key): SafetensorsFile or a dict of arrays
+    def __init__(
+        self,
+        tensors: Mapping[str, tuple[SafetensorsFile | Mapping[str, Any], str]],
+        where: str,
+        files: Iterable[Path] = (),
+    ):
+        self._tensors = tensors  # name -> (source, key): SafetensorsFile or a dict of arrays
         self.where = where
         self.files = tuple(files)
 
@@ -221,8 +255,10 @@ class Checkpoint:
         """The ``config.json`` dict of a model folder."""
         root = Path(path)
         if not root.is_dir():
-            raise CheckpointError(f"path: expected a model folder (config.json and *.safetensors), got {str(path)!r}"
-                                  f"{' (no such folder)' if not root.exists() else ' (not a folder)'}")
+            raise CheckpointError(
+                f"path: expected a model folder (config.json and *.safetensors), got {str(path)!r}"
+                f"{' (no such folder)' if not root.exists() else ' (not a folder)'}"
+            )
         cfg_path = root / "config.json"
         if not cfg_path.is_file():
             raise CheckpointError(f"{root}: missing config.json (a folder written by save_pretrained has one)")
@@ -239,30 +275,32 @@ class Checkpoint:
         if weight_map is not None:
             missing = sorted({f for f in weight_map.values() if not (root / f).is_file()})
             if missing:
-                raise CheckpointError(f"{root}: missing safetensors shard(s) {', '.join(missing)} named by "
-                                      f"model.safetensors.index.json")
+                raise CheckpointError(
+                    f"{root}: missing safetensors shard(s) {', '.join(missing)} named by model.safetensors.index.json"
+                )
             files = [root / f for f in sorted(set(weight_map.values()))]
         else:
             files = sorted(root.glob("*.safetensors"))
         if not files:
             others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
-            hint = f" (found {', '.join(others)}: save with save_pretrained(safe_serialization=True))" if others \
-                else ""
+            hint = f" (found {', '.join(others)}: save with save_pretrained(safe_serialization=True))" if others else ""
             raise CheckpointError(f"{root}: missing weights: no *.safetensors file{hint}")
         tensors: dict = {}
         for p in files:
             st = SafetensorsFile(p)
             for name in st.names:
                 if name in tensors and (weight_map is None or name not in weight_map):
-                    raise CheckpointError(f"{root}: tensor {name!r} is in both {tensors[name][0].path.name} and "
-                                          f"{p.name}" + ("" if weight_map is None else
-                                                         " and model.safetensors.index.json names neither"))
+                    raise CheckpointError(
+                        f"{root}: tensor {name!r} is in both {tensors[name][0].path.name} and "
+                        f"{p.name}" + ("" if weight_map is None else " and model.safetensors.index.json names neither")
+                    )
                 if weight_map is None or weight_map.get(name, p.name) == p.name:
                     tensors[name] = (st, name)
         for name, f in (weight_map or {}).items():
             if name not in tensors:
-                raise CheckpointError(f"{root / f}: missing tensor {name!r} (model.safetensors.index.json puts it "
-                                      f"there)")
+                raise CheckpointError(
+                    f"{root / f}: missing tensor {name!r} (model.safetensors.index.json puts it there)"
+                )
         return cls(tensors, str(root), files)
 
     @classmethod
@@ -311,9 +349,11 @@ class Checkpoint:
 def _float_weight(where: str, name: str, dt: np.dtype) -> None:
     if np.dtype(dt) not in float_dtypes():
         known = ", ".join(_name_of()[d] for d in float_dtypes())
-        raise CheckpointError(f"{where}: tensor {name!r}: expected a floating-point weight ({known}), got "
-                              f"{_name_of().get(np.dtype(dt), np.dtype(dt).name)}; an integer or bool tensor is "
-                              f"not cast into a weight")
+        raise CheckpointError(
+            f"{where}: tensor {name!r}: expected a floating-point weight ({known}), got "
+            f"{_name_of().get(np.dtype(dt), np.dtype(dt).name)}; an integer or bool tensor is "
+            f"not cast into a weight"
+        )
 
 
 def read_json(path: Path, readable: str = "readable JSON") -> object:
@@ -338,12 +378,14 @@ def _weight_map(index: Path) -> dict | None:
         shown = "nothing (missing)" if "weight_map" not in raw else f"{type(wm).__name__} {wm!r}"[:200]
         raise CheckpointError(f"{index}: weight_map: expected a JSON object of tensor name -> file name, got {shown}")
     if not wm:
-        raise CheckpointError(f"{index}: weight_map: expected a JSON object of tensor name -> file name, got an "
-                              f"empty one")
+        raise CheckpointError(
+            f"{index}: weight_map: expected a JSON object of tensor name -> file name, got an empty one"
+        )
     for name, f in wm.items():
         if not (isinstance(f, str) and f.endswith(".safetensors") and Path(f).name == f and f not in (".", "..")):
-            raise CheckpointError(f"{index}: weight_map[{name!r}]: expected a *.safetensors file name in the folder, "
-                                  f"got {f!r}"[:300])
+            raise CheckpointError(
+                f"{index}: weight_map[{name!r}]: expected a *.safetensors file name in the folder, got {f!r}"[:300]
+            )
     return wm
 
 
@@ -354,12 +396,15 @@ def _host(t) -> np.ndarray:
     mod = type(t).__module__
     if mod.startswith("torch"):
         import torch  # only reached with a torch tensor in hand
+
         t = t.detach().to("cpu").contiguous()
         if t.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(dtypes.np_dtype("bf16"))
-        fp8 = {getattr(torch, "float8_e4m3fn", None): dtypes.np_dtype("e4m3"),
-               getattr(torch, "float8_e5m2", None): dtypes.np_dtype("e5m2")}.get(t.dtype)
-        if fp8 is not None:         # (torch's .numpy() has no fp8)
+        fp8 = {
+            getattr(torch, "float8_e4m3fn", None): dtypes.np_dtype("e4m3"),
+            getattr(torch, "float8_e5m2", None): dtypes.np_dtype("e5m2"),
+        }.get(t.dtype)
+        if fp8 is not None:  # (torch's .numpy() has no fp8)
             return t.view(torch.uint8).numpy().view(fp8)
         return t.numpy()
     return np.asarray(t)

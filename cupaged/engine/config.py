@@ -24,6 +24,7 @@ implemented exactly):
   checkpoints are not run (their weights are ignored), as in transformers'
   ``generate``.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,12 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 #: model_type -> architecture, for configs without ``architectures``.
 MODEL_TYPES = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -152,8 +157,9 @@ class _Fields:
         if v is None:
             v = default
         if v not in allowed:
-            raise ConfigError(f"config.json: {self.arch}: {name}: {why}; expected "
-                              f"{' or '.join(map(repr, allowed))}, got {v!r}")
+            raise ConfigError(
+                f"config.json: {self.arch}: {name}: {why}; expected {' or '.join(map(repr, allowed))}, got {v!r}"
+            )
         return v
 
 
@@ -169,8 +175,10 @@ def _architecture(raw: dict, hint: str | None) -> str:
     mt = raw.get("model_type")
     if mt in MODEL_TYPES:
         return MODEL_TYPES[mt]
-    raise ConfigError(f"config.json: architectures: expected one of {', '.join(ARCHITECTURES)} (or a known "
-                      f"model_type: {', '.join(MODEL_TYPES)}), got architectures={archs!r}, model_type={mt!r}")
+    raise ConfigError(
+        f"config.json: architectures: expected one of {', '.join(ARCHITECTURES)} (or a known "
+        f"model_type: {', '.join(MODEL_TYPES)}), got architectures={archs!r}, model_type={mt!r}"
+    )
 
 
 def token_ids(name: str, value: Any, error: type[Exception] = ConfigError) -> tuple[int, ...]:
@@ -193,8 +201,9 @@ def token_ids(name: str, value: Any, error: type[Exception] = ConfigError) -> tu
     if any(t < 0 for t in ids):
         raise error(f"{name}: expected token ids >= 0, got {list(ids)}"[:300])
     if len(ids) > MAX_STOP_IDS:
-        raise error(f"{name}: expected at most {MAX_STOP_IDS} distinct token ids (the decode graph's stop list), "
-                    f"got {len(ids)}")
+        raise error(
+            f"{name}: expected at most {MAX_STOP_IDS} distinct token ids (the decode graph's stop list), got {len(ids)}"
+        )
     return ids
 
 
@@ -207,8 +216,10 @@ def _common(f: _Fields) -> dict:
     if raw.get("quantization_config"):
         q = raw["quantization_config"]
         kind = q.get("quant_method", "?") if isinstance(q, dict) else q
-        raise ConfigError(f"config.json: {f.arch}: quantization_config: quantized checkpoints ({kind!r}) are not "
-                          f"supported; expected float32 / float16 / bfloat16 weights")
+        raise ConfigError(
+            f"config.json: {f.arch}: quantization_config: quantized checkpoints ({kind!r}) are not "
+            f"supported; expected float32 / float16 / bfloat16 weights"
+        )
     f.equals("hidden_act", ("silu", "swish"), "silu", "the MLP is SwiGLU (silu(gate) * up)")
     vocab = f.int("vocab_size")
     hidden = f.int("hidden_size")
@@ -217,8 +228,16 @@ def _common(f: _Fields) -> dict:
     ffn = f.int("intermediate_size")
     eps = f.float("rms_norm_eps", 1e-6)
     max_pos = f.int("max_position_embeddings", 2, default=2048)
-    return dict(vocab=vocab, hidden=hidden, layers=layers, heads=heads, ffn=ffn, eps=eps, max_pos=max_pos,
-                tie=f.bool("tie_word_embeddings", False))
+    return dict(
+        vocab=vocab,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        ffn=ffn,
+        eps=eps,
+        max_pos=max_pos,
+        tie=f.bool("tie_word_embeddings", False),
+    )
 
 
 def _rope(f: _Fields, dim: int, max_pos: int) -> RopeSpec:
@@ -230,20 +249,25 @@ def _rope(f: _Fields, dim: int, max_pos: int) -> RopeSpec:
         raise f.error("rope_parameters", "a dict", params)
     where = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
     if any(isinstance(v, dict) for v in params.values()):
-        raise ConfigError(f"config.json: {f.arch}: {where}: per-layer-type rope parameters are not supported; "
-                          f"expected one dict")
+        raise ConfigError(
+            f"config.json: {f.arch}: {where}: per-layer-type rope parameters are not supported; expected one dict"
+        )
     params = dict(params)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
-        raise ConfigError(f"config.json: {f.arch}: {where}.rope_type: expected one of "
-                          f"{', '.join(map(repr, ROPE_TYPES))}, got {kind!r}")
+        raise ConfigError(
+            f"config.json: {f.arch}: {where}.rope_type: expected one of "
+            f"{', '.join(map(repr, ROPE_TYPES))}, got {kind!r}"
+        )
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise f.error(f"{where}.rope_theta", "a positive number", theta)
     prf = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if prf is not None and prf != 1 and prf != 1.0:
-        raise ConfigError(f"config.json: {f.arch}: partial_rotary_factor: partial rotary embeddings are not "
-                          f"supported; expected 1.0, got {prf!r}")
+        raise ConfigError(
+            f"config.json: {f.arch}: partial_rotary_factor: partial rotary embeddings are not "
+            f"supported; expected 1.0, got {prf!r}"
+        )
     if dim % 2:
         raise ConfigError(f"config.json: {f.arch}: the rotary dim must be even, got {dim}")
 
@@ -266,13 +290,14 @@ def _rope(f: _Fields, dim: int, max_pos: int) -> RopeSpec:
             if out[name] is None:
                 raise f.error(f"{where}.{name}", "a positive number", _MISSING)
         if out["high_freq_factor"] == out["low_freq_factor"]:
-            raise f.error(f"{where}.high_freq_factor", "a value other than low_freq_factor",
-                          params["high_freq_factor"])
+            raise f.error(f"{where}.high_freq_factor", "a value other than low_freq_factor", params["high_freq_factor"])
         out["original_max_position_embeddings"] = num(
-            "original_max_position_embeddings", raw.get("original_max_position_embeddings", max_pos))
+            "original_max_position_embeddings", raw.get("original_max_position_embeddings", max_pos)
+        )
     elif kind == "yarn":
         out["original_max_position_embeddings"] = num(
-            "original_max_position_embeddings", raw.get("original_max_position_embeddings", max_pos))
+            "original_max_position_embeddings", raw.get("original_max_position_embeddings", max_pos)
+        )
         out["factor"] = num("factor")
         for name in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow"):
             out[name] = num(name, positive=False)
@@ -324,24 +349,45 @@ def _dense(f: _Fields, *, qkv_bias=None, qk_norm=False, sliding_flag=None, atten
     heads = c["heads"]
     kv_heads = f.int("num_key_value_heads", default=heads)
     if heads % kv_heads:
-        raise ConfigError(f"config.json: {f.arch}: num_key_value_heads: expected a divisor of num_attention_heads "
-                          f"({heads}), got {kv_heads}")
+        raise ConfigError(
+            f"config.json: {f.arch}: num_key_value_heads: expected a divisor of num_attention_heads "
+            f"({heads}), got {kv_heads}"
+        )
     head_dim = f.int("head_dim", default=None, optional=True)
     if head_dim is None:
         if c["hidden"] % heads:
-            raise ConfigError(f"config.json: {f.arch}: hidden_size ({c['hidden']}) is not a multiple of "
-                              f"num_attention_heads ({heads}) and head_dim is not set")
+            raise ConfigError(
+                f"config.json: {f.arch}: hidden_size ({c['hidden']}) is not a multiple of "
+                f"num_attention_heads ({heads}) and head_dim is not set"
+            )
         head_dim = c["hidden"] // heads
     rope = _rope(f, head_dim, c["max_pos"])
     bias = f.bool("attention_bias", False) if attention_bias_field else False
     window = _sliding(f, c["max_pos"], flag=sliding_flag)
     return ModelConfig(
-        architecture=f.arch, family="dense", vocab=c["vocab"], hidden=c["hidden"], layers=c["layers"], heads=heads,
-        kv_heads=kv_heads, head_dim=head_dim, ffn=c["ffn"], eps=c["eps"], max_len=c["max_pos"], rope=rope,
-        scale=head_dim ** -0.5, tie_embeddings=c["tie"], qkv_bias=bias if qkv_bias is None else qkv_bias,
-        o_bias=bias, mlp_bias=f.bool("mlp_bias", False), qk_norm=qk_norm, sliding_window=window,
+        architecture=f.arch,
+        family="dense",
+        vocab=c["vocab"],
+        hidden=c["hidden"],
+        layers=c["layers"],
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn=c["ffn"],
+        eps=c["eps"],
+        max_len=c["max_pos"],
+        rope=rope,
+        scale=head_dim**-0.5,
+        tie_embeddings=c["tie"],
+        qkv_bias=bias if qkv_bias is None else qkv_bias,
+        o_bias=bias,
+        mlp_bias=f.bool("mlp_bias", False),
+        qk_norm=qk_norm,
+        sliding_window=window,
         layer_windows=_layer_windows(f, c["layers"], window, per_layer=sliding_flag is not None),
-        eos_token_ids=_eos(f.raw), raw=f.raw)
+        eos_token_ids=_eos(f.raw),
+        raw=f.raw,
+    )
 
 
 def _llama(f: _Fields) -> ModelConfig:
@@ -381,7 +427,8 @@ def _deepseek(f: _Fields, v3: bool) -> ModelConfig:
         raise ConfigError(
             f"config.json: {f.arch}: first_k_dense_replace: layers {moe} of {layers} are mixture-of-experts layers "
             f"(first_k_dense_replace={first_dense}, n_routed_experts={experts}); MoE layers are not supported yet: "
-            f"expected first_k_dense_replace >= num_hidden_layers ({layers}), every layer a dense MLP")
+            f"expected first_k_dense_replace >= num_hidden_layers ({layers}), every layer a dense MLP"
+        )
     q_lora = f.int("q_lora_rank", 1, optional=True)
     kv_lora = f.int("kv_lora_rank")
     nope = f.int("qk_nope_head_dim")
@@ -402,12 +449,32 @@ def _deepseek(f: _Fields, v3: bool) -> ModelConfig:
             m = 1.0 if factor <= 1 else 0.1 * float(all_dim) * math.log(factor) + 1.0
             scale *= m * m
     return ModelConfig(
-        architecture=f.arch, family="mla", vocab=c["vocab"], hidden=c["hidden"], layers=layers,
-        heads=c["heads"], kv_heads=1, head_dim=nope + rope_dim, ffn=c["ffn"], eps=c["eps"], max_len=c["max_pos"],
-        rope=rope, scale=scale, tie_embeddings=c["tie"], qkv_bias=f.bool("attention_bias", False),
-        o_bias=f.bool("attention_bias", False), mlp_bias=f.bool("mlp_bias", False) if not v3 else False,
-        q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_dim=nope, qk_rope_dim=rope_dim, v_head_dim=v_dim,
-        rope_interleave=interleave, eos_token_ids=_eos(f.raw), raw=f.raw)
+        architecture=f.arch,
+        family="mla",
+        vocab=c["vocab"],
+        hidden=c["hidden"],
+        layers=layers,
+        heads=c["heads"],
+        kv_heads=1,
+        head_dim=nope + rope_dim,
+        ffn=c["ffn"],
+        eps=c["eps"],
+        max_len=c["max_pos"],
+        rope=rope,
+        scale=scale,
+        tie_embeddings=c["tie"],
+        qkv_bias=f.bool("attention_bias", False),
+        o_bias=f.bool("attention_bias", False),
+        mlp_bias=f.bool("mlp_bias", False) if not v3 else False,
+        q_lora_rank=q_lora,
+        kv_lora_rank=kv_lora,
+        qk_nope_dim=nope,
+        qk_rope_dim=rope_dim,
+        v_head_dim=v_dim,
+        rope_interleave=interleave,
+        eos_token_ids=_eos(f.raw),
+        raw=f.raw,
+    )
 
 
 #: Supported architectures and their checks.

@@ -8,6 +8,7 @@ through the page manager and paged attention at ``head_dim ** -0.5`` (with
 the layer's sliding window, ``ModelConfig.layer_windows``), then
 the output projection added to the residual (fused in the product).
 """
+
 from __future__ import annotations
 
 from .._runtime.arrays import Array
@@ -25,11 +26,18 @@ class DenseLM(CausalLM):
         H, D = cfg.hidden, cfg.head_dim
         q, kv = cfg.heads * D, cfg.kv_heads * D
         a = p + "self_attn."
-        w = {"wq": self._w(ckpt, a + "q_proj.weight", (q, H)), "wk": self._w(ckpt, a + "k_proj.weight", (kv, H)),
-             "wv": self._w(ckpt, a + "v_proj.weight", (kv, H)), "wo": self._w(ckpt, a + "o_proj.weight", (H, q))}
+        w = {
+            "wq": self._w(ckpt, a + "q_proj.weight", (q, H)),
+            "wk": self._w(ckpt, a + "k_proj.weight", (kv, H)),
+            "wv": self._w(ckpt, a + "v_proj.weight", (kv, H)),
+            "wo": self._w(ckpt, a + "o_proj.weight", (H, q)),
+        }
         if cfg.qkv_bias:
-            w.update(bq=self._w(ckpt, a + "q_proj.bias", (q,)), bk=self._w(ckpt, a + "k_proj.bias", (kv,)),
-                     bv=self._w(ckpt, a + "v_proj.bias", (kv,)))
+            w.update(
+                bq=self._w(ckpt, a + "q_proj.bias", (q,)),
+                bk=self._w(ckpt, a + "k_proj.bias", (kv,)),
+                bv=self._w(ckpt, a + "v_proj.bias", (kv,)),
+            )
         if cfg.o_bias:
             w["bo"] = self._w(ckpt, a + "o_proj.bias", (H,))
         if cfg.qk_norm:
@@ -58,16 +66,16 @@ class DenseLM(CausalLM):
             layers.bias_add(q2, lw["bq"])
             layers.bias_add(k2, lw["bk"])
             layers.bias_add(v2, lw["bv"])
-        if cfg.qk_norm:       # RMSNorm over each head's head_dim
+        if cfg.qk_norm:  # RMSNorm over each head's head_dim
             qh, kh = q.reshape(-1, cfg.head_dim), k.reshape(-1, cfg.head_dim)
             layers.rms_norm(qh, lw["q_norm"], qh, cfg.eps)
             layers.rms_norm(kh, lw["k_norm"], kh, cfg.eps)
         layers.rope(q, positions, self.cos, self.sin)
         layers.rope(k, positions, self.cos, self.sin)
         cache = self.cache
-        assert cache is not None                   # attach() ran before the first forward pass
+        assert cache is not None  # attach() ran before the first forward pass
         cache.append(plan, k, v, layer=li)
-        window = cfg.layer_windows[li] if cfg.layer_windows else None     # the layer's sliding window
+        window = cfg.layer_windows[li] if cfg.layer_windows else None  # the layer's sliding window
         plan.attention(q, cache.k[li], cache.v[li], cfg.scale, True, out=attn, window=window)
         proj.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)
         if cfg.o_bias:

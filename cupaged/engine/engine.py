@@ -1,5 +1,6 @@
 """``Engine``: Hugging Face checkpoints on the page manager, the decode graphs
 and the attention kernels (see the package docstring)."""
+
 from __future__ import annotations
 
 import os
@@ -72,23 +73,38 @@ class Engine:
     shared from the prefix cache).
     """
 
-    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, *, like: Array, dtype: DTypeLike | None = None,
-                 page_size: int = 16, num_pages: int | None = None, max_batch: int = 8, prefix_cache: bool = True,
-                 prefill_chunk: int = 256, prefill_per_round: int = 2048, max_model_len: int | None = None,
-                 readback_every: int = 8,
-                 graph: bool = True, eos_token_ids: int | Iterable[int] | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ckpt: Checkpoint,
+        *,
+        like: Array,
+        dtype: DTypeLike | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_batch: int = 8,
+        prefix_cache: bool = True,
+        prefill_chunk: int = 256,
+        prefill_per_round: int = 2048,
+        max_model_len: int | None = None,
+        readback_every: int = 8,
+        graph: bool = True,
+        eos_token_ids: int | Iterable[int] | None = None,
+    ):
         if array_backend(like) is None:
-            raise PagedAttentionError(f"like: expected a NumPy or CuPy array (it picks the backend), got "
-                                      f"{type(like).__name__}")
+            raise PagedAttentionError(
+                f"like: expected a NumPy or CuPy array (it picks the backend), got {type(like).__name__}"
+            )
         stored = dtype is None
-        if dtype is None:     # the checkpoint's: its embedding's dtype
+        if dtype is None:  # the checkpoint's: its embedding's dtype
             name = "model.embed_tokens.weight"
             dtype = ckpt.dtype_of(name) if name in ckpt else np.dtype(np.float32)
         dt = dtypes.lookup(dtype)
         if dt is None or not dt.query:
-            raise PagedAttentionError(f"dtype: expected float32, float16 or bfloat16 (or None: the checkpoint's), "
-                                      f"got {dtypes.dtype_name(dtype)}" + (" (the checkpoint's; pass dtype=)"
-                                                                           if stored else ""))
+            raise PagedAttentionError(
+                f"dtype: expected float32, float16 or bfloat16 (or None: the checkpoint's), "
+                f"got {dtypes.dtype_name(dtype)}" + (" (the checkpoint's; pass dtype=)" if stored else "")
+            )
         self.page_size = checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
         self.max_batch = checks.host_int("max_batch", max_batch, 1, 1024)
         self.prefill_chunk = checks.host_int("prefill_chunk", prefill_chunk, 1, 65535)
@@ -106,18 +122,29 @@ class Engine:
         elif array_backend(like) != GPU:
             limit = max(2, min(limit, CPU_DEFAULT_TOKENS))
         self.config, self.like, self.dtype = cfg, like, dt.np_dtype
-        self.eos_token_ids = cfg.eos_token_ids if eos_token_ids is None else \
-            token_ids("eos_token_ids", eos_token_ids, PagedAttentionError)
+        self.eos_token_ids = (
+            cfg.eos_token_ids
+            if eos_token_ids is None
+            else token_ids("eos_token_ids", eos_token_ids, PagedAttentionError)
+        )
         family = {"dense": DenseLM, "mla": MlaLM}[cfg.family]
         rows = max(self.prefill_chunk, self.max_batch)
-        self.model = family(cfg, ckpt, like, dt.np_dtype, max_rows=rows, max_logits=self.max_batch,
-                            max_len=limit)
+        self.model = family(cfg, ckpt, like, dt.np_dtype, max_rows=rows, max_logits=self.max_batch, max_len=limit)
         heads, d, dv = self.model.cache_layout()
         page_bytes = cfg.layers * self.page_size * heads * (d + dv) * dt.itemsize
         if num_pages is None:
             num_pages = self._default_pages(limit, page_bytes)
-        self.cache = PagedKVCache(num_pages, self.page_size, heads, d, dt.np_dtype, layers=cfg.layers,
-                                  value_dim=dv, like=like, prefix_cache=prefix_cache)
+        self.cache = PagedKVCache(
+            num_pages,
+            self.page_size,
+            heads,
+            d,
+            dt.np_dtype,
+            layers=cfg.layers,
+            value_dim=dv,
+            like=like,
+            prefix_cache=prefix_cache,
+        )
         self.model.attach(self.cache)
         self.num_pages = num_pages
         self.max_model_len = min(limit, num_pages * self.page_size) if max_model_len is None else limit
@@ -128,9 +155,18 @@ class Engine:
 
     # -- construction -----------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike[str], *, like: Array, dtype: DTypeLike | None = None,
-                        page_size: int = 16, num_pages: int | None = None, max_batch: int = 8,
-                        prefix_cache: bool = True, **options: Any) -> "Engine":
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        like: Array,
+        dtype: DTypeLike | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_batch: int = 8,
+        prefix_cache: bool = True,
+        **options: Any,
+    ) -> "Engine":
         """An engine from a local model folder: ``config.json`` and the
         ``*.safetensors`` files ``save_pretrained`` writes (nothing is
         downloaded), read through memory maps; the stop tokens default to
@@ -145,21 +181,41 @@ class Engine:
         if eos is None:
             eos = _generation_eos(Path(path))
         ckpt = Checkpoint.from_folder(path)
-        return cls(cfg, ckpt, like=like, dtype=dtype, page_size=page_size, num_pages=num_pages,
-                   max_batch=max_batch, prefix_cache=prefix_cache, eos_token_ids=eos, **options)
+        return cls(
+            cfg,
+            ckpt,
+            like=like,
+            dtype=dtype,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_batch=max_batch,
+            prefix_cache=prefix_cache,
+            eos_token_ids=eos,
+            **options,
+        )
 
     @classmethod
-    def from_transformers(cls, model: Any, *, like: Array, dtype: DTypeLike | None = None, page_size: int = 16,
-                          num_pages: int | None = None, max_batch: int = 8, prefix_cache: bool = True,
-                          **options: Any) -> "Engine":
+    def from_transformers(
+        cls,
+        model: Any,
+        *,
+        like: Array,
+        dtype: DTypeLike | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_batch: int = 8,
+        prefix_cache: bool = True,
+        **options: Any,
+    ) -> "Engine":
         """An engine from a ``transformers`` model object in memory: its
         config (``model.config.to_dict()``; the architecture is the model's
         class name when the config names none), its state dict (copied to the
         backend) and its generation config's eos_token_id."""
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "state_dict"):
-            raise PagedAttentionError(f"model: expected a transformers model (with .config and .state_dict()), got "
-                                      f"{type(model).__name__}")
+            raise PagedAttentionError(
+                f"model: expected a transformers model (with .config and .state_dict()), got {type(model).__name__}"
+            )
         raw = config.to_dict()
         arch = None if raw.get("architectures") else type(model).__name__
         cfg = parse_config(raw, arch)
@@ -168,34 +224,54 @@ class Engine:
         if eos is None:
             gen = getattr(model, "generation_config", None)
             eos = token_ids("generation_config.eos_token_id", getattr(gen, "eos_token_id", None)) or None
-        return cls(cfg, ckpt, like=like, dtype=dtype, page_size=page_size, num_pages=num_pages,
-                   max_batch=max_batch, prefix_cache=prefix_cache, eos_token_ids=eos, **options)
+        return cls(
+            cfg,
+            ckpt,
+            like=like,
+            dtype=dtype,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_batch=max_batch,
+            prefix_cache=prefix_cache,
+            eos_token_ids=eos,
+            **options,
+        )
 
     def _default_pages(self, limit: int, page_bytes: int) -> int:
         per_seq = -(-limit // self.page_size)
         if array_backend(self.like) != GPU:
             return self.max_batch * per_seq
         import cupy  # the GPU backend: CuPy is loaded
+
         free, _ = cupy.cuda.runtime.memGetInfo()
         budget = int(free * GPU_MEMORY_SHARE) - GPU_RESERVE_BYTES
         pages = budget // page_bytes
         if pages < per_seq:
-            raise PagedAttentionError(f"num_pages: the free GPU memory ({free / 2**30:.1f} GiB after the weights) "
-                                      f"holds {max(pages, 0)} pages of {page_bytes} bytes, fewer than one sequence of "
-                                      f"max_model_len {limit} needs ({per_seq}); pass num_pages or max_model_len")
+            raise PagedAttentionError(
+                f"num_pages: the free GPU memory ({free / 2**30:.1f} GiB after the weights) "
+                f"holds {max(pages, 0)} pages of {page_bytes} bytes, fewer than one sequence of "
+                f"max_model_len {limit} needs ({per_seq}); pass num_pages or max_model_len"
+            )
         return int(pages)
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"Engine({c.architecture}, layers={c.layers}, hidden={c.hidden}, dtype={self.dtype.name}, "
-                f"backend={array_backend(self.like)}, pages={self.num_pages}x{self.page_size}, "
-                f"max_batch={self.max_batch}, max_model_len={self.max_model_len})")
+        return (
+            f"Engine({c.architecture}, layers={c.layers}, hidden={c.hidden}, dtype={self.dtype.name}, "
+            f"backend={array_backend(self.like)}, pages={self.num_pages}x{self.page_size}, "
+            f"max_batch={self.max_batch}, max_model_len={self.max_model_len})"
+        )
 
     # -- generation -------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int] | np.ndarray], max_new_tokens: int, *,
-                 stop_token_ids: int | Iterable[int] | None = None, return_logits: bool = False,
-                 on_tokens: Callable[[int, list[int]], object] | None = None
-                 ) -> list[list[int]] | tuple[list[list[int]], list[np.ndarray]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | np.ndarray],
+        max_new_tokens: int,
+        *,
+        stop_token_ids: int | Iterable[int] | None = None,
+        return_logits: bool = False,
+        on_tokens: Callable[[int, list[int]], object] | None = None,
+    ) -> list[list[int]] | tuple[list[list[int]], list[np.ndarray]]:
         """Greedy generation: a list, per prompt (token-id sequences), of its
         generated token ids: ``max_new_tokens`` of them, or fewer when a stop
         token came (it is included, as in transformers' greedy generate).
@@ -217,11 +293,13 @@ class Engine:
         prompts, max_new, stop = self._check_generate(prompts, max_new_tokens, stop_token_ids)
         return_logits = checks.boolean("return_logits", return_logits)
         if on_tokens is not None and not callable(on_tokens):
-            raise PagedAttentionError(f"on_tokens: expected a callable on_tokens(index, tokens), got "
-                                      f"{type(on_tokens).__name__}")
-        sched = Scheduler(self, self._batch_for(stop), prompts, max_new, stop, return_logits=return_logits,
-                          on_tokens=on_tokens)
-        self.stats = sched.stats           # updated as the call runs
+            raise PagedAttentionError(
+                f"on_tokens: expected a callable on_tokens(index, tokens), got {type(on_tokens).__name__}"
+            )
+        sched = Scheduler(
+            self, self._batch_for(stop), prompts, max_new, stop, return_logits=return_logits, on_tokens=on_tokens
+        )
+        self.stats = sched.stats  # updated as the call runs
         try:
             out = sched.run()
         except BaseException:
@@ -229,8 +307,9 @@ class Engine:
                 self._batches = {k: b for k, b in self._batches.items() if b is not sched.batch}
             raise
         if return_logits:
-            return out, [np.stack(r.logits) if r.logits else np.zeros((0, self.config.vocab), np.float32)
-                         for r in sched.requests]
+            return out, [
+                np.stack(r.logits) if r.logits else np.zeros((0, self.config.vocab), np.float32) for r in sched.requests
+            ]
         return out
 
     def _check_generate(self, prompts, max_new_tokens, stop_token_ids):
@@ -244,14 +323,20 @@ class Engine:
             if n + max_new > self.max_model_len:
                 raise PagedAttentionError(
                     f"prompts[{i}]: {n} tokens + max_new_tokens {max_new} = {n + max_new} exceed the engine's "
-                    f"max_model_len {self.max_model_len} (the longest sequence its cache and rotary tables hold)")
+                    f"max_model_len {self.max_model_len} (the longest sequence its cache and rotary tables hold)"
+                )
             pages = -(-(n + max_new - 1) // self.page_size)
             if pages > self.num_pages:
-                raise PagedAttentionError(f"prompts[{i}]: needs {pages} pages of {self.page_size} tokens, the cache "
-                                          f"has {self.num_pages} (num_pages)")
+                raise PagedAttentionError(
+                    f"prompts[{i}]: needs {pages} pages of {self.page_size} tokens, the cache "
+                    f"has {self.num_pages} (num_pages)"
+                )
             out.append(ids)
-        stop = self.eos_token_ids if stop_token_ids is None else \
-            token_ids("stop_token_ids", stop_token_ids, PagedAttentionError)
+        stop = (
+            self.eos_token_ids
+            if stop_token_ids is None
+            else token_ids("stop_token_ids", stop_token_ids, PagedAttentionError)
+        )
         stop = tuple(sorted(stop))
         return out, max_new, stop
 
@@ -268,9 +353,17 @@ class Engine:
             def step(plan):
                 return model.forward(plan, token_buf, plan.sequences)
 
-            b = DecodeBatch(self.cache, step, token_buf=token_buf, next_token=next_token,
-                            max_batch=self.max_batch, max_len=self.max_model_len, stop_ids=stop,
-                            readback_every=self.readback_every, graph=self.graph)
+            b = DecodeBatch(
+                self.cache,
+                step,
+                token_buf=token_buf,
+                next_token=next_token,
+                max_batch=self.max_batch,
+                max_len=self.max_model_len,
+                stop_ids=stop,
+                readback_every=self.readback_every,
+                graph=self.graph,
+            )
             if model.gpu and self.graph:
                 # run each bucket's step once eagerly (every slot padded: it
                 # reads and writes no cache row) so cuBLAS and the kernels are
@@ -292,8 +385,9 @@ def _prompt_ids(name: str, p, vocab: int) -> list[int]:
         raise PagedAttentionError(f"{name}: expected host token ids (a list or NumPy array), got a CuPy array")
     if isinstance(p, np.ndarray):
         if p.ndim != 1 or p.dtype.kind not in "iu":
-            raise PagedAttentionError(f"{name}: expected a 1-D integer array of token ids, got {p.dtype} "
-                                      f"{list(p.shape)}")
+            raise PagedAttentionError(
+                f"{name}: expected a 1-D integer array of token ids, got {p.dtype} {list(p.shape)}"
+            )
         p = p.tolist()
     elif not hasattr(p, "__len__") or not hasattr(p, "__iter__") or isinstance(p, (dict, set, frozenset)):
         raise PagedAttentionError(f"{name}: expected a list of token ids (ints), got {type(p).__name__}")

@@ -30,6 +30,7 @@ unchanged. The softmax scale is ``(qk_nope + qk_rope) ** -0.5`` times
 yarn's ``mscale(factor, mscale_all_dim) ** 2`` where configured; yarn's
 attention factor sits in the cos/sin tables.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -68,8 +69,7 @@ class MlaLM(CausalLM):
 
     def _load_attention(self, ckpt: Checkpoint, p: str) -> dict:
         cfg = self.cfg
-        Hd, H, R, P, Dn, Dv = cfg.hidden, cfg.heads, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.qk_nope_dim, \
-            cfg.v_head_dim
+        Hd, H, R, P, Dn, Dv = cfg.hidden, cfg.heads, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.qk_nope_dim, cfg.v_head_dim
         a = p + "self_attn."
         self.fold_q, self.fold_o = fold_choice(cfg)
         perm = rope_permutation(P) if cfg.rope_interleave else np.arange(P)
@@ -87,13 +87,13 @@ class MlaLM(CausalLM):
         wq = wq.reshape(H, Dn + P, q_in)
         w["wq_rope"] = self._upload(wq[:, Dn:][:, perm].reshape(H * P, q_in), self.dtype)
         kv_b = self._host(ckpt, a + "kv_b_proj.weight", (H * (Dn + Dv), R)).reshape(H, Dn + Dv, R)
-        w_uk, w_uv = kv_b[:, :Dn], kv_b[:, Dn:]                       # [H, Dn, R], [H, Dv, R]
+        w_uk, w_uv = kv_b[:, :Dn], kv_b[:, Dn:]  # [H, Dn, R], [H, Dv, R]
         if self.fold_q:
-            folded = np.einsum("hdr,hdi->hri", w_uk.astype(f64), wq[:, :Dn].astype(f64))   # [H, R, q_in]
+            folded = np.einsum("hdr,hdi->hri", w_uk.astype(f64), wq[:, :Dn].astype(f64))  # [H, R, q_in]
             w["wq_abs"] = self._upload(folded.reshape(H * R, q_in), self.dtype)
         else:
             w["wq_nope"] = self._upload(wq[:, :Dn].reshape(H * Dn, q_in), self.dtype)
-            w["w_uk_t"] = self._upload(w_uk.transpose(0, 2, 1), self.dtype)              # [H, R, Dn]
+            w["w_uk_t"] = self._upload(w_uk.transpose(0, 2, 1), self.dtype)  # [H, R, Dn]
         kv_a = self._host(ckpt, a + "kv_a_proj_with_mqa.weight", (R + P, Hd))
         w["wdkv"] = self._upload(kv_a[:R], self.dtype)
         w["wkr"] = self._upload(kv_a[R:][perm], self.dtype)
@@ -107,7 +107,7 @@ class MlaLM(CausalLM):
             folded = np.einsum("xhv,hvr->xhr", wo.reshape(Hd, H, Dv).astype(f64), w_uv.astype(f64))
             w["wo_lat"] = self._upload(folded.reshape(Hd, H * R), self.dtype)
         else:
-            w["w_uv"] = self._upload(w_uv, self.dtype)                                    # [H, Dv, R]
+            w["w_uv"] = self._upload(w_uv, self.dtype)  # [H, Dv, R]
             w["wo"] = self._upload(wo, self.dtype)
         if cfg.o_bias:
             w["bo"] = self._w(ckpt, a + "o_proj.bias", (Hd,))
@@ -134,8 +134,9 @@ class MlaLM(CausalLM):
 
     def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, positions: Array, n: int) -> None:
         cfg, proj = self.cfg, self.proj
-        x, q_rope, q_abs, lat, k_rope, o_lat = (b[:n] for b in (self.x, self.q_rope, self.q_abs, self.lat,
-                                                                  self.k_rope, self.o_lat))
+        x, q_rope, q_abs, lat, k_rope, o_lat = (
+            b[:n] for b in (self.x, self.q_rope, self.q_abs, self.lat, self.k_rope, self.o_lat)
+        )
         src = h
         if cfg.q_lora_rank:
             src = self.qa[:n]
@@ -160,7 +161,7 @@ class MlaLM(CausalLM):
         layers.rms_norm(lat2, lw["kv_norm"], lat2, LATENT_EPS)
         layers.rope(k_rope, positions, self.cos, self.sin)
         cache = self.cache
-        assert cache is not None                   # attach() ran before the first forward pass
+        assert cache is not None  # attach() ran before the first forward pass
         cache.append(plan, lat, k_rope, layer=li)
         plan.mla(q_abs, q_rope, cache.k[li], cache.v[li], cfg.scale, True, out=o_lat)
         if self.fold_o:

@@ -10,6 +10,7 @@ for every row) is captured into a graph as is. A prefill chunk gathers the
 ``m`` rows whose logits it needs (``idx``, one per sequence ending its
 prompt in the chunk) before the final norm and the LM head.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -43,14 +44,23 @@ class CausalLM:
 
     family = ""
 
-    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, like: Array, dtype: DTypeLike, *, max_rows: int,
-                 max_logits: int, max_len: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ckpt: Checkpoint,
+        like: Array,
+        dtype: DTypeLike,
+        *,
+        max_rows: int,
+        max_logits: int,
+        max_len: int,
+    ):
         self.cfg, self.like, self.dtype = cfg, like, np.dtype(dtype)
         self.xp = xp_of(like)
         self.gpu = array_backend(like) == GPU
         self.proj = Projections(like)
         self.max_rows, self.max_logits, self.max_len = max_rows, max_logits, max_len
-        self.cache: PagedKVCache | None = None     # set by attach() before the first forward pass
+        self.cache: PagedKVCache | None = None  # set by attach() before the first forward pass
         self.weight_bytes = 0
         H = cfg.hidden
         embed = self._w(ckpt, "model.embed_tokens.weight", (cfg.vocab, H))
@@ -63,14 +73,14 @@ class CausalLM:
         self.layers = []
         for i in range(cfg.layers):
             p = f"model.layers.{i}."
-            lw = {"attn_norm": self._w(ckpt, p + "input_layernorm.weight", (H,)),
-                  "mlp_norm": self._w(ckpt, p + "post_attention_layernorm.weight", (H,)),
-                  "gate_up": self._w(ckpt, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                                     (2 * cfg.ffn, H)),
-                  "down": self._w(ckpt, p + "mlp.down_proj.weight", (H, cfg.ffn))}
+            lw = {
+                "attn_norm": self._w(ckpt, p + "input_layernorm.weight", (H,)),
+                "mlp_norm": self._w(ckpt, p + "post_attention_layernorm.weight", (H,)),
+                "gate_up": self._w(ckpt, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], (2 * cfg.ffn, H)),
+                "down": self._w(ckpt, p + "mlp.down_proj.weight", (H, cfg.ffn)),
+            }
             if cfg.mlp_bias:
-                lw["gate_up_bias"] = self._w(ckpt, [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"],
-                                             (2 * cfg.ffn,))
+                lw["gate_up_bias"] = self._w(ckpt, [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"], (2 * cfg.ffn,))
                 lw["down_bias"] = self._w(ckpt, p + "mlp.down_proj.bias", (H,))
             lw.update(self._load_attention(ckpt, p))
             self.layers.append(lw)
@@ -81,8 +91,8 @@ class CausalLM:
         self.h = xp.zeros((r, H), dt)
         self.gu = xp.zeros((r, 2 * cfg.ffn), dt)
         self.act = xp.zeros((r, cfg.ffn), dt)
-        self.tokens = xp.zeros(r, np.int64)               # a prefill chunk's tokens
-        self.idx = xp.zeros(max_logits, np.int64)         # rows whose logits a prefill chunk needs
+        self.tokens = xp.zeros(r, np.int64)  # a prefill chunk's tokens
+        self.idx = xp.zeros(max_logits, np.int64)  # rows whose logits a prefill chunk needs
         self.xg = xp.zeros((max_logits, H), dt)
         self.hg = xp.zeros((max_logits, H), dt)
         self.logits = xp.zeros((max_logits, cfg.vocab), dt)
@@ -120,7 +130,7 @@ class CausalLM:
         if not self.gpu:
             return a
         xp = self.xp
-        if dtype.name == "bfloat16":      # CuPy has no bfloat16 arithmetic: move the bits
+        if dtype.name == "bfloat16":  # CuPy has no bfloat16 arithmetic: move the bits
             return xp.asarray(a.view(np.uint16)).view(dtype)
         return xp.asarray(a)
 
@@ -150,7 +160,7 @@ class CausalLM:
         if n > self.max_rows:
             raise PagedAttentionError(f"plan: {n} queries exceed the model's {self.max_rows} rows")
         off = metadata_offsets(plan.host.queries, plan.host.sequences)["q_pos"]
-        positions = plan.words[off:off + n]
+        positions = plan.words[off : off + n]
         x, h, gu, act = self.x[:n], self.h[:n], self.gu[:n], self.act[:n]
         layers.embed(tokens[:n], self.embed, x)
         for li, lw in enumerate(self.layers):
@@ -164,7 +174,7 @@ class CausalLM:
             self.proj.linear(act, lw["down"], x, accumulate=True)
             if cfg.mlp_bias:
                 layers.bias_add(x, lw["down_bias"])
-        if gather == 0:               # a prefill chunk that ends no prompt needs no logits
+        if gather == 0:  # a prefill chunk that ends no prompt needs no logits
             return self.logits[:0]
         if gather is None:
             if n > self.max_logits:
@@ -172,12 +182,14 @@ class CausalLM:
             xs, hs, lg = x, h, self.logits[:n]
         else:
             xs, hs, lg = self.xg[:gather], self.hg[:gather], self.logits[:gather]
-            layers.embed(self.idx[:gather], x, xs)           # gather: row r of xs = x[idx[r]]
+            layers.embed(self.idx[:gather], x, xs)  # gather: row r of xs = x[idx[r]]
         layers.rms_norm(xs, self.final_norm, hs, cfg.eps)
         self.proj.linear(hs, self.lm_head, lg)
         return lg
 
 
 def _shape_error(ckpt, name, a, shape):
-    return CheckpointError(f"{ckpt.where}: tensor {name!r}: expected shape [*, {', '.join(map(str, shape[1:]))}] "
-                           f"to concatenate into {list(shape)}, got {list(a.shape)}")
+    return CheckpointError(
+        f"{ckpt.where}: tensor {name!r}: expected shape [*, {', '.join(map(str, shape[1:]))}] "
+        f"to concatenate into {list(shape)}, got {list(a.shape)}"
+    )

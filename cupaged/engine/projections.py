@@ -23,6 +23,7 @@ The GPU path follows cuBLAS's column-major convention: a row-major
 ``out[M, N] = x[M, K] @ W[N, K].T`` is the column-major product
 ``gemm(T, N, m=N, n=M, k=K, A=W, lda=K, B=x, ldb=K, C=out, ldc=N)``.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -49,6 +50,7 @@ def _load_cublas():
     errors = []
     try:
         from cuda.pathfinder import load_nvidia_dynamic_lib  # comes with cuda-python / CuPy 14
+
         return ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)
     except Exception as e:  # noqa: BLE001 -- try the loader's search path next
         errors.append(str(e))
@@ -59,7 +61,8 @@ def _load_cublas():
             errors.append(str(e))
     raise PagedAttentionError(
         f"like: the engine's GPU projections run on cuBLAS, which was not found ({'; '.join(errors)}); install the "
-        f"CUDA line's cuBLAS (pip install nvidia-cublas-cu12, or nvidia-cublas for CUDA 13)")
+        f"CUDA line's cuBLAS (pip install nvidia-cublas-cu12, or nvidia-cublas for CUDA 13)"
+    )
 
 
 class _Cublas:
@@ -74,9 +77,33 @@ class _Cublas:
         lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
         lib.cublasSetPointerMode_v2.argtypes = [vp, i]
         lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
-        lib.cublasGemmStridedBatchedEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, ll, vp, i, i, ll, vp, vp, i, i,
-                                                   ll, i, i, i]
+        lib.cublasGemmStridedBatchedEx.argtypes = [
+            vp,
+            i,
+            i,
+            i,
+            i,
+            i,
+            vp,
+            vp,
+            i,
+            i,
+            ll,
+            vp,
+            i,
+            i,
+            ll,
+            vp,
+            vp,
+            i,
+            i,
+            ll,
+            i,
+            i,
+            i,
+        ]
         import cupy  # the GPU backend: CuPy is loaded
+
         with cupy.cuda.Device(like.device.id):
             h = vp()
             self.check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
@@ -98,8 +125,10 @@ class _Cublas:
             return
         lib, h = self.lib, self.handle
         self.check(lib.cublasSetStream_v2(h, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
-        self.check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(int(self.workspace.data.ptr)), WORKSPACE_BYTES),
-                   "cublasSetWorkspace")
+        self.check(
+            lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(int(self.workspace.data.ptr)), WORKSPACE_BYTES),
+            "cublasSetWorkspace",
+        )
         self.check(lib.cublasSetPointerMode_v2(h, _POINTER_MODE_HOST), "cublasSetPointerMode")
         self._stream = stream.ptr
 
@@ -123,8 +152,10 @@ class Projections:
     def _dtype(*arrays: Array) -> int:
         name = str(arrays[0].dtype)
         if name not in _CUDA_R or any(str(a.dtype) != name for a in arrays):
-            raise PagedAttentionError(f"linear: expected float32, float16 or bfloat16 operands of one dtype, got "
-                                      f"{', '.join(str(a.dtype) for a in arrays)}")
+            raise PagedAttentionError(
+                f"linear: expected float32, float16 or bfloat16 operands of one dtype, got "
+                f"{', '.join(str(a.dtype) for a in arrays)}"
+            )
         return _CUDA_R[name]
 
     def linear(self, x: Array, w: Array, out: Array, *, accumulate: bool = False) -> None:
@@ -134,20 +165,45 @@ class Projections:
             return
         m, k = x.shape
         n = w.shape[0]
-        if w.shape[1] != k or out.shape != (m, n) or not (x.flags.c_contiguous and w.flags.c_contiguous
-                                                          and out.flags.c_contiguous):
-            raise PagedAttentionError(f"linear: expected x [M, K], w [N, K], out [M, N], C-contiguous; got "
-                                      f"{x.shape}, {w.shape}, {out.shape}")
+        if (
+            w.shape[1] != k
+            or out.shape != (m, n)
+            or not (x.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous)
+        ):
+            raise PagedAttentionError(
+                f"linear: expected x [M, K], w [N, K], out [M, N], C-contiguous; got {x.shape}, {w.shape}, {out.shape}"
+            )
         if m == 0:
             return
         dt = self._dtype(x, w, out)
         b = self._blas
-        assert b is not None        # made with the GPU backend
+        assert b is not None  # made with the GPU backend
         b.bind(stream_for(out))
         vp = ctypes.c_void_p
-        b.check(b.lib.cublasGemmEx(b.handle, _OP_T, _OP_N, n, m, k, ctypes.byref(b.one), vp(w.data.ptr), dt, k,
-                                   vp(x.data.ptr), dt, k, ctypes.byref(b.one if accumulate else b.zero),
-                                   vp(out.data.ptr), dt, n, _COMPUTE_32F, _GEMM_DEFAULT), "cublasGemmEx")
+        b.check(
+            b.lib.cublasGemmEx(
+                b.handle,
+                _OP_T,
+                _OP_N,
+                n,
+                m,
+                k,
+                ctypes.byref(b.one),
+                vp(w.data.ptr),
+                dt,
+                k,
+                vp(x.data.ptr),
+                dt,
+                k,
+                ctypes.byref(b.one if accumulate else b.zero),
+                vp(out.data.ptr),
+                dt,
+                n,
+                _COMPUTE_32F,
+                _GEMM_DEFAULT,
+            ),
+            "cublasGemmEx",
+        )
 
     def linear_heads(self, x: Array, w: Array, out: Array, *, accumulate: bool = False) -> None:
         """out[M, H, N] (+)= x[M, H, K] @ w[H, N, K].T per head; C-contiguous."""
@@ -156,20 +212,49 @@ class Projections:
             return
         m, h, k = x.shape
         n = w.shape[1]
-        if w.shape != (h, n, k) or out.shape != (m, h, n) or not (x.flags.c_contiguous and w.flags.c_contiguous
-                                                                  and out.flags.c_contiguous):
-            raise PagedAttentionError(f"linear_heads: expected x [M, H, K], w [H, N, K], out [M, H, N], "
-                                      f"C-contiguous; got {x.shape}, {w.shape}, {out.shape}")
+        if (
+            w.shape != (h, n, k)
+            or out.shape != (m, h, n)
+            or not (x.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous)
+        ):
+            raise PagedAttentionError(
+                f"linear_heads: expected x [M, H, K], w [H, N, K], out [M, H, N], "
+                f"C-contiguous; got {x.shape}, {w.shape}, {out.shape}"
+            )
         if m == 0:
             return
         dt = self._dtype(x, w, out)
         b = self._blas
-        assert b is not None        # made with the GPU backend
+        assert b is not None  # made with the GPU backend
         b.bind(stream_for(out))
         vp = ctypes.c_void_p
         # per head: A = w[h] (stride N*K), B = head h's rows of x (ldb H*K,
         # stride K), C = head h's rows of out (ldc H*N, stride N)
-        b.check(b.lib.cublasGemmStridedBatchedEx(
-            b.handle, _OP_T, _OP_N, n, m, k, ctypes.byref(b.one), vp(w.data.ptr), dt, k, n * k,
-            vp(x.data.ptr), dt, h * k, k, ctypes.byref(b.one if accumulate else b.zero), vp(out.data.ptr), dt, h * n,
-            n, h, _COMPUTE_32F, _GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
+        b.check(
+            b.lib.cublasGemmStridedBatchedEx(
+                b.handle,
+                _OP_T,
+                _OP_N,
+                n,
+                m,
+                k,
+                ctypes.byref(b.one),
+                vp(w.data.ptr),
+                dt,
+                k,
+                n * k,
+                vp(x.data.ptr),
+                dt,
+                h * k,
+                k,
+                ctypes.byref(b.one if accumulate else b.zero),
+                vp(out.data.ptr),
+                dt,
+                h * n,
+                n,
+                h,
+                _COMPUTE_32F,
+                _GEMM_DEFAULT,
+            ),
+            "cublasGemmStridedBatchedEx",
+        )

@@ -8,6 +8,7 @@ checked against), then stored as float32 ``[max_len, dim // 2]`` tables that
 rounding. yarn's attention factor (transformers' ``attention_scaling``,
 which multiplies cos and sin) is folded into the tables.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,7 @@ def inv_freq(spec: RopeSpec) -> np.ndarray:
     """float64 [dim // 2]: the inverse frequency of each rotary pair."""
     dim, base, p = spec.dim, spec.theta, spec.params
     exps = np.arange(0, dim, 2, dtype=np.float64) / dim
-    freq = 1.0 / base ** exps
+    freq = 1.0 / base**exps
     if spec.type == "default":
         return freq
     if spec.type == "linear":
@@ -53,9 +54,9 @@ def inv_freq(spec: RopeSpec) -> np.ndarray:
             high += 0.001
         ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
         extrapolation = 1 - ramp
-        pos_freqs = base ** exps
+        pos_freqs = base**exps
         return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    raise ValueError(f"rope type {spec.type!r}")   # (config.py refuses other types)
+    raise ValueError(f"rope type {spec.type!r}")  # (config.py refuses other types)
 
 
 def _yarn_factor(spec: RopeSpec) -> float:

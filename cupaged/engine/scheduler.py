@@ -30,6 +30,7 @@ step; the engine also cuts a request's output after its first stop token
 (the prefill's token can be one), so outputs end at a stop token or at
 ``max_new_tokens``, as transformers' greedy ``generate``.
 """
+
 from __future__ import annotations
 
 import time
@@ -55,11 +56,11 @@ class Request:
     index: int
     prompt: list[int]
     max_new: int
-    seq: Sequence | None = None        # its sequence in the cache, once admitted
-    prefilled: int = 0                 # prompt tokens in the cache (a shared prefix included)
-    need_pages: int = 0                # pages its whole life needs
+    seq: Sequence | None = None  # its sequence in the cache, once admitted
+    prefilled: int = 0  # prompt tokens in the cache (a shared prefix included)
+    need_pages: int = 0  # pages its whole life needs
     out: list[int] = field(default_factory=list)
-    launches: int = 0                  # decode launches it took part in
+    launches: int = 0  # decode launches it took part in
     done: bool = False
     logits: list[np.ndarray] = field(default_factory=list)
 
@@ -68,9 +69,17 @@ class Scheduler:
     """One ``Engine.generate`` call (see the module docstring) decoding in
     ``batch``, the engine's DecodeBatch of these ``stop_ids``."""
 
-    def __init__(self, engine: Engine, batch: DecodeBatch, prompts: Iterable[Iterable[int]], max_new: int,
-                 stop_ids: tuple[int, ...], *, return_logits: bool = False,
-                 on_tokens: Callable[[int, list[int]], object] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        batch: DecodeBatch,
+        prompts: Iterable[Iterable[int]],
+        max_new: int,
+        stop_ids: tuple[int, ...],
+        *,
+        return_logits: bool = False,
+        on_tokens: Callable[[int, list[int]], object] | None = None,
+    ):
         self.e = engine
         self.cache, self.model = engine.cache, engine.model
         self.stream = engine.stream
@@ -85,10 +94,18 @@ class Scheduler:
         self.prefilling: list[Request] = []
         self.decoding: dict[Sequence, Request] = {}
         self._try_admit = True
-        self._pending = 0                  # decode launches since the last readback
-        self.stats = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0,
-                      "prefill_chunks": 0, "decode_launches": 0, "readbacks": 0, "cached_prompt_tokens": 0,
-                      "advance_seconds": 0.0}
+        self._pending = 0  # decode launches since the last readback
+        self.stats = {
+            "prefill_tokens": 0,
+            "prefill_seconds": 0.0,
+            "decode_tokens": 0,
+            "decode_seconds": 0.0,
+            "prefill_chunks": 0,
+            "decode_launches": 0,
+            "readbacks": 0,
+            "cached_prompt_tokens": 0,
+            "advance_seconds": 0.0,
+        }
 
     # -- the loop -----------------------------------------------------------------
     def run(self) -> list[list[int]]:
@@ -101,7 +118,7 @@ class Scheduler:
             if self.decoding:
                 self._decode_round()
             if self.waiting and not (self.prefilling or self.decoding) and not self._try_admit:
-                raise RuntimeError("scheduler: nothing runs and nothing can be admitted")   # (cannot happen)
+                raise RuntimeError("scheduler: nothing runs and nothing can be admitted")  # (cannot happen)
         return [r.out for r in self.requests]
 
     def _running(self):
@@ -116,7 +133,7 @@ class Scheduler:
             outstanding = sum(max(0, q.need_pages - len(q.seq.pages)) for q in self._running())
             seq = cache.add_sequence(tokens=r.prompt)
             if r.need_pages - len(seq.pages) + outstanding > cache.num_free_pages:
-                cache.free(seq)              # back to waiting; retried once pages are freed
+                cache.free(seq)  # back to waiting; retried once pages are freed
                 self._try_admit = False
                 return
             self.waiting.popleft()
@@ -138,8 +155,9 @@ class Scheduler:
             counts.append(c)
             budget -= c
         plan, _ = self.cache.prepare([r.seq for r in reqs], counts)
-        tokens = np.concatenate([np.asarray(r.prompt[r.prefilled:r.prefilled + c], np.int64)
-                                 for r, c in zip(reqs, counts)])
+        tokens = np.concatenate(
+            [np.asarray(r.prompt[r.prefilled : r.prefilled + c], np.int64) for r, c in zip(reqs, counts)]
+        )
         n = int(tokens.shape[0])
         stream.copy_from_host(model.tokens, tokens)
         ends, row = [], 0
@@ -161,14 +179,14 @@ class Scheduler:
                 if host_logits is not None:
                     r.logits.append(np.asarray(host_logits[i], np.float32))
                 if r.max_new == 1:
-                    assert host_best is not None           # read above: a request ends with max_new 1
+                    assert host_best is not None  # read above: a request ends with max_new 1
                     self._emit(r, [int(host_best[i])])
                     self._finish(r)
                 else:
-                    assert r.seq is not None               # admitted
-                    self.batch.join(r.seq, model.best[i:i + 1], max_len=len(r.prompt) + r.max_new)
+                    assert r.seq is not None  # admitted
+                    self.batch.join(r.seq, model.best[i : i + 1], max_len=len(r.prompt) + r.max_new)
                     self.decoding[r.seq] = r
-        stream.synchronize()          # (for the prefill / decode time split in stats)
+        stream.synchronize()  # (for the prefill / decode time split in stats)
         self.stats["prefill_tokens"] += n
         self.stats["prefill_chunks"] += 1
         self.stats["prefill_seconds"] += time.perf_counter() - t0
@@ -193,7 +211,7 @@ class Scheduler:
             if self.return_logits:
                 rows = self.stream.read(self.model.logits[:bucket])
                 for r in live:
-                    assert r.seq is not None           # a decoding request's sequence
+                    assert r.seq is not None  # a decoding request's sequence
                     r.logits.append(np.asarray(rows[batch.slot_of(r.seq)], np.float32))
         rb = batch.readback()
         self._pending = 0
@@ -204,7 +222,7 @@ class Scheduler:
             r = self.decoding[seq]
             if seq in rb.finished or r.done:
                 if seq not in rb.finished:
-                    batch.leave(seq)         # the engine saw a stop token the device did not check
+                    batch.leave(seq)  # the engine saw a stop token the device did not check
                 del self.decoding[seq]
                 self._finish(r)
         self.stats["decode_seconds"] += time.perf_counter() - t0
@@ -221,7 +239,7 @@ class Scheduler:
                 self._pending = 0
             for seq in list(self.batch.members):
                 self.batch.leave(seq)
-        except Exception:       # noqa: BLE001 -- best effort after the first error, which is re-raised
+        except Exception:  # noqa: BLE001 -- best effort after the first error, which is re-raised
             ok = False
         for r in self.requests:
             if r.seq is not None and r.seq.alive and r.seq.batch is None:
@@ -243,7 +261,7 @@ class Scheduler:
         if len(r.out) >= r.max_new:
             r.done = True
         if self.return_logits:
-            del r.logits[len(r.out):]
+            del r.logits[len(r.out) :]
         if new and self.on_tokens is not None:
             self.on_tokens(r.index, new)
 

@@ -72,6 +72,7 @@ DLPack on CPU: NumPy cannot hold it.)
 Torch is imported only when a tensor is converted; this module imports
 without it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -95,8 +96,21 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = [
-    "as_array", "as_torch", "is_torch", "torch_stream", "TorchPlan", "torch_plan", "split_workspace",
-    "TorchKVCache", "argmax_into", "argmax", "embed", "rms_norm", "linear", "rope", "silu_mul",
+    "as_array",
+    "as_torch",
+    "is_torch",
+    "torch_stream",
+    "TorchPlan",
+    "torch_plan",
+    "split_workspace",
+    "TorchKVCache",
+    "argmax_into",
+    "argmax",
+    "embed",
+    "rms_norm",
+    "linear",
+    "rope",
+    "silu_mul",
 ]
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_MANAGED = 1, 2, 13
@@ -124,12 +138,15 @@ def fp8_format(x: Any) -> str | None:
 def _check_same_memory(name: str, t, a) -> None:
     """The view ``a`` starts at tensor ``t``'s data pointer (no copy was made)."""
     if t.numel() and _backend.address(a) != t.data_ptr():
-        raise PagedAttentionError(f"{name}: the DLPack view does not share the tensor's memory "
-                                  f"({_backend.address(a):#x} != {t.data_ptr():#x})")
+        raise PagedAttentionError(
+            f"{name}: the DLPack view does not share the tensor's memory "
+            f"({_backend.address(a):#x} != {t.data_ptr():#x})"
+        )
 
 
 # ---------------------------------------------------------------------------
 # Views
+
 
 def as_array(x: Any, name: str = "array") -> Array:
     """A NumPy (CPU) or CuPy (CUDA) view of ``x`` sharing its memory.
@@ -150,17 +167,20 @@ def as_array(x: Any, name: str = "array") -> Array:
                 return np.from_dlpack(x)
             if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
                 import cupy
+
                 with cupy.cuda.Device(dev_id):
                     return cupy.from_dlpack(x)
         except (BufferError, TypeError, ValueError, RuntimeError) as e:
             raise PagedAttentionError(f"{name}: cannot view {type(x).__name__} by DLPack ({e})") from None
         raise PagedAttentionError(f"{name}: expected CPU or CUDA memory, got DLPack device type {dev_type}")
     raise PagedAttentionError(
-        f"{name}: expected a torch tensor or a NumPy/CuPy array, got {type(x).__module__}.{type(x).__name__}")
+        f"{name}: expected a torch tensor or a NumPy/CuPy array, got {type(x).__module__}.{type(x).__name__}"
+    )
 
 
 def _torch_to_array(name: str, t):
     import torch
+
     t = t.detach()
     bf16 = t.dtype == torch.bfloat16
     fp8 = fp8_format(t)
@@ -172,6 +192,7 @@ def _torch_to_array(name: str, t):
                 a = np.from_dlpack(t.view(torch.int16)).view(_bf16()) if bf16 else np.from_dlpack(t)
         elif t.device.type == "cuda":
             import cupy
+
             with cupy.cuda.Device(t.device.index):
                 try:
                     a = cupy.from_dlpack(t.view(torch.uint8)) if fp8 else cupy.from_dlpack(t)
@@ -184,8 +205,7 @@ def _torch_to_array(name: str, t):
     except PagedAttentionError:
         raise
     except (BufferError, TypeError, ValueError, RuntimeError) as e:
-        raise PagedAttentionError(f"{name}: cannot view a {t.dtype} tensor on {t.device} as an array ({e})") \
-            from None
+        raise PagedAttentionError(f"{name}: cannot view a {t.dtype} tensor on {t.device} as an array ({e})") from None
     _check_same_memory(name, t, a)
     return a
 
@@ -195,6 +215,7 @@ def as_torch(a: Any) -> Tensor:
     a torch tensor is returned as is. ``ml_dtypes.bfloat16`` becomes
     torch.bfloat16. The tensor keeps ``a`` alive."""
     import torch
+
     if isinstance(a, torch.Tensor):
         return a
     backend = _backend.array_backend(a)
@@ -230,12 +251,13 @@ def torch_stream(device: int) -> Iterator[Any]:
     cupaged launches in torch's stream order. Yields the CuPy stream."""
     import cupy
     import torch
+
     device = int(device)
     ts = torch.cuda.current_stream(device)
     handle = int(ts.cuda_stream)
     with cupy.cuda.Device(device):
         current = cupy.cuda.get_current_stream(device)
-        if int(current.ptr) == handle:        # already torch's stream (e.g. both on the default stream)
+        if int(current.ptr) == handle:  # already torch's stream (e.g. both on the default stream)
             yield current
             return
         s = _stream_wrappers.get((device, handle))
@@ -267,12 +289,13 @@ def _context(objs):
 # ---------------------------------------------------------------------------
 # Overlap
 
+
 def _region(x):
     """(device, storage lo, storage hi, lo, hi) byte ranges of ``x``, or None
     when it holds no bytes or is not a tensor/array."""
     if is_torch(x):
         if x.numel() == 0 or x.device.type not in ("cpu", "cuda") or x.layout != sys.modules["torch"].strided:
-            return None                      # as_array rejects what has no plain memory
+            return None  # as_array rejects what has no plain memory
         st = x.untyped_storage()
         dev = ("cpu", 0) if x.device.type == "cpu" else ("cuda", x.device.index)
         ptr, item = x.data_ptr(), x.element_size()
@@ -303,22 +326,25 @@ def _check_operands(writes: dict, reads: dict, alias_ok=()) -> None:
     (an exact alias named in ``alias_ok`` excepted). Raises before any view."""
     for name, w in writes.items():
         if is_torch(w) and w.requires_grad:
-            raise PagedAttentionError(f"{name}: expected a tensor that does not require grad (cupaged writes it "
-                                      f"in place, outside autograd); pass a detached tensor")
+            raise PagedAttentionError(
+                f"{name}: expected a tensor that does not require grad (cupaged writes it "
+                f"in place, outside autograd); pass a detached tensor"
+            )
     operands = [(n, x, _region(x)) for n, x in {**writes, **reads}.items()]
-    for i, (wname, w, rw) in enumerate(operands[:len(writes)]):
-        for oname, o, ro in operands[i + 1:]:       # later writes, then every read
+    for i, (wname, w, rw) in enumerate(operands[: len(writes)]):
+        for oname, o, ro in operands[i + 1 :]:  # later writes, then every read
             if rw is None or ro is None:
                 continue
-            if ro[0] != rw[0] or ro[2] <= rw[1] or rw[2] <= ro[1]:      # other device, disjoint storages
+            if ro[0] != rw[0] or ro[2] <= rw[1] or rw[2] <= ro[1]:  # other device, disjoint storages
                 continue
-            if ro[4] <= rw[3] or rw[4] <= ro[3]:                          # disjoint spans in one storage
+            if ro[4] <= rw[3] or rw[4] <= ro[3]:  # disjoint spans in one storage
                 continue
             if (wname, oname) in alias_ok and _layout(w) == _layout(o):
                 continue
             raise PagedAttentionError(
                 f"{wname}: expected memory disjoint from {oname}, but they overlap: bytes "
-                f"[{rw[3]:#x}, {rw[4]:#x}) and [{ro[3]:#x}, {ro[4]:#x})")
+                f"[{rw[3]:#x}, {rw[4]:#x}) and [{ro[3]:#x}, {ro[4]:#x})"
+            )
 
 
 def _views(args: dict) -> dict:
@@ -342,6 +368,7 @@ def _kv_dtype(kv_dtype, caches: dict):
 # ---------------------------------------------------------------------------
 # Plans
 
+
 class TorchPlan:
     """A DevicePlan whose ops take torch tensors (or arrays of the plan's
     backend) and return torch tensors. ``plan``: the DevicePlan;
@@ -353,8 +380,18 @@ class TorchPlan:
         self.plan = plan
 
     def __getattr__(self, name):
-        if name in ("host", "queries", "sequences", "table_width", "page_size", "pages", "max_kv_len",
-                    "backend", "device", "stream"):
+        if name in (
+            "host",
+            "queries",
+            "sequences",
+            "table_width",
+            "page_size",
+            "pages",
+            "max_kv_len",
+            "backend",
+            "device",
+            "stream",
+        ):
             return getattr(self.plan, name)
         raise AttributeError(name)
 
@@ -365,17 +402,30 @@ class TorchPlan:
         if self.plan.backend != _backend.GPU:
             return contextlib.nullcontext()
         import torch
+
         handle = int(torch.cuda.current_stream(self.plan.device).cuda_stream)
         if handle != self.plan.stream.ptr:
             raise PagedAttentionError(
                 f"stream: torch's current stream on cuda:{self.plan.device} ({handle:#x}) is not the stream this "
-                f"plan was uploaded on ({self.plan.stream.ptr:#x}); call it under the stream of torch_plan")
+                f"plan was uploaded on ({self.plan.stream.ptr:#x}); call it under the stream of torch_plan"
+            )
         return torch_stream(self.plan.device)
 
     @document
-    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float, causal: bool = True, *,
-                  workspace: SplitWorkspace | None = None, out: Tensor | None = None, lse: Tensor | None = None,
-                  return_lse: bool = False, **options: Any) -> Tensor | tuple[Tensor, Tensor]:
+    def attention(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        scale: float,
+        causal: bool = True,
+        *,
+        workspace: SplitWorkspace | None = None,
+        out: Tensor | None = None,
+        lse: Tensor | None = None,
+        return_lse: bool = False,
+        **options: Any,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """``DevicePlan.attention`` on tensors: q [queries, Hq, D];
         k_cache [pages, page_size, Hkv, D]; v_cache [pages, page_size, Hkv, Dv]
         (any views whose innermost dim is contiguous; fp8 tensors
@@ -387,14 +437,34 @@ class TorchPlan:
         Returns out [queries, Hq, Dv] (and float32 lse [queries, Hq] with
         ``return_lse`` or ``lse``): the ``out``/``lse`` passed, else new
         tensors."""
-        return self._attend("attention", dict(q=q, k_cache=k_cache, v_cache=v_cache), scale, causal,
-                            workspace, out, lse, return_lse, options)
+        return self._attend(
+            "attention",
+            dict(q=q, k_cache=k_cache, v_cache=v_cache),
+            scale,
+            causal,
+            workspace,
+            out,
+            lse,
+            return_lse,
+            options,
+        )
 
     @document
-    def mla(self, q: Tensor, q_rot: Tensor | None | _Missing = MISSING, latent: Tensor | None = None,
-            k_rot: Tensor | None | _Missing = MISSING, scale: float | None = None, causal: bool = True, *,
-            workspace: SplitWorkspace | None = None, out: Tensor | None = None, lse: Tensor | None = None,
-            return_lse: bool = False, **options: Any) -> Tensor | tuple[Tensor, Tensor]:
+    def mla(
+        self,
+        q: Tensor,
+        q_rot: Tensor | None | _Missing = MISSING,
+        latent: Tensor | None = None,
+        k_rot: Tensor | None | _Missing = MISSING,
+        scale: float | None = None,
+        causal: bool = True,
+        *,
+        workspace: SplitWorkspace | None = None,
+        out: Tensor | None = None,
+        lse: Tensor | None = None,
+        return_lse: bool = False,
+        **options: Any,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """``DevicePlan.mla`` on tensors: q [queries, H, R]; q_rot
         [queries, H, P]; latent [pages, page_size, 1, R]; k_rot
         [pages, page_size, 1, P] (q_rot and k_rot None: no rotary part;
@@ -407,8 +477,17 @@ class TorchPlan:
         does."""
         rot = renamed(options, dict(q_rot=q_rot, k_rot=k_rot), dict(q_pos="q_rot", k_pos="k_rot"))
         inputs = dict(q=q, q_rot=rot["q_rot"], latent=latent, k_rot=rot["k_rot"])
-        return self._attend("mla", {k: None if v is MISSING else v for k, v in inputs.items()}, scale, causal,
-                            workspace, out, lse, return_lse, options)
+        return self._attend(
+            "mla",
+            {k: None if v is MISSING else v for k, v in inputs.items()},
+            scale,
+            causal,
+            workspace,
+            out,
+            lse,
+            return_lse,
+            options,
+        )
 
     def _attend(self, op, inputs, scale, causal, workspace, out, lse, return_lse, options):
         # The array options (ROWS: sinks, scales, ...): tensors or arrays read like the inputs; the others
@@ -419,14 +498,31 @@ class TorchPlan:
         with self._context():
             a = _views(inputs)
             o, l_ = _views(dict(out=out, lse=lse)).values()
-            res = getattr(self.plan, op)(*a.values(), scale, causal, workspace=workspace, out=o, lse=l_,
-                                         return_lse=return_lse, **{**options, **_score_views(arrays)})
+            res = getattr(self.plan, op)(
+                *a.values(),
+                scale,
+                causal,
+                workspace=workspace,
+                out=o,
+                lse=l_,
+                return_lse=return_lse,
+                **{**options, **_score_views(arrays)},
+            )
             if not (return_lse or lse is not None):
                 return out if out is not None else as_torch(res)
             return (out if out is not None else as_torch(res[0]), lse if lse is not None else as_torch(res[1]))
 
-    def append(self, new_k: Tensor, new_v: Tensor, k_cache: Tensor, v_cache: Tensor, *, kv_dtype: str | None = None,
-               k_scale: Any = None, v_scale: Any = None) -> None:
+    def append(
+        self,
+        new_k: Tensor,
+        new_v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        *,
+        kv_dtype: str | None = None,
+        k_scale: Any = None,
+        v_scale: Any = None,
+    ) -> None:
         """``DevicePlan.append`` on tensors: new_k [queries, Hkv, D] and
         new_v [queries, Hkv, Dv] into k_cache [pages, page_size, Hkv, D] and
         v_cache [pages, page_size, Hkv, Dv], in place (views; fp8 tensors
@@ -435,8 +531,11 @@ class TorchPlan:
         _check_operands(dict(k_cache=k_cache, v_cache=v_cache), dict(new_k=new_k, new_v=new_v, **scales))
         kv_dtype = _kv_dtype(kv_dtype, dict(k_cache=k_cache, v_cache=v_cache))
         with self._context():
-            self.plan.append(*_views(dict(new_k=new_k, new_v=new_v, k_cache=k_cache, v_cache=v_cache)).values(),
-                             kv_dtype=kv_dtype, **_score_views(scales))
+            self.plan.append(
+                *_views(dict(new_k=new_k, new_v=new_v, k_cache=k_cache, v_cache=v_cache)).values(),
+                kv_dtype=kv_dtype,
+                **_score_views(scales),
+            )
 
     def workspace(self, heads: int, value_dim: int, splits: int) -> SplitWorkspace:
         """A SplitWorkspace for this plan's queries on its device and stream."""
@@ -463,6 +562,7 @@ def split_workspace(queries: int, heads: int, value_dim: int, splits: int, like:
 # ---------------------------------------------------------------------------
 # Page manager
 
+
 def _dtype_name(dtype):
     """torch.bfloat16 -> "bfloat16"; anything else unchanged."""
     return str(dtype).removeprefix("torch.") if type(dtype).__module__ == "torch" else dtype
@@ -478,20 +578,41 @@ class TorchKVCache:
     PagedKVCache's (``add_sequence``, ``fork``, ``free``, ``reserve``,
     ``page_table``, ``stats`` ...)."""
 
-    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: Any, *,
-                 layers: int = 1, value_dim: int | None = None, like: Any = None, prefix_cache: bool = False,
-                 k_scale: Any = None, v_scale: Any = None) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: Any,
+        *,
+        layers: int = 1,
+        value_dim: int | None = None,
+        like: Any = None,
+        prefix_cache: bool = False,
+        k_scale: Any = None,
+        v_scale: Any = None,
+    ) -> None:
         with _context([like]):
-            scales = {k: as_array(v, k) if is_torch(v) else v for k, v in (("k_scale", k_scale),
-                                                                            ("v_scale", v_scale))}
-            self.cache = PagedKVCache(num_pages, page_size, kv_heads, head_dim, _dtype_name(dtype), layers=layers,
-                                      value_dim=value_dim, like=None if like is None else as_array(like, "like"),
-                                      prefix_cache=prefix_cache, **scales)
+            scales = {k: as_array(v, k) if is_torch(v) else v for k, v in (("k_scale", k_scale), ("v_scale", v_scale))}
+            self.cache = PagedKVCache(
+                num_pages,
+                page_size,
+                kv_heads,
+                head_dim,
+                _dtype_name(dtype),
+                layers=layers,
+                value_dim=value_dim,
+                like=None if like is None else as_array(like, "like"),
+                prefix_cache=prefix_cache,
+                **scales,
+            )
             self.k, self.v = as_torch(self.cache.k), as_torch(self.cache.v)
             fmt = dtypes.lookup(self.cache.kv_dtype)
-            assert fmt is not None   # the cache's own K/V format
-            if fmt.scaled:   # fp8 tensors (the CUDA arrays are raw uint8 storage)
+            assert fmt is not None  # the cache's own K/V format
+            if fmt.scaled:  # fp8 tensors (the CUDA arrays are raw uint8 storage)
                 import torch
+
                 t8 = getattr(torch, fmt.torch_name)
                 self.k, self.v = self.k.view(t8), self.v.view(t8)
 
@@ -521,6 +642,7 @@ class TorchKVCache:
 
 # ---------------------------------------------------------------------------
 # Row-wise and layers
+
 
 def _call(fn, writes: dict, reads: dict, alias_ok=(), **kwargs):
     _check_operands(writes, reads, alias_ok)

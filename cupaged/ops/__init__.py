@@ -11,6 +11,7 @@ launch on a stream; none allocates on a hot path or synchronizes.
 * ``sampling``: argmax over logits
 * ``layers``: embedding, RMSNorm, linear, RoPE, SwiGLU
 """
+
 from __future__ import annotations
 
 from . import advance, append, attention, layers, sampling, slots

@@ -9,6 +9,7 @@ by and appends at the next position with no host data.
   stop token or reaches its limit finishes on the device (docs/layout.md,
   "Decode graphs").
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,9 +33,12 @@ def advance_plan(plan) -> None:
     not 0 and whose page-table row has room. The host plan is not changed."""
     h = plan.host
     k = get_kernel(plan.words, "advance", "advance_plan")
-    plan.stream.launch(k, ((h.sequences + THREADS - 1) // THREADS,), (THREADS,),
-                       (plan.words, np.uint32(h.queries), np.uint32(h.sequences), np.uint32(h.table_width),
-                        np.uint32(h.page_size)))
+    plan.stream.launch(
+        k,
+        ((h.sequences + THREADS - 1) // THREADS,),
+        (THREADS,),
+        (plan.words, np.uint32(h.queries), np.uint32(h.sequences), np.uint32(h.table_width), np.uint32(h.page_size)),
+    )
 
 
 class SlotBuffers:
@@ -92,16 +96,38 @@ def advance_slots(plan, slots: SlotBuffers, tokens, *, full_finishes: bool = Fal
     ticks. No allocation, no synchronization."""
     h = plan.host
     backend_of(words=plan.words, slots=slots.words, tokens=tokens)
-    if str(tokens.dtype) != "int64" or tokens.ndim != 1 or tokens.shape[0] < h.sequences \
-            or not tokens.flags.c_contiguous:
-        raise PagedAttentionError(f"tokens: expected a contiguous int64 array of at least {h.sequences} values, "
-                                  f"got {tokens.dtype} {checks.shape_str(tokens.shape)}")
+    if (
+        str(tokens.dtype) != "int64"
+        or tokens.ndim != 1
+        or tokens.shape[0] < h.sequences
+        or not tokens.flags.c_contiguous
+    ):
+        raise PagedAttentionError(
+            f"tokens: expected a contiguous int64 array of at least {h.sequences} values, "
+            f"got {tokens.dtype} {checks.shape_str(tokens.shape)}"
+        )
     if h.sequences > slots.stride:
         raise PagedAttentionError(f"plan: {h.sequences} sequences exceed the {slots.stride} slots of its buffers")
     threads = min(SLOT_THREADS, max(32, -(-h.sequences // 32) * 32))
     k = get_kernel(plan.words, "advance", "advance_slots")
-    plan.stream.launch(k, (1,), (threads,),
-                       (plan.words, np.uint32(h.queries), np.uint32(h.sequences), np.uint32(h.table_width),
-                        np.uint32(h.page_size), slots.state, np.uint32(slots.stride), slots.clock, tokens,
-                        slots.stop, np.uint32(slots.num_stop), slots.ring, np.uint32(slots.ring_rows),
-                        np.uint32(1 if full_finishes else 0)))
+    plan.stream.launch(
+        k,
+        (1,),
+        (threads,),
+        (
+            plan.words,
+            np.uint32(h.queries),
+            np.uint32(h.sequences),
+            np.uint32(h.table_width),
+            np.uint32(h.page_size),
+            slots.state,
+            np.uint32(slots.stride),
+            slots.clock,
+            tokens,
+            slots.stop,
+            np.uint32(slots.num_stop),
+            slots.ring,
+            np.uint32(slots.ring_rows),
+            np.uint32(1 if full_finishes else 0),
+        ),
+    )

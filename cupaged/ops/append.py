@@ -16,6 +16,7 @@ arrays or raw uint8 storage) gets each element quantized as
 ``code(x / scale)`` (nearest, ties to even, saturating; NaN stays NaN) with
 ``k_scale`` / ``v_scale`` (float32, one or one per KV head; 1 when absent).
 """
+
 from __future__ import annotations
 
 import math
@@ -90,9 +91,16 @@ def header() -> str:
 {c_struct(STRUCT, FIELDS)}"""
 
 
-register("append", [{"CP_VEC_BYTES": w} for w in UNIT_BYTES]
-         + [{"CP_QUANT": 1, "CP_DTYPE": dt, "CP_KV_DTYPE": kv, "CP_QVEC": v}
-            for dt in dtypes.QUERY_TOKENS for kv in dtypes.FP8_TOKENS for v in QUANT_VECS])
+register(
+    "append",
+    [{"CP_VEC_BYTES": w} for w in UNIT_BYTES]
+    + [
+        {"CP_QUANT": 1, "CP_DTYPE": dt, "CP_KV_DTYPE": kv, "CP_QVEC": v}
+        for dt in dtypes.QUERY_TOKENS
+        for kv in dtypes.FP8_TOKENS
+        for v in QUANT_VECS
+    ],
+)
 
 _BLOCK_THREADS = 256
 _MAX_GRID_Y = 65535
@@ -123,8 +131,8 @@ class KvWrite:
     new_v: Array | None
     k_cache: Array
     v_cache: Array | None
-    src_k: tuple[int, ...] | None     # None: no new_k (a write that cannot launch)
-    src_v: tuple[int, ...] | None     # None without v_cache (K only)
+    src_k: tuple[int, ...] | None  # None: no new_k (a write that cannot launch)
+    src_v: tuple[int, ...] | None  # None without v_cache (K only)
     dst_k: tuple[int, ...]
     dst_v: tuple[int, ...] | None
     k_scale: Array | None = None
@@ -133,9 +141,19 @@ class KvWrite:
     v_scale_stride: int = 0
 
 
-def check_kv_write(new_k: Array, new_v: Array | None, k_cache: Array, v_cache: Array | None, tokens: int | None, *,
-                   kv_dtype: object = None, k_scale: Array | None = None, v_scale: Array | None = None,
-                   lead: tuple[int, ...] = (), ref: str = "new_k") -> KvWrite:
+def check_kv_write(
+    new_k: Array,
+    new_v: Array | None,
+    k_cache: Array,
+    v_cache: Array | None,
+    tokens: int | None,
+    *,
+    kv_dtype: object = None,
+    k_scale: Array | None = None,
+    v_scale: Array | None = None,
+    lead: tuple[int, ...] = (),
+    ref: str = "new_k",
+) -> KvWrite:
     """Every check of writing new_k [tokens, Hkv, D] / new_v [tokens, Hkv,
     Dv] into k_cache [*lead, Hkv, D] / v_cache [*lead, Hkv, Dv] (4-D caches;
     ``lead`` the expected first two dims when given). new_v and v_cache may
@@ -152,10 +170,12 @@ def check_kv_write(new_k: Array, new_v: Array | None, k_cache: Array, v_cache: A
     backend_of(new_k=new_k, new_v=new_v, k_cache=k_cache, v_cache=v_cache)
     for name, a in (("new_k", new_k), ("new_v", new_v)):
         if a is not None and a.ndim != 3:
-            raise PagedAttentionError(f"{name}: expected a 3-D array, got shape {checks.shape_str(a.shape)} "
-                                      f"({a.ndim}-D)")
+            raise PagedAttentionError(
+                f"{name}: expected a 3-D array, got shape {checks.shape_str(a.shape)} ({a.ndim}-D)"
+            )
         if a is not None:
             checks.u32_size(name, a.shape)
+
     def rows_dtype():
         dtypes.row("new_k", new_k.dtype)
         if new_v is not None:
@@ -166,15 +186,16 @@ def check_kv_write(new_k: Array, new_v: Array | None, k_cache: Array, v_cache: A
         if lead and tuple(int(x) for x in c.shape[:2]) != tuple(lead):
             raise PagedAttentionError(
                 f"{name}: expected shape [{lead[0]}, {lead[1]}, ...] (plan.pages, plan.page_size, ...), got "
-                f"{checks.shape_str(c.shape)}")
+                f"{checks.shape_str(c.shape)}"
+            )
         return f, st
 
-    if ref == "new_k":       # append: the new rows set the dtype
+    if ref == "new_k":  # append: the new rows set the dtype
         rows_dtype()
         fmt, dst_k = cache("k_cache", k_cache)
         if not fmt.scaled:
             checks.same_dtype("new_k", new_k, k_cache=k_cache)
-    else:                    # write_slots: the caches do
+    else:  # write_slots: the caches do
         fmt, dst_k = cache("k_cache", k_cache)
         if fmt.scaled:
             rows_dtype()
@@ -190,7 +211,8 @@ def check_kv_write(new_k: Array, new_v: Array | None, k_cache: Array, v_cache: A
     if hkv < 1 or d < 1 or (v_cache is not None and dv < 1):
         raise PagedAttentionError(
             f"k_cache, v_cache: expected Hkv, D and Dv >= 1, got shapes {checks.shape_str(k_cache.shape)}"
-            + ("" if v_cache is None else f" and {checks.shape_str(v_cache.shape)}"))
+            + ("" if v_cache is None else f" and {checks.shape_str(v_cache.shape)}")
+        )
     n = int(new_k.shape[0]) if tokens is None else tokens
     srcs: list[tuple[int, ...] | None] = []
     for name, a, dim in (("new_k", new_k, d), ("new_v", new_v, dv)):
@@ -201,8 +223,9 @@ def check_kv_write(new_k: Array, new_v: Array | None, k_cache: Array, v_cache: A
         srcs.append(checks.row_view(name, a))
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is not None and not fmt.scaled:
-            raise PagedAttentionError(f"{name}: expected None for a {fmt.name} cache (scales belong to fp8 caches: "
-                                      f"kv_dtype e4m3 / e5m2)")
+            raise PagedAttentionError(
+                f"{name}: expected None for a {fmt.name} cache (scales belong to fp8 caches: kv_dtype e4m3 / e5m2)"
+            )
     if v_scale is not None and v_cache is None:
         raise PagedAttentionError("v_scale: expected None without v_cache")
     ks = checks.kv_scale("k_scale", k_scale, hkv, k_cache) if k_scale is not None else 0
@@ -215,12 +238,22 @@ def check_kv_write(new_k: Array, new_v: Array | None, k_cache: Array, v_cache: A
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is not None:
             checks.no_overlap(name, s, k_cache=k_cache, v_cache=v_cache)
-    return KvWrite(fmt, fmt.scaled, new_k, new_v, k_cache, v_cache, srcs[0], srcs[1], dst_k, dst_v,
-                   k_scale, v_scale, ks, vs)
+    return KvWrite(
+        fmt, fmt.scaled, new_k, new_v, k_cache, v_cache, srcs[0], srcs[1], dst_k, dst_v, k_scale, v_scale, ks, vs
+    )
 
 
-def check_append(plan: Any, new_k: Array, new_v: Array, k_cache: Array, v_cache: Array, *,
-                 kv_dtype: object = None, k_scale: Array | None = None, v_scale: Array | None = None) -> KvWrite:
+def check_append(
+    plan: Any,
+    new_k: Array,
+    new_v: Array,
+    k_cache: Array,
+    v_cache: Array,
+    *,
+    kv_dtype: object = None,
+    k_scale: Array | None = None,
+    v_scale: Array | None = None,
+) -> KvWrite:
     """Every input check of ``append`` (raises PagedAttentionError naming the
     argument; launches and writes nothing)."""
     if not (hasattr(plan, "host") and hasattr(plan, "words") and hasattr(plan, "stream")):
@@ -230,13 +263,32 @@ def check_append(plan: Any, new_k: Array, new_v: Array, k_cache: Array, v_cache:
         if getattr(c, "ndim", 4) == 5:
             raise PagedAttentionError(
                 f"{name}: expected a 4-D array [pages, page_size, heads, D], got shape {checks.shape_str(c.shape)} "
-                f"(5-D: a PagedKVCache's layer-major cache; pass one layer, cache.k[layer])")
-    return check_kv_write(new_k, new_v, k_cache, v_cache, plan.host.queries, kv_dtype=kv_dtype, k_scale=k_scale,
-                          v_scale=v_scale, lead=(plan.host.pages, plan.host.page_size))
+                f"(5-D: a PagedKVCache's layer-major cache; pass one layer, cache.k[layer])"
+            )
+    return check_kv_write(
+        new_k,
+        new_v,
+        k_cache,
+        v_cache,
+        plan.host.queries,
+        kv_dtype=kv_dtype,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        lead=(plan.host.pages, plan.host.page_size),
+    )
 
 
-def append(plan: Any, new_k: Array, new_v: Array | None, k_cache: Array, v_cache: Array | None = None, *,
-           kv_dtype: object = None, k_scale: Array | None = None, v_scale: Array | None = None) -> None:
+def append(
+    plan: Any,
+    new_k: Array,
+    new_v: Array | None,
+    k_cache: Array,
+    v_cache: Array | None = None,
+    *,
+    kv_dtype: object = None,
+    k_scale: Array | None = None,
+    v_scale: Array | None = None,
+) -> None:
     """Write new keys and values into the paged caches, in place.
 
     new_k [queries, Hkv, D], new_v [queries, Hkv, Dv]: one row per packed
@@ -271,8 +323,17 @@ def append(plan: Any, new_k: Array, new_v: Array | None, k_cache: Array, v_cache
         _validated.add(host)
     if host.queries == 0:
         return
-    launch_kv_write(plan.stream, "paged_append", w, host.queries, words=plan.words, sequences=host.sequences,
-            table_width=host.table_width, page_size=host.page_size, num_pages=host.pages)
+    launch_kv_write(
+        plan.stream,
+        "paged_append",
+        w,
+        host.queries,
+        words=plan.words,
+        sequences=host.sequences,
+        table_width=host.table_width,
+        page_size=host.page_size,
+        num_pages=host.pages,
+    )
 
 
 def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, **fields: Any) -> None:
@@ -285,29 +346,47 @@ def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, *
     src_v: tuple[int, ...] = (0, 0, 1)
     dst_v: tuple[int, ...] = (0, 0, 0, 1)
     if vc is not None:
-        assert w.src_v is not None and w.dst_v is not None     # check_kv_write: V's strides with v_cache
+        assert w.src_v is not None and w.dst_v is not None  # check_kv_write: V's strides with v_cache
         src_v, dst_v = w.src_v, w.dst_v
     # All heads of a token one contiguous row in the new rows and the caches: one row of Hkv * D.
     heads = hkv
-    if (hkv > 1 and src_k[1] == d and dst_k[2] == d and (vc is None or (src_v[1] == dv and dst_v[2] == dv))
-            and not (w.k_scale_stride or w.v_scale_stride)):
+    if (
+        hkv > 1
+        and src_k[1] == d
+        and dst_k[2] == d
+        and (vc is None or (src_v[1] == dv and dst_v[2] == dv))
+        and not (w.k_scale_stride or w.v_scale_stride)
+    ):
         heads, d, dv = 1, hkv * d, hkv * dv
     arrays = [a for a in (nk, nv, kc, vc) if a is not None]
     if w.quantize:
         isz = nk.itemsize
-        src_vals = [d, dv] + [s * isz for s in src_k[:2] + src_v[:2]] + [address(nk)] + \
-            ([address(nv)] if nv is not None else [])
+        src_vals = (
+            [d, dv]
+            + [s * isz for s in src_k[:2] + src_v[:2]]
+            + [address(nk)]
+            + ([address(nv)] if nv is not None else [])
+        )
         dst_vals = [s for s in dst_k[:3] + dst_v[:3]] + [address(kc)] + ([address(vc)] if vc is not None else [])
-        vec = next(v for v in QUANT_VECS
-                   if d % v == 0 and dv % v == 0 and all(x % min(v * isz, 16) == 0 for x in src_vals[2:])
-                   and all(x % v == 0 for x in dst_vals))
+        vec = next(
+            v
+            for v in QUANT_VECS
+            if d % v == 0
+            and dv % v == 0
+            and all(x % min(v * isz, 16) == 0 for x in src_vals[2:])
+            and all(x % v == 0 for x in dst_vals)
+        )
         units_k, units_v = d // vec, dv // vec
         scale = 1
         defines = {"CP_QUANT": 1, "CP_DTYPE": dtypes.token(nk.dtype), "CP_KV_DTYPE": w.fmt.token, "CP_QVEC": vec}
     else:
         esize = kc.itemsize
-        unit = unit_bytes(d * esize, dv * esize, *(s * esize for s in src_k[:2] + src_v[:2] + dst_k[:3] + dst_v[:3]),
-                          *(address(a) for a in arrays))
+        unit = unit_bytes(
+            d * esize,
+            dv * esize,
+            *(s * esize for s in src_k[:2] + src_v[:2] + dst_k[:3] + dst_v[:3]),
+            *(address(a) for a in arrays),
+        )
         scale = esize / unit
         units_k, units_v = int(d * scale), int(dv * scale)
         defines = {"CP_VEC_BYTES": unit}
@@ -316,14 +395,36 @@ def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, *
         return int(x * scale)
 
     values = dict(
-        new_k=address(nk), new_v=address(nv if nv is not None else nk), k_cache=address(kc),
-        v_cache=address(vc if vc is not None else kc), words=0, slots=0,
-        k_scale=0 if w.k_scale is None else address(w.k_scale), v_scale=0 if w.v_scale is None else address(w.v_scale),
-        num_slots=0, tokens=tokens, sequences=0, table_width=0, page_size=1, num_pages=0, heads=heads,
-        units_k=units_k, units_v=units_v, src_tok_k=st(src_k[0]), src_head_k=st(src_k[1]), src_tok_v=st(src_v[0]),
-        src_head_v=st(src_v[1]), dst_page_k=st(dst_k[0]), dst_slot_k=st(dst_k[1]), dst_head_k=st(dst_k[2]),
-        dst_page_v=st(dst_v[0]), dst_slot_v=st(dst_v[1]), dst_head_v=st(dst_v[2]),
-        k_scale_stride=w.k_scale_stride, v_scale_stride=w.v_scale_stride)
+        new_k=address(nk),
+        new_v=address(nv if nv is not None else nk),
+        k_cache=address(kc),
+        v_cache=address(vc if vc is not None else kc),
+        words=0,
+        slots=0,
+        k_scale=0 if w.k_scale is None else address(w.k_scale),
+        v_scale=0 if w.v_scale is None else address(w.v_scale),
+        num_slots=0,
+        tokens=tokens,
+        sequences=0,
+        table_width=0,
+        page_size=1,
+        num_pages=0,
+        heads=heads,
+        units_k=units_k,
+        units_v=units_v,
+        src_tok_k=st(src_k[0]),
+        src_head_k=st(src_k[1]),
+        src_tok_v=st(src_v[0]),
+        src_head_v=st(src_v[1]),
+        dst_page_k=st(dst_k[0]),
+        dst_slot_k=st(dst_k[1]),
+        dst_head_k=st(dst_k[2]),
+        dst_page_v=st(dst_v[0]),
+        dst_slot_v=st(dst_v[1]),
+        dst_head_v=st(dst_v[2]),
+        k_scale_stride=w.k_scale_stride,
+        v_scale_stride=w.v_scale_stride,
+    )
     refs = arrays + [a for a in (w.k_scale, w.v_scale) if a is not None]
     for k, v in fields.items():
         if k in ("words", "slots"):
@@ -347,8 +448,7 @@ def copy_pages(stream: Stream, k_cache: Array, v_cache: Array, pairs_dev: Array,
     ``cupaged.copy_pages``. No allocation, no synchronization."""
     if num_pairs == 0:
         return
-    layers, pages = (1, int(k_cache.shape[0])) if k_cache.ndim == 4 else (int(k_cache.shape[0]),
-                                                                           int(k_cache.shape[1]))
+    layers, pages = (1, int(k_cache.shape[0])) if k_cache.ndim == 4 else (int(k_cache.shape[0]), int(k_cache.shape[1]))
     esize = k_cache.itemsize
     page_k = int(np.prod(k_cache.shape[-3:])) * esize
     page_v = int(np.prod(v_cache.shape[-3:])) * esize
@@ -359,10 +459,25 @@ def copy_pages(stream: Stream, k_cache: Array, v_cache: Array, pairs_dev: Array,
     chunks = max(1, min(_MAX_GRID_Y, math.ceil(units / (2 * _BLOCK_THREADS))))
     kernel = get_kernel(k_cache, "append", "copy_pages", {"CP_VEC_BYTES": w})
     u64 = np.uint64
-    stream.launch(kernel, (num_pairs, chunks, min(layers, _MAX_GRID_Y)), (_BLOCK_THREADS,),
-                  (k_cache, v_cache, pairs_dev, np.uint32(num_pairs), np.uint32(pages), np.uint32(layers),
-                   np.uint32(page_k // w), np.uint32(page_v // w), u64(pstride[0] // w), u64(pstride[1] // w),
-                   u64(lstride[0] // w), u64(lstride[1] // w)))
+    stream.launch(
+        kernel,
+        (num_pairs, chunks, min(layers, _MAX_GRID_Y)),
+        (_BLOCK_THREADS,),
+        (
+            k_cache,
+            v_cache,
+            pairs_dev,
+            np.uint32(num_pairs),
+            np.uint32(pages),
+            np.uint32(layers),
+            np.uint32(page_k // w),
+            np.uint32(page_v // w),
+            u64(pstride[0] // w),
+            u64(pstride[1] // w),
+            u64(lstride[0] // w),
+            u64(lstride[1] // w),
+        ),
+    )
 
 
 def row_block(units_k: int, units_v: int) -> tuple[int, int]:
@@ -372,16 +487,34 @@ def row_block(units_k: int, units_v: int) -> tuple[int, int]:
     return bx, max(1, _BLOCK_THREADS // bx)
 
 
-def launch_write_slots(stream: Stream, new_k: Array, new_v: Array | None, k_cache: Array, v_cache: Array | None,
-                       slots_dev: Array, tokens: int, *, kv_dtype: object = None, k_scale: Array | None = None,
-                       v_scale: Array | None = None) -> None:
+def launch_write_slots(
+    stream: Stream,
+    new_k: Array,
+    new_v: Array | None,
+    k_cache: Array,
+    v_cache: Array | None,
+    slots_dev: Array,
+    tokens: int,
+    *,
+    kv_dtype: object = None,
+    k_scale: Array | None = None,
+    v_scale: Array | None = None,
+) -> None:
     """One launch of ``write_slots`` (checked public form:
     ``cupaged.write_slots``): row t of new_k / new_v to slot slots_dev[t]
     (int64) of the [pages, page_size, Hkv, D] caches; slots outside
     0 .. pages * page_size - 1 are skipped on the device."""
     if tokens == 0:
         return
-    w = check_kv_write(new_k, new_v, k_cache, v_cache, None, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale,
-                       ref="k_cache")
-    launch_kv_write(stream, "write_slots", w, tokens, slots=slots_dev, page_size=int(k_cache.shape[1]),
-            num_slots=int(k_cache.shape[0]) * int(k_cache.shape[1]))
+    w = check_kv_write(
+        new_k, new_v, k_cache, v_cache, None, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale, ref="k_cache"
+    )
+    launch_kv_write(
+        stream,
+        "write_slots",
+        w,
+        tokens,
+        slots=slots_dev,
+        page_size=int(k_cache.shape[1]),
+        num_slots=int(k_cache.shape[0]) * int(k_cache.shape[1]),
+    )

@@ -7,6 +7,7 @@ can be captured into one graph (on the CPU backend only cupaged's stream work
 is captured, not NumPy expressions). Every function writes into a
 preallocated ``out``, allocates nothing and never synchronizes.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -38,11 +39,16 @@ def embed(tokens, table, out) -> None:
     _same("table", table, out=out)
     backend_of(table=table, tokens=tokens)
     if str(tokens.dtype) != "int64" or tokens.ndim != 1 or not tokens.flags.c_contiguous:
-        raise PagedAttentionError(f"tokens: expected a contiguous int64 [rows] array, got {tokens.dtype} "
-                                  f"{checks.shape_str(tokens.shape)}")
+        raise PagedAttentionError(
+            f"tokens: expected a contiguous int64 [rows] array, got {tokens.dtype} {checks.shape_str(tokens.shape)}"
+        )
     checks.shape_is("out", out, (tokens.shape[0], table.shape[1]))
-    stream_for(out).launch(_kernel(out, "embed"), (tokens.shape[0],), (THREADS,),
-                           (tokens, table, out, np.uint32(table.shape[1]), np.uint32(table.shape[0])))
+    stream_for(out).launch(
+        _kernel(out, "embed"),
+        (tokens.shape[0],),
+        (THREADS,),
+        (tokens, table, out, np.uint32(table.shape[1]), np.uint32(table.shape[0])),
+    )
 
 
 def rms_norm(x, weight, out, eps: float = 1e-6) -> None:
@@ -54,8 +60,9 @@ def rms_norm(x, weight, out, eps: float = 1e-6) -> None:
     _same("x", x, weight=weight, out=out)
     checks.shape_is("weight", weight, x.shape[1:])
     checks.shape_is("out", out, x.shape)
-    stream_for(x).launch(_kernel(x, "rms_norm"), (x.shape[0],), (THREADS,),
-                         (x, weight, out, np.uint32(x.shape[1]), np.float32(eps)))
+    stream_for(x).launch(
+        _kernel(x, "rms_norm"), (x.shape[0],), (THREADS,), (x, weight, out, np.uint32(x.shape[1]), np.float32(eps))
+    )
 
 
 def linear(x, weight, out, *, accumulate: bool = False) -> None:
@@ -66,13 +73,18 @@ def linear(x, weight, out, *, accumulate: bool = False) -> None:
     checks.float_array("out", out, 2)
     _same("x", x, weight=weight, out=out)
     if weight.shape[1] != x.shape[1]:
-        raise PagedAttentionError(f"weight: expected [N, {x.shape[1]}] (K like x), got "
-                                  f"{checks.shape_str(weight.shape)}")
+        raise PagedAttentionError(
+            f"weight: expected [N, {x.shape[1]}] (K like x), got {checks.shape_str(weight.shape)}"
+        )
     checks.shape_is("out", out, (x.shape[0], weight.shape[0]))
     checks.no_overlap("out", out, x=x, weight=weight)
     m, n = x.shape[0], weight.shape[0]
-    stream_for(x).launch(_kernel(x, "linear"), ((n + THREADS // 32 - 1) // (THREADS // 32), m), (THREADS,),
-                         (x, weight, out, np.uint32(n), np.uint32(x.shape[1]), np.uint32(bool(accumulate))))
+    stream_for(x).launch(
+        _kernel(x, "linear"),
+        ((n + THREADS // 32 - 1) // (THREADS // 32), m),
+        (THREADS,),
+        (x, weight, out, np.uint32(n), np.uint32(x.shape[1]), np.uint32(bool(accumulate))),
+    )
 
 
 def linear_heads(x, weight, out, *, accumulate: bool = False) -> None:
@@ -86,19 +98,35 @@ def linear_heads(x, weight, out, *, accumulate: bool = False) -> None:
     _same("x", x, weight=weight, out=out)
     m, h, k = (int(d) for d in x.shape)
     if weight.shape[0] != h or weight.shape[2] != k:
-        raise PagedAttentionError(f"weight: expected [{h}, N, {k}] (heads and K like x), got "
-                                  f"{checks.shape_str(weight.shape)}")
+        raise PagedAttentionError(
+            f"weight: expected [{h}, N, {k}] (heads and K like x), got {checks.shape_str(weight.shape)}"
+        )
     n = int(weight.shape[1])
     checks.shape_is("out", out, (m, h, n))
     checks.no_overlap("out", out, x=x, weight=weight)
     if m > MAX_GRID_Y or h > MAX_GRID_Y:
-        raise PagedAttentionError(f"x: expected at most {MAX_GRID_Y} rows and heads (grid limits), got "
-                                  f"{checks.shape_str(x.shape)}")
+        raise PagedAttentionError(
+            f"x: expected at most {MAX_GRID_Y} rows and heads (grid limits), got {checks.shape_str(x.shape)}"
+        )
     if m == 0 or n == 0:
         return
-    stream_for(x).launch(_kernel(x, "linear_heads"), ((n + THREADS // 32 - 1) // (THREADS // 32), m, h),
-                         (THREADS,), (x, weight, out, np.uint32(n), np.uint32(k), np.uint32(h * k), np.uint32(k),
-                                      np.uint32(h * n), np.uint32(n), np.uint32(bool(accumulate))))
+    stream_for(x).launch(
+        _kernel(x, "linear_heads"),
+        ((n + THREADS // 32 - 1) // (THREADS // 32), m, h),
+        (THREADS,),
+        (
+            x,
+            weight,
+            out,
+            np.uint32(n),
+            np.uint32(k),
+            np.uint32(h * k),
+            np.uint32(k),
+            np.uint32(h * n),
+            np.uint32(n),
+            np.uint32(bool(accumulate)),
+        ),
+    )
 
 
 def bias_add(x, bias) -> None:
@@ -127,20 +155,35 @@ def rope(x, positions, cos, sin, *, position_stride: int = 1) -> None:
         raise PagedAttentionError(f"x: expected an even head dim, got {x.shape[2]}")
     half = x.shape[2] // 2
     for name, t in (("cos", cos), ("sin", sin)):
-        if str(t.dtype) != "float32" or t.ndim != 2 or t.shape[1] != half or not t.flags.c_contiguous \
-                or t.shape[0] < 1:
-            raise PagedAttentionError(f"{name}: expected a contiguous float32 [max_pos, {half}] table, got "
-                                      f"{t.dtype} {checks.shape_str(t.shape)}")
+        if str(t.dtype) != "float32" or t.ndim != 2 or t.shape[1] != half or not t.flags.c_contiguous or t.shape[0] < 1:
+            raise PagedAttentionError(
+                f"{name}: expected a contiguous float32 [max_pos, {half}] table, got "
+                f"{t.dtype} {checks.shape_str(t.shape)}"
+            )
     checks.shape_is("sin", sin, cos.shape)
     if str(positions.dtype) not in ("uint32", "int32") or not positions.flags.c_contiguous:
         raise PagedAttentionError(f"positions: expected a contiguous uint32 array, got {positions.dtype}")
     need = (x.shape[0] - 1) * position_stride + 1 if x.shape[0] else 0
     if position_stride < 1 or positions.size < need:
-        raise PagedAttentionError(f"positions: expected at least {need} words for {x.shape[0]} rows with "
-                                  f"stride {position_stride}, got {positions.size}")
-    stream_for(x).launch(_kernel(x, "rope"), (x.shape[0],), (THREADS,),
-                         (x, positions, np.uint32(position_stride), cos, sin, np.uint32(x.shape[1]),
-                          np.uint32(x.shape[2]), np.uint32(cos.shape[0])))
+        raise PagedAttentionError(
+            f"positions: expected at least {need} words for {x.shape[0]} rows with "
+            f"stride {position_stride}, got {positions.size}"
+        )
+    stream_for(x).launch(
+        _kernel(x, "rope"),
+        (x.shape[0],),
+        (THREADS,),
+        (
+            x,
+            positions,
+            np.uint32(position_stride),
+            cos,
+            sin,
+            np.uint32(x.shape[1]),
+            np.uint32(x.shape[2]),
+            np.uint32(cos.shape[0]),
+        ),
+    )
 
 
 def silu_mul(gate_up, out) -> None:
@@ -152,5 +195,6 @@ def silu_mul(gate_up, out) -> None:
         raise PagedAttentionError(f"gate_up: expected an even last dim, got {gate_up.shape[1]}")
     checks.shape_is("out", out, (gate_up.shape[0], gate_up.shape[1] // 2))
     checks.no_overlap("out", out, gate_up=gate_up)
-    stream_for(out).launch(_kernel(out, "silu_mul"), (out.shape[0],), (THREADS,),
-                           (gate_up, out, np.uint32(out.shape[1])))
+    stream_for(out).launch(
+        _kernel(out, "silu_mul"), (out.shape[0],), (THREADS,), (gate_up, out, np.uint32(out.shape[1]))
+    )

@@ -11,6 +11,7 @@ NaN counts as larger than every number, so the first NaN of a row wins, as with
 
 Memory traffic: read ``batch * vocab`` elements, write ``batch`` int64.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,8 +22,8 @@ from ..errors import PagedAttentionError
 
 register("sampling", [{"CP_DTYPE": t} for t in dtypes.QUERY_TOKENS])
 
-MAX_VOCAB = 2 ** 31 - 1          # indices are 32-bit inside the kernel
-MAX_BATCH = 2 ** 31 - 1          # one block per row: the grid.x limit
+MAX_VOCAB = 2**31 - 1  # indices are 32-bit inside the kernel
+MAX_BATCH = 2**31 - 1  # one block per row: the grid.x limit
 _VECTOR_BYTES = 16
 _MAX_THREADS = 1024
 
@@ -30,19 +31,20 @@ _MAX_THREADS = 1024
 def _check_logits(logits) -> None:
     if logits.ndim != 2:
         raise PagedAttentionError(
-            f"logits: expected a 2-D array [batch, vocab], got shape {checks.shape_str(logits.shape)}")
+            f"logits: expected a 2-D array [batch, vocab], got shape {checks.shape_str(logits.shape)}"
+        )
     checks.float_array("logits", logits, 2)
     batch, vocab = logits.shape
     if vocab < 1 or vocab > MAX_VOCAB:
         raise PagedAttentionError(
-            f"logits: expected vocab in 1..{MAX_VOCAB}, got shape {checks.shape_str(logits.shape)}")
+            f"logits: expected vocab in 1..{MAX_VOCAB}, got shape {checks.shape_str(logits.shape)}"
+        )
     if batch > MAX_BATCH:
-        raise PagedAttentionError(
-            f"logits: expected batch <= {MAX_BATCH}, got shape {checks.shape_str(logits.shape)}")
+        raise PagedAttentionError(f"logits: expected batch <= {MAX_BATCH}, got shape {checks.shape_str(logits.shape)}")
     if address(logits) % logits.itemsize:
         raise PagedAttentionError(
-            f"logits: expected an address aligned to its {logits.itemsize}-byte elements, "
-            f"got {address(logits):#x}")
+            f"logits: expected an address aligned to its {logits.itemsize}-byte elements, got {address(logits):#x}"
+        )
 
 
 def _check_out(out, logits) -> None:
@@ -81,8 +83,7 @@ def argmax_into(logits, out):
     if batch == 0:
         return out
     kernel = get_kernel(logits, "sampling", "row_argmax", {"CP_DTYPE": dtypes.token(logits.dtype)})
-    stream_for(logits).launch(kernel, (batch,), (block_size(vocab, logits.itemsize),),
-                              (logits, out, np.uint32(vocab)))
+    stream_for(logits).launch(kernel, (batch,), (block_size(vocab, logits.itemsize),), (logits, out, np.uint32(vocab)))
     return out
 
 

@@ -15,6 +15,7 @@ a failed check). ``copy_pages`` moves raw bytes (bit-exact for every dtype,
 fp8 included); ``write_slots`` copies rows bit for bit into a cache of their
 dtype and quantizes them into an fp8 one.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -45,7 +46,8 @@ def _caches(k_cache, v_cache, ranks) -> None:
     if v_cache.ndim != k_cache.ndim or tuple(v_cache.shape[:-1]) != tuple(k_cache.shape[:-1]):
         raise PagedAttentionError(
             f"v_cache: expected shape [{', '.join(str(x) for x in k_cache.shape[:-1])}, Dv] like k_cache, got "
-            f"{checks.shape_str(v_cache.shape)}")
+            f"{checks.shape_str(v_cache.shape)}"
+        )
     checks.no_overlap("k_cache", k_cache, v_cache=v_cache)
 
 
@@ -54,19 +56,22 @@ def check_slot_mapping(slots: np.ndarray, num_slots: int, name: str = "slot_mapp
     bad = (slots < -1) | (slots >= num_slots)
     if bad.any():
         t = int(np.argmax(bad))
-        raise PagedAttentionError(f"{name}[{t}]: expected -1 (skip) or a slot in 0..{num_slots - 1} "
-                                  f"(pages x page_size), got {int(slots[t])}")
+        raise PagedAttentionError(
+            f"{name}[{t}]: expected -1 (skip) or a slot in 0..{num_slots - 1} (pages x page_size), got {int(slots[t])}"
+        )
     used = slots[slots >= 0]
     uniq, counts = np.unique(used, return_counts=True)
     if (counts > 1).any():
         slot = int(uniq[counts > 1][0])
         who = np.nonzero(slots == slot)[0][:2]
-        raise PagedAttentionError(f"{name}: tokens {who[0]} and {who[1]} both write slot {slot}; "
-                                  f"expected each slot at most once")
+        raise PagedAttentionError(
+            f"{name}: tokens {who[0]} and {who[1]} both write slot {slot}; expected each slot at most once"
+        )
 
 
-def write_slots(new_k, new_v, k_cache, v_cache, slot_mapping, *, validate: bool = False, kv_dtype=None,
-                k_scale=None, v_scale=None) -> None:
+def write_slots(
+    new_k, new_v, k_cache, v_cache, slot_mapping, *, validate: bool = False, kv_dtype=None, k_scale=None, v_scale=None
+) -> None:
     """Write new_k [tokens, Hkv, D] and new_v [tokens, Hkv, Dv] into
     k_cache [pages, page_size, Hkv, D] and v_cache [pages, page_size, Hkv, Dv]
     (one layer, e.g. ``cache.k[layer]``) at ``slot_mapping`` int64 [tokens]:
@@ -91,8 +96,9 @@ def write_slots(new_k, new_v, k_cache, v_cache, slot_mapping, *, validate: bool 
     """
     if new_v is None or v_cache is None:
         raise PagedAttentionError("new_v, v_cache: expected arrays (write_slots writes K and V)")
-    w = check_kv_write(new_k, new_v, k_cache, v_cache, None, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale,
-                       ref="k_cache")
+    w = check_kv_write(
+        new_k, new_v, k_cache, v_cache, None, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale, ref="k_cache"
+    )
     tokens = int(new_k.shape[0])
     num_slots = int(k_cache.shape[0]) * int(k_cache.shape[1])
     stream = stream_for(k_cache)
@@ -100,8 +106,10 @@ def write_slots(new_k, new_v, k_cache, v_cache, slot_mapping, *, validate: bool 
     if device_map:
         backend_of(k_cache=k_cache, slot_mapping=slot_mapping)
         if str(slot_mapping.dtype) != "int64" or slot_mapping.ndim != 1 or not slot_mapping.flags.c_contiguous:
-            raise PagedAttentionError(f"slot_mapping: expected a contiguous int64 [tokens] array, got "
-                                      f"{slot_mapping.dtype} {checks.shape_str(slot_mapping.shape)}")
+            raise PagedAttentionError(
+                f"slot_mapping: expected a contiguous int64 [tokens] array, got "
+                f"{slot_mapping.dtype} {checks.shape_str(slot_mapping.shape)}"
+            )
         checks.shape_is("slot_mapping", slot_mapping, (tokens,))
         if validate:
             check_slot_mapping(stream.read(slot_mapping), num_slots)
@@ -117,8 +125,9 @@ def write_slots(new_k, new_v, k_cache, v_cache, slot_mapping, *, validate: bool 
         else:
             slots_dev = np.ascontiguousarray(host, np.int64)
     if tokens:
-        launch_kv_write(stream, "write_slots", w, tokens, slots=slots_dev, page_size=int(k_cache.shape[1]),
-                        num_slots=num_slots)
+        launch_kv_write(
+            stream, "write_slots", w, tokens, slots=slots_dev, page_size=int(k_cache.shape[1]), num_slots=num_slots
+        )
 
 
 def copy_pages(k_cache, v_cache, src, dst) -> None:
@@ -143,13 +152,16 @@ def copy_pages(k_cache, v_cache, src, dst) -> None:
     if (counts > 1).any():
         page = int(uniq[counts > 1][0])
         who = np.nonzero(d == page)[0][:2]
-        raise PagedAttentionError(f"dst: entries {who[0]} and {who[1]} both name page {page}; expected "
-                                  f"distinct destinations")
+        raise PagedAttentionError(
+            f"dst: entries {who[0]} and {who[1]} both name page {page}; expected distinct destinations"
+        )
     both = np.isin(d, s)
     if both.any():
         i = int(np.argmax(both))
-        raise PagedAttentionError(f"dst[{i}]: page {int(d[i])} is also a source; expected destinations "
-                                  f"that are not copied from in the same call")
+        raise PagedAttentionError(
+            f"dst[{i}]: page {int(d[i])} is also a source; expected destinations "
+            f"that are not copied from in the same call"
+        )
     n = int(s.shape[0])
     if n == 0:
         return

@@ -7,6 +7,7 @@ ids, lengths that are not multiples of the page size, every unused cache slot
 sentinel in every page-table entry past a sequence's length. A kernel that
 reads anything it should not reads NaN or an out-of-range page.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +22,7 @@ from . import reference
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike, DTypeLike
 
-PAGE_SENTINEL = 2 ** 30
+PAGE_SENTINEL = 2**30
 """Default value of page-table entries past a sequence's length."""
 
 
@@ -59,8 +60,8 @@ def as_dtype(dtype: DTypeLike) -> np.dtype:
 #: exact and the scales apply in f32, so the kernels' error budget is that
 #: of their f16 / bf16 operands (tolerance(q.dtype)).
 FP8_ROUND_TRIP = {
-    "float8_e4m3fn": (2.0 ** -10, 2.0 ** -4),
-    "float8_e5m2": (2.0 ** -17, 2.0 ** -3),
+    "float8_e4m3fn": (2.0**-10, 2.0**-4),
+    "float8_e5m2": (2.0**-17, 2.0**-3),
 }
 
 
@@ -82,12 +83,14 @@ def assert_close(actual: ArrayLike, expected: ArrayLike, dtype: DTypeLike, what:
     must match exactly, NaN must match NaN."""
     atol, rtol = tolerance(dtype)
     got = np.asarray(actual).astype(np.float64)
-    np.testing.assert_allclose(got, np.asarray(expected, dtype=np.float64), atol=atol, rtol=rtol,
-                               equal_nan=True, err_msg=what)
+    np.testing.assert_allclose(
+        got, np.asarray(expected, dtype=np.float64), atol=atol, rtol=rtol, equal_nan=True, err_msg=what
+    )
 
 
-def random_lengths(rng: np.random.Generator, sequences: int, max_len: int, page_size: int,
-                   min_len: int = 1) -> np.ndarray:
+def random_lengths(
+    rng: np.random.Generator, sequences: int, max_len: int, page_size: int, min_len: int = 1
+) -> np.ndarray:
     """``sequences`` lengths in [min_len, max_len], none a multiple of
     ``page_size`` (when page_size > 1 and the range allows), int32."""
     lens = rng.integers(min_len, max_len + 1, size=sequences)
@@ -98,12 +101,12 @@ def random_lengths(rng: np.random.Generator, sequences: int, max_len: int, page_
 
 
 def _q_lens(kv_lens: np.ndarray, q_lens: int | ArrayLike | None) -> np.ndarray:
-    if q_lens is None:                       # decode: one new token per non-empty sequence
+    if q_lens is None:  # decode: one new token per non-empty sequence
         q_lens = np.minimum(kv_lens, 1)
     elif np.isscalar(q_lens):
         q_lens = np.minimum(kv_lens, int(q_lens))  # type: ignore[arg-type]  # int() raises for a scalar it cannot take
     q_lens = np.asarray(q_lens, dtype=np.int32)
-    if q_lens.shape != kv_lens.shape or np.any(q_lens < 0):     # q_lens > kv_lens: a non-causal-only case
+    if q_lens.shape != kv_lens.shape or np.any(q_lens < 0):  # q_lens > kv_lens: a non-causal-only case
         raise ValueError(f"q_lens: expected {kv_lens.shape} values >= 0, got {q_lens.tolist()}")
     return q_lens
 
@@ -136,16 +139,30 @@ class PagedLayout:
 
     def map(self: _Layout, fn: Callable[[np.ndarray], Any]) -> _Layout:
         """A copy with ``fn`` applied to every array field (e.g. ``cupy.asarray``)."""
-        return dataclasses.replace(self, **{f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), np.ndarray)})
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: fn(getattr(self, f.name))
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), np.ndarray)
+            },
+        )
 
 
-def random_page_table(rng: np.random.Generator, lengths: ArrayLike, page_size: int, num_pages: int, *,
-                      extra_cols: int = 0, unused_entry: int = -1, dtype: DTypeLike = np.int64) -> np.ndarray:
+def random_page_table(
+    rng: np.random.Generator,
+    lengths: ArrayLike,
+    page_size: int,
+    num_pages: int,
+    *,
+    extra_cols: int = 0,
+    unused_entry: int = -1,
+    dtype: DTypeLike = np.int64,
+) -> np.ndarray:
     """A page table [len(lengths), max pages + extra_cols] giving each
     sequence ceil(length / page_size) distinct pages, taken in order from a
     random permutation of 0..num_pages-1; ``unused_entry`` everywhere else."""
-    need = -(-np.asarray(lengths, dtype=np.int64) // page_size)        # pages per sequence
+    need = -(-np.asarray(lengths, dtype=np.int64) // page_size)  # pages per sequence
     if int(need.sum()) > num_pages:
         raise ValueError(f"num_pages: {num_pages} pages cannot hold {int(need.sum())} pages of sequences")
     width = int(need.max(initial=0)) + extra_cols
@@ -153,14 +170,20 @@ def random_page_table(rng: np.random.Generator, lengths: ArrayLike, page_size: i
     table = np.full((len(need), max(width, 1)), unused_entry, dtype=dtype)
     start = 0
     for s, n in enumerate(need):
-        table[s, :n] = perm[start:start + n]
+        table[s, :n] = perm[start : start + n]
         start += n
     return table
 
 
-def make_layout(rng: np.random.Generator, kv_lens: ArrayLike, q_lens: int | ArrayLike | None = None,
-                page_size: int = 16, extra_pages: int = 2, extra_table_cols: int = 1,
-                unused_entry: int = PAGE_SENTINEL) -> PagedLayout:
+def make_layout(
+    rng: np.random.Generator,
+    kv_lens: ArrayLike,
+    q_lens: int | ArrayLike | None = None,
+    page_size: int = 16,
+    extra_pages: int = 2,
+    extra_table_cols: int = 1,
+    unused_entry: int = PAGE_SENTINEL,
+) -> PagedLayout:
     """A random paged layout for ``kv_lens``.
 
     Pages are a random permutation of ``sum(ceil(kv_lens / page_size)) +
@@ -172,8 +195,9 @@ def make_layout(rng: np.random.Generator, kv_lens: ArrayLike, q_lens: int | Arra
     kv = np.asarray(kv_lens, dtype=np.int32)
     q = _q_lens(kv, q_lens)
     pages = int((-(-kv.astype(np.int64) // page_size)).sum()) + extra_pages
-    table = random_page_table(rng, kv, page_size, pages, extra_cols=extra_table_cols, unused_entry=unused_entry,
-                              dtype=np.int32)
+    table = random_page_table(
+        rng, kv, page_size, pages, extra_cols=extra_table_cols, unused_entry=unused_entry, dtype=np.int32
+    )
     used = np.zeros((pages, page_size), dtype=bool)
     for s in range(len(kv)):
         t = np.arange(kv[s])
@@ -205,8 +229,9 @@ class PagedCase(PagedLayout):
 
     def reference(self, causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """(out [queries, Hq, Dv], lse [queries, Hq]) from ``reference.paged_attention``."""
-        return reference.paged_attention(self.q, self.k_cache, self.v_cache, self.page_table,
-                                         self.kv_lens, self.q_lens, self.scale, causal)
+        return reference.paged_attention(
+            self.q, self.k_cache, self.v_cache, self.page_table, self.kv_lens, self.q_lens, self.scale, causal
+        )
 
 
 @dataclasses.dataclass
@@ -226,8 +251,9 @@ class MlaCase(PagedLayout):
 
     def reference(self, causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """(out [queries, H, R], lse [queries, H]) from ``reference.paged_mla``."""
-        return reference.paged_mla(self.q, self.q_pos, self.latent, self.k_pos, self.page_table,
-                                   self.kv_lens, self.q_lens, self.scale, causal)
+        return reference.paged_mla(
+            self.q, self.q_pos, self.latent, self.k_pos, self.page_table, self.kv_lens, self.q_lens, self.scale, causal
+        )
 
 
 def _layout_args(rng, kv_lens, sequences, max_kv_len, page_size):
@@ -236,12 +262,24 @@ def _layout_args(rng, kv_lens, sequences, max_kv_len, page_size):
     return kv_lens
 
 
-def make_paged_case(rng: np.random.Generator, *, kv_lens: ArrayLike | None = None,
-                    q_lens: int | ArrayLike | None = None, sequences: int = 3,
-                    max_kv_len: int = 48, page_size: int = 16, num_q_heads: int = 4,
-                    num_kv_heads: int | None = None, head_dim: int = 64, head_dim_v: int | None = None,
-                    dtype: DTypeLike = "f16", scale: float | None = None, extra_pages: int = 2,
-                    extra_table_cols: int = 1, unused_entry: int = PAGE_SENTINEL) -> PagedCase:
+def make_paged_case(
+    rng: np.random.Generator,
+    *,
+    kv_lens: ArrayLike | None = None,
+    q_lens: int | ArrayLike | None = None,
+    sequences: int = 3,
+    max_kv_len: int = 48,
+    page_size: int = 16,
+    num_q_heads: int = 4,
+    num_kv_heads: int | None = None,
+    head_dim: int = 64,
+    head_dim_v: int | None = None,
+    dtype: DTypeLike = "f16",
+    scale: float | None = None,
+    extra_pages: int = 2,
+    extra_table_cols: int = 1,
+    unused_entry: int = PAGE_SENTINEL,
+) -> PagedCase:
     """A random paged attention case (see the module docstring).
 
     kv_lens: [sequences] or None for ``random_lengths(rng, sequences,
@@ -250,30 +288,61 @@ def make_paged_case(rng: np.random.Generator, *, kv_lens: ArrayLike | None = Non
     1/sqrt(head_dim). Arrays are float ``dtype`` ("f32", "f16", "bf16" or a
     dtype); lengths and the page table int32.
     """
-    layout = make_layout(rng, _layout_args(rng, kv_lens, sequences, max_kv_len, page_size), q_lens,
-                         page_size, extra_pages, extra_table_cols, unused_entry)
+    layout = make_layout(
+        rng,
+        _layout_args(rng, kv_lens, sequences, max_kv_len, page_size),
+        q_lens,
+        page_size,
+        extra_pages,
+        extra_table_cols,
+        unused_entry,
+    )
     hkv = num_q_heads if num_kv_heads is None else num_kv_heads
     dv = head_dim if head_dim_v is None else head_dim_v
     q = rng.standard_normal((layout.num_queries, num_q_heads, head_dim)).astype(as_dtype(dtype))
-    return PagedCase(**dataclasses.asdict(layout), q=q,
-                     k_cache=_poisoned_cache(rng, layout, hkv, head_dim, dtype),
-                     v_cache=_poisoned_cache(rng, layout, hkv, dv, dtype),
-                     scale=float(head_dim ** -0.5 if scale is None else scale))
+    return PagedCase(
+        **dataclasses.asdict(layout),
+        q=q,
+        k_cache=_poisoned_cache(rng, layout, hkv, head_dim, dtype),
+        v_cache=_poisoned_cache(rng, layout, hkv, dv, dtype),
+        scale=float(head_dim**-0.5 if scale is None else scale),
+    )
 
 
-def make_mla_case(rng: np.random.Generator, *, kv_lens: ArrayLike | None = None,
-                  q_lens: int | ArrayLike | None = None, sequences: int = 3,
-                  max_kv_len: int = 48, page_size: int = 16, num_heads: int = 4, latent_dim: int = 64,
-                  pos_dim: int = 16, dtype: DTypeLike = "bf16", scale: float | None = None, extra_pages: int = 2,
-                  extra_table_cols: int = 1, unused_entry: int = PAGE_SENTINEL) -> MlaCase:
+def make_mla_case(
+    rng: np.random.Generator,
+    *,
+    kv_lens: ArrayLike | None = None,
+    q_lens: int | ArrayLike | None = None,
+    sequences: int = 3,
+    max_kv_len: int = 48,
+    page_size: int = 16,
+    num_heads: int = 4,
+    latent_dim: int = 64,
+    pos_dim: int = 16,
+    dtype: DTypeLike = "bf16",
+    scale: float | None = None,
+    extra_pages: int = 2,
+    extra_table_cols: int = 1,
+    unused_entry: int = PAGE_SENTINEL,
+) -> MlaCase:
     """A random paged MLA case; arguments as in ``make_paged_case``. scale
     defaults to 1/sqrt(latent_dim + pos_dim)."""
-    layout = make_layout(rng, _layout_args(rng, kv_lens, sequences, max_kv_len, page_size), q_lens,
-                         page_size, extra_pages, extra_table_cols, unused_entry)
+    layout = make_layout(
+        rng,
+        _layout_args(rng, kv_lens, sequences, max_kv_len, page_size),
+        q_lens,
+        page_size,
+        extra_pages,
+        extra_table_cols,
+        unused_entry,
+    )
     n, dt = layout.num_queries, as_dtype(dtype)
-    return MlaCase(**dataclasses.asdict(layout),
-                   q=rng.standard_normal((n, num_heads, latent_dim)).astype(dt),
-                   q_pos=rng.standard_normal((n, num_heads, pos_dim)).astype(dt),
-                   latent=_poisoned_cache(rng, layout, 1, latent_dim, dtype),
-                   k_pos=_poisoned_cache(rng, layout, 1, pos_dim, dtype),
-                   scale=float((latent_dim + pos_dim) ** -0.5 if scale is None else scale))
+    return MlaCase(
+        **dataclasses.asdict(layout),
+        q=rng.standard_normal((n, num_heads, latent_dim)).astype(dt),
+        q_pos=rng.standard_normal((n, num_heads, pos_dim)).astype(dt),
+        latent=_poisoned_cache(rng, layout, 1, latent_dim, dtype),
+        k_pos=_poisoned_cache(rng, layout, 1, pos_dim, dtype),
+        scale=float((latent_dim + pos_dim) ** -0.5 if scale is None else scale),
+    )

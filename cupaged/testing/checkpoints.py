@@ -7,6 +7,7 @@ the comparisons with transformers use its own ``save_pretrained``.
     folder = write_random_checkpoint(tmp, "LlamaForCausalLM", hidden_size=128)
     engine = cupaged.Engine.from_pretrained(folder, like=np.zeros(1, np.float32))
 """
+
 from __future__ import annotations
 
 import json
@@ -22,13 +23,29 @@ if TYPE_CHECKING:
     from numpy.typing import DTypeLike
 
 #: NumPy dtype names -> safetensors dtype names.
-_ST_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-             "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-             "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+_ST_NAMES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
 
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3", "DeepseekV2ForCausalLM": "deepseek_v2",
-                "DeepseekV3ForCausalLM": "deepseek_v3"}
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
 
 
 def save_safetensors(path: str | os.PathLike[str], tensors: dict, metadata: dict | None = None) -> Path:
@@ -40,8 +57,11 @@ def save_safetensors(path: str | os.PathLike[str], tensors: dict, metadata: dict
     for name, a in tensors.items():
         a = np.ascontiguousarray(a)
         b = a.tobytes()
-        header[name] = {"dtype": _ST_NAMES[a.dtype.name], "shape": list(a.shape), "data_offsets": [offset,
-                                                                                                  offset + len(b)]}
+        header[name] = {
+            "dtype": _ST_NAMES[a.dtype.name],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + len(b)],
+        }
         blobs.append(b)
         offset += len(b)
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -69,14 +89,33 @@ def save_raw_safetensors(path: str | os.PathLike[str], header: dict | str | byte
 def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dict:
     """A small config.json dict of ``architecture`` (2 layers, hidden 64,
     vocab 256), with ``overrides`` applied."""
-    cfg = {"architectures": [architecture], "model_type": _MODEL_TYPES.get(architecture, "llama"),
-           "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-           "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": False,
-           "bos_token_id": None, "eos_token_id": None}
+    cfg = {
+        "architectures": [architecture],
+        "model_type": _MODEL_TYPES.get(architecture, "llama"),
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
     if architecture.startswith("Deepseek"):
-        cfg.update(kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-                   first_k_dense_replace=cfg["num_hidden_layers"], n_routed_experts=None)
+        cfg.update(
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            first_k_dense_replace=cfg["num_hidden_layers"],
+            n_routed_experts=None,
+        )
     cfg.update(overrides)
     if architecture.startswith("Deepseek") and "first_k_dense_replace" not in overrides:
         cfg["first_k_dense_replace"] = cfg["num_hidden_layers"]
@@ -110,8 +149,7 @@ def random_weights(config: dict, *, seed: int = 0, std: float = 0.2, dtype: DTyp
             if config.get("mlp_bias"):
                 out[p + f"mlp.{name}.bias"] = w(shape[0])
         if arch.startswith("Deepseek"):
-            R, P, Dn, Dv = (config[k] for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
-                                                "v_head_dim"))
+            R, P, Dn, Dv = (config[k] for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
             ql = config.get("q_lora_rank")
             bias = config.get("attention_bias", False)
             if ql:
@@ -150,8 +188,15 @@ def random_weights(config: dict, *, seed: int = 0, std: float = 0.2, dtype: DTyp
     return out
 
 
-def write_random_checkpoint(folder: str | os.PathLike[str], architecture: str = "LlamaForCausalLM", *, seed: int = 0,
-                            std: float = 0.2, dtype: DTypeLike = "float32", **overrides: Any) -> Path:
+def write_random_checkpoint(
+    folder: str | os.PathLike[str],
+    architecture: str = "LlamaForCausalLM",
+    *,
+    seed: int = 0,
+    std: float = 0.2,
+    dtype: DTypeLike = "float32",
+    **overrides: Any,
+) -> Path:
     """``folder`` (created) with ``tiny_config(architecture, **overrides)``
     as config.json and random weights as model.safetensors. Returns it."""
     folder = Path(folder)

@@ -22,13 +22,14 @@ Paged layout (the one definition the kernels follow):
 * LSE is the natural log of ``sum(exp(score))``. A query that sees no key
   has output 0 and LSE ``-inf``.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 
 def _f64(x) -> np.ndarray:
-    with np.errstate(invalid="ignore"):          # a signalling NaN casts to a quiet NaN
+    with np.errstate(invalid="ignore"):  # a signalling NaN casts to a quiet NaN
         return np.asarray(x).astype(np.float64)
 
 
@@ -45,6 +46,7 @@ def _lengths(kv_lens, q_lens) -> tuple[np.ndarray, np.ndarray]:
 # --------------------------------------------------------------------------
 # Positions and gathering
 # --------------------------------------------------------------------------
+
 
 def query_positions(kv_lens, q_lens) -> tuple[np.ndarray, np.ndarray]:
     """Sequence and absolute position of every packed query.
@@ -83,6 +85,7 @@ def gather_kv(cache, page_table, s: int, length: int) -> np.ndarray:
 # Attention
 # --------------------------------------------------------------------------
 
+
 def _attend(q, k, v, scale: float) -> tuple[np.ndarray, np.ndarray]:
     """Softmax attention of one query over ``n`` keys, GQA by head grouping.
 
@@ -92,19 +95,21 @@ def _attend(q, k, v, scale: float) -> tuple[np.ndarray, np.ndarray]:
     hq, hkv, dv = q.shape[0], k.shape[1], v.shape[2]
     if k.shape[0] == 0:
         return np.zeros((hq, dv)), np.full(hq, -np.inf)
-    kv_head = np.arange(hq) // (hq // hkv)            # query head h uses kv head h // group
-    scores = scale * np.einsum("hd,nhd->hn", q, k[:, kv_head])    # [Hq, n]
-    m = scores.max(axis=1, keepdims=True)              # subtract the max: exp never overflows
-    p = np.exp(scores - m)                             # [Hq, n]
-    total = p.sum(axis=1)                              # [Hq]
+    kv_head = np.arange(hq) // (hq // hkv)  # query head h uses kv head h // group
+    scores = scale * np.einsum("hd,nhd->hn", q, k[:, kv_head])  # [Hq, n]
+    m = scores.max(axis=1, keepdims=True)  # subtract the max: exp never overflows
+    p = np.exp(scores - m)  # [Hq, n]
+    total = p.sum(axis=1)  # [Hq]
     out = np.einsum("hn,nhd->hd", p, v[:, kv_head]) / total[:, None]
     return out, m[:, 0] + np.log(total)
 
 
 def _check_attention_shapes(q, k_cache, v_cache, page_table, kv_lens, q_lens) -> None:
     if q.ndim != 3 or k_cache.ndim != 4 or v_cache.ndim != 4:
-        raise ValueError(f"expected q [queries, Hq, D] and caches [pages, page_size, Hkv, D], got "
-                         f"{q.shape}, {k_cache.shape}, {v_cache.shape}")
+        raise ValueError(
+            f"expected q [queries, Hq, D] and caches [pages, page_size, Hkv, D], got "
+            f"{q.shape}, {k_cache.shape}, {v_cache.shape}"
+        )
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"cache shapes do not match: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
     if q.shape[1] % k_cache.shape[2]:
@@ -124,11 +129,11 @@ def _paged_attention_ranges(q, k_cache, v_cache, page_table, kv_lens, q_lens, sc
     q_seq, _ = query_positions(kv_lens, q_lens)
     seen = visible_lengths(kv_lens, q_lens, causal)
     q64 = _f64(q)
-    out = np.zeros(q.shape[:2] + (v_cache.shape[3],))   # [queries, Hq, Dv]
-    lse = np.full(q.shape[:2], -np.inf)                  # [queries, Hq]
+    out = np.zeros(q.shape[:2] + (v_cache.shape[3],))  # [queries, Hq, Dv]
+    lse = np.full(q.shape[:2], -np.inf)  # [queries, Hq]
     for s in range(len(kv)):
-        keys = gather_kv(k_cache, page_table, s, kv[s])      # [kv_len, Hkv, D]
-        values = gather_kv(v_cache, page_table, s, kv[s])    # [kv_len, Hkv, Dv]
+        keys = gather_kv(k_cache, page_table, s, kv[s])  # [kv_len, Hkv, D]
+        values = gather_kv(v_cache, page_table, s, kv[s])  # [kv_len, Hkv, Dv]
         lo, hi = key_range(s)
         for i in np.nonzero(q_seq == s)[0]:
             stop = min(hi, seen[i])
@@ -137,8 +142,9 @@ def _paged_attention_ranges(q, k_cache, v_cache, page_table, kv_lens, q_lens, sc
     return out, lse
 
 
-def paged_attention(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: float,
-                    causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def paged_attention(
+    q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: float, causal: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """Paged multi-/grouped-query attention for packed queries.
 
     q: [queries, Hq, D]; k_cache: [pages, page_size, Hkv, D];
@@ -148,8 +154,9 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: flo
 
     Returns (out [queries, Hq, Dv] float64, lse [queries, Hq] float64).
     """
-    return _paged_attention_ranges(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale, causal,
-                                   lambda s: (0, np.iinfo(np.int64).max))
+    return _paged_attention_ranges(
+        q, k_cache, v_cache, page_table, kv_lens, q_lens, scale, causal, lambda s: (0, np.iinfo(np.int64).max)
+    )
 
 
 def _soft_cap(x, cap, head, q_pos, k_pos):
@@ -167,8 +174,20 @@ def _alibi(x, slopes, head, q_pos, k_pos):
 LOGIT_HOOKS = {"soft_cap": _soft_cap, "alibi_slopes": _alibi}
 
 
-def scored_attention(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: float, causal: bool = True, *,
-                     window=None, sinks=None, **logit_options) -> tuple[np.ndarray, np.ndarray]:
+def scored_attention(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    kv_lens,
+    q_lens,
+    scale: float,
+    causal: bool = True,
+    *,
+    window=None,
+    sinks=None,
+    **logit_options,
+) -> tuple[np.ndarray, np.ndarray]:
     """Paged attention with the score variants (docs/layout.md, "Score
     variants and visibility"), written from their definitions; shapes as in
     ``paged_attention``. Query i of sequence s sits at position
@@ -195,8 +214,9 @@ def scored_attention(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: fl
     if causal and np.any((ql > kv) & (kv > 0)):
         raise ValueError("causal attention needs q_lens <= kv_lens where kv_lens > 0")
     if q.ndim != 3 or k_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3] or q.shape[0] != ql.sum():
-        raise ValueError(f"shapes do not match: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}, "
-                         f"q_lens sum {int(ql.sum())}")
+        raise ValueError(
+            f"shapes do not match: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}, q_lens sum {int(ql.sum())}"
+        )
     hq, hkv, dv = q.shape[1], k_cache.shape[2], v_cache.shape[3]
     kv_head = np.arange(hq) // (hq // hkv)
     q64 = _f64(q)
@@ -210,22 +230,22 @@ def scored_attention(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: fl
     lse = np.full((q.shape[0], hq), -np.inf) if sink is None else np.tile(sink, (q.shape[0], 1))
     i = 0
     for s in range(len(kv)):
-        keys = gather_kv(k_cache, page_table, s, kv[s])[:, kv_head]      # [kv_len, Hq, D]
-        values = gather_kv(v_cache, page_table, s, kv[s])[:, kv_head]    # [kv_len, Hq, Dv]
+        keys = gather_kv(k_cache, page_table, s, kv[s])[:, kv_head]  # [kv_len, Hq, D]
+        values = gather_kv(v_cache, page_table, s, kv[s])[:, kv_head]  # [kv_len, Hq, Dv]
         for j in range(ql[s]):
             p = int(kv[s] - ql[s] + j)
             hi = min(p + 1, int(kv[s])) if causal else int(kv[s])
             lo = 0 if window is None else max(0, p - int(window) + 1)
             if lo < hi:
                 pos = np.arange(lo, hi)
-                x = scale * np.einsum("hd,nhd->hn", q64[i], keys[lo:hi])           # [Hq, n]
+                x = scale * np.einsum("hd,nhd->hn", q64[i], keys[lo:hi])  # [Hq, n]
                 for hook, value in hooks:
                     x = hook(x, value, heads, p, pos)
                 cols = x if sink is None else np.concatenate([x, sink[:, None]], axis=1)
                 m = cols.max(axis=1, keepdims=True)
                 e = np.exp(cols - m)
                 total = e.sum(axis=1)
-                out[i] = np.einsum("hn,nhd->hd", e[:, :hi - lo], values[lo:hi]) / total[:, None]
+                out[i] = np.einsum("hn,nhd->hd", e[:, : hi - lo], values[lo:hi]) / total[:, None]
                 lse[i] = m[:, 0] + np.log(total)
             i += 1
     return out, lse
@@ -243,16 +263,22 @@ def mla_as_attention(q, q_pos, latent, k_pos) -> tuple[np.ndarray, np.ndarray, n
     """
     q, q_pos, latent, k_pos = (np.asarray(a) for a in (q, q_pos, latent, k_pos))
     if latent.ndim != 4 or latent.shape[2] != 1 or k_pos.shape[:3] != latent.shape[:3]:
-        raise ValueError(f"expected latent [pages, page_size, 1, R] and k_pos [pages, page_size, 1, P], "
-                         f"got {latent.shape}, {k_pos.shape}")
+        raise ValueError(
+            f"expected latent [pages, page_size, 1, R] and k_pos [pages, page_size, 1, P], "
+            f"got {latent.shape}, {k_pos.shape}"
+        )
     if q.ndim != 3 or q_pos.shape[:2] != q.shape[:2] or q_pos.shape[2] != k_pos.shape[3]:
         raise ValueError(f"expected q [queries, H, R] and q_pos [queries, H, P], got {q.shape}, {q_pos.shape}")
-    return (np.concatenate([_f64(q), _f64(q_pos)], axis=-1), np.concatenate([_f64(latent), _f64(k_pos)], axis=-1),
-            _f64(latent))
+    return (
+        np.concatenate([_f64(q), _f64(q_pos)], axis=-1),
+        np.concatenate([_f64(latent), _f64(k_pos)], axis=-1),
+        _f64(latent),
+    )
 
 
-def paged_mla(q, q_pos, latent, k_pos, page_table, kv_lens, q_lens, scale: float,
-              causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def paged_mla(
+    q, q_pos, latent, k_pos, page_table, kv_lens, q_lens, scale: float, causal: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """Paged multi-head latent attention (one shared latent head).
 
     q: [queries, H, R]; q_pos: [queries, H, P]; latent: [pages, page_size, 1, R];
@@ -267,9 +293,19 @@ def paged_mla(q, q_pos, latent, k_pos, page_table, kv_lens, q_lens, scale: float
 # Split-KV partials and their merge
 # --------------------------------------------------------------------------
 
-def split_attention_partials(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale: float,
-                             split_size, num_splits: int | None = None,
-                             causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
+
+def split_attention_partials(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    kv_lens,
+    q_lens,
+    scale: float,
+    split_size,
+    num_splits: int | None = None,
+    causal: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-split partial attention over token ranges.
 
     Split ``j`` of sequence ``s`` covers key positions
@@ -286,9 +322,20 @@ def split_attention_partials(q, k_cache, v_cache, page_table, kv_lens, q_lens, s
         raise ValueError(f"split_size must be >= 1, got {split_size}")
     if num_splits is None:
         num_splits = int(max([1] + [-(-k // n) for k, n in zip(kv, size)]))
-    parts = [_paged_attention_ranges(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale, causal,
-                                     lambda s, j=j: (j * size[s], (j + 1) * size[s]))
-             for j in range(num_splits)]
+    parts = [
+        _paged_attention_ranges(
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            kv_lens,
+            q_lens,
+            scale,
+            causal,
+            lambda s, j=j: (j * size[s], (j + 1) * size[s]),
+        )
+        for j in range(num_splits)
+    ]
     return np.stack([o for o, _ in parts]), np.stack([l for _, l in parts])
 
 
@@ -302,13 +349,13 @@ def merge_splits(partial_out, partial_lse) -> tuple[np.ndarray, np.ndarray]:
     Returns (out [queries, H, Dv], lse [queries, H]), float64.
     """
     po, pl = _f64(partial_out), _f64(partial_lse)
-    empty_split = pl == -np.inf                                    # [splits, queries, H]
+    empty_split = pl == -np.inf  # [splits, queries, H]
     po = np.where(empty_split[..., None], 0.0, po)
-    m = pl.max(axis=0)                                             # [queries, H]
+    m = pl.max(axis=0)  # [queries, H]
     all_empty = m == -np.inf
     m = np.where(all_empty, 0.0, m)
-    w = np.exp(pl - m)                                             # [splits, queries, H]; 0 for empty
-    total = w.sum(axis=0)                                          # [queries, H]
+    w = np.exp(pl - m)  # [splits, queries, H]; 0 for empty
+    total = w.sum(axis=0)  # [queries, H]
     out = (w[..., None] * po).sum(axis=0) / np.where(all_empty, 1.0, total)[..., None]
     lse = np.where(all_empty, -np.inf, m + np.log(np.where(all_empty, 1.0, total)))
     return out, lse
@@ -317,6 +364,7 @@ def merge_splits(partial_out, partial_lse) -> tuple[np.ndarray, np.ndarray]:
 # --------------------------------------------------------------------------
 # Append
 # --------------------------------------------------------------------------
+
 
 def paged_append(new_k, new_v, k_cache, v_cache, page_table, kv_lens, q_lens) -> tuple[np.ndarray, np.ndarray]:
     """Write each packed query's new key/value row into the paged caches.
@@ -331,8 +379,10 @@ def paged_append(new_k, new_v, k_cache, v_cache, page_table, kv_lens, q_lens) ->
     new_k, new_v = np.asarray(new_k), np.asarray(new_v)
     q_seq, q_pos = query_positions(kv_lens, q_lens)
     if new_k.shape != (len(q_seq),) + k_out.shape[2:] or new_v.shape != (len(q_seq),) + v_out.shape[2:]:
-        raise ValueError(f"expected new_k [{len(q_seq)}, Hkv, D] and new_v [{len(q_seq)}, Hkv, Dv] matching "
-                         f"the caches, got {new_k.shape}, {new_v.shape}")
+        raise ValueError(
+            f"expected new_k [{len(q_seq)}, Hkv, D] and new_v [{len(q_seq)}, Hkv, Dv] matching "
+            f"the caches, got {new_k.shape}, {new_v.shape}"
+        )
     page_size = k_out.shape[1]
     for i, (s, p) in enumerate(zip(q_seq, q_pos)):
         page = int(page_table[s][p // page_size])
@@ -345,11 +395,19 @@ def paged_append(new_k, new_v, k_cache, v_cache, page_table, kv_lens, q_lens) ->
 # fp8 K/V storage
 # --------------------------------------------------------------------------
 
+
 def _fp8_type(fmt):
     import ml_dtypes
-    names = {"e4m3": ml_dtypes.float8_e4m3fn, "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "fp8": ml_dtypes.float8_e4m3fn,
-             "fp8_e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "float8_e5m2": ml_dtypes.float8_e5m2,
-             "fp8_e5m2": ml_dtypes.float8_e5m2}
+
+    names = {
+        "e4m3": ml_dtypes.float8_e4m3fn,
+        "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+        "fp8": ml_dtypes.float8_e4m3fn,
+        "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+        "e5m2": ml_dtypes.float8_e5m2,
+        "float8_e5m2": ml_dtypes.float8_e5m2,
+        "fp8_e5m2": ml_dtypes.float8_e5m2,
+    }
     t = names.get(fmt) if isinstance(fmt, str) else np.dtype(fmt).type
     if t not in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
         raise ValueError(f"expected an fp8 format (e4m3 / e5m2), got {fmt!r}")
@@ -363,6 +421,7 @@ def quantize_fp8(x, fmt, scale=1.0) -> np.ndarray:
     to the nearest code, ties to even, by ml_dtypes. Returns an ml_dtypes
     fp8 array of x's shape."""
     import ml_dtypes
+
     t = _fp8_type(fmt)
     mx = np.float32(ml_dtypes.finfo(t).max)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -384,6 +443,7 @@ def dequantize_fp8(codes, fmt=None, scale=1.0) -> np.ndarray:
 # --------------------------------------------------------------------------
 # Row-wise
 # --------------------------------------------------------------------------
+
 
 def row_argmax(logits) -> np.ndarray:
     """Index of the maximum of each row, int64 [batch].
@@ -409,6 +469,7 @@ def softmax(x, axis: int = -1) -> np.ndarray:
 # Tiny-model pieces
 # --------------------------------------------------------------------------
 
+
 def rms_norm(x, weight, eps: float = 1e-6) -> np.ndarray:
     """x: [..., D]; weight: [D]. ``x / sqrt(mean(x**2) + eps) * weight``, float64."""
     x = _f64(x)
@@ -420,8 +481,8 @@ def rope_tables(positions, rotary_dim: int, base: float = 10000.0) -> tuple[np.n
     angle[p, i] = p * base ** (-2 i / rotary_dim)."""
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
-    inv_freq = base ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)   # [rotary_dim / 2]
-    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]      # [n, rotary_dim / 2]
+    inv_freq = base ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # [rotary_dim / 2]
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]  # [n, rotary_dim / 2]
     return np.cos(angles), np.sin(angles)
 
 
@@ -434,14 +495,14 @@ def apply_rope(x, cos, sin, interleaved: bool = False) -> np.ndarray:
     """
     x = _f64(x)
     half = np.asarray(cos).shape[-1]
-    c, s = _f64(cos)[:, None, :], _f64(sin)[:, None, :]            # [n, 1, r/2]
+    c, s = _f64(cos)[:, None, :], _f64(sin)[:, None, :]  # [n, 1, r/2]
     out = x.copy()
     if interleaved:
-        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
-        out[..., 0:2 * half:2], out[..., 1:2 * half:2] = a * c - b * s, b * c + a * s
+        a, b = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+        out[..., 0 : 2 * half : 2], out[..., 1 : 2 * half : 2] = a * c - b * s, b * c + a * s
     else:
-        a, b = x[..., :half], x[..., half:2 * half]
-        out[..., :half], out[..., half:2 * half] = a * c - b * s, b * c + a * s
+        a, b = x[..., :half], x[..., half : 2 * half]
+        out[..., :half], out[..., half : 2 * half] = a * c - b * s, b * c + a * s
     return out
 
 

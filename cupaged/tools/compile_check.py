@@ -44,6 +44,7 @@ recompiled and compared, and a manifest that is not current fails);
 unit. Without cuda-python, NVRTC or the CUDA headers the gate prints one
 line naming the ``gate`` extra and exits 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,6 +75,7 @@ _ARCH = re.compile(r"^(sm|compute)_\d+[af]?$")
 class Result:
     """One kernel of one variant compiled for one architecture (or, with
     ``kernel == ""``, a variant that failed to compile)."""
+
     variant: str
     kernel: str
     arch: str
@@ -83,10 +85,10 @@ class Result:
     spill_loads: int = 0
     stack_frame: int = 0
     smem: int = 0
-    wide_load_bits: int = 0          # widest global load per thread in the PTX
-    is_entry: bool = True            # False for a device function ptxas kept out of line
-    seconds: float = 0.0             # NVRTC time for the whole variant on this arch
-    cached: bool = False             # read from the gate's disk cache (seconds: of the original run)
+    wide_load_bits: int = 0  # widest global load per thread in the PTX
+    is_entry: bool = True  # False for a device function ptxas kept out of line
+    seconds: float = 0.0  # NVRTC time for the whole variant on this arch
+    cached: bool = False  # read from the gate's disk cache (seconds: of the original run)
     problems: list = field(default_factory=list)
     source: str = ""
     defines: dict = field(default_factory=dict)
@@ -125,13 +127,14 @@ def default_cache_dir() -> Path:
 @dataclass
 class _Unit:
     """What the gate keeps of one compile (all a Result needs but the PTX)."""
+
     ok: bool
     log: str
     wide: dict
     seconds: float
     ptx: str = ""
     cached: bool = False
-    reports: dict | None = None      # from a manifest row (else parsed from the log)
+    reports: dict | None = None  # from a manifest row (else parsed from the log)
 
 
 def _cache_key(text: str, opts: tuple, include_dir: str | None) -> str:
@@ -142,8 +145,9 @@ def _cache_key(text: str, opts: tuple, include_dir: str | None) -> str:
     return _source.digest(text, "\0".join(opts), repr(_nvrtc.nvrtc_version()), hdr, "gate-v1")
 
 
-def _compile_unit(text: str, arch: str, name: str, include_dir: str | None, cache_dir: Path | None,
-                  want_ptx: bool) -> _Unit:
+def _compile_unit(
+    text: str, arch: str, name: str, include_dir: str | None, cache_dir: Path | None, want_ptx: bool
+) -> _Unit:
     opts = _nvrtc.gate_options(arch, include_dir)
     path = None
     if cache_dir is not None:
@@ -176,12 +180,20 @@ def _process_pool(jobs: int) -> ProcessPoolExecutor:
     return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(method))
 
 
-def check(variants: Iterable[tuple[str | Path, Mapping[str, object] | None]] | None = None,
-          archs: Iterable[str] = DEFAULT_ARCHS, *, filter: str | None = None, jobs: int = 1,
-          require_v4: Iterable[str] = (), max_stack: int | None = None, include_dir: str | None = None,
-          cache_dir: Path | None = None, keep_ptx: bool = False,
-          launches: Sequence[_launchcheck.Selected] | None = None,
-          manifest: _manifest.Manifest | None = None) -> list[Result]:
+def check(
+    variants: Iterable[tuple[str | Path, Mapping[str, object] | None]] | None = None,
+    archs: Iterable[str] = DEFAULT_ARCHS,
+    *,
+    filter: str | None = None,
+    jobs: int = 1,
+    require_v4: Iterable[str] = (),
+    max_stack: int | None = None,
+    include_dir: str | None = None,
+    cache_dir: Path | None = None,
+    keep_ptx: bool = False,
+    launches: Sequence[_launchcheck.Selected] | None = None,
+    manifest: _manifest.Manifest | None = None,
+) -> list[Result]:
     """Compile ``variants`` (``(stem or path, defines)`` pairs; default: every
     registered variant) for each of ``archs`` and return one Result per kernel
     (per variant and arch), sorted by kernel, variant, arch.
@@ -231,17 +243,17 @@ def check(variants: Iterable[tuple[str | Path, Mapping[str, object] | None]] | N
     keys: list[str | None] = [None] * len(work)
     sampled: set[str] = set()
     if manifest is not None:
-        keys = [_manifest.unit_key(text, _nvrtc.gate_options(arch, include_dir), include_dir)
-                for (_s, _d, _n, text, _k), arch in work]
+        keys = [
+            _manifest.unit_key(text, _nvrtc.gate_options(arch, include_dir), include_dir)
+            for (_s, _d, _n, text, _k), arch in work
+        ]
         sampled = manifest.pick_sample([k for k in keys if k in manifest.rows])
     compiled: list = [None] * len(work)
     todo = []
     for i, (((_s, _d, name, text, _k), arch), key) in enumerate(zip(work, keys)):
-        if manifest is not None and key is not None and key in manifest.rows and key not in sampled \
-                and not keep_ptx:
+        if manifest is not None and key is not None and key in manifest.rows and key not in sampled and not keep_ptx:
             row = manifest.rows[key]
-            compiled[i] = _Unit(row["ok"], "", row["wide"], 0.0, cached=True,
-                                reports=_manifest.row_reports(row))
+            compiled[i] = _Unit(row["ok"], "", row["wide"], 0.0, cached=True, reports=_manifest.row_reports(row))
         else:
             recompile = key in sampled
             todo.append((i, (text, arch, f"{name}.cu", include_dir, None if recompile else cache_dir, keep_ptx)))
@@ -257,17 +269,26 @@ def check(variants: Iterable[tuple[str | Path, Mapping[str, object] | None]] | N
     req = tuple(require_v4)
     results: list[Result] = []
     for ((source, defines, name, _text, keep), arch), c, key in zip(work, compiled, keys):
-        common = dict(variant=name, arch=arch, seconds=c.seconds, source=source, defines=defines,
-                      log=c.log, ptx=c.ptx, cached=c.cached)
+        common = dict(
+            variant=name,
+            arch=arch,
+            seconds=c.seconds,
+            source=source,
+            defines=defines,
+            log=c.log,
+            ptx=c.ptx,
+            cached=c.cached,
+        )
         reports = c.reports if c.reports is not None else (_nvrtc.parse_ptxas(c.log) if c.ok else {})
         unit_problems = []
         if manifest is not None:
-            assert key is not None   # every unit has a key when there is a manifest
+            assert key is not None  # every unit has a key when there is a manifest
             fresh = _manifest.unit_row(name, arch, c.ok, reports, c.wide)
             manifest.record(key, fresh, sampled=key in sampled)
             if key in sampled:
-                unit_problems = [f"differs from its gate manifest row: {d}"
-                                 for d in _manifest.differences(manifest.rows[key], fresh)]
+                unit_problems = [
+                    f"differs from its gate manifest row: {d}" for d in _manifest.differences(manifest.rows[key], fresh)
+                ]
         if not c.ok:
             results.append(Result(kernel="", compiled=False, problems=["compile error"] + unit_problems, **common))
             continue
@@ -280,9 +301,18 @@ def check(variants: Iterable[tuple[str | Path, Mapping[str, object] | None]] | N
         for fn, rep in reports.items():
             if keep is not None and fn not in keep and rep.is_entry:
                 continue
-            r = Result(kernel=fn, compiled=True, registers=rep.registers, spill_stores=rep.spill_stores,
-                       spill_loads=rep.spill_loads, stack_frame=rep.stack_frame, smem=rep.smem,
-                       wide_load_bits=wide.get(fn, 0), is_entry=rep.is_entry, **common)
+            r = Result(
+                kernel=fn,
+                compiled=True,
+                registers=rep.registers,
+                spill_stores=rep.spill_stores,
+                spill_loads=rep.spill_loads,
+                stack_frame=rep.stack_frame,
+                smem=rep.smem,
+                wide_load_bits=wide.get(fn, 0),
+                is_entry=rep.is_entry,
+                **common,
+            )
             if rep.spill_stores or rep.spill_loads:
                 r.problems.append(f"spills {rep.spill_stores}/{rep.spill_loads} bytes (stores/loads)")
             if max_stack is not None and rep.stack_frame > max_stack:
@@ -319,6 +349,7 @@ def unmatched(patterns: Iterable[str], results: list[Result]) -> list[str]:
 # Output
 # ---------------------------------------------------------------------------
 
+
 def format_table(results: list[Result]) -> str:
     head = ("variant", "kernel", "arch", "regs", "spill st", "spill ld", "stack", "smem", "v4", "ms", "status")
     rows: list[tuple[str, ...] | None] = []
@@ -329,18 +360,33 @@ def format_table(results: list[Result]) -> str:
         prev = r.kernel
         kernel = r.kernel if r.is_entry else f"{r.kernel} (device fn)"
         if not r.compiled:
-            rows.append((r.variant, "-", r.arch, "-", "-", "-", "-", "-", "-", f"{1e3 * r.seconds:.0f}",
-                         "COMPILE ERROR"))
+            rows.append(
+                (r.variant, "-", r.arch, "-", "-", "-", "-", "-", "-", f"{1e3 * r.seconds:.0f}", "COMPILE ERROR")
+            )
             continue
-        rows.append((r.variant, kernel, r.arch, str(r.registers), str(r.spill_stores), str(r.spill_loads),
-                     str(r.stack_frame), str(r.smem), "yes" if r.v4 else "no", f"{1e3 * r.seconds:.0f}",
-                     "ok" if r.ok else "FAIL: " + "; ".join(r.problems)))
+        rows.append(
+            (
+                r.variant,
+                kernel,
+                r.arch,
+                str(r.registers),
+                str(r.spill_stores),
+                str(r.spill_loads),
+                str(r.stack_frame),
+                str(r.smem),
+                "yes" if r.v4 else "no",
+                f"{1e3 * r.seconds:.0f}",
+                "ok" if r.ok else "FAIL: " + "; ".join(r.problems),
+            )
+        )
     widths = [max([len(h)] + [len(row[i]) for row in rows if row]) for i, h in enumerate(head)]
     numeric = {3, 4, 5, 6, 7, 9}
 
     def fmt(row):
-        return "  ".join((c.rjust(w) if i in numeric else c.ljust(w))
-                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        return "  ".join(
+            (c.rjust(w) if i in numeric else c.ljust(w)) for i, (c, w) in enumerate(zip(row, widths))
+        ).rstrip()
+
     lines = [fmt(head), fmt(tuple("-" * w for w in widths))]
     lines += ["" if row is None else fmt(row) for row in rows]
     return "\n".join(lines)
@@ -384,36 +430,73 @@ def _parse_define(s: str) -> tuple[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cupaged.tools.compile_check",
-                                description="Compile every cupaged kernel variant with NVRTC (no GPU needed); "
-                                            "fail on compile errors and register spills.")
+    p = argparse.ArgumentParser(
+        prog="python -m cupaged.tools.compile_check",
+        description="Compile every cupaged kernel variant with NVRTC (no GPU needed); "
+        "fail on compile errors and register spills.",
+    )
     p.add_argument("--arch", action="append", help="comma-separated targets (default sm_80,sm_90)")
     p.add_argument("--filter", help="only variants or kernels whose name contains this")
-    p.add_argument("--jobs", "-j", type=int, default=min(8, os.cpu_count() or 1),
-                   help="compiles in parallel (worker processes; default: CPUs, at most 8)")
-    p.add_argument("--require-v4", action="append", default=[], metavar="KERNEL_SUBSTR",
-                   help="fail if a matching kernel's PTX has no 128-bit global load (repeatable)")
+    p.add_argument(
+        "--jobs",
+        "-j",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="compiles in parallel (worker processes; default: CPUs, at most 8)",
+    )
+    p.add_argument(
+        "--require-v4",
+        action="append",
+        default=[],
+        metavar="KERNEL_SUBSTR",
+        help="fail if a matching kernel's PTX has no 128-bit global load (repeatable)",
+    )
     p.add_argument("--max-stack", type=int, help="fail on a stack frame above this many bytes")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--keep-ptx", type=Path, metavar="DIR", help="write each variant's PTX to DIR")
-    p.add_argument("--source", action="append", default=[], type=Path, metavar="PATH",
-                   help="compile this .cu file instead of the registered variants (repeatable)")
-    p.add_argument("-D", dest="defines", action="append", default=[], type=_parse_define, metavar="NAME=VAL",
-                   help="a define for every --source file (repeatable)")
+    p.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="PATH",
+        help="compile this .cu file instead of the registered variants (repeatable)",
+    )
+    p.add_argument(
+        "-D",
+        dest="defines",
+        action="append",
+        default=[],
+        type=_parse_define,
+        metavar="NAME=VAL",
+        help="a define for every --source file (repeatable)",
+    )
     p.add_argument("--verbose", "-v", action="store_true", help="print the NVRTC log of every failure in full")
-    p.add_argument("--no-cache", action="store_true",
-                   help=f"compile everything again (default: reuse results cached in {default_cache_dir()})")
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help=f"compile everything again (default: reuse results cached in {default_cache_dir()})",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--all", action="store_true", help="the full gate: compile every unit (the default)")
-    mode.add_argument("--manifest", action="store_true",
-                      help="check against the committed gate manifest (cupaged/tools/gate_manifest.json): compile "
-                           "the units whose inputs changed and a random sample of the rest; fail when it is not "
-                           "current (default archs: " + ",".join(_manifest.MANIFEST_ARCHS) + ")")
-    mode.add_argument("--update-manifest", action="store_true",
-                      help="as --manifest, then write the manifest for today's units (commit it with the change)")
-    p.add_argument("--sample", type=int, default=_manifest.DEFAULT_SAMPLE,
-                   help=f"with --manifest: units recompiled and compared with their rows (default "
-                        f"{_manifest.DEFAULT_SAMPLE})")
+    mode.add_argument(
+        "--manifest",
+        action="store_true",
+        help="check against the committed gate manifest (cupaged/tools/gate_manifest.json): compile "
+        "the units whose inputs changed and a random sample of the rest; fail when it is not "
+        "current (default archs: " + ",".join(_manifest.MANIFEST_ARCHS) + ")",
+    )
+    mode.add_argument(
+        "--update-manifest",
+        action="store_true",
+        help="as --manifest, then write the manifest for today's units (commit it with the change)",
+    )
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=_manifest.DEFAULT_SAMPLE,
+        help=f"with --manifest: units recompiled and compared with their rows (default {_manifest.DEFAULT_SAMPLE})",
+    )
     p.add_argument("--seed", type=int, help="with --manifest: the sample's seed (default: random, printed)")
     args = p.parse_args(argv)
     use_manifest = args.manifest or args.update_manifest
@@ -423,8 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--sample: expected 0 or more")
 
     default_archs = _manifest.MANIFEST_ARCHS if use_manifest else DEFAULT_ARCHS
-    archs = tuple(a.strip() for spec in (args.arch or [",".join(default_archs)])
-                  for a in spec.split(",") if a.strip())
+    archs = tuple(a.strip() for spec in (args.arch or [",".join(default_archs)]) for a in spec.split(",") if a.strip())
     bad = [a for a in archs if not _ARCH.match(a)]
     if bad:
         p.error(f"--arch: expected sm_XX or compute_XX, got {', '.join(bad)}")
@@ -443,8 +525,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         variants = _registry.all_variants()
         if not variants:
-            print("warning: no kernel variants are registered (cupaged._runtime.registry.all_variants() is empty); "
-                  "nothing to compile", file=sys.stderr)
+            print(
+                "warning: no kernel variants are registered (cupaged._runtime.registry.all_variants() is empty); "
+                "nothing to compile",
+                file=sys.stderr,
+            )
             if args.json:
                 print(json.dumps({"results": [], "summary": summarize([], 0.0, args.jobs)}, indent=1))
             return 0
@@ -452,20 +537,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _nvrtc.nvrtc_version()
         include_dir = _nvrtc.find_header_dir()
-    except Exception as e:   # no cuda-python, no NVRTC library, no headers: one line naming the fix
+    except Exception as e:  # no cuda-python, no NVRTC library, no headers: one line naming the fix
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: the NVRTC gate cannot run: {msg} (pip install 'cupaged[gate]' brings cuda-python, "
-              f"NVRTC and the CUDA headers)", file=sys.stderr)
+        print(
+            f"error: the NVRTC gate cannot run: {msg} (pip install 'cupaged[gate]' brings cuda-python, "
+            f"NVRTC and the CUDA headers)",
+            file=sys.stderr,
+        )
         return 2
     manifest = _manifest.load(sample=args.sample, seed=args.seed) if use_manifest else None
     t0 = time.perf_counter()
-    results = check(variants, archs, filter=args.filter, jobs=args.jobs, require_v4=args.require_v4,
-                    max_stack=args.max_stack, include_dir=include_dir,
-                    cache_dir=None if args.no_cache else default_cache_dir(), keep_ptx=bool(args.keep_ptx),
-                    manifest=manifest)
+    results = check(
+        variants,
+        archs,
+        filter=args.filter,
+        jobs=args.jobs,
+        require_v4=args.require_v4,
+        max_stack=args.max_stack,
+        include_dir=include_dir,
+        cache_dir=None if args.no_cache else default_cache_dir(),
+        keep_ptx=bool(args.keep_ptx),
+        manifest=manifest,
+    )
     wall = time.perf_counter() - t0
     if args.update_manifest:
-        assert manifest is not None   # --update-manifest uses the manifest
+        assert manifest is not None  # --update-manifest uses the manifest
         _manifest.write(manifest.rows_now())
     summary = summarize(results, wall, args.jobs)
     missing = unmatched(args.require_v4, results)
@@ -474,9 +570,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write_ptx(results, args.keep_ptx)
 
     if args.json:
-        print(json.dumps({"results": [r.as_dict(with_text=not r.ok) for r in results], "summary": summary,
-                          "unmatched_require_v4": missing, "archs": list(archs), "launch_warnings": warnings,
-                          "nvrtc": list(_nvrtc.nvrtc_version()), "include_dir": include_dir}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "results": [r.as_dict(with_text=not r.ok) for r in results],
+                    "summary": summary,
+                    "unmatched_require_v4": missing,
+                    "archs": list(archs),
+                    "launch_warnings": warnings,
+                    "nvrtc": list(_nvrtc.nvrtc_version()),
+                    "include_dir": include_dir,
+                },
+                indent=1,
+            )
+        )
     else:
         v = _nvrtc.nvrtc_version()
         print(f"NVRTC {v[0]}.{v[1]}, headers from {include_dir}")
@@ -491,13 +598,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     log = log[:40] + [f"... ({len(log) - 40} more lines; --verbose shows all)"]
                 print(f"\n--- {r.variant} for {r.arch}: NVRTC log ---")
                 print("\n".join(log))
-        print(f"\n{summary['variants']} variants x {len(archs)} archs = {summary['compiles']} compiles in "
-              f"{summary['wall_seconds']:.2f} s (jobs {args.jobs}); per compile mean "
-              f"{summary['compile_ms_mean']:.0f} ms, max {summary['compile_ms_max']:.0f} ms"
-              + (f"; {summary['cached']} results from the cache (--no-cache recompiles)" if summary["cached"] else ""))
+        print(
+            f"\n{summary['variants']} variants x {len(archs)} archs = {summary['compiles']} compiles in "
+            f"{summary['wall_seconds']:.2f} s (jobs {args.jobs}); per compile mean "
+            f"{summary['compile_ms_mean']:.0f} ms, max {summary['compile_ms_max']:.0f} ms"
+            + (f"; {summary['cached']} results from the cache (--no-cache recompiles)" if summary["cached"] else "")
+        )
         if warnings:
-            print(f"\nwarning: {len(warnings)} selected launch(es) could not launch on archs not compiled here "
-                  f"(limits in cupaged/_runtime/archs.py):")
+            print(
+                f"\nwarning: {len(warnings)} selected launch(es) could not launch on archs not compiled here "
+                f"(limits in cupaged/_runtime/archs.py):"
+            )
             for w in warnings:
                 print(f"  {w}")
         for pat in missing:
@@ -511,8 +622,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {_manifest.PATH} ({len(manifest.used)} rows)", file=sys.stderr if args.json else sys.stdout)
         elif not manifest.current():
             stale = True
-            print("FAIL: the gate manifest is not current: python -m cupaged.tools.compile_check --update-manifest, "
-                  "then commit cupaged/tools/gate_manifest.json", file=sys.stderr if args.json else sys.stdout)
+            print(
+                "FAIL: the gate manifest is not current: python -m cupaged.tools.compile_check --update-manifest, "
+                "then commit cupaged/tools/gate_manifest.json",
+                file=sys.stderr if args.json else sys.stdout,
+            )
     return 1 if (summary["failures"] or missing or stale) else 0
 
 

@@ -15,6 +15,7 @@ kernel rewrite needs nothing here; ``probe`` checks that the probe plan
 selects the same kernel and defines as the modeled launch and says so
 when it does not.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,13 @@ NAMES_FALLBACK = ("mma_16816", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16"
 #: Bytes of shared memory one counted operation reads or writes (per warp
 #: for ldmatrix.x4: four 8x8 tiles of 16-bit; per thread for cp.async; the
 #: wgmma counter counts its operand bytes itself, see ptx.cuh).
-SMEM_BYTES = {"ldmatrix_x4": 512, "ldmatrix_x4_trans": 512, "cp_async_16": 16, "cp_async_16_zero": 16,
-              "wgmma_smem_bytes": 1}
+SMEM_BYTES = {
+    "ldmatrix_x4": 512,
+    "ldmatrix_x4_trans": 512,
+    "cp_async_16": 16,
+    "cp_async_16_zero": 16,
+    "wgmma_smem_bytes": 1,
+}
 #: FLOP of one m16n8k16 product.
 MMA_FLOP = 2 * 16 * 8 * 16
 #: The wgmma counters (ptx.cuh's sm_90a block, cupaged_wgmma_counters()):
@@ -108,13 +114,15 @@ def reset(module: CpuModule) -> None:
 # Probes
 # ---------------------------------------------------------------------------
 
+
 @dataclass
 class Probe:
     """Per-block counts of one launch as ``intercept + slope * tokens``
     (tokens a block visits), from runs at ``lengths`` context tokens."""
+
     kernel: str
     defines: dict
-    blocks: int                  # blocks of each probe run (counts are divided by it)
+    blocks: int  # blocks of each probe run (counts are divided by it)
     queries_per_block: int
     lengths: tuple
     intercept: dict
@@ -149,8 +157,9 @@ def _plan_for(tokens: int, q_len: int, page_size: int):
     return HostPlan.build(table, [tokens], [q_len], page_size, pages)
 
 
-def _launches(host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, arch: str | None = None,
-              kv_dtype: str | None = None):
+def _launches(
+    host, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, arch: str | None = None, kv_dtype: str | None = None
+):
     return plan_launches(host, dtype, hq, hkv, d, dv, rot, True, True, arch=arch, kv_dtype=kv_dtype)
 
 
@@ -164,18 +173,35 @@ def _run(host, np_dtype, hq, hkv, d, dv, rot, seed=0, kv_dtype: str | None = Non
     if rot:
         latent = _rand(rng, (pages, ps, 1, d), np_dtype)
         k_pos = _rand(rng, (pages, ps, 1, rot), np_dtype)
-        plan.mla(_rand(rng, (q, hq, d), np_dtype), _rand(rng, (q, hq, rot), np_dtype), latent, k_pos,
-                 d ** -0.5, False)
+        plan.mla(_rand(rng, (q, hq, d), np_dtype), _rand(rng, (q, hq, rot), np_dtype), latent, k_pos, d**-0.5, False)
     else:
         k = _rand(rng, (pages, ps, hkv, d), kv_np)
         v = _rand(rng, (pages, ps, hkv, dv), kv_np)
-        plan.attention(_rand(rng, (q, hq, d), np_dtype), k, v, d ** -0.5, False,
-                       **({} if kv_dtype is None else {"kv_dtype": kv_dtype}))
+        plan.attention(
+            _rand(rng, (q, hq, d), np_dtype),
+            k,
+            v,
+            d**-0.5,
+            False,
+            **({} if kv_dtype is None else {"kv_dtype": kv_dtype}),
+        )
 
 
-def probe(launch: Launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot: int, page_size: int,
-          lengths: Sequence[int] = (256, 512), use_cache: bool = True, arch: str | None = None,
-          kv_dtype: str | None = None) -> Probe:
+def probe(
+    launch: Launch,
+    *,
+    dtype: str,
+    hq: int,
+    hkv: int,
+    d: int,
+    dv: int,
+    rot: int,
+    page_size: int,
+    lengths: Sequence[int] = (256, 512),
+    use_cache: bool = True,
+    arch: str | None = None,
+    kv_dtype: str | None = None,
+) -> Probe:
     """Counts per block of ``launch`` (a ``plan_launches`` record of the
     modeled shape, for ``arch``): one sequence with the launch's queries per
     block, one KV head with its whole group (``hq // hkv`` query heads),
@@ -187,9 +213,11 @@ def probe(launch: Launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot
     group = hq // hkv
     qpb = max(1, -(-launch.q_count // launch.blocks))
     text = _source.assemble(launch.source, launch.defines)
-    key = _source.digest(text, json.dumps([launch.kernel, dtype, kv_dtype, group, d, dv, rot, page_size, qpb,
-                                           list(lengths)]),
-                         "counters-v2")
+    key = _source.digest(
+        text,
+        json.dumps([launch.kernel, dtype, kv_dtype, group, d, dv, rot, page_size, qpb, list(lengths)]),
+        "counters-v2",
+    )
     path = _cache_dir() / f"counters-{key}.json"
     if use_cache:
         try:
@@ -211,14 +239,22 @@ def probe(launch: Launch, *, dtype: str, hq: int, hkv: int, d: int, dv: int, rot
             # ptx.cuh (the one file with inline PTX) is not in this module: no
             # mma, ldmatrix or cp.async to count, nothing to run.
             zero = dict.fromkeys(NAMES_FALLBACK, 0.0)
-            result = Probe(launch.kernel, dict(launch.defines), blocks, qpb, tuple(lengths), zero, dict(zero),
-                           "no ptx.cuh helpers in this kernel's module")
+            result = Probe(
+                launch.kernel,
+                dict(launch.defines),
+                blocks,
+                qpb,
+                tuple(lengths),
+                zero,
+                dict(zero),
+                "no ptx.cuh helpers in this kernel's module",
+            )
             break
         reset(mod)
-        with (cpu_arch_override(arch) if arch else contextlib.nullcontext()):
+        with cpu_arch_override(arch) if arch else contextlib.nullcontext():
             _run(host, np_dtype, group, 1, d, dv, rot, kv_dtype=kv_dtype)
         found = read_all(mod)
-        assert found is not None   # read(mod) found its counters
+        assert found is not None  # read(mod) found its counters
         counts.append(found)
     else:
         result = None

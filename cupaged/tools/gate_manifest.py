@@ -25,6 +25,7 @@ The test suite runs the manifest check and also fails when the manifest is
 not current (rows missing for today's units, or rows no unit has): rerun
 ``--update-manifest`` and commit the file with the kernel change.
 """
+
 from __future__ import annotations
 
 import functools
@@ -66,8 +67,9 @@ def unit_key(text: str, opts: tuple, include_dir: str | None) -> str:
     contents instead of its path (None: the folder ``nvrtc.gpu_options`` finds)."""
     include_dir = include_dir or _nvrtc.find_header_dir()
     portable = tuple("-I<cuda headers>" if include_dir and o == f"-I{include_dir}" else o for o in opts)
-    return _source.digest(text, "\0".join(portable), repr(_nvrtc.nvrtc_version()), _headers_digest(include_dir),
-                          _VERSION)
+    return _source.digest(
+        text, "\0".join(portable), repr(_nvrtc.nvrtc_version()), _headers_digest(include_dir), _VERSION
+    )
 
 
 def toolchain(include_dir: str | None = None) -> dict:
@@ -86,17 +88,22 @@ def _report_row(rep) -> list:
 def unit_row(variant: str, arch: str, ok: bool, reports: dict, wide: dict) -> dict:
     """One manifest row: ``reports`` (function -> ``nvrtc.FunctionReport``)
     as [entry, registers, spill stores, spill loads, stack, smem] lists."""
-    return {"variant": variant, "arch": arch, "ok": bool(ok),
-            "functions": {fn: _report_row(r) for fn, r in sorted(reports.items())},
-            "wide": {k: int(v) for k, v in sorted(wide.items())}}
+    return {
+        "variant": variant,
+        "arch": arch,
+        "ok": bool(ok),
+        "functions": {fn: _report_row(r) for fn, r in sorted(reports.items())},
+        "wide": {k: int(v) for k, v in sorted(wide.items())},
+    }
 
 
 def row_reports(row: dict) -> dict:
     """``nvrtc.FunctionReport`` per function, from a row."""
     out = {}
     for fn, (entry, regs, st, ld, stack, smem) in row["functions"].items():
-        out[fn] = _nvrtc.FunctionReport(fn, is_entry=bool(entry), registers=regs, spill_stores=st,
-                                        spill_loads=ld, stack_frame=stack, smem=smem)
+        out[fn] = _nvrtc.FunctionReport(
+            fn, is_entry=bool(entry), registers=regs, spill_stores=st, spill_loads=ld, stack_frame=stack, smem=smem
+        )
     return out
 
 
@@ -122,10 +129,11 @@ class Manifest:
     """The rows (key -> row) and, after a check, what it found: ``used``
     (keys a unit took or wrote), ``missing`` (units with no row, compiled),
     ``sampled`` (keys recompiled and compared)."""
+
     rows: dict
     sample: int = DEFAULT_SAMPLE
     seed: int | None = None
-    toolchain: dict | None = None     # the toolchain the rows were written with (``toolchain()``)
+    toolchain: dict | None = None  # the toolchain the rows were written with (``toolchain()``)
 
     def __post_init__(self) -> None:
         self.used: set = set()
@@ -166,9 +174,11 @@ class Manifest:
         return not self.missing and not self.stale()
 
     def status(self) -> str:
-        return (f"gate manifest: {len(self.used) - len(self.missing)} compiles from their rows, "
-                f"{len(self.missing)} without a row compiled, {len(self.sampled)} recompiled and compared "
-                f"(seed {self.seed}: CUPAGED_GATE_SEED={self.seed} repeats the draw), {len(self.stale())} stale rows")
+        return (
+            f"gate manifest: {len(self.used) - len(self.missing)} compiles from their rows, "
+            f"{len(self.missing)} without a row compiled, {len(self.sampled)} recompiled and compared "
+            f"(seed {self.seed}: CUPAGED_GATE_SEED={self.seed} repeats the draw), {len(self.stale())} stale rows"
+        )
 
 
 def load(path: Path | None = None, **kw: Any) -> Manifest:
@@ -188,8 +198,12 @@ def write(rows: dict, path: Path | None = None) -> None:
     (a kernel change shows as the rows it changed)."""
     items = sorted(rows.items(), key=lambda kv: (kv[1]["variant"], kv[1]["arch"], kv[0]))
     lines = [f"  {json.dumps(k)}: {json.dumps(r, sort_keys=True, separators=(',', ':'))}" for k, r in items]
-    text = ("{\n" + f'"version": {json.dumps(_VERSION)},\n"toolchain": {json.dumps(toolchain())},\n"rows": {{\n'
-            + ",\n".join(lines) + "\n}\n}\n")
+    text = (
+        "{\n"
+        + f'"version": {json.dumps(_VERSION)},\n"toolchain": {json.dumps(toolchain())},\n"rows": {{\n'
+        + ",\n".join(lines)
+        + "\n}\n}\n"
+    )
     path = Path(path or PATH)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(text)

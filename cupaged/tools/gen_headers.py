@@ -7,6 +7,7 @@ the kernels as a generated header, committed beside the kernels so readers
 see it. ``--check`` writes nothing and exits 1 when a committed header
 differs from what its generator gives (the test suite runs the same check).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,11 @@ GENERATED = {
 
 def stale() -> list[str]:
     """Generated headers whose committed text differs from the generator's."""
-    return [rel for rel, gen in GENERATED.items()
-            if not (kernel_dir() / rel).is_file() or (kernel_dir() / rel).read_text() != gen()]
+    return [
+        rel
+        for rel, gen in GENERATED.items()
+        if not (kernel_dir() / rel).is_file() or (kernel_dir() / rel).read_text() != gen()
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

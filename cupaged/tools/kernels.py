@@ -19,6 +19,7 @@ say is written here, per kernel name, in a few words:
 A kernel missing from the table is modeled with ``default_desc`` (a ring
 when its hot loop uses cp.async, else "ldg"), and the model says so.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,8 @@ from ..ops.attention.kernels import MERGE
 @dataclass(frozen=True)
 class KernelDesc:
     role: str = "attention"
-    loads: str = "ldg"          # "ldg" | "ring"
-    ahead: int = 1              # iterations in flight beyond the one computed ("ring"); 1 for "ldg"
+    loads: str = "ldg"  # "ldg" | "ring"
+    ahead: int = 1  # iterations in flight beyond the one computed ("ring"); 1 for "ldg"
     x_reversed: bool = False
     known: bool = True
 

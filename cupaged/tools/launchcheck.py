@@ -13,6 +13,7 @@ Selection is arch-aware (``plan_launches(..., arch=)``): each arch's rows
 are checked against what that arch selects (a smaller prefill tile or the
 CUDA-core MLA kernel on sm_86 / sm_89, the wgmma MLA build on sm_90).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -29,18 +30,18 @@ from ..ops.attention import plan_launches
 from ..plan import HostPlan
 from . import archs as _archs
 
-if TYPE_CHECKING:   # compile_check imports this module
+if TYPE_CHECKING:  # compile_check imports this module
     from .compile_check import Result
 
 
 @dataclass(frozen=True)
 class Selected:
     source: str
-    defines: tuple              # sorted (name, value) pairs
+    defines: tuple  # sorted (name, value) pairs
     kernel: str
     threads: int
     dynamic_smem: int
-    example: str                # a probe step that selects it
+    example: str  # a probe step that selects it
 
     @property
     def variant(self) -> str:
@@ -103,8 +104,9 @@ def selected_launches(arch: str | None = None) -> list[Selected]:
     return sorted(found.values(), key=lambda s: (s.kernel, s.variant))
 
 
-def arch_problems(results: Sequence[Result], archs: Iterable[str], selected: Iterable[Selected] | None = None
-                  ) -> list[tuple[Result, list[str]]]:
+def arch_problems(
+    results: Sequence[Result], archs: Iterable[str], selected: Iterable[Selected] | None = None
+) -> list[tuple[Result, list[str]]]:
     """``(result, problems)`` for every compiled kernel row of the gate
     (``results``) that is a selected launch (``selected``: default
     ``selected_launches()``) and cannot launch on its arch."""
@@ -112,7 +114,7 @@ def arch_problems(results: Sequence[Result], archs: Iterable[str], selected: Ite
     if not rows:
         return []
     if selected is None and all(str(r.source).endswith(".cu") for r in rows):
-        return []          # --source files: nothing the package selects
+        return []  # --source files: nothing the package selects
     per_arch: dict = {}
 
     def by_arch(arch: str) -> dict:
@@ -132,9 +134,12 @@ def arch_problems(results: Sequence[Result], archs: Iterable[str], selected: Ite
     return out
 
 
-def arch_warnings(results: Sequence[Result], compiled_archs: Container[str],
-                  warn_archs: Iterable[str] = _archs.WARN_ARCHS,
-                  selected: Iterable[Selected] | None = None) -> list[str]:
+def arch_warnings(
+    results: Sequence[Result],
+    compiled_archs: Container[str],
+    warn_archs: Iterable[str] = _archs.WARN_ARCHS,
+    selected: Iterable[Selected] | None = None,
+) -> list[str]:
     """For archs the gate did not compile (sm_86 / sm_89 by default): the
     selected launches that could not launch there, judged with the static
     shared memory and registers of the closest compiled arch (sm_80 first)."""
@@ -156,6 +161,8 @@ def arch_warnings(results: Sequence[Result], compiled_archs: Container[str],
                 continue
             probs = _archs.launch_problems(arch, r.smem, s.dynamic_smem, s.threads, r.registers)
             if probs:
-                out.append(f"{arch}: {variant} {kernel} ({s.example}) would not launch: {'; '.join(probs)} "
-                           f"[static figures from {r.arch}]")
+                out.append(
+                    f"{arch}: {variant} {kernel} ({s.example}) would not launch: {'; '.join(probs)} "
+                    f"[static figures from {r.arch}]"
+                )
     return out

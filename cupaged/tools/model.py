@@ -34,6 +34,7 @@ block ends (at least the arch's per-launch floor); the binding bound is the
 resource that limited the blocks for most of that time; the tail is the
 last partial wave's share of it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -81,9 +82,11 @@ def _write(path: Path, data: bytes) -> None:
 # Compile facts
 # ---------------------------------------------------------------------------
 
+
 @dataclass
 class KernelFacts:
     """What the NVRTC compile of one variant says about one kernel on one arch."""
+
     kernel: str
     variant: str
     arch: str
@@ -132,8 +135,12 @@ def kernel_facts(source: str, defines: dict, kernel: str, arch: str, use_cache: 
         return f
     rep = _nvrtc.parse_ptxas(log).get(kernel)
     if rep is not None:
-        f.registers, f.spill_stores, f.spill_loads, f.static_smem = (rep.registers, rep.spill_stores,
-                                                                      rep.spill_loads, rep.smem)
+        f.registers, f.spill_stores, f.spill_loads, f.static_smem = (
+            rep.registers,
+            rep.spill_stores,
+            rep.spill_loads,
+            rep.smem,
+        )
     if not _sass.available():
         f.sass_note = "SASS n/a: " + _sass.missing_message()
         return f
@@ -164,22 +171,29 @@ def kernel_facts(source: str, defines: dict, kernel: str, arch: str, use_cache: 
 # Per-token work of the hot loop
 # ---------------------------------------------------------------------------
 
+
 @dataclass
 class Rates:
     """Dynamic work per K/V token per warp, from the hot loop's regions
     executed ``y[j]`` times per token (``y[0]``: hot-loop iterations)."""
+
     y: list
-    instr: float                 # warp instructions per token per warp
-    classes: dict                # per class
-    smem_bytes: float            # LDS / STS bytes per token per warp
-    iter_bytes: float            # K/V bytes per hot-loop iteration per warp
-    iter_instr: float            # warp instructions per hot-loop iteration per warp
-    residual: float = 0.0        # relative misfit of the solve
+    instr: float  # warp instructions per token per warp
+    classes: dict  # per class
+    smem_bytes: float  # LDS / STS bytes per token per warp
+    iter_bytes: float  # K/V bytes per hot-loop iteration per warp
+    iter_instr: float  # warp instructions per hot-loop iteration per warp
+    residual: float = 0.0  # relative misfit of the solve
     note: str = ""
 
 
-def solve_rates(hot: _sass.HotLoop, bytes_per_token: float, mma_per_token: float | None,
-                ldsm_per_token: float | None, cold_per_token: float | None = None) -> Rates:
+def solve_rates(
+    hot: _sass.HotLoop,
+    bytes_per_token: float,
+    mma_per_token: float | None,
+    ldsm_per_token: float | None,
+    cold_per_token: float | None = None,
+) -> Rates:
     """Executions per token (per warp) of each region of the hot loop.
 
     Unknowns: ``y[j]`` for the hot loop's own region and each nested loop
@@ -211,8 +225,11 @@ def solve_rates(hot: _sass.HotLoop, bytes_per_token: float, mma_per_token: float
             cold |= new
     elif cold_per_token is not None and any(r.pmtrig for r in R):
         eqs.append(([r.pmtrig for r in R], cold_per_token))
-    counted = [j for j in range(len(R)) if j not in cold and (j == 0 or load[j] or R[j].hmma or R[j].ldsm
-                                                              or (cold_per_token and R[j].pmtrig))]
+    counted = [
+        j
+        for j in range(len(R))
+        if j not in cold and (j == 0 or load[j] or R[j].hmma or R[j].ldsm or (cold_per_token and R[j].pmtrig))
+    ]
 
     def owner(j: int, free: list) -> int:
         while j not in free:
@@ -257,11 +274,12 @@ def solve_rates(hot: _sass.HotLoop, bytes_per_token: float, mma_per_token: float
 # Blocks of a launch
 # ---------------------------------------------------------------------------
 
+
 @dataclass
 class Block:
-    keys: list                   # [(data key, tokens from the split start)]
-    tokens: int                  # K/V tokens it visits (all its passes)
-    rows: int                    # (query, head) rows it serves
+    keys: list  # [(data key, tokens from the split start)]
+    tokens: int  # K/V tokens it visits (all its passes)
+    rows: int  # (query, head) rows it serves
     q_bytes: int
     out_bytes: int
 
@@ -273,8 +291,20 @@ def split_chunk(visible: int, splits: int, tile: int = 16) -> int:
     return -(-c // tile) * tile
 
 
-def attention_blocks(launch: Launch, host: HostPlan, *, hkv: int, hq: int, d: int, dv: int, rot: int, itemsize: int,
-                     splits: int, causal: bool, x_reversed: bool) -> list[Block]:
+def attention_blocks(
+    launch: Launch,
+    host: HostPlan,
+    *,
+    hkv: int,
+    hq: int,
+    d: int,
+    dv: int,
+    rot: int,
+    itemsize: int,
+    splits: int,
+    causal: bool,
+    x_reversed: bool,
+) -> list[Block]:
     """Every block of ``launch`` in launch order (x fastest, then y, then z =
     split): x = query block and y = KV head x tiles + tile, or with
     ``launch.tiles_in_x`` x = query block x tiles + tile and y = KV head (the
@@ -326,10 +356,11 @@ def merge_blocks(queries: int, hq: int, dv: int, itemsize: int, splits: int, hea
 # Simulation
 # ---------------------------------------------------------------------------
 
+
 @dataclass
 class Sim:
     time: float
-    bound_share: dict            # resource -> share of the time it limited the blocks
+    bound_share: dict  # resource -> share of the time it limited the blocks
     tail_share: float
     waves: float
     hbm_bytes: float
@@ -347,7 +378,7 @@ def _waterfill(rho: np.ndarray, demand: np.ndarray) -> tuple[np.ndarray, np.ndar
     n = len(order)
     csum = np.cumsum(order)
     lam = None
-    for k in range(n):   # level lam with sum(min(use, lam)) == 1
+    for k in range(n):  # level lam with sum(min(use, lam)) == 1
         rest = n - k
         prev = csum[k - 1] if k else 0.0
         cand = (1.0 - prev) / rest
@@ -362,8 +393,9 @@ def _waterfill(rho: np.ndarray, demand: np.ndarray) -> tuple[np.ndarray, np.ndar
     return np.minimum(rho, cap), limited
 
 
-def simulate(blocks: list[Block], demands: dict, arch: _archs.Arch, per_sm: int,
-             hbm_demand_fn: Callable[..., float]) -> Sim:
+def simulate(
+    blocks: list[Block], demands: dict, arch: _archs.Arch, per_sm: int, hbm_demand_fn: Callable[..., float]
+) -> Sim:
     """Run the fluid model (module doc). ``demands``: resource -> array of
     seconds each block needs alone on an idle SM ("issue", "tensor",
     "smem"), alone on the machine ("L2") or by itself ("latency"); HBM
@@ -447,17 +479,25 @@ def simulate(blocks: list[Block], demands: dict, arch: _archs.Arch, per_sm: int,
     else:
         tail_start = float(dispatch_t[full * slots]) if full else 0.0
     total = sum(bound_time.values()) or 1.0
-    return Sim(t, {k: v / total for k, v in bound_time.items()}, (t - tail_start) / t if t > 0 else 0.0,
-               n / slots, hbm_bytes, float(l2.sum() * arch.l2_bw))
+    return Sim(
+        t,
+        {k: v / total for k, v in bound_time.items()},
+        (t - tail_start) / t if t > 0 else 0.0,
+        n / slots,
+        hbm_bytes,
+        float(l2.sum() * arch.l2_bw),
+    )
 
 
 # ---------------------------------------------------------------------------
 # One launch
 # ---------------------------------------------------------------------------
 
+
 @dataclass
 class LaunchModel:
     """Everything printed for one launch (all **modeled**)."""
+
     kernel: str
     variant: str
     role: str
@@ -476,17 +516,17 @@ class LaunchModel:
     time_s: float
     binding: str
     bound_share: dict
-    bounds_s: dict               # each resource alone (no tail effects but its own), seconds
+    bounds_s: dict  # each resource alone (no tail effects but its own), seconds
     hbm_bytes: float
     l2_bytes: float
-    kv_bytes: float              # K/V (or partial) bytes the blocks read
+    kv_bytes: float  # K/V (or partial) bytes the blocks read
     in_flight_per_sm: float | None
     little_per_sm: float
-    mma: float                   # mma.sync m16n8k16 executed (counters)
+    mma: float  # mma.sync m16n8k16 executed (counters)
     ldmatrix: float
-    mma_per_tile: dict           # per 64 K/V tokens per block: mma, ldmatrix, smem bytes
+    mma_per_tile: dict  # per 64 K/V tokens per block: mma, ldmatrix, smem bytes
     smem_bytes: float
-    instr: float | None          # warp instructions (hot loop, all blocks)
+    instr: float | None  # warp instructions (hot loop, all blocks)
     instr_per_kv_byte: float | None
     hot_loop: dict
     notes: list
@@ -497,15 +537,31 @@ class LaunchModel:
         return d
 
 
-def model_launch(arch: _archs.Arch, facts: KernelFacts, desc: _kernels.KernelDesc, *, grid: tuple, threads: int,
-                 dynamic_smem: int, blocks: list[Block], kv_bytes_per_token: float, probe: _counters.Probe | None,
-                 latency_ns: float, fits_l2: bool, kv_in_l2: bool = False,
-                 extra_notes: Iterable[str] = ()) -> LaunchModel:
+def model_launch(
+    arch: _archs.Arch,
+    facts: KernelFacts,
+    desc: _kernels.KernelDesc,
+    *,
+    grid: tuple,
+    threads: int,
+    dynamic_smem: int,
+    blocks: list[Block],
+    kv_bytes_per_token: float,
+    probe: _counters.Probe | None,
+    latency_ns: float,
+    fits_l2: bool,
+    kv_in_l2: bool = False,
+    extra_notes: Iterable[str] = (),
+) -> LaunchModel:
     """Model one launch (module doc). ``fits_l2``: the launch's K/V fits
     in half the L2, so a range read once is an L2 hit afterwards;
     ``kv_in_l2``: the data is already in L2 (the merge's partials)."""
-    assert (arch.clock_ghz is not None and arch.copy_bw is not None and arch.l2_bw is not None
-            and arch.mma_sync_flops is not None), f"{arch.name}: not a modeled arch"
+    assert (
+        arch.clock_ghz is not None
+        and arch.copy_bw is not None
+        and arch.l2_bw is not None
+        and arch.mma_sync_flops is not None
+    ), f"{arch.name}: not a modeled arch"
     notes = list(extra_notes)
     if not desc.known:
         notes.append(f"{facts.kernel} is not in cupaged/tools/kernels.py: modeled as '{desc.loads}'")
@@ -520,8 +576,9 @@ def model_launch(arch: _archs.Arch, facts: KernelFacts, desc: _kernels.KernelDes
     if facts.hot is not None:
         # wgmma instructions (per warp part) are HGMMA in the SASS, which the solver counts with HMMA
         mma_t = (probe.slope.get("mma_16816", 0.0) + probe.slope.get("wgmma", 0.0)) / warps if probe else None
-        ldsm_t = ((probe.slope.get("ldmatrix_x4", 0) + probe.slope.get("ldmatrix_x4_trans", 0)) / warps
-                  if probe else None)
+        ldsm_t = (
+            (probe.slope.get("ldmatrix_x4", 0) + probe.slope.get("ldmatrix_x4_trans", 0)) / warps if probe else None
+        )
         cold_t = probe.slope.get("cold_path", 0.0) / warps if probe else None
         rates = solve_rates(facts.hot, kv_bytes_per_token / warps, mma_t, ldsm_t, cold_t)
         if rates.note:
@@ -533,9 +590,22 @@ def model_launch(arch: _archs.Arch, facts: KernelFacts, desc: _kernels.KernelDes
     if rates is not None:
         per_tok = warps * tokens
         cyc = per_tok * rates.instr / arch.issue_per_clk
-        pipe_of = {"fp32": "fp32", "imad": "imad", "alu": "alu", "mufu": "mufu", "shfl": "shfl", "conv": "conv",
-                   "ldg": "lsu", "ldgsts": "lsu", "lds": "lsu", "ldsm": "lsu", "sts": "lsu", "stg": "lsu",
-                   "local": "lsu", "atoms": "lsu"}
+        pipe_of = {
+            "fp32": "fp32",
+            "imad": "imad",
+            "alu": "alu",
+            "mufu": "mufu",
+            "shfl": "shfl",
+            "conv": "conv",
+            "ldg": "lsu",
+            "ldgsts": "lsu",
+            "lds": "lsu",
+            "ldsm": "lsu",
+            "sts": "lsu",
+            "stg": "lsu",
+            "local": "lsu",
+            "atoms": "lsu",
+        }
         pipe: dict = defaultdict(float)
         for c, v in rates.classes.items():
             if c in pipe_of:
@@ -567,7 +637,7 @@ def model_launch(arch: _archs.Arch, facts: KernelFacts, desc: _kernels.KernelDes
                 if not arch.wgmma_flops:
                     notes.append(f"{facts.kernel}: wgmma has no rate on {arch.name}; modeled at the mma.sync rate")
                 demands["tensor"] = demands["tensor"] + wg_flop / ((arch.wgmma_flops or arch.mma_sync_flops) / arch.sms)
-            mma = mma + wg_flop / _counters.MMA_FLOP   # reported in m16n8k16 equivalents
+            mma = mma + wg_flop / _counters.MMA_FLOP  # reported in m16n8k16 equivalents
     if rates is not None:
         smem = smem + warps * tokens * rates.smem_bytes
     if smem.any():
@@ -608,33 +678,64 @@ def model_launch(arch: _archs.Arch, facts: KernelFacts, desc: _kernels.KernelDes
     instr = float((warps * tokens * rates.instr).sum()) if rates is not None else None
     per_tile = {}
     if probe is not None:
-        per_tile = {"tokens": 64, "mma": 64 * (probe.slope.get("mma_16816", 0.0)
-                                               + probe.slope.get("wgmma_flop", 0.0) / _counters.MMA_FLOP),
-                    "ldmatrix": 64 * (probe.slope.get("ldmatrix_x4", 0.0) + probe.slope.get("ldmatrix_x4_trans", 0.0)),
-                    "smem_bytes": 64 * (sum(_counters.SMEM_BYTES[k] * probe.slope.get(k, 0.0)
-                                            for k in _counters.SMEM_BYTES)
-                                        + (warps * rates.smem_bytes if rates is not None else 0.0))}
+        per_tile = {
+            "tokens": 64,
+            "mma": 64 * (probe.slope.get("mma_16816", 0.0) + probe.slope.get("wgmma_flop", 0.0) / _counters.MMA_FLOP),
+            "ldmatrix": 64 * (probe.slope.get("ldmatrix_x4", 0.0) + probe.slope.get("ldmatrix_x4_trans", 0.0)),
+            "smem_bytes": 64
+            * (
+                sum(_counters.SMEM_BYTES[k] * probe.slope.get(k, 0.0) for k in _counters.SMEM_BYTES)
+                + (warps * rates.smem_bytes if rates is not None else 0.0)
+            ),
+        }
     hot = {}
     if facts.hot is not None and rates is not None:
         tot = facts.hot.totals()
-        hot = {"static_instructions": facts.hot.instructions, "nested_loops": facts.hot.nested,
-               "classes_static": tot.classes, "trips_per_token": rates.y,
-               "instr_per_iteration": rates.iter_instr, "kv_bytes_per_iteration_per_warp": rates.iter_bytes,
-               "classes_per_kv_byte": {k: v / (kv_bytes_per_token / warps) for k, v in rates.classes.items()},
-               "offsets": [hex(facts.hot.first_offset), hex(facts.hot.last_offset)]}
+        hot = {
+            "static_instructions": facts.hot.instructions,
+            "nested_loops": facts.hot.nested,
+            "classes_static": tot.classes,
+            "trips_per_token": rates.y,
+            "instr_per_iteration": rates.iter_instr,
+            "kv_bytes_per_iteration_per_warp": rates.iter_bytes,
+            "classes_per_kv_byte": {k: v / (kv_bytes_per_token / warps) for k, v in rates.classes.items()},
+            "offsets": [hex(facts.hot.first_offset), hex(facts.hot.last_offset)],
+        }
     kv_total = float(kvb.sum())
     return LaunchModel(
-        kernel=facts.kernel, variant=facts.variant, role=desc.role, grid=tuple(grid), threads=threads,
-        registers=facts.registers, spills=(facts.spill_stores, facts.spill_loads), static_smem=facts.static_smem,
-        dynamic_smem=dynamic_smem, occupancy=occ.as_dict(), launchable=not problems, launch_problems=problems,
-        blocks=n, waves=sim.waves, tail_share=sim.tail_share, time_s=time_s, binding=binding,
-        bound_share=sim.bound_share, bounds_s=bounds, hbm_bytes=sim.hbm_bytes, l2_bytes=float((kvb + io).sum()),
+        kernel=facts.kernel,
+        variant=facts.variant,
+        role=desc.role,
+        grid=tuple(grid),
+        threads=threads,
+        registers=facts.registers,
+        spills=(facts.spill_stores, facts.spill_loads),
+        static_smem=facts.static_smem,
+        dynamic_smem=dynamic_smem,
+        occupancy=occ.as_dict(),
+        launchable=not problems,
+        launch_problems=problems,
+        blocks=n,
+        waves=sim.waves,
+        tail_share=sim.tail_share,
+        time_s=time_s,
+        binding=binding,
+        bound_share=sim.bound_share,
+        bounds_s=bounds,
+        hbm_bytes=sim.hbm_bytes,
+        l2_bytes=float((kvb + io).sum()),
         kv_bytes=kv_total,
         in_flight_per_sm=None if in_flight_block is None else in_flight_block * occ.blocks_per_sm,
-        little_per_sm=arch.copy_bw * latency_ns * 1e-9 / arch.sms, mma=float(mma.sum()), ldmatrix=float(ldm.sum()),
-        mma_per_tile=per_tile, smem_bytes=float(smem.sum()), instr=instr,
+        little_per_sm=arch.copy_bw * latency_ns * 1e-9 / arch.sms,
+        mma=float(mma.sum()),
+        ldmatrix=float(ldm.sum()),
+        mma_per_tile=per_tile,
+        smem_bytes=float(smem.sum()),
+        instr=instr,
         instr_per_kv_byte=(rates.instr / (kv_bytes_per_token / warps)) if rates is not None else None,
-        hot_loop=hot, notes=notes)
+        hot_loop=hot,
+        notes=notes,
+    )
 
 
 def fmt_bytes(x: float | None) -> str:

@@ -13,6 +13,7 @@
   that; more than the opt-in limit per block (+ the reserve) cannot launch;
 * warps: max warps per SM // warps per block; blocks: the per-SM cap.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -27,14 +28,14 @@ class Occupancy:
     registers: int
     static_smem: int
     dynamic_smem: int
-    blocks_per_sm: int           # resident blocks per SM (0: cannot launch)
+    blocks_per_sm: int  # resident blocks per SM (0: cannot launch)
     by_registers: int
     by_smem: int
     by_warps: int
     by_blocks: int
-    limited_by: str              # "registers", "shared memory", "warps", "blocks" (first of the ties)
-    smem_per_block: int          # allocated, reserve and rounding included
-    regs_per_block: int          # allocated
+    limited_by: str  # "registers", "shared memory", "warps", "blocks" (first of the ties)
+    smem_per_block: int  # allocated, reserve and rounding included
+    regs_per_block: int  # allocated
 
     @property
     def warps_per_sm(self) -> int:
@@ -84,5 +85,18 @@ def occupancy(arch: str, threads: int, registers: int, static_smem: int = 0, dyn
     limits = {"registers": by_regs, "shared memory": by_smem, "warps": by_warps, "blocks": by_blocks}
     n = min(limits.values())
     limited_by = next(k for k, v in limits.items() if v == n)
-    return Occupancy(a.name, threads, registers, static_smem, dynamic_smem, n, by_regs, by_smem, by_warps,
-                     by_blocks, limited_by, alloc, per_block)
+    return Occupancy(
+        a.name,
+        threads,
+        registers,
+        static_smem,
+        dynamic_smem,
+        n,
+        by_regs,
+        by_smem,
+        by_warps,
+        by_blocks,
+        limited_by,
+        alloc,
+        per_block,
+    )

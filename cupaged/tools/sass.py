@@ -21,6 +21,7 @@ regions (its own blocks and each nested loop) carry static counts by
 instruction class; how often each runs per K/V token is solved by the
 model from the CPU counters.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,8 +37,10 @@ from pathlib import Path
 
 TOOLS = ("nvdisasm", "cuobjdump")
 #: What to install when the disassemblers are missing.
-INSTALL_HINT = ("pip install nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump   (or: pip install -e '.[perf]'; "
-                "or put a CUDA toolkit's bin folder on PATH; or set CUPAGED_NVDISASM)")
+INSTALL_HINT = (
+    "pip install nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump   (or: pip install -e '.[perf]'; "
+    "or put a CUDA toolkit's bin folder on PATH; or set CUPAGED_NVDISASM)"
+)
 
 
 class SassToolMissing(RuntimeError):
@@ -49,6 +52,7 @@ def _wheel_bins() -> list[Path]:
     roots: list[Path] = []
     try:
         import nvidia  # namespace package of NVIDIA's wheels
+
         roots += [Path(p) for p in getattr(nvidia, "__path__", [])]
     except ImportError:
         pass
@@ -90,9 +94,11 @@ def available() -> bool:
 
 
 def missing_message() -> str:
-    return ("SASS figures need nvdisasm or cuobjdump, and neither was found (looked at $CUPAGED_NVDISASM, "
-            "NVIDIA's pip wheels under site-packages/nvidia/*/bin, PATH, $CUDA_PATH/bin, /usr/local/cuda/bin). "
-            "Install: " + INSTALL_HINT)
+    return (
+        "SASS figures need nvdisasm or cuobjdump, and neither was found (looked at $CUPAGED_NVDISASM, "
+        "NVIDIA's pip wheels under site-packages/nvidia/*/bin, PATH, $CUDA_PATH/bin, /usr/local/cuda/bin). "
+        "Install: " + INSTALL_HINT
+    )
 
 
 def disassemble(cubin: bytes) -> str:
@@ -107,7 +113,7 @@ def disassemble(cubin: bytes) -> str:
         if nvd:
             cmd = [nvd, "-c", str(path)]
         else:
-            assert cuo is not None   # one of the two was found (checked above)
+            assert cuo is not None  # one of the two was found (checked above)
             cmd = [cuo, "-sass", str(path)]
         r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0 or not r.stdout.strip():
@@ -133,12 +139,13 @@ def tool_version() -> str:
 # Parsing
 # ---------------------------------------------------------------------------
 
+
 @dataclass
 class Instr:
     offset: int
-    opcode: str              # with modifiers: "LDG.E.128.CONSTANT"
+    opcode: str  # with modifiers: "LDG.E.128.CONSTANT"
     operands: str
-    pred: str = ""           # "@P0", "@!P2" or ""
+    pred: str = ""  # "@P0", "@!P2" or ""
     target: int | None = None  # branch target offset
 
     @property
@@ -177,7 +184,7 @@ def parse(text: str) -> dict[str, Function]:
     funcs: dict[str, Function] = {}
     cur: Function | None = None
     labels: dict[str, int] = {}
-    pending: list[tuple[Instr, str]] = []     # branches to labels, resolved per function
+    pending: list[tuple[Instr, str]] = []  # branches to labels, resolved per function
     pending_labels: list[str] = []
 
     def close():
@@ -229,20 +236,21 @@ def parse(text: str) -> dict[str, Function]:
 # Control flow
 # ---------------------------------------------------------------------------
 
+
 @dataclass
 class Block:
-    start: int               # index of the first instruction
-    end: int                 # one past the last
-    succs: list[int] = field(default_factory=list)   # block numbers
+    start: int  # index of the first instruction
+    end: int  # one past the last
+    succs: list[int] = field(default_factory=list)  # block numbers
     preds: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Loop:
-    header: int              # block number
-    blocks: frozenset        # block numbers (the header included)
-    tails: tuple             # blocks with a back edge to the header
-    depth: int = 1           # 1 = outermost
+    header: int  # block number
+    blocks: frozenset  # block numbers (the header included)
+    tails: tuple  # blocks with a back edge to the header
+    depth: int = 1  # 1 = outermost
     children: list = field(default_factory=list)
 
     def instructions(self, fn: Function, cfg: "Cfg") -> list[Instr]:
@@ -252,7 +260,7 @@ class Loop:
 @dataclass
 class Cfg:
     blocks: list[Block]
-    indirect: bool = False   # an indirect branch (BRX/JMX) was seen: edges unknown
+    indirect: bool = False  # an indirect branch (BRX/JMX) was seen: edges unknown
 
     def block_of(self, index: int) -> int:
         for n, b in enumerate(self.blocks):
@@ -338,7 +346,7 @@ def find_loops(cfg: Cfg) -> list[Loop]:
     by_header: dict[int, tuple[set, list]] = {}
     for k, b in enumerate(cfg.blocks):
         for s in b.succs:
-            if s in dom[k]:                      # back edge k -> s
+            if s in dom[k]:  # back edge k -> s
                 body, stack = {s, k}, [k]
                 while stack:
                     x = stack.pop()
@@ -380,17 +388,100 @@ CLASSES: dict[str, tuple[str, ...]] = {
     "local": ("LDL", "STL"),
     "atoms": ("ATOMS",),
     "imad": ("IMAD", "IMUL", "IMAD32I", "IMUL32I"),
-    "alu": ("IADD3", "IADD", "IADD32I", "VIADD", "VIADDMNMX", "LOP3", "LOP", "LOP32I", "SHF", "SHL", "SHR", "LEA",
-            "ISETP", "FSETP", "HSETP2", "DSETP", "FMNMX", "IMNMX", "VIMNMX", "VIMNMX3", "FMNMX3", "SEL", "FSEL",
-            "PRMT", "IABS", "BFE", "BFI", "BMSK", "FLO", "POPC", "BREV", "PLOP3", "PSETP", "P2R", "R2P",
-            "F2FP", "CS2R", "MOV", "MOV32I", "FCHK", "LEPC", "ISCADD", "XMAD", "SGXT", "IDP", "IDP4A",
-            "HMNMX2", "VHMNMX", "FSET", "ISET"),
+    "alu": (
+        "IADD3",
+        "IADD",
+        "IADD32I",
+        "VIADD",
+        "VIADDMNMX",
+        "LOP3",
+        "LOP",
+        "LOP32I",
+        "SHF",
+        "SHL",
+        "SHR",
+        "LEA",
+        "ISETP",
+        "FSETP",
+        "HSETP2",
+        "DSETP",
+        "FMNMX",
+        "IMNMX",
+        "VIMNMX",
+        "VIMNMX3",
+        "FMNMX3",
+        "SEL",
+        "FSEL",
+        "PRMT",
+        "IABS",
+        "BFE",
+        "BFI",
+        "BMSK",
+        "FLO",
+        "POPC",
+        "BREV",
+        "PLOP3",
+        "PSETP",
+        "P2R",
+        "R2P",
+        "F2FP",
+        "CS2R",
+        "MOV",
+        "MOV32I",
+        "FCHK",
+        "LEPC",
+        "ISCADD",
+        "XMAD",
+        "SGXT",
+        "IDP",
+        "IDP4A",
+        "HMNMX2",
+        "VHMNMX",
+        "FSET",
+        "ISET",
+    ),
     "conv": ("F2F", "F2I", "I2F", "I2I", "FRND", "I2FP", "F2IP"),
     "ldc": ("LDC", "ULDC"),
-    "sync": ("BAR", "BSSY", "BSYNC", "WARPSYNC", "DEPBAR", "MEMBAR", "ERRBAR", "CCTL", "SYNCS", "ARRIVES",
-             "BMOV", "NANOSLEEP", "VOTE", "VOTEU", "MATCH", "REDUX", "ELECT", "WARPGROUP"),
-    "ctrl": ("BRA", "JMP", "BRX", "JMX", "CALL", "RET", "EXIT", "BREAK", "BPT", "KILL", "YIELD", "NOP", "S2R",
-             "S2UR", "CS2UR", "R2UR", "ACQBULK", "PREEXIT"),
+    "sync": (
+        "BAR",
+        "BSSY",
+        "BSYNC",
+        "WARPSYNC",
+        "DEPBAR",
+        "MEMBAR",
+        "ERRBAR",
+        "CCTL",
+        "SYNCS",
+        "ARRIVES",
+        "BMOV",
+        "NANOSLEEP",
+        "VOTE",
+        "VOTEU",
+        "MATCH",
+        "REDUX",
+        "ELECT",
+        "WARPGROUP",
+    ),
+    "ctrl": (
+        "BRA",
+        "JMP",
+        "BRX",
+        "JMX",
+        "CALL",
+        "RET",
+        "EXIT",
+        "BREAK",
+        "BPT",
+        "KILL",
+        "YIELD",
+        "NOP",
+        "S2R",
+        "S2UR",
+        "CS2UR",
+        "R2UR",
+        "ACQBULK",
+        "PREEXIT",
+    ),
 }
 _CLASS_OF = {op: cls for cls, ops in CLASSES.items() for op in ops}
 
@@ -436,18 +527,19 @@ def is_wide_global_load(ins: Instr) -> bool:
 class Region:
     """Static counts of part of a loop: the loop's own blocks, without the
     loops nested in it (those are regions of their own)."""
-    offset: int                  # first instruction
+
+    offset: int  # first instruction
     depth: int
-    parent: int                  # index of the enclosing region in HotLoop.regions (-1: the hot loop itself)
+    parent: int  # index of the enclosing region in HotLoop.regions (-1: the hot loop itself)
     instructions: int
     classes: dict
-    wide_load_bytes: int         # per warp: 16-byte-per-lane global loads / copies x 32 lanes
-    global_load_bytes: int       # per warp: every global load / copy
-    smem_bytes: int              # per warp: LDS / STS (not LDSM)
-    hmma: int                    # HMMA and HGMMA (mma.sync, wgmma)
+    wide_load_bytes: int  # per warp: 16-byte-per-lane global loads / copies x 32 lanes
+    global_load_bytes: int  # per warp: every global load / copy
+    smem_bytes: int  # per warp: LDS / STS (not LDSM)
+    hmma: int  # HMMA and HGMMA (mma.sync, wgmma)
     ldsm: int
     ldgsts: int
-    pmtrig: int = 0              # cold-path markers (ptx::cold_path: pmevent)
+    pmtrig: int = 0  # cold-path markers (ptx::cold_path: pmevent)
 
     def count(self, what: str) -> int:
         return {"hmma": self.hmma, "ldsm": self.ldsm, "ldgsts": self.ldgsts, "pmtrig": self.pmtrig}[what]
@@ -459,11 +551,12 @@ class HotLoop:
     nested in it. Static: one count per instruction, predicated ones
     included; trip counts of nested loops are not in the SASS (see
     ``perf_model`` for how they are solved from the counters)."""
+
     function: str
     first_offset: int
     last_offset: int
     regions: list
-    other_loops: int             # other loops of the function with wide loads
+    other_loops: int  # other loops of the function with wide loads
     indirect: bool = False
 
     @property
@@ -479,34 +572,62 @@ class HotLoop:
         cls: Counter = Counter()
         for r in self.regions:
             cls.update(r.classes)
-        return Region(self.first_offset, self.regions[0].depth, -1, self.instructions, dict(cls),
-                      sum(r.wide_load_bytes for r in self.regions), sum(r.global_load_bytes for r in self.regions),
-                      sum(r.smem_bytes for r in self.regions), sum(r.hmma for r in self.regions),
-                      sum(r.ldsm for r in self.regions), sum(r.ldgsts for r in self.regions),
-                      sum(r.pmtrig for r in self.regions))
+        return Region(
+            self.first_offset,
+            self.regions[0].depth,
+            -1,
+            self.instructions,
+            dict(cls),
+            sum(r.wide_load_bytes for r in self.regions),
+            sum(r.global_load_bytes for r in self.regions),
+            sum(r.smem_bytes for r in self.regions),
+            sum(r.hmma for r in self.regions),
+            sum(r.ldsm for r in self.regions),
+            sum(r.ldgsts for r in self.regions),
+            sum(r.pmtrig for r in self.regions),
+        )
 
     def as_dict(self) -> dict:
-        return {"function": self.function, "first_offset": self.first_offset, "last_offset": self.last_offset,
-                "other_loops": self.other_loops, "indirect": self.indirect,
-                "regions": [dict(r.__dict__) for r in self.regions]}
+        return {
+            "function": self.function,
+            "first_offset": self.first_offset,
+            "last_offset": self.last_offset,
+            "other_loops": self.other_loops,
+            "indirect": self.indirect,
+            "regions": [dict(r.__dict__) for r in self.regions],
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "HotLoop":
-        return cls(d["function"], d["first_offset"], d["last_offset"], [Region(**r) for r in d["regions"]],
-                   d["other_loops"], d["indirect"])
+        return cls(
+            d["function"],
+            d["first_offset"],
+            d["last_offset"],
+            [Region(**r) for r in d["regions"]],
+            d["other_loops"],
+            d["indirect"],
+        )
 
 
 def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int) -> Region:
     ins = [fn.instrs[i] for b in sorted(blocks) for i in range(cfg.blocks[b].start, cfg.blocks[b].end)]
     cls = Counter(classify(i) for i in ins)
     glob = [i for i in ins if i.base in ("LDG", "LD", "LDGSTS", "UBLKCP", "UTMALDG")]
-    return Region(min((i.offset for i in ins), default=0), depth, parent, len(ins), dict(cls),
-                  sum(32 * access_bytes(i) for i in ins if is_wide_global_load(i)),
-                  sum(32 * access_bytes(i) for i in glob),
-                  # "@!PT LDS RZ, [RZ]" (ptxas' never-true placeholders beside LDGSTS) moves no bytes
-                  sum(32 * access_bytes(i) for i in ins if i.base in ("LDS", "STS") and i.pred != "@!PT"),
-                  sum(1 for i in ins if i.base in ("HMMA", "HGMMA")), sum(1 for i in ins if i.base == "LDSM"),
-                  sum(1 for i in ins if i.base == "LDGSTS"), sum(1 for i in ins if i.base == "PMTRIG"))
+    return Region(
+        min((i.offset for i in ins), default=0),
+        depth,
+        parent,
+        len(ins),
+        dict(cls),
+        sum(32 * access_bytes(i) for i in ins if is_wide_global_load(i)),
+        sum(32 * access_bytes(i) for i in glob),
+        # "@!PT LDS RZ, [RZ]" (ptxas' never-true placeholders beside LDGSTS) moves no bytes
+        sum(32 * access_bytes(i) for i in ins if i.base in ("LDS", "STS") and i.pred != "@!PT"),
+        sum(1 for i in ins if i.base in ("HMMA", "HGMMA")),
+        sum(1 for i in ins if i.base == "LDSM"),
+        sum(1 for i in ins if i.base == "LDGSTS"),
+        sum(1 for i in ins if i.base == "PMTRIG"),
+    )
 
 
 def _all_inside(loop: Loop):

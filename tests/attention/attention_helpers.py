@@ -1,5 +1,6 @@
 """Helpers shared by the attention tests: run a case through the public API
 and compare with the float64 reference."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +26,9 @@ def run(backend, case, causal=True, *, splits=None, out=False, return_lse=True, 
     (lse None without return_lse) and the device plan."""
     q, k, v = (_to_device(backend, a) for a in (case.q, case.k_cache, case.v_cache))
     if plan is None:
-        plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
-                                      case.num_pages).upload(q)
+        plan = cupaged.HostPlan.build(
+            case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages
+        ).upload(q)
     ws = None
     if splits is not None:
         ws = cupaged.SplitWorkspace(plan.queries, q.shape[1], v.shape[3], splits, q)
@@ -66,8 +68,7 @@ def check_capture_replay(rng, case, dtype, what):
     q's contents, replay: the output must match the reference for the new q."""
     q = case.q.copy()
     heads, dv = q.shape[1], case.v_cache.shape[3]
-    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
-                                  case.num_pages).upload(q)
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages).upload(q)
     out = np.zeros((plan.queries, heads, dv), q.dtype)
     ws = cupaged.SplitWorkspace(plan.queries, heads, dv, 2, q)
     stream = cupaged.stream_for(q)
@@ -76,8 +77,9 @@ def check_capture_replay(rng, case, dtype, what):
     graph = stream.end_capture()
     q[...] = rng.standard_normal(q.shape).astype(q.dtype)
     graph.launch()
-    ref, _ = reference.paged_attention(q, case.k_cache, case.v_cache, case.page_table, case.kv_lens,
-                                       case.q_lens, case.scale, True)
+    ref, _ = reference.paged_attention(
+        q, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens, case.scale, True
+    )
     assert_close(out, ref, dtype, what)
 
 

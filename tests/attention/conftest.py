@@ -1,4 +1,5 @@
 """Fixtures of the attention tests: which kernels a test launched."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,9 +36,15 @@ def launches(monkeypatch):
 
         def launch(self, kernel, grid, block, args, shared_mem=0):
             attn = kernel.name != "attention_split_merge"
-            params = args[0]    # the AttentionParams struct (ops/attention/params.py)
-            log.append((kernel.name, int(params["q_begin"]) if attn else None,
-                        int(params["q_count"]) if attn else None, grid[0] if isinstance(grid, tuple) else grid))
+            params = args[0]  # the AttentionParams struct (ops/attention/params.py)
+            log.append(
+                (
+                    kernel.name,
+                    int(params["q_begin"]) if attn else None,
+                    int(params["q_count"]) if attn else None,
+                    grid[0] if isinstance(grid, tuple) else grid,
+                )
+            )
             return self.stream.launch(kernel, grid, block, args, shared_mem=shared_mem)
 
     monkeypatch.setattr(attention, "launch_call", lambda call, stream=None: real(call, Spy(stream or call.plan.stream)))
@@ -52,9 +59,11 @@ def mla_arch(request, xp_backend):
     own arch decides, and the other parameter is skipped. Yields the kernel
     name the step should launch."""
     from cupaged._runtime import archs
+
     kernel = {"sm_90": "paged_mla_wgmma", "sm_80": "paged_mla_tc"}[request.param]
     if xp_backend.name == "gpu":
         import cupy
+
         if archs.device_arch(cupy.zeros(1)) != request.param:
             pytest.skip(f"the GPU is not {request.param}")
         yield kernel

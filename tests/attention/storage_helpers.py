@@ -11,6 +11,7 @@ Hkv, D]), ``"hnd"`` (a view of a [pages, Hkv, page_size, D] array),
 tensor; D == Dv), ``"misaligned"`` (C-contiguous, but starting one element
 past a 16-byte boundary: element loads).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,7 @@ def storage_like(a: np.ndarray, offset_bytes: int = 0) -> np.ndarray:
     a = np.asarray(a)
     buf = np.zeros(a.nbytes + 128, np.uint8)
     start = (-buf.ctypes.data) % 64 + offset_bytes
-    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out = buf[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
     out[...] = a
     return out
 
@@ -43,13 +44,15 @@ def as_view(k: np.ndarray, v: np.ndarray, view: str) -> tuple[np.ndarray, np.nda
     if view == "nhd":
         return storage_like(k), storage_like(v)
     if view == "hnd":
+
         def hnd(c):
-            base = storage_like(np.ascontiguousarray(c.transpose(0, 2, 1, 3)))   # [pages, Hkv, page_size, D]
+            base = storage_like(np.ascontiguousarray(c.transpose(0, 2, 1, 3)))  # [pages, Hkv, page_size, D]
             return base.transpose(0, 2, 1, 3)
+
         return hnd(k), hnd(v)
     if view == "combined":
         assert k.shape == v.shape, "a combined KV tensor needs D == Dv"
-        kv = storage_like(np.stack([k, v], axis=1))                              # [pages, 2, page_size, Hkv, D]
+        kv = storage_like(np.stack([k, v], axis=1))  # [pages, 2, page_size, Hkv, D]
         return kv[:, 0], kv[:, 1]
     if view == "misaligned":
         return storage_like(k, k.itemsize), storage_like(v, v.itemsize)
@@ -94,7 +97,7 @@ def quantized(case_k, fmt, scale, *, poison_rng=None, used=None):
         raw[~used] = nan
         if fmt == "e5m2" and poison_rng is not None:
             mask = ~used & (poison_rng.random(used.shape) < 0.5)
-            raw[mask] = 0x7C                         # +inf
+            raw[mask] = 0x7C  # +inf
     return codes
 
 
@@ -132,6 +135,7 @@ def only_kernels(monkeypatch, names) -> None:
     (the others are left out of ``variants._TABLE`` for the test), so a
     test runs one kernel family on shapes another would take."""
     from cupaged.ops.attention import variants
+
     names = set(names)
     table = {k: [v for v in rows if v.kernel in names] for k, rows in variants._TABLE.items()}
     monkeypatch.setattr(variants, "_TABLE", table)
@@ -148,16 +152,28 @@ def run_attention(sc: StoredCase, causal=True, *, splits=None, **score):
     """Run a StoredCase through ``DevicePlan.attention`` (CPU backend).
     Returns (out, lse, kernels that ran)."""
     case = sc.case
-    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
-                                  case.num_pages).upload(case.q)
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages).upload(
+        case.q
+    )
     ws = None
     if splits:
         ws = cupaged.SplitWorkspace(plan.queries, case.q.shape[1], sc.v_cache.shape[3], splits, like=case.q)
     out = np.zeros((plan.queries, case.q.shape[1], sc.v_cache.shape[3]), case.q.dtype)
-    o, lse = plan.attention(case.q, sc.k_cache, sc.v_cache, case.scale, causal, workspace=ws, out=out,
-                            return_lse=True, **score, **sc.kv_args)
-    call = inputs.attention_call(plan, case.q, sc.k_cache, sc.v_cache, case.scale, causal, workspace=ws, out=out,
-                                 **score, **sc.kv_args)
+    o, lse = plan.attention(
+        case.q,
+        sc.k_cache,
+        sc.v_cache,
+        case.scale,
+        causal,
+        workspace=ws,
+        out=out,
+        return_lse=True,
+        **score,
+        **sc.kv_args,
+    )
+    call = inputs.attention_call(
+        plan, case.q, sc.k_cache, sc.v_cache, case.scale, causal, workspace=ws, out=out, **score, **sc.kv_args
+    )
     return o, lse, tuple(x.kernel for x in call.launches)
 
 
@@ -165,10 +181,12 @@ def reference_out(sc: StoredCase, causal=True, **score):
     """The float64 reference on the dequantized caches."""
     case = sc.case
     if score:
-        return reference.scored_attention(case.q, sc.k_ref, sc.v_ref, case.page_table, case.kv_lens, case.q_lens,
-                                          case.scale, causal, **score)
-    return reference.paged_attention(case.q, sc.k_ref, sc.v_ref, case.page_table, case.kv_lens, case.q_lens,
-                                     case.scale, causal)
+        return reference.scored_attention(
+            case.q, sc.k_ref, sc.v_ref, case.page_table, case.kv_lens, case.q_lens, case.scale, causal, **score
+        )
+    return reference.paged_attention(
+        case.q, sc.k_ref, sc.v_ref, case.page_table, case.kv_lens, case.q_lens, case.scale, causal
+    )
 
 
 def check_attention(sc: StoredCase, causal=True, *, splits=None, what="", **score) -> tuple[str, ...]:
@@ -231,30 +249,59 @@ def check_mla(sm: StoredMla, causal=True, *, splits=None, what="") -> tuple[str,
     reference on the dequantized caches; returns the kernels that ran."""
     case = sm.case
     q_pos = case.q_pos if sm.k_pos is not None else None
-    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
-                                  case.num_pages).upload(case.q)
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages).upload(
+        case.q
+    )
     ws = None
     r = case.q.shape[2]
     if splits:
         ws = cupaged.SplitWorkspace(plan.queries, case.q.shape[1], r, splits, like=case.q)
     out = np.zeros((plan.queries, case.q.shape[1], r), case.q.dtype)
-    o, lse = plan.mla(case.q, q_pos, sm.latent, sm.k_pos, case.scale, causal, workspace=ws, out=out,
-                      return_lse=True, **sm.kv_args)
+    o, lse = plan.mla(
+        case.q, q_pos, sm.latent, sm.k_pos, case.scale, causal, workspace=ws, out=out, return_lse=True, **sm.kv_args
+    )
     if sm.k_pos is not None:
-        ref_o, ref_lse = reference.paged_mla(case.q, case.q_pos, sm.latent_ref, sm.k_pos_ref, case.page_table,
-                                             case.kv_lens, case.q_lens, case.scale, causal)
+        ref_o, ref_lse = reference.paged_mla(
+            case.q,
+            case.q_pos,
+            sm.latent_ref,
+            sm.k_pos_ref,
+            case.page_table,
+            case.kv_lens,
+            case.q_lens,
+            case.scale,
+            causal,
+        )
     else:
-        ref_o, ref_lse = reference.paged_attention(case.q, sm.latent_ref, sm.latent_ref, case.page_table,
-                                                   case.kv_lens, case.q_lens, case.scale, causal)
+        ref_o, ref_lse = reference.paged_attention(
+            case.q, sm.latent_ref, sm.latent_ref, case.page_table, case.kv_lens, case.q_lens, case.scale, causal
+        )
     dt = case.q.dtype
     assert np.isfinite(o.astype(np.float64)).all(), f"{what}: non-finite output"
     assert_close(o, ref_o, dt, f"{what} out")
     assert_close(lse, ref_lse, dt, f"{what} lse")
-    call = inputs.mla_call(plan, case.q, q_pos, sm.latent, sm.k_pos, case.scale, causal, workspace=ws, out=out,
-                           **sm.kv_args)
+    call = inputs.mla_call(
+        plan, case.q, q_pos, sm.latent, sm.k_pos, case.scale, causal, workspace=ws, out=out, **sm.kv_args
+    )
     return tuple(x.kernel for x in call.launches)
 
 
-__all__ = ["FP8", "VIEWS", "StoredCase", "StoredMla", "as_view", "check_attention", "check_mla", "fp8_paged_case",
-           "kernels", "only_kernels", "quantized", "reference_out", "run_attention", "scales", "storage_like", "store",
-           "stored_mla"]
+__all__ = [
+    "FP8",
+    "VIEWS",
+    "StoredCase",
+    "StoredMla",
+    "as_view",
+    "check_attention",
+    "check_mla",
+    "fp8_paged_case",
+    "kernels",
+    "only_kernels",
+    "quantized",
+    "reference_out",
+    "run_attention",
+    "scales",
+    "storage_like",
+    "store",
+    "stored_mla",
+]

@@ -6,6 +6,7 @@ kernel, sm_90a) only on their arch; the NVRTC gate then reports no launch
 problem for the selected builds on any arch; the static shared memory the
 selection budgets for holds. The CPU backend stands in for an arch
 (CUPAGED_CPU_ARCH, cpu_arch_override) and runs what that arch selects."""
+
 from __future__ import annotations
 
 import re
@@ -44,8 +45,11 @@ def test_selected_builds_fit_the_arch(arch):
             v = variants.select_tensor_core(dt, d, d, True, True, arch=arch)
             assert v is not None and v.runs_on(arch)
             assert v.smem + spec.TC_STATIC_SMEM_BUDGET <= lim.smem_optin_per_block
-            assert v.tile == (prefill_tc.PREFILL_TILES[d][-1] if (arch in ("sm_86", "sm_89") and d == 256)
-                              else prefill_tc.PREFILL_TILES[d][0])
+            assert v.tile == (
+                prefill_tc.PREFILL_TILES[d][-1]
+                if (arch in ("sm_86", "sm_89") and d == 256)
+                else prefill_tc.PREFILL_TILES[d][0]
+            )
         mla = variants.select_tensor_core(dt, 512, 512, True, True, rot_dim=64, arch=arch)
         want = {"sm_80": "paged_mla_tc", "sm_86": None, "sm_89": None, "sm_90": "paged_mla_wgmma"}[arch]
         assert (mla.kernel if mla else None) == want
@@ -76,8 +80,16 @@ def test_small_archs_run_what_they_select(arch, kernels_used):
     99 KiB tile, MLA runs the per-query kernel; both match the float64
     reference."""
     rng = np.random.default_rng(86)
-    case = make_paged_case(rng, kv_lens=np.array([60, 35], np.int32), q_lens=np.array([40, 18]), page_size=16,
-                           num_q_heads=4, num_kv_heads=2, head_dim=256, dtype="bf16")
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([60, 35], np.int32),
+        q_lens=np.array([40, 18]),
+        page_size=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=256,
+        dtype="bf16",
+    )
 
     class Cpu:
         name = "cpu"
@@ -88,8 +100,16 @@ def test_small_archs_run_what_they_select(arch, kernels_used):
         for causal in (True, False):
             o, lse, _ = run(Cpu, case, causal, splits=None)
             check(case, o, lse, causal, "bf16", f"{arch} prefill D 256")
-        mla = make_mla_case(rng, kv_lens=np.array([30, 21], np.int32), q_lens=np.array([1, 4]), page_size=16,
-                            num_heads=16, latent_dim=512, pos_dim=64, dtype="bf16")
+        mla = make_mla_case(
+            rng,
+            kv_lens=np.array([30, 21], np.int32),
+            q_lens=np.array([1, 4]),
+            page_size=16,
+            num_heads=16,
+            latent_dim=512,
+            pos_dim=64,
+            dtype="bf16",
+        )
         plan = cupaged.HostPlan.build(mla.page_table, mla.kv_lens, mla.q_lens, 16, mla.num_pages).upload(mla.q)
         o, lse = plan.mla(mla.q, mla.q_pos, mla.latent, mla.k_pos, mla.scale, True, return_lse=True)
     ref_o, ref_lse = mla.reference(True)
@@ -122,16 +142,28 @@ def test_tools_read_the_runtime_limits():
     """The tools' arch table (gate, occupancy, model) takes its per-block
     limits from the runtime's, which selection reads."""
     from cupaged.tools import archs as tools_archs
+
     for name, lim in archs.LIMITS.items():
         a = tools_archs.get(name)
-        assert (a.smem_optin_per_block, a.max_threads_per_block, a.static_smem_limit, a.regs_per_block,
-                a.max_regs_per_thread) == (lim.smem_optin_per_block, lim.max_threads_per_block,
-                                           lim.static_smem_limit, lim.regs_per_block, lim.max_regs_per_thread)
+        assert (
+            a.smem_optin_per_block,
+            a.max_threads_per_block,
+            a.static_smem_limit,
+            a.regs_per_block,
+            a.max_regs_per_thread,
+        ) == (
+            lim.smem_optin_per_block,
+            lim.max_threads_per_block,
+            lim.static_smem_limit,
+            lim.regs_per_block,
+            lim.max_regs_per_thread,
+        )
 
 
 def _nvrtc_or_skip():
     try:
         from cupaged._runtime import nvrtc
+
         nvrtc.nvrtc_version()
         nvrtc.find_header_dir()
     except Exception as e:
@@ -148,13 +180,25 @@ def test_gate_finds_no_launch_problem_on_any_arch():
     rows), else from a compile."""
     _nvrtc_or_skip()
     from cupaged.tools import compile_check, gate_manifest, launchcheck
-    tc = [(v.source, v.defines()) for v in variants.VARIANTS if v.kernel in ("paged_prefill_tc", "paged_mla_tc",
-                                                                            "paged_mla_wgmma")]
-    results = compile_check.check(tc, ("sm_80", "sm_86", "sm_90"), jobs=2,
-                                  cache_dir=compile_check.default_cache_dir(), manifest=gate_manifest.load(sample=0))
+
+    tc = [
+        (v.source, v.defines())
+        for v in variants.VARIANTS
+        if v.kernel in ("paged_prefill_tc", "paged_mla_tc", "paged_mla_wgmma")
+    ]
+    results = compile_check.check(
+        tc,
+        ("sm_80", "sm_86", "sm_90"),
+        jobs=2,
+        cache_dir=compile_check.default_cache_dir(),
+        manifest=gate_manifest.load(sample=0),
+    )
     mine = ("paged_prefill_tc", "paged_mla_tc", "paged_mla_wgmma")
-    bad = [(r.variant, r.kernel, r.arch, r.problems) for r in results
-           if not r.ok and (r.kernel in mine or any("cannot launch" in p for p in r.problems))]
+    bad = [
+        (r.variant, r.kernel, r.arch, r.problems)
+        for r in results
+        if not r.ok and (r.kernel in mine or any("cannot launch" in p for p in r.problems))
+    ]
     assert not bad, bad
     assert {r.arch for r in results if r.kernel == "paged_mla_wgmma"} == {"sm_90a"}
     assert launchcheck.arch_warnings(results, ("sm_80", "sm_86", "sm_90")) == []
@@ -170,14 +214,18 @@ def test_gate_finds_no_launch_problem_on_any_arch():
 def _decode_facts(v):
     cap = v.head_dim or v.dim_cap
     vec = decode._vec(v.kv_dtype, bool(v.head_dim or v.vec_loads))
-    facts = ["att::kWarps == geom::decode::kWarps", "att::kThreads == geom::decode::kThreads",
-             f"att::kCap == {cap}", f"att::kVec == {vec}", f"att::kElems == {decode.elems_per_lane(cap, vec)}",
-             # decode.max_group_tile: the largest tile within both bounds, or 1
-             "att::kHeads == 1 || att::kHeads * (att::kElems + (att::kRotCap ? att::kRotElems : 0))"
-             " <= geom::decode::kLaneFloats",
-             "att::kHeads == 1 || sizeof(float) * att::kWarps * att::kHeads * att::kCap"
-             " <= geom::decode::kMergeSmemBytes",
-             f"att::kHeads == {v.group_tile}"]
+    facts = [
+        "att::kWarps == geom::decode::kWarps",
+        "att::kThreads == geom::decode::kThreads",
+        f"att::kCap == {cap}",
+        f"att::kVec == {vec}",
+        f"att::kElems == {decode.elems_per_lane(cap, vec)}",
+        # decode.max_group_tile: the largest tile within both bounds, or 1
+        "att::kHeads == 1 || att::kHeads * (att::kElems + (att::kRotCap ? att::kRotElems : 0))"
+        " <= geom::decode::kLaneFloats",
+        "att::kHeads == 1 || sizeof(float) * att::kWarps * att::kHeads * att::kCap <= geom::decode::kMergeSmemBytes",
+        f"att::kHeads == {v.group_tile}",
+    ]
     if v.rot_cap:
         facts.append(f"att::kRotElems == {decode.rot_elems_per_lane(cap, vec, v.rot_cap)}")
     return facts
@@ -186,24 +234,40 @@ def _decode_facts(v):
 KERNEL_FACTS = {
     "paged_attention": _decode_facts,
     "paged_decode_tc": lambda v: [
-        "dtc::kWarps == geom::decode_tc::kWarps", "dtc::kThreads == geom::decode_tc::kThreads",
-        "dtc::kMinBlocks == geom::decode_tc::kMinBlocks", "dtc::kRows == geom::decode_tc::kRows",
-        "dtc::kN == geom::decode_tc::kN", "dtc::kPitch == dtc::kD + geom::kPitchPad",
-        "dtc::kRawKPitch == dtc::kD + geom::decode_tc::kRawKPad", f"dtc::kWarps * dtc::kWarpBytes == {v.smem}"],
+        "dtc::kWarps == geom::decode_tc::kWarps",
+        "dtc::kThreads == geom::decode_tc::kThreads",
+        "dtc::kMinBlocks == geom::decode_tc::kMinBlocks",
+        "dtc::kRows == geom::decode_tc::kRows",
+        "dtc::kN == geom::decode_tc::kN",
+        "dtc::kPitch == dtc::kD + geom::kPitchPad",
+        "dtc::kRawKPitch == dtc::kD + geom::decode_tc::kRawKPad",
+        f"dtc::kWarps * dtc::kWarpBytes == {v.smem}",
+    ],
     "paged_prefill_tc": lambda v: [
-        f"tcp::kThreads == {v.threads}", f"tcp::kRows == {v.rows}", "tcp::kPitch == tcp::kD + geom::kPitchPad",
+        f"tcp::kThreads == {v.threads}",
+        f"tcp::kRows == {v.rows}",
+        "tcp::kPitch == tcp::kD + geom::kPitchPad",
         f"tcp::kQInRegs == {str(prefill_tc.q_in_registers(v.head_dim, v.tile)).lower()}",
-        f"2 * tcp::kRawOff + (tcp::kFp8 ? tcp::kS * tcp::kRawStage : 0) == {v.smem}"],
+        f"2 * tcp::kRawOff + (tcp::kFp8 ? tcp::kS * tcp::kRawStage : 0) == {v.smem}",
+    ],
     "paged_mla_tc": lambda v: [
-        "tcm::kWarps == geom::mla_tc::kWarps", "tcm::kThreads == geom::mla_tc::kThreads",
-        "tcm::kN == geom::mla_tc::kN", "tc::kRows == geom::kTcRows", "tcm::kPitch == tcm::kK + geom::kPitchPad",
+        "tcm::kWarps == geom::mla_tc::kWarps",
+        "tcm::kThreads == geom::mla_tc::kThreads",
+        "tcm::kN == geom::mla_tc::kN",
+        "tc::kRows == geom::kTcRows",
+        "tcm::kPitch == tcm::kK + geom::kPitchPad",
         "tcm::kPPitch == tcm::kN + geom::kPitchPad",
         # mla_tc.cu's carve-up: sQ, sKV, sP (16-bit), then the fp8 ring sRaw [2][kN][kK]
         f"(tc::kRows * tcm::kPitch + tcm::kTileBufs * tcm::kN * tcm::kPitch + tc::kRows * tcm::kPPitch) * 2"
-        f" + (kKvScaled ? 2 * tcm::kN * tcm::kK : 0) == {v.smem}"],
+        f" + (kKvScaled ? 2 * tcm::kN * tcm::kK : 0) == {v.smem}",
+    ],
     "paged_mla_wgmma": lambda v: [
-        "mwg::kThreads == geom::mla_wgmma::kThreads", "mwg::kN == geom::mla_wgmma::kN",
-        "mwg::kS == geom::mla_wgmma::kS", "mwg::kRows == geom::kTcRows", f"mwg::kSmemBytes == {v.smem}"],
+        "mwg::kThreads == geom::mla_wgmma::kThreads",
+        "mwg::kN == geom::mla_wgmma::kN",
+        "mwg::kS == geom::mla_wgmma::kS",
+        "mwg::kRows == geom::kTcRows",
+        f"mwg::kSmemBytes == {v.smem}",
+    ],
     MERGE.name: lambda v: ["merge::kThreads == geom::merge::kThreads"],
 }
 _LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\(\s*([^,()]+?)\s*,\s*([^()]+?)\s*\)\s*(\w+)\s*\(")
@@ -236,10 +300,20 @@ def _spec_builds():
                 by_geometry[(v.kernel, v.head_dim, v.dim_cap, v.vec_loads, v.rot_cap, v.kv_dtype)] = v
         elif v.dtype == "bf16" and v.kv_dtype in ("bf16", "e4m3"):
             by_geometry.setdefault((v.kernel, v.head_dim, v.tile, v.latent_dim, v.rope_dim, v.kv_dtype), v)
-    out = [(v.kernel, v.source, v.defines(), v.threads, v.resident_blocks, KERNEL_FACTS[v.kernel](v))
-           for v in by_geometry.values()]
-    return out + [(MERGE.name, MERGE.source, MERGE.defines("f16", False), MERGE.threads, MERGE.min_blocks,
-                   KERNEL_FACTS[MERGE.name](None))]
+    out = [
+        (v.kernel, v.source, v.defines(), v.threads, v.resident_blocks, KERNEL_FACTS[v.kernel](v))
+        for v in by_geometry.values()
+    ]
+    return out + [
+        (
+            MERGE.name,
+            MERGE.source,
+            MERGE.defines("f16", False),
+            MERGE.threads,
+            MERGE.min_blocks,
+            KERNEL_FACTS[MERGE.name](None),
+        )
+    ]
 
 
 def _syntax_check(kernel, stem, defines, threads, blocks, facts):
@@ -247,12 +321,32 @@ def _syntax_check(kernel, stem, defines, threads, blocks, facts):
     namespace and a static_assert per fact; the compiler's message or None."""
     a, b = _launch_bounds(stem)[kernel]
     checks = facts + [f"({a}) == {threads}", f"({b}) == {blocks}"]
-    text = (source.assemble(stem, defines) + "\n" + geometry.body()
-            + "".join(f'static_assert({c}, "spec: {c}");\n' for c in checks))
+    text = (
+        source.assemble(stem, defines)
+        + "\n"
+        + geometry.body()
+        + "".join(f'static_assert({c}, "spec: {c}");\n' for c in checks)
+    )
     shim = source.shim_dir()
-    r = subprocess.run([cpu._compiler()[0], "-std=c++20", "-fsyntax-only", "-w", "-DCUPAGED_CPU", "-include",
-                        str(shim / "cupaged_shim.h"), "-I", str(shim), "-x", "c++", "-"], input=text,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            cpu._compiler()[0],
+            "-std=c++20",
+            "-fsyntax-only",
+            "-w",
+            "-DCUPAGED_CPU",
+            "-include",
+            str(shim / "cupaged_shim.h"),
+            "-I",
+            str(shim),
+            "-x",
+            "c++",
+            "-",
+        ],
+        input=text,
+        capture_output=True,
+        text=True,
+    )
     return None if r.returncode == 0 else f"{kernel} {defines}: {r.stderr[-1500:]}"
 
 
@@ -273,8 +367,9 @@ def test_a_wrong_spec_fails_the_check():
     one off fails to compile."""
     kernel, stem, defines, threads, blocks, facts = next(b for b in _spec_builds() if b[0] == "paged_decode_tc")
     assert _syntax_check(kernel, stem, defines, threads, blocks, facts) is None
-    assert "kWarpBytes" in _syntax_check(kernel, stem, defines, threads, blocks,
-                                         facts[:-1] + [facts[-1].replace("==", "== 16 +")])
+    assert "kWarpBytes" in _syntax_check(
+        kernel, stem, defines, threads, blocks, facts[:-1] + [facts[-1].replace("==", "== 16 +")]
+    )
     assert f"== {blocks + 1}" in (_syntax_check(kernel, stem, defines, threads, blocks + 1, facts) or "")
 
 
@@ -287,8 +382,11 @@ def test_each_spec_is_beside_its_kernel():
     for k in SPECS + (MERGE,):
         stem = k.source.split("/", 1)[1]
         assert stem in mods and (source.kernel_dir() / f"{k.source}.cu").is_file(), k
-        defines = (MERGE.defines("f16", False) if k is MERGE
-                   else next(v for v in variants._built() if v.kernel == k.name).defines())
+        defines = (
+            MERGE.defines("f16", False)
+            if k is MERGE
+            else next(v for v in variants._built() if v.kernel == k.name).defines()
+        )
         assert source.kernel_names(source.assemble(k.source, defines)) == [k.name], k
         assert set(_launch_bounds(k.source)) == {k.name}, k
         assert mods[stem].GEOMETRY.get("kThreads", k.threads) == k.threads
@@ -301,6 +399,10 @@ def test_each_spec_is_beside_its_kernel():
         assert used <= set(k.fields), (v, used)
         assert v.target == k.target
     assert variants.RESIDENT_BLOCKS == {k.name: k.min_blocks for k in SPECS if k.min_blocks}
-    assert variants.RESIDENT_BLOCKS == {"paged_attention": 2, "paged_decode_tc": 6, "paged_mla_tc": 1,
-                                        "paged_mla_wgmma": 1}
+    assert variants.RESIDENT_BLOCKS == {
+        "paged_attention": 2,
+        "paged_decode_tc": 6,
+        "paged_mla_tc": 1,
+        "paged_mla_wgmma": 1,
+    }
     assert geometry.header().startswith("// geometry.cuh: GENERATED")

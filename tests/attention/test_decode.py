@@ -8,6 +8,7 @@ permutations, lengths that are not multiples of the page size, NaN in every
 unused cache slot and a huge sentinel in every unused page-table entry, so a
 kernel that reads anything it should not produces NaN or crashes.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -51,22 +52,48 @@ DECODE_SHAPES = [
 def test_decode(xp_backend, dtype, shape):
     page_size, d, dv, hq, hkv = shape
     rng = np.random.default_rng([x or 0 for x in shape])
-    case = make_paged_case(rng, sequences=3, max_kv_len=70, page_size=page_size, num_q_heads=hq,
-                           num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        sequences=3,
+        max_kv_len=70,
+        page_size=page_size,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        head_dim_v=dv,
+        dtype=dtype,
+    )
     o, lse, _ = run(xp_backend, case, causal=True)
     check(case, o, lse, True, dtype, f"decode {shape}")
 
 
 # (dtype, head_dim, head_dim_v, q_heads, kv_heads): two chunks per lane (f32 256),
 # the largest capacities (512, 1024, with Dv != D), one element per row (1).
-@pytest.mark.parametrize("shape", [("f32", 256, None, 8, 1), ("f16", 512, None, 4, 1), ("bf16", 1000, 1024, 4, 2),
-                                   ("f32", 1, 1, 2, 1), ("f16", 24, 200, 5, 5)],
-                         ids=lambda s: "{}-d{}-dv{}-h{}x{}".format(*s))
+@pytest.mark.parametrize(
+    "shape",
+    [
+        ("f32", 256, None, 8, 1),
+        ("f16", 512, None, 4, 1),
+        ("bf16", 1000, 1024, 4, 2),
+        ("f32", 1, 1, 2, 1),
+        ("f16", 24, 200, 5, 5),
+    ],
+    ids=lambda s: "{}-d{}-dv{}-h{}x{}".format(*s),
+)
 def test_large_and_odd_dims(xp_backend, shape):
     dtype, d, dv, hq, hkv = shape
     rng = np.random.default_rng(d)
-    case = make_paged_case(rng, kv_lens=np.array([19, 33], np.int32), q_lens=np.array([1, 2]), page_size=8,
-                           num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([19, 33], np.int32),
+        q_lens=np.array([1, 2]),
+        page_size=8,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        head_dim_v=dv,
+        dtype=dtype,
+    )
     for causal in (True, False):
         o, lse, _ = run(xp_backend, case, causal)
         check(case, o, lse, causal, dtype, f"{shape} causal={causal}")
@@ -80,14 +107,16 @@ def test_prefill_chunk_on_cached_tokens(xp_backend, dtype, causal):
     rng = np.random.default_rng(11)
     kv_lens = np.array([37, 20, 9, 50], np.int32)
     q_lens = np.array([13, 0, 9, 1], np.int32)
-    case = make_paged_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=16, num_q_heads=8, num_kv_heads=2,
-                           head_dim=128, dtype=dtype)
+    case = make_paged_case(
+        rng, kv_lens=kv_lens, q_lens=q_lens, page_size=16, num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=dtype
+    )
     o, lse, _ = run(xp_backend, case, causal=causal)
     check(case, o, lse, causal, dtype, f"prefill causal={causal}")
 
 
-@pytest.mark.parametrize("shape", [(1, 64, 4, 4), (16, 96, 8, 2), (64, 128, 8, 1)],
-                         ids=lambda s: "ps{}-d{}-h{}x{}".format(*s))
+@pytest.mark.parametrize(
+    "shape", [(1, 64, 4, 4), (16, 96, 8, 2), (64, 128, 8, 1)], ids=lambda s: "ps{}-d{}-h{}x{}".format(*s)
+)
 def test_multi_chunk_prefill(xp_backend, shape):
     """A prompt fed in three chunks; each chunk's output equals the reference
     for the whole prefix (the cache already holds earlier chunks)."""
@@ -98,19 +127,36 @@ def test_multi_chunk_prefill(xp_backend, shape):
         done = np.array(done, np.int32)
         kv_lens = np.minimum(total, done + 12)
         q_lens = kv_lens - done
-        case = make_paged_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=page_size, num_q_heads=hq,
-                               num_kv_heads=hkv, head_dim=d, dtype="f16")
+        case = make_paged_case(
+            rng,
+            kv_lens=kv_lens,
+            q_lens=q_lens,
+            page_size=page_size,
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=d,
+            dtype="f16",
+        )
         o, lse, _ = run(xp_backend, case, causal=True)
         check(case, o, lse, True, "f16", f"chunk at {done.tolist()}")
 
 
 # ----------------------------------------------------------------- splits
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_split_count(xp_backend, dtype):
     rng = np.random.default_rng(3)
-    case = make_paged_case(rng, kv_lens=np.array([150, 61, 3, 97], np.int32), q_lens=np.array([1, 4, 2, 1]),
-                           page_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([150, 61, 3, 97], np.int32),
+        q_lens=np.array([1, 4, 2, 1]),
+        page_size=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=dtype,
+    )
     plan = None
     for splits in range(1, 12):
         for causal in (True, False):
@@ -121,36 +167,57 @@ def test_every_split_count(xp_backend, dtype):
 def test_max_splits_tiny(xp_backend):
     """MAX_SPLITS on a tiny case: almost every split is empty (lse -inf)."""
     rng = np.random.default_rng(4)
-    case = make_paged_case(rng, kv_lens=np.array([5, 40], np.int32), page_size=4, num_q_heads=2, num_kv_heads=1,
-                           head_dim=64, dtype="f32")
+    case = make_paged_case(
+        rng, kv_lens=np.array([5, 40], np.int32), page_size=4, num_q_heads=2, num_kv_heads=1, head_dim=64, dtype="f32"
+    )
     for causal in (True, False):
         o, lse, _ = run(xp_backend, case, causal, splits=cupaged.MAX_SPLITS)
         check(case, o, lse, causal, "f32", f"MAX_SPLITS causal={causal}")
 
 
-@pytest.mark.parametrize("dtype, q_lens, heads, kernel", [
-    ("f32", None, (2, 2), "paged_attention"),
-    ("f16", [20, 16], (4, 2), "paged_prefill_tc"),
-], ids=["cuda-core", "tensor-core"])
+@pytest.mark.parametrize(
+    "dtype, q_lens, heads, kernel",
+    [
+        ("f32", None, (2, 2), "paged_attention"),
+        ("f16", [20, 16], (4, 2), "paged_prefill_tc"),
+    ],
+    ids=["cuda-core", "tensor-core"],
+)
 def test_split_partials_follow_layout(xp_backend, kernels_used, dtype, q_lens, heads, kernel):
     """Each kernel's split partials are the layout's: split z of a query with
     L positions covers [z c, min(L, (z + 1) c)), c = ceil(L / splits) rounded
     up to SPLIT_TILE; compared with reference.split_attention_partials."""
     rng = np.random.default_rng(8)
     kv_lens = np.array([100, 33], np.int32)
-    case = make_paged_case(rng, kv_lens=kv_lens, q_lens=None if q_lens is None else np.array(q_lens),
-                           page_size=16, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=64, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=kv_lens,
+        q_lens=None if q_lens is None else np.array(q_lens),
+        page_size=16,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=64,
+        dtype=dtype,
+    )
     splits = 3
     q, k, v = (_to_device(xp_backend, a) for a in (case.q, case.k_cache, case.v_cache))
-    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
-                                  case.num_pages).upload(q)
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages).upload(q)
     ws = cupaged.SplitWorkspace(plan.queries, heads[0], 64, splits, q)
     plan.attention(q, k, v, case.scale, False, workspace=ws)
     tile = variants.SPLIT_TILE
     size = [-(-(-(-int(n) // splits)) // tile) * tile for n in kv_lens]
-    ref_out, ref_lse = reference.split_attention_partials(case.q, case.k_cache, case.v_cache, case.page_table,
-                                                          case.kv_lens, case.q_lens, case.scale, size, splits,
-                                                          causal=False)
+    ref_out, ref_lse = reference.split_attention_partials(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.page_table,
+        case.kv_lens,
+        case.q_lens,
+        case.scale,
+        size,
+        splits,
+        causal=False,
+    )
     assert_close(xp_backend.to_numpy(ws.partial_lse), ref_lse, dtype, "partial lse")
     assert_close(xp_backend.to_numpy(ws.partial_out), ref_out, dtype, "partial out")
     assert kernels_used[0] == kernel
@@ -158,12 +225,12 @@ def test_split_partials_follow_layout(xp_backend, kernels_used, dtype, q_lens, h
 
 # ----------------------------------------------------------------- outputs
 
+
 @pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("return_lse", [True, False])
 def test_out_and_lse_arguments(xp_backend, splits, return_lse):
     rng = np.random.default_rng(6)
-    case = make_paged_case(rng, sequences=2, max_kv_len=40, num_q_heads=4, num_kv_heads=4, head_dim=64,
-                           dtype="f16")
+    case = make_paged_case(rng, sequences=2, max_kv_len=40, num_q_heads=4, num_kv_heads=4, head_dim=64, dtype="f16")
     o, lse, _ = run(xp_backend, case, True, splits=splits, out=True, return_lse=return_lse)
     check(case, o, lse, True, "f16", f"out= splits={splits} lse={return_lse}")
     assert (lse is None) == (not return_lse)
@@ -184,21 +251,20 @@ def test_misaligned_arrays_use_element_loads(xp_backend):
     """Arrays that start 2 bytes past a 16-byte boundary still give the
     right answer (the launcher falls back to element loads)."""
     rng = np.random.default_rng(9)
-    case = make_paged_case(rng, sequences=2, max_kv_len=40, num_q_heads=4, num_kv_heads=2, head_dim=64,
-                           dtype="f16")
+    case = make_paged_case(rng, sequences=2, max_kv_len=40, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="f16")
 
     def shifted(a):
         buf = np.empty(a.size + 16, a.dtype)
         start = ((-(buf.ctypes.data % 16)) % 16) // a.itemsize + 1
-        x = buf[start:start + a.size].reshape(a.shape)
+        x = buf[start : start + a.size].reshape(a.shape)
         x[...] = a
         return x
 
     def shifted_device(a):
         if xp_backend.name == "cpu":
             return shifted(a)
-        buf = xp_backend.xp.empty(a.size + 8, a.dtype)    # CuPy buffers start 256-byte aligned
-        x = buf[1:1 + a.size].reshape(a.shape)
+        buf = xp_backend.xp.empty(a.size + 8, a.dtype)  # CuPy buffers start 256-byte aligned
+        x = buf[1 : 1 + a.size].reshape(a.shape)
         x[...] = xp_backend.asarray(a)
         return x
 
@@ -212,25 +278,28 @@ def test_misaligned_arrays_use_element_loads(xp_backend):
 
 # ----------------------------------------------------------------- metadata
 
+
 def test_lengths_read_from_device_words(xp_backend):
     """A plan whose device words are rewritten (a decode loop advancing
     lengths on the device) gives the reference for the new lengths: nothing
     about lengths is baked into the launch."""
     rng = np.random.default_rng(10)
-    full = make_paged_case(rng, kv_lens=np.array([40, 25], np.int32), page_size=8, num_q_heads=4,
-                           num_kv_heads=2, head_dim=64, dtype="f32")
+    full = make_paged_case(
+        rng, kv_lens=np.array([40, 25], np.int32), page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="f32"
+    )
     q, k, v = (xp_backend.asarray(a) for a in (full.q, full.k_cache, full.v_cache))
     shorter = np.array([33, 18], np.int32)
     # Plan built for the shorter lengths (tables hold every page of the full lengths).
     plan = cupaged.HostPlan.build(full.page_table, shorter, full.q_lens, 8, full.num_pages).upload(q)
     off = metadata_offsets(plan.queries, plan.sequences)
     o1 = xp_backend.to_numpy(plan.attention(q, k, v, full.scale, True))
-    ref1, _ = reference.paged_attention(full.q, full.k_cache, full.v_cache, full.page_table, shorter,
-                                        full.q_lens, full.scale, True)
+    ref1, _ = reference.paged_attention(
+        full.q, full.k_cache, full.v_cache, full.page_table, shorter, full.q_lens, full.scale, True
+    )
     assert_close(o1, ref1, "f32", "before")
     # Advance both sequences to their full length on the device.
-    plan.words[off["kv_len"]:off["kv_len"] + 2] = xp_backend.asarray(np.array([40, 25], np.uint32))
-    plan.words[off["q_pos"]:off["q_pos"] + 2] = xp_backend.asarray(np.array([39, 24], np.uint32))
+    plan.words[off["kv_len"] : off["kv_len"] + 2] = xp_backend.asarray(np.array([40, 25], np.uint32))
+    plan.words[off["q_pos"] : off["q_pos"] + 2] = xp_backend.asarray(np.array([39, 24], np.uint32))
     o2 = xp_backend.to_numpy(plan.attention(q, k, v, full.scale, True))
     ref2, _ = full.reference(True)
     assert_close(o2, ref2, "f32", "after")
@@ -241,14 +310,21 @@ def test_nothing_visible_and_bad_metadata(xp_backend):
     and lse -inf; a sequence index out of range likewise; absurd lengths,
     positions and page ids never make the kernel leave its arrays."""
     rng = np.random.default_rng(13)
-    case = make_paged_case(rng, kv_lens=np.array([20, 30, 10], np.int32), page_size=4, num_q_heads=2,
-                           num_kv_heads=1, head_dim=64, dtype="f32")
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([20, 30, 10], np.int32),
+        page_size=4,
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        dtype="f32",
+    )
     q, k, v = (xp_backend.asarray(a) for a in (case.q, case.k_cache, case.v_cache))
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 4, case.num_pages).upload(q)
     off = metadata_offsets(plan.queries, plan.sequences)
     words = plan.words
-    words[off["kv_len"]] = 0                         # sequence 0: nothing visible
-    words[off["q_seq"] + 1] = 0xFFFFFFFF             # query 1: sequence out of range
+    words[off["kv_len"]] = 0  # sequence 0: nothing visible
+    words[off["q_seq"] + 1] = 0xFFFFFFFF  # query 1: sequence out of range
     for splits in (None, 4):
         ws = None if splits is None else cupaged.SplitWorkspace(3, 2, 64, splits, q)
         o, lse = plan.attention(q, k, v, case.scale, True, return_lse=True, workspace=ws)
@@ -258,14 +334,14 @@ def test_nothing_visible_and_bad_metadata(xp_backend):
         assert_close(o[2], ref_out[2], "f32")
         assert_close(lse[2], ref_lse[2], "f32")
     # Absurd metadata: huge lengths and positions, garbage page ids everywhere.
-    words[off["kv_len"]:off["q_start"]] = 0xFFFFFFFF
-    words[off["q_pos"]:off["kv_len"]] = 0xFFFFFFFF
-    words[off["q_seq"]:off["q_pos"]] = xp_backend.asarray(np.array([0, 1, 2], np.uint32))
-    table = rng.integers(0, 2 ** 32, size=int(plan.words.size) - off["page_table"], dtype=np.uint64)
+    words[off["kv_len"] : off["q_start"]] = 0xFFFFFFFF
+    words[off["q_pos"] : off["kv_len"]] = 0xFFFFFFFF
+    words[off["q_seq"] : off["q_pos"]] = xp_backend.asarray(np.array([0, 1, 2], np.uint32))
+    table = rng.integers(0, 2**32, size=int(plan.words.size) - off["page_table"], dtype=np.uint64)
     table[::3] = rng.integers(0, case.num_pages, size=table[::3].size)
-    words[off["page_table"]:] = xp_backend.asarray(table.astype(np.uint32))
+    words[off["page_table"] :] = xp_backend.asarray(table.astype(np.uint32))
     for causal in (True, False):
-        plan.attention(q, k, v, case.scale, causal, return_lse=True)   # must simply not crash
+        plan.attention(q, k, v, case.scale, causal, return_lse=True)  # must simply not crash
 
 
 def test_nan_never_reaches_the_output(xp_backend):
@@ -273,8 +349,17 @@ def test_nan_never_reaches_the_output(xp_backend):
     including slots inside pages a sequence owns, and page size 1 and 64."""
     for page_size in (1, 64):
         rng = np.random.default_rng(page_size)
-        case = make_paged_case(rng, sequences=3, max_kv_len=70, page_size=page_size, num_q_heads=4,
-                               num_kv_heads=1, head_dim=128, dtype="bf16", extra_pages=3)
+        case = make_paged_case(
+            rng,
+            sequences=3,
+            max_kv_len=70,
+            page_size=page_size,
+            num_q_heads=4,
+            num_kv_heads=1,
+            head_dim=128,
+            dtype="bf16",
+            extra_pages=3,
+        )
         assert np.isnan(case.k_cache.astype(np.float32)).any()
         for causal in (True, False):
             o, lse, _ = run(xp_backend, case, causal)
@@ -288,8 +373,9 @@ def test_nan_query_propagates(xp_backend, kernels_used, dtype):
     all NaN (fmaxf drops NaN) and return 0 with lse -inf (issue #12 item 9).
     Every other row is unchanged."""
     rng = np.random.default_rng(72)
-    case = make_paged_case(rng, kv_lens=np.array([40, 70], np.int32), page_size=16, num_q_heads=8,
-                           num_kv_heads=2, head_dim=64, dtype=dtype)
+    case = make_paged_case(
+        rng, kv_lens=np.array([40, 70], np.int32), page_size=16, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype
+    )
     case.q[1, 5, 17] = np.nan
     ref_out, ref_lse = case.reference(True)
     assert np.isnan(ref_out[1, 5]).all() and np.isnan(ref_lse[1, 5])
@@ -309,8 +395,7 @@ def test_capture_and_replay(xp_backend):
     if xp_backend.name != "cpu":
         pytest.skip("GPU capture is covered by the graph tests")
     rng = np.random.default_rng(14)
-    case = make_paged_case(rng, sequences=2, max_kv_len=30, num_q_heads=4, num_kv_heads=2, head_dim=64,
-                           dtype="f32")
+    case = make_paged_case(rng, sequences=2, max_kv_len=30, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="f32")
     q = case.q.copy()
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
     out = np.zeros((plan.queries, 4, 64), np.float32)
@@ -322,26 +407,45 @@ def test_capture_and_replay(xp_backend):
     assert (out == 0).all()
     q[...] = rng.standard_normal(q.shape).astype(np.float32)
     graph.launch()
-    ref, _ = reference.paged_attention(q, case.k_cache, case.v_cache, case.page_table, case.kv_lens,
-                                       case.q_lens, case.scale, True)
+    ref, _ = reference.paged_attention(
+        q, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens, case.scale, True
+    )
     assert_close(out, ref, "f32", "replay")
 
 
 # ----------------------------------------------------------------- dispatch
 
+
 def test_variant_selection():
     sel = variants.select_variant
-    assert sel("f16", 128, 128, True, 8).defines() == {"CP_DTYPE": "f16", "CP_KV_DTYPE": "f16", "CP_SCORE": "plain",
-                                                  "HEAD_DIM": 128, "GROUP_TILE": 8}
+    assert sel("f16", 128, 128, True, 8).defines() == {
+        "CP_DTYPE": "f16",
+        "CP_KV_DTYPE": "f16",
+        "CP_SCORE": "plain",
+        "HEAD_DIM": 128,
+        "GROUP_TILE": 8,
+    }
     assert sel("bf16", 64, 64, True, 1).group_tile == 1
     assert sel("f32", 256, 256, True, 3).group_tile == 4
     # Group of 12 in two tiles of 6 -> tile 8; group of 16 in two tiles of 8.
     assert sel("f16", 128, 128, True, 12).group_tile == 8
     assert sel("f16", 128, 128, True, 16).group_tile == 8
-    assert sel("f16", 96, 96, True, 4).defines() == {"CP_DTYPE": "f16", "CP_KV_DTYPE": "f16", "CP_SCORE": "plain",
-                                                "DIM_CAP": 128, "VEC_LOADS": 1, "GROUP_TILE": 4}
-    assert sel("f16", 5, 7, True, 1).defines() == {"CP_DTYPE": "f16", "CP_KV_DTYPE": "f16", "CP_SCORE": "plain",
-                                              "DIM_CAP": 64, "VEC_LOADS": 0, "GROUP_TILE": 1}
+    assert sel("f16", 96, 96, True, 4).defines() == {
+        "CP_DTYPE": "f16",
+        "CP_KV_DTYPE": "f16",
+        "CP_SCORE": "plain",
+        "DIM_CAP": 128,
+        "VEC_LOADS": 1,
+        "GROUP_TILE": 4,
+    }
+    assert sel("f16", 5, 7, True, 1).defines() == {
+        "CP_DTYPE": "f16",
+        "CP_KV_DTYPE": "f16",
+        "CP_SCORE": "plain",
+        "DIM_CAP": 64,
+        "VEC_LOADS": 0,
+        "GROUP_TILE": 1,
+    }
     assert sel("f16", 128, 128, False, 1).vec_loads == 0
     assert sel("f32", 1024, 1000, True, 8).group_tile == 2
     # Every selectable variant is registered for the NVRTC gate.

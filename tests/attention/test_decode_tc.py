@@ -11,6 +11,7 @@ selection rule picks.
 P is rounded to the storage type before O += P V, as in FlashAttention; the
 dtype tolerances cover it.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,6 +33,7 @@ def per_query_only(monkeypatch):
     G = 8) would otherwise go to paged_prefill_tc by the segment rules
     (schedule.tc_segments), which test_schedule.py covers."""
     from cupaged.ops.attention import schedule
+
     monkeypatch.setattr(schedule, "select_tensor_core", lambda *a, **k: None)
 
 
@@ -57,8 +59,16 @@ def test_decode_tc(xp_backend, kernels_used, dtype, shape):
     rng = np.random.default_rng(list(shape))
     kv_lens = np.array([70, 1, 33, 150, 16], np.int32)
     q_lens = np.array([1, 1, 3, 1, 2], np.int32)
-    case = make_paged_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=page_size, num_q_heads=hq,
-                           num_kv_heads=hkv, head_dim=d, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        page_size=page_size,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        dtype=dtype,
+    )
     plan = None
     for causal in (True, False):
         for splits in (None, 3):
@@ -72,8 +82,15 @@ def test_every_split_count(xp_backend, kernels_used, dtype):
     """Split z of a query covers [z c, min(L, (z + 1) c)): counts 1 .. 12 and
     64 (most splits empty) on lengths around the tiles' 16 tokens."""
     rng = np.random.default_rng(3)
-    case = make_paged_case(rng, kv_lens=np.array([150, 61, 3, 97, 32], np.int32), page_size=16, num_q_heads=8,
-                           num_kv_heads=2, head_dim=64, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([150, 61, 3, 97, 32], np.int32),
+        page_size=16,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=dtype,
+    )
     plan = None
     for splits in list(range(1, 13)) + [cupaged.MAX_SPLITS]:
         for causal in (True, False):
@@ -86,18 +103,27 @@ def test_split_partials_follow_layout(xp_backend, kernels_used):
     """paged_decode_tc's partials are the layout's (reference.split_attention_partials)."""
     rng = np.random.default_rng(8)
     kv_lens = np.array([100, 33], np.int32)
-    case = make_paged_case(rng, kv_lens=kv_lens, page_size=16, num_q_heads=4, num_kv_heads=1, head_dim=128,
-                           dtype="bf16")
+    case = make_paged_case(
+        rng, kv_lens=kv_lens, page_size=16, num_q_heads=4, num_kv_heads=1, head_dim=128, dtype="bf16"
+    )
     splits, tile = 3, variants.SPLIT_TILE
     q, k, v = (_to_device(xp_backend, a) for a in (case.q, case.k_cache, case.v_cache))
-    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
-                                  case.num_pages).upload(q)
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages).upload(q)
     ws = cupaged.SplitWorkspace(plan.queries, 4, 128, splits, q)
     plan.attention(q, k, v, case.scale, False, workspace=ws)
     size = [((int(n) + splits - 1) // splits + tile - 1) // tile * tile for n in kv_lens]
-    ref_out, ref_lse = reference.split_attention_partials(case.q, case.k_cache, case.v_cache, case.page_table,
-                                                          case.kv_lens, case.q_lens, case.scale, size, splits,
-                                                          causal=False)
+    ref_out, ref_lse = reference.split_attention_partials(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.page_table,
+        case.kv_lens,
+        case.q_lens,
+        case.scale,
+        size,
+        splits,
+        causal=False,
+    )
     assert_close(xp_backend.to_numpy(ws.partial_lse), ref_lse, "bf16", "partial lse")
     assert_close(xp_backend.to_numpy(ws.partial_out), ref_out, "bf16", "partial out")
     assert kernels_used[0] == DECODE_TC
@@ -107,18 +133,20 @@ def test_lengths_read_from_device_words(xp_backend, kernels_used):
     """Lengths and positions advanced on the device give the reference for
     the new lengths (nothing about lengths is baked into the launch)."""
     rng = np.random.default_rng(10)
-    full = make_paged_case(rng, kv_lens=np.array([40, 25], np.int32), page_size=8, num_q_heads=8,
-                           num_kv_heads=2, head_dim=64, dtype="f16")
+    full = make_paged_case(
+        rng, kv_lens=np.array([40, 25], np.int32), page_size=8, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype="f16"
+    )
     q, k, v = (_to_device(xp_backend, a) for a in (full.q, full.k_cache, full.v_cache))
     shorter = np.array([33, 18], np.int32)
     plan = cupaged.HostPlan.build(full.page_table, shorter, full.q_lens, 8, full.num_pages).upload(q)
     off = metadata_offsets(plan.queries, plan.sequences)
     o1 = xp_backend.to_numpy(plan.attention(q, k, v, full.scale, True))
-    ref1, _ = reference.paged_attention(full.q, full.k_cache, full.v_cache, full.page_table, shorter,
-                                        full.q_lens, full.scale, True)
+    ref1, _ = reference.paged_attention(
+        full.q, full.k_cache, full.v_cache, full.page_table, shorter, full.q_lens, full.scale, True
+    )
     assert_close(o1, ref1, "f16", "before")
-    plan.words[off["kv_len"]:off["kv_len"] + 2] = xp_backend.asarray(np.array([40, 25], np.uint32))
-    plan.words[off["q_pos"]:off["q_pos"] + 2] = xp_backend.asarray(np.array([39, 24], np.uint32))
+    plan.words[off["kv_len"] : off["kv_len"] + 2] = xp_backend.asarray(np.array([40, 25], np.uint32))
+    plan.words[off["q_pos"] : off["q_pos"] + 2] = xp_backend.asarray(np.array([39, 24], np.uint32))
     o2 = xp_backend.to_numpy(plan.attention(q, k, v, full.scale, True))
     assert_close(o2, full.reference(True)[0], "f16", "after")
     assert set(kernels_used) == {DECODE_TC}
@@ -129,8 +157,15 @@ def test_nothing_visible_and_bad_metadata(xp_backend, kernels_used):
     and lse -inf; absurd lengths, positions and page ids never make the
     kernel leave its arrays (the ASan sweep runs this kernel too)."""
     rng = np.random.default_rng(13)
-    case = make_paged_case(rng, kv_lens=np.array([20, 30, 10], np.int32), page_size=4, num_q_heads=4,
-                           num_kv_heads=1, head_dim=128, dtype="bf16")
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([20, 30, 10], np.int32),
+        page_size=4,
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=128,
+        dtype="bf16",
+    )
     q, k, v = (_to_device(xp_backend, a) for a in (case.q, case.k_cache, case.v_cache))
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 4, case.num_pages).upload(q)
     off = metadata_offsets(plan.queries, plan.sequences)
@@ -145,14 +180,14 @@ def test_nothing_visible_and_bad_metadata(xp_backend, kernels_used):
         ref_out, ref_lse = case.reference(True)
         assert_close(o[2], ref_out[2], "bf16")
         assert_close(lse[2], ref_lse[2], "bf16")
-    words[off["kv_len"]:off["q_start"]] = 0xFFFFFFFF
-    words[off["q_pos"]:off["kv_len"]] = 0xFFFFFFFF
-    words[off["q_seq"]:off["q_pos"]] = xp_backend.asarray(np.array([0, 1, 2], np.uint32))
-    table = rng.integers(0, 2 ** 32, size=int(plan.words.size) - off["page_table"], dtype=np.uint64)
+    words[off["kv_len"] : off["q_start"]] = 0xFFFFFFFF
+    words[off["q_pos"] : off["kv_len"]] = 0xFFFFFFFF
+    words[off["q_seq"] : off["q_pos"]] = xp_backend.asarray(np.array([0, 1, 2], np.uint32))
+    table = rng.integers(0, 2**32, size=int(plan.words.size) - off["page_table"], dtype=np.uint64)
     table[::3] = rng.integers(0, case.num_pages, size=table[::3].size)
-    words[off["page_table"]:] = xp_backend.asarray(table.astype(np.uint32))
+    words[off["page_table"] :] = xp_backend.asarray(table.astype(np.uint32))
     for causal in (True, False):
-        plan.attention(q, k, v, case.scale, causal, return_lse=True)   # must simply not crash
+        plan.attention(q, k, v, case.scale, causal, return_lse=True)  # must simply not crash
     assert set(kernels_used) == {DECODE_TC, "attention_split_merge"}
 
 
@@ -160,8 +195,17 @@ def test_nothing_visible_and_bad_metadata(xp_backend, kernels_used):
 def test_nan_never_reaches_the_output(xp_backend, kernels_used, page_size):
     """Every unused slot is NaN (the tail of each last page, the extra pages)."""
     rng = np.random.default_rng(page_size)
-    case = make_paged_case(rng, sequences=3, max_kv_len=70, page_size=page_size, num_q_heads=8, num_kv_heads=2,
-                           head_dim=128, dtype="bf16", extra_pages=3)
+    case = make_paged_case(
+        rng,
+        sequences=3,
+        max_kv_len=70,
+        page_size=page_size,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        dtype="bf16",
+        extra_pages=3,
+    )
     assert np.isnan(case.k_cache.astype(np.float32)).any()
     for causal in (True, False):
         o, lse, _ = run(xp_backend, case, causal)
@@ -176,8 +220,9 @@ def test_rows_only_later_queries_see(xp_backend, kernels_used, splits):
     see): the earlier queries' outputs are exactly the reference's, finite."""
     rng = np.random.default_rng(71)
     kv_lens, q_lens = np.array([37, 20], np.int32), np.array([3, 2], np.int32)
-    case = make_paged_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=16, num_q_heads=8, num_kv_heads=2,
-                           head_dim=64, dtype="f16")
+    case = make_paged_case(
+        rng, kv_lens=kv_lens, q_lens=q_lens, page_size=16, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype="f16"
+    )
     # Sequence 0: tokens 35 (seen by queries 1, 2) and 36 (query 2 only); sequence 1: token 19 (query 4 only).
     for s, t, what in ((0, 36, "v"), (0, 35, "k"), (1, 19, "v")):
         page, slot = case.page_table[s, t // 16], t % 16
@@ -189,7 +234,7 @@ def test_rows_only_later_queries_see(xp_backend, kernels_used, splits):
     assert np.isfinite(o[clean].astype(np.float64)).all()
     assert_close(o[clean], ref_out[clean], "f16", "earlier queries")
     assert_close(lse[clean], ref_lse[clean], "f16", "earlier queries' lse")
-    assert not np.isfinite(o[~clean].astype(np.float64)).all()        # the later ones do see them
+    assert not np.isfinite(o[~clean].astype(np.float64)).all()  # the later ones do see them
     assert DECODE_TC in kernels_used
 
 
@@ -197,8 +242,15 @@ def test_nan_query_propagates(xp_backend, kernels_used):
     """A NaN in one query row gives that row NaN output and lse, as the
     reference does (issue #12 item 9); every other row is unchanged."""
     rng = np.random.default_rng(72)
-    case = make_paged_case(rng, kv_lens=np.array([40, 70], np.int32), page_size=16, num_q_heads=8,
-                           num_kv_heads=2, head_dim=128, dtype="bf16")
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([40, 70], np.int32),
+        page_size=16,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        dtype="bf16",
+    )
     case.q[1, 5, 17] = np.nan
     ref_out, ref_lse = case.reference(True)
     assert np.isnan(ref_out[1, 5]).all() and np.isnan(ref_lse[1, 5])
@@ -216,8 +268,7 @@ def test_capture_and_replay(xp_backend, kernels_used):
     if xp_backend.name != "cpu":
         pytest.skip("GPU capture is covered by the graph tests")
     rng = np.random.default_rng(14)
-    case = make_paged_case(rng, sequences=3, max_kv_len=60, num_q_heads=8, num_kv_heads=2, head_dim=64,
-                           dtype="f16")
+    case = make_paged_case(rng, sequences=3, max_kv_len=60, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype="f16")
     check_capture_replay(rng, case, "f16", "replay")
     assert DECODE_TC in kernels_used
 
@@ -236,8 +287,14 @@ def test_selection_rule():
                 assert v.defines() == {"CP_DTYPE": dt, "CP_KV_DTYPE": dt, "CP_SCORE": "plain", "HEAD_DIM": d}
                 assert v.threads == decode_tc.THREADS and v.smem == decode_tc.smem_bytes(d)
     assert decode_tc.smem_bytes(128) == 34816 and decode_tc.smem_bytes(64) == 18432
-    for args in (("f32", 128, 128, True, 4), ("f16", 96, 96, True, 4), ("f16", 128, 128, False, 4),
-                 ("bf16", 256, 256, True, 4), ("f16", 128, 64, True, 4), ("bf16", 64, 64, True, 4, 16)):
+    for args in (
+        ("f32", 128, 128, True, 4),
+        ("f16", 96, 96, True, 4),
+        ("f16", 128, 128, False, 4),
+        ("bf16", 256, 256, True, 4),
+        ("f16", 128, 64, True, 4),
+        ("bf16", 64, 64, True, 4, 16),
+    ):
         assert sel(*args).kernel == "paged_attention", args
     # fp8 caches (e4m3 / e5m2 under f16 / bf16 q): the same kernel, its fp8 build (raw codes staged, decoded
     # in shared memory: less shared memory than the 16-bit ring at either dim).
@@ -248,11 +305,15 @@ def test_selection_rule():
                 assert v == variants.Variant(DECODE_TC, dt, kv, head_dim=d, group_tile=decode_tc.HEADS)
                 assert v.smem == decode_tc.smem_bytes(d, kv) < decode_tc.smem_bytes(d)
     assert decode_tc.smem_bytes(128, "e4m3") == 2 * (16 * 136 * 2 + 2 * 16 * (160 + 128))
-    registered = {tuple(sorted(v.defines().items())) for v in variants.VARIANTS
-                  if v.kernel == DECODE_TC and not v.features}     # (each feature too: test_scores.py)
-    assert registered == {tuple(sorted({"CP_DTYPE": dt, "CP_KV_DTYPE": kv, "CP_SCORE": "plain",
-                                        "HEAD_DIM": d}.items()))
-                          for dt in TC_DTYPES for kv in (dt,) + tuple(FP8) for d in decode_tc.DIMS}
+    registered = {
+        tuple(sorted(v.defines().items())) for v in variants.VARIANTS if v.kernel == DECODE_TC and not v.features
+    }  # (each feature too: test_scores.py)
+    assert registered == {
+        tuple(sorted({"CP_DTYPE": dt, "CP_KV_DTYPE": kv, "CP_SCORE": "plain", "HEAD_DIM": d}.items()))
+        for dt in TC_DTYPES
+        for kv in (dt,) + tuple(FP8)
+        for d in decode_tc.DIMS
+    }
     assert variants.resident_blocks(sel("bf16", 128, 128, True, 4)) == variants.RESIDENT_BLOCKS[DECODE_TC] == 6
 
 
@@ -260,6 +321,7 @@ def test_launch_bounds_match_the_table():
     """The resident blocks choose_splits counts on are the kernels' own
     __launch_bounds__ minimum."""
     from cupaged._runtime.source import kernel_dir
+
     text = (kernel_dir() / "attention" / "decode_tc.cu").read_text()
     assert f"constexpr u32 kMinBlocks = {decode_tc.MIN_BLOCKS};" in text
     assert "__launch_bounds__(dtc::kThreads, dtc::kMinBlocks)" in text
@@ -268,6 +330,8 @@ def test_launch_bounds_match_the_table():
     assert f"__launch_bounds__({decode.THREADS}, {decode.MIN_BLOCKS}) paged_attention" in text
     # The GPU backend reads kernel names from the raw text, launch bounds and all.
     from cupaged._runtime import source
-    names = source.kernel_names(source.assemble("attention/decode_tc", {"CP_DTYPE": "bf16", "CP_KV_DTYPE": "bf16",
-                                                                          "HEAD_DIM": 128}))
-    assert names == ["paged_decode_tc"]   # the split merge is its own module (merge.cu)
+
+    names = source.kernel_names(
+        source.assemble("attention/decode_tc", {"CP_DTYPE": "bf16", "CP_KV_DTYPE": "bf16", "HEAD_DIM": 128})
+    )
+    assert names == ["paged_decode_tc"]  # the split merge is its own module (merge.cu)

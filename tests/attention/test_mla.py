@@ -1,5 +1,6 @@
 """MLA (DevicePlan.mla): the CUDA-core kernel's rotary part and the
 tensor-core MLA kernel, against the float64 reference."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,25 +13,42 @@ from cupaged.testing import assert_close, make_mla_case, make_paged_case, refere
 
 # ----------------------------------------------------------------- MLA (rotary part)
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(64, 16, 4, 16), (512, 64, 16, 1), (96, 200, 3, 64), (512, 64, 1, 16),
-                                   (33, 7, 128, 4)],
-                         ids=lambda s: "r{}-p{}-h{}-ps{}".format(*s))
+@pytest.mark.parametrize(
+    "shape",
+    [(64, 16, 4, 16), (512, 64, 16, 1), (96, 200, 3, 64), (512, 64, 1, 16), (33, 7, 128, 4)],
+    ids=lambda s: "r{}-p{}-h{}-ps{}".format(*s),
+)
 def test_mla_rotary_part(xp_backend, dtype, shape):
     """score = scale * (q.latent + q_pos.k_pos), values are the latent rows,
     against reference.paged_mla; decode and a prefill chunk, both masks."""
     r, p, h, page_size = shape
     rng = np.random.default_rng(list(shape))
-    case = make_mla_case(rng, kv_lens=np.array([45, 3, 30], np.int32), q_lens=np.array([1, 3, 7]),
-                         page_size=page_size, num_heads=h, latent_dim=r, pos_dim=p, dtype=dtype)
+    case = make_mla_case(
+        rng,
+        kv_lens=np.array([45, 3, 30], np.int32),
+        q_lens=np.array([1, 3, 7]),
+        page_size=page_size,
+        num_heads=h,
+        latent_dim=r,
+        pos_dim=p,
+        dtype=dtype,
+    )
     q, qp, lat, kp = (_to_device(xp_backend, a) for a in (case.q, case.q_pos, case.latent, case.k_pos))
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, page_size, case.num_pages).upload(q)
     for causal in (True, False):
         for splits in (None, 3):
             ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, h, r, splits, q)
             o, lse = plan.mla(q, qp, lat, kp, case.scale, causal, return_lse=True, workspace=ws)
-            check(case, xp_backend.to_numpy(o), xp_backend.to_numpy(lse), causal, dtype,
-                  f"mla causal={causal} splits={splits}")
+            check(
+                case,
+                xp_backend.to_numpy(o),
+                xp_backend.to_numpy(lse),
+                causal,
+                dtype,
+                f"mla causal={causal} splits={splits}",
+            )
 
 
 def test_rotary_part_needs_one_latent_cache():
@@ -43,12 +61,21 @@ def test_rotary_part_needs_one_latent_cache():
     k_rot = np.zeros(case.k_cache.shape[:3] + (8,), np.float32)
     q_rot = np.zeros((plan.queries, 2, 8), np.float32)
     with pytest.raises(cupaged.PagedAttentionError, match="v_cache: expected the K cache itself"):
-        launch.launch_attention(plan.stream, plan, case.q, case.k_cache, case.v_cache, out, AttentionOptions(1.0),
-                                q_rot=q_rot, k_rot=k_rot)
+        launch.launch_attention(
+            plan.stream, plan, case.q, case.k_cache, case.v_cache, out, AttentionOptions(1.0), q_rot=q_rot, k_rot=k_rot
+        )
     with pytest.raises(cupaged.PagedAttentionError, match="q_rot: expected a rotary dim up to 256"):
-        launch.launch_attention(plan.stream, plan, case.q, case.k_cache, case.k_cache, out, AttentionOptions(1.0),
-                                q_rot=np.zeros((plan.queries, 2, 300), np.float32),
-                                k_rot=np.zeros(case.k_cache.shape[:3] + (300,), np.float32))
+        launch.launch_attention(
+            plan.stream,
+            plan,
+            case.q,
+            case.k_cache,
+            case.k_cache,
+            out,
+            AttentionOptions(1.0),
+            q_rot=np.zeros((plan.queries, 2, 300), np.float32),
+            k_rot=np.zeros(case.k_cache.shape[:3] + (300,), np.float32),
+        )
 
 
 # MLA at DeepSeek's R = 512, P = 64: 16 heads (4 queries a block, blocks
@@ -58,28 +85,53 @@ def test_rotary_part_needs_one_latent_cache():
 @pytest.mark.parametrize("heads", [16, 128])
 def test_tc_mla(xp_backend, mla_arch, kernels_used, dtype, heads):
     rng = np.random.default_rng(heads)
-    case = make_mla_case(rng, kv_lens=np.array([45, 3, 30], np.int32), q_lens=np.array([1, 3, 2]),
-                         page_size=16, num_heads=heads, latent_dim=512, pos_dim=64, dtype=dtype)
+    case = make_mla_case(
+        rng,
+        kv_lens=np.array([45, 3, 30], np.int32),
+        q_lens=np.array([1, 3, 2]),
+        page_size=16,
+        num_heads=heads,
+        latent_dim=512,
+        pos_dim=64,
+        dtype=dtype,
+    )
     q, qp, lat, kp = (_to_device(xp_backend, a) for a in (case.q, case.q_pos, case.latent, case.k_pos))
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
     for causal in (True, False):
         for splits in (None, 3):
             ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, heads, 512, splits, q)
             o, lse = plan.mla(q, qp, lat, kp, case.scale, causal, return_lse=True, workspace=ws)
-            check(case, xp_backend.to_numpy(o), xp_backend.to_numpy(lse), causal, dtype,
-                  f"tc mla h={heads} causal={causal} splits={splits}")
+            check(
+                case,
+                xp_backend.to_numpy(o),
+                xp_backend.to_numpy(lse),
+                causal,
+                dtype,
+                f"tc mla h={heads} causal={causal} splits={splits}",
+            )
     assert set(kernels_used) == {mla_arch, "attention_split_merge"}
 
 
-@pytest.mark.parametrize("shape", [("bf16", 512, 64, 8, 1), ("f16", 512, 32, 16, 4), ("f32", 512, 64, 16, 4)],
-                         ids=lambda s: "{}-r{}-p{}-h{}-q{}".format(*s))
+@pytest.mark.parametrize(
+    "shape",
+    [("bf16", 512, 64, 8, 1), ("f16", 512, 32, 16, 4), ("f32", 512, 64, 16, 4)],
+    ids=lambda s: "{}-r{}-p{}-h{}-q{}".format(*s),
+)
 def test_tc_mla_falls_back(xp_backend, kernels_used, shape):
     """MLA shapes off the tensor-core path (8 heads of decode, another
     rotary dim, f32) run on the CUDA-core kernel."""
     dtype, r, p, h, ql = shape
     rng = np.random.default_rng(r + p + h)
-    case = make_mla_case(rng, kv_lens=np.array([20, 9], np.int32), q_lens=np.array([ql, 1]), page_size=16,
-                         num_heads=h, latent_dim=r, pos_dim=p, dtype=dtype)
+    case = make_mla_case(
+        rng,
+        kv_lens=np.array([20, 9], np.int32),
+        q_lens=np.array([ql, 1]),
+        page_size=16,
+        num_heads=h,
+        latent_dim=r,
+        pos_dim=p,
+        dtype=dtype,
+    )
     q, qp, lat, kp = (_to_device(xp_backend, a) for a in (case.q, case.q_pos, case.latent, case.k_pos))
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
     o, lse = plan.mla(q, qp, lat, kp, case.scale, True, return_lse=True)
@@ -87,10 +139,14 @@ def test_tc_mla_falls_back(xp_backend, kernels_used, shape):
     assert kernels_used == ["paged_attention"]
 
 
-@pytest.mark.parametrize("shape", [("bf16", 16, [1, 1, 40, 1, 33, 1, 1], [("paged_mla_tc", 0, 78)]),
-                                   ("f16", 8, [1] * 6 + [24, 1],
-                                    [("paged_attention", 0, 6), ("paged_mla_tc", 6, 24), ("paged_attention", 30, 1)])],
-                         ids=lambda s: "{}-h{}".format(*s[:2]))
+@pytest.mark.parametrize(
+    "shape",
+    [
+        ("bf16", 16, [1, 1, 40, 1, 33, 1, 1], [("paged_mla_tc", 0, 78)]),
+        ("f16", 8, [1] * 6 + [24, 1], [("paged_attention", 0, 6), ("paged_mla_tc", 6, 24), ("paged_attention", 30, 1)]),
+    ],
+    ids=lambda s: "{}-h{}".format(*s[:2]),
+)
 def test_mla_mixed(xp_backend, mla_arch, launches, shape):
     """MLA steps mixing chunks and decodes: at 16 heads every decode query
     already brings 16 tensor-core rows, so the step stays one paged_mla_tc
@@ -98,8 +154,16 @@ def test_mla_mixed(xp_backend, mla_arch, launches, shape):
     dtype, heads, q_lens, expect = shape
     rng = np.random.default_rng(heads)
     q_lens = np.array(q_lens, np.int32)
-    case = make_mla_case(rng, kv_lens=q_lens + rng.integers(1, 40, q_lens.size).astype(np.int32), q_lens=q_lens,
-                         page_size=16, num_heads=heads, latent_dim=512, pos_dim=64, dtype=dtype)
+    case = make_mla_case(
+        rng,
+        kv_lens=q_lens + rng.integers(1, 40, q_lens.size).astype(np.int32),
+        q_lens=q_lens,
+        page_size=16,
+        num_heads=heads,
+        latent_dim=512,
+        pos_dim=64,
+        dtype=dtype,
+    )
     q, qp, lat, kp = (_to_device(xp_backend, a) for a in (case.q, case.q_pos, case.latent, case.k_pos))
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
     qpb = variants.tc_queries_per_block(heads)
@@ -110,8 +174,14 @@ def test_mla_mixed(xp_backend, mla_arch, launches, shape):
         launches.clear()
         ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, heads, 512, splits, q)
         o, lse = plan.mla(q, qp, lat, kp, case.scale, causal, return_lse=True, workspace=ws)
-        check(case, xp_backend.to_numpy(o), xp_backend.to_numpy(lse), causal, dtype,
-              f"mla mixed h={heads} causal={causal} splits={splits}")
+        check(
+            case,
+            xp_backend.to_numpy(o),
+            xp_backend.to_numpy(lse),
+            causal,
+            dtype,
+            f"mla mixed h={heads} causal={causal} splits={splits}",
+        )
         merge = [("attention_split_merge", None, None, plan.queries)] if splits else []
         assert launches == grids + merge
 
@@ -129,8 +199,9 @@ def test_tc_mla_masked_nonfinite_latent(xp_backend, mla_arch, kernels_used, dtyp
     where the reference's is finite)."""
     rng = np.random.default_rng([heads, 12])
     kv_lens, q_lens = np.array([40, 29, 20], np.int32), np.array([21, 7, 12], np.int32)
-    case = make_mla_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=16, num_heads=heads, latent_dim=512,
-                         pos_dim=64, dtype=dtype)
+    case = make_mla_case(
+        rng, kv_lens=kv_lens, q_lens=q_lens, page_size=16, num_heads=heads, latent_dim=512, pos_dim=64, dtype=dtype
+    )
     poisoned = [(0, 30, np.inf), (0, 37, np.nan), (2, 19, -np.inf), (1, 27, np.nan)]
     for s, t, val in poisoned:
         page = case.page_table[s, t // 16]
@@ -164,20 +235,30 @@ def test_tc_mla_lengths_read_from_device_words(xp_backend, mla_arch, kernels_use
     further, same queries, grid unchanged) gives the reference for the new
     lengths, on each tensor-core build."""
     from cupaged.layout import metadata_offsets
+
     rng = np.random.default_rng(31)
-    full = make_mla_case(rng, kv_lens=np.array([45, 30], np.int32), q_lens=np.array([3, 1]), page_size=16,
-                         num_heads=16, latent_dim=512, pos_dim=64, dtype="bf16")
+    full = make_mla_case(
+        rng,
+        kv_lens=np.array([45, 30], np.int32),
+        q_lens=np.array([3, 1]),
+        page_size=16,
+        num_heads=16,
+        latent_dim=512,
+        pos_dim=64,
+        dtype="bf16",
+    )
     q, qp, lat, kp = (_to_device(xp_backend, a) for a in (full.q, full.q_pos, full.latent, full.k_pos))
     shorter = full.kv_lens - 5
     plan = cupaged.HostPlan.build(full.page_table, shorter, full.q_lens, 16, full.num_pages).upload(q)
     o1 = xp_backend.to_numpy(plan.mla(q, qp, lat, kp, full.scale, True))
-    ref1, _ = reference.paged_mla(full.q, full.q_pos, full.latent, full.k_pos, full.page_table, shorter,
-                                  full.q_lens, full.scale, True)
+    ref1, _ = reference.paged_mla(
+        full.q, full.q_pos, full.latent, full.k_pos, full.page_table, shorter, full.q_lens, full.scale, True
+    )
     assert_close(o1, ref1, "bf16", "before")
     off = metadata_offsets(plan.queries, plan.sequences)
-    plan.words[off["kv_len"]:off["kv_len"] + 2] = xp_backend.asarray(full.kv_lens.astype(np.uint32))
-    pos = np.asarray(xp_backend.to_numpy(plan.words[off["q_pos"]:off["kv_len"]])) + 5
-    plan.words[off["q_pos"]:off["kv_len"]] = xp_backend.asarray(pos.astype(np.uint32))
+    plan.words[off["kv_len"] : off["kv_len"] + 2] = xp_backend.asarray(full.kv_lens.astype(np.uint32))
+    pos = np.asarray(xp_backend.to_numpy(plan.words[off["q_pos"] : off["kv_len"]])) + 5
+    plan.words[off["q_pos"] : off["kv_len"]] = xp_backend.asarray(pos.astype(np.uint32))
     o2 = xp_backend.to_numpy(plan.mla(q, qp, lat, kp, full.scale, True))
     assert_close(o2, full.reference(True)[0], "bf16", "after")
     assert set(kernels_used) == {mla_arch}
@@ -185,11 +266,15 @@ def test_tc_mla_lengths_read_from_device_words(xp_backend, mla_arch, kernels_use
 
 # ----------------------------------------------------------------- no rotary part, FlashInfer's spelling
 
-@pytest.mark.parametrize("dtype, r, heads, kernel", [
-    ("f32", 64, 4, "paged_attention"),
-    ("bf16", 512, 16, "mla_arch"),       # the tensor-core builds (ROPE_DIM 0)
-    ("f16", 96, 3, "paged_attention"),
-])
+
+@pytest.mark.parametrize(
+    "dtype, r, heads, kernel",
+    [
+        ("f32", 64, 4, "paged_attention"),
+        ("bf16", 512, 16, "mla_arch"),  # the tensor-core builds (ROPE_DIM 0)
+        ("f16", 96, 3, "paged_attention"),
+    ],
+)
 def test_zero_width_rotary_part_is_no_rotary_part(xp_backend, mla_arch, kernels_used, dtype, r, heads, kernel):
     """Issue #19 item 12: MLA without a rotary part spelled FlashInfer's way,
     zero-width q_pos [T, H, 0] and k_pos [pages, page_size, 1, 0] (or any
@@ -197,32 +282,44 @@ def test_zero_width_rotary_part_is_no_rotary_part(xp_backend, mla_arch, kernels_
     [pages, page_size, 0]), is P = 0 exactly as None is: the same kernel,
     bit-identical output and lse, the reference of q.latent."""
     rng = np.random.default_rng([r, heads])
-    case = make_mla_case(rng, kv_lens=np.array([45, 3, 30], np.int32), q_lens=np.array([1, 3, 20], np.int32),
-                         page_size=16, num_heads=heads, latent_dim=r, pos_dim=8, dtype=dtype)
+    case = make_mla_case(
+        rng,
+        kv_lens=np.array([45, 3, 30], np.int32),
+        q_lens=np.array([1, 3, 20], np.int32),
+        page_size=16,
+        num_heads=heads,
+        latent_dim=r,
+        pos_dim=8,
+        dtype=dtype,
+    )
     q, latent = (_to_device(xp_backend, a) for a in (case.q, case.latent))
     xp = xp_backend.xp
-    joint = xp.concatenate([latent, latent[..., :8]], axis=-1)           # a [pages, page_size, 1, R + 8] cache
+    joint = xp.concatenate([latent, latent[..., :8]], axis=-1)  # a [pages, page_size, 1, R + 8] cache
     t = int(case.q.shape[0])
     spellings = [
         (xp.zeros((t, heads, 0), q.dtype), xp.zeros(latent.shape[:3] + (0,), latent.dtype)),
-        (q[..., :0], joint[..., r:r]),                                        # empty column ranges of views
+        (q[..., :0], joint[..., r:r]),  # empty column ranges of views
         (xp.zeros((t, heads, 0), q.dtype), xp.zeros(latent.shape[:2] + (0,), latent.dtype)),
-        (None, xp.zeros(latent.shape[:3] + (0,), latent.dtype)),             # mixed: both mean P = 0
+        (None, xp.zeros(latent.shape[:3] + (0,), latent.dtype)),  # mixed: both mean P = 0
         (xp.zeros((t, heads, 0), q.dtype), None),
     ]
-    ref, ref_lse = reference.paged_attention(case.q, case.latent, case.latent, case.page_table, case.kv_lens,
-                                             case.q_lens, case.scale, True)
+    ref, ref_lse = reference.paged_attention(
+        case.q, case.latent, case.latent, case.page_table, case.kv_lens, case.q_lens, case.scale, True
+    )
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
     for splits in (None, 3):
         ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, heads, r, splits, q)
-        base_o, base_lse = (xp_backend.to_numpy(a) for a in
-                            plan.mla(q, None, latent, None, case.scale, workspace=ws, return_lse=True))
+        base_o, base_lse = (
+            xp_backend.to_numpy(a) for a in plan.mla(q, None, latent, None, case.scale, workspace=ws, return_lse=True)
+        )
         assert_close(base_o, ref, dtype, "None")
         assert_close(base_lse, ref_lse, dtype, "None lse")
         n_kernels = len(kernels_used)
         for q_pos, k_pos in spellings:
-            o, lse = (xp_backend.to_numpy(a) for a in
-                      plan.mla(q, q_pos, latent, k_pos, case.scale, workspace=ws, return_lse=True))
+            o, lse = (
+                xp_backend.to_numpy(a)
+                for a in plan.mla(q, q_pos, latent, k_pos, case.scale, workspace=ws, return_lse=True)
+            )
             np.testing.assert_array_equal(o.view(np.uint8), base_o.view(np.uint8))
             np.testing.assert_array_equal(lse, base_lse)
         assert set(kernels_used[n_kernels:]) <= set(kernels_used[:n_kernels])
@@ -234,20 +331,32 @@ def test_zero_width_with_a_real_rotary_part_is_refused(kernels_used):
     """One of q_pos / k_pos with P >= 1 and the other zero-width (or None):
     a clear error naming both shapes, before any launch."""
     rng = np.random.default_rng(8)
-    case = make_mla_case(rng, kv_lens=np.array([20, 9], np.int32), q_lens=np.array([1, 2], np.int32),
-                         page_size=16, num_heads=4, latent_dim=64, pos_dim=16, dtype="f32")
+    case = make_mla_case(
+        rng,
+        kv_lens=np.array([20, 9], np.int32),
+        q_lens=np.array([1, 2], np.int32),
+        page_size=16,
+        num_heads=4,
+        latent_dim=64,
+        pos_dim=16,
+        dtype="f32",
+    )
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
     out = np.full((plan.queries, 4, 64), 7, np.float32)
     zq, zk = case.q_pos[..., :0], case.k_pos[..., :0]
     for q_pos, k_pos, got in (
-            (zq, case.k_pos, r"got q_rot shape \[3, 4, 0\] and k_rot shape \[\d+, 16, 1, 16\]"),
-            (case.q_pos, zk, r"got q_rot shape \[3, 4, 16\] and k_rot shape \[\d+, 16, 1, 0\]"),
-            (None, case.k_pos, r"got q_rot None and k_rot shape \[\d+, 16, 1, 16\]"),
-            (case.q_pos, None, r"got q_rot shape \[3, 4, 16\] and k_rot None"),
-            (np.zeros((3, 0), np.float32), case.k_pos, r"got q_rot shape \[3, 0\] and k_rot shape")):
-        with pytest.raises(cupaged.PagedAttentionError, match=r"q_rot, k_rot: expected both or neither \(neither, "
-                                                              r"None or zero-width: MLA without a rotary part, "
-                                                              r"P = 0\), " + got):
+        (zq, case.k_pos, r"got q_rot shape \[3, 4, 0\] and k_rot shape \[\d+, 16, 1, 16\]"),
+        (case.q_pos, zk, r"got q_rot shape \[3, 4, 16\] and k_rot shape \[\d+, 16, 1, 0\]"),
+        (None, case.k_pos, r"got q_rot None and k_rot shape \[\d+, 16, 1, 16\]"),
+        (case.q_pos, None, r"got q_rot shape \[3, 4, 16\] and k_rot None"),
+        (np.zeros((3, 0), np.float32), case.k_pos, r"got q_rot shape \[3, 0\] and k_rot shape"),
+    ):
+        with pytest.raises(
+            cupaged.PagedAttentionError,
+            match=r"q_rot, k_rot: expected both or neither \(neither, "
+            r"None or zero-width: MLA without a rotary part, "
+            r"P = 0\), " + got,
+        ):
             plan.mla(case.q, q_pos, case.latent, k_pos, case.scale, out=out)
     with pytest.raises(cupaged.PagedAttentionError, match="k_rot: expected a NumPy or CuPy array, got builtins.list"):
         plan.mla(case.q, case.q_pos, case.latent, [0.0], case.scale, out=out)

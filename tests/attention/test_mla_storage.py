@@ -16,6 +16,7 @@ Every case is a step mixing decodes and prefill chunks (16 heads: 4 queries
 a block, blocks straddling sequences), causal and not, with and without
 3 splits; unused slots hold NaN codes (and Inf on e5m2).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -52,11 +53,19 @@ class Stored:
     two C-contiguous arrays; ``rope`` False: P = 0 (latent only)."""
 
     def __init__(self, backend, rng, fmt, dtype, *, joint=True, rope=True, heads=16, scales=True, page_size=16):
-        case = make_mla_case(rng, kv_lens=KV_LENS, q_lens=Q_LENS, page_size=page_size, num_heads=heads,
-                             latent_dim=R, pos_dim=P, dtype=dtype)
+        case = make_mla_case(
+            rng,
+            kv_lens=KV_LENS,
+            q_lens=Q_LENS,
+            page_size=page_size,
+            num_heads=heads,
+            latent_dim=R,
+            pos_dim=P,
+            dtype=dtype,
+        )
         used = case.slot_used
         self.case, self.fmt, self.rope = case, fmt, rope
-        ks, vs = _scales(rng, fmt) if scales else (np.float32(1.0), np.float32(1.0))   # None means 1.0
+        ks, vs = _scales(rng, fmt) if scales else (np.float32(1.0), np.float32(1.0))  # None means 1.0
         if fmt is None:
             lat, kp = case.latent, case.k_pos
             self.lat_ref, self.kp_ref = reference._f64(lat), reference._f64(kp)
@@ -79,22 +88,34 @@ class Stored:
         self.q_pos = _to_device(backend, case.q_pos) if rope else None
         if not rope:
             self.k_pos = None
-        self.plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, page_size,
-                                           case.num_pages).upload(self.q)
+        self.plan = cupaged.HostPlan.build(
+            case.page_table, case.kv_lens, case.q_lens, page_size, case.num_pages
+        ).upload(self.q)
 
     def reference(self, causal):
         c = self.case
         if self.rope:
-            return reference.paged_mla(c.q, c.q_pos, self.lat_ref, self.kp_ref, c.page_table, c.kv_lens, c.q_lens,
-                                       c.scale, causal)
-        return reference.paged_attention(c.q, self.lat_ref, self.lat_ref, c.page_table, c.kv_lens, c.q_lens, c.scale,
-                                         causal)
+            return reference.paged_mla(
+                c.q, c.q_pos, self.lat_ref, self.kp_ref, c.page_table, c.kv_lens, c.q_lens, c.scale, causal
+            )
+        return reference.paged_attention(
+            c.q, self.lat_ref, self.lat_ref, c.page_table, c.kv_lens, c.q_lens, c.scale, causal
+        )
 
     def run(self, backend, causal, splits):
         heads = self.case.q.shape[1]
         ws = None if splits is None else cupaged.SplitWorkspace(self.plan.queries, heads, R, splits, self.q)
-        o, lse = self.plan.mla(self.q, self.q_pos, self.latent, self.k_pos, self.case.scale, causal,
-                               return_lse=True, workspace=ws, **self.kv_args)
+        o, lse = self.plan.mla(
+            self.q,
+            self.q_pos,
+            self.latent,
+            self.k_pos,
+            self.case.scale,
+            causal,
+            return_lse=True,
+            workspace=ws,
+            **self.kv_args,
+        )
         return backend.to_numpy(o), backend.to_numpy(lse)
 
 
@@ -134,16 +155,24 @@ def test_no_rotary_part(xp_backend, mla_arch, kernels_used, fmt, heads):
     assert set(kernels_used) == {mla_arch, "attention_split_merge"}
 
 
-@pytest.mark.parametrize("case", [("e4m3", "bf16", True, 16), ("e5m2", "f16", True, 64), ("e4m3", "f16", False, 16),
-                                  ("e5m2", "bf16", False, 5)],
-                         ids=lambda c: "{}-{}-{}-ps{}".format(c[0], c[1], "joint" if c[2] else "contiguous", c[3]))
+@pytest.mark.parametrize(
+    "case",
+    [("e4m3", "bf16", True, 16), ("e5m2", "f16", True, 64), ("e4m3", "f16", False, 16), ("e5m2", "bf16", False, 5)],
+    ids=lambda c: "{}-{}-{}-ps{}".format(c[0], c[1], "joint" if c[2] else "contiguous", c[3]),
+)
 def test_fp8_latent_cache(xp_backend, mla_arch, kernels_used, case):
     """fp8 codes of the latent (k_scale) and of k_pos (v_scale, a different
     scale), in one 576-wide cache or two contiguous arrays, pages of 16, 64
     (FlashMLA's) and 5 tokens: decode and prefill chunks, both masks, splits."""
     fmt, dtype, joint, page_size = case
-    st = Stored(xp_backend, np.random.default_rng([ord(fmt[1]), len(dtype), joint]), fmt, dtype, joint=joint,
-                page_size=page_size)
+    st = Stored(
+        xp_backend,
+        np.random.default_rng([ord(fmt[1]), len(dtype), joint]),
+        fmt,
+        dtype,
+        joint=joint,
+        page_size=page_size,
+    )
     _check_all(xp_backend, st, f"{fmt} {dtype} joint={joint} page_size={page_size}")
     assert set(kernels_used) == {mla_arch, "attention_split_merge"}
 
@@ -164,12 +193,11 @@ def test_fp8_masked_nonfinite_codes(xp_backend, mla_arch, kernels_used, fmt):
     block's rows see different tokens); those that see them match the
     reference (its Inf / NaN where it has them)."""
     dtype = "f16" if fmt == "e5m2" else "bf16"
-    st = Stored(xp_backend, np.random.default_rng([5, ord(fmt[1])]), fmt, dtype,
-                joint=(fmt == "e5m2"))
+    st = Stored(xp_backend, np.random.default_rng([5, ord(fmt[1])]), fmt, dtype, joint=(fmt == "e5m2"))
     c = st.case
     bad = 0x7C if fmt == "e5m2" else 0x7F
     host = np.array(xp_backend.to_numpy(st.latent))
-    poisoned = [(0, 44), (1, 1), (2, 29)]            # a decode's last token, tokens inside two chunks
+    poisoned = [(0, 44), (1, 1), (2, 29)]  # a decode's last token, tokens inside two chunks
     for s, t in poisoned:
         page = c.page_table[s, t // 16]
         host[page, t % 16, 0, (37 * t) % R] = bad
@@ -207,12 +235,14 @@ def test_fp8_with_score_features(xp_backend, mla_arch, kernels_used):
     dev = dict(score, sinks=_to_device(xp_backend, sinks), alibi_slopes=_to_device(xp_backend, slopes))
     q, k, v = reference.mla_as_attention(c.q, c.q_pos, st.lat_ref, st.kp_ref)
     for causal in (True, False):
-        ref_o, ref_lse = reference.scored_attention(q, k, v, c.page_table, c.kv_lens, c.q_lens, c.scale, causal,
-                                                    **score)
+        ref_o, ref_lse = reference.scored_attention(
+            q, k, v, c.page_table, c.kv_lens, c.q_lens, c.scale, causal, **score
+        )
         for splits in (None, 3):
             ws = None if splits is None else cupaged.SplitWorkspace(st.plan.queries, heads, R, splits, st.q)
-            o, lse = st.plan.mla(st.q, st.q_pos, st.latent, st.k_pos, c.scale, causal, return_lse=True,
-                                 workspace=ws, **st.kv_args, **dev)
+            o, lse = st.plan.mla(
+                st.q, st.q_pos, st.latent, st.k_pos, c.scale, causal, return_lse=True, workspace=ws, **st.kv_args, **dev
+            )
             what = f"features causal={causal} splits={splits}"
             assert_close(xp_backend.to_numpy(o), ref_o, c.q.dtype, f"{what} out")
             assert_close(xp_backend.to_numpy(lse), ref_lse, c.q.dtype, f"{what} lse")
@@ -228,6 +258,7 @@ def test_fp8_tiles_copy_half_the_bytes(xp_backend, mla_arch, monkeypatch):
         pytest.skip("counts come from the CPU backend")
     from cupaged.ops.attention import launch
     from cupaged.tools import counters
+
     modules = {}
     real = launch.get_kernel
 
@@ -246,12 +277,12 @@ def test_fp8_tiles_copy_half_the_bytes(xp_backend, mla_arch, monkeypatch):
         for n in (256, 512):
             pages = n // 16
             lat = rng.standard_normal((pages, 16, 1, R + P)).astype(np.float32)
-            c = (reference.quantize_fp8(lat, fmt, 1.0).view(np.uint8) if fmt else lat.astype(bf16))
+            c = reference.quantize_fp8(lat, fmt, 1.0).view(np.uint8) if fmt else lat.astype(bf16)
             args = dict(kv_dtype=fmt) if fmt else {}
             q = rng.standard_normal((1, 16, R)).astype(bf16)
             q_rot = rng.standard_normal((1, 16, P)).astype(bf16)
             plan = cupaged.HostPlan.build(np.arange(pages, dtype=np.int32)[None], [n], [1], 16, pages).upload(q)
-            plan.mla(q, q_rot, c[..., :R], c[..., R:], 0.05, True, **args)   # compiles, loads the module
+            plan.mla(q, q_rot, c[..., :R], c[..., R:], 0.05, True, **args)  # compiles, loads the module
             counters.reset(modules[mla_arch])
             plan.mla(q, q_rot, c[..., :R], c[..., R:], 0.05, True, **args)
             got = counters.read(modules[mla_arch])
@@ -266,6 +297,7 @@ def test_selection():
     attention call of the same dims (one KV head, D = Dv = 512, its own V
     cache) never goes to them."""
     from cupaged.ops.attention import variants
+
     registered = {tuple(sorted(v.defines().items())) for v in variants.VARIANTS}
     tc = variants.select_tensor_core
     for kv in ("bf16", "e4m3", "e5m2"):
@@ -275,5 +307,5 @@ def test_selection():
                 assert (v.kernel, v.kv_dtype, v.latent_dim, v.rope_dim) == (kernel, kv, R, p)
                 assert tuple(sorted(v.defines().items())) in registered
                 assert variants.resident_blocks(v) == 1 and v.smem + variants.TC_STATIC_SMEM_BUDGET <= 227 * 1024
-            assert tc("bf16", R, R, False, True, p, kv_dtype=kv, latent=True) is None   # misaligned
-        assert tc("bf16", R, R, True, True, 0, kv_dtype=kv, arch="sm_90") is None         # not an MLA call
+            assert tc("bf16", R, R, False, True, p, kv_dtype=kv, latent=True) is None  # misaligned
+        assert tc("bf16", R, R, True, True, 0, kv_dtype=kv, arch="sm_90") is None  # not an MLA call

@@ -3,6 +3,7 @@ features, docstrings, torch adapter and reference follow the rows; the old
 spellings (MLA's ``q_pos`` / ``k_pos`` keywords, ``ops.attention.checks``)
 work for one release with a DeprecationWarning; a page manager's layer view
 (``cache.layer(i)``) stands for K, V and their storage options."""
+
 from __future__ import annotations
 
 import inspect
@@ -21,8 +22,9 @@ from cupaged.testing import assert_close, make_mla_case, make_paged_case, refere
 
 
 def _plan(case):
-    return cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
-                                  case.num_pages).upload(case.q)
+    return cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages).upload(
+        case.q
+    )
 
 
 def test_features_come_from_the_rows():
@@ -33,8 +35,9 @@ def test_features_come_from_the_rows():
     assert opts.features == ("soft_cap", "window") and opts.sinks is None and opts.score == "plain"
 
 
-@pytest.mark.parametrize("fn", [cupaged.DevicePlan.attention, cupaged.DevicePlan.mla, tinterop.TorchPlan.attention,
-                                tinterop.TorchPlan.mla])
+@pytest.mark.parametrize(
+    "fn", [cupaged.DevicePlan.attention, cupaged.DevicePlan.mla, tinterop.TorchPlan.attention, tinterop.TorchPlan.mla]
+)
 def test_docstrings_list_every_row(fn):
     doc = " ".join(fn.__doc__.split())
     for row in options.ROWS.values():
@@ -66,8 +69,7 @@ def test_params_of_the_rows():
     p = cupaged.AttentionOptions(1.0, True, soft_cap=2.0, window=5, sinks=sinks).params()
     assert p["soft_cap"] == 2.0 * options.LOG2E and p["inv_soft_cap"] == 1.0 / (2.0 * options.LOG2E)
     assert p["window"] == 5 and p["sinks"] == sinks.ctypes.data and p["alibi_slopes"] == 0
-    assert cupaged.AttentionOptions(1.0).params() == dict(soft_cap=0, inv_soft_cap=0, window=0, sinks=0,
-                                                          alibi_slopes=0)
+    assert cupaged.AttentionOptions(1.0).params() == dict(soft_cap=0, inv_soft_cap=0, window=0, sinks=0, alibi_slopes=0)
 
 
 def test_checks_module_is_a_deprecated_alias():
@@ -79,8 +81,9 @@ def test_checks_module_is_a_deprecated_alias():
 @pytest.fixture
 def mla_case():
     rng = np.random.default_rng(11)
-    return make_mla_case(rng, kv_lens=[20, 9], q_lens=[1, 3], page_size=16, num_heads=4, latent_dim=64, pos_dim=16,
-                         dtype="f32")
+    return make_mla_case(
+        rng, kv_lens=[20, 9], q_lens=[1, 3], page_size=16, num_heads=4, latent_dim=64, pos_dim=16, dtype="f32"
+    )
 
 
 def test_mla_rotary_keywords(mla_case):
@@ -104,10 +107,13 @@ def test_mla_rotary_keywords(mla_case):
 def test_torch_mla_rotary_keywords(mla_case):
     torch = pytest.importorskip("torch")
     c = mla_case
-    plan = tinterop.torch_plan(cupaged.HostPlan.build(c.page_table, c.kv_lens, c.q_lens, 16, c.num_pages),
-                               torch.zeros(1))
-    t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in dict(q=c.q, q_rot=c.q_pos, latent=c.latent,
-                                                                      k_rot=c.k_pos).items()}
+    plan = tinterop.torch_plan(
+        cupaged.HostPlan.build(c.page_table, c.kv_lens, c.q_lens, 16, c.num_pages), torch.zeros(1)
+    )
+    t = {
+        k: torch.from_numpy(np.ascontiguousarray(v))
+        for k, v in dict(q=c.q, q_rot=c.q_pos, latent=c.latent, k_rot=c.k_pos).items()
+    }
     ref, _ = reference.paged_mla(c.q, c.q_pos, c.latent, c.k_pos, c.page_table, c.kv_lens, c.q_lens, c.scale)
     assert_close(plan.mla(t["q"], t["q_rot"], t["latent"], t["k_rot"], c.scale).numpy(), ref, "f32", "torch")
     with pytest.warns(DeprecationWarning) as caught:
@@ -118,6 +124,7 @@ def test_torch_mla_rotary_keywords(mla_case):
 
 
 # ----------------------------------------------------------------- layer views
+
 
 def _cache_step(dtype="float32", layers=2, **kw):
     cache = cupaged.PagedKVCache(16, 4, 2, 8, dtype, layers=layers, **kw)
@@ -132,14 +139,15 @@ def test_layer_view_serves_attention_and_append():
     q = rng.standard_normal((5, 4, 8)).astype(np.float32)
     nk, nv = (rng.standard_normal((5, 2, 8)).astype(np.float32) for _ in range(2))
     plan.append(nk, nv, cache.layer(1))
-    np.testing.assert_array_equal(cache.k[0][plan.host.write_slots()], 0)   # layer 0 untouched
+    np.testing.assert_array_equal(cache.k[0][plan.host.write_slots()], 0)  # layer 0 untouched
     layer = cache.layer(1)
     assert layer.k.base is cache.k and layer.kv_dtype is None and layer.k_scale is None
     a = plan.attention(q, cache.layer(1), scale=0.3)
     b = plan.attention(q, cache.k[1], cache.v[1], 0.3)
     np.testing.assert_array_equal(a, b)
-    ref, _ = reference.paged_attention(q, cache.k[1], cache.v[1], plan.host.page_table, plan.host.kv_lens,
-                                       plan.host.q_lens, 0.3)
+    ref, _ = reference.paged_attention(
+        q, cache.k[1], cache.v[1], plan.host.page_table, plan.host.kv_lens, plan.host.q_lens, 0.3
+    )
     assert_close(a, ref, "f32", "layer view")
 
 
@@ -160,15 +168,21 @@ def test_layer_view_of_an_fp8_cache_carries_its_scales():
 def test_layer_view_errors_name_it():
     cache, plan = _cache_step()
     q = np.zeros((5, 4, 8), np.float32)
-    with pytest.raises(PagedAttentionError, match=r"k_cache: expected a 4-D array .*pass one layer: "
-                                                  r"cache.layer\(i\), or cache.k\[i\]"):
+    with pytest.raises(
+        PagedAttentionError,
+        match=r"k_cache: expected a 4-D array .*pass one layer: "
+        r"cache.layer\(i\), or cache.k\[i\]",
+    ):
         plan.attention(q, cache.k, cache.v, 0.3)
-    with pytest.raises(PagedAttentionError, match=r"v_cache: expected nothing with a layer view .*pass scale= by "
-                                                  r"keyword"):
+    with pytest.raises(
+        PagedAttentionError,
+        match=r"v_cache: expected nothing with a layer view .*pass scale= by "
+        r"keyword",
+    ):
         plan.attention(q, cache.layer(0), 0.3)
     with pytest.raises(PagedAttentionError, match=r"layer: expected"):
         cache.layer(2)
-    for v in (None, ):   # a plain K cache without its V: named, not an AttributeError
+    for v in (None,):  # a plain K cache without its V: named, not an AttributeError
         with pytest.raises(PagedAttentionError, match=r"v_cache: expected the V cache .*cache.layer\(i\)"):
             plan.attention(q, cache.k[0], v, 0.3)
     with pytest.raises(PagedAttentionError, match=r"v_cache: expected the V cache"):
@@ -182,8 +196,16 @@ def test_errors_are_cupaged_errors():
     plan = _plan(case)
     out = np.empty((plan.queries, 2, 64), np.float32)
     with pytest.raises(PagedAttentionError, match=r"q_rot, k_rot: expected both or neither"):
-        attention.launch_attention(plan.stream, plan, case.q, case.k_cache, case.k_cache, out,
-                                   cupaged.AttentionOptions(1.0), q_rot=np.zeros((plan.queries, 2, 8), np.float32))
+        attention.launch_attention(
+            plan.stream,
+            plan,
+            case.q,
+            case.k_cache,
+            case.k_cache,
+            out,
+            cupaged.AttentionOptions(1.0),
+            q_rot=np.zeros((plan.queries, 2, 8), np.float32),
+        )
     with pytest.raises(PagedAttentionError, match=r"scale: expected a finite float > 0, got NoneType"):
         plan.attention(case.q, case.k_cache, case.v_cache)
     with pytest.raises(PagedAttentionError, match=r"latent: expected a NumPy or CuPy array"):

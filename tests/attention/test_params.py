@@ -1,6 +1,7 @@
 """The attention kernels' one argument (cupaged/ops/attention/params.py): the
 committed header is the generator's, the compiled kernels take a struct of
 the size the NumPy dtype packs, and a launch fills every field."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,17 +23,20 @@ def test_header_is_generated():
 def test_kernels_take_the_struct():
     like = np.zeros(1, np.float16)
     want = f"x{params.DTYPE.itemsize}"
-    for v in (variants.select_variant("f16", 64, 64, True, 2),
-              variants.select_tensor_core("f16", 64, 64, True, True),
-              variants.select_tensor_core("f16", 512, 512, True, True, rot_dim=64)):
+    for v in (
+        variants.select_variant("f16", 64, 64, True, 2),
+        variants.select_tensor_core("f16", 64, 64, True, True),
+        variants.select_tensor_core("f16", 512, 512, True, True, rot_dim=64),
+    ):
         fn = get_kernel(like, v.source, v.kernel, v.defines())
         assert fn.param_codes == (want,) and fn.param_types == (params.STRUCT,), v.kernel
 
 
 def test_launch_fills_every_field(monkeypatch):
     rng = np.random.default_rng(3)
-    case = make_paged_case(rng, kv_lens=np.array([30, 7], np.int32), page_size=8, num_q_heads=4, num_kv_heads=2,
-                           head_dim=64, dtype="f32")
+    case = make_paged_case(
+        rng, kv_lens=np.array([30, 7], np.int32), page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="f32"
+    )
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 8, case.num_pages).upload(case.q)
     seen = []
 
@@ -43,9 +47,10 @@ def test_launch_fills_every_field(monkeypatch):
 
     out = np.zeros((plan.queries, 4, 64), np.float32)
     lse = np.zeros((plan.queries, 4), np.float32)
-    launch.launch_attention(Spy(), plan, case.q, case.k_cache, case.v_cache, out, AttentionOptions(0.125, False),
-                            lse=lse)
-    (arg,), = seen
+    launch.launch_attention(
+        Spy(), plan, case.q, case.k_cache, case.v_cache, out, AttentionOptions(0.125, False), lse=lse
+    )
+    ((arg,),) = seen
     v = arg.value
     assert v["q"] == case.q.ctypes.data and v["k_cache"] == case.k_cache.ctypes.data
     assert v["words"] == plan.words.ctypes.data and v["out"] == out.ctypes.data and v["lse"] == lse.ctypes.data

@@ -6,6 +6,7 @@ paged_prefill_tc and paged_mla_tc (f16 / bf16, mma.sync; on the CPU backend
 through the fragment-exact emulation of kernels_cu/ptx.cuh). P is rounded to
 the storage type before O += P V, as in FlashAttention; the dtype tolerances
 cover it."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,8 +38,16 @@ def test_tc_prefill_chunks(xp_backend, kernels_used, dtype, shape):
     rng = np.random.default_rng(list(shape))
     kv_lens = np.array([95, 41, 30, 130], np.int32)
     q_lens = np.array([80, 16, 0, 33], np.int32)
-    case = make_paged_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=page_size, num_q_heads=hq,
-                           num_kv_heads=hkv, head_dim=d, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        page_size=page_size,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        dtype=dtype,
+    )
     plan = None
     for causal in (True, False):
         for splits in (None, 3):
@@ -47,16 +56,25 @@ def test_tc_prefill_chunks(xp_backend, kernels_used, dtype, shape):
     assert set(kernels_used) == {"paged_prefill_tc", "attention_split_merge"}
 
 
-@pytest.mark.parametrize("shape", [("f16", 96, 1, [1, 2, 1]), ("bf16", 6, 2, [30, 17, 5])],
-                         ids=lambda s: "{}-h{}x{}".format(*s[:3]))
+@pytest.mark.parametrize(
+    "shape", [("f16", 96, 1, [1, 2, 1]), ("bf16", 6, 2, [30, 17, 5])], ids=lambda s: "{}-h{}x{}".format(*s[:3])
+)
 def test_tc_odd_groups(xp_backend, kernels_used, shape):
     """A group of 96 heads (two head tiles of 64 and 32, one query a block:
     MQA decode runs on tensor cores) and a group of 3 (21 queries x 3 heads,
     one row of 64 unused)."""
     dtype, hq, hkv, q_lens = shape
     rng = np.random.default_rng(hq)
-    case = make_paged_case(rng, kv_lens=np.array([50, 23, 70], np.int32), q_lens=np.array(q_lens), page_size=16,
-                           num_q_heads=hq, num_kv_heads=hkv, head_dim=64, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([50, 23, 70], np.int32),
+        q_lens=np.array(q_lens),
+        page_size=16,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=64,
+        dtype=dtype,
+    )
     plan = None
     for causal in (True, False):
         for splits in (None, 2):
@@ -69,8 +87,16 @@ def test_tc_odd_groups(xp_backend, kernels_used, shape):
 def test_tc_prefill_outputs_and_lse_arguments(xp_backend, kernels_used, dtype):
     """out= and return_lse=False on the tensor-core path, unsplit and split."""
     rng = np.random.default_rng(21)
-    case = make_paged_case(rng, kv_lens=np.array([40, 57], np.int32), q_lens=np.array([17, 31]), page_size=16,
-                           num_q_heads=4, num_kv_heads=1, head_dim=64, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([40, 57], np.int32),
+        q_lens=np.array([17, 31]),
+        page_size=16,
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        dtype=dtype,
+    )
     for splits in (None, 2):
         o, lse, _ = run(xp_backend, case, True, splits=splits, out=True, return_lse=False)
         check(case, o, lse, True, dtype, f"out= splits={splits}")
@@ -81,19 +107,28 @@ def test_tc_lengths_read_from_device_words(xp_backend, kernels_used):
     """A prefill plan whose device words are advanced (lengths and positions
     5 further, same queries) gives the reference for the new lengths."""
     rng = np.random.default_rng(23)
-    full = make_paged_case(rng, kv_lens=np.array([45, 30], np.int32), q_lens=np.array([20, 16]), page_size=8,
-                           num_q_heads=8, num_kv_heads=2, head_dim=128, dtype="bf16")
+    full = make_paged_case(
+        rng,
+        kv_lens=np.array([45, 30], np.int32),
+        q_lens=np.array([20, 16]),
+        page_size=8,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        dtype="bf16",
+    )
     q, k, v = (_to_device(xp_backend, a) for a in (full.q, full.k_cache, full.v_cache))
     shorter = np.array([40, 25], np.int32)
     plan = cupaged.HostPlan.build(full.page_table, shorter, full.q_lens, 8, full.num_pages).upload(q)
     off = metadata_offsets(plan.queries, plan.sequences)
     o1 = xp_backend.to_numpy(plan.attention(q, k, v, full.scale, True))
-    ref1, _ = reference.paged_attention(full.q, full.k_cache, full.v_cache, full.page_table, shorter,
-                                        full.q_lens, full.scale, True)
+    ref1, _ = reference.paged_attention(
+        full.q, full.k_cache, full.v_cache, full.page_table, shorter, full.q_lens, full.scale, True
+    )
     assert_close(o1, ref1, "bf16", "before")
-    plan.words[off["kv_len"]:off["kv_len"] + 2] = xp_backend.asarray(np.array([45, 30], np.uint32))
-    pos = np.asarray(xp_backend.to_numpy(plan.words[off["q_pos"]:off["kv_len"]])) + 5
-    plan.words[off["q_pos"]:off["kv_len"]] = xp_backend.asarray(pos.astype(np.uint32))
+    plan.words[off["kv_len"] : off["kv_len"] + 2] = xp_backend.asarray(np.array([45, 30], np.uint32))
+    pos = np.asarray(xp_backend.to_numpy(plan.words[off["q_pos"] : off["kv_len"]])) + 5
+    plan.words[off["q_pos"] : off["kv_len"]] = xp_backend.asarray(pos.astype(np.uint32))
     o2 = xp_backend.to_numpy(plan.attention(q, k, v, full.scale, True))
     ref2, _ = full.reference(True)
     assert_close(o2, ref2, "bf16", "after")
@@ -106,14 +141,22 @@ def test_tc_nothing_visible_and_bad_metadata(xp_backend, kernels_used):
     lse -inf; garbage lengths, positions, page ids and sequence orders never
     make the kernel leave its arrays."""
     rng = np.random.default_rng(24)
-    case = make_paged_case(rng, kv_lens=np.array([20, 30, 25], np.int32), q_lens=np.array([16, 16, 20]),
-                           page_size=4, num_q_heads=2, num_kv_heads=1, head_dim=64, dtype="f16")
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([20, 30, 25], np.int32),
+        q_lens=np.array([16, 16, 20]),
+        page_size=4,
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        dtype="f16",
+    )
     q, k, v = (_to_device(xp_backend, a) for a in (case.q, case.k_cache, case.v_cache))
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 4, case.num_pages).upload(q)
     off = metadata_offsets(plan.queries, plan.sequences)
     words = plan.words
-    words[off["kv_len"]] = 0                                     # sequence 0: nothing visible
-    words[off["q_seq"] + 20] = 0xFFFFFFFF                        # query 20 (of sequence 1): bad index
+    words[off["kv_len"]] = 0  # sequence 0: nothing visible
+    words[off["q_seq"] + 20] = 0xFFFFFFFF  # query 20 (of sequence 1): bad index
     ref_out, ref_lse = case.reference(True)
     for splits in (None, 4):
         ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, 2, 64, splits, q)
@@ -125,15 +168,15 @@ def test_tc_nothing_visible_and_bad_metadata(xp_backend, kernels_used):
         assert (o[dead] == 0).all() and (lse[dead] == -np.inf).all()
         assert_close(o[~dead], ref_out[~dead], "f16")
         assert_close(lse[~dead], ref_lse[~dead], "f16")
-    words[off["kv_len"]:off["q_start"]] = 0xFFFFFFFF
-    words[off["q_pos"]:off["kv_len"]] = 0xFFFFFFFF
-    seqs = rng.integers(0, 3, size=plan.queries).astype(np.uint32)      # out of packing order
-    words[off["q_seq"]:off["q_pos"]] = xp_backend.asarray(seqs)
-    table = rng.integers(0, 2 ** 32, size=int(plan.words.size) - off["page_table"], dtype=np.uint64)
+    words[off["kv_len"] : off["q_start"]] = 0xFFFFFFFF
+    words[off["q_pos"] : off["kv_len"]] = 0xFFFFFFFF
+    seqs = rng.integers(0, 3, size=plan.queries).astype(np.uint32)  # out of packing order
+    words[off["q_seq"] : off["q_pos"]] = xp_backend.asarray(seqs)
+    table = rng.integers(0, 2**32, size=int(plan.words.size) - off["page_table"], dtype=np.uint64)
     table[::3] = rng.integers(0, case.num_pages, size=table[::3].size)
-    words[off["page_table"]:] = xp_backend.asarray(table.astype(np.uint32))
+    words[off["page_table"] :] = xp_backend.asarray(table.astype(np.uint32))
     for causal in (True, False):
-        plan.attention(q, k, v, case.scale, causal, return_lse=True)   # must simply not crash
+        plan.attention(q, k, v, case.scale, causal, return_lse=True)  # must simply not crash
     assert set(kernels_used) == {"paged_prefill_tc", "attention_split_merge"}
 
 
@@ -143,8 +186,16 @@ def test_tc_capture_and_replay(xp_backend, kernels_used):
     if xp_backend.name != "cpu":
         pytest.skip("GPU capture is covered by the graph tests")
     rng = np.random.default_rng(26)
-    case = make_paged_case(rng, kv_lens=np.array([33, 50], np.int32), q_lens=np.array([16, 20]), page_size=16,
-                           num_q_heads=4, num_kv_heads=1, head_dim=64, dtype="bf16")
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([33, 50], np.int32),
+        q_lens=np.array([16, 20]),
+        page_size=16,
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        dtype="bf16",
+    )
     check_capture_replay(rng, case, "bf16", "replay")
     assert "paged_prefill_tc" in kernels_used
 
@@ -154,18 +205,19 @@ def test_tc_selection():
     kernels: f16 / bf16 at a fast dim (the first tile of PREFILL_TILES), or
     MLA at 512 / 64."""
     tc = variants.select_tensor_core
-    assert tc("bf16", 128, 128, True, True) == variants.Variant("paged_prefill_tc", "bf16", "bf16", head_dim=128,
-                                                                 tile=variants.PREFILL_TILES[128][0])
+    assert tc("bf16", 128, 128, True, True) == variants.Variant(
+        "paged_prefill_tc", "bf16", "bf16", head_dim=128, tile=variants.PREFILL_TILES[128][0]
+    )
     assert tc("f16", 64, 64, True, True).head_dim == 64
     assert tc("f16", 256, 256, True, True).head_dim == 256
-    assert tc("f16", 128, 128, True, False) is None      # packing unsuited (tc_schedule_ok)
-    assert tc("f32", 128, 128, True, True) is None       # no f32 tensor-core path
-    assert tc("f16", 96, 96, True, True) is None         # not a fast dim
-    assert tc("f16", 128, 64, True, True) is None        # Dv != D
-    assert tc("f16", 128, 128, False, True) is None      # misaligned
+    assert tc("f16", 128, 128, True, False) is None  # packing unsuited (tc_schedule_ok)
+    assert tc("f32", 128, 128, True, True) is None  # no f32 tensor-core path
+    assert tc("f16", 96, 96, True, True) is None  # not a fast dim
+    assert tc("f16", 128, 64, True, True) is None  # Dv != D
+    assert tc("f16", 128, 128, False, True) is None  # misaligned
     mla = tc("bf16", 512, 512, True, True, rot_dim=64)
     assert (mla.kernel, mla.latent_dim, mla.rope_dim) == ("paged_mla_tc", 512, 64)
-    assert tc("bf16", 512, 512, True, True, rot_dim=32) is None       # other rotary dim
+    assert tc("bf16", 512, 512, True, True, rot_dim=32) is None  # other rotary dim
     assert tc("bf16", 576, 576, True, True, rot_dim=64) is None
     registered = {tuple(sorted(v.defines().items())) for v in variants.VARIANTS}
     for dt in TC_DTYPES:
@@ -212,8 +264,9 @@ def check_nonfinite(case, o, lse, causal, dtype, poisoned, what):
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-@pytest.mark.parametrize("shape", [(16, 64, 4, 1), (8, 128, 8, 2), (4, 256, 2, 2)],
-                         ids=lambda s: "ps{}-d{}-h{}x{}".format(*s))
+@pytest.mark.parametrize(
+    "shape", [(16, 64, 4, 1), (8, 128, 8, 2), (4, 256, 2, 2)], ids=lambda s: "ps{}-d{}-h{}x{}".format(*s)
+)
 def test_tc_prefill_masked_nonfinite_values(xp_backend, kernels_used, dtype, shape):
     """Issue #12 item 7: Inf / NaN in the value rows of tokens later in a
     chunk never reach the earlier queries, which cannot see them (0 x Inf
@@ -226,8 +279,16 @@ def test_tc_prefill_masked_nonfinite_values(xp_backend, kernels_used, dtype, sha
     rng = np.random.default_rng([7, *shape])
     kv_lens = np.array([70, 45, 38], np.int32)
     q_lens = np.array([40, 13, 30], np.int32)
-    case = make_paged_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=page_size, num_q_heads=hq,
-                           num_kv_heads=hkv, head_dim=d, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        page_size=page_size,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        dtype=dtype,
+    )
     # Sequence 0: tokens past its first queries; sequence 2: its last token.
     poisoned = [(0, 45), (0, 52), (0, 69), (2, 37)]
     for s, t in poisoned:
@@ -251,10 +312,19 @@ def test_tc_falls_back(xp_backend, kernels_used, what):
     dtype = "f32" if what == "f32" else "f16"
     d = 96 if what == "dim96" else 64
     q_lens = {"decode": [1, 1, 1], "small-chunk": [6] + [1] * 6}.get(what, [20, 17, 16])
-    kv_lens = np.array([30, 25, 40, 9, 17, 3, 21][:len(q_lens)], np.int32)
-    case = make_paged_case(rng, kv_lens=kv_lens, q_lens=np.array(q_lens), page_size=16,
-                           num_q_heads=4, num_kv_heads=2, head_dim=d, dtype=dtype)
+    kv_lens = np.array([30, 25, 40, 9, 17, 3, 21][: len(q_lens)], np.int32)
+    case = make_paged_case(
+        rng,
+        kv_lens=kv_lens,
+        q_lens=np.array(q_lens),
+        page_size=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=d,
+        dtype=dtype,
+    )
     o, lse, _ = run(xp_backend, case, True)
     check(case, o, lse, True, dtype, what)
-    assert kernels_used == [{"decode": "paged_decode_tc", "small-chunk": "paged_decode_tc"}.get(what,
-                                                                                            "paged_attention")]
+    assert kernels_used == [
+        {"decode": "paged_decode_tc", "small-chunk": "paged_decode_tc"}.get(what, "paged_attention")
+    ]

@@ -4,6 +4,7 @@ Each example either raises PagedAttentionError (and then it must be invalid
 by an independent rule written here, and nothing is written) or is valid and
 matches the float64 reference. Unused cache slots hold NaN.
 """
+
 import math
 
 import numpy as np
@@ -25,18 +26,39 @@ def cases(draw):
     cap = width * page_size
     kv = [draw(st.integers(0, cap)) for _ in range(sequences)]
     ql = [draw(st.integers(0, k)) for k in kv]
-    table = [[draw(st.integers(0, num_pages - 1)) if j < -(-kv[s] // page_size)
-              else draw(st.sampled_from([-1, 2**30, 0])) for j in range(width)] for s in range(sequences)]
+    table = [
+        [
+            draw(st.integers(0, num_pages - 1)) if j < -(-kv[s] // page_size) else draw(st.sampled_from([-1, 2**30, 0]))
+            for j in range(width)
+        ]
+        for s in range(sequences)
+    ]
     hkv = draw(st.sampled_from([1, 2]))
     hq = hkv * draw(st.sampled_from([1, 2, 3]))
     d = draw(st.sampled_from([4, 8]))
     dv = draw(st.sampled_from([d, 6]))
-    c = dict(table=table, kv=kv, ql=ql, page_size=page_size, num_pages=num_pages, hq=hq, hkv=hkv, d=d, dv=dv,
-             scale=draw(st.sampled_from([0.3, 1.0])), causal=draw(st.booleans()),
-             splits=draw(st.sampled_from([None, 1, 2, 3])), seed=draw(st.integers(0, 2**16)))
+    c = dict(
+        table=table,
+        kv=kv,
+        ql=ql,
+        page_size=page_size,
+        num_pages=num_pages,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        dv=dv,
+        scale=draw(st.sampled_from([0.3, 1.0])),
+        causal=draw(st.booleans()),
+        splits=draw(st.sampled_from([None, 1, 2, 3])),
+        seed=draw(st.integers(0, 2**16)),
+    )
     s = draw(st.integers(0, sequences - 1))
-    corruption = draw(st.sampled_from([None] * 6 + ["page_size", "kv_over", "kv_neg", "q_over", "q_neg",
-                                                    "page_neg", "page_over", "heads", "scale"]))
+    corruption = draw(
+        st.sampled_from(
+            [None] * 6
+            + ["page_size", "kv_over", "kv_neg", "q_over", "q_neg", "page_neg", "page_over", "heads", "scale"]
+        )
+    )
     if corruption == "page_size":
         c["page_size"] = draw(st.sampled_from([0, 257]))
     elif corruption == "kv_over":
@@ -65,7 +87,7 @@ def _valid(c) -> bool:
     for s, (k, q) in enumerate(zip(c["kv"], c["ql"])):
         if not (0 <= k <= cap and q >= 0):
             return False
-        if q > k and c["causal"]:      # more queries than keys (kv 0 included): non-causal only (docs/layout.md)
+        if q > k and c["causal"]:  # more queries than keys (kv 0 included): non-causal only (docs/layout.md)
             return False
         for j in range(-(-k // ps)):
             if not 0 <= c["table"][s][j] < c["num_pages"]:
@@ -101,8 +123,7 @@ def test_random_plans_raise_or_match_reference(c):
         np.testing.assert_array_equal(out, 7.0)
         return
     assert valid, f"an invalid case was accepted: {c}"
-    exp, exp_lse = reference.scored_attention(q, k, v, np.array(c["table"]), c["kv"], c["ql"], c["scale"],
-                                              c["causal"])
+    exp, exp_lse = reference.scored_attention(q, k, v, np.array(c["table"]), c["kv"], c["ql"], c["scale"], c["causal"])
     assert got is out
     assert_close(got, exp, np.float32)
     assert_close(lse, exp_lse, np.float32)
@@ -110,11 +131,31 @@ def test_random_plans_raise_or_match_reference(c):
 
 def test_property_rule_sees_both_outcomes():
     """Guard against a vacuous property: the rule classifies known cases."""
-    base = dict(table=[[0, 1]], kv=[5], ql=[1], page_size=4, num_pages=2, hq=2, hkv=1, d=4, dv=4, scale=0.5,
-                causal=True, splits=None, seed=0)
+    base = dict(
+        table=[[0, 1]],
+        kv=[5],
+        ql=[1],
+        page_size=4,
+        num_pages=2,
+        hq=2,
+        hkv=1,
+        d=4,
+        dv=4,
+        scale=0.5,
+        causal=True,
+        splits=None,
+        seed=0,
+    )
     assert _valid(base)
-    for change in (dict(ql=[6]), dict(kv=[0]), dict(kv=[9]), dict(table=[[0, 2]]), dict(hq=3, hkv=2),
-                   dict(scale=0.0), dict(page_size=0)):
+    for change in (
+        dict(ql=[6]),
+        dict(kv=[0]),
+        dict(kv=[9]),
+        dict(table=[[0, 2]]),
+        dict(hq=3, hkv=2),
+        dict(scale=0.0),
+        dict(page_size=0),
+    ):
         assert not _valid({**base, **change}), change
     with pytest.raises(PagedAttentionError):
         HostPlan.build([[0, 2]], [5], [1], 4, 2)

@@ -7,6 +7,7 @@ builds and the CUDA-core kernel; queries that outnumber their keys
 (non-causal) and sequences without keys; the pages outside a window never
 read (window_pages.py, in a subprocess); bad inputs. The ports of the peers'
 cases (FlashInfer, vLLM) are in test_scores_peers.py."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,8 +47,14 @@ def score_features(names, heads, rng) -> dict:
     return f
 
 
-FEATURE_SETS = {"soft_cap": ("soft_cap",), "window": ("window",), "sinks": ("sinks",), "alibi": ("alibi",),
-                "window+sinks": ("window", "sinks"), "all": variants.FEATURES}
+FEATURE_SETS = {
+    "soft_cap": ("soft_cap",),
+    "window": ("window",),
+    "sinks": ("sinks",),
+    "alibi": ("alibi",),
+    "window+sinks": ("window", "sinks"),
+    "all": variants.FEATURES,
+}
 
 
 @pytest.fixture
@@ -67,17 +74,23 @@ def used(monkeypatch):
 def run(case, causal, splits=None, plan=None, **features):
     """``plan.attention`` with the features; (out, lse)."""
     if plan is None:
-        plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
-                                      max(case.num_pages, 1)).upload(case.q)
-    ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, case.q.shape[1],
-                                                             case.v_cache.shape[3], splits, case.q)
-    return plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causal, workspace=ws, return_lse=True,
-                          **features)
+        plan = cupaged.HostPlan.build(
+            case.page_table, case.kv_lens, case.q_lens, case.page_size, max(case.num_pages, 1)
+        ).upload(case.q)
+    ws = (
+        None
+        if splits is None
+        else cupaged.SplitWorkspace(plan.queries, case.q.shape[1], case.v_cache.shape[3], splits, case.q)
+    )
+    return plan.attention(
+        case.q, case.k_cache, case.v_cache, case.scale, causal, workspace=ws, return_lse=True, **features
+    )
 
 
 def expect(case, causal, **features):
-    return reference.scored_attention(case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens,
-                                      case.q_lens, case.scale, causal, **features)
+    return reference.scored_attention(
+        case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens, case.scale, causal, **features
+    )
 
 
 def check(case, causal, splits, dtype, what, **features):
@@ -91,13 +104,13 @@ def check(case, causal, splits, dtype, what, **features):
 
 # (what, dtype, D, page size, the kernel that runs: None for a mixed step's two)
 KERNELS = [
-    ("decode", "f32", 64, 16, "paged_attention"),        # compile-time dims, GQA 4
-    ("decode", "bf16", 96, 5, "paged_attention"),        # runtime dims (DIM_CAP)
-    ("decode", "bf16", 128, 1, "paged_decode_tc"),       # tensor-core decode, one-token pages
+    ("decode", "f32", 64, 16, "paged_attention"),  # compile-time dims, GQA 4
+    ("decode", "bf16", 96, 5, "paged_attention"),  # runtime dims (DIM_CAP)
+    ("decode", "bf16", 128, 1, "paged_decode_tc"),  # tensor-core decode, one-token pages
     ("decode", "f16", 64, 16, "paged_decode_tc"),
-    ("chunk", "f16", 64, 16, "paged_prefill_tc"),        # rows of one block see different windows
+    ("chunk", "f16", 64, 16, "paged_prefill_tc"),  # rows of one block see different windows
     ("chunk", "bf16", 128, 5, "paged_prefill_tc"),
-    ("mixed", "f16", 64, 16, None),                      # segments: decodes and chunks in one step
+    ("mixed", "f16", 64, 16, None),  # segments: decodes and chunks in one step
 ]
 Q_LENS = {"decode": [1, 1, 1], "chunk": [40, 20, 33], "mixed": [1] * 6 + [40] + [1] * 6 + [33]}
 KV_LENS = {"decode": [70, 33, 90], "chunk": [70, 33, 90], "mixed": [20, 3, 35, 9, 17, 5, 50, 7, 30, 2, 18, 40, 6, 45]}
@@ -111,8 +124,16 @@ def test_features_on_every_kernel(used, what, dtype, d, page, kernel, fset):
     tolerance of the reference; the variant launched carries exactly the
     features asked for."""
     rng = np.random.default_rng(zlib.crc32(f"{what}/{dtype}/{d}/{fset}".encode()))
-    case = make_paged_case(rng, kv_lens=np.array(KV_LENS[what], np.int32), q_lens=np.array(Q_LENS[what]),
-                           page_size=page, num_q_heads=8, num_kv_heads=2, head_dim=d, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array(KV_LENS[what], np.int32),
+        q_lens=np.array(Q_LENS[what]),
+        page_size=page,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=d,
+        dtype=dtype,
+    )
     features = score_features(FEATURE_SETS[fset], 8, rng)
     for causal in (True, False):
         for splits in (None, 3):
@@ -135,42 +156,70 @@ def test_soft_cap_accurate_at_every_cap(used, what, dtype, d, page, kernel):
     caps 1 .. 1e8, with logits of ordinary size and 8 times larger, causal
     and not, unsplit and split (the merge), alone and with ALiBi after it."""
     rng = np.random.default_rng(zlib.crc32(f"cap/{what}/{dtype}/{d}".encode()))
-    case = make_paged_case(rng, kv_lens=np.array(KV_LENS[what], np.int32), q_lens=np.array(Q_LENS[what]),
-                           page_size=page, num_q_heads=8, num_kv_heads=2, head_dim=d, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array(KV_LENS[what], np.int32),
+        q_lens=np.array(Q_LENS[what]),
+        page_size=page,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=d,
+        dtype=dtype,
+    )
     slopes = score_features(("alibi",), 8, rng)
     for hot in (1.0, 8.0):
         hot_case = dataclasses.replace(case, scale=case.scale * hot)
         for cap in SOFT_CAPS:
             for causal, splits in ((True, None), (False, 3)):
-                check(hot_case, causal, splits, dtype, f"{what} cap={cap} x{hot} causal={causal} splits={splits}",
-                      soft_cap=cap)
+                check(
+                    hot_case,
+                    causal,
+                    splits,
+                    dtype,
+                    f"{what} cap={cap} x{hot} causal={causal} splits={splits}",
+                    soft_cap=cap,
+                )
             check(hot_case, True, 3, dtype, f"{what} cap={cap} x{hot} +alibi", soft_cap=cap, **slopes)
     kernels = {k for k, _ in used if k != "attention_split_merge"}
     assert kernels == ({kernel} if kernel else {"paged_decode_tc", "paged_prefill_tc"})
     assert all(d_.get("CP_SOFT_CAP") for k, d_ in used if k != "attention_split_merge")
 
 
-@pytest.mark.parametrize("dtype, r, p, kernel, arch", [
-    ("bf16", 512, 64, "paged_mla_wgmma", "sm_90"),
-    ("f16", 512, 64, "paged_mla_tc", "sm_80"),
-    ("f32", 64, 16, "paged_attention", "sm_90"),
-])
+@pytest.mark.parametrize(
+    "dtype, r, p, kernel, arch",
+    [
+        ("bf16", 512, 64, "paged_mla_wgmma", "sm_90"),
+        ("f16", 512, 64, "paged_mla_tc", "sm_80"),
+        ("f32", 64, 16, "paged_attention", "sm_90"),
+    ],
+)
 def test_mla_soft_cap_accurate_at_every_cap(used, dtype, r, p, kernel, arch):
     """The same caps through the MLA kernels (both tensor-core builds and the
     CUDA-core kernel's rotary part)."""
     rng = np.random.default_rng(zlib.crc32(f"cap/{dtype}/{r}".encode()))
-    case = make_mla_case(rng, kv_lens=[40, 70], q_lens=[1, 20], page_size=16, num_heads=16, latent_dim=r,
-                         pos_dim=p, dtype=dtype)
+    case = make_mla_case(
+        rng, kv_lens=[40, 70], q_lens=[1, 20], page_size=16, num_heads=16, latent_dim=r, pos_dim=p, dtype=dtype
+    )
     qa, keys, values = reference.mla_as_attention(case.q, case.q_pos, case.latent, case.k_pos)
     with cpu_arch_override(arch):
         plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
         ws = cupaged.SplitWorkspace(plan.queries, 16, r, 3, case.q)
         for cap in SOFT_CAPS:
             for causal, w in ((True, None), (False, ws)):
-                o, lse = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, causal, workspace=w,
-                                  return_lse=True, soft_cap=cap)
-                ref_o, ref_lse = reference.scored_attention(qa, keys, values, case.page_table, case.kv_lens,
-                                                            case.q_lens, case.scale, causal, soft_cap=cap)
+                o, lse = plan.mla(
+                    case.q,
+                    case.q_pos,
+                    case.latent,
+                    case.k_pos,
+                    case.scale,
+                    causal,
+                    workspace=w,
+                    return_lse=True,
+                    soft_cap=cap,
+                )
+                ref_o, ref_lse = reference.scored_attention(
+                    qa, keys, values, case.page_table, case.kv_lens, case.q_lens, case.scale, causal, soft_cap=cap
+                )
                 assert_close(o, ref_o, dtype, f"mla cap={cap} causal={causal} out")
                 assert_close(lse, ref_lse, dtype, f"mla cap={cap} causal={causal} lse")
     assert {k for k, _ in used if k != "attention_split_merge"} == {kernel}
@@ -181,8 +230,16 @@ def test_all_features_other_dims(dtype, d):
     """D = 256 (the 8-warp prefill tile; paged_attention at f32) with every
     feature, a chunk and decodes, causal."""
     rng = np.random.default_rng(d)
-    case = make_paged_case(rng, kv_lens=np.array([50, 37], np.int32), q_lens=np.array([24, 1]), page_size=16,
-                           num_q_heads=4, num_kv_heads=1, head_dim=d, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([50, 37], np.int32),
+        q_lens=np.array([24, 1]),
+        page_size=16,
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=d,
+        dtype=dtype,
+    )
     check(case, True, None, dtype, f"{dtype} D{d}", **score_features(variants.FEATURES, 4, rng))
 
 
@@ -192,8 +249,16 @@ def test_many_splits_sink_enters_once(dtype, d):
     window: the sink enters the merge once (per split it would be counted
     64 times), with and without the window."""
     rng = np.random.default_rng(7 + d)
-    case = make_paged_case(rng, kv_lens=np.array([1500, 700, 3], np.int32), q_lens=np.array([1, 1, 1]),
-                           page_size=16, num_q_heads=8, num_kv_heads=2, head_dim=d, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([1500, 700, 3], np.int32),
+        q_lens=np.array([1, 1, 1]),
+        page_size=16,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=d,
+        dtype=dtype,
+    )
     sinks = (rng.standard_normal(8) + 2.0).astype(np.float32)
     for window in (None, 300):
         for splits in (MAX_SPLITS, 9):
@@ -204,11 +269,19 @@ def test_window_one_and_window_past_everything():
     """window = 1 sees the query's own position only (non-causal: from it to
     the end); a window wider than any sequence changes nothing."""
     rng = np.random.default_rng(3)
-    case = make_paged_case(rng, kv_lens=np.array([30, 17], np.int32), q_lens=np.array([20, 1]), page_size=4,
-                           num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="f16")
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([30, 17], np.int32),
+        q_lens=np.array([20, 1]),
+        page_size=4,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype="f16",
+    )
     for causal in (True, False):
         check(case, causal, None, "f16", f"window 1 causal={causal}", window=1)
-    o, lse = run(case, True, None, window=2 ** 32 - 1)
+    o, lse = run(case, True, None, window=2**32 - 1)
     ref = case.reference(True)
     assert_close(o, ref[0], "f16", "huge window")
     assert_close(lse, ref[1], "f16", "huge window lse")
@@ -219,13 +292,23 @@ def test_window_follows_device_positions():
     step captured once, replayed after advance_plan moved every sequence on
     by one, still matches the reference at the new lengths."""
     from cupaged.ops.advance import advance_plan
+
     rng = np.random.default_rng(11)
-    case = make_paged_case(rng, kv_lens=np.array([40, 25], np.int32), q_lens=np.array([1, 1]), page_size=8,
-                           num_q_heads=4, num_kv_heads=1, head_dim=64, dtype="f32", extra_table_cols=2)
-    case.k_cache[np.isnan(case.k_cache)] = 0.5          # the next positions hold data now
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([40, 25], np.int32),
+        q_lens=np.array([1, 1]),
+        page_size=8,
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        dtype="f32",
+        extra_table_cols=2,
+    )
+    case.k_cache[np.isnan(case.k_cache)] = 0.5  # the next positions hold data now
     case.v_cache[np.isnan(case.v_cache)] = -0.25
     table = case.page_table.copy()
-    spare = sorted(set(range(case.num_pages)) - set(table[table < case.num_pages].tolist()))   # owned by nobody
+    spare = sorted(set(range(case.num_pages)) - set(table[table < case.num_pages].tolist()))  # owned by nobody
     for s in range(2):
         j = int(case.kv_lens[s]) // case.page_size
         if table[s, j] >= case.num_pages:
@@ -234,39 +317,71 @@ def test_window_follows_device_positions():
     out = np.zeros((2, 4, 64), np.float32)
     stream = cupaged.stream_for(case.q)
     stream.begin_capture()
-    plan.attention(case.q, case.k_cache, case.v_cache, case.scale, True, out=out, window=9, alibi_slopes=np.full(
-        4, 0.3, np.float32))
+    plan.attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.scale,
+        True,
+        out=out,
+        window=9,
+        alibi_slopes=np.full(4, 0.3, np.float32),
+    )
     graph = stream.end_capture()
     advance_plan(plan)
     graph.launch()
-    ref, _ = reference.scored_attention(case.q, case.k_cache, case.v_cache, table, case.kv_lens + 1, case.q_lens,
-                                        case.scale, True, window=9, alibi_slopes=np.full(4, 0.3, np.float32))
+    ref, _ = reference.scored_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        table,
+        case.kv_lens + 1,
+        case.q_lens,
+        case.scale,
+        True,
+        window=9,
+        alibi_slopes=np.full(4, 0.3, np.float32),
+    )
     assert_close(out, ref, "f32", "replayed")
 
 
 # ----------------------------------------------------------------- MLA
 
-@pytest.mark.parametrize("dtype, r, p, kernel, arch", [
-    ("bf16", 512, 64, "paged_mla_wgmma", "sm_90"),
-    ("f16", 512, 64, "paged_mla_tc", "sm_80"),
-    ("f32", 64, 16, "paged_attention", "sm_90"),          # the CUDA-core kernel's rotary part
-])
+
+@pytest.mark.parametrize(
+    "dtype, r, p, kernel, arch",
+    [
+        ("bf16", 512, 64, "paged_mla_wgmma", "sm_90"),
+        ("f16", 512, 64, "paged_mla_tc", "sm_80"),
+        ("f32", 64, 16, "paged_attention", "sm_90"),  # the CUDA-core kernel's rotary part
+    ],
+)
 @pytest.mark.parametrize("fset", ["soft_cap", "window", "sinks", "alibi", "all"])
 def test_mla_features(used, dtype, r, p, kernel, arch, fset):
     rng = np.random.default_rng(zlib.crc32(f"{dtype}/{fset}".encode()))
-    case = make_mla_case(rng, kv_lens=[40, 70], q_lens=[1, 20], page_size=16, num_heads=16, latent_dim=r,
-                         pos_dim=p, dtype=dtype)
+    case = make_mla_case(
+        rng, kv_lens=[40, 70], q_lens=[1, 20], page_size=16, num_heads=16, latent_dim=r, pos_dim=p, dtype=dtype
+    )
     features = score_features(FEATURE_SETS[fset], 16, rng)
     qa, keys, values = reference.mla_as_attention(case.q, case.q_pos, case.latent, case.k_pos)
     for causal, splits in ((True, None), (False, 3)):
         with cpu_arch_override(arch):
-            plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16,
-                                          case.num_pages).upload(case.q)
+            plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
             ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, 16, r, splits, case.q)
-            o, lse = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, causal, workspace=ws,
-                              return_lse=True, **features)
-        ref_o, ref_lse = reference.scored_attention(qa, keys, values, case.page_table, case.kv_lens, case.q_lens,
-                                                    case.scale, causal, **features)
+            o, lse = plan.mla(
+                case.q,
+                case.q_pos,
+                case.latent,
+                case.k_pos,
+                case.scale,
+                causal,
+                workspace=ws,
+                return_lse=True,
+                **features,
+            )
+        ref_o, ref_lse = reference.scored_attention(
+            qa, keys, values, case.page_table, case.kv_lens, case.q_lens, case.scale, causal, **features
+        )
         assert_close(o, ref_o, dtype, f"mla {fset} out")
         assert_close(lse, ref_lse, dtype, f"mla {fset} lse")
     assert {k for k, _ in used if k != "attention_split_merge"} == {kernel}
@@ -288,8 +403,16 @@ def test_queries_outnumber_keys_non_causal(used, dtype, d, q_lens, kv_lens, kern
     position's window on), a sequence without keys gives out 0 and lse -inf
     (the sink with sinks)."""
     rng = np.random.default_rng(sum(q_lens))
-    case = make_paged_case(rng, kv_lens=np.array(kv_lens, np.int32), q_lens=np.array(q_lens), page_size=16,
-                           num_q_heads=8, num_kv_heads=2, head_dim=d, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array(kv_lens, np.int32),
+        q_lens=np.array(q_lens),
+        page_size=16,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=d,
+        dtype=dtype,
+    )
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages)
     assert not plan.causal_ok and plan.q_pos.min() < 0
     for features in ({}, score_features(("window", "sinks", "alibi"), 8, rng)):
@@ -298,11 +421,14 @@ def test_queries_outnumber_keys_non_causal(used, dtype, d, q_lens, kv_lens, kern
     assert kernel in {k for k, _ in used}
 
 
-@pytest.mark.parametrize("dtype, d, q_lens, kv_lens", [
-    ("f32", 64, [1, 1, 1], [0, 12, 0]),              # padded decodes
-    ("bf16", 128, [1, 2, 1], [0, 20, 0]),            # tensor-core decode
-    ("f16", 64, [30, 20, 1], [0, 45, 0]),            # a chunk with no keys beside a prefill chunk
-])
+@pytest.mark.parametrize(
+    "dtype, d, q_lens, kv_lens",
+    [
+        ("f32", 64, [1, 1, 1], [0, 12, 0]),  # padded decodes
+        ("bf16", 128, [1, 2, 1], [0, 20, 0]),  # tensor-core decode
+        ("f16", 64, [30, 20, 1], [0, 45, 0]),  # a chunk with no keys beside a prefill chunk
+    ],
+)
 def test_sequences_without_keys_in_causal_steps(dtype, d, q_lens, kv_lens):
     """kv_lens 0 with queries in a causal step is a caller bug (the step's
     K/V were not appended) and is refused on the host (issue #19 item 3);
@@ -313,12 +439,20 @@ def test_sequences_without_keys_in_causal_steps(dtype, d, q_lens, kv_lens):
     empty = np.repeat(np.array(kv_lens) == 0, q_lens)
     assert not cupaged.HostPlan.build(np.zeros((3, 4), np.int64), kv_lens, q_lens, 16, 1).causal_ok
     legal = np.where(np.array(kv_lens) == 0, np.array(q_lens) + 3, kv_lens).astype(np.int32)
-    case = make_paged_case(rng, kv_lens=legal, q_lens=np.array(q_lens), page_size=16, num_q_heads=4,
-                           num_kv_heads=1, head_dim=d, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        kv_lens=legal,
+        q_lens=np.array(q_lens),
+        page_size=16,
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=d,
+        dtype=dtype,
+    )
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
     assert plan.host.causal_ok
     off = metadata_offsets(plan.queries, plan.sequences)
-    plan.words[off["kv_len"]:off["q_start"]] = np.array(kv_lens, np.uint32)    # padded on the "device"
+    plan.words[off["kv_len"] : off["q_start"]] = np.array(kv_lens, np.uint32)  # padded on the "device"
     ref_o, ref_lse = expect(case, True)
     sinks = rng.standard_normal(4).astype(np.float32)
     _, ref_sink_lse = expect(case, True, sinks=sinks)
@@ -335,11 +469,11 @@ def test_sequences_without_keys_in_causal_steps(dtype, d, q_lens, kv_lens):
 
 # (q_lens, kv_lens, the first sequence with more queries than keys)
 MORE_QUERIES = [
-    ([1, 1, 1], [0, 12, 0], 0),          # kv_lens 0 with a query (used to give out 0, lse -inf)
-    ([1, 2, 1], [5, 20, 0], 2),          # the last sequence
-    ([3, 1], [2, 9], 0),                 # q_len > kv_len > 0
-    ([0, 0, 4, 5], [0, 7, 9, 4], 3),     # sequences sitting out (q_len 0) are fine, kv_len 0 included
-    ([40, 20, 33], [70, 19, 90], 1),     # a prefill chunk one token short
+    ([1, 1, 1], [0, 12, 0], 0),  # kv_lens 0 with a query (used to give out 0, lse -inf)
+    ([1, 2, 1], [5, 20, 0], 2),  # the last sequence
+    ([3, 1], [2, 9], 0),  # q_len > kv_len > 0
+    ([0, 0, 4, 5], [0, 7, 9, 4], 3),  # sequences sitting out (q_len 0) are fine, kv_len 0 included
+    ([40, 20, 33], [70, 19, 90], 1),  # a prefill chunk one token short
 ]
 
 
@@ -351,19 +485,29 @@ def test_causal_refuses_queries_past_keys(used, q_lens, kv_lens, seq):
     FlashInfer's single prefill does); out is untouched; the same call
     non-causal runs and matches the reference."""
     rng = np.random.default_rng(seq + sum(q_lens))
-    case = make_paged_case(rng, kv_lens=np.array(kv_lens, np.int32), q_lens=np.array(q_lens), page_size=16,
-                           num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="f16")
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array(kv_lens, np.int32),
+        q_lens=np.array(q_lens),
+        page_size=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype="f16",
+    )
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, max(case.num_pages, 1))
     assert not plan.causal_ok and plan.non_causal_sequence == seq
     plan = plan.upload(case.q)
     out = np.full((plan.queries, 4, 64), 7, np.float16)
-    msg = (rf"causal: expected False for this plan \(sequence {seq} has q_lens={q_lens[seq]} > "
-           rf"kv_lens={kv_lens[seq]}: its first queries sit at negative positions; append .*\), got True")
+    msg = (
+        rf"causal: expected False for this plan \(sequence {seq} has q_lens={q_lens[seq]} > "
+        rf"kv_lens={kv_lens[seq]}: its first queries sit at negative positions; append .*\), got True"
+    )
     for features in ({}, dict(window=5), dict(sinks=np.zeros(4, np.float32))):
         with pytest.raises(PagedAttentionError, match=msg + r" \(attention\)"):
             plan.attention(case.q, case.k_cache, case.v_cache, case.scale, True, out=out, **features)
     with pytest.raises(PagedAttentionError, match=msg):
-        plan.attention(case.q, case.k_cache, case.v_cache, case.scale, out=out)     # causal is the default
+        plan.attention(case.q, case.k_cache, case.v_cache, case.scale, out=out)  # causal is the default
     assert used == [] and (out == 7).all()
     check(case, False, None, "f16", "non-causal")
 
@@ -373,18 +517,23 @@ def test_causal_mla_refuses_queries_past_keys(used):
     non-causal MLA runs."""
     for kv_lens, q_lens, seq in (([9, 0], [1, 1], 1), ([1, 30], [2, 1], 0)):
         rng = np.random.default_rng(seq)
-        case = make_mla_case(rng, kv_lens=kv_lens, q_lens=q_lens, page_size=16, num_heads=4, latent_dim=64,
-                             pos_dim=16, dtype="f32")
+        case = make_mla_case(
+            rng, kv_lens=kv_lens, q_lens=q_lens, page_size=16, num_heads=4, latent_dim=64, pos_dim=16, dtype="f32"
+        )
         plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
         out = np.full((plan.queries, 4, 64), 7, np.float32)
-        with pytest.raises(PagedAttentionError, match=rf"causal: expected False for this plan \(sequence {seq} has "
-                                                      rf"q_lens={q_lens[seq]} > kv_lens={kv_lens[seq]}: .*\(mla\)"):
+        with pytest.raises(
+            PagedAttentionError,
+            match=rf"causal: expected False for this plan \(sequence {seq} has "
+            rf"q_lens={q_lens[seq]} > kv_lens={kv_lens[seq]}: .*\(mla\)",
+        ):
             plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, True, out=out)
         assert used == [] and (out == 7).all()
         o = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, False)
         qa, keys, values = reference.mla_as_attention(case.q, case.q_pos, case.latent, case.k_pos)
-        ref_o, _ = reference.scored_attention(qa, keys, values, case.page_table, case.kv_lens, case.q_lens,
-                                              case.scale, False)
+        ref_o, _ = reference.scored_attention(
+            qa, keys, values, case.page_table, case.kv_lens, case.q_lens, case.scale, False
+        )
         assert_close(o, ref_o, "f32", "mla non-causal")
         used.clear()
 
@@ -393,8 +542,16 @@ def test_sitting_out_stays_causal():
     """q_len 0 sits a step out, with any kv_len (0 included): the plan stays
     causal, and the other sequences' queries match the reference."""
     rng = np.random.default_rng(4)
-    case = make_paged_case(rng, kv_lens=np.array([0, 30, 12, 0], np.int32), q_lens=np.array([0, 2, 0, 0]),
-                           page_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="f32")
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([0, 30, 12, 0], np.int32),
+        q_lens=np.array([0, 2, 0, 0]),
+        page_size=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype="f32",
+    )
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages)
     assert plan.causal_ok and plan.non_causal_sequence == -1
     check(case, True, None, "f32", "sitting out")
@@ -403,14 +560,16 @@ def test_sitting_out_stays_causal():
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_mla_queries_outnumber_keys(arch):
     rng = np.random.default_rng(5)
-    case = make_mla_case(rng, kv_lens=[3, 0, 30], q_lens=[20, 2, 1], page_size=16, num_heads=16, latent_dim=512,
-                         pos_dim=64, dtype="bf16")
+    case = make_mla_case(
+        rng, kv_lens=[3, 0, 30], q_lens=[20, 2, 1], page_size=16, num_heads=16, latent_dim=512, pos_dim=64, dtype="bf16"
+    )
     qa, keys, values = reference.mla_as_attention(case.q, case.q_pos, case.latent, case.k_pos)
     with cpu_arch_override(arch):
         plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
         o, lse = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, False, return_lse=True)
-    ref_o, ref_lse = reference.scored_attention(qa, keys, values, case.page_table, case.kv_lens, case.q_lens,
-                                                case.scale, False)
+    ref_o, ref_lse = reference.scored_attention(
+        qa, keys, values, case.page_table, case.kv_lens, case.q_lens, case.scale, False
+    )
     assert_close(o, ref_o, "bf16", "mla cross out")
     assert_close(lse, ref_lse, "bf16", "mla cross lse")
 
@@ -430,16 +589,26 @@ def test_pages_outside_the_window_are_never_read():
 
 # ----------------------------------------------------------------- bad inputs
 
+
 def _plan_case(q_lens=(1, 1), kv_lens=(20, 9), heads=4):
     rng = np.random.default_rng(0)
-    case = make_paged_case(rng, kv_lens=np.array(kv_lens, np.int32), q_lens=np.array(q_lens), page_size=16,
-                           num_q_heads=heads, num_kv_heads=2, head_dim=64, dtype="f16")
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array(kv_lens, np.int32),
+        q_lens=np.array(q_lens),
+        page_size=16,
+        num_q_heads=heads,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype="f16",
+    )
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
     return case, plan
 
 
 class FakeCupy:
     """Stands for a CuPy array (another backend than the plan's)."""
+
     __module__ = "cupy._core.core"
     data, device, dtype, shape = 0, SimpleNamespace(id=0), np.dtype(np.float32), (4,)
 
@@ -449,7 +618,7 @@ BAD = [
     (dict(window=-3), r"window: expected an int in 1\.\.4294967295, got -3"),
     (dict(window=2.0), r"window: expected an int in 1\.\.4294967295, got 2\.0"),
     (dict(window=True), r"window: expected an int"),
-    (dict(window=2 ** 32), r"window: expected an int in 1\.\.4294967295, got 4294967296"),
+    (dict(window=2**32), r"window: expected an int in 1\.\.4294967295, got 4294967296"),
     (dict(soft_cap=0.0), r"soft_cap: expected a finite float > 0, got 0\.0"),
     (dict(soft_cap=-30), r"soft_cap: expected a finite float > 0, got -30"),
     (dict(soft_cap=float("nan")), r"soft_cap: expected a finite float > 0, got nan"),
@@ -479,11 +648,15 @@ def test_bad_options_raise_before_any_launch(used, kwargs, match):
 
 def test_bad_options_on_mla():
     rng = np.random.default_rng(1)
-    case = make_mla_case(rng, kv_lens=[9], q_lens=[1], page_size=16, num_heads=4, latent_dim=64, pos_dim=16,
-                         dtype="f32")
+    case = make_mla_case(
+        rng, kv_lens=[9], q_lens=[1], page_size=16, num_heads=4, latent_dim=64, pos_dim=16, dtype="f32"
+    )
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
-    for kwargs, match in ((dict(window=0), "window"), (dict(sinks=np.ones(5, np.float32)), r"sinks: .*\[4\]"),
-                          (dict(soft_cap=-1.0), "soft_cap")):
+    for kwargs, match in (
+        (dict(window=0), "window"),
+        (dict(sinks=np.ones(5, np.float32)), r"sinks: .*\[4\]"),
+        (dict(soft_cap=-1.0), "soft_cap"),
+    ):
         with pytest.raises(PagedAttentionError, match=match):
             plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, **kwargs)
 
@@ -491,7 +664,7 @@ def test_bad_options_on_mla():
 def test_outputs_must_not_overlap_the_option_arrays():
     case, plan = _plan_case()
     buf = np.zeros(12, np.float32)
-    lse = buf[2:10].reshape(2, 4)       # its first two floats are the sinks' last two
+    lse = buf[2:10].reshape(2, 4)  # its first two floats are the sinks' last two
     with pytest.raises(PagedAttentionError, match="lse: expected memory disjoint from sinks"):
         plan.attention(case.q, case.k_cache, case.v_cache, case.scale, lse=lse, sinks=buf[:4])
 
@@ -502,19 +675,26 @@ def test_non_causal_only_plans():
     case, plan = _plan_case(q_lens=(3, 1), kv_lens=(2, 9))
     assert not plan.host.causal_ok and plan.host.non_causal_sequence == 0
     out = np.full((4, 4, 64), 7, np.float16)
-    with pytest.raises(PagedAttentionError, match=r"causal: expected False for this plan \(sequence 0 has "
-                                                  r"q_lens=3 > kv_lens=2: its first queries"):
+    with pytest.raises(
+        PagedAttentionError,
+        match=r"causal: expected False for this plan \(sequence 0 has "
+        r"q_lens=3 > kv_lens=2: its first queries",
+    ):
         plan.attention(case.q, case.k_cache, case.v_cache, case.scale, True, out=out)
     assert (out == 7).all()
     new = np.zeros((4, 2, 64), np.float16)
     before = case.k_cache.copy()
-    with pytest.raises(PagedAttentionError, match=r"query 0: sits at position -1 \(sequence 0 has q_lens=3 > "
-                                                  r"kv_lens=2\), which has no cache slot"):
+    with pytest.raises(
+        PagedAttentionError,
+        match=r"query 0: sits at position -1 \(sequence 0 has q_lens=3 > "
+        r"kv_lens=2\), which has no cache slot",
+    ):
         plan.append(new, new, case.k_cache, case.v_cache)
     np.testing.assert_array_equal(case.k_cache, before)
     rng = np.random.default_rng(2)
-    mcase = make_mla_case(rng, kv_lens=[1], q_lens=[2], page_size=16, num_heads=4, latent_dim=64, pos_dim=16,
-                          dtype="f32")
+    mcase = make_mla_case(
+        rng, kv_lens=[1], q_lens=[2], page_size=16, num_heads=4, latent_dim=64, pos_dim=16, dtype="f32"
+    )
     mplan = cupaged.HostPlan.build(mcase.page_table, mcase.kv_lens, mcase.q_lens, 16, mcase.num_pages).upload(mcase.q)
     with pytest.raises(PagedAttentionError, match=r"causal: expected False .* \(mla\)"):
         mplan.mla(mcase.q, mcase.q_pos, mcase.latent, mcase.k_pos, mcase.scale)
@@ -524,12 +704,16 @@ def test_non_causal_only_plans():
 
 # ----------------------------------------------------------------- what the gate builds
 
+
 def test_gate_builds_each_feature_on_each_family():
     """VARIANTS (the NVRTC gate) holds, for every kernel family, dtype and
     fast dim, each feature alone and all four; the defaults carry no
     feature define."""
-    fast = {(v.kernel, v.dtype, v.head_dim, v.latent_dim, v.tile, v.target) for v in variants.VARIANTS
-            if v.kernel != "paged_attention" or v.head_dim}
+    fast = {
+        (v.kernel, v.dtype, v.head_dim, v.latent_dim, v.tile, v.target)
+        for v in variants.VARIANTS
+        if v.kernel != "paged_attention" or v.head_dim
+    }
     built = {(v.kernel, v.dtype, v.head_dim, v.latent_dim, v.tile, v.target, v.features) for v in variants.VARIANTS}
     for key in fast:
         for fs in variants.GATE_FEATURES:
@@ -548,8 +732,11 @@ def test_choose_splits_counts_the_window():
     host = cupaged.HostPlan.build(np.arange(2048)[None, :] % 64, [32768], [1], 16, 64)
     short = cupaged.HostPlan.build(np.arange(256)[None, :] % 64, [4096], [1], 16, 64)
     assert cupaged.choose_splits(host, 8, multiprocessors=132) == 33
-    assert cupaged.choose_splits(host, 8, multiprocessors=132, window=4096) == \
-        cupaged.choose_splits(short, 8, multiprocessors=132) == 16
+    assert (
+        cupaged.choose_splits(host, 8, multiprocessors=132, window=4096)
+        == cupaged.choose_splits(short, 8, multiprocessors=132)
+        == 16
+    )
     assert cupaged.choose_splits(host, 8, multiprocessors=132, window=200) == 1
     with pytest.raises(PagedAttentionError, match="window: expected an int in 1"):
         cupaged.choose_splits(host, 8, multiprocessors=132, window=0)

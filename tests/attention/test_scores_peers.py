@@ -17,6 +17,7 @@ cupaged refuses causal attention with more queries than keys (FlashInfer
 skips it too: "qo_len > kv_len and causal is not supported"), so vLLM's
 causal-prefix-mask case is not ported; non-causal, such queries are ported
 from FlashInfer's soft-cap prefill."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -44,7 +45,7 @@ def _paged(rng, keys, values, page_size, dtype, num_pages=None):
     vc = rng.standard_normal((num_pages, page_size, hkv, dv)).astype(as_dtype(dtype))
     start = 0
     for s, (k, v) in enumerate(zip(keys, values)):
-        table[s, :need[s]] = perm[start:start + need[s]]
+        table[s, : need[s]] = perm[start : start + need[s]]
         start += need[s]
         t = np.arange(len(k))
         kc[table[s, t // page_size], t % page_size] = k
@@ -67,13 +68,14 @@ def _softmax_rows(x):
 
 # ----------------------------------------------------------------- FlashInfer: logits soft cap
 
+
 def _flashinfer_soft_cap_ref(q, k, v, soft_cap):
     """attention_logits_soft_cap_torch (FlashInfer tests/test_logits_cap.py):
     MHA, scale 1/sqrt(D), no mask, cap * tanh(s / cap), in float64."""
     d = q.shape[-1]
     s = np.einsum("qhd,khd->qkh", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(d)
     s = soft_cap * np.tanh(s / soft_cap)
-    p = _softmax_rows(np.moveaxis(s, 1, 2))                     # [q, h, k]
+    p = _softmax_rows(np.moveaxis(s, 1, 2))  # [q, h, k]
     return np.einsum("qhk,khd->qhd", p, v.astype(np.float64))
 
 
@@ -89,7 +91,7 @@ def test_flashinfer_single_decode_logits_soft_cap(head_dim, soft_cap):
         q = rng.standard_normal((1, heads, head_dim)).astype(np.float16)
         k = rng.standard_normal((seq_len, heads, head_dim)).astype(np.float16)
         v = rng.standard_normal((seq_len, heads, head_dim)).astype(np.float16)
-        o = _run(q, [k], [v], [1], 16, "f16", head_dim ** -0.5, True, rng, soft_cap=soft_cap)
+        o = _run(q, [k], [v], [1], 16, "f16", head_dim**-0.5, True, rng, soft_cap=soft_cap)
         _assert_close(o, _flashinfer_soft_cap_ref(q, k, v, soft_cap), 1e-3, 1e-3, f"seq {seq_len}, heads {heads}")
 
 
@@ -106,11 +108,12 @@ def test_flashinfer_single_prefill_logits_soft_cap(head_dim, soft_cap):
             q = rng.standard_normal((q_len, 4, head_dim)).astype(np.float16)
             k = rng.standard_normal((kv_len, 4, head_dim)).astype(np.float16)
             v = rng.standard_normal((kv_len, 4, head_dim)).astype(np.float16)
-            o = _run(q, [k], [v], [q_len], 16, "f16", head_dim ** -0.5, False, rng, soft_cap=soft_cap)
+            o = _run(q, [k], [v], [q_len], 16, "f16", head_dim**-0.5, False, rng, soft_cap=soft_cap)
             _assert_close(o, _flashinfer_soft_cap_ref(q, k, v, soft_cap), 1e-2, 1e-2, f"q {q_len}, kv {kv_len}")
 
 
 # ----------------------------------------------------------------- FlashInfer: attention sinks
+
 
 def _flashinfer_sink_ref(q, k, v, sink, window_left, causal, sm_scale, batch, seq_len):
     """sink_attention_ref (prefill mode): q_len = kv_len = seq_len per batch
@@ -151,15 +154,27 @@ def test_flashinfer_attention_sink(dtype, window_left, causal):
         v = rng.standard_normal((batch * seq_len, hkv, 128)).astype(dt)
         sink = (rng.random(32) * 5).astype(np.float32)
         window = None if window_left < 0 else window_left + 1
-        keys = [k[b * seq_len:(b + 1) * seq_len] for b in range(batch)]
-        values = [v[b * seq_len:(b + 1) * seq_len] for b in range(batch)]
-        o = _run(q, keys, values, [seq_len] * batch, 1, dtype, 128 ** -0.5, causal, rng,
-                 sinks=np.log(sink).astype(np.float32), window=window)
-        ref = _flashinfer_sink_ref(q, k, v, sink, window_left, causal, 128 ** -0.5, batch, seq_len)
+        keys = [k[b * seq_len : (b + 1) * seq_len] for b in range(batch)]
+        values = [v[b * seq_len : (b + 1) * seq_len] for b in range(batch)]
+        o = _run(
+            q,
+            keys,
+            values,
+            [seq_len] * batch,
+            1,
+            dtype,
+            128**-0.5,
+            causal,
+            rng,
+            sinks=np.log(sink).astype(np.float32),
+            window=window,
+        )
+        ref = _flashinfer_sink_ref(q, k, v, sink, window_left, causal, 128**-0.5, batch, seq_len)
         _assert_close(o, ref, tol, tol, f"batch {batch}, seq {seq_len}, kv heads {hkv}")
 
 
 # ----------------------------------------------------------------- vLLM: sliding window and soft cap
+
 
 def _vllm_ref_paged_attn(query, keys, values, query_lens, scale, sliding_window=None, soft_cap=None):
     """ref_paged_attn (vLLM tests/kernels/attention/test_flash_attn.py),
@@ -169,7 +184,7 @@ def _vllm_ref_paged_attn(query, keys, values, query_lens, scale, sliding_window=
     outputs, start = [], 0
     for q_len, k, v in zip(query_lens, keys, values):
         kv_len = len(k)
-        q = query[start:start + q_len].astype(np.float64) * scale
+        q = query[start : start + q_len].astype(np.float64) * scale
         g = q.shape[1] // k.shape[1]
         kk = np.repeat(k.astype(np.float64), g, axis=1)
         vv = np.repeat(v.astype(np.float64), g, axis=1)
@@ -211,11 +226,11 @@ def test_vllm_varlen_with_paged_kv(sliding_window, soft_cap):
     i = [None, 1, 32, 256, 1024].index(sliding_window) + (soft_cap is not None)
     num_heads, head_size, block_size = _VLLM_SHAPES[i % len(_VLLM_SHAPES)]
     rng = np.random.default_rng(i)
-    query, keys, values, q_lens = _vllm_case(rng, [(1, 1328), (5, 18), (129, 463)], num_heads, head_size,
-                                             block_size, "f16")
-    scale = head_size ** -0.5
-    o = _run(query, keys, values, q_lens, block_size, "f16", scale, True, rng, window=sliding_window,
-             soft_cap=soft_cap)
+    query, keys, values, q_lens = _vllm_case(
+        rng, [(1, 1328), (5, 18), (129, 463)], num_heads, head_size, block_size, "f16"
+    )
+    scale = head_size**-0.5
+    o = _run(query, keys, values, q_lens, block_size, "f16", scale, True, rng, window=sliding_window, soft_cap=soft_cap)
     ref = _vllm_ref_paged_attn(query, keys, values, q_lens, scale, sliding_window, soft_cap)
     _assert_close(o, ref, 1.5e-2, 1e-2)
 
@@ -232,14 +247,14 @@ def test_vllm_varlen_with_paged_kv_block_boundaries(block_size, sliding_window, 
     rng = np.random.default_rng(block_size + sliding_window)
     seq_lens = [(1, block_size - 1), (2, block_size), (3, block_size + 1), (block_size + 1, 2 * block_size + 1)]
     query, keys, values, q_lens = _vllm_case(rng, seq_lens, num_heads, 80, block_size, "f16")
-    scale = 80 ** -0.5
-    o = _run(query, keys, values, q_lens, block_size, "f16", scale, True, rng, window=sliding_window,
-             soft_cap=soft_cap)
+    scale = 80**-0.5
+    o = _run(query, keys, values, q_lens, block_size, "f16", scale, True, rng, window=sliding_window, soft_cap=soft_cap)
     ref = _vllm_ref_paged_attn(query, keys, values, q_lens, scale, sliding_window, soft_cap)
     _assert_close(o, ref, 2e-2, 1e-2)
 
 
 # ----------------------------------------------------------------- vLLM: ALiBi paged decode
+
 
 @pytest.mark.parametrize("num_heads, head_size", [((40, 40), 64), ((40, 40), 96), ((64, 8), 128), ((64, 8), 256)])
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
@@ -250,7 +265,7 @@ def test_vllm_paged_attention_alibi(num_heads, head_size, dtype):
     adds slope * (position - seq_len + 1); atol 1e-3, rtol 1e-5."""
     rng = np.random.default_rng(head_size + num_heads[1])
     hq, hkv = num_heads
-    scale = head_size ** -0.5
+    scale = head_size**-0.5
     dt = as_dtype(dtype)
     seq_lens = rng.integers(1, 1024, 7)
     query = rng.uniform(-scale, scale, (7, hq, head_size)).astype(dt)

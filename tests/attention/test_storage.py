@@ -12,6 +12,7 @@ restricted to it (``only_kernels``) and each test asserts it served the
 case. First CPU compiles dominate the time: the cases share builds (D = 64,
 GQA group 4 on the fast path; element loads at DIM_CAP 64).
 """
+
 from __future__ import annotations
 
 import re
@@ -52,18 +53,39 @@ def test_fp8_decode_prefill_splits(family, dtype, fmt, per_head):
     """Decode and chunked prefill, causal and not, unsplit and 3 splits, GQA
     group 4, on one build per (q dtype, format)."""
     rng = np.random.default_rng(11)
-    dec = fp8_paged_case(rng, fmt, per_head, dtype=dtype, kv_lens=[37, 1, 70], num_q_heads=8, num_kv_heads=2,
-                         head_dim=64, page_size=16)
+    dec = fp8_paged_case(
+        rng, fmt, per_head, dtype=dtype, kv_lens=[37, 1, 70], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16
+    )
     assert check_attention(dec, what=f"{fmt} decode") == (family,)
     check_attention(dec, splits=3, what=f"{fmt} decode split3")
-    pre = fp8_paged_case(rng, fmt, per_head, dtype=dtype, kv_lens=[40, 23, 9], q_lens=[7, 23, 3], num_q_heads=8,
-                         num_kv_heads=2, head_dim=64, page_size=8)
+    pre = fp8_paged_case(
+        rng,
+        fmt,
+        per_head,
+        dtype=dtype,
+        kv_lens=[40, 23, 9],
+        q_lens=[7, 23, 3],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=8,
+    )
     for causal in (True, False):
         check_attention(pre, causal, what=f"{fmt} prefill causal={causal}")
         check_attention(pre, causal, splits=2, what=f"{fmt} prefill causal={causal} split2")
-    for hq, hkv in ((16, 2), (6, 2)):   # two head tiles per KV head; a group of 3 (masked heads)
-        g = fp8_paged_case(rng, fmt, per_head, dtype=dtype, kv_lens=[29, 50], q_lens=[1, 2], num_q_heads=hq,
-                           num_kv_heads=hkv, head_dim=64, page_size=16)
+    for hq, hkv in ((16, 2), (6, 2)):  # two head tiles per KV head; a group of 3 (masked heads)
+        g = fp8_paged_case(
+            rng,
+            fmt,
+            per_head,
+            dtype=dtype,
+            kv_lens=[29, 50],
+            q_lens=[1, 2],
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=64,
+            page_size=16,
+        )
         check_attention(g, splits=2, what=f"{fmt} group {hq // hkv}")
 
 
@@ -71,8 +93,7 @@ def test_fp8_scales_matter(family):
     """The test can fail: the same codes with scales of 1 (or K's scale
     read for V) give an output far from the kernel's."""
     rng = np.random.default_rng(3)
-    sc = fp8_paged_case(rng, "e4m3", True, dtype="f16", kv_lens=[30, 50], num_q_heads=8, num_kv_heads=2,
-                        head_dim=64)
+    sc = fp8_paged_case(rng, "e4m3", True, dtype="f16", kv_lens=[30, 50], num_q_heads=8, num_kv_heads=2, head_dim=64)
     o, _, _ = run_attention(sc)
     ref, _ = reference_out(sc)
     assert_close(o, ref, "f16")
@@ -89,10 +110,24 @@ def test_fp8_score_features(family, fmt):
     gate's fp8 build), decode and chunked prefill, split and not (one
     format: a build of its own)."""
     rng = np.random.default_rng(5)
-    sc = fp8_paged_case(rng, fmt, True, dtype="bf16", kv_lens=[45, 70, 12], q_lens=[1, 5, 12], num_q_heads=8,
-                        num_kv_heads=2, head_dim=64, page_size=8)
-    score = dict(soft_cap=20.0, window=17, sinks=rng.standard_normal(8).astype(np.float32),
-                 alibi_slopes=rng.uniform(0.01, 0.1, 8).astype(np.float32))
+    sc = fp8_paged_case(
+        rng,
+        fmt,
+        True,
+        dtype="bf16",
+        kv_lens=[45, 70, 12],
+        q_lens=[1, 5, 12],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=8,
+    )
+    score = dict(
+        soft_cap=20.0,
+        window=17,
+        sinks=rng.standard_normal(8).astype(np.float32),
+        alibi_slopes=rng.uniform(0.01, 0.1, 8).astype(np.float32),
+    )
     assert check_attention(sc, what="features", **score) == (family,)
     check_attention(sc, splits=3, what="features split3", **score)
 
@@ -103,8 +138,19 @@ def test_views(family, fmt, view):
     """HND views and the halves of one combined KV tensor, 16-byte aligned
     (vector loads), q's dtype and fp8."""
     rng = np.random.default_rng(7)
-    sc = fp8_paged_case(rng, fmt, True, view, dtype="f16", kv_lens=[33, 64, 5], q_lens=[1, 6, 5],
-                        num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    sc = fp8_paged_case(
+        rng,
+        fmt,
+        True,
+        view,
+        dtype="f16",
+        kv_lens=[33, 64, 5],
+        q_lens=[1, 6, 5],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+    )
     assert not sc.k_cache.flags.c_contiguous
     assert check_attention(sc, what=view) == (family,)
     check_attention(sc, False, splits=2, what=f"{view} non-causal split2")
@@ -115,8 +161,18 @@ def test_misaligned_view_element_loads(fmt):
     """Caches starting one element past a 16-byte boundary run on
     paged_attention's element-load build (VEC_LOADS 0)."""
     rng = np.random.default_rng(9)
-    sc = fp8_paged_case(rng, fmt, False, "misaligned", dtype="f16", kv_lens=[20, 41], q_lens=[1, 4],
-                        num_q_heads=8, num_kv_heads=2, head_dim=64)
+    sc = fp8_paged_case(
+        rng,
+        fmt,
+        False,
+        "misaligned",
+        dtype="f16",
+        kv_lens=[20, 41],
+        q_lens=[1, 4],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+    )
     assert sc.k_cache.ctypes.data % 16 != 0
     assert check_attention(sc, what="misaligned") == ("paged_attention",)
     check_attention(sc, splits=2, what="misaligned split2")
@@ -125,8 +181,9 @@ def test_misaligned_view_element_loads(fmt):
 def test_uint8_storage(family):
     """Raw uint8 storage named by kv_dtype reads as the ml_dtypes array."""
     rng = np.random.default_rng(13)
-    sc = fp8_paged_case(rng, "e4m3", True, dtype="f16", uint8=True, kv_lens=[21, 40], num_q_heads=8,
-                        num_kv_heads=2, head_dim=64)
+    sc = fp8_paged_case(
+        rng, "e4m3", True, dtype="f16", uint8=True, kv_lens=[21, 40], num_q_heads=8, num_kv_heads=2, head_dim=64
+    )
     assert sc.k_cache.dtype == np.uint8
     assert check_attention(sc, what="uint8") == (family,)
 
@@ -138,8 +195,7 @@ def test_mla_576_view(family, fmt):
     c[..., :512], k_pos = c[..., 512:], bf16 and fp8 (k_scale: the latent,
     v_scale: k_pos)."""
     rng = np.random.default_rng(17)
-    sm = stored_mla(rng, fmt, num_heads=8, latent_dim=512, pos_dim=64, kv_lens=[19, 40], q_lens=[1, 3],
-                    page_size=16)
+    sm = stored_mla(rng, fmt, num_heads=8, latent_dim=512, pos_dim=64, kv_lens=[19, 40], q_lens=[1, 3], page_size=16)
     assert sm.latent.strides[2] == 576 * sm.latent.itemsize
     assert check_mla(sm, what="mla 576") == (family,)
     check_mla(sm, splits=2, what="mla 576 split2")
@@ -149,8 +205,19 @@ def test_mla_576_view(family, fmt):
 def test_mla_without_rope(family, fmt):
     """P = 0: mla(q, None, latent, None): V is the latent (scaled by k_scale)."""
     rng = np.random.default_rng(19)
-    sm = stored_mla(rng, fmt, rope=False, joint=False, dtype="f16", num_heads=4, latent_dim=64, pos_dim=16,
-                    kv_lens=[30, 9, 50], q_lens=[1, 9, 2], page_size=16)
+    sm = stored_mla(
+        rng,
+        fmt,
+        rope=False,
+        joint=False,
+        dtype="f16",
+        num_heads=4,
+        latent_dim=64,
+        pos_dim=16,
+        kv_lens=[30, 9, 50],
+        q_lens=[1, 9, 2],
+        page_size=16,
+    )
     assert check_mla(sm, what="mla P=0") == (family,)
     check_mla(sm, False, splits=2, what="mla P=0 non-causal split2")
 
@@ -164,8 +231,9 @@ def test_paged_kv_cache_end_to_end(fmt):
     hq, hkv, d, layers = 8, 2, 64, 2
     k_scale = np.array([0.05, 0.11], np.float32)[None].repeat(layers, 0)
     v_scale = np.array([0.07], np.float32).repeat(layers)
-    cache = cupaged.PagedKVCache(12, 8, hkv, d, fmt, layers=layers, like=np.zeros(1, np.float16),
-                                 k_scale=k_scale, v_scale=v_scale)
+    cache = cupaged.PagedKVCache(
+        12, 8, hkv, d, fmt, layers=layers, like=np.zeros(1, np.float16), k_scale=k_scale, v_scale=v_scale
+    )
     lens = [13, 30]
     seqs = [cache.add_sequence() for _ in lens]
     plan, _ = cache.prepare(seqs, lens)
@@ -175,11 +243,12 @@ def test_paged_kv_cache_end_to_end(fmt):
     q = rng.standard_normal((n, hq, d)).astype(np.float16)
     layer = 1
     cache.append(plan, new_k, new_v, layer=layer)
-    out = plan.attention(q, cache.k[layer], cache.v[layer], d ** -0.5, **cache.kv_args(layer))
+    out = plan.attention(q, cache.k[layer], cache.v[layer], d**-0.5, **cache.kv_args(layer))
     kr = reference.dequantize_fp8(cache.k[layer], scale=k_scale[layer][:, None])
     vr = reference.dequantize_fp8(cache.v[layer], scale=v_scale[layer])
-    ref, _ = reference.paged_attention(q, kr, vr, plan.host.page_table, plan.host.kv_lens, plan.host.q_lens,
-                                       d ** -0.5, True)
+    ref, _ = reference.paged_attention(
+        q, kr, vr, plan.host.page_table, plan.host.kv_lens, plan.host.q_lens, d**-0.5, True
+    )
     assert_close(out, ref, "f16")
 
 
@@ -194,18 +263,25 @@ def _plan_and_case(rng, fmt="e4m3"):
 def _errors():
     f32 = np.float32
     return [
-        ("q: expected dtype float16 or bfloat16 with an fp8 (e4m3) cache, got float32",
-         lambda sc: dict(q=sc.case.q.astype(f32))),
+        (
+            "q: expected dtype float16 or bfloat16 with an fp8 (e4m3) cache, got float32",
+            lambda sc: dict(q=sc.case.q.astype(f32)),
+        ),
         ("k_scale: expected shape [] or [1] (per tensor) or [2]", lambda sc: dict(k_scale=np.ones(3, f32))),
         ("v_scale: expected dtype float32, got float16", lambda sc: dict(v_scale=np.ones(2, np.float16))),
-        ("k_scale: expected None for a float16 cache",
-         lambda sc: dict(k_cache=sc.case.k_cache, v_cache=sc.case.v_cache, kv_dtype=None)),
-        ("k_cache: uint8 is raw fp8 storage: name its format with kv_dtype",
-         lambda sc: dict(k_cache=sc.k_cache.view(np.uint8), v_cache=sc.v_cache.view(np.uint8), kv_dtype=None)),
-        ("k_cache: expected a contiguous innermost dim",
-         lambda sc: dict(k_cache=np.asfortranarray(sc.k_cache))),
-        ("v_cache: expected dtype float8_e4m3fn like k_cache",
-         lambda sc: dict(v_cache=sc.v_cache.view(np.uint8).view(ml_dtypes.float8_e5m2), kv_dtype=None)),
+        (
+            "k_scale: expected None for a float16 cache",
+            lambda sc: dict(k_cache=sc.case.k_cache, v_cache=sc.case.v_cache, kv_dtype=None),
+        ),
+        (
+            "k_cache: uint8 is raw fp8 storage: name its format with kv_dtype",
+            lambda sc: dict(k_cache=sc.k_cache.view(np.uint8), v_cache=sc.v_cache.view(np.uint8), kv_dtype=None),
+        ),
+        ("k_cache: expected a contiguous innermost dim", lambda sc: dict(k_cache=np.asfortranarray(sc.k_cache))),
+        (
+            "v_cache: expected dtype float8_e4m3fn like k_cache",
+            lambda sc: dict(v_cache=sc.v_cache.view(np.uint8).view(ml_dtypes.float8_e5m2), kv_dtype=None),
+        ),
         ("kv_dtype: expected one of", lambda sc: dict(kv_dtype="int4")),
     ]
 
@@ -247,10 +323,18 @@ def test_mla_errors():
 def test_outputs_must_not_overlap_scales():
     rng = np.random.default_rng(37)
     plan, sc = _plan_and_case(rng)
-    lse = np.ones((plan.queries, 4), np.float32)      # valid scales (> 0): the overlap is what is refused
+    lse = np.ones((plan.queries, 4), np.float32)  # valid scales (> 0): the overlap is what is refused
     with pytest.raises(PagedAttentionError, match="lse: expected memory disjoint from k_scale"):
-        plan.attention(sc.case.q, sc.k_cache, sc.v_cache, 0.1, lse=lse, kv_dtype="e4m3", k_scale=lse[0, :2],
-                       v_scale=sc.kv_args["v_scale"])
+        plan.attention(
+            sc.case.q,
+            sc.k_cache,
+            sc.v_cache,
+            0.1,
+            lse=lse,
+            kv_dtype="e4m3",
+            k_scale=lse[0, :2],
+            v_scale=sc.kv_args["v_scale"],
+        )
 
 
 def test_non_fp8_views_stay_unchanged(family):
@@ -270,6 +354,7 @@ def test_selection_follows_the_storage_tables():
     fp8 builds at the fast dims with FP8_GATE_FEATURES only (no compile)."""
     from cupaged.ops.attention import variants
     from cupaged.ops.attention.splits import choose_splits
+
     rows = [v for vs in variants._TABLE.values() for v in vs]
     assert {v.kernel for v in rows if v.kv_dtype in ("e4m3", "e5m2")} <= variants.FP8_KERNELS
     for v in variants.VARIANTS:
@@ -278,13 +363,15 @@ def test_selection_follows_the_storage_tables():
     for dt, kv in variants.FP8_PAIRS + (("f16", "f16"),):
         for d, rot, latent in ((64, 0, False), (128, 0, False), (512, 64, True), (512, 0, True), (512, 0, False)):
             for strided in (False, True):
-                tc = variants.select_tensor_core(dt, d, d, True, True, rot, kv_dtype=kv, strided=strided,
-                                                 latent=latent, arch="sm_90")
+                tc = variants.select_tensor_core(
+                    dt, d, d, True, True, rot, kv_dtype=kv, strided=strided, latent=latent, arch="sm_90"
+                )
                 if tc is not None:
                     assert not strided or tc.kernel in variants.STRIDED_KERNELS
                     assert tc.kernel not in ("paged_mla_tc", "paged_mla_wgmma") or latent
-                pq = variants.select_variant(dt, d, d, True, 1 if rot else 4, rot, kv_dtype=kv, strided=strided,
-                                             latent=latent)
+                pq = variants.select_variant(
+                    dt, d, d, True, 1 if rot else 4, rot, kv_dtype=kv, strided=strided, latent=latent
+                )
                 assert not strided or pq.kernel in variants.STRIDED_KERNELS
                 assert (kv not in ("e4m3", "e5m2")) or pq.kernel in variants.FP8_KERNELS
     case = make_paged_case(np.random.default_rng(0), kv_lens=[4000], num_q_heads=8, num_kv_heads=2, head_dim=128)

@@ -23,6 +23,7 @@ element loads instead (not these kernels).
 Each test checks which kernel ran (``launch.launches_for``). Builds are
 shared between the tests (about 8 fp8 CPU compiles in all).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -54,16 +55,38 @@ def decode_case(rng, fmt, dtype, per_head, shape, *, view="nhd", uint8=False):
     page_size, d, hq, hkv = shape
     kv_lens = np.array([70, 1, 33, 150, 16], np.int32)
     q_lens = np.array([1, 1, 3, 1, 1], np.int32) if hq // hkv <= 4 else np.ones(5, np.int32)
-    return fp8_paged_case(rng, fmt, per_head, view, dtype=dtype, uint8=uint8, kv_lens=kv_lens, q_lens=q_lens,
-                          page_size=page_size, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    return fp8_paged_case(
+        rng,
+        fmt,
+        per_head,
+        view,
+        dtype=dtype,
+        uint8=uint8,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        page_size=page_size,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+    )
 
 
 def prefill_case(rng, fmt, dtype, per_head, shape, *, view="nhd"):
     """Chunks of 16..80 queries on cached tokens, one sequence sitting out."""
     page_size, d, hq, hkv = shape
-    return fp8_paged_case(rng, fmt, per_head, view, dtype=dtype, kv_lens=np.array([95, 41, 30, 130], np.int32),
-                          q_lens=np.array([80, 16, 0, 33], np.int32), page_size=page_size, num_q_heads=hq,
-                          num_kv_heads=hkv, head_dim=d)
+    return fp8_paged_case(
+        rng,
+        fmt,
+        per_head,
+        view,
+        dtype=dtype,
+        kv_lens=np.array([95, 41, 30, 130], np.int32),
+        q_lens=np.array([80, 16, 0, 33], np.int32),
+        page_size=page_size,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+    )
 
 
 def poisoned(sc) -> bool:
@@ -130,11 +153,15 @@ def test_scale_shapes_and_uint8_storage():
     with pytest.raises(AssertionError):
         assert_close(lse, reference_out(sc, True)[1], "bf16")
     # No scales: the codes' own values (scale 1), decode and prefill.
-    for sc, kernel in ((decode_case(rng, None, "f16", False, (16, 128, 32, 8)), DECODE_TC),
-                       (prefill_case(rng, None, "f16", False, (16, 64, 4, 4)), PREFILL_TC)):
+    for sc, kernel in (
+        (decode_case(rng, None, "f16", False, (16, 128, 32, 8)), DECODE_TC),
+        (prefill_case(rng, None, "f16", False, (16, 64, 4, 4)), PREFILL_TC),
+    ):
         case, one = sc.case, np.float32(1)
-        codes = [quantized(c.astype(np.float32), "e4m3", one, poison_rng=rng, used=case.slot_used)
-                 for c in (case.k_cache, case.v_cache)]
+        codes = [
+            quantized(c.astype(np.float32), "e4m3", one, poison_rng=rng, used=case.slot_used)
+            for c in (case.k_cache, case.v_cache)
+        ]
         sc = StoredCase(case, *codes, {"kv_dtype": "e4m3"}, *(reference.dequantize_fp8(c, scale=one) for c in codes))
         assert check_attention(sc, True, splits=2, what=f"{kernel} unscaled") == (kernel,)
 
@@ -144,11 +171,17 @@ def test_score_features_with_fp8():
     fp8 caches: the K scale is folded before the cap, the V scale after the
     sink; decode and a chunked prefill, split and not."""
     rng = np.random.default_rng(41)
-    for sc, kernel in ((decode_case(rng, "e4m3", "f16", True, (16, 128, 32, 8)), DECODE_TC),
-                       (prefill_case(rng, "e5m2", "bf16", True, (1, 128, 8, 2)), PREFILL_TC)):
+    for sc, kernel in (
+        (decode_case(rng, "e4m3", "f16", True, (16, 128, 32, 8)), DECODE_TC),
+        (prefill_case(rng, "e5m2", "bf16", True, (1, 128, 8, 2)), PREFILL_TC),
+    ):
         hq = sc.case.q.shape[1]
-        score = dict(soft_cap=6.0, window=24, sinks=rng.uniform(-1, 2, hq).astype(np.float32),
-                     alibi_slopes=rng.uniform(0, 0.1, hq).astype(np.float32))
+        score = dict(
+            soft_cap=6.0,
+            window=24,
+            sinks=rng.uniform(-1, 2, hq).astype(np.float32),
+            alibi_slopes=rng.uniform(0, 0.1, hq).astype(np.float32),
+        )
         for splits in (None, 3):
             assert check_attention(sc, True, splits=splits, what=f"{kernel} features {splits}", **score) == (kernel,)
 
@@ -193,13 +226,16 @@ def test_nonfinite_codes_only_later_queries_see(splits):
     finite, on both kernels (prefill: tc::pv_step keeps the masked value
     rows out of the f16 mma)."""
     rng = np.random.default_rng(43)
-    for sc, kernel in ((decode_case(rng, "e5m2", "bf16", True, (16, 128, 32, 8)), DECODE_TC),
-                       (prefill_case(rng, "e4m3", "f16", False, (16, 64, 4, 4)), PREFILL_TC)):
+    for sc, kernel in (
+        (decode_case(rng, "e5m2", "bf16", True, (16, 128, 32, 8)), DECODE_TC),
+        (prefill_case(rng, "e4m3", "f16", False, (16, 64, 4, 4)), PREFILL_TC),
+    ):
         case = sc.case
         kv_lens, q_lens = case.kv_lens, case.q_lens
         # Sequence 0's last key is seen only by its last query; sequence 3's last two by its last two.
-        hits = [(0, int(kv_lens[0]) - 1)] + ([(3, int(kv_lens[3]) - 2), (3, int(kv_lens[3]) - 1)]
-                                             if q_lens[3] > 1 else [(2, int(kv_lens[2]) - 1)])
+        hits = [(0, int(kv_lens[0]) - 1)] + (
+            [(3, int(kv_lens[3]) - 2), (3, int(kv_lens[3]) - 1)] if q_lens[3] > 1 else [(2, int(kv_lens[2]) - 1)]
+        )
         inf = 0x7C if sc.kv_args["kv_dtype"] == "e5m2" else 0x7F
         dirty = np.zeros(int(q_lens.sum()), bool)
         starts = np.concatenate([[0], np.cumsum(q_lens)])
@@ -207,8 +243,8 @@ def test_nonfinite_codes_only_later_queries_see(splits):
             page, slot = case.page_table[s, t // case.page_size], t % case.page_size
             sc.k_cache.view(np.uint8)[page, slot] = 0x7F if sc.kv_args["kv_dtype"] == "e4m3" else 0x7E
             sc.v_cache.view(np.uint8)[page, slot] = inf
-            first = int(kv_lens[s] - q_lens[s])            # position of the sequence's first query
-            dirty[starts[s] + max(0, t - first):starts[s + 1]] = True
+            first = int(kv_lens[s] - q_lens[s])  # position of the sequence's first query
+            dirty[starts[s] + max(0, t - first) : starts[s + 1]] = True
         o, lse, ran = run_attention(sc, True, splits=splits)
         assert ran == (kernel,), ran
         ref_o, ref_lse = reference_out(sc, True)
@@ -216,4 +252,4 @@ def test_nonfinite_codes_only_later_queries_see(splits):
         assert np.isfinite(o[clean].astype(np.float64)).all()
         assert_close(o[clean], ref_o[clean], sc.case.q.dtype, f"{kernel} earlier queries")
         assert_close(lse[clean], ref_lse[clean], sc.case.q.dtype, f"{kernel} earlier queries' lse")
-        assert not np.isfinite(o[dirty].astype(np.float64)).all()     # the later ones do see them
+        assert not np.isfinite(o[dirty].astype(np.float64)).all()  # the later ones do see them

@@ -5,6 +5,7 @@ one hook, one option row added here, one params field), compiled on the CPU
 backend for every attention kernel and checked against a float64 reference
 with the same score. Also keeps the worked example of docs/layout.md
 ("Adding a score variant") true."""
+
 from __future__ import annotations
 
 import re
@@ -25,8 +26,7 @@ from cupaged.testing import assert_close, make_mla_case, make_paged_case, refere
 REPO = Path(__file__).resolve().parents[2]
 
 #: The toy's table row: the whole Python side of adding a score variant.
-TEST_BIAS = variants.Score("test_bias", built=False,
-                           doc="scale * q.k + 0.5 + 0.125 * head - 0.03125 * (q_pos - k_pos)")
+TEST_BIAS = variants.Score("test_bias", built=False, doc="scale * q.k + 0.5 + 0.125 * head - 0.03125 * (q_pos - k_pos)")
 
 
 def bias(head, q_pos, k_pos):
@@ -68,8 +68,8 @@ def biased_reference(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale, ca
         n = int(seen[i])
         if n == 0:
             continue
-        keys = reference.gather_kv(k_cache, page_table, q_seq[i], n)[:, kv_head]      # [n, Hq, D]
-        values = reference.gather_kv(v_cache, page_table, q_seq[i], n)[:, kv_head]    # [n, Hq, Dv]
+        keys = reference.gather_kv(k_cache, page_table, q_seq[i], n)[:, kv_head]  # [n, Hq, D]
+        values = reference.gather_kv(v_cache, page_table, q_seq[i], n)[:, kv_head]  # [n, Hq, Dv]
         s = scale * np.einsum("hd,nhd->hn", q64[i], keys) + bias(np.arange(hq)[:, None], q_pos[i], np.arange(n))
         m = s.max(axis=1, keepdims=True)
         p = np.exp(s - m)
@@ -81,8 +81,7 @@ def biased_reference(q, k_cache, v_cache, page_table, kv_lens, q_lens, scale, ca
 def run(case, q, k, v, causal, score, splits=None, q_rot=None, k_rot=None):
     """launch_attention with AttentionOptions(score=...) on the CPU backend;
     returns (out, lse)."""
-    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
-                                  case.num_pages).upload(q)
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages).upload(q)
     hq, dv = q.shape[1], v.shape[3]
     out = np.zeros((plan.queries, hq, dv), q.dtype)
     lse = np.zeros((plan.queries, hq), np.float32)
@@ -92,53 +91,72 @@ def run(case, q, k, v, causal, score, splits=None, q_rot=None, k_rot=None):
     return out, lse
 
 
-@pytest.mark.parametrize("what, dtype, d, kernel", [
-    ("decode", "f32", 64, "paged_attention"),            # HEAD_DIM fast path, GQA 4
-    ("decode", "bf16", 96, "paged_attention"),           # runtime dims (DIM_CAP)
-    ("decode", "bf16", 128, "paged_decode_tc"),          # tensor-core decode
-    ("decode", "f16", 64, "paged_decode_tc"),
-    ("prefill", "f16", 64, "paged_prefill_tc"),          # tensor cores
-    ("mixed", "f16", 64, None),                          # segments: both kernels in one step
-])
+@pytest.mark.parametrize(
+    "what, dtype, d, kernel",
+    [
+        ("decode", "f32", 64, "paged_attention"),  # HEAD_DIM fast path, GQA 4
+        ("decode", "bf16", 96, "paged_attention"),  # runtime dims (DIM_CAP)
+        ("decode", "bf16", 128, "paged_decode_tc"),  # tensor-core decode
+        ("decode", "f16", 64, "paged_decode_tc"),
+        ("prefill", "f16", 64, "paged_prefill_tc"),  # tensor cores
+        ("mixed", "f16", 64, None),  # segments: both kernels in one step
+    ],
+)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("splits", [None, 3])
 def test_toy_score_variant(toy_score, what, dtype, d, kernel, causal, splits):
     rng = np.random.default_rng(zlib.crc32(f"{what}/{dtype}/{d}".encode()))
     # mixed: six decodes, a chunk of 40, six decodes, a chunk of 33 (D T D T at G = 4).
     q_lens = {"decode": [1, 1, 1], "prefill": [40, 20, 33], "mixed": [1] * 6 + [40] + [1] * 6 + [33]}[what]
-    kv_lens = {"decode": [70, 33, 90], "prefill": [70, 33, 90],
-               "mixed": [20, 3, 35, 9, 17, 5, 50, 7, 30, 2, 18, 40, 6, 45]}[what]
-    case = make_paged_case(rng, kv_lens=np.array(kv_lens, np.int32), q_lens=np.array(q_lens), page_size=16,
-                           num_q_heads=8, num_kv_heads=2, head_dim=d, dtype=dtype)
+    kv_lens = {
+        "decode": [70, 33, 90],
+        "prefill": [70, 33, 90],
+        "mixed": [20, 3, 35, 9, 17, 5, 50, 7, 30, 2, 18, 40, 6, 45],
+    }[what]
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array(kv_lens, np.int32),
+        q_lens=np.array(q_lens),
+        page_size=16,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=d,
+        dtype=dtype,
+    )
     o, lse = run(case, case.q, case.k_cache, case.v_cache, causal, "test_bias", splits)
-    ref_o, ref_lse = biased_reference(case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens,
-                                      case.q_lens, case.scale, causal)
+    ref_o, ref_lse = biased_reference(
+        case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens, case.scale, causal
+    )
     assert_close(o, ref_o, dtype, f"{what} out")
     assert_close(lse, ref_lse, dtype, f"{what} lse")
     attention_kernels = {k for k, _ in toy_score if k != "attention_split_merge"}
     assert attention_kernels == ({kernel} if kernel else {"paged_decode_tc", "paged_prefill_tc"})
     assert {s for k, s in toy_score if k != "attention_split_merge"} == {"test_bias"}
-    assert all(s is None for k, s in toy_score if k == "attention_split_merge")   # the merge has no score
+    assert all(s is None for k, s in toy_score if k == "attention_split_merge")  # the merge has no score
     # The plain variant of the same step is the unbiased reference.
     plain_o, _ = run(case, case.q, case.k_cache, case.v_cache, causal, "plain", splits)
     assert_close(plain_o, case.reference(causal)[0], dtype, f"{what} plain")
 
 
-@pytest.mark.parametrize("dtype, r, p, heads, kernel, arch", [
-    ("f32", 64, 16, 4, "paged_attention", "sm_90"),    # the CUDA-core kernel's rotary part (ROT_CAP)
-    ("bf16", 512, 64, 16, "paged_mla_tc", "sm_80"),    # mma.sync
-    ("bf16", 512, 64, 16, "paged_mla_wgmma", "sm_90"),  # wgmma (sm_90a), emulated on the CPU
-])
+@pytest.mark.parametrize(
+    "dtype, r, p, heads, kernel, arch",
+    [
+        ("f32", 64, 16, 4, "paged_attention", "sm_90"),  # the CUDA-core kernel's rotary part (ROT_CAP)
+        ("bf16", 512, 64, 16, "paged_mla_tc", "sm_80"),  # mma.sync
+        ("bf16", 512, 64, 16, "paged_mla_wgmma", "sm_90"),  # wgmma (sm_90a), emulated on the CPU
+    ],
+)
 def test_toy_score_variant_mla(toy_score, dtype, r, p, heads, kernel, arch):
     rng = np.random.default_rng(r + p)
-    case = make_mla_case(rng, kv_lens=[40, 70], q_lens=[1, 20], page_size=16, num_heads=heads, latent_dim=r,
-                         pos_dim=p, dtype=dtype)
+    case = make_mla_case(
+        rng, kv_lens=[40, 70], q_lens=[1, 20], page_size=16, num_heads=heads, latent_dim=r, pos_dim=p, dtype=dtype
+    )
     with cpu_arch_override(arch):
-        o, lse = run(case, case.q, case.latent, case.latent, True, "test_bias", None, q_rot=case.q_pos,
-                     k_rot=case.k_pos)
+        o, lse = run(
+            case, case.q, case.latent, case.latent, True, "test_bias", None, q_rot=case.q_pos, k_rot=case.k_pos
+        )
     q_all, keys, values = reference.mla_as_attention(case.q, case.q_pos, case.latent, case.k_pos)
-    ref_o, ref_lse = biased_reference(q_all, keys, values, case.page_table, case.kv_lens, case.q_lens, case.scale,
-                                      True)
+    ref_o, ref_lse = biased_reference(q_all, keys, values, case.page_table, case.kv_lens, case.q_lens, case.scale, True)
     assert_close(o, ref_o, dtype, "mla out")
     assert_close(lse, ref_lse, dtype, "mla lse")
     assert {k for k, _ in toy_score} == {kernel}
@@ -146,7 +164,7 @@ def test_toy_score_variant_mla(toy_score, dtype, r, p, heads, kernel, arch):
 
 def test_score_names_are_checked():
     with pytest.raises(PagedAttentionError, match=r"score: expected one of 'plain', got 'test_bias'"):
-        AttentionOptions.checked(1.0, True, "test_bias")      # not in SCORES without its row
+        AttentionOptions.checked(1.0, True, "test_bias")  # not in SCORES without its row
     with pytest.raises(PagedAttentionError, match=r"score: expected one of 'plain', got 3"):
         AttentionOptions.checked(1.0, True, 3)
 
@@ -160,6 +178,7 @@ def test_toy_is_not_built_for_gpus(toy_score):
 
 
 # ----------------------------------------------------------------- the worked example stays true
+
 
 def _section(title: str) -> str:
     text = (REPO / "docs" / "layout.md").read_text()
@@ -178,8 +197,9 @@ def test_worked_example_in_docs():
     hook = textwrap.dedent(re.search(r"```cpp\n(.*?)```", doc, re.S).group(1)).strip()
     assert hook in (kernel_dir() / "attention" / "variant.cuh").read_text(), "the doc's hook is not variant.cuh's"
     row = textwrap.dedent(re.search(r"```python\n(.*?)```", doc, re.S).group(1)).strip().rstrip(",")
-    assert eval("{" + row + "}", {"Score": variants.Score}) == {TEST_BIAS.name: TEST_BIAS}, \
+    assert eval("{" + row + "}", {"Score": variants.Score}) == {TEST_BIAS.name: TEST_BIAS}, (
         "the doc's table row is not the one this test adds"
+    )
     assert "SCORES: dict[str, Score] = {" in (REPO / "cupaged/ops/attention/options.py").read_text()
     # The runtime-data example: its hook is variant.cuh's, its option row the one HEAD_BIAS_ROW adds, its
     # params field the one params.py has.
@@ -197,8 +217,7 @@ def test_worked_example_in_docs():
         assert text.count("variant::score(") == 1, name
         assert text.count("softmax::State") >= 1, name
     assert (att / "span.cuh").read_text().count("variant::visible(") == 1
-    assert sum((att / n).read_text().count("query_span(p") for n in ("decode.cu", "decode_tc.cu",
-                                                                        "tc_common.cuh")) == 3
+    assert sum((att / n).read_text().count("query_span(p") for n in ("decode.cu", "decode_tc.cu", "tc_common.cuh")) == 3
 
 
 # ----------------------------------------------------------------- a score with runtime data
@@ -208,8 +227,9 @@ def test_worked_example_in_docs():
 HEAD_BIAS_SOURCE = textwrap.dedent("""\
     Option("head_bias", "float32 [Hq]: logit += bias[h]", per_head, ("head_bias",), lambda a: (address(a),),
            score="head_bias", array=True, reference="head_bias"),""").strip()
-HEAD_BIAS = eval(HEAD_BIAS_SOURCE.rstrip(","), {"Option": options.Option, "per_head": options.per_head,
-                                                "address": address})
+HEAD_BIAS = eval(
+    HEAD_BIAS_SOURCE.rstrip(","), {"Option": options.Option, "per_head": options.per_head, "address": address}
+)
 
 
 def head_bias_hook(x, bias, head, q_pos, k_pos):
@@ -226,58 +246,93 @@ def head_bias_row(monkeypatch):
     return _launch_log(monkeypatch)
 
 
-@pytest.mark.parametrize("what, dtype, d, kernel", [
-    ("decode", "f32", 64, "paged_attention"),
-    ("decode", "bf16", 96, "paged_attention"),
-    ("decode", "bf16", 128, "paged_decode_tc"),
-    ("decode", "f16", 64, "paged_decode_tc"),
-    ("prefill", "f16", 64, "paged_prefill_tc"),
-    ("mixed", "f16", 64, None),
-])
-@pytest.mark.parametrize("causal, splits, extra", [(True, None, {}), (False, 3, {}),
-                                                   (True, 2, dict(soft_cap=0.7, alibi_slopes=True))])
+@pytest.mark.parametrize(
+    "what, dtype, d, kernel",
+    [
+        ("decode", "f32", 64, "paged_attention"),
+        ("decode", "bf16", 96, "paged_attention"),
+        ("decode", "bf16", 128, "paged_decode_tc"),
+        ("decode", "f16", 64, "paged_decode_tc"),
+        ("prefill", "f16", 64, "paged_prefill_tc"),
+        ("mixed", "f16", 64, None),
+    ],
+)
+@pytest.mark.parametrize(
+    "causal, splits, extra", [(True, None, {}), (False, 3, {}), (True, 2, dict(soft_cap=0.7, alibi_slopes=True))]
+)
 def test_head_bias_score(head_bias_row, what, dtype, d, kernel, causal, splits, extra):
     rng = np.random.default_rng(zlib.crc32(f"bias/{what}/{dtype}/{d}".encode()))
     q_lens = {"decode": [1, 1, 1], "prefill": [40, 20, 33], "mixed": [1] * 6 + [40] + [1] * 6 + [33]}[what]
-    kv_lens = {"decode": [70, 33, 90], "prefill": [70, 33, 90],
-               "mixed": [20, 3, 35, 9, 17, 5, 50, 7, 30, 2, 18, 40, 6, 45]}[what]
-    case = make_paged_case(rng, kv_lens=np.array(kv_lens, np.int32), q_lens=np.array(q_lens), page_size=16,
-                           num_q_heads=8, num_kv_heads=2, head_dim=d, dtype=dtype)
+    kv_lens = {
+        "decode": [70, 33, 90],
+        "prefill": [70, 33, 90],
+        "mixed": [20, 3, 35, 9, 17, 5, 50, 7, 30, 2, 18, 40, 6, 45],
+    }[what]
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array(kv_lens, np.int32),
+        q_lens=np.array(q_lens),
+        page_size=16,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=d,
+        dtype=dtype,
+    )
     bias = rng.uniform(-2.0, 2.0, 8).astype(np.float32)
     if extra.get("alibi_slopes"):
         extra = dict(extra, alibi_slopes=rng.uniform(0.0, 0.2, 8).astype(np.float32))
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
     ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, 8, d, splits, case.q)
-    o, lse = plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causal, workspace=ws, return_lse=True,
-                            head_bias=bias, **extra)
-    ref_o, ref_lse = reference.scored_attention(case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens,
-                                                case.q_lens, case.scale, causal, head_bias=bias, **extra)
+    o, lse = plan.attention(
+        case.q, case.k_cache, case.v_cache, case.scale, causal, workspace=ws, return_lse=True, head_bias=bias, **extra
+    )
+    ref_o, ref_lse = reference.scored_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.page_table,
+        case.kv_lens,
+        case.q_lens,
+        case.scale,
+        causal,
+        head_bias=bias,
+        **extra,
+    )
     assert_close(o, ref_o, dtype, f"{what} out")
     assert_close(lse, ref_lse, dtype, f"{what} lse")
     attention_kernels = {k for k, _ in head_bias_row if k != "attention_split_merge"}
     assert attention_kernels == ({kernel} if kernel else {"paged_decode_tc", "paged_prefill_tc"})
     assert {s for k, s in head_bias_row if k != "attention_split_merge"} == {"head_bias"}
     # Without the bias the same plan runs plain: the unbiased reference.
-    assert_close(plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causal, workspace=ws),
-                 case.reference(causal)[0], dtype, f"{what} plain")
+    assert_close(
+        plan.attention(case.q, case.k_cache, case.v_cache, case.scale, causal, workspace=ws),
+        case.reference(causal)[0],
+        dtype,
+        f"{what} plain",
+    )
 
 
-@pytest.mark.parametrize("dtype, r, p, heads, kernel, arch", [
-    ("f32", 64, 16, 4, "paged_attention", "sm_90"),
-    ("bf16", 512, 64, 16, "paged_mla_tc", "sm_80"),
-    ("bf16", 512, 64, 16, "paged_mla_wgmma", "sm_90"),
-])
+@pytest.mark.parametrize(
+    "dtype, r, p, heads, kernel, arch",
+    [
+        ("f32", 64, 16, 4, "paged_attention", "sm_90"),
+        ("bf16", 512, 64, 16, "paged_mla_tc", "sm_80"),
+        ("bf16", 512, 64, 16, "paged_mla_wgmma", "sm_90"),
+    ],
+)
 def test_head_bias_score_mla(head_bias_row, dtype, r, p, heads, kernel, arch):
     rng = np.random.default_rng(r + p + 1)
-    case = make_mla_case(rng, kv_lens=[40, 70], q_lens=[1, 20], page_size=16, num_heads=heads, latent_dim=r,
-                         pos_dim=p, dtype=dtype)
+    case = make_mla_case(
+        rng, kv_lens=[40, 70], q_lens=[1, 20], page_size=16, num_heads=heads, latent_dim=r, pos_dim=p, dtype=dtype
+    )
     bias = rng.uniform(-2.0, 2.0, heads).astype(np.float32)
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
     with cpu_arch_override(arch):
         o, lse = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, return_lse=True, head_bias=bias)
     q_all, keys, values = reference.mla_as_attention(case.q, case.q_pos, case.latent, case.k_pos)
-    ref_o, ref_lse = reference.scored_attention(q_all, keys, values, case.page_table, case.kv_lens, case.q_lens,
-                                                case.scale, True, head_bias=bias)
+    ref_o, ref_lse = reference.scored_attention(
+        q_all, keys, values, case.page_table, case.kv_lens, case.q_lens, case.scale, True, head_bias=bias
+    )
     assert_close(o, ref_o, dtype, "mla out")
     assert_close(lse, ref_lse, dtype, "mla lse")
     assert {k for k, _ in head_bias_row} == {kernel}
@@ -287,17 +342,20 @@ def test_head_bias_is_one_row_hook_and_field(head_bias_row):
     """The option fills its one params field (0 when not given), selects its score and is checked like
     every per-head array, before anything runs."""
     rng = np.random.default_rng(5)
-    case = make_paged_case(rng, kv_lens=np.array([9, 4], np.int32), page_size=8, num_q_heads=4, num_kv_heads=2,
-                           head_dim=64, dtype="f32")
+    case = make_paged_case(
+        rng, kv_lens=np.array([9, 4], np.int32), page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="f32"
+    )
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 8, case.num_pages).upload(case.q)
     bias = np.ones(4, np.float32)
     opts = AttentionOptions.checked(1.0, True, plan=plan, heads=4, head_bias=bias)
     assert opts.params()["head_bias"] == bias.ctypes.data and opts.kernel_score == "head_bias"
     assert AttentionOptions.checked(1.0).params()["head_bias"] == 0 and "head_bias" in params.NAMES
     out = np.full((plan.queries, 4, 64), 7.0, np.float32)
-    for bad, msg in ((np.ones(3, np.float32), r"head_bias: expected shape \[4\]"),
-                     (np.ones(4, np.float64), r"head_bias: expected float32 \[4\]"),
-                     ([1.0] * 4, r"head_bias: expected a NumPy or CuPy float32 array")):
+    for bad, msg in (
+        (np.ones(3, np.float32), r"head_bias: expected shape \[4\]"),
+        (np.ones(4, np.float64), r"head_bias: expected float32 \[4\]"),
+        ([1.0] * 4, r"head_bias: expected a NumPy or CuPy float32 array"),
+    ):
         with pytest.raises(PagedAttentionError, match=msg):
             plan.attention(case.q, case.k_cache, case.v_cache, case.scale, out=out, head_bias=bad)
     assert head_bias_row == [] and (out == 7).all()
@@ -306,8 +364,9 @@ def test_head_bias_is_one_row_hook_and_field(head_bias_row):
 def test_unknown_option_is_named():
     """Without its row an option is an unknown keyword, named (a cupaged error, nothing runs)."""
     rng = np.random.default_rng(6)
-    case = make_paged_case(rng, kv_lens=np.array([9], np.int32), page_size=8, num_q_heads=2, num_kv_heads=1,
-                           head_dim=64, dtype="f32")
+    case = make_paged_case(
+        rng, kv_lens=np.array([9], np.int32), page_size=8, num_q_heads=2, num_kv_heads=1, head_dim=64, dtype="f32"
+    )
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 8, case.num_pages).upload(case.q)
     with pytest.raises(PagedAttentionError, match=r"head_bias: expected an option among score, soft_cap, window"):
         plan.attention(case.q, case.k_cache, case.v_cache, case.scale, head_bias=np.ones(2, np.float32))

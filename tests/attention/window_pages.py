@@ -11,6 +11,7 @@ checked against the float64 reference (computed before the pages are
 protected). Prints one line per case, "ok <case>: read <n> of <m> pages
 [<kernels launched>]", then "done".
 """
+
 import ctypes
 import mmap
 import sys
@@ -28,11 +29,13 @@ from cupaged.testing import as_dtype, assert_close, reference  # noqa: E402
 OS_PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_keep = []     # the mappings (freed at exit)
-_used = []     # kernels the launches fetch
+_keep = []  # the mappings (freed at exit)
+_used = []  # kernels the launches fetch
 _get_kernel = launch.get_kernel
-launch.get_kernel = lambda like, source, kernel, defines=None: (_used.append(kernel),
-                                                                _get_kernel(like, source, kernel, defines))[1]
+launch.get_kernel = lambda like, source, kernel, defines=None: (
+    _used.append(kernel),
+    _get_kernel(like, source, kernel, defines),
+)[1]
 
 
 def ran():
@@ -50,7 +53,7 @@ def mapped(shape, dtype, rng):
     _keep.append(buf)
     raw = np.frombuffer(buf, np.uint8)
     off = (-raw.ctypes.data) % OS_PAGE
-    a = raw[off:off + n].view(dt).reshape(shape)
+    a = raw[off : off + n].view(dt).reshape(shape)
     a[...] = rng.standard_normal(shape).astype(dt)
     return a
 
@@ -71,10 +74,10 @@ def layout(length, page_size, window, q_len):
     the first query's window get the highest page ids (protected), in a
     scrambled order; returns (table, pages read at most, pages)."""
     pages = -(-length // page_size)
-    first = max(0, length - q_len - window + 1) // page_size    # first page any window reaches
+    first = max(0, length - q_len - window + 1) // page_size  # first page any window reaches
     rng = np.random.default_rng(length)
-    inside = rng.permutation(pages - first)                       # ids 0 .. pages - first - 1
-    outside = (pages - first) + rng.permutation(first)            # the protected ids
+    inside = rng.permutation(pages - first)  # ids 0 .. pages - first - 1
+    outside = (pages - first) + rng.permutation(first)  # the protected ids
     table = np.concatenate([outside, inside]).astype(np.int32)[None, :]
     return table, pages - first, pages
 
@@ -86,10 +89,9 @@ def attention(name, dtype, d, hq, hkv, length, window, page_size, q_len, splits)
     v = mapped((pages, page_size, hkv, d), dtype, rng)
     q = rng.standard_normal((q_len, hq, d)).astype(as_dtype(dtype))
     kv_lens, q_lens = np.array([length]), np.array([q_len])
-    scale = d ** -0.5
+    scale = d**-0.5
     sinks = rng.standard_normal(hq).astype(np.float32)
-    ref_o, ref_l = reference.scored_attention(q, k, v, table, kv_lens, q_lens, scale, True, window=window,
-                                              sinks=sinks)
+    ref_o, ref_l = reference.scored_attention(q, k, v, table, kv_lens, q_lens, scale, True, window=window, sinks=sinks)
     plan = cupaged.HostPlan.build(table, kv_lens, q_lens, page_size, pages).upload(q)
     ws = cupaged.SplitWorkspace(q_len, hq, d, splits, q) if splits > 1 else None
     protect(k, read)

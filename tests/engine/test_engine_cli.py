@@ -2,6 +2,7 @@
 ids in and out, text through the folder's tokenizer.json (when the
 tokenizers package is installed), the closing tokens/s line, and one-line
 errors."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,10 @@ import cupaged.__main__ as cli
 from cupaged.__main__ import main
 from cupaged.testing import random_weights, save_safetensors, tiny_config, write_random_checkpoint
 
-LINE = re.compile(r"prefill: (\d+) tokens in [\d.]+ s \([\d.]+ tokens/s\); decode: (\d+) tokens in [\d.]+ s "
-                  r"\([\d.]+ tokens/s, (\d+) graph launches\)")
+LINE = re.compile(
+    r"prefill: (\d+) tokens in [\d.]+ s \([\d.]+ tokens/s\); decode: (\d+) tokens in [\d.]+ s "
+    r"\([\d.]+ tokens/s, (\d+) graph launches\)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,29 +43,39 @@ def test_generate_token_ids(folder, capsys):
 def test_generate_text_with_tokenizer(folder, tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers", reason="text in / out needs the tokenizers package")
     import shutil
+
     shutil.copytree(folder, tmp_path / "m")
     vocab = {f"w{i}": i for i in range(256)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.decoder = tokenizers.decoders.WordPiece(prefix="##")
     tok.save(str(tmp_path / "m" / "tokenizer.json"))
-    assert main(["generate", "--model", str(tmp_path / "m"), "--prompt", "w5 w6 w7 w8", "--max-new-tokens", "6",
-                 "--cpu"]) == 0
+    assert (
+        main(["generate", "--model", str(tmp_path / "m"), "--prompt", "w5 w6 w7 w8", "--max-new-tokens", "6", "--cpu"])
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     engine = cupaged.Engine.from_pretrained(folder, like=np.zeros(1, np.float32), max_batch=1)
     want = engine.generate([[5, 6, 7, 8]], 6)[0]
     assert lines[1] == "w5 w6 w7 w8 " + " ".join(f"w{t}" for t in want)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--prompt", "1 2"], "the following arguments are required: --model"),
-    (["--model", "/no/such/dir", "--prompt", "1 2"], "path: expected a model folder"),
-    (["--model", "MODEL", "--prompt", "hello"],
-     r"--prompt: expected token ids like '1 2 3' \(the model folder has no tokenizer.json\)"),
-    (["--model", "MODEL", "--prompt", "1 2", "--max-new-tokens", "0"],
-     "--max-new-tokens: .*expected an integer from 1"),
-    (["--model", "MODEL", "--prompt", "1 999"], r"prompts\[0\]\[1\]: expected a token id in 0..255, got 999"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt", "1 2"], "the following arguments are required: --model"),
+        (["--model", "/no/such/dir", "--prompt", "1 2"], "path: expected a model folder"),
+        (
+            ["--model", "MODEL", "--prompt", "hello"],
+            r"--prompt: expected token ids like '1 2 3' \(the model folder has no tokenizer.json\)",
+        ),
+        (
+            ["--model", "MODEL", "--prompt", "1 2", "--max-new-tokens", "0"],
+            "--max-new-tokens: .*expected an integer from 1",
+        ),
+        (["--model", "MODEL", "--prompt", "1 999"], r"prompts\[0\]\[1\]: expected a token id in 0..255, got 999"),
+    ],
+)
 def test_generate_errors_are_one_line(folder, capsys, argv, message):
     argv = [str(folder) if a == "MODEL" else a for a in argv]
     with pytest.raises(SystemExit) if "required" in message or "--max-new" in message else _no_exit():
@@ -87,18 +100,22 @@ def _failing_engine(monkeypatch, error):
         @staticmethod
         def from_pretrained(*args, **kwargs):
             raise error
+
     monkeypatch.setattr(cli, "Engine", Failing)
     monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
 
 
-@pytest.mark.parametrize("error", [
-    cupaged.SetupError("no C++ compiler: the CPU backend needs g++ >= 9 (apt install g++)"),
-    cupaged.CompileError("g++ failed for paged_attention:\nerror: 'x' was not declared\n  1 | x;\n"),
-    cupaged.KernelError("paged_attention: barrier never completed"),
-    cupaged.ConfigError("config.json: LlamaForCausalLM: hidden_act: expected 'silu', got 'gelu'"),
-    cupaged.CheckpointError("model.safetensors: truncated"),
-    cupaged.PagedAttentionError("num_pages: expected an int in 1..2147483647, got 0"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        cupaged.SetupError("no C++ compiler: the CPU backend needs g++ >= 9 (apt install g++)"),
+        cupaged.CompileError("g++ failed for paged_attention:\nerror: 'x' was not declared\n  1 | x;\n"),
+        cupaged.KernelError("paged_attention: barrier never completed"),
+        cupaged.ConfigError("config.json: LlamaForCausalLM: hidden_act: expected 'silu', got 'gelu'"),
+        cupaged.CheckpointError("model.safetensors: truncated"),
+        cupaged.PagedAttentionError("num_pages: expected an int in 1..2147483647, got 0"),
+    ],
+)
 def test_cupaged_errors_are_one_line_with_status_2(folder, capsys, monkeypatch, error):
     """A broken environment (SetupError), a compile or kernel failure, a bad
     config, checkpoint or argument: one line, exit status 2, no traceback."""
@@ -118,8 +135,10 @@ def test_a_bug_is_one_line_saying_how_to_get_the_traceback(folder, capsys, monke
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert ("python -m cupaged generate: internal error (a bug in cupaged): TypeError: unsupported operand type(s); "
-            "rerun with --traceback or CUPAGED_TRACEBACK=1 for the traceback") in err
+    assert (
+        "python -m cupaged generate: internal error (a bug in cupaged): TypeError: unsupported operand type(s); "
+        "rerun with --traceback or CUPAGED_TRACEBACK=1 for the traceback"
+    ) in err
     for flags in (argv + ["--traceback"], ["--traceback"] + argv):
         with pytest.raises(TypeError, match="unsupported operand"):
             main(flags)
@@ -129,7 +148,7 @@ def test_a_bug_is_one_line_saying_how_to_get_the_traceback(folder, capsys, monke
     monkeypatch.setenv(cli.TRACEBACK_ENV, "0")
     assert main(argv) == 1
     _failing_engine(monkeypatch, cupaged.SetupError("no g++"))
-    with pytest.raises(cupaged.SetupError):                 # --traceback shows cupaged errors' tracebacks too
+    with pytest.raises(cupaged.SetupError):  # --traceback shows cupaged errors' tracebacks too
         main(argv + ["--traceback"])
 
 
@@ -165,13 +184,16 @@ def _broken_folder(tmp_path, how):
     return tmp_path
 
 
-@pytest.mark.parametrize("how, message", [
-    ("int weight", r"tensor 'model.layers.1.mlp.gate_proj.weight': expected a floating-point weight .*got I32"),
-    ("eos", r"config.json: eos_token_id: expected at most 64 distinct token ids"),
-    ("index", r"model.safetensors.index.json: weight_map: expected a JSON object"),
-    ("generation_config", r"generation_config.json: eos_token_id: expected a token id"),
-    ("header", r"model.safetensors: not a safetensors file: its header is not JSON"),
-])
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("int weight", r"tensor 'model.layers.1.mlp.gate_proj.weight': expected a floating-point weight .*got I32"),
+        ("eos", r"config.json: eos_token_id: expected at most 64 distinct token ids"),
+        ("index", r"model.safetensors.index.json: weight_map: expected a JSON object"),
+        ("generation_config", r"generation_config.json: eos_token_id: expected a token id"),
+        ("header", r"model.safetensors: not a safetensors file: its header is not JSON"),
+    ],
+)
 def test_broken_checkpoints_are_one_line(tmp_path, capsys, how, message):
     folder = _broken_folder(tmp_path, how)
     assert main(["generate", "--cpu", "--model", str(folder), "--prompt", "1 2"]) == 2
@@ -201,12 +223,17 @@ def test_bench_engine_cpu_smoke():
     import subprocess
     import sys
     from pathlib import Path
+
     bench = Path(__file__).parents[2] / "benchmarks" / "bench_engine.py"
-    r = subprocess.run([sys.executable, str(bench), "--cpu", "--batches", "1,2", "--prompt", "8", "--new", "4"],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(bench), "--cpu", "--batches", "1,2", "--prompt", "8", "--new", "4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     header = next(ln for ln in r.stdout.splitlines() if ln.startswith("batch"))
     for col in ("prefill_tok_s", "decode_tok_s", "host_us_per_step", "graph_launches_per_token", "kernels_per_step"):
         assert col in header
     rows = [ln.split() for ln in r.stdout.splitlines() if ln.split() and ln.split()[0] in ("1", "2")]
-    assert rows[-1][5] == "0.500" and rows[-1][6] == "31", r.stdout       # one launch per step serves 2 tokens
+    assert rows[-1][5] == "0.500" and rows[-1][6] == "31", r.stdout  # one launch per step serves 2 tokens

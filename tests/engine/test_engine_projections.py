@@ -5,6 +5,7 @@ the arguments the engine passes (transposes, m/n/k, leading dims, batch
 strides, alpha/beta) must give x @ W.T per head and the residual add. What
 this cannot check is cuBLAS itself under a real capture (unverified until a
 GPU is lent)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -38,7 +39,7 @@ class FakeCublas:
 
     def _gemm(self, transa, transb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, C, ct, ldc):
         dt = DT[at]
-        a_rows = k if transa else m           # stored column-major: a_rows x a_cols with ld lda
+        a_rows = k if transa else m  # stored column-major: a_rows x a_cols with ld lda
         a = _view(_ptr(A), dt, lda * ((m if transa else k) - 1) + a_rows).astype(np.float64)
         b_rows = n if transb else k
         b = _view(_ptr(B), dt, ldb * ((k if transb else n) - 1) + b_rows).astype(np.float64)
@@ -56,13 +57,30 @@ class FakeCublas:
         self.calls.append(("gemm", comp))
         return self._gemm(transa, transb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, C, ct, ldc)
 
-    def cublasGemmStridedBatchedEx(self, h, transa, transb, m, n, k, alpha, A, at, lda, sa, B, bt, ldb, sb, beta, C,
-                                   ct, ldc, sc, count, comp, algo):
+    def cublasGemmStridedBatchedEx(
+        self, h, transa, transb, m, n, k, alpha, A, at, lda, sa, B, bt, ldb, sb, beta, C, ct, ldc, sc, count, comp, algo
+    ):
         self.calls.append(("batched", count))
         isz = np.dtype(DT[at]).itemsize
         for i in range(count):
-            self._gemm(transa, transb, m, n, k, alpha, _ptr(A) + i * sa * isz, at, lda, _ptr(B) + i * sb * isz, bt,
-                       ldb, beta, _ptr(C) + i * sc * isz, ct, ldc)
+            self._gemm(
+                transa,
+                transb,
+                m,
+                n,
+                k,
+                alpha,
+                _ptr(A) + i * sa * isz,
+                at,
+                lda,
+                _ptr(B) + i * sb * isz,
+                bt,
+                ldb,
+                beta,
+                _ptr(C) + i * sc * isz,
+                ct,
+                ldc,
+            )
         return 0
 
 
@@ -96,7 +114,7 @@ def test_linear_call_computes_x_times_w_transposed(gpu_projections, dtype):
     p.linear(Dev(x), Dev(w), out)
     exp = x.astype(np.float64) @ w.astype(np.float64).T
     np.testing.assert_allclose(out.a.astype(np.float64), exp, rtol=2e-3, atol=2e-3)
-    p.linear(Dev(x), Dev(w), out, accumulate=True)                   # beta = 1: the residual add
+    p.linear(Dev(x), Dev(w), out, accumulate=True)  # beta = 1: the residual add
     np.testing.assert_allclose(out.a.astype(np.float64), 2 * exp, rtol=4e-3, atol=4e-3)
     assert fake.calls == [("gemm", proj._COMPUTE_32F)] * 2
 
@@ -114,8 +132,9 @@ def test_linear_heads_call_is_one_product_per_head(gpu_projections):
 def test_gpu_linear_refuses_mixed_dtypes(gpu_projections):
     p, _ = gpu_projections
     with pytest.raises(Exception, match="expected float32, float16 or bfloat16 operands of one dtype"):
-        p.linear(Dev(np.zeros((1, 2), np.float32)), Dev(np.zeros((3, 2), np.float16)),
-                 Dev(np.zeros((1, 3), np.float32)))
+        p.linear(
+            Dev(np.zeros((1, 2), np.float32)), Dev(np.zeros((3, 2), np.float16)), Dev(np.zeros((1, 3), np.float32))
+        )
 
 
 @pytest.mark.parametrize("call", ["cublasGemmEx", "cublasGemmStridedBatchedEx"])
@@ -125,7 +144,8 @@ def test_a_failing_cublas_call_raises_naming_it(gpu_projections, monkeypatch, ca
     x = Dev(np.zeros((1, 2, 2), np.float32))
     with pytest.raises(RuntimeError, match=f"{call} failed: cuBLAS status 13"):
         if call == "cublasGemmEx":
-            p.linear(Dev(np.zeros((1, 2), np.float32)), Dev(np.zeros((3, 2), np.float32)),
-                     Dev(np.zeros((1, 3), np.float32)))
+            p.linear(
+                Dev(np.zeros((1, 2), np.float32)), Dev(np.zeros((3, 2), np.float32)), Dev(np.zeros((1, 3), np.float32))
+            )
         else:
             p.linear_heads(x, Dev(np.zeros((2, 3, 2), np.float32)), Dev(np.zeros((1, 2, 3), np.float32)))

@@ -15,6 +15,7 @@ both sides; the differences are summation order, about 1e-5 here).
 Skipped with the reason when torch or transformers is missing (they are the
 test extra's transformers and a CPU torch build, see .ci/run).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,61 +32,182 @@ NEW = 8
 LOGIT_RTOL = 1e-4
 PROMPT_LENS = (1, 7, 40, 3, 18, 25)
 
-_COMMON = dict(vocab_size=256, hidden_size=128, intermediate_size=256, max_position_embeddings=256,
-               initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 _MOE_OFF = dict(first_k_dense_replace=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
 
 # (id, config class, config kwargs, engine options)
 CASES = [
-    ("llama-gqa2-llama3-tied", "LlamaConfig", dict(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
-     dict(max_batch=2, page_size=16, prefill_per_round=16)),
-    ("llama-mha-bias-linear", "LlamaConfig", dict(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=32, attention_bias=True,
-        mlp_bias=True, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
-     dict(max_batch=4, page_size=8)),
-    ("mistral-gqa4-d64", "MistralConfig", dict(
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64, sliding_window=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-     dict(max_batch=2, page_size=16)),
+    (
+        "llama-gqa2-llama3-tied",
+        "LlamaConfig",
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        dict(max_batch=2, page_size=16, prefill_per_round=16),
+    ),
+    (
+        "llama-mha-bias-linear",
+        "LlamaConfig",
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=32,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        ),
+        dict(max_batch=4, page_size=8),
+    ),
+    (
+        "mistral-gqa4-d64",
+        "MistralConfig",
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=64,
+            sliding_window=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        dict(max_batch=2, page_size=16),
+    ),
     # Sliding windows shorter than most prompts (each layer's window, as transformers applies it).
-    ("mistral-window8", "MistralConfig", dict(
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64, sliding_window=8),
-     dict(max_batch=2, page_size=4)),
-    ("qwen2-window12-layer1", "Qwen2Config", dict(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, use_sliding_window=True,
-        sliding_window=12, max_window_layers=1),
-     dict(max_batch=4, page_size=16, prefill_per_round=16)),
-    ("qwen2-mha-bias-yarn", "Qwen2Config", dict(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 32}),
-     dict(max_batch=4, page_size=16)),
-    ("qwen3-gqa4-d128-qknorm", "Qwen3Config", dict(
-        num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-     dict(max_batch=2, page_size=16, prefill_per_round=16)),
-    ("deepseek_v3-qlora-yarn-R64-P16", "DeepseekV3Config", dict(
-        num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=64, q_lora_rank=48, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, **_MOE_OFF,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
-                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 32}),
-     dict(max_batch=2, page_size=16, prefill_per_round=16)),
-    ("deepseek_v3-R512-P64-halves", "DeepseekV3Config", dict(
-        num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=512, q_lora_rank=64, qk_nope_head_dim=32,
-        qk_rope_head_dim=64, v_head_dim=128, rope_interleave=False, **_MOE_OFF),
-     dict(max_batch=4, page_size=16)),
-    ("deepseek_v2-noqlora-R256-P32", "DeepseekV2Config", dict(
-        num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=256, q_lora_rank=None, qk_nope_head_dim=64,
-        qk_rope_head_dim=32, v_head_dim=64, attention_bias=True, **_MOE_OFF),
-     dict(max_batch=2, page_size=16)),
+    (
+        "mistral-window8",
+        "MistralConfig",
+        dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64, sliding_window=8),
+        dict(max_batch=2, page_size=4),
+    ),
+    (
+        "qwen2-window12-layer1",
+        "Qwen2Config",
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            use_sliding_window=True,
+            sliding_window=12,
+            max_window_layers=1,
+        ),
+        dict(max_batch=4, page_size=16, prefill_per_round=16),
+    ),
+    (
+        "qwen2-mha-bias-yarn",
+        "Qwen2Config",
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        dict(max_batch=4, page_size=16),
+    ),
+    (
+        "qwen3-gqa4-d128-qknorm",
+        "Qwen3Config",
+        dict(
+            num_hidden_layers=3,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=128,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        dict(max_batch=2, page_size=16, prefill_per_round=16),
+    ),
+    (
+        "deepseek_v3-qlora-yarn-R64-P16",
+        "DeepseekV3Config",
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            kv_lora_rank=64,
+            q_lora_rank=48,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            **_MOE_OFF,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        dict(max_batch=2, page_size=16, prefill_per_round=16),
+    ),
+    (
+        "deepseek_v3-R512-P64-halves",
+        "DeepseekV3Config",
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            kv_lora_rank=512,
+            q_lora_rank=64,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            rope_interleave=False,
+            **_MOE_OFF,
+        ),
+        dict(max_batch=4, page_size=16),
+    ),
+    (
+        "deepseek_v2-noqlora-R256-P32",
+        "DeepseekV2Config",
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            kv_lora_rank=256,
+            q_lora_rank=None,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            attention_bias=True,
+            **_MOE_OFF,
+        ),
+        dict(max_batch=2, page_size=16),
+    ),
 ]
 IDS = [c[0] for c in CASES]
-_MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
-                  "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
-                  "DeepseekV3Config": "DeepseekV3ForCausalLM", "DeepseekV2Config": "DeepseekV2ForCausalLM"}
+_MODEL_CLASSES = {
+    "LlamaConfig": "LlamaForCausalLM",
+    "MistralConfig": "MistralForCausalLM",
+    "Qwen2Config": "Qwen2ForCausalLM",
+    "Qwen3Config": "Qwen3ForCausalLM",
+    "DeepseekV3Config": "DeepseekV3ForCausalLM",
+    "DeepseekV2Config": "DeepseekV2ForCausalLM",
+}
 
 
 def make_model(case_id: str, seed: int = 0):
@@ -116,11 +238,19 @@ def prompts_for(seed: int = 0, lens=PROMPT_LENS, vocab: int = 256):
 
 def hf_generate(model, prompt, new=NEW, eos=None, logits=False):
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                         eos_token_id=eos, pad_token_id=0, output_logits=logits, return_dict_in_generate=True)
-    toks = out.sequences[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+        output_logits=logits,
+        return_dict_in_generate=True,
+    )
+    toks = out.sequences[0, len(prompt) :].tolist()
     if eos is not None and eos in toks:
-        toks = toks[:toks.index(eos) + 1]
+        toks = toks[: toks.index(eos) + 1]
     return (toks, torch.stack(out.logits)[:, 0].numpy()) if logits else toks
 
 
@@ -132,8 +262,10 @@ def engine_for(case_id: str, model):
     the tests of a case)."""
     if case_id not in _engines:
         opts = next(c for c in CASES if c[0] == case_id)[3]
-        _engines[case_id] = (model, cupaged.Engine.from_transformers(model, like=LIKE, prefill_chunk=16,
-                                                                     num_pages=96, **opts))
+        _engines[case_id] = (
+            model,
+            cupaged.Engine.from_transformers(model, like=LIKE, prefill_chunk=16, num_pages=96, **opts),
+        )
     return _engines[case_id][1]
 
 
@@ -145,6 +277,7 @@ def models():
         if case_id not in cache:
             cache[case_id] = make_model(case_id)
         return cache[case_id]
+
     yield get
     _engines.clear()
 
@@ -161,7 +294,7 @@ def test_generate_matches_transformers(models, case):
     s = engine.stats
     assert s["prefill_tokens"] == sum(PROMPT_LENS)
     assert s["prefill_chunks"] >= 3 and s["readbacks"] >= 2
-    assert engine.cache.num_free_pages == engine.cache.num_pages      # every sequence freed (cached pages count)
+    assert engine.cache.num_free_pages == engine.cache.num_pages  # every sequence freed (cached pages count)
 
 
 @pytest.mark.parametrize("case", IDS)
@@ -202,15 +335,16 @@ def test_shared_prefixes_are_reused(models, case):
     cached when it finishes (max_batch 1: the others wait for it), the others
     share them and prefill only their tails; tokens still equal transformers'."""
     model = models(case)
-    engine = cupaged.Engine.from_transformers(model, like=LIKE, max_batch=1, prefill_chunk=16, num_pages=64,
-                                              page_size=16)
+    engine = cupaged.Engine.from_transformers(
+        model, like=LIKE, max_batch=1, prefill_chunk=16, num_pages=64, page_size=16
+    )
     rng = np.random.default_rng(7)
     prefix = rng.integers(0, 256, 32).tolist()
     prompts = [prefix + rng.integers(0, 256, n).tolist() for n in (5, 9, 1)]
     expected = [hf_generate(model, p) for p in prompts]
     before = engine.cache.stats()["hits"]
     assert engine.generate(prompts, NEW) == expected
-    assert engine.cache.stats()["hits"] - before == 4              # 2 pages each for the 2nd and 3rd prompt
+    assert engine.cache.stats()["hits"] - before == 4  # 2 pages each for the 2nd and 3rd prompt
     assert engine.stats["cached_prompt_tokens"] == 64
     assert engine.stats["prefill_tokens"] == sum(map(len, prompts)) - 64
 
@@ -223,7 +357,7 @@ def test_stop_tokens_end_sequences_like_transformers(models, case):
     engine = engine_for(case, model)
     prompts = prompts_for(seed=3, lens=(6, 11, 2))
     free = [hf_generate(model, p, new=12) for p in prompts]
-    stop = free[0][4]                 # the fifth token of the first prompt's output
+    stop = free[0][4]  # the fifth token of the first prompt's output
     expected = [hf_generate(model, p, new=12, eos=stop) for p in prompts]
     assert len(expected[0]) == free[0].index(stop) + 1 <= 5
     assert engine.generate(prompts, 12, stop_token_ids=[stop]) == expected
@@ -258,14 +392,27 @@ def test_bfloat16_checkpoint_loads_as_float32(tmp_path):
     prompts = prompts_for(seed=6, lens=(4, 13))
     assert engine.generate(prompts, NEW) == [hf_generate(ref, p) for p in prompts]
     assert [len(t) for t in bf16.generate(prompts, 4)] == [4, 4]
-    mem = cupaged.Engine.from_transformers(model, like=LIKE, max_batch=2, num_pages=64)   # bf16 tensors in memory
+    mem = cupaged.Engine.from_transformers(model, like=LIKE, max_batch=2, num_pages=64)  # bf16 tensors in memory
     assert mem.dtype.name == "bfloat16" and mem.generate(prompts, 4) == bf16.generate(prompts, 4)
 
 
 def test_from_transformers_refuses_a_moe_model():
-    kw = dict(_COMMON, num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=32, q_lora_rank=None,
-              qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, first_k_dense_replace=1, n_routed_experts=4,
-              num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32)
+    kw = dict(
+        _COMMON,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+    )
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kw))
     with pytest.raises(cupaged.ConfigError, match=r"first_k_dense_replace: layers 1 of 2 are mixture-of-experts"):
         cupaged.Engine.from_transformers(model, like=LIKE)

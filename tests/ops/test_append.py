@@ -5,6 +5,7 @@ Caches come from cupaged.testing: random page permutation, every unused slot
 NaN-poisoned, a huge sentinel past each sequence's pages. Untouched bytes
 must stay identical, NaN payloads included.
 """
+
 import types
 import zlib
 
@@ -37,8 +38,9 @@ def new_rows(rng, queries, heads, dim, dtype):
 
 
 def plan_of(case):
-    return HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size,
-                          case.num_pages).upload(case.k_cache)
+    return HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages).upload(
+        case.k_cache
+    )
 
 
 CONFIGS = {
@@ -46,12 +48,12 @@ CONFIGS = {
     "gqa_decode": dict(num_kv_heads=2, head_dim=64, head_dim_v=64, page_size=16, sequences=4, max_kv_len=60),
     "mla": dict(num_kv_heads=1, head_dim=512, head_dim_v=64, page_size=16, kv_lens=[40, 17], q_lens=[3, 1]),
     "odd_dims": dict(num_kv_heads=3, head_dim=7, head_dim_v=5, page_size=5, sequences=3, max_kv_len=23, q_lens=3),
-    "page_size_1": dict(num_kv_heads=2, head_dim=16, head_dim_v=8, page_size=1, sequences=3, max_kv_len=9,
-                        q_lens=4),
+    "page_size_1": dict(num_kv_heads=2, head_dim=16, head_dim_v=8, page_size=1, sequences=3, max_kv_len=9, q_lens=4),
     # a prefill chunk crossing three pages on top of 7 cached tokens, a whole
     # prompt from position 0, an empty sequence and an idle one
-    "prefill_chunk": dict(num_kv_heads=2, head_dim=24, head_dim_v=40, page_size=8, kv_lens=[37, 20, 0, 11],
-                          q_lens=[30, 20, 0, 0]),
+    "prefill_chunk": dict(
+        num_kv_heads=2, head_dim=24, head_dim_v=40, page_size=8, kv_lens=[37, 20, 0, 11], q_lens=[30, 20, 0, 0]
+    ),
 }
 
 
@@ -72,8 +74,9 @@ def test_append_matches_reference(xp_backend, config, dtype):
     hkv, d, dv = case.k_cache.shape[2], case.k_cache.shape[3], case.v_cache.shape[3]
     new_k = new_rows(rng, case.num_queries, hkv, d, dtype)
     new_v = new_rows(rng, case.num_queries, hkv, dv, dtype)
-    exp_k, exp_v = reference.paged_append(new_k, new_v, case.k_cache, case.v_cache, case.page_table,
-                                          case.kv_lens, case.q_lens)
+    exp_k, exp_v = reference.paged_append(
+        new_k, new_v, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens
+    )
     nk, nv, k, v = (to_device(xp_backend, a) for a in (new_k, new_v, case.k_cache, case.v_cache))
     plan = HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages).upload(k)
     assert append(plan, nk, nv, k, v) is None
@@ -92,19 +95,32 @@ def test_misaligned_arrays_and_guards(dtype):
     bytes around every array must survive."""
     rng = np.random.default_rng(7)
     dt = as_dtype(dtype)
-    case = make_paged_case(rng, num_q_heads=2, num_kv_heads=2, head_dim=64, head_dim_v=32, page_size=4,
-                           sequences=3, max_kv_len=14, q_lens=2, dtype=dtype)
+    case = make_paged_case(
+        rng,
+        num_q_heads=2,
+        num_kv_heads=2,
+        head_dim=64,
+        head_dim_v=32,
+        page_size=4,
+        sequences=3,
+        max_kv_len=14,
+        q_lens=2,
+        dtype=dtype,
+    )
 
     def embed(a):
-        buf = np.full(a.size + 24, np.nan, dt)       # NaN guards on both sides
-        view = buf[1:1 + a.size].reshape(a.shape)    # one element off the 16-byte grid
+        buf = np.full(a.size + 24, np.nan, dt)  # NaN guards on both sides
+        view = buf[1 : 1 + a.size].reshape(a.shape)  # one element off the 16-byte grid
         view[...] = a
         return buf, view
 
     arrays = {}
-    for name, a in (("k", case.k_cache), ("v", case.v_cache),
-                    ("nk", new_rows(rng, case.num_queries, 2, 64, dtype)),
-                    ("nv", new_rows(rng, case.num_queries, 2, 32, dtype))):
+    for name, a in (
+        ("k", case.k_cache),
+        ("v", case.v_cache),
+        ("nk", new_rows(rng, case.num_queries, 2, 64, dtype)),
+        ("nv", new_rows(rng, case.num_queries, 2, 32, dtype)),
+    ):
         arrays[name] = embed(a)
     (kb, k), (vb, v), (_, nk), (_, nv) = arrays["k"], arrays["v"], arrays["nk"], arrays["nv"]
     assert unit_bytes(k.ctypes.data, nk.ctypes.data) == dt.itemsize
@@ -115,7 +131,7 @@ def test_misaligned_arrays_and_guards(dtype):
     assert_bits(v, exp_v)
     for buf, before, n in ((kb, kb0, k.size), (vb, vb0, v.size)):
         assert_bits(buf[:1], before[:1], "guard before")
-        assert_bits(buf[1 + n:], before[1 + n:], "guard after")
+        assert_bits(buf[1 + n :], before[1 + n :], "guard after")
 
 
 def test_corrupt_words_write_nothing_outside():
@@ -123,24 +139,26 @@ def test_corrupt_words_write_nothing_outside():
     a bad sequence index, a position past the table and a bad page id are
     skipped; the rest is written."""
     rng = np.random.default_rng(3)
-    case = make_paged_case(rng, num_q_heads=2, num_kv_heads=2, head_dim=8, page_size=4,
-                           kv_lens=[5, 9, 3, 6], dtype="f32")
+    case = make_paged_case(
+        rng, num_q_heads=2, num_kv_heads=2, head_dim=8, page_size=4, kv_lens=[5, 9, 3, 6], dtype="f32"
+    )
     nk = new_rows(rng, 4, 2, 8, "f32")
     nv = new_rows(rng, 4, 2, 8, "f32")
     plan = plan_of(case)
     h = plan.host
-    exp_k, exp_v = reference.paged_append(nk, nv, case.k_cache, case.v_cache, case.page_table,
-                                          case.kv_lens, case.q_lens)
+    exp_k, exp_v = reference.paged_append(
+        nk, nv, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens
+    )
     q_seq, q_pos = 16, 16 + h.queries
     table = 17 + 2 * h.queries + 2 * h.sequences
-    plan.words[q_seq + 0] = 0xFFFFFFF0                       # query 0: sequence out of range
-    plan.words[q_pos + 1] = 0xFFFFFFF0                       # query 1: position past the table
+    plan.words[q_seq + 0] = 0xFFFFFFF0  # query 0: sequence out of range
+    plan.words[q_pos + 1] = 0xFFFFFFF0  # query 1: position past the table
     col = int(h.q_pos[2]) // h.page_size
-    plan.words[table + 2 * h.table_width + col] = h.pages    # query 2: page id == num_pages
+    plan.words[table + 2 * h.table_width + col] = h.pages  # query 2: page id == num_pages
     k, v = case.k_cache.copy(), case.v_cache.copy()
     append(plan, nk, nv, k, v)
     pages, offsets = h.write_slots()
-    for i in range(3):                                       # skipped: expect the old bytes
+    for i in range(3):  # skipped: expect the old bytes
         exp_k[pages[i], offsets[i]] = case.k_cache[pages[i], offsets[i]]
         exp_v[pages[i], offsets[i]] = case.v_cache[pages[i], offsets[i]]
     assert_bits(k, exp_k)
@@ -162,7 +180,7 @@ def test_graph_replay_reads_positions_from_device_words():
         append(plan, nk, nv, k, v)
     finally:
         g = s.end_capture()
-    assert np.isnan(k).all()                                  # recorded, not run
+    assert np.isnan(k).all()  # recorded, not run
     g.launch()
     exp_k, exp_v = reference.paged_append(nk, nv, np.full_like(k, np.nan), np.full_like(v, np.nan), table, [3], [1])
     assert_bits(k, exp_k)
@@ -195,6 +213,7 @@ def test_zero_queries_launch_nothing(monkeypatch):
 
     def boom(*a, **kw):
         raise AssertionError("launched")
+
     monkeypatch.setattr(plan.stream, "launch", boom)
     monkeypatch.setattr("cupaged.ops.append.get_kernel", boom)
     assert append(plan, np.zeros((0, 2, 8), np.float16), np.zeros((0, 2, 4), np.float16), k, v) is None
@@ -205,6 +224,7 @@ def test_zero_queries_launch_nothing(monkeypatch):
 
 # ---------------------------------------------------------------------------
 # input errors
+
 
 def _case(dtype=np.float32, hkv=2, d=8, dv=6):
     # seq 0: 6 tokens, 2 new; seq 1: 3 tokens, 1 new; seq 2: idle
@@ -250,12 +270,24 @@ def test_dtype_and_layout_errors():
     _bad(plan, nk.astype(np.int32), nv, k, v, "new_k: expected dtype float32, float16 or bfloat16, got int32")
     _bad(plan, nk, nv.astype(np.float16), k, v, "new_v: expected dtype float32 like new_k, got float16")
     _bad(plan, nk, nv, k.astype(BF16), v, "k_cache: expected dtype float32 like new_k, got bfloat16")
-    _bad(plan, nk, nv, k, v.astype(np.float64),
-         r"v_cache: expected dtype float32, float16, bfloat16, float8_e4m3fn or float8_e5m2 "
-         r"\(or uint8 with kv_dtype=\), "
-         "got float64")
-    _bad(plan, nk.astype(np.float16), nv.astype(np.float16), k, v,
-         "k_cache: expected dtype float16 like new_k, got float32")
+    _bad(
+        plan,
+        nk,
+        nv,
+        k,
+        v.astype(np.float64),
+        r"v_cache: expected dtype float32, float16, bfloat16, float8_e4m3fn or float8_e5m2 "
+        r"\(or uint8 with kv_dtype=\), "
+        "got float64",
+    )
+    _bad(
+        plan,
+        nk.astype(np.float16),
+        nv.astype(np.float16),
+        k,
+        v,
+        "k_cache: expected dtype float16 like new_k, got float32",
+    )
     # strided views are fine as long as the innermost dim is contiguous (tests/ops/test_append_fp8.py)
     _bad(plan, np.asfortranarray(nk), nv, k, v, r"new_k: expected a contiguous innermost dim")
     _bad(plan, nk, nv, np.asfortranarray(k), v, r"k_cache: expected a contiguous innermost dim")
@@ -278,17 +310,16 @@ def test_shape_errors():
 def test_overlap_errors():
     plan, nk, nv, k, v = _case(d=6, dv=6)
     flat = np.zeros(k.size + nk.size, np.float32)
-    kk = flat[:k.size].reshape(k.shape)
-    _bad(plan, flat[-nk.size - 6:-6].reshape(nk.shape), nv, kk, v, "new_k: expected memory disjoint from k_cache")
-    vv = k.reshape(-1)[:v.size].reshape(v.shape)
+    kk = flat[: k.size].reshape(k.shape)
+    _bad(plan, flat[-nk.size - 6 : -6].reshape(nk.shape), nv, kk, v, "new_k: expected memory disjoint from k_cache")
+    vv = k.reshape(-1)[: v.size].reshape(v.shape)
     _bad(plan, nk, nv, k, vv, "k_cache: expected memory disjoint from v_cache")
-    _bad(plan, nk, v.reshape(-1)[:nv.size].reshape(nv.shape), k, v, "new_v: expected memory disjoint from v_cache")
+    _bad(plan, nk, v.reshape(-1)[: nv.size].reshape(nv.shape), k, v, "new_v: expected memory disjoint from v_cache")
 
 
 def test_u32_and_plan_errors():
     plan, nk, nv, k, v = _case()
-    big = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(3, 2**20, 2**12),
-                                          strides=(2**34, 2**14, 4))
+    big = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(3, 2**20, 2**12), strides=(2**34, 2**14, 4))
     _bad(plan, big, nv, k, v, "new_k: .* elements exceed 32-bit indexing")
     _bad(plan.host, nk, nv, k, v, "plan: expected a DevicePlan")
 
@@ -309,5 +340,11 @@ FakeCupy.__module__ = "cupy._core.core"
 def test_backend_errors():
     plan, nk, nv, k, v = _case()
     _bad(plan, nk, FakeCupy(nv), k, v, "new_v: expected a NumPy array like new_k")
-    _bad(plan, FakeCupy(nk), FakeCupy(nv), FakeCupy(k), FakeCupy(v),
-         "new_k: expected an array of the plan's cpu backend, got the gpu backend")
+    _bad(
+        plan,
+        FakeCupy(nk),
+        FakeCupy(nv),
+        FakeCupy(k),
+        FakeCupy(v),
+        "new_k: expected an array of the plan's cpu backend, got the gpu backend",
+    )

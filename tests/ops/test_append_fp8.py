@@ -16,6 +16,7 @@ PagedKVCache and copy_pages.
   (bit-exact copies, fp8 quantized), with everything outside them untouched.
 * Bad inputs raise PagedAttentionError before any launch and write nothing.
 """
+
 import random
 
 import ml_dtypes
@@ -59,14 +60,35 @@ def test_quantize_float32_bit_patterns_and_boundaries(fmt):
     rng = np.random.default_rng(1)
     mx = float(ml_dtypes.finfo(F8[fmt]).max)
     tiny = float(ml_dtypes.finfo(F8[fmt]).smallest_subnormal)
-    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, mx, -mx,
-                        np.nextafter(mx, np.inf, dtype=np.float32),
-                        mx * 1.0625, mx * 1.0625 - 1e-3, mx * 1.03, tiny, tiny / 2, tiny * 1.5, tiny * 2.5,
-                        np.nextafter(np.float32(tiny / 2), np.float32(1)), 1e-40, -1e-40, 3e38], np.float32)
+    special = np.array(
+        [
+            0.0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+            -np.nan,
+            mx,
+            -mx,
+            np.nextafter(mx, np.inf, dtype=np.float32),
+            mx * 1.0625,
+            mx * 1.0625 - 1e-3,
+            mx * 1.03,
+            tiny,
+            tiny / 2,
+            tiny * 1.5,
+            tiny * 2.5,
+            np.nextafter(np.float32(tiny / 2), np.float32(1)),
+            1e-40,
+            -1e-40,
+            3e38,
+        ],
+        np.float32,
+    )
     rand = rng.integers(0, 1 << 32, 4096 * 2 - special.size, dtype=np.uint64).astype(np.uint32).view(np.float32)
     near = (rng.integers(1, 1 << 8, 4096) * np.float32(tiny)).astype(np.float32) * rng.choice([1, -1], 4096)
     with np.errstate(invalid="ignore"):
-        x = np.concatenate([special, rand, near]).astype(np.float32).reshape(-1, 4, 32)   # [96, 4, 32]
+        x = np.concatenate([special, rand, near]).astype(np.float32).reshape(-1, 4, 32)  # [96, 4, 32]
     n = x.shape[0]
     for ks in (np.float32(1.0), np.float32(0.0625), np.array([3.0, 1e-3, 7e2, 0.5], np.float32)):
         k = codes(fmt, (n // 8, 8, 4, 32))
@@ -89,7 +111,7 @@ def test_vllm_reshape_and_cache_flash_fp8(xp_backend, dtype, layout, scale_type,
     tokens, heads, blocks = 21, 8, 24 if xp_backend.name == "cpu" else 512
     dt = np.float32 if dtype == "f32" else ml_dtypes.bfloat16
     qkv = rng.standard_normal((tokens, 3, heads, head_size)).astype(dt)
-    key, value = qkv[:, 1], qkv[:, 2]               # strided views (qkv.unbind)
+    key, value = qkv[:, 1], qkv[:, 2]  # strided views (qkv.unbind)
     slots = np.array(random.sample(range(blocks * block_size), tokens), np.int64)
     if scale_type == "tensor":
         ks = np.array([key.astype(np.float32).max() / 64], np.float32)
@@ -105,15 +127,14 @@ def test_vllm_reshape_and_cache_flash_fp8(xp_backend, dtype, layout, scale_type,
         kc, vc = kc.transpose(0, 2, 1, 3), vc.transpose(0, 2, 1, 3)
     before = xp_backend.to_numpy(kv).copy()
     dev = xp_backend.asarray
-    cupaged.write_slots(dev(qkv)[:, 1], dev(qkv)[:, 2], kc, vc, slots, kv_dtype="fp8", k_scale=dev(ks),
-                        v_scale=dev(vs))
+    cupaged.write_slots(dev(qkv)[:, 1], dev(qkv)[:, 2], kc, vc, slots, kv_dtype="fp8", k_scale=dev(ks), v_scale=dev(vs))
     got_k, got_v = xp_backend.to_numpy(kc), xp_backend.to_numpy(vc)
     page, off = slots // block_size, slots % block_size
     for got, new, sc in ((got_k, key, ks), (got_v, value, vs)):
-        rows = got[page, off]                                    # [tokens, heads, head_size] uint8
+        rows = got[page, off]  # [tokens, heads, head_size] uint8
         sc_b = sc.reshape(-1, 1) if sc.size > 1 else sc[0]
         deq = reference.dequantize_fp8(rows, "e4m3", sc_b)
-        np.testing.assert_allclose(deq, new.astype(np.float64), atol=1e-3, rtol=0.1)   # vLLM's tolerance
+        np.testing.assert_allclose(deq, new.astype(np.float64), atol=1e-3, rtol=0.1)  # vLLM's tolerance
         np.testing.assert_array_equal(rows, bits(reference.quantize_fp8(new, "e4m3", sc_b)))
     # nothing else changed
     after = xp_backend.to_numpy(kv)
@@ -149,6 +170,7 @@ def test_append_into_views(fmt, layout):
         if fmt is None:
             return rng.standard_normal(shape).astype(dt)
         return rng.integers(0, 256, shape, dtype=np.uint8)
+
     if layout == "HND":
         kbuf, vbuf = mk((7, hkv, 4, d)), mk((7, hkv, 4, d))
         kc, vc = kbuf.transpose(0, 2, 1, 3), vbuf.transpose(0, 2, 1, 3)
@@ -165,23 +187,30 @@ def test_append_into_views(fmt, layout):
         kc, vc = kbuf[..., :512], kbuf[..., 512:]
         bufs = (kbuf,)
     qkv = rng.standard_normal((n, hkv, d + dv + 8)).astype(dt)
-    nk, nv = qkv[..., :d], qkv[..., d + 8:]                   # slices of a fused projection
+    nk, nv = qkv[..., :d], qkv[..., d + 8 :]  # slices of a fused projection
     before = [b.copy() for b in bufs]
     ks = np.array([0.5], np.float32) if fmt else None
     vs = np.linspace(0.25, 2, hkv).astype(np.float32) if fmt else None
     plan.append(nk, nv, kc, vc, kv_dtype=fmt, k_scale=ks, v_scale=vs)
     if fmt is None:
-        exp_k, exp_v = reference.paged_append(nk, nv, np.ascontiguousarray(kc), np.ascontiguousarray(vc),
-                                              host.page_table, host.kv_lens, host.q_lens)
+        exp_k, exp_v = reference.paged_append(
+            nk, nv, np.ascontiguousarray(kc), np.ascontiguousarray(vc), host.page_table, host.kv_lens, host.q_lens
+        )
     else:
         qk = reference.quantize_fp8(nk, fmt, ks[0]).view(np.uint8)
         qv = reference.quantize_fp8(nv, fmt, vs[:, None]).view(np.uint8)
-        exp_k, exp_v = reference.paged_append(qk, qv, np.ascontiguousarray(before_view(before, layout, 0, d)),
-                                              np.ascontiguousarray(before_view(before, layout, 1, d)),
-                                              host.page_table, host.kv_lens, host.q_lens)
+        exp_k, exp_v = reference.paged_append(
+            qk,
+            qv,
+            np.ascontiguousarray(before_view(before, layout, 0, d)),
+            np.ascontiguousarray(before_view(before, layout, 1, d)),
+            host.page_table,
+            host.kv_lens,
+            host.q_lens,
+        )
     np.testing.assert_array_equal(bits(kc), bits(exp_k))
     np.testing.assert_array_equal(bits(vc), bits(exp_v))
-    if layout == "mla576":     # the two views share every row of one buffer; neither spilled into the other
+    if layout == "mla576":  # the two views share every row of one buffer; neither spilled into the other
         np.testing.assert_array_equal(bits(kbuf[..., :512]), bits(exp_k))
         np.testing.assert_array_equal(bits(kbuf[..., 512:]), bits(exp_v))
 
@@ -201,8 +230,9 @@ def test_append_k_only_mla_without_rotary_part():
     lat = np.zeros((7, 4, 1, 64), np.float16)
     new = rng.standard_normal((host.queries, 1, 64)).astype(np.float16)
     plan.append(new, None, lat, None)
-    exp, _ = reference.paged_append(new, new, np.zeros_like(lat), np.zeros_like(lat), host.page_table, host.kv_lens,
-                                    host.q_lens)
+    exp, _ = reference.paged_append(
+        new, new, np.zeros_like(lat), np.zeros_like(lat), host.page_table, host.kv_lens, host.q_lens
+    )
     np.testing.assert_array_equal(bits(lat), bits(exp))
     with pytest.raises(PagedAttentionError, match="new_v, v_cache: expected both or neither"):
         plan.append(new, new, lat, None)
@@ -232,8 +262,9 @@ def test_paged_kv_cache_fp8(fmt):
             k = cache.k[layer][pages].reshape(-1, 2, 16)[:6]
             v = cache.v[layer][pages].reshape(-1, 2, 16)[:6]
             np.testing.assert_array_equal(bits(k), bits(reference.quantize_fp8(news[2 * layer], fmt, ks)))
-            np.testing.assert_array_equal(bits(v), bits(reference.quantize_fp8(news[2 * layer + 1], fmt,
-                                                                                np.array(vs)[:, None])))
+            np.testing.assert_array_equal(
+                bits(v), bits(reference.quantize_fp8(news[2 * layer + 1], fmt, np.array(vs)[:, None]))
+            )
     with pytest.raises(PagedAttentionError, match="k_scale: expected None for a float16 cache"):
         PagedKVCache(8, 4, 2, 16, "f16", k_scale=1.0)
     with pytest.raises(PagedAttentionError, match=r"v_scale: expected a number or float data of shape \[2\]"):
@@ -243,7 +274,7 @@ def test_paged_kv_cache_fp8(fmt):
 
 def test_copy_pages_fp8_and_strided_pages():
     rng = np.random.default_rng(5)
-    kv = rng.integers(0, 256, (3, 6, 2, 4, 2, 8), dtype=np.uint8)     # [layers, pages, 2, page, heads, d]
+    kv = rng.integers(0, 256, (3, 6, 2, 4, 2, 8), dtype=np.uint8)  # [layers, pages, 2, page, heads, d]
     k, v = kv[:, :, 0], kv[:, :, 1]
     before = kv.copy()
     cupaged.copy_pages(k, v, [0, 2], [5, 3])
@@ -254,7 +285,7 @@ def test_copy_pages_fp8_and_strided_pages():
     f8v = f8.copy()
     cupaged.copy_pages(f8, f8v, [1], [4])
     np.testing.assert_array_equal(bits(f8[4]), bits(f8[1]))
-    hnd = np.zeros((6, 2, 4, 8), np.float16).transpose(0, 2, 1, 3)   # a page is still one block
+    hnd = np.zeros((6, 2, 4, 8), np.float16).transpose(0, 2, 1, 3)  # a page is still one block
     cupaged.copy_pages(hnd, hnd.copy(), [1], [4])
     with pytest.raises(PagedAttentionError, match="k_cache: expected each page .* to fill one contiguous block"):
         cupaged.copy_pages(kv[:, :, :, 0], kv[:, :, :, 1], [0], [1])
@@ -273,30 +304,50 @@ def test_fp8_write_errors_write_nothing():
     cases = [
         (lambda: plan.append(nk, nk, k8, v8), "k_cache: uint8 is raw fp8 storage: name its format with kv_dtype="),
         (lambda: plan.append(nk, nk, k8, v8, kv_dtype="int4"), "kv_dtype: expected one of"),
-        (lambda: plan.append(nk, nk, f16c, f16c.copy(), kv_dtype="e4m3"),
-         r"k_cache: expected dtype float8_e4m3fn or uint8 \(raw fp8 storage\) for kv_dtype='e4m3', got float16"),
-        (lambda: plan.append(nk, nk, k8, v8, kv_dtype="e4m3", k_scale=np.ones(3, np.float32)),
-         r"k_scale: expected shape \[\] or \[1\] \(per tensor\) or \[2\] \(per KV head, contiguous\), got \[3\]"),
-        (lambda: plan.append(nk, nk, k8, v8, kv_dtype="e4m3", v_scale=np.ones(2, np.float64)),
-         "v_scale: expected dtype float32, got float64"),
-        (lambda: plan.append(nk, nk, k8, v8, kv_dtype="e4m3", k_scale=1.0),
-         "k_scale: expected a float32 NumPy or CuPy array"),
-        (lambda: plan.append(nk, nk, f16c, f16c.copy(), k_scale=one),
-         "k_scale: expected None for a float16 cache"),
-        (lambda: plan.append(nk.astype(ml_dtypes.float8_e4m3fn), nk, k8, v8, kv_dtype="e4m3"),
-         "new_k: expected dtype float32, float16 or bfloat16, got float8_e4m3fn"),
-        (lambda: plan.append(nk, nk, np.asfortranarray(k8), v8, kv_dtype="e4m3"),
-         "k_cache: expected a contiguous innermost dim"),
-        (lambda: plan.append(nk, nk, k8, v8.view(ml_dtypes.float8_e5m2)),
-         "k_cache: uint8 is raw fp8 storage"),
-        (lambda: plan.append(nk, nk, k8.view(ml_dtypes.float8_e4m3fn), v8.view(ml_dtypes.float8_e5m2)),
-         "v_cache: expected dtype float8_e4m3fn like k_cache, got float8_e5m2"),
-        (lambda: plan.append(nk, nk, np.lib.stride_tricks.as_strided(k8, (7, 4, 2, 16), (512, 16, 8, 1)), v8,
-                             kv_dtype="e4m3"), "k_cache: expected rows that do not overlap one another"),
-        (lambda: plan.append(nk, nk, k8[:, :, :, :16], k8[:, :, :, :16], kv_dtype="e4m3"),
-         "k_cache: expected memory disjoint from v_cache"),
-        (lambda: cupaged.write_slots(nk, nk, k8, v8, np.arange(n), kv_dtype="e4m3", k_scale=k8[0, 0, 0, :1]),
-         "k_scale: expected dtype float32, got uint8"),
+        (
+            lambda: plan.append(nk, nk, f16c, f16c.copy(), kv_dtype="e4m3"),
+            r"k_cache: expected dtype float8_e4m3fn or uint8 \(raw fp8 storage\) for kv_dtype='e4m3', got float16",
+        ),
+        (
+            lambda: plan.append(nk, nk, k8, v8, kv_dtype="e4m3", k_scale=np.ones(3, np.float32)),
+            r"k_scale: expected shape \[\] or \[1\] \(per tensor\) or \[2\] \(per KV head, contiguous\), got \[3\]",
+        ),
+        (
+            lambda: plan.append(nk, nk, k8, v8, kv_dtype="e4m3", v_scale=np.ones(2, np.float64)),
+            "v_scale: expected dtype float32, got float64",
+        ),
+        (
+            lambda: plan.append(nk, nk, k8, v8, kv_dtype="e4m3", k_scale=1.0),
+            "k_scale: expected a float32 NumPy or CuPy array",
+        ),
+        (lambda: plan.append(nk, nk, f16c, f16c.copy(), k_scale=one), "k_scale: expected None for a float16 cache"),
+        (
+            lambda: plan.append(nk.astype(ml_dtypes.float8_e4m3fn), nk, k8, v8, kv_dtype="e4m3"),
+            "new_k: expected dtype float32, float16 or bfloat16, got float8_e4m3fn",
+        ),
+        (
+            lambda: plan.append(nk, nk, np.asfortranarray(k8), v8, kv_dtype="e4m3"),
+            "k_cache: expected a contiguous innermost dim",
+        ),
+        (lambda: plan.append(nk, nk, k8, v8.view(ml_dtypes.float8_e5m2)), "k_cache: uint8 is raw fp8 storage"),
+        (
+            lambda: plan.append(nk, nk, k8.view(ml_dtypes.float8_e4m3fn), v8.view(ml_dtypes.float8_e5m2)),
+            "v_cache: expected dtype float8_e4m3fn like k_cache, got float8_e5m2",
+        ),
+        (
+            lambda: plan.append(
+                nk, nk, np.lib.stride_tricks.as_strided(k8, (7, 4, 2, 16), (512, 16, 8, 1)), v8, kv_dtype="e4m3"
+            ),
+            "k_cache: expected rows that do not overlap one another",
+        ),
+        (
+            lambda: plan.append(nk, nk, k8[:, :, :, :16], k8[:, :, :, :16], kv_dtype="e4m3"),
+            "k_cache: expected memory disjoint from v_cache",
+        ),
+        (
+            lambda: cupaged.write_slots(nk, nk, k8, v8, np.arange(n), kv_dtype="e4m3", k_scale=k8[0, 0, 0, :1]),
+            "k_scale: expected dtype float32, got uint8",
+        ),
     ]
     for call, msg in cases:
         with pytest.raises(PagedAttentionError, match=msg):

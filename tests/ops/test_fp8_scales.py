@@ -5,6 +5,7 @@ uniformly, so every host scale is refused before anything runs
 layer, per layer and KV head), and the scale arrays of write_slots,
 plan.append, attention, mla and the torch adapter. Device (CuPy) scales are
 not read back (docs/layout.md, "Cache views and fp8 caches")."""
+
 from __future__ import annotations
 
 import ml_dtypes
@@ -92,14 +93,16 @@ def test_bad_scales_refused_by_mla(launched, bad):
     q = rng.standard_normal((3, 4, 64)).astype(np.float16)
     qp = rng.standard_normal((3, 4, 16)).astype(np.float16)
     ok = np.ones(1, np.float32)
-    for kw, name in ((dict(k_scale=np.float32([bad]), v_scale=ok), "k_scale"),
-                     (dict(k_scale=ok, v_scale=np.full((), bad, np.float32)), "v_scale")):
+    for kw, name in (
+        (dict(k_scale=np.float32([bad]), v_scale=ok), "k_scale"),
+        (dict(k_scale=ok, v_scale=np.full((), bad, np.float32)), "v_scale"),
+    ):
         with pytest.raises(PagedAttentionError, match=_msg(name, bad, 0 if kw[name].ndim else None)):
             plan.mla(q, qp, lat, kp, 0.1, **kw)
         with pytest.raises(PagedAttentionError, match=_msg(name, bad, 0 if kw[name].ndim else None)):
             plan.append(q[:, :1], qp[:, :1], lat, kp, **kw)
     with pytest.raises(PagedAttentionError, match=_msg("k_scale", bad, 0)):
-        plan.mla(q, None, lat, None, 0.1, k_scale=np.float32([bad]))     # MLA without a rotary part
+        plan.mla(q, None, lat, None, 0.1, k_scale=np.float32([bad]))  # MLA without a rotary part
     assert launched == [] and not lat.view(np.uint8).any()
 
 
@@ -107,10 +110,12 @@ def test_bad_scales_refused_by_mla(launched, bad):
 def test_bad_scales_refused_by_the_page_manager(bad):
     """PagedKVCache: a number, per layer and per layer and KV head, as NumPy
     data or Python lists; the message names the offending entry."""
-    for kw, name, idx in ((dict(k_scale=bad), "k_scale", "0"),
-                          (dict(v_scale=[1.0, bad]), "v_scale", "1"),
-                          (dict(k_scale=np.array([[1.0, 2.0], [bad, 1.0]])), "k_scale", "1, 0"),
-                          (dict(v_scale=np.array([[1.0, 2.0], [0.5, bad]], np.float32)), "v_scale", "1, 1")):
+    for kw, name, idx in (
+        (dict(k_scale=bad), "k_scale", "0"),
+        (dict(v_scale=[1.0, bad]), "v_scale", "1"),
+        (dict(k_scale=np.array([[1.0, 2.0], [bad, 1.0]])), "k_scale", "1, 0"),
+        (dict(v_scale=np.array([[1.0, 2.0], [0.5, bad]], np.float32)), "v_scale", "1, 1"),
+    ):
         with pytest.raises(PagedAttentionError, match=_msg(name, bad, idx)):
             PagedKVCache(8, 4, 2, 16, "e4m3", layers=2, **kw)
 
@@ -120,7 +125,7 @@ def test_scales_that_overflow_float32_are_refused():
     with pytest.raises(PagedAttentionError, match=r"k_scale\[0\]: expected a finite float > 0 .* got inf"):
         PagedKVCache(8, 4, 2, 16, "e5m2", k_scale=1e39)
     with pytest.raises(PagedAttentionError, match=r"v_scale\[1\]: .*got -3.0"):
-        PagedKVCache(8, 4, 2, 16, "e5m2", layers=2, v_scale=np.array([1, -3]))   # integer data
+        PagedKVCache(8, 4, 2, 16, "e5m2", layers=2, v_scale=np.array([1, -3]))  # integer data
 
 
 def test_good_scales_still_work():
@@ -139,6 +144,7 @@ def test_good_scales_still_work():
 def test_torch_adapter_refuses_bad_scales():
     torch = pytest.importorskip("torch")
     from cupaged.interop import torch as ct
+
     rng = np.random.default_rng(4)
     host = HostPlan.build([[0, 1], [2, -1]], [7, 3], [2, 1], 4, 4)
     tp = ct.torch_plan(host, torch.zeros(1))

@@ -1,5 +1,6 @@
 """Decoder-step kernels (kernels_cu/layers.cu) on the CPU backend against
 float64 NumPy references, all three dtypes, plus their input errors."""
+
 import numpy as np
 import pytest
 
@@ -18,7 +19,7 @@ def _rand(rng, shape, dt, scale=1.0):
 def test_embed(dt):
     rng = np.random.default_rng(0)
     table = _rand(rng, (50, 24), dt)
-    tokens = np.array([3, 0, 49, -1, 50, 7], np.int64)   # -1 and 50 are out of range -> zeros
+    tokens = np.array([3, 0, 49, -1, 50, 7], np.int64)  # -1 and 50 are out of range -> zeros
     out = np.full((6, 24), np.nan, as_dtype(dt))
     layers.embed(tokens, table, out)
     exp = np.zeros((6, 24))
@@ -37,7 +38,7 @@ def test_rms_norm(dt, dim):
     out = np.empty_like(x)
     layers.rms_norm(x, w, out, eps=1e-5)
     assert_close(out, reference.rms_norm(x, w, 1e-5), dt)
-    layers.rms_norm(x, w, x, eps=1e-5)   # in place
+    layers.rms_norm(x, w, x, eps=1e-5)  # in place
     np.testing.assert_array_equal(x.view(np.uint8), out.view(np.uint8))
 
 
@@ -65,7 +66,7 @@ def test_rope_reads_positions_from_device_words(dt):
     cos64, sin64 = reference.rope_tables(np.arange(max_pos), dim)
     cos, sin = cos64.astype(np.float32), sin64.astype(np.float32)
     words = np.zeros(2 * rows, np.uint32)
-    pos = np.array([0, 3, 39, 12, 1000])            # 1000 is clamped to the last row
+    pos = np.array([0, 3, 39, 12, 1000])  # 1000 is clamped to the last row
     words[::2] = pos
     got = x.copy()
     layers.rope(got, words, cos, sin, position_stride=2)
@@ -97,11 +98,20 @@ def test_layer_errors():
     with pytest.raises(PagedAttentionError, match="tokens: expected a contiguous int64"):
         layers.embed(np.zeros(2, np.int32), np.zeros((4, 8), np.float32), x)
     with pytest.raises(PagedAttentionError, match="x: expected an even head dim"):
-        layers.rope(np.zeros((1, 1, 3), np.float32), np.zeros(1, np.uint32), np.zeros((4, 1), np.float32),
-                    np.zeros((4, 1), np.float32))
+        layers.rope(
+            np.zeros((1, 1, 3), np.float32),
+            np.zeros(1, np.uint32),
+            np.zeros((4, 1), np.float32),
+            np.zeros((4, 1), np.float32),
+        )
     with pytest.raises(PagedAttentionError, match="positions: expected at least 3 words"):
-        layers.rope(np.zeros((2, 1, 4), np.float32), np.zeros(2, np.uint32), np.zeros((4, 2), np.float32),
-                    np.zeros((4, 2), np.float32), position_stride=2)
+        layers.rope(
+            np.zeros((2, 1, 4), np.float32),
+            np.zeros(2, np.uint32),
+            np.zeros((4, 2), np.float32),
+            np.zeros((4, 2), np.float32),
+            position_stride=2,
+        )
     with pytest.raises(PagedAttentionError, match=r"out: expected shape \[2, 3\]"):
         layers.silu_mul(np.zeros((2, 6), np.float32), np.zeros((2, 4), np.float32))
 
@@ -130,7 +140,7 @@ def test_bias_add(dt):
     got = x.copy()
     layers.bias_add(got, b)
     assert_close(got, x.astype(np.float64) + b.astype(np.float64), dt)
-    layers.bias_add(got[:0], b)                  # no rows: nothing launched
+    layers.bias_add(got[:0], b)  # no rows: nothing launched
 
 
 def test_linear_heads_and_bias_errors():

@@ -2,6 +2,7 @@
 backend (and the GPU when there is one): dtypes, odd vocab sizes, rows that
 start off a 16-byte boundary, ties, NaN, -inf, every error message, and
 capture + replay with logits that change between replays."""
+
 import numpy as np
 import pytest
 
@@ -19,7 +20,7 @@ def shifted(xp, x: np.ndarray, offset: int = 0):
     buf = xp.empty(x.size + 16, x.dtype)
     addr = buf.ctypes.data if xp is np else buf.data.ptr
     start = (-(addr % 16) // x.itemsize) % (16 // x.itemsize) + offset
-    y = buf[start:start + x.size].reshape(x.shape)
+    y = buf[start : start + x.size].reshape(x.shape)
     y[...] = xp.asarray(x)
     return y
 
@@ -36,6 +37,7 @@ def run_argmax(x: np.ndarray, backend, offset: int = 0) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- results
+
 
 @pytest.mark.parametrize("vocab", [1, 7, 1000, 32003])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -61,11 +63,11 @@ def test_every_position_and_alignment(dtype, offset, xp_backend):
 def test_ties_first_index_wins(dtype, xp_backend):
     vocab = 32003
     x = np.zeros((5, vocab), as_dtype(dtype))
-    x[1, [31000, 5000, 20000, 5001]] = 3          # far apart: different threads and warps
-    x[2, [vocab - 1, vocab - 2]] = 1              # both in the tail
-    x[3, :] = 2                                   # all equal
+    x[1, [31000, 5000, 20000, 5001]] = 3  # far apart: different threads and warps
+    x[2, [vocab - 1, vocab - 2]] = 1  # both in the tail
+    x[3, :] = 2  # all equal
     x[4, :] = -1
-    x[4, [9, 4000]] = -0.0                        # -0.0 ties with the +0.0 after it
+    x[4, [9, 4000]] = -0.0  # -0.0 ties with the +0.0 after it
     x[4, 17] = 0.0
     got = run_argmax(x, xp_backend)
     assert got.tolist() == [0, 5000, vocab - 2, 0, 9]
@@ -77,14 +79,14 @@ def test_nan_and_inf(dtype, xp_backend):
     nan, inf = np.nan, np.inf
     vocab = 1000
     x = np.full((7, vocab), -1.0)
-    x[0, [700, 300, 999]] = nan                   # first NaN wins
-    x[1, [5, 6]] = [inf, nan]                     # NaN beats +inf
-    x[2, :] = -inf                                # all -inf: index 0
+    x[0, [700, 300, 999]] = nan  # first NaN wins
+    x[1, [5, 6]] = [inf, nan]  # NaN beats +inf
+    x[2, :] = -inf  # all -inf: index 0
     x[3, :] = -inf
     x[3, 998] = -5.0
-    x[4, :] = nan                                 # all NaN: index 0
+    x[4, :] = nan  # all NaN: index 0
     x[5, [0, 2]] = [inf, inf]
-    x[6, 1] = nan                                 # NaN in the scalar head
+    x[6, 1] = nan  # NaN in the scalar head
     x = x.astype(as_dtype(dtype))
     got = run_argmax(x, xp_backend)
     assert got.tolist() == [300, 6, 0, 998, 0, 0, 1]
@@ -108,11 +110,11 @@ def test_nan_payloads_all_count_as_maximum(dtype, xp_backend):
     bits = x.view(uint)
     expect = []
     for r, (first, second) in enumerate((a, b) for a in patterns for b in patterns):
-        bits[r, 40 + r] = first                   # both NaN; the first one wins
-        bits[r, 100 + r] = second                 # whatever the sign or payload
+        bits[r, 40 + r] = first  # both NaN; the first one wins
+        bits[r, 100 + r] = second  # whatever the sign or payload
         x[r, 250] = np.inf
         expect.append(40 + r)
-    with np.errstate(invalid="ignore"):           # casting a signalling NaN
+    with np.errstate(invalid="ignore"):  # casting a signalling NaN
         assert np.isnan(x.astype(np.float64)[:, 40:].max(axis=1)).all()
     got = run_argmax(x, xp_backend)
     assert got.tolist() == expect
@@ -128,7 +130,7 @@ def test_random_with_many_ties_and_specials(dtype, xp_backend):
         x[rng.random(x.shape) < 0.05] = np.inf
         x[rng.random(x.shape) < 0.05] = -np.inf
         x[rng.random(x.shape) < 0.05] = -0.0
-        x[:4] *= 1e-6                                  # tiny rows: subnormal in f16
+        x[:4] *= 1e-6  # tiny rows: subnormal in f16
         x[4:8] = np.where(x[4:8] > 0, -x[4:8], x[4:8])  # non-positive rows: -0.0 and +0.0 compete
         x = x.astype(as_dtype(dtype))
         got = run_argmax(x, xp_backend, int(rng.integers(0, 8)))
@@ -142,9 +144,9 @@ def test_batch_zero_launches_nothing():
 
 def test_block_size():
     assert rowwise.block_size(1, 2) == 32
-    assert rowwise.block_size(1000, 4) == 64            # 250 vectors: at most 4 per thread
+    assert rowwise.block_size(1000, 4) == 64  # 250 vectors: at most 4 per thread
     assert rowwise.block_size(32000, 2) == 1024
-    assert rowwise.block_size(10 ** 6, 2) == 1024
+    assert rowwise.block_size(10**6, 2) == 1024
 
 
 def test_argmax_allocating():
@@ -156,13 +158,14 @@ def test_argmax_allocating():
 
 # ---------------------------------------------------------------- errors
 
+
 def _bad(logits, out, message):
     before = None if not isinstance(out, np.ndarray) else out.copy()
     with pytest.raises(PagedAttentionError) as e:
         rowwise.argmax_into(logits, out)
     assert message in str(e.value), str(e.value)
     if before is not None:
-        np.testing.assert_array_equal(out, before)        # nothing written before the check
+        np.testing.assert_array_equal(out, before)  # nothing written before the check
 
 
 def test_error_messages(monkeypatch):
@@ -191,11 +194,15 @@ def test_error_messages(monkeypatch):
     read_only.flags.writeable = False
     _bad(f32, read_only, "out: expected a writeable array, got a read-only one")
     shared = np.zeros(64, np.uint8)
-    _bad(shared[:48].view(np.float32).reshape(3, 4), shared[16:40].view(np.int64),
-         "out: expected memory disjoint from logits, but they overlap")
+    _bad(
+        shared[:48].view(np.float32).reshape(3, 4),
+        shared[16:40].view(np.int64),
+        "out: expected memory disjoint from logits, but they overlap",
+    )
 
 
 # ---------------------------------------------------------------- capture and replay
+
 
 def test_capture_replay_reads_new_logits_with_frozen_arguments():
     rng = np.random.default_rng(3)
@@ -205,17 +212,17 @@ def test_capture_replay_reads_new_logits_with_frozen_arguments():
     stream.begin_capture()
     try:
         rowwise.argmax_into(logits, out)
-        assert out.tolist() == [-7] * 4               # recorded, not run
+        assert out.tolist() == [-7] * 4  # recorded, not run
     finally:
         graph = stream.end_capture()
     assert graph.num_ops == 1
 
-    other = np.zeros((4, 1001), logits.dtype)         # eager work between replays
+    other = np.zeros((4, 1001), logits.dtype)  # eager work between replays
     other_out = np.full(4, -7, np.int64)
     for trial in range(4):
         new = rng.standard_normal(logits.shape)
-        new[trial, 1000 - trial] = 100                # the maximum moves each time
-        logits[...] = new                             # in place: the captured buffer
+        new[trial, 1000 - trial] = 100  # the maximum moves each time
+        logits[...] = new  # in place: the captured buffer
         other[...] = rng.standard_normal(other.shape)
         rowwise.argmax_into(other, other_out)
         graph.launch()

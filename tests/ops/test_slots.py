@@ -12,6 +12,7 @@ them the mappings) are scaled down to keep the suite small; a GPU run uses
 vLLM's own. Every bad input raises PagedAttentionError naming the argument
 before anything is launched.
 """
+
 import random
 
 import numpy as np
@@ -76,10 +77,16 @@ def test_reshape_and_cache_flash(xp_backend, dtype, block_size, head_size, block
     cupaged.write_slots(dev(xp_backend, key), dev(xp_backend, value), kd, vd, slots)
     np.testing.assert_array_equal(bits(host(kd)), bits(exp_k))
     np.testing.assert_array_equal(bits(host(vd)), bits(exp_v))
-    if xp_backend.name == "gpu":   # a device slot mapping (the engine's persistent buffer) works too
+    if xp_backend.name == "gpu":  # a device slot mapping (the engine's persistent buffer) works too
         kd2 = dev(xp_backend, k)
-        cupaged.write_slots(dev(xp_backend, key), dev(xp_backend, value), kd2, dev(xp_backend, v),
-                            xp_backend.asarray(slots), validate=True)
+        cupaged.write_slots(
+            dev(xp_backend, key),
+            dev(xp_backend, value),
+            kd2,
+            dev(xp_backend, v),
+            xp_backend.asarray(slots),
+            validate=True,
+        )
         np.testing.assert_array_equal(bits(host(kd2)), bits(exp_k))
 
 
@@ -181,15 +188,21 @@ def test_input_errors_write_nothing():
     nk = randn(rng, (3, 2, 8), "f16")
     snap = bits(k).copy(), bits(v).copy()
     cases = [
-        (lambda: cupaged.write_slots(nk, nk, k, v, [0, 16, 1]),
-         r"slot_mapping\[1\]: expected -1 \(skip\) or a slot in 0..15 \(pages x page_size\), got 16"),
+        (
+            lambda: cupaged.write_slots(nk, nk, k, v, [0, 16, 1]),
+            r"slot_mapping\[1\]: expected -1 \(skip\) or a slot in 0..15 \(pages x page_size\), got 16",
+        ),
         (lambda: cupaged.write_slots(nk, nk, k, v, [0, -2, 1]), r"slot_mapping\[1\]: expected -1"),
-        (lambda: cupaged.write_slots(nk, nk, k, v, [3, 7, 3]),
-         "slot_mapping: tokens 0 and 2 both write slot 3; expected each slot at most once"),
+        (
+            lambda: cupaged.write_slots(nk, nk, k, v, [3, 7, 3]),
+            "slot_mapping: tokens 0 and 2 both write slot 3; expected each slot at most once",
+        ),
         (lambda: cupaged.write_slots(nk, nk, k, v, [0, 1]), r"slot_mapping: expected shape \[3\], got \[2\]"),
         (lambda: cupaged.write_slots(nk, nk, k, v, [0.0, 1.0, 2.0]), "slot_mapping: expected an integer array"),
-        (lambda: cupaged.write_slots(nk.astype(np.float32), nk, k, v, [0, 1, 2]),
-         "new_k: expected dtype float16 like k_cache, got float32"),
+        (
+            lambda: cupaged.write_slots(nk.astype(np.float32), nk, k, v, [0, 1, 2]),
+            "new_k: expected dtype float16 like k_cache, got float32",
+        ),
         (lambda: cupaged.write_slots(nk[:, :1].copy(), nk, k, v, [0, 1, 2]), r"new_k: expected shape \[3, 2, 8\]"),
         (lambda: cupaged.write_slots(nk, nk, k[None], v[None], [0, 1, 2]), "k_cache: expected a 4-D array"),
         (lambda: cupaged.write_slots(k[0, :3], nk, k, v, [0, 1, 2]), "new_k: expected memory disjoint from k_cache"),

@@ -1,5 +1,6 @@
 """Every kernel family under AddressSanitizer on padded and absurd device
 metadata (tests/runtime/asan_sweep.py): no read or write leaves its arrays."""
+
 import os
 import subprocess
 import sys
@@ -25,8 +26,16 @@ def test_kernels_stay_inside_their_arrays_under_asan():
         pytest.skip("libasan not found (g++ -print-file-name=libasan.so)")
     env = dict(os.environ, CUPAGED_CPU_ASAN="1", LD_PRELOAD=lib, ASAN_OPTIONS="detect_leaks=0")
     # Two shards at once (the builds dominate: one a core); every family runs in one of them.
-    shards = [subprocess.Popen([sys.executable, str(HERE / "asan_sweep.py"), str(k), "2"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env) for k in range(2)]
+    shards = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "asan_sweep.py"), str(k), "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for k in range(2)
+    ]
     done = 0
     for p in shards:
         out, err = p.communicate(timeout=600)

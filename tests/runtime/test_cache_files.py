@@ -1,6 +1,7 @@
 """The CPU backend's on-disk library cache survives damage: a library
 truncated by a crash or a full disk (dlopen of which dies with SIGBUS) or a
 missing / wrong checksum is rebuilt, for kernel modules and the runtime."""
+
 from __future__ import annotations
 
 import os
@@ -55,6 +56,6 @@ def test_damaged_libraries_are_rebuilt(tmp_path):
                 p.write_bytes(b"")
         r = _run(tmp_path)
         assert r.returncode == 0 and "ok" in r.stdout, (damage, r.returncode, r.stderr[-2000:])
-        for p in libs:                       # rebuilt in full, with a matching sum
+        for p in libs:  # rebuilt in full, with a matching sum
             assert p.stat().st_size > sizes[p] // 2, damage
             assert _cpu._intact(p), damage

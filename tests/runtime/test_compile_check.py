@@ -1,6 +1,7 @@
 """The NVRTC gate (python -m cupaged.tools.compile_check) and the NVRTC
 helpers under it, on a machine with no GPU: real NVRTC compiles for sm_80 and
 sm_90 of the package's kernels and of small kernels in tests/runtime/kernels/gate_*.cu."""
+
 import json
 import subprocess
 import sys
@@ -27,6 +28,7 @@ def _by(results, kernel):
 
 # ---------------------------------------------------------------- the gate --
 
+
 def test_package_variants_pass_gate():
     """The NVRTC gate over every registered kernel variant for sm_80, sm_86
     and sm_90 (an arch-specific one, CP_TARGET=sm_90a, for its target alone)
@@ -45,17 +47,22 @@ def test_package_variants_pass_gate():
     assert m.toolchain in (None, here), (
         f"the gate manifest was written with {m.toolchain}, this machine has {here}: install the gate extra's "
         f"pinned NVRTC and headers (pip install '.[gate]'), or rewrite it: python -m cupaged.tools.compile_check "
-        f"--update-manifest")
+        f"--update-manifest"
+    )
     t0 = time.perf_counter()
-    results = compile_check.check(variants, gate_manifest.MANIFEST_ARCHS, jobs=2,
-                                  cache_dir=compile_check.default_cache_dir(), include_dir=_nvrtc.find_header_dir(),
-                                  manifest=m)
+    results = compile_check.check(
+        variants,
+        gate_manifest.MANIFEST_ARCHS,
+        jobs=2,
+        cache_dir=compile_check.default_cache_dir(),
+        include_dir=_nvrtc.find_header_dir(),
+        manifest=m,
+    )
     wall = time.perf_counter() - t0
     s = compile_check.summarize(results, wall, 2)
     print(f"\n{m.status()}; {s['variants']} variants, {wall:.2f} s wall with 2 jobs")
     bad = [r for r in results if not r.ok]
-    assert not bad, "\n".join(f"{r.variant} {r.kernel or '-'} {r.arch}: {r.problems}\n{r.log[:2000]}"
-                              for r in bad)
+    assert not bad, "\n".join(f"{r.variant} {r.kernel or '-'} {r.arch}: {r.problems}\n{r.log[:2000]}" for r in bad)
     compiled = {(r.variant, r.arch) for r in results}
     archs = set(gate_manifest.MANIFEST_ARCHS)
     targeted = [d["CP_TARGET"] for _, d in variants if "CP_TARGET" in d]
@@ -66,11 +73,14 @@ def test_package_variants_pass_gate():
     for r in results:
         if r.kernel in tc:
             assert r.smem <= attention_variants.TC_STATIC_SMEM_BUDGET, (r.variant, r.arch, r.smem)
-    assert m.current(), (f"{m.status()}: the gate manifest is not current; run python -m cupaged.tools.compile_check "
-                         f"--update-manifest and commit cupaged/tools/gate_manifest.json")
+    assert m.current(), (
+        f"{m.status()}: the gate manifest is not current; run python -m cupaged.tools.compile_check "
+        f"--update-manifest and commit cupaged/tools/gate_manifest.json"
+    )
 
 
 # ---------------------------------------------------------- the manifest --
+
 
 def _counting(monkeypatch):
     """Count the compiles check() makes (jobs=1: in this process)."""
@@ -80,13 +90,27 @@ def _counting(monkeypatch):
     def counted(text, arch, *a):
         calls.append(arch)
         return real(text, arch, *a)
+
     monkeypatch.setattr(compile_check, "_compile_unit", counted)
     return calls
 
 
 def _fields(results):
-    return sorted((r.variant, r.kernel, r.arch, r.registers, r.spill_stores, r.spill_loads, r.stack_frame, r.smem,
-                   r.wide_load_bits, r.ok) for r in results)
+    return sorted(
+        (
+            r.variant,
+            r.kernel,
+            r.arch,
+            r.registers,
+            r.spill_stores,
+            r.spill_loads,
+            r.stack_frame,
+            r.smem,
+            r.wide_load_bits,
+            r.ok,
+        )
+        for r in results
+    )
 
 
 def test_manifest_rows_stand_for_compiles(tmp_path, monkeypatch):
@@ -101,11 +125,11 @@ def test_manifest_rows_stand_for_compiles(tmp_path, monkeypatch):
     m2 = gate_manifest.load(path, sample=0)
     again = compile_check.check([(V4, {}), (SPILL, {})], ARCHS, manifest=m2)
     assert calls == [] and m2.current() and _fields(again) == _fields(full)
-    assert any("spills" in p for r in again for p in r.problems)          # a spill recorded still fails
+    assert any("spills" in p for r in again for p in r.problems)  # a spill recorded still fails
     m3 = gate_manifest.load(path, sample=0)
     compile_check.check([(V4, {"GATE_SCALE": "2.0f"}), (SPILL, {})], ARCHS, manifest=m3)
-    assert sorted(calls) == ["sm_80", "sm_90"] and len(m3.missing) == 2   # the changed variant compiled
-    assert len(m3.stale()) == 2 and not m3.current()                      # the old variant's rows
+    assert sorted(calls) == ["sm_80", "sm_90"] and len(m3.missing) == 2  # the changed variant compiled
+    assert len(m3.stale()) == 2 and not m3.current()  # the old variant's rows
 
 
 def test_manifest_sample_catches_a_row_that_lies(tmp_path):
@@ -115,13 +139,13 @@ def test_manifest_sample_catches_a_row_that_lies(tmp_path):
     m = gate_manifest.load(path, sample=0)
     compile_check.check([(V4, {})], ("sm_80",), manifest=m)
     rows = m.rows_now()
-    (key, row), = rows.items()
+    ((key, row),) = rows.items()
     row["functions"]["copy_v4"][1] += 7
     row["wide"]["copy_scalar"] = 128
     gate_manifest.write(rows, path)
     lied = gate_manifest.load(path, sample=0)
     quiet = compile_check.check([(V4, {})], ("sm_80",), manifest=lied)
-    assert all(r.ok for r in quiet)                  # not sampled: the row is taken (the full gate would see it)
+    assert all(r.ok for r in quiet)  # not sampled: the row is taken (the full gate would see it)
     sampled = gate_manifest.load(path, sample=1, seed=5)
     results = compile_check.check([(V4, {})], ("sm_80",), manifest=sampled, cache_dir=tmp_path / "cache")
     assert sampled.sampled == [key]
@@ -139,7 +163,7 @@ def test_manifest_key_covers_every_input(tmp_path):
     other = tmp_path / "b"
     other.mkdir()
     (other / "cuda_fp16.h").write_text("// one\n")
-    opts = lambda d: ("-std=c++17", f"-I{d}", "--gpu-architecture=sm_80")   # noqa: E731
+    opts = lambda d: ("-std=c++17", f"-I{d}", "--gpu-architecture=sm_80")  # noqa: E731
     k = gate_manifest.unit_key("text", opts(inc), str(inc))
     assert k == gate_manifest.unit_key("text", opts(other), str(other))
     assert k != gate_manifest.unit_key("text2", opts(inc), str(inc))
@@ -152,8 +176,10 @@ def test_manifest_key_covers_every_input(tmp_path):
 
 def test_cli_without_the_gate_extra_says_one_line():
     """No cuda-python: one line naming the gate extra, exit 2, no traceback."""
-    code = ("import sys; sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None\n"
-            "from cupaged.tools import compile_check\nsys.exit(compile_check.main([]))")
+    code = (
+        "import sys; sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None\n"
+        "from cupaged.tools import compile_check\nsys.exit(compile_check.main([]))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -242,7 +268,9 @@ def test_compute_arch_gives_ptx_without_report():
     results = compile_check.check([(V4, {})], ("compute_90",), require_v4=["copy_v4"])
     # no ptxas run for a virtual architecture: kernel rows from the PTX alone
     assert [(r.kernel, r.v4, r.registers, r.ok) for r in results] == [
-        ("copy_scalar", False, 0, True), ("copy_v4", True, 0, True)]
+        ("copy_scalar", False, 0, True),
+        ("copy_v4", True, 0, True),
+    ]
     c = _nvrtc.compile_source(V4.read_text(), "compute_90")
     assert c.ok and ".entry copy_v4" in c.ptx and c.cubin == b""
 
@@ -256,22 +284,43 @@ def test_parallel_jobs_match_serial():
 
 # ------------------------------------------------------------------ the CLI --
 
+
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "cupaged.tools.compile_check", "--no-cache", *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "cupaged.tools.compile_check", "--no-cache", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_cli_exit_codes_and_json(tmp_path):
-    ok = _cli("--source", str(V4), "-D", "GATE_SCALE=3.0f", "--require-v4", "copy_v4", "--json", "-j", "2",
-              "--keep-ptx", str(tmp_path))
+    ok = _cli(
+        "--source",
+        str(V4),
+        "-D",
+        "GATE_SCALE=3.0f",
+        "--require-v4",
+        "copy_v4",
+        "--json",
+        "-j",
+        "2",
+        "--keep-ptx",
+        str(tmp_path),
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     data = json.loads(ok.stdout)
     assert {(r["kernel"], r["arch"], r["v4"]) for r in data["results"]} == {
-        ("copy_v4", "sm_80", True), ("copy_v4", "sm_90", True),
-        ("copy_scalar", "sm_80", False), ("copy_scalar", "sm_90", False)}
+        ("copy_v4", "sm_80", True),
+        ("copy_v4", "sm_90", True),
+        ("copy_scalar", "sm_80", False),
+        ("copy_scalar", "sm_90", False),
+    }
     assert data["summary"]["failures"] == 0 and data["archs"] == ["sm_80", "sm_90"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "gate_v4_GATE_SCALE_3_0f.sm_80.ptx", "gate_v4_GATE_SCALE_3_0f.sm_90.ptx"]
+        "gate_v4_GATE_SCALE_3_0f.sm_80.ptx",
+        "gate_v4_GATE_SCALE_3_0f.sm_90.ptx",
+    ]
     assert "ld.global.nc.v4.f32" in (tmp_path / "gate_v4_GATE_SCALE_3_0f.sm_90.ptx").read_text()
 
     spill = _cli("--source", str(SPILL), "--arch", "sm_90")
@@ -314,7 +363,14 @@ def test_parse_ptxas():
     assert set(rep) == {"_Z6helperPf", "a", "b", "old"}
     b, a, old, h = rep["b"], rep["a"], rep["old"], rep["_Z6helperPf"]
     assert (b.is_entry, b.registers, b.stack_frame, b.spill_stores, b.spill_loads, b.cmem, b.cumulative_stack) == (
-        True, 32, 1208, 1276, 2440, 372, 1208)
+        True,
+        32,
+        1208,
+        1276,
+        2440,
+        372,
+        1208,
+    )
     assert (a.registers, a.barriers, a.smem, a.spill_stores) == (40, 1, 1024, 0)
     assert (old.registers, old.smem) == (12, 2048)  # an older ptxas line format
     assert not h.is_entry and (h.stack_frame, h.spill_stores, h.spill_loads) == (16, 8, 4)
@@ -371,9 +427,10 @@ def test_wide_load_detection():
 
 # ------------------------------------------------------ options, headers --
 
+
 def test_gate_options_mirror_gpu_options():
     opts = _nvrtc.gate_options("sm_90", include_dir="/x/include")
-    assert opts[:len(_nvrtc.gpu_options("/x/include"))] == _nvrtc.gpu_options("/x/include")
+    assert opts[: len(_nvrtc.gpu_options("/x/include"))] == _nvrtc.gpu_options("/x/include")
     assert "-I/x/include" in opts and "-std=c++17" in opts
     assert "--gpu-architecture=sm_90" in opts and "--ptxas-options=-v" in opts
     assert "--device-as-default-execution-space" in opts  # CuPy adds it on the GPU
@@ -393,12 +450,12 @@ def test_header_discovery_order(tmp_path):
     major = _nvrtc.nvrtc_version()[0]
     other = 13 if major == 12 else 12
     root = tmp_path / "site-packages" / "nvidia"
-    _fake_headers(root / "cu13" / "include", other * 1000)               # wrong major for this NVRTC
-    _fake_headers(root / "cuda_runtime" / "include", major * 1000 + 90)   # matching major
+    _fake_headers(root / "cu13" / "include", other * 1000)  # wrong major for this NVRTC
+    _fake_headers(root / "cuda_runtime" / "include", major * 1000 + 90)  # matching major
     cuda_path = tmp_path / "cuda"
-    _fake_headers(cuda_path / "include", None)                            # version unknown
+    _fake_headers(cuda_path / "include", None)  # version unknown
     (tmp_path / "incomplete").mkdir()
-    (tmp_path / "incomplete" / "cuda_fp16.h").write_text("")              # no cuda_bf16.h: skipped
+    (tmp_path / "incomplete" / "cuda_fp16.h").write_text("")  # no cuda_bf16.h: skipped
     env = {"CUDA_PATH": str(cuda_path), "CUPAGED_CUDA_INCLUDE": str(tmp_path / "incomplete")}
     found = _nvrtc.header_dir_candidates(env=env, nvidia_roots=[root], use_pathfinder=False)
     paths = [Path(h.path) for h in found]

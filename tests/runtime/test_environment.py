@@ -8,6 +8,7 @@ fallback folder, told once per process on stderr.
 Read-only folders are real: ``chmod``, and as root (which ignores modes) the
 child runs under ``setpriv`` without capabilities, so that a write into the
 folder truly fails; where neither works the cache cases are skipped."""
+
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +28,7 @@ from cupaged._runtime import cpu as _cpu
 from cupaged.errors import SetupError
 
 REPO = Path(__file__).resolve().parents[2]
-UNREADABLE = 77     # the child's exit status when the folder it was told is read-only is writable
+UNREADABLE = 77  # the child's exit status when the folder it was told is read-only is writable
 
 
 # ---- the compiler ---------------------------------------------------------------
@@ -46,9 +47,11 @@ def _fake_cxx(folder: Path, version_line: str, status: int = 0, name: str = "g++
     logging each call beside itself)."""
     folder.mkdir(parents=True, exist_ok=True)
     p = folder / name
-    p.write_text(f'#!/bin/sh\necho "$@" >> {folder}/calls.log\n'
-                 f'echo {shlex.quote(version_line)}\necho "Copyright (C) Free Software Foundation, Inc."\n'
-                 f'exit {status}\n')
+    p.write_text(
+        f'#!/bin/sh\necho "$@" >> {folder}/calls.log\n'
+        f'echo {shlex.quote(version_line)}\necho "Copyright (C) Free Software Foundation, Inc."\n'
+        f"exit {status}\n"
+    )
     p.chmod(0o755)
     return p
 
@@ -95,13 +98,16 @@ def test_cxx_not_executable(fresh_compiler, monkeypatch, tmp_path):
         _cpu._compiler()
 
 
-@pytest.mark.parametrize("line, version", [
-    ("g++ (GCC) 11.4.0", "11.4"),
-    ("g++ (Ubuntu 11.4.0-1ubuntu1~22.04) 11.4.0", "11.4"),
-    ("g++ (GCC) 11.4.1 20231218 (Red Hat 11.4.1-3)", "11.4"),
-    ("g++-10 (Debian 10.2.1-6) 10.2.1 20210110", "10.2"),
-    ("g++ (GCC) 9.5.0", "9.5"),
-])
+@pytest.mark.parametrize(
+    "line, version",
+    [
+        ("g++ (GCC) 11.4.0", "11.4"),
+        ("g++ (Ubuntu 11.4.0-1ubuntu1~22.04) 11.4.0", "11.4"),
+        ("g++ (GCC) 11.4.1 20231218 (Red Hat 11.4.1-3)", "11.4"),
+        ("g++-10 (Debian 10.2.1-6) 10.2.1 20210110", "10.2"),
+        ("g++ (GCC) 9.5.0", "9.5"),
+    ],
+)
 def test_old_gxx(fresh_compiler, monkeypatch, tmp_path, line, version):
     cxx = _fake_cxx(tmp_path / "bin", line)
     monkeypatch.setenv("CUPAGED_CXX", str(cxx))
@@ -112,14 +118,17 @@ def test_old_gxx(fresh_compiler, monkeypatch, tmp_path, line, version):
     assert "CUPAGED_CXX" in msg
 
 
-@pytest.mark.parametrize("line", [
-    "g++ (GCC) 12.1.0",
-    "g++ (Debian 12.2.0-14+deb12u1) 12.2.0",
-    "g++ (GCC) 13.2.1 20231205 (Red Hat 13.2.1-6)",
-    "x86_64-conda-linux-gnu-c++ (conda-forge gcc 14.2.0-1) 14.2.0",
-    "g++-15 (Homebrew GCC 15.1.0) 15.1.0",
-    "Ubuntu clang version 18.1.3 (1ubuntu1)",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "g++ (GCC) 12.1.0",
+        "g++ (Debian 12.2.0-14+deb12u1) 12.2.0",
+        "g++ (GCC) 13.2.1 20231205 (Red Hat 13.2.1-6)",
+        "x86_64-conda-linux-gnu-c++ (conda-forge gcc 14.2.0-1) 14.2.0",
+        "g++-15 (Homebrew GCC 15.1.0) 15.1.0",
+        "Ubuntu clang version 18.1.3 (1ubuntu1)",
+    ],
+)
 def test_recent_gxx_is_accepted(fresh_compiler, monkeypatch, tmp_path, line):
     cxx = _fake_cxx(tmp_path / "bin", line)
     monkeypatch.setenv("CUPAGED_CXX", str(cxx))
@@ -136,14 +145,17 @@ def test_old_gxx_is_refused_from_the_version_stamp_too(fresh_compiler, monkeypat
         _cpu._compiler.cache_clear()
         with pytest.raises(SetupError, match="g\\+\\+ 11.4 .* is too old"):
             _cpu._compiler()
-    assert (tmp_path / "bin" / "calls.log").read_text() == "--version\n"    # the second came from the stamp
+    assert (tmp_path / "bin" / "calls.log").read_text() == "--version\n"  # the second came from the stamp
 
 
-@pytest.mark.parametrize("line, status, match", [
-    ("g++ (GCC) 13.1.0", 1, "`.*g\\+\\+ --version` failed .*exit status 1.*install g\\+\\+ 12"),
-    ("hello", 0, "cannot read the version of .*'hello'.*expected g\\+\\+ 12 or later"),
-    ("", 0, "cannot read the version of .*expected g\\+\\+ 12 or later"),
-])
+@pytest.mark.parametrize(
+    "line, status, match",
+    [
+        ("g++ (GCC) 13.1.0", 1, "`.*g\\+\\+ --version` failed .*exit status 1.*install g\\+\\+ 12"),
+        ("hello", 0, "cannot read the version of .*'hello'.*expected g\\+\\+ 12 or later"),
+        ("", 0, "cannot read the version of .*expected g\\+\\+ 12 or later"),
+    ],
+)
 def test_unusable_version_output(fresh_compiler, monkeypatch, tmp_path, line, status, match):
     cxx = _fake_cxx(tmp_path / "bin", line, status)
     if not line:
@@ -157,14 +169,17 @@ def test_unusable_version_output(fresh_compiler, monkeypatch, tmp_path, line, st
 def test_missing_compiler_through_the_public_api(tmp_path):
     """A fresh process (no runtime loaded) running a real op: the error is
     the SetupError line, with no FileNotFoundError anywhere in the report."""
-    r = _python("""
+    r = _python(
+        """
         import numpy as np, cupaged
         x = np.array([[1.0, 3.0, 2.0]], np.float32)
         try:
             cupaged.argmax_into(x, np.zeros(1, np.int64))
         except cupaged.SetupError as e:
             print("SetupError:", e)
-        """, {"CUPAGED_CACHE_DIR": str(tmp_path / "cache"), "CUPAGED_CXX": str(tmp_path / "none" / "g++")})
+        """,
+        {"CUPAGED_CACHE_DIR": str(tmp_path / "cache"), "CUPAGED_CXX": str(tmp_path / "none" / "g++")},
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("SetupError: CPU backend: CUPAGED_CXX=") and r.stdout.count("\n") == 1, r.stdout
     assert "Error" not in r.stderr
@@ -191,7 +206,9 @@ if ro:                                  # the test can only fail honestly if thi
         sys.exit(77)
 """
 
-LOAD = PROBE + """
+LOAD = (
+    PROBE
+    + """
 import numpy as np
 from cupaged._runtime import cpu as _cpu, source as _source
 for src in sys.argv[1:]:
@@ -202,6 +219,7 @@ for src in sys.argv[1:]:
     assert (x == np.arange(8) + n).all(), x
     print(m.path, flush=True)
 """
+)
 
 
 def _python(code: str, env: dict, args=(), restricted: bool = False) -> subprocess.CompletedProcess:
@@ -209,7 +227,7 @@ def _python(code: str, env: dict, args=(), restricted: bool = False) -> subproce
     e.update(env)
     e["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-c", textwrap.dedent(code), *map(str, args)]
-    if restricted and os.geteuid() == 0:     # root writes through any mode: drop its capabilities
+    if restricted and os.geteuid() == 0:  # root writes through any mode: drop its capabilities
         setpriv = shutil.which("setpriv")
         if setpriv is None:
             pytest.skip("running as root without setpriv: cannot make a folder read-only")
@@ -255,8 +273,7 @@ def _dir(p: Path) -> Path:
 
 
 def _env(cache: Path, cxx: Path, home: Path, tmp: Path, **extra) -> dict:
-    return {"CUPAGED_CACHE_DIR": str(cache), "CUPAGED_CXX": str(cxx), "HOME": str(home), "TMPDIR": str(tmp),
-            **extra}
+    return {"CUPAGED_CACHE_DIR": str(cache), "CUPAGED_CXX": str(cxx), "HOME": str(home), "TMPDIR": str(tmp), **extra}
 
 
 def _calls(cxx: Path) -> str:
@@ -285,14 +302,18 @@ def test_read_only_prewarmed_cache_serves_what_it_holds(warm, tmp_path):
     ro = _read_only_copy(cache, tmp_path / "ro")
     before = _snapshot(ro)
     _calls(cxx)
-    r = _python(LOAD, _env(ro, cxx, tmp_path / "home", _dir(tmp_path / "tmp"), EXPECT_READ_ONLY=str(ro)),
-                [src / "k1.cu"], restricted=True)
+    r = _python(
+        LOAD,
+        _env(ro, cxx, tmp_path / "home", _dir(tmp_path / "tmp"), EXPECT_READ_ONLY=str(ro)),
+        [src / "k1.cu"],
+        restricted=True,
+    )
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip()).parent == ro
-    assert _calls(cxx) == ""                                   # no compiler run, not even --version
+    assert _calls(cxx) == ""  # no compiler run, not even --version
     assert _notices(r.stderr) == [] and r.stderr == ""
     assert _snapshot(ro) == before
-    assert not (tmp_path / "home").exists() and os.listdir(tmp_path / "tmp") == []   # no fallback made
+    assert not (tmp_path / "home").exists() and os.listdir(tmp_path / "tmp") == []  # no fallback made
 
 
 def test_read_only_prewarmed_cache_builds_the_rest_in_a_fallback(warm, tmp_path):
@@ -308,11 +329,11 @@ def test_read_only_prewarmed_cache_builds_the_rest_in_a_fallback(warm, tmp_path)
     paths = [Path(p) for p in r.stdout.split()]
     assert [p.parent for p in paths] == [ro, fallback, fallback]
     notices = _notices(r.stderr)
-    assert len(notices) == 1 and r.stderr.strip() == notices[0], r.stderr      # one line, once per process
+    assert len(notices) == 1 and r.stderr.strip() == notices[0], r.stderr  # one line, once per process
     assert f"kernel cache {ro} is not writable" in notices[0] and str(fallback) in notices[0]
     assert "CUPAGED_CACHE_DIR" in notices[0]
     calls = _calls(cxx)
-    assert "k2" in calls and "k3" in calls and "k1" not in calls and "cupaged_rt.cpp" not in calls   # runtime kept
+    assert "k2" in calls and "k3" in calls and "k1" not in calls and "cupaged_rt.cpp" not in calls  # runtime kept
     assert _snapshot(ro) == before
     # a later process finds them in the fallback: nothing built, the notice once again
     r = _python(LOAD, env, [src / "k2.cu", src / "k1.cu"], restricted=True)
@@ -326,8 +347,12 @@ def test_xdg_cache_home_is_the_first_fallback(warm, tmp_path):
     cache, cxx, src = warm
     ro = _read_only_copy(cache, tmp_path / "ro")
     xdg = tmp_path / "xdg"
-    r = _python(LOAD, _env(ro, cxx, tmp_path / "home", _dir(tmp_path / "tmp"), XDG_CACHE_HOME=str(xdg),
-                           EXPECT_READ_ONLY=str(ro)), [src / "k2.cu"], restricted=True)
+    r = _python(
+        LOAD,
+        _env(ro, cxx, tmp_path / "home", _dir(tmp_path / "tmp"), XDG_CACHE_HOME=str(xdg), EXPECT_READ_ONLY=str(ro)),
+        [src / "k2.cu"],
+        restricted=True,
+    )
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip()).parent == xdg / "cupaged" / "cpu"
 
@@ -351,8 +376,12 @@ def test_damaged_library_in_a_read_only_cache_is_rebuilt_elsewhere(warm, tmp_pat
     with open(k1, "r+b") as f:
         f.truncate(k1.stat().st_size // 3)
     ro = _read_only_copy(dest, tmp_path / "ro2")
-    r = _python(LOAD, _env(ro, cxx, tmp_path / "home", _dir(tmp_path / "tmp"), EXPECT_READ_ONLY=str(ro)),
-                [src / "k1.cu"], restricted=True)
+    r = _python(
+        LOAD,
+        _env(ro, cxx, tmp_path / "home", _dir(tmp_path / "tmp"), EXPECT_READ_ONLY=str(ro)),
+        [src / "k1.cu"],
+        restricted=True,
+    )
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip()) == tmp_path / "home" / ".cache" / "cupaged" / "cpu" / k1.name
     assert len(_notices(r.stderr)) == 1
@@ -361,9 +390,13 @@ def test_damaged_library_in_a_read_only_cache_is_rebuilt_elsewhere(warm, tmp_pat
 def test_read_only_cache_and_no_writable_fallback(warm, tmp_path):
     cache, cxx, src = warm
     ro = _read_only_copy(cache, tmp_path / "ro")
-    r = _python(LOAD, _env(ro, cxx, ro / "home", ro / "tmp", EXPECT_READ_ONLY=str(ro)),
-                [src / "k1.cu", src / "k2.cu"], restricted=True)
-    assert Path(r.stdout.strip()).parent == ro                 # k1, which it holds, still ran
+    r = _python(
+        LOAD,
+        _env(ro, cxx, ro / "home", ro / "tmp", EXPECT_READ_ONLY=str(ro)),
+        [src / "k1.cu", src / "k2.cu"],
+        restricted=True,
+    )
+    assert Path(r.stdout.strip()).parent == ro  # k1, which it holds, still ran
     last = _assert_one_setup_error(r)
     assert f"kernel cache {ro} is not writable (Permission denied)" in last
     assert str(ro / "home" / ".cache" / "cupaged" / "cpu") in last and "cupaged-" in last
@@ -378,8 +411,9 @@ def test_uncreatable_cache_builds_the_runtime_in_the_fallback(warm, tmp_path):
     ro.mkdir(mode=0o555)
     cache = ro / "images" / "cupaged"
     home = tmp_path / "home"
-    r = _python(LOAD, _env(cache, cxx, home, _dir(tmp_path / "tmp"), EXPECT_READ_ONLY=str(ro)), [src / "k1.cu"],
-                restricted=True)
+    r = _python(
+        LOAD, _env(cache, cxx, home, _dir(tmp_path / "tmp"), EXPECT_READ_ONLY=str(ro)), [src / "k1.cu"], restricted=True
+    )
     assert r.returncode == 0, r.stderr
     fallback = home / ".cache" / "cupaged" / "cpu"
     assert Path(r.stdout.strip()).parent == fallback
@@ -416,7 +450,7 @@ def test_shared_temp_fallback_must_be_ours_alone(monkeypatch, tmp_path, problem)
     assert _cpu.unwritable(private / "cpu") is not None
     assert not (private / "cpu").exists()
     private.unlink() if problem == "a file" else private.rmdir()
-    assert _cpu.unwritable(private / "cpu") is None              # made afresh, private
+    assert _cpu.unwritable(private / "cpu") is None  # made afresh, private
     assert stat.S_IMODE(private.stat().st_mode) == 0o700
 
 
@@ -484,8 +518,12 @@ def test_read_only_cupy_cache_serves_what_it_holds_and_moves_the_rest(tmp_path):
     ro = _cupy_cache(tmp_path, "A")
     home = tmp_path / "home"
     fallback = home / ".cache" / "cupaged" / "cupy"
-    env = {"CUPY_CACHE_DIR": str(ro), "HOME": str(home), "TMPDIR": str(_dir(tmp_path / "tmp")),
-           "EXPECT_READ_ONLY": str(ro)}
+    env = {
+        "CUPY_CACHE_DIR": str(ro),
+        "HOME": str(home),
+        "TMPDIR": str(_dir(tmp_path / "tmp")),
+        "EXPECT_READ_ONLY": str(ro),
+    }
     r = _python(PROBE + FAKE_CUPY, env, ["A", "B", "C"], restricted=True)
     assert r.returncode == 0, r.stderr
     # B and C: CuPy compiles, cannot save into the read-only cache, and they are compiled again into the fallback

@@ -6,6 +6,7 @@ memset_d32, copies, host copies, capture and replay. The rest runs anywhere:
 options, the module cache key, argument packing, result checking, and that
 nothing here imports CuPy on the CPU path.
 """
+
 import ctypes
 import subprocess
 import sys
@@ -27,11 +28,14 @@ SMEM = KERNELS / "gate_smem.cu"
 
 # ------------------------------------------------------------ CPU-runnable --
 
+
 def test_cpu_path_never_imports_cupy():
-    code = ("import sys, numpy as np, cupaged, cupaged._runtime.gpu, cupaged._runtime.nvrtc\n"
-            "import cupaged.tools.compile_check\n"
-            "s = cupaged.stream_for(np.zeros(4, np.uint32)); s.memset_d32(np.zeros(4, np.uint32), 1)\n"
-            "assert 'cupy' not in sys.modules, 'cupy imported'\n")
+    code = (
+        "import sys, numpy as np, cupaged, cupaged._runtime.gpu, cupaged._runtime.nvrtc\n"
+        "import cupaged.tools.compile_check\n"
+        "s = cupaged.stream_for(np.zeros(4, np.uint32)); s.memset_d32(np.zeros(4, np.uint32), 1)\n"
+        "assert 'cupy' not in sys.modules, 'cupy imported'\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 
@@ -45,8 +49,8 @@ def test_module_options():
     assert all((Path(inc[0]) / h).is_file() for h in ("cuda_fp16.h", "cuda_bf16.h"))
     # the gate compiles with exactly these options plus what CuPy appends
     gate = _nvrtc.gate_options("sm_90")
-    assert gate[:len(opts)] == opts
-    assert set(gate[len(opts):]) >= set(_nvrtc.CUPY_APPENDED_OPTIONS)
+    assert gate[: len(opts)] == opts
+    assert set(gate[len(opts) :]) >= set(_nvrtc.CUPY_APPENDED_OPTIONS)
 
 
 def test_module_options_compile_like_cupy_would():
@@ -64,9 +68,9 @@ def test_module_cache_key():
     b = _source.assemble(V4, {"GATE_SCALE": "3.0f"})
     ka = _gpu.module_key(a, "v", 0)
     assert ka == _gpu.module_key(a, "v", 0)
-    assert ka != _gpu.module_key(b, "v", 0)          # other text (other define)
-    assert ka != _gpu.module_key(a, "v", 1)          # other device
-    assert ka != _gpu.module_key(a + " ", "v", 0)    # any byte of the text counts
+    assert ka != _gpu.module_key(b, "v", 0)  # other text (other define)
+    assert ka != _gpu.module_key(a, "v", 1)  # other device
+    assert ka != _gpu.module_key(a + " ", "v", 0)  # any byte of the text counts
     assert ka[0] == 0 and ka[1] == "v"
     # our headers are inlined, so the text alone spells every byte that matters
     assert "warp_sum" in _source.assemble(SMEM, None)
@@ -99,16 +103,24 @@ def _slot_bytes(slots, i, n):
 def test_pack_args():
     arr = FakeCupyArray(0x7F0012345600)
     assert _backend.array_backend(arr) == _backend.GPU
-    args = (arr, np.int32(-5), np.uint32(0xFFFFFFFF), np.float32(1.5), np.int64(-(2 ** 40)),
-            np.uint64(2 ** 63), None, np.float16(2.0))
+    args = (
+        arr,
+        np.int32(-5),
+        np.uint32(0xFFFFFFFF),
+        np.float32(1.5),
+        np.int64(-(2**40)),
+        np.uint64(2**63),
+        None,
+        np.float16(2.0),
+    )
     slots, holders = _gpu.pack_args(args, "k")
     assert len(slots) == len(args) and holders is not None
     assert int.from_bytes(_slot_bytes(slots, 0, 8), "little") == 0x7F0012345600
     assert np.frombuffer(_slot_bytes(slots, 1, 4), np.int32)[0] == -5
     assert np.frombuffer(_slot_bytes(slots, 2, 4), np.uint32)[0] == 0xFFFFFFFF
     assert np.frombuffer(_slot_bytes(slots, 3, 4), np.float32)[0] == 1.5
-    assert np.frombuffer(_slot_bytes(slots, 4, 8), np.int64)[0] == -(2 ** 40)
-    assert np.frombuffer(_slot_bytes(slots, 5, 8), np.uint64)[0] == 2 ** 63
+    assert np.frombuffer(_slot_bytes(slots, 4, 8), np.int64)[0] == -(2**40)
+    assert np.frombuffer(_slot_bytes(slots, 5, 8), np.uint64)[0] == 2**63
     assert int.from_bytes(_slot_bytes(slots, 6, 8), "little") == 0
     assert np.frombuffer(_slot_bytes(slots, 7, 2), np.float16)[0] == 2.0
     assert _gpu.pack_args((), "k") == (None, None)
@@ -120,19 +132,30 @@ def test_kernel_names_with_launch_bounds_after_void():
     backend scans preprocessed text, without it)."""
     layers = _source.assemble("layers", {"CP_DTYPE": "f32"})
     assert "void __launch_bounds__(" in layers
-    assert _source.kernel_names(layers) == ["bias_add", "embed", "linear", "linear_heads", "rms_norm", "rope",
-                                            "silu_mul"]
+    assert _source.kernel_names(layers) == [
+        "bias_add",
+        "embed",
+        "linear",
+        "linear_heads",
+        "rms_norm",
+        "rope",
+        "silu_mul",
+    ]
     assert _source.kernel_names(_source.assemble("advance", {})) == ["advance_plan", "advance_slots"]
-    att = _source.kernel_names(_source.assemble("attention/decode", {"CP_DTYPE": "bf16", "CP_KV_DTYPE": "bf16",
-                                                                     "HEAD_DIM": 128, "GROUP_TILE": 4}))
+    att = _source.kernel_names(
+        _source.assemble(
+            "attention/decode", {"CP_DTYPE": "bf16", "CP_KV_DTYPE": "bf16", "HEAD_DIM": 128, "GROUP_TILE": 4}
+        )
+    )
     assert att == ["paged_attention"]
     merge = _source.kernel_names(_source.assemble("attention/merge", {"CP_DTYPE": "bf16", "CP_KV_DTYPE": "bf16"}))
     assert merge == ["attention_split_merge"]
 
 
 def test_array_backend_is_not_fooled_by_cupyx_objects():
-    class SparseLike:   # cupyx.scipy.sparse matrices have .data and .device too
+    class SparseLike:  # cupyx.scipy.sparse matrices have .data and .device too
         data, device = object(), _FakeDevice()
+
     SparseLike.__module__ = "cupyx.scipy.sparse._csr"
     assert _backend.array_backend(SparseLike()) is None
     assert _backend.array_backend(FakeCupyArray(16)) == _backend.GPU
@@ -155,9 +178,11 @@ def test_check_names_the_call():
 
 # ------------------------------------------------------------- GPU-only --
 
+
 @pytest.fixture
 def cp():
     import cupy
+
     return cupy
 
 
@@ -188,9 +213,11 @@ def test_launch_kernel(cp):
     s.launch(k2, (2,), (256,), (h, out, np.uint32(300)))
     s.synchronize()
     import ml_dtypes
+
     got = out.get().view(ml_dtypes.bfloat16).astype(np.float32)
-    np.testing.assert_array_equal(got, (2 * np.arange(300, dtype=np.float32)).astype(ml_dtypes.bfloat16)
-                                  .astype(np.float32))
+    np.testing.assert_array_equal(
+        got, (2 * np.arange(300, dtype=np.float32)).astype(ml_dtypes.bfloat16).astype(np.float32)
+    )
 
 
 @pytest.mark.gpu
@@ -293,10 +320,10 @@ def test_capture_and_replay(cp, side_stream):
     try:
         assert s.capturing
         s.memset_d32(a, 5, count=4)
-        s.copy(b, a)                    # sees the memset: order is kept
+        s.copy(b, a)  # sees the memset: order is kept
         s.memset_d32(a, 6, count=1)
         s.launch(k, (4,), (256,), (x, y, np.uint32(n)))
-        s.copy_from_host(c, src)        # host bytes frozen at capture
+        s.copy_from_host(c, src)  # host bytes frozen at capture
     finally:
         g = s.end_capture()
     assert not s.capturing and g._native is not None
@@ -344,6 +371,7 @@ def test_failed_capture_resets_state(cp, side_stream):
 # keep-alive, the host-copy event queue and context push/pop balance; it says
 # nothing about real GPU behaviour (the gpu-marked tests above do).
 
+
 class FakeDriver:
     def __init__(self):
         real = _gpu.driver_module()
@@ -353,10 +381,10 @@ class FakeDriver:
         self.CUevent_flags = real.CUevent_flags
         self.CUfunction = real.CUfunction
         self.ok = (real.CUresult.CUDA_SUCCESS,)
-        self.ctx_stack = []          # contexts pushed on top of the thread's current one (0: none)
-        self.capturing = {}          # stream -> list of ops, or "invalid"
-        self.events = {}             # event -> queries left before it reports complete
-        self.kernels = {}            # CUfunction handle -> python callable(grid, block, smem, values)
+        self.ctx_stack = []  # contexts pushed on top of the thread's current one (0: none)
+        self.capturing = {}  # stream -> list of ops, or "invalid"
+        self.events = {}  # event -> queries left before it reports complete
+        self.kernels = {}  # CUfunction handle -> python callable(grid, block, smem, values)
         self.func_attrs = {}
         self.calls = []
         self.next_handle = 1000
@@ -470,6 +498,7 @@ class FakeDriver:
         def run():
             for op in graph_exec[1]:
                 op()
+
         return self._issue(stream, run)
 
     def cuGraphExecDestroy(self, e):
@@ -542,6 +571,7 @@ class FakeCupy:
                 mem = FakeMemoryPtr(ctypes.addressof(buf))
                 mem.buf = buf
                 return mem
+
         self.cuda = cuda
 
 
@@ -566,16 +596,18 @@ def _emu_kernel(drv, name, fn, nargs):
 
     class Mod:
         variant = "emulated"
+
     return _gpu.GpuFunction(name, handle, 0, Mod())
 
 
 def _scale_kernel(drv):
-    def fn(grid, block, raw):   # (const float* src, float* dst, u32 n): dst = 2 * src
+    def fn(grid, block, raw):  # (const float* src, float* dst, u32 n): dst = 2 * src
         src, dst = (int.from_bytes(r, "little") for r in raw[:2])
         n = int.from_bytes(raw[2][:4], "little")
         s = np.ctypeslib.as_array((ctypes.c_float * n).from_address(src))
         d = np.ctypeslib.as_array((ctypes.c_float * n).from_address(dst))
         d[:] = 2 * s
+
     return _emu_kernel(drv, "scale", fn, 3)
 
 
@@ -709,27 +741,29 @@ def test_emulated_stream_cache_follows_stream_objects(emu):
     s1 = _gpu.current_stream(a)
     assert s1 is not s0 and _gpu.current_stream(a) is s1
     s1.copy_from_host(a, np.ones(4, np.uint32))  # leaves a copy "in flight"
-    fake_cupy.current = FakeCupyStream(0x7000)    # a new stream object with the same handle
+    fake_cupy.current = FakeCupyStream(0x7000)  # a new stream object with the same handle
     s2 = _gpu.current_stream(a)
     assert s2 is not s1 and len(_gpu._orphans) == 1  # the old one's staging buffer is kept
     del other
     fake_cupy.current = FakeCupyStream(0)
-    assert _gpu.current_stream(a) is not s0      # another object with handle 0: a new wrapper
+    assert _gpu.current_stream(a) is not s0  # another object with handle 0: a new wrapper
 
 
 def test_missing_gpu_pieces_name_the_extra():
     """Without cuda-python, the GPU backend and NVRTC say which extra to install."""
-    code = ("import sys\n"
-            "sys.modules['cuda'] = None\n"                      # as if cuda-python were not installed
-            "sys.modules['cuda.bindings'] = None\n"
-            "from cupaged import PagedAttentionError, CompileError\n"
-            "from cupaged._runtime import gpu, nvrtc\n"
-            "for f, err in ((gpu.driver_module, PagedAttentionError), (nvrtc.nvrtc_module, CompileError)):\n"
-            "    try:\n"
-            "        f()\n"
-            "        print('no error')\n"
-            "    except err as e:\n"
-            "        print(e)\n")
+    code = (
+        "import sys\n"
+        "sys.modules['cuda'] = None\n"  # as if cuda-python were not installed
+        "sys.modules['cuda.bindings'] = None\n"
+        "from cupaged import PagedAttentionError, CompileError\n"
+        "from cupaged._runtime import gpu, nvrtc\n"
+        "for f, err in ((gpu.driver_module, PagedAttentionError), (nvrtc.nvrtc_module, CompileError)):\n"
+        "    try:\n"
+        "        f()\n"
+        "        print('no error')\n"
+        "    except err as e:\n"
+        "        print(e)\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     lines = r.stdout.strip().splitlines()
     assert r.returncode == 0 and len(lines) == 2, (r.stdout, r.stderr[-2000:])

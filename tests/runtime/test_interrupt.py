@@ -1,6 +1,7 @@
 """Ctrl-C during a long CPU-backend launch: SIGINT stops it within a second
 with KeyboardInterrupt, and the process keeps working. And the one parser of
 CUPAGED_CPU_WORKERS."""
+
 from __future__ import annotations
 
 import os
@@ -45,12 +46,17 @@ print("usable", flush=True)
 
 def test_sigint_stops_a_long_launch():
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.Popen([sys.executable, "-c", "import cupaged.testing\n" + LONG], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import cupaged.testing\n" + LONG],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = p.stdout.readline()
         assert line.strip() == "started", (line, p.stderr.read() if p.poll() is not None else "")
-        time.sleep(1.0)                      # well inside the launch (it takes far longer)
+        time.sleep(1.0)  # well inside the launch (it takes far longer)
         sent = time.perf_counter()
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=120)
@@ -70,16 +76,18 @@ def test_cpu_workers_variable_has_one_parser(value):
     """A bad CUPAGED_CPU_WORKERS is one clear error wherever it is read
     (the runtime pool, choose_splits' device size), not a raw ValueError in
     one place and silence in the other."""
-    code = ("import numpy as np, cupaged\n"
-            "from cupaged import PagedAttentionError\n"
-            "plan = cupaged.HostPlan.build([[0] * 64], [4096], [1], 64, 1)\n"
-            "for f in (lambda: cupaged.choose_splits(plan, 8, like=np.zeros(1)),\n"
-            "          lambda: cupaged.argmax_into(np.zeros((1, 4), np.float32), np.zeros(1, np.int64))):\n"
-            "    try:\n"
-            "        f()\n"
-            "        print('no error')\n"
-            "    except PagedAttentionError as e:\n"
-            "        print('error:', e)\n")
+    code = (
+        "import numpy as np, cupaged\n"
+        "from cupaged import PagedAttentionError\n"
+        "plan = cupaged.HostPlan.build([[0] * 64], [4096], [1], 64, 1)\n"
+        "for f in (lambda: cupaged.choose_splits(plan, 8, like=np.zeros(1)),\n"
+        "          lambda: cupaged.argmax_into(np.zeros((1, 4), np.float32), np.zeros(1, np.int64))):\n"
+        "    try:\n"
+        "        f()\n"
+        "        print('no error')\n"
+        "    except PagedAttentionError as e:\n"
+        "        print('error:', e)\n"
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO), CUPAGED_CPU_WORKERS=value)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     lines = r.stdout.strip().splitlines()

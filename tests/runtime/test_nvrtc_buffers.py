@@ -1,6 +1,7 @@
 """NVRTC writes its log, PTX and cubin into buffers cupaged passes: they
 must be fresh objects, never CPython's shared one-byte b" " (an empty log has
 size 1), or every b" " of the process turns into NUL."""
+
 from pathlib import Path
 
 import pytest

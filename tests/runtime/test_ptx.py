@@ -4,6 +4,7 @@ for sm_80 / sm_90 (the PTX must hold the real instructions).
 
 Kernels live in tests/runtime/kernels/ptx_mma.cu; CP_DTYPE picks f16 or bf16 inputs.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -60,7 +61,7 @@ def test_mma_layout_is_not_symmetric(mod):
         a = np.zeros((16, 16), as_dtype(dt))
         b = np.zeros((16, 8), as_dtype(dt))
         a[i, k], b[k, j] = 3, 5
-        a[(i + 3) % 16, (k + 5) % 16] = 1     # a second entry that meets no nonzero of B
+        a[(i + 3) % 16, (k + 5) % 16] = 1  # a second entry that meets no nonzero of B
         c = np.zeros((16, 8), np.float32)
         run(m, "mma_direct", 1, 32, a, b, c)
         want = np.zeros((16, 8))
@@ -76,8 +77,18 @@ def test_gemm_64x32(mod, k_dim, b_is_nk):
     rng = np.random.default_rng(k_dim + b_is_nk)
     a, b = _rand(rng, (64, k_dim), dt), _rand(rng, (k_dim, 32), dt)
     c = np.full((64, 32), np.nan, np.float32)
-    run(m, "mma_gemm", 1, 128, a, np.ascontiguousarray(b.T) if b_is_nk else b, c, np.uint32(k_dim),
-        np.uint32(64), np.uint32(b_is_nk))
+    run(
+        m,
+        "mma_gemm",
+        1,
+        128,
+        a,
+        np.ascontiguousarray(b.T) if b_is_nk else b,
+        c,
+        np.uint32(k_dim),
+        np.uint32(64),
+        np.uint32(b_is_nk),
+    )
     np.testing.assert_allclose(c, _product(a, b), rtol=1e-5, atol=1e-5 * np.sqrt(k_dim))
 
 
@@ -98,7 +109,7 @@ def test_cp_async_groups_land_at_their_wait(mod):
     """On the CPU a committed group lands at the wait_group that covers it:
     wait 1 lands the older group only, wait 0 the rest (zero fill)."""
     _, m = mod
-    src = (np.arange(32 * 4, dtype=np.uint64) * 2654435761 % 2 ** 32).astype(np.uint32)
+    src = (np.arange(32 * 4, dtype=np.uint64) * 2654435761 % 2**32).astype(np.uint32)
     out = np.zeros((32, 12), np.uint32)
     run(m, "cp_async_groups", 1, 32, src.astype(np.uint32), out)
     np.testing.assert_array_equal(out[:, 4:8], src.reshape(32, 4))
@@ -115,16 +126,18 @@ def test_cp_async_groups_land_at_their_wait(mod):
 def test_pack2_rounds_to_nearest_even(mod):
     dt, m = mod
     rng = np.random.default_rng(3)
-    x = np.concatenate([rng.standard_normal(60).astype(np.float32) * 100,
-                        np.array([0.0, -0.0, 1e-8, 65520.0], np.float32)])
+    x = np.concatenate(
+        [rng.standard_normal(60).astype(np.float32) * 100, np.array([0.0, -0.0, 1e-8, 65520.0], np.float32)]
+    )
     out = np.zeros(32, np.uint32)
     run(m, "pack_pairs", 1, 32, x, out, np.uint32(32))
-    with np.errstate(over="ignore"):                  # 65520 rounds to f16 inf, as on the GPU
+    with np.errstate(over="ignore"):  # 65520 rounds to f16 inf, as on the GPU
         bits = x.astype(as_dtype(dt)).view(np.uint16).astype(np.uint32)
     np.testing.assert_array_equal(out, bits[0::2] | (bits[1::2] << 16))
 
 
 # ---------------------------------------------------------------- NVRTC
+
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvrtc_emits_tensor_core_ptx(arch):
@@ -132,6 +145,7 @@ def test_nvrtc_emits_tensor_core_ptx(arch):
     they stand for (no GPU needed)."""
     try:
         from cupaged._runtime import nvrtc as _nvrtc
+
         _nvrtc.nvrtc_version()
         _nvrtc.find_header_dir()
     except Exception as e:  # no cuda-python / NVRTC / headers here

@@ -3,6 +3,7 @@
 Kernels live in tests/runtime/kernels/shim_kernels.cu and are compiled through
 cupaged._runtime.cpu exactly like the package's own kernels.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,9 @@ def test_geometry(mod, grid, block):
     nb, nt = np.prod(grid), np.prod(block)
     out = np.full((nb * nt, 12), -1, np.int32)
     run(mod, "geometry", grid, block, out)
-    bz, by, bx, tz, ty, tx = np.meshgrid(*(np.arange(n) for n in (grid[2], grid[1], grid[0], block[2], block[1],
-                                                                   block[0])), indexing="ij")
+    bz, by, bx, tz, ty, tx = np.meshgrid(
+        *(np.arange(n) for n in (grid[2], grid[1], grid[0], block[2], block[1], block[0])), indexing="ij"
+    )
     want = np.stack([tx, ty, tz, bx, by, bz] + [np.full_like(tx, v) for v in (*block, *grid)], -1).reshape(-1, 12)
     np.testing.assert_array_equal(out, want)
 
@@ -62,9 +64,21 @@ def test_geometry(mod, grid, block):
 def test_argument_types(mod):
     out = np.zeros(7, np.float64)
     inp = np.array([1.5], np.float32)
-    run(mod, "arg_types", 1, 32, out, inp, i32(-7), np.uint32(4000000000), np.int64(-2**40), np.uint64(2**63 + 2**12),
-        np.float32(0.25), np.float64(1e300))
-    np.testing.assert_array_equal(out, [1.5, -7, 4000000000, -2**40, float(2**63 + 2**12), 0.25, 1e300])
+    run(
+        mod,
+        "arg_types",
+        1,
+        32,
+        out,
+        inp,
+        i32(-7),
+        np.uint32(4000000000),
+        np.int64(-(2**40)),
+        np.uint64(2**63 + 2**12),
+        np.float32(0.25),
+        np.float64(1e300),
+    )
+    np.testing.assert_array_equal(out, [1.5, -7, 4000000000, -(2**40), float(2**63 + 2**12), 0.25, 1e300])
 
 
 def test_argument_errors(mod):
@@ -78,13 +92,18 @@ def test_argument_errors(mod):
 
     with pytest.raises(PagedAttentionError, match=r"takes 8 arguments .* got 7"):
         bind(good[:7])
-    for i, bad, msg in [(2, 5, r"argument 2 .*\(int\).*Python int"), (6, 0.5, r"argument 6 .*Python float"),
-                        (2, True, r"argument 2 .*Python bool"), (2, np.float32(1), r"argument 2 .*4-byte integer"),
-                        (4, i32(1), r"argument 4 .*8-byte integer"), (7, np.float32(1), r"argument 7 .*8-byte float"),
-                        (0, i32(1), r"argument 0 .*NumPy array"),
-                        (1, 7, r"argument 1 .*expected a NumPy array .*Python int 7"),
-                        (2, inp, r"argument 2 .*got a NumPy array"),
-                        (1, [1.0], r"argument 1 .*got builtins.list")]:
+    for i, bad, msg in [
+        (2, 5, r"argument 2 .*\(int\).*Python int"),
+        (6, 0.5, r"argument 6 .*Python float"),
+        (2, True, r"argument 2 .*Python bool"),
+        (2, np.float32(1), r"argument 2 .*4-byte integer"),
+        (4, i32(1), r"argument 4 .*8-byte integer"),
+        (7, np.float32(1), r"argument 7 .*8-byte float"),
+        (0, i32(1), r"argument 0 .*NumPy array"),
+        (1, 7, r"argument 1 .*expected a NumPy array .*Python int 7"),
+        (2, inp, r"argument 2 .*got a NumPy array"),
+        (1, [1.0], r"argument 1 .*got builtins.list"),
+    ]:
         args = list(good)
         args[i] = bad
         with pytest.raises(PagedAttentionError, match=msg):
@@ -131,9 +150,27 @@ def shfl_reference(vals, mode, arg, width, mask):
     return out
 
 
-SHFL_CASES = [(mode, arg, width, mask) for mode, arg in [(0, 0), (0, 5), (0, 37), (0, -1), (1, 1), (1, 3), (1, 16),
-                                                         (2, 1), (2, 2), (2, 9), (3, 1), (3, 6), (3, 16), (3, 31)]
-              for width in (32, 16, 8, 4, 1) for mask in (FULL, 0x0000FFFF)]
+SHFL_CASES = [
+    (mode, arg, width, mask)
+    for mode, arg in [
+        (0, 0),
+        (0, 5),
+        (0, 37),
+        (0, -1),
+        (1, 1),
+        (1, 3),
+        (1, 16),
+        (2, 1),
+        (2, 2),
+        (2, 9),
+        (3, 1),
+        (3, 6),
+        (3, 16),
+        (3, 31),
+    ]
+    for width in (32, 16, 8, 4, 1)
+    for mask in (FULL, 0x0000FFFF)
+]
 
 
 def test_shuffles(mod):
@@ -143,8 +180,8 @@ def test_shuffles(mod):
         out = np.zeros(64, np.int32)
         run(mod, "shfl_int", 1, 64, vals, out, i32(mode), i32(arg), i32(width), np.uint32(mask))
         for w in range(2):
-            want = shfl_reference(vals[32 * w:32 * w + 32], mode, arg, width, mask)
-            np.testing.assert_array_equal(out[32 * w:32 * w + 32], want, err_msg=f"{mode=} {arg=} {width=} {mask=:x}")
+            want = shfl_reference(vals[32 * w : 32 * w + 32], mode, arg, width, mask)
+            np.testing.assert_array_equal(out[32 * w : 32 * w + 32], want, err_msg=f"{mode=} {arg=} {width=} {mask=:x}")
 
 
 def test_shuffle_value_types(mod):
@@ -176,7 +213,7 @@ def test_votes(mod, mask):
     ballot, anyv, allv, uni = (np.full(64, 77, dt) for dt in (np.uint32, np.int32, np.int32, np.uint32))
     run(mod, "votes", 1, 64, pred, ballot, anyv, allv, uni, np.uint32(mask))
     for w in range(2):
-        p = pred[32 * w:32 * w + 32] != 0
+        p = pred[32 * w : 32 * w + 32] != 0
         bits = sum(1 << l for l in range(32) if mask >> l & 1 and p[l])
         lanes = [l for l in range(32) if mask >> l & 1]
         others = [l for l in range(32) if not mask >> l & 1]
@@ -196,8 +233,8 @@ def test_warp_reduce_match_activemask(mod):
     pred = np.zeros(64, np.int32)
     run(mod, "warp_reduce_match", 1, 64, v, out, pred)
     for w in range(2):
-        x = v[32 * w:32 * w + 32]
-        o = out[32 * w:32 * w + 32]
+        x = v[32 * w : 32 * w + 32]
+        o = out[32 * w : 32 * w + 32]
         assert (o[:, 0] == np.uint32(x.astype(np.uint64).sum() % 2**32)).all()
         assert (o[:, 1] == x.min()).all()
         assert (o[:, 2] == np.uint32(x.view(np.int32).max())).all()
@@ -206,7 +243,7 @@ def test_warp_reduce_match_activemask(mod):
         for l in range(32):
             assert o[l, 6] == sum(1 << k for k in range(32) if x[k] % 3 == x[l] % 3)
         assert (o[:24, 7] == 0x00FFFFFF).all()  # lanes 24-31 exited before __activemask
-        assert (pred[32 * w:32 * w + 32] == int(len(set(x % 3)) == 1)).all()
+        assert (pred[32 * w : 32 * w + 32] == int(len(set(x % 3)) == 1)).all()
 
 
 def test_syncwarp_rotate(mod):
@@ -303,8 +340,10 @@ def same_bits_or_both_nan(got_bits, want_bits, dtype):
     got_nan = np.isnan(got_bits.view(dtype).astype(np.float32))
     want_nan = np.isnan(want_bits.view(dtype).astype(np.float32))
     bad = (got_bits != want_bits) & ~(got_nan & want_nan)
-    assert not bad.any(), (f"{bad.sum()} mismatches, e.g. input index {np.flatnonzero(bad)[:5]}: "
-                           f"got {got_bits[bad][:5]}, want {want_bits[bad][:5]}")
+    assert not bad.any(), (
+        f"{bad.sum()} mismatches, e.g. input index {np.flatnonzero(bad)[:5]}: "
+        f"got {got_bits[bad][:5]}, want {want_bits[bad][:5]}"
+    )
 
 
 def test_half_and_bf16_to_float_all_patterns(mod):
@@ -312,8 +351,9 @@ def test_half_and_bf16_to_float_all_patterns(mod):
     f, b = np.zeros(65536, np.float32), np.zeros(65536, np.float32)
     run(mod, "half_from_bits", 64, 256, bits, f, b, i32(65536))
     same_bits_or_both_nan(f.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32), np.float32)
-    same_bits_or_both_nan(b.view(np.uint32), bits.view(ml_dtypes.bfloat16).astype(np.float32).view(np.uint32),
-                          np.float32)
+    same_bits_or_both_nan(
+        b.view(np.uint32), bits.view(ml_dtypes.bfloat16).astype(np.float32).view(np.uint32), np.float32
+    )
 
 
 def float_patterns() -> np.ndarray:
@@ -326,16 +366,40 @@ def float_patterns() -> np.ndarray:
     for low in (0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x4000, 0xC000):
         pats.append(hi | low)
     # fp16 boundaries: the low 13 bits around the tie point, for every sign/exponent/upper-mantissa slice
-    top = (rng.integers(0, 2**19, 2**16, dtype=np.uint32) << 13)
+    top = rng.integers(0, 2**19, 2**16, dtype=np.uint32) << 13
     for low in (0x0000, 0x0001, 0x0FFF, 0x1000, 0x1001, 0x1FFF):
         pats.append(top | low)
     half_vals = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
-    pats += [half_vals, half_vals + 1, half_vals - 1, half_vals | 0x1000, (half_vals | 0x1000) + 1,
-             (half_vals | 0x1000) - 1]
+    pats += [
+        half_vals,
+        half_vals + 1,
+        half_vals - 1,
+        half_vals | 0x1000,
+        (half_vals | 0x1000) + 1,
+        (half_vals | 0x1000) - 1,
+    ]
     pats.append(rng.integers(0, 2**32, 2**20, dtype=np.uint64).astype(np.uint32))
-    pats.append(np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0x477FF000, 0x477FEFFF,
-                          0x477FF001, 0x33000000, 0x33000001, 0x32FFFFFF, 0x7F7FFFFF, 0x7F7F8000, 0x00000001],
-                         np.uint32))
+    pats.append(
+        np.array(
+            [
+                0x7F800000,
+                0xFF800000,
+                0x7FC00000,
+                0xFFC00001,
+                0x7F800001,
+                0x477FF000,
+                0x477FEFFF,
+                0x477FF001,
+                0x33000000,
+                0x33000001,
+                0x32FFFFFF,
+                0x7F7FFFFF,
+                0x7F7F8000,
+                0x00000001,
+            ],
+            np.uint32,
+        )
+    )
     return np.unique(np.concatenate(pats)).view(np.float32)
 
 
@@ -412,9 +476,28 @@ def test_math_functions(mod):
     run(mod, "math_funcs", 2, 256, x, out, i32(301))
     a = np.abs(x)
     with np.errstate(all="ignore"):
-        want = [np.exp(x), np.exp(x), np.exp2(x), np.log(a + 1), np.log(a + 1), np.sqrt(a), 1 / np.sqrt(a + 1),
-                np.maximum(x, 0.25), np.minimum(x, 0.25), x * 3 + 1, x / 3, np.floor(x), np.ceil(x), np.sin(x),
-                np.cos(x), a ** 1.5, np.tanh(x), -x, np.clip(np.trunc(x * 10), -7, 7), 1 / (x + 10)]
+        want = [
+            np.exp(x),
+            np.exp(x),
+            np.exp2(x),
+            np.log(a + 1),
+            np.log(a + 1),
+            np.sqrt(a),
+            1 / np.sqrt(a + 1),
+            np.maximum(x, 0.25),
+            np.minimum(x, 0.25),
+            x * 3 + 1,
+            x / 3,
+            np.floor(x),
+            np.ceil(x),
+            np.sin(x),
+            np.cos(x),
+            a**1.5,
+            np.tanh(x),
+            -x,
+            np.clip(np.trunc(x * 10), -7, 7),
+            1 / (x + 10),
+        ]
     np.testing.assert_allclose(out, np.stack(want, -1), rtol=2e-6, atol=2e-6)
 
 
@@ -479,12 +562,18 @@ def test_mask_names_exited_lane(mod):
     run(mod, "exited_lane", 1, 32, out, i32(-1))
     assert (out[1:] == 1).all()
     # lane 0 runs first and exits; lane 1 then names it in its mask
-    with pytest.raises(KernelError, match=r"thread 1 \(warp 0\) called __shfl_xor_sync\(mask 0xffffffff\) at "
-                                          r"common.cuh:\d+, but lane 0 of the mask already exited"):
+    with pytest.raises(
+        KernelError,
+        match=r"thread 1 \(warp 0\) called __shfl_xor_sync\(mask 0xffffffff\) at "
+        r"common.cuh:\d+, but lane 0 of the mask already exited",
+    ):
         run(mod, "exited_lane", 1, 32, out, i32(0))
     # lanes 0-30 wait in the shuffle when lane 31 exits
-    with pytest.raises(KernelError, match=r"thread 31 \(warp 0, lane 31\) exited while lanes 0-30 in "
-                                          r"__shfl_xor_sync\(mask 0xffffffff\) at common.cuh:\d+ wait for it"):
+    with pytest.raises(
+        KernelError,
+        match=r"thread 31 \(warp 0, lane 31\) exited while lanes 0-30 in "
+        r"__shfl_xor_sync\(mask 0xffffffff\) at common.cuh:\d+ wait for it",
+    ):
         run(mod, "exited_lane", 1, 32, out, i32(31))
 
 
@@ -498,13 +587,19 @@ def test_bad_masks_and_widths(mod):
 
 def test_trap_and_assert(mod):
     out = np.zeros(64, np.int32)
-    with pytest.raises(KernelError, match=rf"trap_kernel' block \(0,0,0\): thread 17: __trap\(\) at "
-                                          rf"shim_kernels.cu:{line_of('TRAP')}"):
+    with pytest.raises(
+        KernelError,
+        match=rf"trap_kernel' block \(0,0,0\): thread 17: __trap\(\) at "
+        rf"shim_kernels.cu:{line_of('TRAP')}",
+    ):
         run(mod, "trap_kernel", 1, 64, out, i32(17))
-    with pytest.raises(KernelError, match=rf"block \(3,0,0\): thread 2: assertion failed: "
-                                          rf"in\[blockIdx.x \* blockDim.x \+ threadIdx.x\] "
-                                          rf">= 0 "
-                                          rf"at shim_kernels.cu:{line_of('ASSERT')}"):
+    with pytest.raises(
+        KernelError,
+        match=rf"block \(3,0,0\): thread 2: assertion failed: "
+        rf"in\[blockIdx.x \* blockDim.x \+ threadIdx.x\] "
+        rf">= 0 "
+        rf"at shim_kernels.cu:{line_of('ASSERT')}",
+    ):
         x = np.zeros(4 * 32, np.int32)
         x[3 * 32 + 2] = -1
         run(mod, "assert_kernel", 4, 32, x)
@@ -532,8 +627,9 @@ def run_python(code: str, env: dict | None = None, timeout=60) -> subprocess.Com
     e = dict(os.environ)
     e.update(env or {})
     e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e, timeout=timeout
+    )
 
 
 def test_stack_overflow_crashes_cleanly(mod):
@@ -564,8 +660,9 @@ def test_fault_names_kernel_and_thread(mod):
         print("survived")
         """)
     assert r.returncode != 0 and "survived" not in r.stdout
-    assert "cupaged CPU backend: SIGSEGV (address 0x0) in kernel null_deref, block (0,0,0), thread (3,0,0)" \
-        in r.stderr, r.stderr
+    assert (
+        "cupaged CPU backend: SIGSEGV (address 0x0) in kernel null_deref, block (0,0,0), thread (3,0,0)" in r.stderr
+    ), r.stderr
 
 
 def test_fork_and_threads(mod):
@@ -640,6 +737,7 @@ def test_disk_cache_and_fresh_process(tmp_path):
 
 def test_compile_error(tmp_path, monkeypatch):
     from cupaged.errors import CompileError
+
     bad = 'extern "C" __global__ void broken(int* x) { x[0] = undefined_name; }\n'
     with pytest.raises(CompileError, match="undefined_name"):
         _cpu.load_module(_source.assemble(_write(tmp_path / "bad.cu", bad)), "bad")
@@ -666,7 +764,8 @@ def test_kernels_behind_preprocessor_conditions(tmp_path):
 
 
 def test_ucontext_fallback(tmp_path):
-    r = run_python(f"""
+    r = run_python(
+        f"""
         import numpy as np
         from pathlib import Path
         from cupaged._runtime import cpu as _cpu, source as _source
@@ -682,16 +781,21 @@ def test_ucontext_fallback(tmp_path):
             m.get_function("deadlock_split").bind((1, 1, 1), (64, 1, 1), 0, (np.zeros(64, np.int32),))()
         except Exception as e:
             print(type(e).__name__)
-        """, {"CUPAGED_CPU_FIBERS": "ucontext"})
+        """,
+        {"CUPAGED_CPU_FIBERS": "ucontext"},
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "KernelError"
 
 
 def test_workers_env(tmp_path):
-    r = run_python("""
+    r = run_python(
+        """
         from cupaged._runtime import cpu as _cpu
         print(_cpu.num_workers())
-        """, {"CUPAGED_CPU_WORKERS": "3"})
+        """,
+        {"CUPAGED_CPU_WORKERS": "3"},
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "3"
 
@@ -705,7 +809,9 @@ def _libasan() -> str | None:
 
 
 def test_asan_mode(tmp_path):
-    src = _write(tmp_path / "asan_k.cu", textwrap.dedent("""\
+    src = _write(
+        tmp_path / "asan_k.cu",
+        textwrap.dedent("""\
         extern "C" __global__ void mirror(const float* x, float* y) {
             __shared__ float s[64];
             s[threadIdx.x] = x[threadIdx.x];
@@ -721,7 +827,8 @@ def test_asan_mode(tmp_path):
         extern "C" __global__ void oob(const float* x, float* y) {
             y[threadIdx.x] = x[threadIdx.x + 1];
         }
-        """))
+        """),
+    )
     code = f"""
         import numpy as np
         from pathlib import Path

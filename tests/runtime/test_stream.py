@@ -1,6 +1,7 @@
 """CPU stream: memset_d32, copies, capture and replay with frozen arguments.
 (Kernel launches under capture are tested with a real kernel in
 test_rowwise.py.)"""
+
 import numpy as np
 import pytest
 
@@ -31,7 +32,7 @@ def test_capture_records_and_replay_reruns_in_order():
     s.begin_capture()
     try:
         s.memset_d32(a, 5, count=4)
-        s.copy(b, a)                 # must see the memset: order is kept
+        s.copy(b, a)  # must see the memset: order is kept
         s.memset_d32(a, 6, count=1)
         assert a.tolist() == [0] * 4 and b.tolist() == [0] * 4  # nothing ran yet
     finally:
@@ -42,7 +43,7 @@ def test_capture_records_and_replay_reruns_in_order():
     # a value written from outside before replay is seen by the replayed work
     a[:] = 0
     b[:] = 0
-    s.memset_d32(a, 1, count=4)   # eager, before the replay
+    s.memset_d32(a, 1, count=4)  # eager, before the replay
     g.launch()
     assert b.tolist() == [5, 5, 5, 5]
 
@@ -52,7 +53,7 @@ def test_captured_arguments_are_frozen():
     s = stream_for(a)
     src = np.array([1, 2, 3, 4], np.uint32)
     s.begin_capture()
-    s.copy_from_host(a, src)   # host bytes frozen at capture
+    s.copy_from_host(a, src)  # host bytes frozen at capture
     g = s.end_capture()
     src[:] = 0
     g.launch()
@@ -102,6 +103,7 @@ def test_capture_is_per_thread():
     import threading
 
     from cupaged import argmax_into
+
     stream = stream_for(np.zeros(1, np.float32))
     a_logits = np.array([[0.0, 1.0, 0.0]], np.float32)
     a_out = np.zeros(1, np.int64)
@@ -119,7 +121,7 @@ def test_capture_is_per_thread():
                 stream.end_capture()
             with pytest.raises(PagedAttentionError, match="another thread is capturing this stream"):
                 stream.begin_capture()
-        except BaseException as e:   # reported below, in the main thread
+        except BaseException as e:  # reported below, in the main thread
             errors.append(e)
         b_done.set()
 
@@ -132,7 +134,7 @@ def test_capture_is_per_thread():
     graph = stream.end_capture()
     t.join()
     assert not errors, errors
-    assert b_out.tolist() == [2]                  # B's work ran at once
+    assert b_out.tolist() == [2]  # B's work ran at once
     assert graph.num_ops == 1 and a_out.tolist() == [0]
     graph.launch()
     assert a_out.tolist() == [1]
@@ -165,5 +167,5 @@ def test_gpu_style_streams_refuse_work_during_another_threads_capture():
     s.end_capture()
     assert errors and "another thread is capturing this stream" in errors[0]
     assert buf.tolist() == [0, 0, 0, 0]
-    s.memset_d32(buf, 7)            # after the capture: fine
+    s.memset_d32(buf, 7)  # after the capture: fine
     assert buf.tolist() == [7] * 4

@@ -3,6 +3,7 @@ one field table gives the C declaration and the NumPy dtype; the CPU
 launcher checks the size against the compiled parameter (code ``x<N>``),
 copies the bytes at bind and keeps the arrays the struct addresses alive;
 the GPU launcher passes the same bytes."""
+
 from __future__ import annotations
 
 import gc
@@ -29,7 +30,9 @@ FIELDS = (
 )
 DTYPE = struct_dtype(FIELDS)
 
-SOURCE = c_struct("Args", FIELDS) + """
+SOURCE = (
+    c_struct("Args", FIELDS)
+    + """
 extern "C" __global__ void scale_add(const Args a, float extra) {
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < a.n) a.dst[i] = a.src[i] * a.scale + (float)(a.tag & 0xffu) + (float)a.half + (float)a.last + extra;
@@ -37,6 +40,7 @@ extern "C" __global__ void scale_add(const Args a, float extra) {
 struct Pair { unsigned lo, hi; };
 extern "C" __global__ void pair_sum(const Pair p, unsigned* out) { out[0] = p.lo + p.hi; }
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +89,7 @@ def test_values_frozen_and_arrays_kept_alive(mod):
     dst = np.zeros(32, np.float32)
     arg = pack(src, dst, 32)
     bound = mod.get_function("scale_add").bind((1, 1, 1), (32, 1, 1), 0, (arg, np.float32(0)))
-    arg.value["scale"] = 100.0            # after bind: not seen
+    arg.value["scale"] = 100.0  # after bind: not seen
     alive = weakref.ref(src)
     del src, arg
     gc.collect()
@@ -112,23 +116,35 @@ def test_capture_keeps_struct_arrays(mod):
     assert dst[0] == 2.0 + 0x34 + 3 - 5 + 1
 
 
-@pytest.mark.parametrize("bad, msg", [
-    (lambda s, d: np.array((1, 2), dtype=[("a", np.uint64), ("b", np.uint32)])[()],
-     r"argument 0 of kernel scale_add \(Args\): expected a structured NumPy scalar of 48 bytes \(the struct's "
-     r"size\), got 12 bytes"),
-    (lambda s, d: np.uint64(5), r"argument 0 .*expected a structured NumPy scalar \(np.void\) of 48 bytes, got "
-                                r"numpy.uint64"),
-    (lambda s, d: 5, r"argument 0 .*Python int"),
-    (lambda s, d: s, r"argument 0 .*got a NumPy array"),
-])
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        (
+            lambda s, d: np.array((1, 2), dtype=[("a", np.uint64), ("b", np.uint32)])[()],
+            r"argument 0 of kernel scale_add \(Args\): expected a structured NumPy scalar of 48 bytes \(the struct's "
+            r"size\), got 12 bytes",
+        ),
+        (
+            lambda s, d: np.uint64(5),
+            r"argument 0 .*expected a structured NumPy scalar \(np.void\) of 48 bytes, got "
+            r"numpy.uint64",
+        ),
+        (lambda s, d: 5, r"argument 0 .*Python int"),
+        (lambda s, d: s, r"argument 0 .*got a NumPy array"),
+    ],
+)
 def test_struct_argument_errors(mod, bad, msg):
     src, dst = np.ones(4, np.float32), np.zeros(4, np.float32)
     with pytest.raises(PagedAttentionError, match=msg):
         mod.get_function("scale_add").bind((1, 1, 1), (4, 1, 1), 0, (bad(src, dst), np.float32(0)))
-    with pytest.raises(PagedAttentionError, match=r"argument 1 of kernel pair_sum .*expected a NumPy array, got a "
-                                                  r"struct \(StructArg\)"):
-        mod.get_function("pair_sum").bind((1, 1, 1), (1, 1, 1), 0,
-                                          (np.zeros(1, [("lo", "u4"), ("hi", "u4")])[0], pack(src, dst, 4)))
+    with pytest.raises(
+        PagedAttentionError,
+        match=r"argument 1 of kernel pair_sum .*expected a NumPy array, got a "
+        r"struct \(StructArg\)",
+    ):
+        mod.get_function("pair_sum").bind(
+            (1, 1, 1), (1, 1, 1), 0, (np.zeros(1, [("lo", "u4"), ("hi", "u4")])[0], pack(src, dst, 4))
+        )
 
 
 def test_struct_arg_needs_a_structured_scalar():

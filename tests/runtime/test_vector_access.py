@@ -7,6 +7,7 @@ read fails in one of the two modes.
 
 Kernels: tests/runtime/kernels/vector_access.cu.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -51,29 +52,34 @@ def run(mod, name, block, *args):
 def _aligned_bytes(n: int) -> np.ndarray:
     buf = np.zeros(n + 64, np.uint8)
     start = (-buf.ctypes.data) % 64
-    return buf[start:start + n]
+    return buf[start : start + n]
 
 
-@pytest.mark.parametrize("kernel, marker, what", [("load16_at", "LOAD16", "load"),
-                                                  ("cp_async_at", "CPASYNC", "cp.async global source")])
+@pytest.mark.parametrize(
+    "kernel, marker, what", [("load16_at", "LOAD16", "load"), ("cp_async_at", "CPASYNC", "cp.async global source")]
+)
 def test_misaligned_16_byte_read_traps(mod, kernel, marker, what):
     base = _aligned_bytes(32 * 16 + 16)
     base[:] = np.arange(base.size) % 251
     out = np.zeros((32, 4), np.uint32)
-    run(mod, kernel, 32, base, np.uint32(16), out)              # aligned: fine
-    np.testing.assert_array_equal(out.view(np.uint8).ravel(), base[16:16 + 32 * 16])
+    run(mod, kernel, 32, base, np.uint32(16), out)  # aligned: fine
+    np.testing.assert_array_equal(out.view(np.uint8).ravel(), base[16 : 16 + 32 * 16])
     for offset in (8, 4, 1):
-        with pytest.raises(KernelError, match=rf"'{kernel}' block \(0,0,0\): thread 0: misaligned 16-byte "
-                                              rf"{what} at address 0x[0-9a-f]+ .* at "
-                                              rf"vector_access.cu:{line_of(marker)}"):
+        with pytest.raises(
+            KernelError,
+            match=rf"'{kernel}' block \(0,0,0\): thread 0: misaligned 16-byte "
+            rf"{what} at address 0x[0-9a-f]+ .* at "
+            rf"vector_access.cu:{line_of(marker)}",
+        ):
             run(mod, kernel, 32, base, np.uint32(offset), out)
 
 
 def test_misaligned_16_byte_store_traps(mod):
     base = _aligned_bytes(32 * 16 + 16)
     run(mod, "store16_at", 32, base, np.uint32(0))
-    np.testing.assert_array_equal(base[:32 * 16].view(np.uint32).reshape(32, 4), np.repeat(np.arange(32), 4)
-                                  .reshape(32, 4))
+    np.testing.assert_array_equal(
+        base[: 32 * 16].view(np.uint32).reshape(32, 4), np.repeat(np.arange(32), 4).reshape(32, 4)
+    )
     with pytest.raises(KernelError, match=rf"misaligned 16-byte store .* at vector_access.cu:{line_of('STORE16')}"):
         run(mod, "store16_at", 32, base, np.uint32(8))
 
@@ -82,18 +88,36 @@ def test_a_real_kernel_traps_on_a_misaligned_cache():
     """The append kernel built for 16-byte units, handed a cache 8 bytes off
     a 16-byte boundary (the host never does this: it picks the unit from the
     addresses), stops with a KernelError instead of writing through it."""
-    n = 4 * 2 * 64 * 4                       # [pages 4, page_size 2, 64 words]: 16 units of 16 bytes a row
-    k = _aligned_bytes(n + 8)[8:].view(np.uint32).reshape(4, 2, 64)     # 8 bytes off a 16-byte boundary
+    n = 4 * 2 * 64 * 4  # [pages 4, page_size 2, 64 words]: 16 units of 16 bytes a row
+    k = _aligned_bytes(n + 8)[8:].view(np.uint32).reshape(4, 2, 64)  # 8 bytes off a 16-byte boundary
     new = np.ones((1, 64), np.uint32)
     plan = cupaged.HostPlan.build([[1]], [1], [1], 2, 4).upload(new)
     fn = get_kernel(new, "append", "paged_append", {"CP_VEC_BYTES": 16})
     values = {n: 0 for n in append_op.NAMES}
-    values.update(new_k=address(new), new_v=address(new), k_cache=address(k), v_cache=address(k),
-                  words=address(plan.words), tokens=1, sequences=1, table_width=1, page_size=2, num_pages=4, heads=1,
-                  units_k=16, units_v=16, src_tok_k=16, src_tok_v=16, dst_page_k=32, dst_slot_k=16, dst_page_v=32,
-                  dst_slot_v=16)
-    args = (StructArg(np.array(tuple(values[n] for n in append_op.NAMES), dtype=append_op.DTYPE)[()],
-                      (new, k, plan.words)),)
+    values.update(
+        new_k=address(new),
+        new_v=address(new),
+        k_cache=address(k),
+        v_cache=address(k),
+        words=address(plan.words),
+        tokens=1,
+        sequences=1,
+        table_width=1,
+        page_size=2,
+        num_pages=4,
+        heads=1,
+        units_k=16,
+        units_v=16,
+        src_tok_k=16,
+        src_tok_v=16,
+        dst_page_k=32,
+        dst_slot_k=16,
+        dst_page_v=32,
+        dst_slot_v=16,
+    )
+    args = (
+        StructArg(np.array(tuple(values[n] for n in append_op.NAMES), dtype=append_op.DTYPE)[()], (new, k, plan.words)),
+    )
     with pytest.raises(KernelError, match=r"'paged_append' .*misaligned 16-byte store .* at append.cu:\d+"):
         fn.bind((1, 1, 1), (32, 1, 1), 0, args)()
 
@@ -104,7 +128,7 @@ def test_eager_cp_async_catches_a_broken_pipeline(monkeypatch):
     invisible; with CUPAGED_CPU_CP_ASYNC=eager the sums are wrong. A correct
     two-stage ring gives the right sums in both modes."""
     tiles = 5
-    src = (np.arange(tiles * 32 * 4, dtype=np.uint64) * 2654435761 % 2 ** 31).astype(np.uint32).reshape(tiles, 32, 4)
+    src = (np.arange(tiles * 32 * 4, dtype=np.uint64) * 2654435761 % 2**31).astype(np.uint32).reshape(tiles, 32, 4)
     want = src.astype(np.uint64).sum(axis=(0, 2))[(np.arange(32) + 1) % 32]
     results = {}
     for mode in ("late", "eager"):

@@ -9,6 +9,7 @@ the real instructions, no spills).
 
 Kernels: tests/runtime/kernels/ptx_wgmma.cu (CP_DTYPE f16 | bf16, WG_N).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -22,10 +23,11 @@ from cupaged._runtime import source as _source
 from cupaged.testing import as_dtype
 
 KERNELS = Path(__file__).parent / "kernels" / "ptx_wgmma.cu"
-SWIZZLES = {0: 0, 128: 1, 64: 2, 32: 3}       # swizzle bytes -> descriptor mode (ISA: 1 = 128B, 2 = 64B, 3 = 32B)
+SWIZZLES = {0: 0, 128: 1, 64: 2, 32: 3}  # swizzle bytes -> descriptor mode (ISA: 1 = 128B, 2 = 64B, 3 = 32B)
 
 
 # ---------------------------------------------------------------- the ISA, in Python
+
 
 def cute(coord: tuple, shape: tuple, stride: tuple) -> int:
     """A CuTe layout evaluated at a coordinate (every mode flat, colexicographic)."""
@@ -44,13 +46,13 @@ def canonical(mn: int, k: int, major: str, swizzle_bytes: int, lbo: int, sbo: in
     """Element offset of (mn, k) in the ISA's canonical layout (table
     "Canonical Layouts", 9.7.15.5.1.2.1.3), before the swizzle; LBO and SBO
     in elements; T elements make 16 bytes."""
-    s = swizzle_bytes // 16           # 16-byte chunks in one swizzle row (0: none)
+    s = swizzle_bytes // 16  # 16-byte chunks in one swizzle row (0: none)
     if major == "K":
-        if not s:   # ((8,m),(T,2k)) : ((1T,SBO),(1,LBO))
+        if not s:  # ((8,m),(T,2k)) : ((1T,SBO),(1,LBO))
             return cute(split(mn, (8, 1 << 30)), None, (t, sbo)) + cute(split(k, (t, 1 << 30)), None, (1, lbo))
         # ((8,m),(T,2k)) : ((sT,SBO),(1,T))
         return cute(split(mn, (8, 1 << 30)), None, (s * t, sbo)) + cute(split(k, (t, 1 << 30)), None, (1, t))
-    if not s:       # ((T,1,m),(8,k)) : ((1,T,SBO),(1T,LBO))
+    if not s:  # ((T,1,m),(8,k)) : ((1,T,SBO),(1T,LBO))
         return cute(split(mn, (t, 1, 1 << 30)), None, (1, t, sbo)) + cute(split(k, (8, 1 << 30)), None, (t, lbo))
     # ((T,s,m),(8,k)) : ((1,T,LBO),(sT,SBO))
     return cute(split(mn, (t, s, 1 << 30)), None, (1, t, lbo)) + cute(split(k, (8, 1 << 30)), None, (s * t, sbo))
@@ -62,14 +64,18 @@ def swizzle(addr: int, swizzle_bytes: int) -> int:
     return addr ^ (((addr >> 7) & ((1 << b) - 1)) << 4)
 
 
-@pytest.mark.parametrize("case", [
-    # (major, swizzle bytes, T, LBO, SBO (elements), exact layout of the ISA's example)
-    ("K", 0, 4, 64, 32, ((8, 2), (4, 4)), ((4, 32), (1, 64))),            # K-major, no swizzle, tf32
-    ("K", 32, 4, None, 64, ((8, 2), (4, 4)), ((8, 64), (1, 4))),          # K-major, 32B, tf32
-    ("MN", 0, 8, 128, 64, ((8, 1, 2), (8, 2)), ((1, 8, 64), (8, 128))),  # MN-major, no swizzle, bf16
-    ("MN", 32, 8, 128, 256, ((8, 2, 2), (8, 2)), ((1, 8, 128), (16, 256))),   # MN-major, 32B, bf16
-    ("MN", 64, 8, 256, 512, ((8, 4, 2), (8, 2)), ((1, 8, 256), (32, 512))),   # MN-major, 64B, bf16
-], ids=["K-none-tf32", "K-32B-tf32", "MN-none-bf16", "MN-32B-bf16", "MN-64B-bf16"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        # (major, swizzle bytes, T, LBO, SBO (elements), exact layout of the ISA's example)
+        ("K", 0, 4, 64, 32, ((8, 2), (4, 4)), ((4, 32), (1, 64))),  # K-major, no swizzle, tf32
+        ("K", 32, 4, None, 64, ((8, 2), (4, 4)), ((8, 64), (1, 4))),  # K-major, 32B, tf32
+        ("MN", 0, 8, 128, 64, ((8, 1, 2), (8, 2)), ((1, 8, 64), (8, 128))),  # MN-major, no swizzle, bf16
+        ("MN", 32, 8, 128, 256, ((8, 2, 2), (8, 2)), ((1, 8, 128), (16, 256))),  # MN-major, 32B, bf16
+        ("MN", 64, 8, 256, 512, ((8, 4, 2), (8, 2)), ((1, 8, 256), (32, 512))),  # MN-major, 64B, bf16
+    ],
+    ids=["K-none-tf32", "K-32B-tf32", "MN-none-bf16", "MN-32B-bf16", "MN-64B-bf16"],
+)
 def test_canonical_layouts_match_the_isa_examples(case):
     """This file's canonical layouts give the ISA's worked examples' exact
     layouts at every coordinate."""
@@ -83,8 +89,13 @@ def test_canonical_layouts_match_the_isa_examples(case):
 
 def desc_fields(desc: int) -> dict:
     """The ISA's matrix descriptor (9.7.15.5.1.2.2), decoded."""
-    return dict(start=(desc & 0x3FFF) << 4, lbo=((desc >> 16) & 0x3FFF) << 4, sbo=((desc >> 32) & 0x3FFF) << 4,
-                base=(desc >> 49) & 7, swizzle=desc >> 62)
+    return dict(
+        start=(desc & 0x3FFF) << 4,
+        lbo=((desc >> 16) & 0x3FFF) << 4,
+        sbo=((desc >> 32) & 0x3FFF) << 4,
+        base=(desc >> 49) & 7,
+        swizzle=desc >> 62,
+    )
 
 
 class Operand:
@@ -98,19 +109,19 @@ class Operand:
         s = swizzle_bytes // 16
         k = 16 * ksteps
         if major == "K":
-            if not s:     # core matrices 8 rows x 16 B; along K for one k-step, then 8-row groups
+            if not s:  # core matrices 8 rows x 16 B; along K for one k-step, then 8-row groups
                 self.lbo, self.sbo = 128, 256
                 self.koff = [ks * (mn // 8) * 256 for ks in range(ksteps)]
-            else:         # rows of s*16 bytes (s*8 elements of K); 8-row groups, then column blocks
-                per_row = s * 8                                    # elements of K in a row
-                self.lbo, self.sbo = 16, 8 * s * 16                # LBO unused ("assumed 1")
-                col = mn * s * 16                                  # one column block
+            else:  # rows of s*16 bytes (s*8 elements of K); 8-row groups, then column blocks
+                per_row = s * 8  # elements of K in a row
+                self.lbo, self.sbo = 16, 8 * s * 16  # LBO unused ("assumed 1")
+                col = mn * s * 16  # one column block
                 self.koff = [(16 * ks // per_row) * col + (16 * ks % per_row) * 2 for ks in range(ksteps)]
         else:
-            if not s:     # core matrices 8 MN x 8 K rows; MN groups, then K groups
+            if not s:  # core matrices 8 MN x 8 K rows; MN groups, then K groups
                 self.sbo, self.lbo = 128, (mn // 8) * 128
                 self.koff = [ks * 2 * self.lbo for ks in range(ksteps)]
-            else:         # atoms of s*8 MN elements x 8 K rows; K rows of all k-steps, then MN atoms
+            else:  # atoms of s*8 MN elements x 8 K rows; K rows of all k-steps, then MN atoms
                 self.sbo = 8 * s * 16
                 self.lbo = k * s * 16
                 self.koff = [ks * 16 * s * 16 for ks in range(ksteps)]
@@ -164,15 +175,26 @@ def d_index(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 # ---------------------------------------------------------------- running the emulation
 
-@pytest.fixture(scope="module", params=[(dt, n) for dt in ("f16", "bf16") for n in (32, 64, 256)],
-                ids=lambda p: f"{p[0]}-n{p[1]}")
+
+@pytest.fixture(
+    scope="module", params=[(dt, n) for dt in ("f16", "bf16") for n in (32, 64, 256)], ids=lambda p: f"{p[0]}-n{p[1]}"
+)
 def mod(request):
     dt, n = request.param
     return dt, n, _cpu.load_module(_source.assemble(KERNELS, {"CP_DTYPE": dt, "WG_N": n}), f"ptx_wgmma_{dt}_{n}")
 
 
-def run(mod, a: np.ndarray, b: np.ndarray, a_major: str, b_major: str, a_sw: int, b_sw: int, rs: bool,
-        d0: np.ndarray | None = None):
+def run(
+    mod,
+    a: np.ndarray,
+    b: np.ndarray,
+    a_major: str,
+    b_major: str,
+    a_sw: int,
+    b_sw: int,
+    rs: bool,
+    d0: np.ndarray | None = None,
+):
     """D [64 x N] = A [64 x K] B [K x N] (+ d0) through the kernel; returns
     (D, raw registers read before the wait)."""
     dt, n, m = mod
@@ -189,11 +211,32 @@ def run(mod, a: np.ndarray, b: np.ndarray, a_major: str, b_major: str, a_sw: int
     mode = int(rs) | (a_major == "MN") << 1 | (b_major == "MN") << 2
     u32 = np.uint32
     smem = 1024 + ao.size + bo.size
-    m.get_function("wgmma_gemm").bind((1, 1, 1), (128, 1, 1), smem, (
-        a_img, u32(a_img.size), b_img, u32(b_img.size), u32(ao.size),
-        np.array(ao.koff, np.uint32), np.array(bo.koff, np.uint32), u32(ksteps),
-        u32(ao.lbo), u32(ao.sbo), u32(SWIZZLES[a_sw]), u32(bo.lbo), u32(bo.sbo), u32(SWIZZLES[b_sw]),
-        u32(mode), u32(d0 is not None), d, regs, early))()
+    m.get_function("wgmma_gemm").bind(
+        (1, 1, 1),
+        (128, 1, 1),
+        smem,
+        (
+            a_img,
+            u32(a_img.size),
+            b_img,
+            u32(b_img.size),
+            u32(ao.size),
+            np.array(ao.koff, np.uint32),
+            np.array(bo.koff, np.uint32),
+            u32(ksteps),
+            u32(ao.lbo),
+            u32(ao.sbo),
+            u32(SWIZZLES[a_sw]),
+            u32(bo.lbo),
+            u32(bo.sbo),
+            u32(SWIZZLES[b_sw]),
+            u32(mode),
+            u32(d0 is not None),
+            d,
+            regs,
+            early,
+        ),
+    )()
     out = np.zeros((64, n), np.float32)
     out[row, col] = d
     assert (early == d_in).all(), "the product landed before its wait_group (CPU emulation runs it at the wait)"
@@ -214,8 +257,8 @@ def test_one_hot_products_pin_every_layout(mod, a_layout):
         a = np.zeros((64, 16), as_dtype(dt))
         b = np.zeros((16, n), as_dtype(dt))
         a[i, k], b[k, j] = 3, 5
-        a[(i + 1) % 64, (k + 3) % 16] = 1        # meets no nonzero of B
-        b[(k + 5) % 16, (j + 1) % n] = 1         # meets no nonzero of A
+        a[(i + 1) % 64, (k + 3) % 16] = 1  # meets no nonzero of B
+        b[(k + 5) % 16, (j + 1) % n] = 1  # meets no nonzero of A
         rs = a_layout[0] == "regs"
         d = run(mod, a, b, "K" if rs else a_layout[0], b_major, a_layout[1], b_sw, rs)
         want = np.zeros((64, n))
@@ -223,8 +266,9 @@ def test_one_hot_products_pin_every_layout(mod, a_layout):
         np.testing.assert_array_equal(d, want, err_msg=f"A {a_layout}, B {(b_major, b_sw)}, (i,k,j)={(i, k, j)}")
 
 
-@pytest.mark.parametrize("layout", list(itertools.product(LAYOUTS, LAYOUTS))[::3],
-                         ids=lambda p: f"A-{p[0][0]}{p[0][1]}-B-{p[1][0]}{p[1][1]}")
+@pytest.mark.parametrize(
+    "layout", list(itertools.product(LAYOUTS, LAYOUTS))[::3], ids=lambda p: f"A-{p[0][0]}{p[0][1]}-B-{p[1][0]}{p[1][1]}"
+)
 def test_chained_k_steps_against_float64(mod, layout):
     """D = A [64 x 64] B [64 x N] + D0 over four k-steps (descriptors moved
     along K as the layouts place it), against NumPy float64."""
@@ -256,8 +300,9 @@ def test_descriptor_fields(mod):
     _, _, m = mod
     out = np.zeros(2, np.uint64)
     u32 = np.uint32
-    m.get_function("wgmma_desc_fields").bind((1, 1, 1), (1, 1, 1), 4096,
-                                             (out, u32(2080), u32(8192), u32(1024), u32(1)))()
+    m.get_function("wgmma_desc_fields").bind(
+        (1, 1, 1), (1, 1, 1), 4096, (out, u32(2080), u32(8192), u32(1024), u32(1))
+    )()
     f0, f1 = desc_fields(int(out[0])), desc_fields(int(out[1]))
     assert (f0["start"] - f1["start"], f0["lbo"], f0["sbo"], f0["base"], f0["swizzle"]) == (2080, 8192, 1024, 0, 1)
     assert f1["start"] % 1024 == 0 and (f1["lbo"], f1["sbo"], f1["swizzle"]) == (0, 0, 0)
@@ -265,11 +310,13 @@ def test_descriptor_fields(mod):
 
 # ---------------------------------------------------------------- NVRTC
 
+
 def test_nvrtc_emits_wgmma_for_sm90a():
     """The helpers compile for sm_90a into wgmma.mma_async (SS and RS,
     N = 32, 64, 256), fence, commit_group and wait_group, without spills."""
     try:
         from cupaged._runtime import nvrtc as _nvrtc
+
         _nvrtc.nvrtc_version()
         _nvrtc.find_header_dir()
     except Exception as e:  # no cuda-python / NVRTC / headers here

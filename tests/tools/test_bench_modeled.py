@@ -1,5 +1,6 @@
 """Every benchmark prints modeled_* columns beside the measured ones, also
 on the CPU backend (--cpu smoke runs)."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -17,5 +18,6 @@ def test_bench_prints_modeled_beside_measured(script):
     assert "MODELED by cupaged.tools.perf_model" in out
     assert "modeled" in out.splitlines()[-1] or any("modeled" in ln for ln in out.splitlines()[-4:])
     # a modeled figure, not n/a, on this machine (NVRTC present in the test environment)
-    assert "n/a" not in "".join(ln for ln in out.splitlines() if ln.strip().startswith(("decode", "prefill", "16",
-                                                                                      "2 ")))
+    assert "n/a" not in "".join(
+        ln for ln in out.splitlines() if ln.strip().startswith(("decode", "prefill", "16", "2 "))
+    )

@@ -1,6 +1,7 @@
 """The gate's launch check (cupaged.tools.launchcheck through
 compile_check.check): a selected variant that cannot launch on a compiled
 arch fails; archs not compiled (sm_86 / sm_89) are reported as warnings."""
+
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ SMEM = Path(__file__).parents[1] / "runtime" / "kernels" / "gate_smem.cu"
 def _nvrtc_or_skip():
     try:
         from cupaged._runtime import nvrtc
+
         nvrtc.nvrtc_version()
         nvrtc.find_header_dir()
     except Exception as e:
@@ -55,4 +57,4 @@ def test_package_selection_is_probed():
     shared memory (whatever the kernels' names and sizes are today)."""
     sel = launchcheck.selected_launches()
     assert sel and all(s.threads >= 32 for s in sel)
-    assert any(s.dynamic_smem > 48 * 1024 for s in sel)     # an opt-in launch is selected somewhere
+    assert any(s.dynamic_smem > 48 * 1024 for s in sel)  # an opt-in launch is selected somewhere

@@ -1,6 +1,7 @@
 """The occupancy calculator (cupaged.tools.occupancy) against published
 cases and the CUDA occupancy rules (cuda_occupancy.h), and the per-arch
 launch check (cupaged.tools.archs.launchable)."""
+
 import pytest
 
 from cupaged.tools import archs, occupancy
@@ -14,11 +15,12 @@ def test_best_practices_guide_example():
     o = occupancy.occupancy("sm_70", 128, 37)
     assert o.blocks_per_sm == 12 and o.occupancy() == pytest.approx(0.75) and o.limited_by == "registers"
     o = occupancy.occupancy("sm_70", 320, 37)
-    assert o.blocks_per_sm == 4 and o.occupancy() == pytest.approx(0.625)   # the guide rounds to 63%
+    assert o.blocks_per_sm == 4 and o.occupancy() == pytest.approx(0.625)  # the guide rounds to 63%
 
 
-@pytest.mark.parametrize("regs,blocks", [(32, 16), (64, 8), (128, 4), (154, 3), (156, 3), (168, 3), (170, 2),
-                                         (232, 2), (255, 2)])
+@pytest.mark.parametrize(
+    "regs,blocks", [(32, 16), (64, 8), (128, 4), (154, 3), (156, 3), (168, 3), (170, 2), (232, 2), (255, 2)]
+)
 def test_register_granularity_128_threads_sm90(regs, blocks):
     """Registers go to warps in units of 256 (regs x 32 rounded up), each
     of the 4 sub-partitions holds 16384 registers: 156 -> 5120 per warp ->
@@ -48,7 +50,7 @@ def test_shared_memory_reserve_and_granularity():
     assert o.smem_per_block == 76 * 1024 and o.by_smem == 3
     o = occupancy.occupancy("sm_90", 128, 32, 0, 75 * 1024 + 1)
     assert o.smem_per_block == 76 * 1024 + 128 and o.by_smem == 2
-    assert occupancy.occupancy("sm_80", 128, 32, 0, 81 * 1024).by_smem == 2     # 164 KiB / 82 KiB
+    assert occupancy.occupancy("sm_80", 128, 32, 0, 81 * 1024).by_smem == 2  # 164 KiB / 82 KiB
     # the tensor-core prefill kernel (D 128): 1808 static + 69632 dynamic -> 3 by shared memory
     assert occupancy.occupancy("sm_90", 128, 202, 1808, 69632).by_smem == 3
     # the MLA kernel: 2320 + 154624 -> 1 on sm_90 and sm_80; none on sm_86 (over the 99 KiB opt-in)

@@ -1,5 +1,6 @@
 """Smoke test of python -m cupaged.tools.perf_model: it runs, every row and
 launch is labelled modeled, and the figures hold together."""
+
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 def _nvrtc_or_skip():
     try:
         from cupaged._runtime import nvrtc
+
         nvrtc.nvrtc_version()
         nvrtc.find_header_dir()
     except Exception as e:
@@ -18,8 +20,9 @@ def _nvrtc_or_skip():
 
 def test_perf_model_json_is_all_modeled():
     _nvrtc_or_skip()
-    r = subprocess.run([sys.executable, "-m", "cupaged.tools.perf_model", "--json"], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "cupaged.tools.perf_model", "--json"], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
     assert doc["label"] == "modeled" and doc["arch"] == "sm_90" and doc["assumptions"]
@@ -48,10 +51,18 @@ def test_perf_model_json_is_all_modeled():
 
 def test_perf_model_text_and_assumptions():
     _nvrtc_or_skip()
-    r = subprocess.run([sys.executable, "-m", "cupaged.tools.perf_model", "--shape", "gqa_g4"], capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "cupaged.tools.perf_model", "--shape", "gqa_g4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "MODELED" in r.stdout and "gqa_g4" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "cupaged.tools.perf_model", "--assumptions", "--arch", "sm_80"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "cupaged.tools.perf_model", "--assumptions", "--arch", "sm_80"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and "A100" in r.stdout and "TB/s" in r.stdout

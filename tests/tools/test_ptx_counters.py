@@ -2,6 +2,7 @@
 cupaged.tools.counters, against hand counts for the small test kernels of
 tests/runtime/kernels/ptx_mma.cu; and the one-block probe of a real
 attention launch."""
+
 from pathlib import Path
 
 import numpy as np
@@ -53,14 +54,25 @@ def test_gemm_hand_counts(mod, k_dim, b_is_nk):
     a = rng.standard_normal((64, k_dim)).astype(as_dtype("bf16"))
     b = rng.standard_normal((k_dim, 32)).astype(as_dtype("bf16"))
     c = np.zeros((64, 32), np.float32)
-    got = _run(mod, "mma_gemm", 128, a, np.ascontiguousarray(b.T) if b_is_nk else b, c, np.uint32(k_dim),
-               np.uint32(a_rows), np.uint32(b_is_nk))
+    got = _run(
+        mod,
+        "mma_gemm",
+        128,
+        a,
+        np.ascontiguousarray(b.T) if b_is_nk else b,
+        c,
+        np.uint32(k_dim),
+        np.uint32(a_rows),
+        np.uint32(b_is_nk),
+    )
     steps = k_dim // 16
-    want = {"mma_16816": 4 * steps * 4,
-            "ldmatrix_x4": 4 * steps * (1 + (2 if b_is_nk else 0)),
-            "ldmatrix_x4_trans": 0 if b_is_nk else 4 * steps * 2,
-            "cp_async_16": a_rows * (k_dim // 8) + (32 * (k_dim // 8) if b_is_nk else k_dim * 4),
-            "cp_async_16_zero": (64 - a_rows) * (k_dim // 8)}
+    want = {
+        "mma_16816": 4 * steps * 4,
+        "ldmatrix_x4": 4 * steps * (1 + (2 if b_is_nk else 0)),
+        "ldmatrix_x4_trans": 0 if b_is_nk else 4 * steps * 2,
+        "cp_async_16": a_rows * (k_dim // 8) + (32 * (k_dim // 8) if b_is_nk else k_dim * 4),
+        "cp_async_16_zero": (64 - a_rows) * (k_dim // 8),
+    }
     assert got == want
 
 
@@ -80,6 +92,7 @@ def test_probe_of_an_attention_launch():
     2 x rows x 128 x 2 / 4096 = rows / 8 mma."""
     from cupaged import HostPlan
     from cupaged.ops.attention import plan_launches
+
     kv = 4096
     host = HostPlan.build(np.arange(kv // 16).reshape(1, -1), [kv], [kv], 16, kv // 16)
     launches = plan_launches(host, "bf16", 32, 8, 128, 128, 0, True, True)
@@ -88,5 +101,6 @@ def test_probe_of_an_attention_launch():
     p = counters.probe(launches[0], dtype="bf16", hq=32, hkv=8, d=128, dv=128, rot=0, page_size=16, use_cache=False)
     assert p.slope["cp_async_16"] == pytest.approx(32)
     from cupaged.ops.attention.kernels import prefill_tc
+
     assert p.slope["mma_16816"] == pytest.approx(prefill_tc.PREFILL_TILES[128][0].rows / 8)
     assert p.slope["cp_async_16_zero"] == 0

@@ -2,6 +2,7 @@
 NVRTC for sm_80 / sm_90 and disassembled (skipped with the reason when no
 nvdisasm / cuobjdump is installed), and the CFG code on a hand-written
 listing (always runs)."""
+
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ KERNEL = Path(__file__).parent / "kernels" / "sass_loops.cu"
 def _nvrtc_or_skip():
     try:
         from cupaged._runtime import nvrtc
+
         nvrtc.nvrtc_version()
         nvrtc.find_header_dir()
         return nvrtc
@@ -40,12 +42,13 @@ def test_hot_loop_of_a_fixed_kernel(arch):
     # two 16-byte loads per lane per iteration: 2 x 16 x 32 bytes per warp
     assert own.wide_load_bytes == 1024 and own.classes.get("ldg") == 2
     assert inner.wide_load_bytes == 0 and inner.global_load_bytes == 0 and inner.parent == 0
-    assert inner.classes.get("fp32", 0) >= 1            # s * 0.5f + 1.0f
-    assert own.classes.get("fp32", 0) >= 7              # eight elements summed
+    assert inner.classes.get("fp32", 0) >= 1  # s * 0.5f + 1.0f
+    assert own.classes.get("fp32", 0) >= 7  # eight elements summed
     assert hot.first_offset <= hot.last_offset
     # the scalar-load loop is not the hot loop: its loads are 4 bytes per lane
-    scalar = [lp for lp in loops if lp.depth == 1 and lp.header != sass.build_cfg(fn).block_of(
-        fn.index_of(hot.first_offset))]
+    scalar = [
+        lp for lp in loops if lp.depth == 1 and lp.header != sass.build_cfg(fn).block_of(fn.index_of(hot.first_offset))
+    ]
     assert scalar and not any(sass.is_wide_global_load(i) for i in scalar[0].instructions(fn, sass.build_cfg(fn)))
 
 
@@ -78,7 +81,7 @@ def test_cfg_on_a_listing():
     assert len(fn.instrs) == 15
     cfg = sass.build_cfg(fn)
     loops = sass.find_loops(cfg)
-    assert len(loops) == 2                       # the trailing self-branch after EXIT is not a loop
+    assert len(loops) == 2  # the trailing self-branch after EXIT is not a loop
     outer = next(lp for lp in loops if lp.depth == 1)
     inner = next(lp for lp in loops if lp.depth == 2)
     assert inner in outer.children

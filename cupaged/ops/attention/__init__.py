@@ -99,9 +99,27 @@ from .schedule import MAX_SEGMENTS, block_passes, plan_launches, tc_schedule_ok,
 from .splits import MIN_TOKENS_PER_SPLIT, SplitWorkspace, choose_splits
 from .variants import VARIANTS, select_tensor_core, select_variant
 
-__all__ = ["attention", "mla", "AttentionOptions", "KVLayer", "ROWS", "SCORES", "SplitWorkspace", "choose_splits",
-           "MIN_TOKENS_PER_SPLIT", "launch_attention", "MAX_SEGMENTS", "block_passes", "plan_launches",
-           "tc_schedule_ok", "tc_segments", "unsplit_blocks", "VARIANTS", "select_tensor_core", "select_variant"]
+__all__ = [
+    "attention",
+    "mla",
+    "AttentionOptions",
+    "KVLayer",
+    "ROWS",
+    "SCORES",
+    "SplitWorkspace",
+    "choose_splits",
+    "MIN_TOKENS_PER_SPLIT",
+    "launch_attention",
+    "MAX_SEGMENTS",
+    "block_passes",
+    "plan_launches",
+    "tc_schedule_ok",
+    "tc_segments",
+    "unsplit_blocks",
+    "VARIANTS",
+    "select_tensor_core",
+    "select_variant",
+]
 
 
 def attention(plan, q, k_cache, v_cache, scale, causal=True, **kwargs):
@@ -120,8 +138,9 @@ def mla(plan, q, *args, **kwargs):
 
 
 def __getattr__(name):
-    if name == "checks":    # the module's name before inputs.py (one release)
-        warnings.warn("cupaged.ops.attention.checks is now cupaged.ops.attention.inputs", DeprecationWarning,
-                      stacklevel=2)
+    if name == "checks":  # the module's name before inputs.py (one release)
+        warnings.warn(
+            "cupaged.ops.attention.checks is now cupaged.ops.attention.inputs", DeprecationWarning, stacklevel=2
+        )
         return inputs
     raise AttributeError(name)

@@ -3,6 +3,7 @@
 record; nothing here checks, allocates, synchronizes or reads device data
 on the host.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,10 +35,13 @@ def launch_call(call: Call, stream: Stream | None = None) -> None:
     q = call.refs[0]
     split = call.splits > 1
     values, sinks = dict(call.values), call.opts.sinks
-    ws = call.workspace if split else None      # the split partials' workspace (None: unsplit)
+    ws = call.workspace if split else None  # the split partials' workspace (None: unsplit)
     kernels = [get_kernel(q, launch.source, launch.kernel, launch.defines) for launch in call.launches]
-    merge = (get_kernel(q, MERGE.source, MERGE.name, merge_defines(dtypes.token(q.dtype), sinks is not None))
-             if split else None)
+    merge = (
+        get_kernel(q, MERGE.source, MERGE.name, merge_defines(dtypes.token(q.dtype), sinks is not None))
+        if split
+        else None
+    )
     hkv = values["kv_heads"]
     assert ws is not None or not split, "a split call has a workspace (inputs.record)"
     # A workspace is held from the first split kernel to the merge: threads
@@ -49,25 +53,58 @@ def launch_call(call: Call, stream: Stream | None = None) -> None:
             stream.launch(kernel, launch.grid(hkv, call.splits), (launch.threads,), (args,), shared_mem=launch.smem)
         if ws is not None:
             u32, queries, hq, lse = np.uint32, values["queries"], values["q_heads"], call.lse
-            stream.launch(merge, (queries, -(-hq // MERGE_HEADS_PER_BLOCK)), (THREADS,), (
-                ws.partial_out, ws.partial_lse, call.out, call.out if lse is None else lse,
-                u32(queries), u32(hq), u32(values["value_dim"]), u32(call.splits), u32(lse is not None),
-                sinks if sinks is not None else np.uint64(0)))
+            stream.launch(
+                merge,
+                (queries, -(-hq // MERGE_HEADS_PER_BLOCK)),
+                (THREADS,),
+                (
+                    ws.partial_out,
+                    ws.partial_lse,
+                    call.out,
+                    call.out if lse is None else lse,
+                    u32(queries),
+                    u32(hq),
+                    u32(values["value_dim"]),
+                    u32(call.splits),
+                    u32(lse is not None),
+                    sinks if sinks is not None else np.uint64(0),
+                ),
+            )
 
 
-def launches_for(plan: Any, q: Array, k_cache: Array, v_cache: Array, out: Array, opts: AttentionOptions, *,
-                 q_rot: Array | None = None, k_rot: Array | None = None,
-                 read: CacheRead | None = None) -> tuple[Launch, ...]:
+def launches_for(
+    plan: Any,
+    q: Array,
+    k_cache: Array,
+    v_cache: Array,
+    out: Array,
+    opts: AttentionOptions,
+    *,
+    q_rot: Array | None = None,
+    k_rot: Array | None = None,
+    read: CacheRead | None = None,
+) -> tuple[Launch, ...]:
     """The launches (``schedule.Launch``, one per segment) that
     ``launch_attention`` issues for these arrays (``inputs.record`` chooses
     them)."""
     return unchecked(plan, q, k_cache, v_cache, out, opts, q_rot=q_rot, k_rot=k_rot, read=read).launches
 
 
-def launch_attention(stream: Stream | None, plan: Any, q: Array, k_cache: Array, v_cache: Array, out: Array,
-                     opts: AttentionOptions, *, q_rot: Array | None = None, k_rot: Array | None = None,
-                     lse: Array | None = None, workspace: SplitWorkspace | None = None,
-                     read: CacheRead | None = None) -> None:
+def launch_attention(
+    stream: Stream | None,
+    plan: Any,
+    q: Array,
+    k_cache: Array,
+    v_cache: Array,
+    out: Array,
+    opts: AttentionOptions,
+    *,
+    q_rot: Array | None = None,
+    k_rot: Array | None = None,
+    lse: Array | None = None,
+    workspace: SplitWorkspace | None = None,
+    read: CacheRead | None = None,
+) -> None:
     """Launch paged attention for ``plan`` on arrays that come unchecked
     (the layer under ``DevicePlan.attention``, which checks and calls
     ``launch_call`` with its record; ``opts``: ``AttentionOptions``).
@@ -91,5 +128,9 @@ def launch_attention(stream: Stream | None, plan: Any, q: Array, k_cache: Array,
     ``read.k_scale`` scales the latent (K and V) and ``read.v_scale``
     k_rot.
     """
-    launch_call(unchecked(plan, q, k_cache, v_cache, out, opts, q_rot=q_rot, k_rot=k_rot, lse=lse,
-                          workspace=workspace, read=read), stream)
+    launch_call(
+        unchecked(
+            plan, q, k_cache, v_cache, out, opts, q_rot=q_rot, k_rot=k_rot, lse=lse, workspace=workspace, read=read
+        ),
+        stream,
+    )

@@ -12,6 +12,7 @@ one params field: docs/layout.md, "Adding a score variant".
 
 ``SCORES`` are the score variants (``CP_SCORE``), a column of their own.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,14 +53,14 @@ def head_array(plan: Any, name: str, a: Array, heads: int) -> None:
     """``a``: a C-contiguous float32 [heads] array on the plan's backend and
     device (sinks, ALiBi slopes)."""
     if array_backend(a) is None:
-        raise PagedAttentionError(f"{name}: expected a NumPy or CuPy float32 array [{heads}], got "
-                                  f"{type(a).__name__}")
+        raise PagedAttentionError(f"{name}: expected a NumPy or CuPy float32 array [{heads}], got {type(a).__name__}")
     checks.plan_arrays(plan, **{name: a})
     if str(a.dtype) != "float32":
         raise PagedAttentionError(f"{name}: expected float32 [{heads}] (one value per query head), got {a.dtype}")
     if tuple(a.shape) != (heads,):
-        raise PagedAttentionError(f"{name}: expected shape [{heads}] (one value per query head), got shape "
-                                  f"{checks.shape_str(a.shape)}")
+        raise PagedAttentionError(
+            f"{name}: expected shape [{heads}] (one value per query head), got shape {checks.shape_str(a.shape)}"
+        )
     if not a.flags.c_contiguous:
         raise PagedAttentionError(f"{name}: expected a contiguous array, got strides {tuple(a.strides)}")
 
@@ -122,25 +123,62 @@ def _window(name: str, v: object, plan: Any, heads: int | None) -> int:
 
 #: Every option, by name, in the order they compose (score, cap, ALiBi) and
 #: positional order of ``AttentionOptions`` after scale and causal.
-ROWS: dict[str, Option] = {r.name: r for r in (
-    Option("score", "a name in ``SCORES`` (\"plain\": softmax(scale * q.k)); compile-time", score_name,
-           default="plain"),
-    Option("soft_cap", "float > 0: logit = cap * tanh(scale * q.k / cap) (Gemma 2)", _cap,
-           ("soft_cap", "inv_soft_cap"), lambda c: (c * LOG2E, 1.0 / (c * LOG2E)), feature="soft_cap",
-           reference="soft_cap"),
-    Option("window", "int >= 1: the query at p sees no position below p - window + 1 (vLLM's sliding_window, "
-           "FlashInfer's window_left + 1; the pages before are never read)", _window, ("window",),
-           lambda w: (w,), feature="window"),
-    Option("sinks", "float32 [Hq]: a per-head logit in the softmax denominator (gpt-oss), counted by the lse",
-           per_head, ("sinks",), lambda a: (address(a),), feature="sinks", array=True),
-    Option("alibi_slopes", "float32 [Hq]: logit += slope[h] * (k_pos - q_pos) (BLOOM / MPT)", per_head,
-           ("alibi_slopes",), lambda a: (address(a),), feature="alibi", array=True, reference="alibi_slopes"),
-    Option("kv_dtype", "'e4m3' / 'e5m2': the format of uint8 cache storage (fp8 caches)"),
-    Option("k_scale", "float32 [] / [1] / [Hkv] (None: 1): K = code * k_scale for an fp8 cache (MLA: the "
-           "latent's)", array=True),
-    Option("v_scale", "float32 [] / [1] / [Hkv] (None: 1): V = code * v_scale for an fp8 cache (MLA: k_rot's)",
-           array=True),
-)}
+ROWS: dict[str, Option] = {
+    r.name: r
+    for r in (
+        Option(
+            "score", 'a name in ``SCORES`` ("plain": softmax(scale * q.k)); compile-time', score_name, default="plain"
+        ),
+        Option(
+            "soft_cap",
+            "float > 0: logit = cap * tanh(scale * q.k / cap) (Gemma 2)",
+            _cap,
+            ("soft_cap", "inv_soft_cap"),
+            lambda c: (c * LOG2E, 1.0 / (c * LOG2E)),
+            feature="soft_cap",
+            reference="soft_cap",
+        ),
+        Option(
+            "window",
+            "int >= 1: the query at p sees no position below p - window + 1 (vLLM's sliding_window, "
+            "FlashInfer's window_left + 1; the pages before are never read)",
+            _window,
+            ("window",),
+            lambda w: (w,),
+            feature="window",
+        ),
+        Option(
+            "sinks",
+            "float32 [Hq]: a per-head logit in the softmax denominator (gpt-oss), counted by the lse",
+            per_head,
+            ("sinks",),
+            lambda a: (address(a),),
+            feature="sinks",
+            array=True,
+        ),
+        Option(
+            "alibi_slopes",
+            "float32 [Hq]: logit += slope[h] * (k_pos - q_pos) (BLOOM / MPT)",
+            per_head,
+            ("alibi_slopes",),
+            lambda a: (address(a),),
+            feature="alibi",
+            array=True,
+            reference="alibi_slopes",
+        ),
+        Option("kv_dtype", "'e4m3' / 'e5m2': the format of uint8 cache storage (fp8 caches)"),
+        Option(
+            "k_scale",
+            "float32 [] / [1] / [Hkv] (None: 1): K = code * k_scale for an fp8 cache (MLA: the latent's)",
+            array=True,
+        ),
+        Option(
+            "v_scale",
+            "float32 [] / [1] / [Hkv] (None: 1): V = code * v_scale for an fp8 cache (MLA: k_rot's)",
+            array=True,
+        ),
+    )
+}
 
 #: The score and visibility features: each a compile-time flag of every
 #: kernel (``Variant`` fields of these names, defines ``CP_<FEATURE>``),
@@ -226,8 +264,16 @@ class AttentionOptions:
         return {n: v for n, v in self.given if ROWS[n].array}
 
     @classmethod
-    def checked(cls, scale: object, causal: object = True, score: str = "plain", *, plan: Any = None,
-                heads: int | None = None, **options: Any) -> AttentionOptions:
+    def checked(
+        cls,
+        scale: object,
+        causal: object = True,
+        score: str = "plain",
+        *,
+        plan: Any = None,
+        heads: int | None = None,
+        **options: Any,
+    ) -> AttentionOptions:
         """Every option checked (the storage ones go unchecked here: they are
         checked with the caches); the per-head arrays against ``plan``
         (backend, device, stream) and ``heads`` (Hq), which they then need."""
@@ -239,8 +285,10 @@ class AttentionOptions:
         opts = cls(checks.positive_scale(scale), checks.boolean("causal", causal), **values)
         scored = [n for n, _ in opts.given if ROWS[n].score]
         if scored and (len(scored) > 1 or opts.score != "plain"):
-            raise PagedAttentionError(f"{scored[0]}: expected score 'plain' and no other score option with it "
-                                      f"(each selects a score variant), got score={opts.score!r} and {scored}")
+            raise PagedAttentionError(
+                f"{scored[0]}: expected score 'plain' and no other score option with it "
+                f"(each selects a score variant), got score={opts.score!r} and {scored}"
+            )
         return opts
 
     def check_plan(self, plan: Any, what: str = "attention") -> None:
@@ -253,7 +301,8 @@ class AttentionOptions:
             raise PagedAttentionError(
                 f"causal: expected False for this plan (sequence {s} has q_lens={int(plan.host.q_lens[s])} > "
                 f"kv_lens={int(plan.host.kv_lens[s])}: its first queries sit at negative positions; append the "
-                f"step's new K/V first, so kv_lens counts them), got True ({what})")
+                f"step's new K/V first, so kv_lens counts them), got True ({what})"
+            )
 
 
 def docs(indent: str = "") -> str:
@@ -270,7 +319,7 @@ def document(fn: _F) -> _F:
     if fn.__doc__:
         lines = fn.__doc__.split("\n")
         at = next(i for i, line in enumerate(lines) if line.strip() == "{options}")
-        lines[at] = docs(lines[at][:len(lines[at]) - len(lines[at].lstrip())])
+        lines[at] = docs(lines[at][: len(lines[at]) - len(lines[at].lstrip())])
         fn.__doc__ = "\n".join(lines)
     return fn
 
@@ -291,8 +340,11 @@ class KVLayer:
 
     def storage(self) -> dict[str, Any]:
         """The storage options given, by name."""
-        return {n: v for n, v in (("kv_dtype", self.kv_dtype), ("k_scale", self.k_scale),
-                                  ("v_scale", self.v_scale)) if v is not None}
+        return {
+            n: v
+            for n, v in (("kv_dtype", self.kv_dtype), ("k_scale", self.k_scale), ("v_scale", self.v_scale))
+            if v is not None
+        }
 
 
 def renamed(options: dict[str, Any], new: dict[str, Any], old: dict[str, str]) -> dict[str, Any]:
@@ -304,8 +356,11 @@ def renamed(options: dict[str, Any], new: dict[str, Any], old: dict[str, str]) -
         if was in options:
             if out[now] is not MISSING:
                 raise PagedAttentionError(f"{was}: given together with {now}, its new name; pass {now} only")
-            warnings.warn(f"{was}= is deprecated, pass {now}= (the MLA rotary part); {was} is accepted for one "
-                          f"release", DeprecationWarning, stacklevel=3)
+            warnings.warn(
+                f"{was}= is deprecated, pass {now}= (the MLA rotary part); {was} is accepted for one release",
+                DeprecationWarning,
+                stacklevel=3,
+            )
             out[now] = options.pop(was)
     return out
 

@@ -7,6 +7,7 @@ is generated from it into
 a test checks the committed header), and ``DTYPE`` packs the same bytes on
 the host (``pack``). Shapes and meanings: docs/layout.md.
 """
+
 from __future__ import annotations
 
 import numpy as np

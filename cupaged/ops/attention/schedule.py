@@ -2,6 +2,7 @@
 that follow for given shapes, from host plan data only (cached per plan).
 Rules in ``tc_segments``; docs/layout.md, "Which kernel serves which queries".
 """
+
 from __future__ import annotations
 
 import weakref
@@ -58,13 +59,14 @@ def _range_passes(rank: np.ndarray, begin: int, end: int, queries_per_block: int
     return last - first + 1
 
 
-def _ranges_passes(rank: np.ndarray, begins: np.ndarray, ends: np.ndarray,
-                   queries_per_block: int) -> tuple[np.ndarray, np.ndarray]:
+def _ranges_passes(
+    rank: np.ndarray, begins: np.ndarray, ends: np.ndarray, queries_per_block: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(most, total) passes of the blocks tiling each range
     ``[begins[i], ends[i])`` from its start (ranges not empty), at once."""
     nb = -(-(ends - begins) // queries_per_block)
-    head = np.cumsum(nb) - nb                               # first block of each range
-    j = np.arange(int(nb.sum())) - np.repeat(head, nb)      # block index inside its range
+    head = np.cumsum(nb) - nb  # first block of each range
+    j = np.arange(int(nb.sum())) - np.repeat(head, nb)  # block index inside its range
     b0 = np.repeat(begins, nb) + j * queries_per_block
     b1 = np.minimum(b0 + queries_per_block, np.repeat(ends, nb))
     passes = rank[b1 - 1] - rank[b0] + 1
@@ -109,7 +111,7 @@ class _TcRun:
         self.rank, self.begin, self.end = rank, begin, begin
         self.heads = min(group, TC_ROWS)
         self.qpb = tc_queries_per_block(group)
-        self.done, self.most, self.total = begin, 0, 0     # complete blocks: [begin, done)
+        self.done, self.most, self.total = begin, 0, 0  # complete blocks: [begin, done)
 
     def extend(self, end: int) -> bool:
         """Grow to ``[begin, end)`` if the whole range keeps the tensor-core
@@ -200,7 +202,7 @@ def _segment(host: Any, group: int) -> tuple[tuple[bool, int, int], ...]:
         while i < len(segs):
             on_tc, b, e = segs[i]
             run = _TcRun(rank, b, group) if on_tc else None
-            if run is not None and run.extend(e):      # (it keeps the rule: checked above)
+            if run is not None and run.extend(e):  # (it keeps the rule: checked above)
                 while i + 2 < len(segs) and run.extend(segs[i + 2][2]):
                     i += 2
                 e = run.end
@@ -209,7 +211,7 @@ def _segment(host: Any, group: int) -> tuple[tuple[bool, int, int], ...]:
             merged.append([on_tc, b, e])
             i += 1
         segs = merged
-    for seg in segs:                    # too few rows to be worth a launch
+    for seg in segs:  # too few rows to be worth a launch
         if seg[0] and (seg[2] - seg[1]) * heads < TC_SEGMENT_ROWS:
             seg[0] = False
     segs = _coalesce(segs)
@@ -294,10 +296,24 @@ class _Storage(TypedDict):
     latent: bool
 
 
-def plan_launches(host: Any, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
-                  aligned_tc: bool, score: str = "plain", arch: str | None = None,
-                  features: tuple[str, ...] = (), *, kv_dtype: str | None = None, strided: bool = False,
-                  latent: bool = False) -> tuple[Launch, ...]:
+def plan_launches(
+    host: Any,
+    dtype: str,
+    hq: int,
+    hkv: int,
+    d: int,
+    dv: int,
+    rot_dim: int,
+    aligned: bool,
+    aligned_tc: bool,
+    score: str = "plain",
+    arch: str | None = None,
+    features: tuple[str, ...] = (),
+    *,
+    kv_dtype: str | None = None,
+    strided: bool = False,
+    latent: bool = False,
+) -> tuple[Launch, ...]:
     """The unsplit launches for these shapes, one per segment
     (``tc_segments``), each with its ``variants.Variant``'s source, kernel,
     defines, block and shared memory; ``score`` and ``features``
@@ -312,42 +328,102 @@ def plan_launches(host: Any, dtype: str, hq: int, hkv: int, d: int, dv: int, rot
     per plan, shapes and arch, so the hot path is one lookup."""
     per_plan = _launches_cache.setdefault(host, {})
     kv = dtype if kv_dtype is None else kv_dtype
-    key = (dtype, hq, hkv, d, dv, rot_dim, aligned, aligned_tc, score, arch, tuple(features), kv, bool(strided),
-           bool(latent or rot_dim))
+    key = (
+        dtype,
+        hq,
+        hkv,
+        d,
+        dv,
+        rot_dim,
+        aligned,
+        aligned_tc,
+        score,
+        arch,
+        tuple(features),
+        kv,
+        bool(strided),
+        bool(latent or rot_dim),
+    )
     launches = per_plan.get(key)
     if launches is None:
         launches = per_plan[key] = _launches(host, *key)
     return launches
 
 
-def _launches(host: Any, dtype: str, hq: int, hkv: int, d: int, dv: int, rot_dim: int, aligned: bool,
-              aligned_tc: bool, score: str, arch: str | None, features: tuple[str, ...], kv_dtype: str,
-              strided: bool, latent: bool) -> tuple[Launch, ...]:
+def _launches(
+    host: Any,
+    dtype: str,
+    hq: int,
+    hkv: int,
+    d: int,
+    dv: int,
+    rot_dim: int,
+    aligned: bool,
+    aligned_tc: bool,
+    score: str,
+    arch: str | None,
+    features: tuple[str, ...],
+    kv_dtype: str,
+    strided: bool,
+    latent: bool,
+) -> tuple[Launch, ...]:
     """plan_launches without the cache."""
     group = hq // hkv
     segs = tc_segments(host, group)
     storage = _Storage(kv_dtype=kv_dtype, strided=strided, latent=latent)
-    tc = select_tensor_core(dtype, d, dv, aligned_tc, any(seg[0] for seg in segs), rot_dim, score=score,
-                            arch=arch, features=features, **storage)
+    tc = select_tensor_core(
+        dtype,
+        d,
+        dv,
+        aligned_tc,
+        any(seg[0] for seg in segs),
+        rot_dim,
+        score=score,
+        arch=arch,
+        features=features,
+        **storage,
+    )
     if tc is None:
         segs = ((False, 0, host.queries),)
     launches = []
     for on_tc, begin, count in segs:
         if on_tc:
             # v.rows rows per block: qt queries x ht heads of one KV head's group.
-            assert tc is not None       # without a tensor-core variant the step is one CUDA-core segment
+            assert tc is not None  # without a tensor-core variant the step is one CUDA-core segment
             v, rows = tc, tc.rows
             tiles, blocks = -(-group // min(group, rows)), -(-count // tc_queries_per_block(group, rows))
         else:
             v = select_variant(dtype, d, dv, aligned, group, rot_dim, score=score, features=features, **storage)
             tiles, blocks = -(-group // v.group_tile), count
-        launches.append(Launch(v.source, v.kernel, v.defines(), v.threads, v.smem, blocks, tiles, begin, count,
-                               v.resident_blocks, bool(on_tc and v.latent_dim)))   # MLA: head tiles in x
+        launches.append(
+            Launch(
+                v.source,
+                v.kernel,
+                v.defines(),
+                v.threads,
+                v.smem,
+                blocks,
+                tiles,
+                begin,
+                count,
+                v.resident_blocks,
+                bool(on_tc and v.latent_dim),
+            )
+        )  # MLA: head tiles in x
     return tuple(launches)
 
 
-def unsplit_blocks(host: Any, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, dtype: DTypeLike,
-                   rot_dim: int = 0, *, kv_dtype: DTypeLike | None = None) -> int:
+def unsplit_blocks(
+    host: Any,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    value_dim: int,
+    dtype: DTypeLike,
+    rot_dim: int = 0,
+    *,
+    kv_dtype: DTypeLike | None = None,
+) -> int:
     """Blocks of the unsplit attention grids for a plan and these shapes
     (16-byte aligned arrays assumed; ``kv_dtype``: the caches' format, q's
     dtype by default), summed over the step's segments: what
@@ -357,6 +433,16 @@ def unsplit_blocks(host: Any, q_heads: int, kv_heads: int, head_dim: int, value_
     token = dtypes.token(dtype)
     if host.queries == 0:
         return 0
-    launches = plan_launches(host, token, q_heads, kv_heads, head_dim, value_dim, rot_dim, True, True,
-                             kv_dtype=None if kv_dtype is None else dtypes.token(kv_dtype))
+    launches = plan_launches(
+        host,
+        token,
+        q_heads,
+        kv_heads,
+        head_dim,
+        value_dim,
+        rot_dim,
+        True,
+        True,
+        kv_dtype=None if kv_dtype is None else dtypes.token(kv_dtype),
+    )
     return sum(launch.blocks * kv_heads * launch.tiles for launch in launches)

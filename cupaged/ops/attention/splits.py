@@ -4,6 +4,7 @@ A query's visible history is cut into ``splits`` chunks, each served by its
 own block, which writes an FP32 partial output and LSE; a merge kernel
 combines them (docs/layout.md, "Split-KV workspace").
 """
+
 from __future__ import annotations
 
 import math
@@ -62,14 +63,27 @@ class SplitWorkspace:
         self.lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return (f"SplitWorkspace(queries={self.queries}, heads={self.heads}, value_dim={self.value_dim}, "
-                f"splits={self.splits}, backend={self.backend!r})")
+        return (
+            f"SplitWorkspace(queries={self.queries}, heads={self.heads}, value_dim={self.value_dim}, "
+            f"splits={self.splits}, backend={self.backend!r})"
+        )
 
 
-def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None = None,
-                  q_heads: int | None = None, head_dim: int | None = None, value_dim: int | None = None,
-                  dtype=None, rot_dim: int = 0, arch: str | None = None, window: int | None = None,
-                  kv_dtype=None) -> int:
+def choose_splits(
+    plan,
+    kv_heads: int,
+    like=None,
+    *,
+    multiprocessors: int | None = None,
+    q_heads: int | None = None,
+    head_dim: int | None = None,
+    value_dim: int | None = None,
+    dtype=None,
+    rot_dim: int = 0,
+    arch: str | None = None,
+    window: int | None = None,
+    kv_dtype=None,
+) -> int:
     """Split count for a plan (HostPlan or DevicePlan) with ``kv_heads``.
 
     Rule: let ``blocks`` be the unsplit grid's block count and ``slots`` the
@@ -104,7 +118,7 @@ def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None
     ``value_dim`` in 1..MAX_HEAD_DIM; ``rot_dim`` in 0..MAX_ROPE_DIM;
     ``window`` >= 1): PagedAttentionError naming the argument.
     """
-    host = getattr(plan, "host", plan)   # a DevicePlan's host plan, or a HostPlan
+    host = getattr(plan, "host", plan)  # a DevicePlan's host plan, or a HostPlan
     if not all(hasattr(host, a) for a in ("queries", "max_kv_len", "q_lens")):
         raise PagedAttentionError(f"plan: expected a HostPlan or DevicePlan, got {type(plan).__name__}")
     kv_heads = checks.host_int("kv_heads", kv_heads, 1, U32_MAX)
@@ -133,8 +147,23 @@ def choose_splits(plan, kv_heads: int, like=None, *, multiprocessors: int | None
             raise PagedAttentionError("head_dim, dtype: expected both with q_heads")
         dv = int(head_dim if value_dim is None else value_dim)
         kv = None if kv_dtype is None else dtypes.kv_storage("kv_dtype", dtypes.np_dtype(kv_dtype)).token
-        launches = plan_launches(host, dtypes.token(dtype), int(q_heads), int(kv_heads), int(head_dim), dv,
-                                 int(rot_dim), True, True, arch=arch, kv_dtype=kv) if host.queries else ()
+        launches = (
+            plan_launches(
+                host,
+                dtypes.token(dtype),
+                int(q_heads),
+                int(kv_heads),
+                int(head_dim),
+                dv,
+                int(rot_dim),
+                True,
+                True,
+                arch=arch,
+                kv_dtype=kv,
+            )
+            if host.queries
+            else ()
+        )
         blocks = sum(launch.blocks * int(kv_heads) * launch.tiles for launch in launches)
         resident = min((launch.min_blocks or 1 for launch in launches), default=1)
     slots = max(1, int(resident)) * int(multiprocessors)

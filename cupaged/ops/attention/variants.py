@@ -18,6 +18,7 @@ registers the fast ones (FP8_GATE_FEATURES), the rest compile on first
 launch. Cache views that are not C-contiguous go to the kernels whose spec
 has ``strided``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -96,6 +97,7 @@ GATE_FEATURES: tuple[tuple[str, ...], ...] = tuple((f,) for f in FEATURES) + (FE
 # Variant: every compile-time choice of one build
 # ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Variant:
     """One build of an attention kernel. Fields left 0 do not apply to the
@@ -103,23 +105,23 @@ class Variant:
     with the dtypes, score, target and features; the name of the compiled
     variant is its cache key)."""
 
-    kernel: str                  # a name of KERNELS
-    dtype: str                   # CP_DTYPE: q and out
-    kv_dtype: str                # CP_KV_DTYPE: the K/V caches
-    score: str = "plain"         # CP_SCORE (SCORES)
-    head_dim: int = 0            # HEAD_DIM: D == Dv (paged_attention's fast path; the tensor-core kernels)
-    dim_cap: int = 0             # DIM_CAP: runtime D, Dv up to it (paged_attention)
-    vec_loads: int = 0           # VEC_LOADS: 16-byte loads on the runtime-dim path
-    group_tile: int = 0          # GROUP_TILE: query heads per block (paged_attention; paged_decode_tc's 16)
-    rot_cap: int = 0             # ROT_CAP: MLA rotary capacity P (paged_attention)
-    latent_dim: int = 0          # LATENT_DIM: R (paged_mla_tc, paged_mla_wgmma)
-    rope_dim: int = 0            # ROPE_DIM: P (paged_mla_tc, paged_mla_wgmma)
-    tile: TcTile | None = None   # TC_*: paged_prefill_tc's tile (PREFILL_TILES)
-    target: str = ""             # CP_TARGET: the spec's arch-specific compile target, "" for any arch
-    soft_cap: bool = False       # CP_SOFT_CAP (FEATURES)
-    window: bool = False         # CP_WINDOW
-    sinks: bool = False          # CP_SINKS
-    alibi: bool = False          # CP_ALIBI
+    kernel: str  # a name of KERNELS
+    dtype: str  # CP_DTYPE: q and out
+    kv_dtype: str  # CP_KV_DTYPE: the K/V caches
+    score: str = "plain"  # CP_SCORE (SCORES)
+    head_dim: int = 0  # HEAD_DIM: D == Dv (paged_attention's fast path; the tensor-core kernels)
+    dim_cap: int = 0  # DIM_CAP: runtime D, Dv up to it (paged_attention)
+    vec_loads: int = 0  # VEC_LOADS: 16-byte loads on the runtime-dim path
+    group_tile: int = 0  # GROUP_TILE: query heads per block (paged_attention; paged_decode_tc's 16)
+    rot_cap: int = 0  # ROT_CAP: MLA rotary capacity P (paged_attention)
+    latent_dim: int = 0  # LATENT_DIM: R (paged_mla_tc, paged_mla_wgmma)
+    rope_dim: int = 0  # ROPE_DIM: P (paged_mla_tc, paged_mla_wgmma)
+    tile: TcTile | None = None  # TC_*: paged_prefill_tc's tile (PREFILL_TILES)
+    target: str = ""  # CP_TARGET: the spec's arch-specific compile target, "" for any arch
+    soft_cap: bool = False  # CP_SOFT_CAP (FEATURES)
+    window: bool = False  # CP_WINDOW
+    sinks: bool = False  # CP_SINKS
+    alibi: bool = False  # CP_ALIBI
 
     @property
     def source(self) -> str:
@@ -229,12 +231,18 @@ def _tc_cost(v: Variant) -> tuple:
 # What is built
 # ---------------------------------------------------------------------------
 
+
 def _built() -> list[Variant]:
     """Every shape variant built (score "plain"): the table selection picks
     from, each spec's builds for each dtype pair (an fp8 cache only for the
     kernels with ``fp8``)."""
-    return [Variant(k.name, dt, kv, target=k.target, **fields) for dt, kv in DTYPE_PAIRS for k in SPECS
-            if k.fp8 or not is_fp8(kv) for fields in k.builds(dt, kv)]
+    return [
+        Variant(k.name, dt, kv, target=k.target, **fields)
+        for dt, kv in DTYPE_PAIRS
+        for k in SPECS
+        if k.fp8 or not is_fp8(kv)
+        for fields in k.builds(dt, kv)
+    ]
 
 
 _TABLE: dict[tuple[bool, str, str], list[Variant]] = {}
@@ -270,12 +278,33 @@ def _fp8(v: Variant) -> bool:
 #: fast ones (``_gate_fast``) with each of GATE_FEATURES too; of the
 #: fp8-cache builds, the fast ones with FP8_GATE_FEATURES.
 VARIANTS: tuple[Variant, ...] = tuple(
-    [replace(v, score=s.name) for rows in _TABLE.values() for v in rows if not _fp8(v)
-     for s in SCORES.values() if s.built]
-    + [with_features(replace(v, score=s.name), fs) for rows in _TABLE.values() for v in rows
-       if _gate_fast(v) and not _fp8(v) for s in SCORES.values() if s.built for fs in GATE_FEATURES]
-    + [with_features(replace(v, score=s.name), fs) for rows in _TABLE.values() for v in rows
-       if _gate_fast(v) and _fp8(v) for s in SCORES.values() if s.built for fs in FP8_GATE_FEATURES])
+    [
+        replace(v, score=s.name)
+        for rows in _TABLE.values()
+        for v in rows
+        if not _fp8(v)
+        for s in SCORES.values()
+        if s.built
+    ]
+    + [
+        with_features(replace(v, score=s.name), fs)
+        for rows in _TABLE.values()
+        for v in rows
+        if _gate_fast(v) and not _fp8(v)
+        for s in SCORES.values()
+        if s.built
+        for fs in GATE_FEATURES
+    ]
+    + [
+        with_features(replace(v, score=s.name), fs)
+        for rows in _TABLE.values()
+        for v in rows
+        if _gate_fast(v) and _fp8(v)
+        for s in SCORES.values()
+        if s.built
+        for fs in FP8_GATE_FEATURES
+    ]
+)
 for _k in SPECS:
     register(_k.source, [v.defines() for v in VARIANTS if v.kernel == _k.name])
 del _k
@@ -285,13 +314,17 @@ del _k
 register(MERGE.source, [MERGE.defines(d, s) for d in DTYPES for s in (False, True)])
 
 
-def _pick(tensor_core: bool, shape: Shape, score: str, arch: str | None = None,
-          features: tuple[str, ...] = ()) -> Variant | None:
+def _pick(
+    tensor_core: bool, shape: Shape, score: str, arch: str | None = None, features: tuple[str, ...] = ()
+) -> Variant | None:
     """The cheapest built variant (of one kernel kind) serving ``shape`` that
     runs on ``arch`` (``Variant.runs_on``), with ``score`` and ``features``
     (FEATURES names); None when none does."""
-    rows = [v for v in _TABLE.get((tensor_core, shape.dtype, shape.kv_dtype), ())
-            if v.serves(shape) and (not tensor_core or v.runs_on(arch))]
+    rows = [
+        v
+        for v in _TABLE.get((tensor_core, shape.dtype, shape.kv_dtype), ())
+        if v.serves(shape) and (not tensor_core or v.runs_on(arch))
+    ]
     if not rows:
         return None
     best = min(rows, key=(lambda v: _tc_cost(v)) if tensor_core else (lambda v: _cost(v, shape.group)))
@@ -304,6 +337,7 @@ def _pick(tensor_core: bool, shape: Shape, score: str, arch: str | None = None,
 # What runs
 # ---------------------------------------------------------------------------
 
+
 def vec_ok(dtype: str, head_dim: int, value_dim: int, aligned: bool) -> bool:
     """16-byte loads possible: the arrays aligned and both dims a multiple
     of 16 bytes."""
@@ -311,9 +345,20 @@ def vec_ok(dtype: str, head_dim: int, value_dim: int, aligned: bool) -> bool:
     return aligned and (head_dim * itemsize) % VECTOR_BYTES == 0 and (value_dim * itemsize) % VECTOR_BYTES == 0
 
 
-def select_variant(dtype: str, head_dim: int, value_dim: int, aligned: bool, group: int, rot_dim: int = 0,
-                   *, kv_dtype: str | None = None, score: str = "plain", features: tuple[str, ...] = (),
-                   strided: bool = False, latent: bool = False) -> Variant:
+def select_variant(
+    dtype: str,
+    head_dim: int,
+    value_dim: int,
+    aligned: bool,
+    group: int,
+    rot_dim: int = 0,
+    *,
+    kv_dtype: str | None = None,
+    score: str = "plain",
+    features: tuple[str, ...] = (),
+    strided: bool = False,
+    latent: bool = False,
+) -> Variant:
     """The per-query variant that runs (dtype, D, Dv, GQA group size,
     rotary dim P; the caches' dtype, q's unless given; the score variant and
     its features): paged_decode_tc where it serves, else paged_attention
@@ -326,8 +371,17 @@ def select_variant(dtype: str, head_dim: int, value_dim: int, aligned: bool, gro
     ``latent``: V is the K cache (MLA).
     """
     kv = dtype if kv_dtype is None else kv_dtype
-    shape = Shape(dtype, kv, head_dim, value_dim, rot_dim, group, vec_ok(kv, head_dim, value_dim, aligned),
-                  strided=strided, latent=latent)
+    shape = Shape(
+        dtype,
+        kv,
+        head_dim,
+        value_dim,
+        rot_dim,
+        group,
+        vec_ok(kv, head_dim, value_dim, aligned),
+        strided=strided,
+        latent=latent,
+    )
     v = _pick(False, shape, score, features=features)
     if v is None:
         raise ValueError(f"no per-query attention variant is built for {shape}")
@@ -350,10 +404,21 @@ def resident_blocks(v: Variant) -> int:
     return KERNELS[v.kernel].resident_blocks(v)
 
 
-def select_tensor_core(dtype: str, head_dim: int, value_dim: int, aligned: bool, schedule_ok: bool,
-                       rot_dim: int = 0, *, kv_dtype: str | None = None, score: str = "plain",
-                       arch: str | None = None, features: tuple[str, ...] = (), strided: bool = False,
-                       latent: bool = False) -> Variant | None:
+def select_tensor_core(
+    dtype: str,
+    head_dim: int,
+    value_dim: int,
+    aligned: bool,
+    schedule_ok: bool,
+    rot_dim: int = 0,
+    *,
+    kv_dtype: str | None = None,
+    score: str = "plain",
+    arch: str | None = None,
+    features: tuple[str, ...] = (),
+    strided: bool = False,
+    latent: bool = False,
+) -> Variant | None:
     """The tensor-core variant that runs, or None for the per-query kernels
     (``select_variant``).
 
@@ -367,5 +432,10 @@ def select_tensor_core(dtype: str, head_dim: int, value_dim: int, aligned: bool,
     ``select_variant``.
     """
     kv = dtype if kv_dtype is None else kv_dtype
-    return _pick(True, Shape(dtype, kv, head_dim, value_dim, rot_dim, 1, False, aligned, schedule_ok, strided,
-                             latent), score, arch, features)
+    return _pick(
+        True,
+        Shape(dtype, kv, head_dim, value_dim, rot_dim, 1, False, aligned, schedule_ok, strided, latent),
+        score,
+        arch,
+        features,
+    )

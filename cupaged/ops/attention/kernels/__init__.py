@@ -4,6 +4,7 @@ block, resident blocks, defines, builds, which shapes it serves, shared
 memory) and the geometry both sides need. ``variants.py`` builds the table
 from SPECS and picks from it; a new kernel is a ``.cu`` plus its spec,
 added to SPECS."""
+
 from __future__ import annotations
 
 from .decode import DECODE

@@ -3,6 +3,7 @@ of WARPS warps per (query, KV head, head tile, split); any dtype, D and Dv
 (compile-time dims with 16-byte loads, or runtime dims up to a capacity),
 the MLA rotary part, any alignment (element loads). The fallback of every
 shape no other kernel serves."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -39,8 +40,13 @@ LANE_FLOATS = 64
 #: (s_acc [WARPS][GROUP_TILE][cap] floats) a build may use.
 MERGE_SMEM_BYTES = 32 * 1024
 #: The constants decode.cu shares with this spec (geometry.header: geom::decode).
-GEOMETRY = {"kWarps": WARPS, "kThreads": THREADS, "kMinBlocks": MIN_BLOCKS, "kLaneFloats": LANE_FLOATS,
-            "kMergeSmemBytes": MERGE_SMEM_BYTES}
+GEOMETRY = {
+    "kWarps": WARPS,
+    "kThreads": THREADS,
+    "kMinBlocks": MIN_BLOCKS,
+    "kLaneFloats": LANE_FLOATS,
+    "kMergeSmemBytes": MERGE_SMEM_BYTES,
+}
 
 
 def elems_per_lane(cap: int, vec: int) -> int:
@@ -94,7 +100,7 @@ class Decode(KernelSpec):
     min_blocks = MIN_BLOCKS
     fields = ("head_dim", "dim_cap", "vec_loads", "group_tile", "rot_cap")
     per_query = True
-    rank = 1        # paged_decode_tc first wherever it serves
+    rank = 1  # paged_decode_tc first wherever it serves
 
     def builds(self, dtype: str, kv_dtype: str) -> Iterator[dict[str, Any]]:
         for d in FAST_DIMS:
@@ -119,14 +125,14 @@ class Decode(KernelSpec):
         return d
 
     def serves(self, v: Variant, s: Shape) -> bool:
-        if v.head_dim:     # fast path: compile-time dims, 16-byte loads
+        if v.head_dim:  # fast path: compile-time dims, 16-byte loads
             return not s.rot_dim and s.vec_ok and s.head_dim == s.value_dim == v.head_dim
         if max(s.head_dim, s.value_dim) > v.dim_cap or v.vec_loads > s.vec_ok:
             return False
         return v.rot_cap >= s.rot_dim if s.rot_dim else not v.rot_cap
 
     def gate_fast(self, v: Variant) -> bool:
-        return bool(v.head_dim)     # the runtime-dim builds compile when a launch first asks
+        return bool(v.head_dim)  # the runtime-dim builds compile when a launch first asks
 
 
 DECODE = Decode()

@@ -2,6 +2,7 @@
 one block per (query, KV head, 16-head tile, split) of WARPS warps, each
 with its own two-stage K/V ring in shared memory; f16 / bf16 q over a cache
 of q's type or fp8, D == Dv in DIMS, 16-byte aligned arrays."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -37,8 +38,15 @@ DIMS = (64, 128)
 #: so the tensor-core kernel serves every group it can.
 MIN_GROUP = 1
 #: The constants decode_tc.cu shares with this spec (geometry.header: geom::decode_tc).
-GEOMETRY = {"kWarps": WARPS, "kThreads": THREADS, "kMinBlocks": MIN_BLOCKS, "kRows": HEADS, "kN": TILE_TOKENS,
-            "kStages": STAGES, "kRawKPad": RAW_K_PAD}
+GEOMETRY = {
+    "kWarps": WARPS,
+    "kThreads": THREADS,
+    "kMinBlocks": MIN_BLOCKS,
+    "kRows": HEADS,
+    "kN": TILE_TOKENS,
+    "kStages": STAGES,
+    "kRawKPad": RAW_K_PAD,
+}
 
 
 def warp_bytes(head_dim: int, kv_dtype: str | None = None) -> int:
@@ -76,8 +84,7 @@ class DecodeTc(KernelSpec):
 
     def serves(self, v: Variant, s: Shape) -> bool:
         # cp.async and 16-byte stores: vec_ok means aligned arrays
-        return (not s.rot_dim and s.vec_ok and s.head_dim == s.value_dim == v.head_dim
-                and s.group >= MIN_GROUP)
+        return not s.rot_dim and s.vec_ok and s.head_dim == s.value_dim == v.head_dim and s.group >= MIN_GROUP
 
     def smem(self, v: Variant) -> int:
         return smem_bytes(v.head_dim, v.kv_dtype)

@@ -2,6 +2,7 @@
 partials every attention kernel writes; a module of its own, one build per
 q / out dtype and sink choice, launched by launch.py after a step's split
 launches."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -2,6 +2,7 @@
 blocks of TC_ROWS (query, head) rows, K tiles of TILE_TOKENS tokens through a
 two-buffer cp.async ring; f16 / bf16 q over a cache of q's type or fp8, the
 (R, P) latent and rotary dims of DIMS, V the latent itself."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -57,8 +58,7 @@ class MlaTc(TensorCoreSpec):
     def serves_dims(self, v: Variant, s: Shape) -> bool:
         # V is the latent (K) itself; without a rotary part only an MLA call
         # (``Shape.latent``) says so.
-        return (s.value_dim == s.head_dim == v.latent_dim and s.rot_dim == v.rope_dim
-                and bool(s.rot_dim or s.latent))
+        return s.value_dim == s.head_dim == v.latent_dim and s.rot_dim == v.rope_dim and bool(s.rot_dim or s.latent)
 
     def smem(self, v: Variant) -> int:
         return smem_bytes(v.latent_dim, v.rope_dim, v.kv_dtype)

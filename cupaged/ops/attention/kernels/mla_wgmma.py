@@ -3,6 +3,7 @@ wgmma.mma_async, sm_90a only: two warpgroups per block of TC_ROWS (query,
 head) rows, K tiles of TILE_TOKENS tokens in 128-byte-swizzled column
 blocks; what paged_mla_tc serves, preferred to it where the device's arch
 is TARGET's."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -2,6 +2,7 @@
 attention over row-packed blocks of (query, head) rows, K/V tiles through a
 cp.async ring; f16 / bf16 q over a cache of q's type or fp8, D == Dv in
 DIMS. Each build has its tile (PREFILL_TILES), passed as its defines."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -100,8 +101,14 @@ class PrefillTc(TensorCoreSpec):
 
     def defines(self, v: Variant) -> dict[str, Any]:
         t = _tile(v)
-        return dict(HEAD_DIM=v.head_dim, TC_WARPS=t.warps, TC_MTILES=t.mtiles, TC_KV_TILE=t.kv_tile,
-                    TC_STAGES=t.stages, TC_MIN_BLOCKS=t.min_blocks)
+        return dict(
+            HEAD_DIM=v.head_dim,
+            TC_WARPS=t.warps,
+            TC_MTILES=t.mtiles,
+            TC_KV_TILE=t.kv_tile,
+            TC_STAGES=t.stages,
+            TC_MIN_BLOCKS=t.min_blocks,
+        )
 
     def serves_dims(self, v: Variant, s: Shape) -> bool:
         return not s.rot_dim and s.head_dim == s.value_dim == v.head_dim

@@ -8,6 +8,7 @@ that are its defines, the builds it has per dtype pair, which shapes it
 serves and its dynamic shared memory. ``variants.py`` builds the table from
 the specs and picks from it; nothing there names a kernel.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
