@@ -34,6 +34,7 @@ step gate     120 $PY -m cupaged.tools.compile_check --jobs 16
 ARCH=$($PY -c "import cupy; from cupaged.tools.perf_model import arch_for; cc = cupy.cuda.Device().compute_capability; print(arch_for(int(cc[:-1]), int(cc[-1]))[0])" 2>/dev/null || echo sm_90)
 LOG="$META" step model 150 $PY -m cupaged.tools.perf_model --arch "$ARCH"
 { echo; echo "=== performance model (MODELED, not measured) for $ARCH"; cat "$META/model.log"; } >> "$LOG/gate.log"
+LOG="$META" step calibrate 90 $PY -m cupaged.tools.calibrate --json "$META/calibrate.json"; { echo; echo "=== calibration (MEASURED, beside the MODELED constants of cupaged/tools/archs.py)"; cat "$META/calibrate.log" "$META/calibrate.json" 2>/dev/null; } >> "$LOG/gate.log"
 step gpu_tests 200 $PY -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=60 tests
 step demo      60  $PY -m cupaged demo --tokens 64 --batch 8
 step bench_attention 180 sh -c "$PY benchmarks/bench_attention.py --quick && echo && echo '=== fp8 (e4m3) K/V' && $PY benchmarks/bench_attention.py --quick --kv-dtype e4m3"
