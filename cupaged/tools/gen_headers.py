@@ -18,12 +18,14 @@ from .. import layout
 from .._runtime.source import kernel_dir
 from ..ops import append as append_op
 from ..ops.attention import params as attention_params
+from ..ops.attention.kernels import geometry
 
 #: kernels_cu-relative path -> generator of its text.
 GENERATED = {
     "plan_words.cuh": layout.plan_words_header,
     attention_params.HEADER_PATH: attention_params.header,
     append_op.HEADER_PATH: append_op.header,
+    geometry.HEADER_PATH: geometry.header,
 }
 
 

@@ -12,7 +12,8 @@
 // after them serves all queries.
 //
 // paged_attention: one block per (query, KV head, head tile, split).
-//   grid  (q_count, kv_heads * head_tiles, splits), block 128 (4 warps);
+//   grid  (q_count, kv_heads * head_tiles, splits), block kThreads (kWarps
+//   warps: geom::decode, from cupaged/ops/attention/kernels/decode.py);
 //   block x serves query q_begin + x.
 //   A block serves the query heads g = tile*GROUP_TILE .. +GROUP_TILE-1 of
 //   the GQA group of its KV head, so each K/V row it reads is used by every
@@ -21,7 +22,7 @@
 //   form ROWS row groups of LANES lanes; a row group holds one K (and V) row,
 //   each lane CHUNKS vector chunks of it (16-byte loads when VEC_LOADS). A
 //   lane issues STEP_U rows of K and V loads before it uses any, so a block
-//   has 128 * STEP_U * CHUNKS * 2 loads in flight, and loads the next step's
+//   has kThreads * STEP_U * CHUNKS * 2 loads in flight, and loads the next step's
 //   page ids while they are in flight. Scores are reduced over
 //   the LANES lanes of a row by xor-shuffles; every row group keeps its own
 //   online-softmax state (softmax_state.cuh: max and sum in the log2 domain,
@@ -74,6 +75,7 @@
 #include "variant.cuh"
 #include "span.cuh"
 #include "epilogue.cuh"
+#include "geometry.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 0
@@ -93,9 +95,12 @@
 
 namespace att {
 
-constexpr u32 kWarps = 4;
-constexpr u32 kThreads = 32 * kWarps;
-constexpr u32 kVec = VEC_LOADS ? 16u / (u32)sizeof(kv_t) : 1u;  // elements per chunk (16 bytes of kv_t)
+constexpr u32 kWarps = geom::decode::kWarps;
+constexpr u32 kThreads = geom::decode::kThreads;
+constexpr u32 kMinBlocks = geom::decode::kMinBlocks;  // the __launch_bounds__ minimum
+constexpr u32 kVec = VEC_LOADS ? geom::kVectorBytes / (u32)sizeof(kv_t) : 1u;  // elements per chunk (16 bytes of kv_t)
+static_assert(kThreads == 32 * kWarps, "whole warps");
+static_assert(geom::kVectorBytes == sizeof(uint4), "a 16-byte chunk is one uint4 load");
 constexpr u32 kCap = HEAD_DIM ? HEAD_DIM : DIM_CAP;  // largest D / Dv of the variant
 constexpr u32 kRowChunks = kCap / kVec;  // chunks in a row of kCap elements
 constexpr u32 kLanes = kRowChunks < 32 ? kRowChunks : 32;  // lanes per row (LANES)
@@ -196,14 +201,16 @@ __device__ __forceinline__ void unpack_kv(const kv_chunk_t& c, float* f) {
 
 // Reads p.q, p.k_cache, p.v_cache (p.q_rot, p.k_rot when ROT_CAP) and the
 // words; writes p.out and p.lse (splits == 1) or the partials (splits > 1).
-// __launch_bounds__(128, 2): with (128) alone ptxas spills a few bytes in
+// __launch_bounds__(kThreads, kMinBlocks), both defined once in
+// cupaged/ops/attention/kernels/decode.py (THREADS, MIN_BLOCKS = 2; read here
+// through geometry.cuh): with the block size alone ptxas spills a few bytes in
 // some runtime-dim variants at 64-72 registers; a minimum of 2 blocks per SM
 // caps nothing below the 255 registers a thread may have anyway, so ptxas
 // uses what it needs (every variant stays under 255 registers without a
 // spill), and two blocks always fit (shared memory: at most 33 KiB a block).
-// choose_splits counts on 2 (variants.RESIDENT_BLOCKS); most variants fit
-// more.
-extern "C" __global__ void __launch_bounds__(128, 2) paged_attention(const AttentionParams p) {
+// choose_splits counts on the minimum (variants.RESIDENT_BLOCKS, the spec's
+// min_blocks); most variants fit more.
+extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) paged_attention(const AttentionParams p) {
     using namespace att;
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
     __shared__ float s_m[kWarps][kHeads];

@@ -9,10 +9,12 @@
 // arrays and cache strides (any view whose rows are: HND, halves of a
 // combined KV tensor). It serves any query (decode, or a query of a short
 // chunk) exactly as paged_attention does, with the same grid:
-//   grid (q_count, kv_heads * head_tiles, splits), block 64 (2 warps),
-//   dynamic shared memory decode_tc_smem_bytes(D, kv) (ops/attention/variants.py):
-//   18 / 14.5 KiB at D = 64, 34 / 26.5 KiB at D = 128 (16-bit / fp8); __launch_bounds__(64, 6): six
-//   blocks per SM (the resident slots choose_splits fills, variants.KERNELS).
+//   grid (q_count, kv_heads * head_tiles, splits), block kThreads (kWarps = 2 warps),
+//   dynamic shared memory decode_tc.smem_bytes(D, kv) (cupaged/ops/attention/kernels/decode_tc.py):
+//   18 / 14.5 KiB at D = 64, 34 / 26.5 KiB at D = 128 (16-bit / fp8); __launch_bounds__(kThreads,
+//   kMinBlocks): six blocks per SM (the resident slots choose_splits fills, variants.RESIDENT_BLOCKS).
+//   The block geometry (warps, minimum, rows, tile, stages, row pads) is defined once in decode_tc.py
+//   (GEOMETRY) and read here through geometry.cuh (geom::decode_tc).
 //   Block x serves query q_begin + x; block y the KV head y / tiles and its
 //   query heads (y % tiles) * 16 .. + 15 (a tile of up to 16 heads of the
 //   GQA group).
@@ -81,14 +83,16 @@
 #include "span.cuh"
 #include "tc_common.cuh"
 #include "epilogue.cuh"
+#include "geometry.cuh"
 
 namespace dtc {
 constexpr u32 kD = HEAD_DIM;
-constexpr u32 kRows = 16;  // M: query heads of one block (one mma row tile)
-constexpr u32 kN = 16;  // tokens per warp tile
-constexpr u32 kWarps = 2, kThreads = 32 * kWarps;
-constexpr u32 kMinBlocks = 6;  // __launch_bounds__ minimum (variants.KERNELS)
-constexpr u32 kPitch = kD + 8;  // shared row pitch (elements): conflict-free ldmatrix
+constexpr u32 kRows = geom::decode_tc::kRows;  // M: query heads of one block (one mma row tile)
+constexpr u32 kN = geom::decode_tc::kN;  // tokens per warp tile
+constexpr u32 kWarps = geom::decode_tc::kWarps, kThreads = geom::decode_tc::kThreads;
+constexpr u32 kMinBlocks = geom::decode_tc::kMinBlocks;  // the __launch_bounds__ minimum
+constexpr u32 kStages = geom::decode_tc::kStages;  // stages of each warp's ring
+constexpr u32 kPitch = kD + geom::kPitchPad;  // shared row pitch (elements): conflict-free ldmatrix
 constexpr u32 kQChunks = kD / 8;  // 16-byte chunks of a q row
 constexpr u32 kKSteps = kD / 16;  // k-steps of S = Q K^T
 constexpr u32 kOTiles = kD / 8;  // n-tiles of O
@@ -99,15 +103,15 @@ constexpr u32 kOTiles = kD / 8;  // n-tiles of O
 // f16 rather than bf16).
 constexpr bool kFp8 = kKvScaled;
 using tc::v16_t;  // P and V's type in O += P V
-constexpr u32 kChunkElems = 16 / sizeof(kv_t);  // cache elements per 16-byte copy
+constexpr u32 kChunkElems = geom::kVectorBytes / sizeof(kv_t);  // cache elements per 16-byte copy
 constexpr u32 kChunks = kD / kChunkElems;  // 16-byte copies per cache row
 constexpr u32 kTileElems = 2 * kN * kPitch;  // a 16-bit tile: K [kN][kPitch], then V [kN][kPitch]
 // fp8: K's B fragments are decoded in registers from the raw codes (8-byte
 // loads, Q's fragments in the matching order of dims), so only V goes
-// through a decoded 16-bit tile [kN][kPitch]. Raw K rows are kD + 32 bytes
-// apart: the 8-byte loads of a quarter warp (4 tokens x 4 lanes) hit
-// distinct banks.
-constexpr u32 kRawKPitch = kD + 32;
+// through a decoded 16-bit tile [kN][kPitch]. Raw K rows are kD + kRawKPad
+// (32) bytes apart: the 8-byte loads of a quarter warp (4 tokens x 4 lanes)
+// hit distinct banks.
+constexpr u32 kRawKPitch = kD + geom::decode_tc::kRawKPad;
 // A ring stage, in bytes: 16-bit caches, a 16-bit tile (K, then V); fp8, the
 // raw codes K [kN][kRawKPitch], then V [kN][kD].
 constexpr u32 kKPitchB = kFp8 ? kRawKPitch : 2 * kPitch;  // bytes between K rows of a stage
@@ -115,13 +119,16 @@ constexpr u32 kVPitchB = kFp8 ? kD : 2 * kPitch;  // bytes between V rows of a s
 constexpr u32 kVOffB = kN * kKPitchB;  // V rows' offset in a stage
 constexpr u32 kStageBytes = kVOffB + kN * kVPitchB;
 constexpr u32 kDecodedBytes = kFp8 ? kN * kPitch * 2 : 0;  // fp8: the decoded V tile, before the stages
-// Per warp: two stages (16-bit), or the decoded V tile and then two raw stages (fp8).
-constexpr u32 kWarpBytes = kDecodedBytes + 2 * kStageBytes;
+// Per warp: kStages stages (16-bit), or the decoded V tile and then kStages raw stages (fp8).
+constexpr u32 kWarpBytes = kDecodedBytes + kStages * kStageBytes;
 constexpr u32 kWarpElems = kWarpBytes / 2;  // in scalar_t elements
 constexpr u32 kRowsPerCopy = 32 / kChunks;  // rows one warp-wide copy instruction covers (2, 4 or 8)
 constexpr u32 kRowsPerLane = kN / kRowsPerCopy;  // K (and V) rows of a tile each lane copies a chunk of
 constexpr u32 kNone = CP_NO_PAGE;
 static_assert(kD == 64 || kD == 128, "HEAD_DIM: 64 or 128");
+static_assert(kThreads == 32 * kWarps, "whole warps");
+static_assert(kRows == 16 && kN == 16, "one m16n8k16 row tile of heads; one k-step of 16 tokens in P V");
+static_assert(kStages == 2, "the ring alternates two stages (b, b ^ 1; cp_async_wait<1>)");
 static_assert((kN * kChunks) % 32 == 0, "a tile's K rows are whole copy instructions");
 static_assert((kN * kD / 8) % 32 == 0, "a tile's K rows are whole 8-code decode steps");
 static_assert(kWarpBytes % 16 == 0 && kDecodedBytes % 16 == 0 && kVOffB % 16 == 0, "16-byte aligned rings");
@@ -137,8 +144,8 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     using namespace dtc;
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
     CUPAGED_DYNAMIC_SHARED(scalar_t, smem);  // kWarps rings of two stages
-    __shared__ u64 s_koff[kWarps][2][kN];  // element offset of each staged token's K row (0 when invalid)
-    __shared__ u64 s_voff[kWarps][2][kN];  // and of its V row
+    __shared__ u64 s_koff[kWarps][kStages][kN];  // element offset of each staged token's K row (0 when invalid)
+    __shared__ u64 s_voff[kWarps][kStages][kN];  // and of its V row
 
     const u32 qi = p.q_begin + blockIdx.x;  // see paged_attention: the whole block leaves before any barrier
     if (blockIdx.x >= p.q_count || qi >= p.queries || qi < p.q_begin) return;

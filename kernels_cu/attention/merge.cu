@@ -1,10 +1,12 @@
 // merge.cu: attention_split_merge, combining the split partials every
 // attention kernel writes. A module of its own, one build per q / out dtype
-// (CP_DTYPE) and sink choice (CP_SINKS): cupaged/ops/attention/variants.py
+// (CP_DTYPE) and sink choice (CP_SINKS): cupaged/ops/attention/kernels/merge.py
 // MERGE and merge_defines, launched by launch.py after a step's split
-// launches, whichever kernels wrote the partials.
+// launches, whichever kernels wrote the partials. Its block (kThreads,
+// kMinBlocks) and heads per block are defined once in merge.py (GEOMETRY)
+// and read here through geometry.cuh (geom::merge).
 //
-// One block of 128 threads per (query, head): grid (queries, Hq).
+// One block of kThreads (128) threads per (query, head): grid (queries, Hq).
 // part_out [splits, queries, Hq, Dv] f32, part_lse [splits, queries, Hq] f32
 //   -> out [queries, Hq, Dv] scalar_t, lse [queries, Hq] f32 (when write_lse).
 // lse = log(sum_z exp(lse_z)), out = sum_z exp(lse_z - lse) * out_z; a split
@@ -17,7 +19,7 @@
 // Every split's loads are in flight at once: the row's Dv values are C
 // chunks of 4 floats (16-byte loads when Dv is a multiple of 4 and the
 // partials are 16-byte aligned; else C = Dv single floats); the block's
-// threads form G = 128 / C groups of C threads (G = 1 when C >= 128), group
+// threads form G = kThreads / C groups of C threads (G = 1 when C >= kThreads), group
 // g takes splits g, g + G, ..., eight at a time: eight partial chunks and
 // their LSEs are loaded before any is used, and summed as an online softmax
 // (softmax_state.cuh). The groups' states then meet in shared memory. At Dv =
@@ -31,9 +33,12 @@
 #include "span.cuh"
 #include "variant.cuh"
 #include "epilogue.cuh"
+#include "geometry.cuh"
 
 namespace merge {
-constexpr u32 kThreads = 128;
+constexpr u32 kThreads = geom::merge::kThreads;
+constexpr u32 kMinBlocks = geom::merge::kMinBlocks;  // the __launch_bounds__ minimum
+static_assert(geom::merge::kHeadsPerBlock == 1, "one (query, head) per block: head blockIdx.y");
 constexpr u32 kBatch = 8;  // splits a thread loads before using any
 
 // Group g's online-softmax state and sum over its splits of chunk c (W floats).
@@ -94,7 +99,7 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
     const u32 c0 = G == 1 ? tid : tid - g * C;
     softmax::State st;
     float acc[W];
-    if (G == 1) {  // every thread: chunks tid, tid + 128, ... over all splits
+    if (G == 1) {  // every thread: chunks tid, tid + kThreads, ... over all splits
         for (u32 c = c0; c < C; c += kThreads) {
             sum_splits<W>(part_out, part_lse, stride, rowi, value_dim, nsplit, 0u, 1u, c, st, acc);
             const float inv = epi::normalize(st, sink);  // the head's sink, once (CP_SINKS)
@@ -137,9 +142,10 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
 }
 }  // namespace merge
 
-// 8 resident blocks by design: 64 registers, no spill on sm_80 / sm_86 / sm_89 / sm_90 (with 128 alone
-// ptxas gave sm_86 / sm_89 72 registers and a 4-byte spill), and more of its loads in flight per SM.
-extern "C" __global__ void __launch_bounds__(merge::kThreads, 8)
+// kMinBlocks (8, merge.py MIN_BLOCKS) resident blocks by design: 64 registers, no spill on sm_80 / sm_86 /
+// sm_89 / sm_90 (with the block size alone ptxas gave sm_86 / sm_89 72 registers and a 4-byte spill), and
+// more of its loads in flight per SM.
+extern "C" __global__ void __launch_bounds__(merge::kThreads, merge::kMinBlocks)
     attention_split_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                           scalar_t* __restrict__ out, float* __restrict__ lse, u32 queries, u32 q_heads, u32 value_dim,
                           u32 splits, u32 write_lse, const float* __restrict__ sinks) {

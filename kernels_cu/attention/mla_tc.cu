@@ -20,8 +20,10 @@
 // rotary part of Q (rounded to q's type).
 //   grid (head_tiles * ceil(q_count / qt), 1, splits): the head tile is the
 //   fastest block index, so one query's head tiles run side by side and its
-//   latent rows come from HBM once (the second read hits L2); block 256 (8 warps),
-//   dynamic shared memory mla_smem_bytes(R, P) (ops/attention/variants.py): 151 KiB at 512 / 64.
+//   latent rows come from HBM once (the second read hits L2); block kThreads (kWarps = 8 warps),
+//   dynamic shared memory mla_tc.smem_bytes(R, P) (cupaged/ops/attention/kernels/mla_tc.py): 151 KiB at
+//   512 / 64. The block geometry (warps, minimum, tile, stages) is defined once in mla_tc.py (GEOMETRY),
+//   the rows and row pad in spec.py, and read here through geometry.cuh (geom::mla_tc, geom::kTcRows).
 //   Rows are (query, head) pairs as in paged_prefill_tc: ht = min(H, 64)
 //   heads of qt = 64 / ht queries, so each latent row read serves up to 64
 //   heads. A shared-memory row holds [q | q_pos] (Q) or [latent | k_pos] (K,
@@ -34,7 +36,7 @@
 //   splits R across warps the same way), rescaling its O rows with the
 //   maxima every warp derives identically (softmax_state.cuh). O: 64 x 64
 //   f32 per warp, 128 registers a lane. Tiles are double-buffered with
-//   cp.async (tc::run_ring, two buffers). Finished rows: epilogue.cuh's
+//   cp.async (tc::run_ring, kS = 2 buffers). Finished rows: epilogue.cuh's
 //   writer (the sink, the latent's scale, out and lse or a split partial).
 //   A valid token a stored row cannot see contributes nothing, also when its
 //   latent row holds Inf or NaN: a tile where some stored row misses a valid
@@ -61,34 +63,39 @@
 #include "span.cuh"
 #include "tc_common.cuh"
 #include "epilogue.cuh"
+#include "geometry.cuh"
 
 namespace tcm {
 constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM, kK = kR + kP;
-constexpr u32 kN = 32;  // tokens per tile
-constexpr u32 kWarps = 8, kThreads = 32 * kWarps;
-constexpr u32 kPitch = kK + 8;  // shared row pitch of Q and K (elements)
-constexpr u32 kPPitch = kN + 8;  // shared row pitch of P
+constexpr u32 kN = geom::mla_tc::kN;  // tokens per tile
+constexpr u32 kS = geom::mla_tc::kS;  // tile buffers of the ring
+constexpr u32 kWarps = geom::mla_tc::kWarps, kThreads = geom::mla_tc::kThreads;
+constexpr u32 kMinBlocks = geom::mla_tc::kMinBlocks;  // the __launch_bounds__ minimum
+constexpr u32 kPitch = kK + geom::kPitchPad;  // shared row pitch of Q and K (elements)
+constexpr u32 kPPitch = kN + geom::kPitchPad;  // shared row pitch of P
 constexpr u32 kChunks = kK / 8, kRChunks = kR / 8;  // 16-byte chunks of a 16-bit row
 // The tile copies: 16 bytes each, kCopies a token (kRCopies of them latent).
-constexpr u32 kCopyElems = 16 / sizeof(kv_t);
+constexpr u32 kCopyElems = geom::kVectorBytes / sizeof(kv_t);
 constexpr u32 kCopies = kK / kCopyElems, kRCopies = kR / kCopyElems;
-// 16-bit tile buffers: two (the ring itself), or one for an fp8 cache,
-// whose ring holds the raw codes [2][kN][kK] and whose tiles are converted
+// 16-bit tile buffers: kS (the ring itself), or one for an fp8 cache,
+// whose ring holds the raw codes [kS][kN][kK] and whose tiles are converted
 // into the one 16-bit buffer as they are used.
-constexpr u32 kTileBufs = kKvScaled ? 1 : 2;
+constexpr u32 kTileBufs = kKvScaled ? 1 : kS;
 constexpr u32 kKSteps = kK / 16;
 constexpr u32 kCols = kR / kWarps;  // value columns per warp
 constexpr u32 kOTiles = kCols / 8;
 constexpr u32 kMTiles = tc::kRows / 16;
 static_assert(kR % 128 == 0 && kP % 16 == 0, "LATENT_DIM a multiple of 128, ROPE_DIM of 16");
-static_assert(kN == 32 && kWarps == 8, "two warps of 16 tokens per row block");
+static_assert(kThreads == 32 * kWarps, "whole warps");
+// Warp w computes S for the rows of m-tile w % kMTiles against token half w / kMTiles of the tile.
+static_assert(kN == 2 * 16 && kWarps == 2 * kMTiles, "two warps of 16 tokens per m-tile (s_max, s_sum: two halves)");
 // Q and K meet in one mma: 16-bit caches of q's type are copied raw into
 // the tile, fp8 codes converted to q's type (exactly).
 static_assert(sizeof(scalar_t) == 2 && (sizeof(kv_t) == sizeof(scalar_t) || kKvScaled),
               "f16 / bf16 q; caches of q's type or fp8");
 }  // namespace tcm
 
-extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const AttentionParams p) {
+extern "C" __global__ void __launch_bounds__(tcm::kThreads, tcm::kMinBlocks) paged_mla_tc(const AttentionParams p) {
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
     using namespace tcm;
     using tc::kNone;
@@ -97,10 +104,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_tc(const Attentio
     scalar_t* const sQ = smem;  // [kRows][kPitch]  q | q_pos
     scalar_t* const sKV = sQ + kRows * kPitch;  // [kTileBufs][kN][kPitch]  latent | k_pos
     scalar_t* const sP = sKV + kTileBufs * kN * kPitch;  // [kRows][kPPitch] softmax numerators
-    // fp8 caches: [2][kN][kK] raw codes (the ring), after P
+    // fp8 caches: [kS][kN][kK] raw codes (the ring), after P
     unsigned char* const sRaw = reinterpret_cast<unsigned char*>(sP + kRows * kPPitch);
     __shared__ tc::Rows rows;
-    __shared__ tc::Ring<kN, 2> st;
+    __shared__ tc::Ring<kN, kS> st;
     __shared__ float s_max[2][kRows], s_sum[2][kRows];  // per token half of the tile
 
     const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;

@@ -19,8 +19,10 @@
 //   grid (head_tiles * ceil(q_count / qt), 1, splits): the head tile is the
 //   fastest block index, so the blocks of one query's head tiles run side by
 //   side and its latent rows come from HBM once (the second read hits L2).
-//   block 256 = two warpgroups; __launch_bounds__(256, 1); dynamic shared
-//   memory mla_wgmma_smem_bytes (ops/attention/variants.py): 217 KiB.
+//   block kThreads = two warpgroups; __launch_bounds__(kThreads, kMinBlocks); dynamic shared
+//   memory mla_wgmma.smem_bytes (cupaged/ops/attention/kernels/mla_wgmma.py, = kSmemBytes): 217 KiB.
+//   The block geometry (threads, minimum, tile, stages, alignment) is defined once in mla_wgmma.py
+//   (GEOMETRY), the rows in spec.py, and read here through geometry.cuh (geom::mla_wgmma, geom::kTcRows).
 //   Rows: ht = min(H, 64) heads of qt = 64 / ht queries, as paged_mla_tc.
 //   Shared memory, all in the 128-byte-swizzled K-major layout of wgmma
 //   (ptx.cuh; rows of 128 bytes = 64 elements, 16-byte chunk c of row r at
@@ -71,13 +73,16 @@
 #include "span.cuh"
 #include "tc_common.cuh"
 #include "epilogue.cuh"
+#include "geometry.cuh"
 
 namespace mwg {
 constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM, kK = kR + kP;
-constexpr u32 kN = 64;  // tokens per tile
-constexpr u32 kS = 2;  // tile buffers
-constexpr u32 kThreads = 256;
-constexpr u32 kRows = tc::kRows;  // 64
+constexpr u32 kN = geom::mla_wgmma::kN;  // tokens per tile
+constexpr u32 kS = geom::mla_wgmma::kS;  // tile buffers
+constexpr u32 kThreads = geom::mla_wgmma::kThreads;
+constexpr u32 kMinBlocks = geom::mla_wgmma::kMinBlocks;  // the __launch_bounds__ minimum
+constexpr u32 kAlign = geom::mla_wgmma::kAlignBytes;  // the layout's start: a swizzle atom boundary
+constexpr u32 kRows = tc::kRows;
 constexpr u32 kRBlocks = kR / 64, kBlocks = kK / 64;  // 128-byte column blocks (8 latent, 9 in all)
 constexpr u32 kRotSteps = kP / 16;  // k-steps of the rotary part
 constexpr u32 kColBytes = 64 * 128;  // one column block of 64 rows (or tokens)
@@ -87,27 +92,30 @@ constexpr u32 kPBytes = kColBytes;
 // 16-bit tiles: the ring of kS, or one for fp8 codes, whose ring is kS raw tiles [kN][kK] bytes.
 constexpr u32 kTileBufs = kKvScaled ? 1 : kS;
 constexpr u32 kRawBytes = kKvScaled ? kN * kK : 0;
-// Dynamic shared memory: the layout above and the row maxima, after up to 1023 bytes of alignment
-// (variants.mla_wgmma_smem_bytes).
-constexpr u32 kSmemBytes = 1024 + kQBytes + kTileBufs * kKBytes + kS * kRawBytes + kPBytes + 2 * kRows * 4;
+// Dynamic shared memory: the layout above and the row maxima, after up to kAlign - 1 bytes of alignment
+// (mla_wgmma.smem_bytes).
+constexpr u32 kSmemBytes = kAlign + kQBytes + kTileBufs * kKBytes + kS * kRawBytes + kPBytes + 2 * kRows * 4;
 static_assert(kR == 512 && (kP == 64 || kP == 0), "LATENT_DIM 512, ROPE_DIM 64 or 0");
+static_assert(kThreads == 2 * 128, "two warpgroups");
+static_assert(kRows == 64 && kN == 64, "m64 wgmma rows; S [64 x 32] per warpgroup over a tile of 64 tokens");
+static_assert(kAlign == 8 * 128, "a 128-byte swizzle atom: 8 rows of 128 B");
 static_assert(sizeof(scalar_t) == 2 && (sizeof(kv_t) == sizeof(scalar_t) || kKvScaled),
               "f16 / bf16 q; caches of q's type or fp8");
-static_assert(kRawBytes % 1024 == 0, "P stays on a 1024-byte boundary");
+static_assert(kRawBytes % kAlign == 0, "P stays on a swizzle atom boundary");
 
 // Byte offset of 16-byte chunk c (0 .. 7) of row r in a 128-byte-swizzled column block.
 __device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7u)) << 4); }
 
 }  // namespace mwg
 
-extern "C" __global__ void __launch_bounds__(256, 1) paged_mla_wgmma(const AttentionParams p) {
+extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) paged_mla_wgmma(const AttentionParams p) {
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
     using namespace mwg;
     using tc::kNone;
     CUPAGED_DYNAMIC_SHARED(unsigned char, smem_raw);
-    // The swizzle patterns start on 1024-byte boundaries (descriptor base offset 0). The offset is
+    // The swizzle patterns start on kAlign-byte boundaries (descriptor base offset 0). The offset is
     // added to the shared array itself, so the compiler keeps shared-memory accesses (LDS / STS).
-    unsigned char* const sQ = smem_raw + ((0u - (u32) reinterpret_cast<u64>(smem_raw)) & 1023u);
+    unsigned char* const sQ = smem_raw + ((0u - (u32) reinterpret_cast<u64>(smem_raw)) & (kAlign - 1u));
     unsigned char* const sK = sQ + kQBytes;  // [kTileBufs][kBlocks][64][128 B]
     unsigned char* const sRaw = sK + kTileBufs * kKBytes;  // fp8: [kS][64][kK] codes
     unsigned char* const sP = sRaw + kS * kRawBytes;  // [64][128 B]

@@ -10,7 +10,7 @@
 //   cache views with 16-byte aligned rows (K and V rows at page * stride_page
 //   + slot * stride_slot + head * stride_head, strides from AttentionParams).
 //   grid (ceil(q_count / qt), kv_heads * head_tiles, splits), block 32 * TC_WARPS,
-//   dynamic shared memory prefill_smem_bytes (ops/attention/variants.py, per variant).
+//   dynamic shared memory prefill_tc.smem_bytes (cupaged/ops/attention/kernels/prefill_tc.py, per variant).
 //   Rows (the M dimension, kRows = 16 * TC_MTILES * TC_WARPS per block) are
 //   (query, head) pairs: ht = min(G, kRows) query heads of one KV head's GQA
 //   group for each of qt = kRows / ht consecutive packed queries (blocks tile
@@ -19,7 +19,8 @@
 //   m-tiles of 16 rows, so each K (and V) fragment loaded by ldmatrix feeds
 //   TC_MTILES mma (D <= 128: two m-tiles, 0.375 ldmatrix per mma). Q is
 //   staged once (cp.async) and read by ldmatrix each k-step, or kept as mma
-//   A fragments in registers when they fit (TC_MTILES * D <= 128).
+//   A fragments in registers when they fit (TC_MTILES * D <= kQRegsMaxElems,
+//   geom::prefill_tc: prefill_tc.py Q_REGS_MAX_ELEMS).
 //   K and V tiles of kN = TC_KV_TILE tokens are copied page by page with
 //   cp.async through a ring of TC_STAGES buffers (kS - 1 tiles in flight
 //   while one computes, one barrier a tile); S = Q K^T and O += P V run on
@@ -30,7 +31,7 @@
 //   a split partial).
 //   fp8 caches: the ring holds the tiles' raw codes (K [kN][D], V [kN][D]
 //   bytes: half the bytes, same stages); after a tile's barrier the block
-//   decodes it, exactly (fp8.cuh), into one 16-bit K / V tile [kN][D + 8]
+//   decodes it, exactly (fp8.cuh), into one 16-bit K / V tile [kN][kPitch]
 //   (K in q's type, V in f16: P V runs as an f16 mma), meets at a second
 //   barrier and computes as above; k_scale multiplies the score scale,
 //   v_scale the output (one KV head a block; a null scale is 1).
@@ -48,7 +49,7 @@
 // ceil(q_len * G / kRows) * L * (D + Dv) * sizeof(kv_t) bytes per sequence and
 // KV head; q and the outputs once.
 //
-// Defines (cupaged/ops/attention/variants.py Variant; the tile table there):
+// Defines (cupaged/ops/attention/variants.py Variant; the tile table: prefill_tc.py PREFILL_TILES):
 //   CP_DTYPE               f16 | bf16: q and out
 //   CP_KV_DTYPE            the caches: CP_DTYPE, or e4m3 | e5m2 (kKvScaled: decoded in shared memory)
 //   CP_SCORE               the score variant (variant.cuh)
@@ -68,6 +69,7 @@
 #include "span.cuh"
 #include "tc_common.cuh"
 #include "epilogue.cuh"
+#include "geometry.cuh"
 
 namespace tcp {
 constexpr u32 kD = HEAD_DIM;
@@ -76,19 +78,19 @@ constexpr u32 kWarps = TC_WARPS, kThreads = 32 * kWarps;
 constexpr u32 kRows = 16 * kMT * kWarps;  // (query, head) rows per block
 constexpr u32 kN = TC_KV_TILE;  // tokens per K/V tile
 constexpr u32 kS = TC_STAGES;  // tile buffers
-constexpr u32 kPitch = kD + 8;  // shared row pitch (elements): conflict-free ldmatrix
+constexpr u32 kPitch = kD + geom::kPitchPad;  // shared row pitch (elements): conflict-free ldmatrix
 constexpr u32 kChunks = kD / 8;  // 16-byte chunks per q row
 // fp8 caches (kKvScaled): the codes of a tile are copied raw (half the
 // bytes) into a ring of their own and, after the tile's barrier, decoded by
 // the block into one 16-bit K / V tile the fragments load from (K as
 // scalar_t, V as f16: tc::v16_t), then a second barrier.
 constexpr bool kFp8 = kKvScaled;
-constexpr u32 kCopyChunks = kD * sizeof(kv_t) / 16;  // 16-byte copies per cache row
-constexpr u32 kCopyElems = 16 / sizeof(kv_t);  // cache elements per copy
+constexpr u32 kCopyChunks = kD * sizeof(kv_t) / geom::kVectorBytes;  // 16-byte copies per cache row
+constexpr u32 kCopyElems = geom::kVectorBytes / sizeof(kv_t);  // cache elements per copy
 constexpr u32 kKSteps = kD / 16;  // k-steps of S = Q K^T
 constexpr u32 kSTiles = kN / 8;  // n-tiles of S
 constexpr u32 kOTiles = kD / 8;  // n-tiles of O
-constexpr bool kQInRegs = kMT * kD <= 128;  // Q's A fragments: kMT * kKSteps * 4 registers
+constexpr bool kQInRegs = kMT * kD <= geom::prefill_tc::kQRegsMaxElems;  // Q's A fragments: kMT * kKSteps * 4 registers
 constexpr u32 kRowStep = kThreads / kCopyChunks;  // rows one pass of the block's threads copies
 static_assert(kD == 64 || kD == 128 || kD == 256, "HEAD_DIM: 64, 128 or 256");
 static_assert(kMT == 1 || kMT == 2, "one or two m-tiles per warp");

@@ -11,11 +11,15 @@
 #include "params.cuh"
 #include "span.cuh"
 #include "variant.cuh"
+#include "geometry.cuh"
 
 namespace tc {
 using att::min_u32;
 
-constexpr u32 kRows = 64;  // (query, head) rows per block: the M dimension
+// (query, head) rows per block of paged_mla_tc / paged_mla_wgmma, the M dimension, and the row unit of
+// the tensor-core segments: spec.TC_ROWS (cupaged/ops/attention/kernels/spec.py), through geometry.cuh.
+constexpr u32 kRows = geom::kTcRows;
+static_assert(geom::kVectorBytes == sizeof(uint4), "16-byte copies: ptx::cp_async_16, uint4 loads");
 constexpr u32 kNone = CP_NO_PAGE;  // no sequence / no page
 
 // Bits a .. e-1 of a tile's token mask (0 <= a, e <= 64; none when e <= a).
@@ -357,7 +361,7 @@ __device__ __forceinline__ void pv_step(float (&o0)[4], float (&o1)[4], const u3
     ptx::mma_16816<T>(o1, a, b1);
 }
 
-// The 64-row block of paged_mla_tc.
+// The block of kRows rows of paged_mla_tc.
 using Rows = RowSet<kRows>;
 template <typename Pass>
 __device__ __forceinline__ void for_each_pass(const Rows& R, u32 qt, Pass&& pass) {

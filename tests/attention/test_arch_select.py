@@ -209,8 +209,8 @@ def test_gate_finds_no_launch_problem_on_any_arch():
 
 # ----------------------------------------------------------------- the kernels' specs
 # What each kernel states that its spec (cupaged/ops/attention/kernels/<stem>.py) states too, as C++
-# expressions over the kernel's own constants, per build: they hold once the kernel reads geometry.cuh
-# (geometry.header) and its layout agrees with the spec's shared-memory formula.
+# expressions over the kernel's own constants, per build: the kernel reads its geometry from geometry.cuh
+# (geometry.header), and its layout must agree with the spec's shared-memory formula.
 def _decode_facts(v):
     cap = v.head_dim or v.dim_cap
     vec = decode._vec(v.kv_dtype, bool(v.head_dim or v.vec_loads))
@@ -317,16 +317,11 @@ def _spec_builds():
 
 
 def _syntax_check(kernel, stem, defines, threads, blocks, facts):
-    """g++ -fsyntax-only over the build's assembled source, geometry.cuh's
-    namespace and a static_assert per fact; the compiler's message or None."""
+    """g++ -fsyntax-only over the build's assembled source (geometry.cuh
+    included) and a static_assert per fact; the compiler's message or None."""
     a, b = _launch_bounds(stem)[kernel]
     checks = facts + [f"({a}) == {threads}", f"({b}) == {blocks}"]
-    text = (
-        source.assemble(stem, defines)
-        + "\n"
-        + geometry.body()
-        + "".join(f'static_assert({c}, "spec: {c}");\n' for c in checks)
-    )
+    text = source.assemble(stem, defines) + "\n" + "".join(f'static_assert({c}, "spec: {c}");\n' for c in checks)
     shim = source.shim_dir()
     r = subprocess.run(
         [

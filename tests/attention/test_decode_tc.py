@@ -322,12 +322,15 @@ def test_launch_bounds_match_the_table():
     __launch_bounds__ minimum."""
     from cupaged._runtime.source import kernel_dir
 
+    # The kernels take both __launch_bounds__ arguments from geometry.cuh (the spec's GEOMETRY); that
+    # the values agree is test_arch_select's test_specs_state_what_the_kernels_compile.
     text = (kernel_dir() / "attention" / "decode_tc.cu").read_text()
-    assert f"constexpr u32 kMinBlocks = {decode_tc.MIN_BLOCKS};" in text
+    assert "constexpr u32 kMinBlocks = geom::decode_tc::kMinBlocks;" in text
     assert "__launch_bounds__(dtc::kThreads, dtc::kMinBlocks)" in text
-    assert f"constexpr u32 kWarps = {decode_tc.THREADS // 32}" in text
+    assert decode_tc.GEOMETRY["kMinBlocks"] == decode_tc.MIN_BLOCKS == variants.RESIDENT_BLOCKS[DECODE_TC]
     text = (kernel_dir() / "attention" / "decode.cu").read_text()
-    assert f"__launch_bounds__({decode.THREADS}, {decode.MIN_BLOCKS}) paged_attention" in text
+    assert "__launch_bounds__(att::kThreads, att::kMinBlocks) paged_attention" in text
+    assert decode.GEOMETRY["kMinBlocks"] == decode.MIN_BLOCKS
     # The GPU backend reads kernel names from the raw text, launch bounds and all.
     from cupaged._runtime import source
 

@@ -16,7 +16,8 @@ HEADER_PATH = "attention/geometry.cuh"
 MODULES: dict[str, ModuleType] = {
     m.__name__.rsplit(".", 1)[1]: m for m in (decode, decode_tc, prefill_tc, mla_tc, mla_wgmma, merge)
 }
-#: The constants of every tensor-core kernel (spec.py; tc_common.cuh).
+#: The constants several kernels share (spec.py): the row-packed blocks' rows (tc_common.cuh tc::kRows), the
+#: shared-memory row pad of the tensor-core kernels, the bytes of a vector load / cp.async copy.
 SHARED = {"kTcRows": spec.TC_ROWS, "kPitchPad": spec.PITCH_PAD, "kVectorBytes": spec.VECTOR_BYTES}
 
 

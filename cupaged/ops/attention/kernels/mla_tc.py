@@ -1,6 +1,6 @@
 """paged_mla_tc (``kernels_cu/attention/mla_tc.cu``): MLA on mma.sync, row-packed
 blocks of TC_ROWS (query, head) rows, K tiles of TILE_TOKENS tokens through a
-two-buffer cp.async ring; f16 / bf16 q over a cache of q's type or fp8, the
+cp.async ring of STAGES buffers; f16 / bf16 q over a cache of q's type or fp8, the
 (R, P) latent and rotary dims of DIMS, V the latent itself."""
 
 from __future__ import annotations
@@ -21,22 +21,26 @@ THREADS = 32 * WARPS
 MIN_BLOCKS = 1
 #: Tokens per K tile (tcm::kN).
 TILE_TOKENS = 32
+#: Tile buffers of the ring (tcm::kS): 16-bit K tiles, or with an fp8 cache
+#: raw tiles of codes (then one 16-bit tile they are converted into).
+STAGES = 2
 #: (R, P) latent and rotary dims (P = 0: no rotary part, an MLA call with
 #: q_pos = k_pos = None).
 DIMS = ((512, 64), (512, 0))
 #: The constants mla_tc.cu shares with this spec (geometry.header: geom::mla_tc).
-GEOMETRY = {"kWarps": WARPS, "kThreads": THREADS, "kMinBlocks": MIN_BLOCKS, "kN": TILE_TOKENS}
+GEOMETRY = {"kWarps": WARPS, "kThreads": THREADS, "kMinBlocks": MIN_BLOCKS, "kN": TILE_TOKENS, "kS": STAGES}
 
 
 def smem_bytes(latent_dim: int, rope_dim: int, kv_dtype: str | None = None) -> int:
-    """Dynamic shared memory: Q [TC_ROWS][R + P + PITCH_PAD], two K buffers
-    [TILE_TOKENS][R + P + PITCH_PAD] (tcm::kTileBufs) and P
-    [TC_ROWS][TILE_TOKENS + PITCH_PAD], 16-bit. An fp8 cache (``kv_dtype`` e4m3 / e5m2): one 16-bit K buffer, then
-    two raw tiles of codes [TILE_TOKENS][R + P] after P (sRaw)."""
+    """Dynamic shared memory: Q [TC_ROWS][R + P + PITCH_PAD], STAGES K
+    buffers [TILE_TOKENS][R + P + PITCH_PAD] (tcm::kTileBufs) and P
+    [TC_ROWS][TILE_TOKENS + PITCH_PAD], 16-bit. An fp8 cache (``kv_dtype``
+    e4m3 / e5m2): one 16-bit K buffer, then STAGES raw tiles of codes
+    [TILE_TOKENS][R + P] after P (sRaw)."""
     k = latent_dim + rope_dim
-    bufs, raw = 2, 0
+    bufs, raw = STAGES, 0
     if is_fp8(kv_dtype):
-        bufs, raw = 1, 2 * TILE_TOKENS * k
+        bufs, raw = 1, STAGES * TILE_TOKENS * k
     return (TC_ROWS + bufs * TILE_TOKENS) * (k + PITCH_PAD) * 2 + TC_ROWS * (TILE_TOKENS + PITCH_PAD) * 2 + raw
 
 
