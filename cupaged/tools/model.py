@@ -1,6 +1,7 @@
 """The performance model of one launch: compile facts (NVRTC, ptxas, SASS),
 per-token work (SASS hot loop + CPU counters), per-block demands, and a
-fluid simulation of the grid on the SMs.
+fluid simulation of the grid on the SMs, at one end of the assumptions'
+ranges (``archs.Arch.point``: "opt" or "pess", the one quoted).
 
 Everything here is **modeled**; nothing is measured on a GPU.
 
@@ -13,26 +14,40 @@ Per block, from the launch and the shape:
   partial) rows it writes;
 * HBM bytes: a K/V range another resident block of the same (sequence,
   KV head, split) already pulled comes from L2 (or anything already read,
-  when the launch's K/V fits in half the L2); the rest from HBM;
-* issue: warp instructions per K/V token from the SASS hot loop (nested
-  loops' trip counts solved from the counters and the bytes, see
-  ``solve_rates``), at the arch's issue rate and per-pipe rates;
-* tensor: mma.sync count (CPU counters) x 4096 FLOP at the arch's mma.sync
-  rate; shared memory: ldmatrix / cp.async bytes (counters) + LDS / STS
-  bytes (SASS) at 128 B/clk;
-* latency: hot-loop iterations x (DRAM latency + one warp's issue of an
-  iteration) when nothing is in flight across iterations ("ldg"), or x
-  max(latency / tiles ahead, that issue) for a cp.async ring.
+  when the launch's K/V fits in half the L2); the rest from HBM, at the
+  copy bandwidth times the DRAM efficiency of the access pattern (rows of
+  ``run_bytes`` contiguous bytes);
+* shared SM resources: issue (warp instructions of the hot loop per token,
+  nested loops' trip counts solved from the counters and the bytes, see
+  ``solve_rates``, plus the block's prologue and epilogue once; an SM
+  issues ``Point.issue_per_clk(warps)``: each scheduler at most its
+  achieved IPC, each warp at most its own), per-pipe rates (conversions
+  16 / clk), tensor (mma.sync FLOP at the mma.sync rate, of which fewer
+  than 4 warps get their sub-partitions' share; wgmma FLOP at the wgmma
+  rate; from the counters, or the SASS without them), shared memory
+  (ldmatrix / cp.async / wgmma operand bytes + LDS / STS);
+* its chain, what one block serializes (``iteration_parts``): per hot-loop
+  iteration the SASS segments (issue up to an HGMMA group, then the longer
+  of the issue after it and the tensor time its ``WARPGROUP.DEPBAR``
+  waits for), block barriers and the dependent word loads, all added;
+  with a cp.async ring covering ``cover`` iterations (``HotLoop.cover``,
+  from the SASS wait) an iteration takes the longer of that and latency /
+  cover; without one (loads used where issued) latency + that;
+* its startup: the dependent round trips before its first tile is in hand
+  (``HotLoop.startup_levels`` x the latency), during which it holds its
+  slot and does nothing else.
 
 The simulation dispatches blocks in launch order onto ``occupancy`` slots
-per SM (round robin at first, then into the slot that frees). At every
-moment each resident block progresses at the rate of its tightest resource:
-the SM's issue, tensor and shared-memory capacity shared equally by the
-blocks on that SM, its own latency bound, and HBM and L2 bandwidth shared
-max-min fairly by all resident blocks. The modeled time is when the last
-block ends (at least the arch's per-launch floor); the binding bound is the
-resource that limited the blocks for most of that time; the tail is the
-last partial wave's share of it.
+per SM (round robin at first, then into the slot that frees). A block
+waits out its startup, then progresses at the rate of its tightest
+resource: the SM's issue, pipe, tensor and shared-memory capacity shared
+equally by the working blocks on that SM, its own chain, and HBM and L2
+bandwidth shared max-min fairly by all working blocks. What is in flight
+together (blocks, warps, the ring's copies) overlaps; what one block
+serializes adds. The modeled time is when the last block ends (at least
+the per-launch floor); the binding bound is the resource that limited the
+blocks for most of that time; the tail is the last partial wave's share of
+it.
 """
 
 from __future__ import annotations
@@ -58,8 +73,8 @@ from . import kernels as _kernels
 from . import occupancy as _occupancy
 from . import sass as _sass
 
-CACHE_VERSION = "perf-v1"
-RESOURCES = ("HBM", "L2", "issue", "tensor", "smem", "latency")
+CACHE_VERSION = "perf-v2"
+RESOURCES = ("HBM", "L2", "issue", "pipe", "tensor", "smem", "chain", "startup")
 
 
 def cache_dir() -> Path:
@@ -126,8 +141,16 @@ def _sass_code() -> str:
 
 
 def kernel_facts(source: str, defines: dict, kernel: str, arch: str, use_cache: bool = True) -> KernelFacts:
+    """``text_facts`` of a kernel source of ``kernels_cu/`` with ``defines``."""
     text = _source.assemble(source, defines)
     variant = _source.variant_name(_source.stem_of(source), defines)
+    return text_facts(text, kernel, arch, variant, use_cache)
+
+
+def text_facts(text: str, kernel: str, arch: str, variant: str = "", use_cache: bool = True) -> KernelFacts:
+    """Compile facts of ``kernel`` in the CUDA source ``text`` on ``arch``:
+    ptxas registers, spills and static shared memory, and the SASS hot loop
+    (cached on disk)."""
     ok, log, cubin = compile_cached(text, arch, use_cache)
     f = KernelFacts(kernel, variant, arch, ok, log=log)
     if not ok:
@@ -394,78 +417,123 @@ def _waterfill(rho: np.ndarray, demand: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 def simulate(
-    blocks: list[Block], demands: dict, arch: _archs.Arch, per_sm: int, hbm_demand_fn: Callable[..., float]
+    blocks: list[Block],
+    demands: dict,
+    pt: _archs.Point,
+    per_sm: int,
+    hbm_demand_fn: Callable[..., float],
+    *,
+    warps: int = 4,
+    startup: np.ndarray | None = None,
+    quantum: float = 1e-3,
 ) -> Sim:
     """Run the fluid model (module doc). ``demands``: resource -> array of
-    seconds each block needs alone on an idle SM ("issue", "tensor",
-    "smem"), alone on the machine ("L2") or by itself ("latency"); HBM
-    seconds come from ``hbm_demand_fn(block index, active keys, loaded)``
-    at dispatch (L2 reuse)."""
+    seconds each block needs alone on an idle SM ("issue": at one warp
+    instruction per clock, the SM's rate depending on the warps issuing;
+    "mma": at the SM's whole mma.sync rate, of which a block set of fewer
+    than 4 warps gets its sub-partitions' share; "wgmma", "pipe", "smem"),
+    alone on the machine ("L2") or by itself ("chain": what its warps
+    serialize); HBM bytes come from ``hbm_demand_fn(block index, active
+    keys, loaded)`` at dispatch (L2 reuse) and move at ``pt.copy_bw`` x the
+    DRAM efficiency in ``demands["dram_eff"]`` (a scalar). ``startup``:
+    seconds after dispatch before a block can work (its dependent round
+    trips), spent holding its slot and nothing else. ``quantum``: blocks
+    that would end within this share of a block's median serial time of the
+    next event end with it (fewer events; at most that share early)."""
     n = len(blocks)
-    sms = arch.sms
+    sms = pt.sms
     slots = max(1, per_sm) * sms
     if n == 0:
         return Sim(0.0, {}, 0.0, 0.0, 0.0, 0.0)
-    copy_bw = arch.copy_bw
-    assert copy_bw is not None and arch.l2_bw is not None, f"{arch.name}: not a modeled arch"
-    sm_res = [r for r in ("issue", "tensor", "smem") if r in demands]
-    lat = demands.get("latency", np.zeros(n))
-    l2 = demands.get("L2", np.zeros(n))
+    bw = pt.copy_bw * float(demands.get("dram_eff", 1.0))
+    zero = np.zeros(n)
+    issue = demands.get("issue", zero)
+    mma = demands.get("mma", zero)
+    shared = [(r, demands[r]) for r in ("wgmma", "pipe", "smem") if r in demands]
+    chain = demands.get("chain", zero)
+    l2 = demands.get("L2", zero)
+    wait0 = np.zeros(n) if startup is None else np.asarray(startup, float)
     hbm = np.zeros(n)
     dispatch_t = np.zeros(n)
-    active: list[int] = []
+    ready_t = np.zeros(n)
+    act = np.zeros(n, bool)
     sm_of = np.zeros(n, np.int64)
     w = np.ones(n)
     key_active: dict = defaultdict(int)
     loaded: dict = defaultdict(int)
     hbm_bytes = 0.0
+    max_w = int(max(1, per_sm) * warps) + 1
+    cap_tab = np.array([pt.issue_per_clk(x) for x in range(max_w + 1)])
 
     def start(i: int, sm: int, t: float) -> None:
         nonlocal hbm_bytes
         b = blocks[i]
         by = hbm_demand_fn(i, key_active, loaded)
         hbm_bytes += by
-        hbm[i] = by / copy_bw
+        hbm[i] = by / bw
         for k, _ in b.keys:
             key_active[k] += 1
         sm_of[i] = sm
         dispatch_t[i] = t
-        active.append(i)
+        ready_t[i] = t + wait0[i]
+        act[i] = True
 
-    nxt = 0
     for i in range(min(n, slots)):
         start(i, i % sms, 0.0)
     nxt = min(n, slots)
     t = 0.0
     bound_time: dict = defaultdict(float)
-    while active:
-        a = np.array(active)
-        cnt = np.bincount(sm_of[a], minlength=sms)
-        share = 1.0 / cnt[sm_of[a]]
-        rates = {}
-        with np.errstate(divide="ignore"):
-            for r in sm_res:
-                dm = demands[r][a]
-                rates[r] = np.where(dm > 0, share / dm, np.inf)
-            rates["latency"] = np.where(lat[a] > 0, 1.0 / lat[a], np.inf)
-        names = list(rates)
-        stack = np.vstack([rates[k] for k in names])
-        rho = stack.min(axis=0)
-        which = np.array(names, dtype=object)[stack.argmin(axis=0)]
-        rho, lim = _waterfill(rho, l2[a])
-        which = np.where(lim, "L2", which)
-        rho, lim = _waterfill(rho, hbm[a])
-        which = np.where(lim, "HBM", which)
-        rho = np.where(np.isfinite(rho), rho, 1e18)
-        dt_each = w[a] / rho
-        dt = float(dt_each.min())
-        for k in set(which):
-            bound_time[k] += dt * float(np.mean(which == k))
-        w[a] -= rho * dt
+    names = ["issue", "tensor"] + [("tensor" if r == "wgmma" else r) for r, _ in shared] + ["chain", "L2", "HBM"]
+    n_names = len(names)
+    i_l2, i_hbm = n_names - 2, n_names - 1
+    col_idx = np.arange(slots)
+    pos = chain[chain > 0]
+    quantum = quantum * float(np.median(pos)) if pos.size else 0.0
+    while act.any():
+        a = np.flatnonzero(act)
+        ready = ready_t[a] <= t * (1 + 1e-12) + 1e-15
+        work, idle = a[ready], a[~ready]
+        dt = np.inf
+        if idle.size:
+            dt = float((ready_t[idle] - t).min()) + quantum
+        rho = np.zeros(0)
+        which = np.zeros(0, np.int64)
+        if work.size:
+            sm_w = sm_of[work]
+            cnt = np.bincount(sm_w, minlength=sms)
+            c = cnt[sm_w]
+            share = 1.0 / c
+            wsm = np.minimum(c * warps, max_w)
+            caps = cap_tab[wsm]
+            frac = np.minimum(1.0, np.maximum(wsm, 1) / pt.sub_partitions)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                cols = [
+                    np.where(issue[work] > 0, share * caps / issue[work], np.inf),
+                    np.where(mma[work] > 0, share * frac / mma[work], np.inf),
+                ]
+                cols += [np.where(d[work] > 0, share / d[work], np.inf) for _, d in shared]
+                cols.append(np.where(chain[work] > 0, 1.0 / chain[work], np.inf))
+            stack = np.vstack(cols)
+            which = stack.argmin(axis=0)
+            rho = stack[which, col_idx[: work.size]]
+            rho, lim = _waterfill(rho, l2[work])
+            which[lim] = i_l2
+            rho, lim = _waterfill(rho, hbm[work])
+            which[lim] = i_hbm
+            rho = np.where(np.isfinite(rho), rho, 1e18)
+            left = w[work] / rho
+            dt = min(dt, float(left.min()))
+        n_act = a.size
+        if work.size:
+            for k, m in enumerate(np.bincount(which, minlength=n_names).tolist()):
+                if m:
+                    bound_time[names[k]] += dt * m / n_act
+            w[work] -= rho * dt
+        if idle.size:
+            bound_time["startup"] += dt * idle.size / n_act
         t += dt
-        done = a[w[a] <= 1e-9 + 1e-12 * dt_each]
-        done_set = set(done.tolist())
-        active = [i for i in active if i not in done_set]
+        done = work[(w[work] <= 1e-9) | (left <= dt * (1 + 1e-6) + quantum)] if work.size else work
+        act[done] = False
         for i in done.tolist():
             for k, _ in blocks[i].keys:
                 key_active[k] -= 1
@@ -485,7 +553,7 @@ def simulate(
         (t - tail_start) / t if t > 0 else 0.0,
         n / slots,
         hbm_bytes,
-        float(l2.sum() * arch.l2_bw),
+        float(l2.sum() * pt.l2_bw),
     )
 
 
@@ -496,11 +564,13 @@ def simulate(
 
 @dataclass
 class LaunchModel:
-    """Everything printed for one launch (all **modeled**)."""
+    """Everything printed for one launch (all **modeled**), at one end of
+    the assumptions' ranges (``end``)."""
 
     kernel: str
     variant: str
     role: str
+    end: str
     grid: tuple
     threads: int
     registers: int
@@ -511,6 +581,7 @@ class LaunchModel:
     launchable: bool
     launch_problems: list
     blocks: int
+    blocks_per_sm: float  # resident blocks per SM the grid places (at most the occupancy limit)
     waves: float
     tail_share: float
     time_s: float
@@ -520,13 +591,17 @@ class LaunchModel:
     hbm_bytes: float
     l2_bytes: float
     kv_bytes: float  # K/V (or partial) bytes the blocks read
+    dram_eff: float  # of the copy bandwidth, for this launch's access pattern
     in_flight_per_sm: float | None
     little_per_sm: float
+    cover: int  # hot-loop iterations a tile's copies have before they are waited for (0: none, "ldg")
+    startup_s: float  # dependent round trips before a block's first tile
+    iteration: dict  # one hot-loop iteration of one warp, seconds: what it serializes, and its total
     mma: float  # mma.sync m16n8k16 executed (counters)
     ldmatrix: float
     mma_per_tile: dict  # per 64 K/V tokens per block: mma, ldmatrix, smem bytes
     smem_bytes: float
-    instr: float | None  # warp instructions (hot loop, all blocks)
+    instr: float | None  # warp instructions (hot loop, prologue and epilogue, all blocks)
     instr_per_kv_byte: float | None
     hot_loop: dict
     notes: list
@@ -535,6 +610,65 @@ class LaunchModel:
         d = asdict(self)
         d["label"] = "modeled"
         return d
+
+
+_PIPE_OF = {
+    "fp32": "fp32",
+    "imad": "imad",
+    "alu": "alu",
+    "mufu": "mufu",
+    "shfl": "shfl",
+    "conv": "conv",
+    "ldg": "lsu",
+    "ldgsts": "lsu",
+    "lds": "lsu",
+    "ldsm": "lsu",
+    "sts": "lsu",
+    "stg": "lsu",
+    "local": "lsu",
+    "atoms": "lsu",
+}
+
+
+def iteration_parts(
+    hot: _sass.HotLoop, rates: Rates, pt: _archs.Point, warps: int, *, wgmma_rate: float | None = None
+) -> dict:
+    """One hot-loop iteration of one warp of a block alone on its SM, in
+    seconds, as the SASS serializes it (``sass.Region``): each region's
+    segments run once per its executions per iteration (``rates.y``); in a
+    segment, the issue up to the first HGMMA, then the longer of the rest
+    of the issue and the tensor / operand time its wait returns after (an
+    mma.sync segment: the longer of its issue, its HMMA time and its
+    shared-memory time, which overlap); block barriers and the dependent
+    word loads add. The warp issues at ``max(1 / warp_ipc, k / sched_ipc)``
+    clocks per instruction, k of the block's warps sharing its scheduler.
+    Keys: issue, tensor (what the waits for tensor work add), barriers,
+    dependent loads, total."""
+    clk = pt.clock_hz
+    k = -(-warps // pt.sub_partitions)
+    t_i = max(1.0 / pt.warp_ipc, k / pt.sched_ipc) / clk
+    mma_sm = pt.mma_sync_flops / pt.sms * pt.mma_fraction(warps)
+    wg_sm = (wgmma_rate or pt.wgmma_flops or pt.mma_sync_flops) / pt.sms
+    smem_bw = pt.smem_bytes_per_clk * clk
+    y0 = rates.y[0] if rates.y and rates.y[0] > 0 else float("nan")
+    parts = {"issue": 0.0, "tensor": 0.0, "barriers": 0.0, "dependent loads": 0.0}
+    for j, r in enumerate(hot.regions):
+        per = rates.y[j] / y0 if j < len(rates.y) and np.isfinite(y0) else 0.0
+        if per <= 0:
+            continue
+        for pre, post, mmaf, wgf, wgs, sm, _closed in r.segments:
+            issue = (pre + post) * t_i
+            if wgf > 0:
+                seg = pre * t_i + max(post * t_i, wgf * warps / wg_sm, (wgs + sm) * warps / smem_bw)
+            else:
+                seg = max(issue, mmaf * warps / mma_sm, sm * warps / smem_bw)
+            parts["issue"] += per * issue
+            parts["tensor"] += per * (seg - issue)
+        parts["barriers"] += per * r.bars * pt.bar_clk / clk
+        parts["dependent loads"] += per * r.dep_levels * pt.dep_load_s
+    parts["total"] = sum(parts.values())
+    parts["per_instruction"] = t_i
+    return parts
 
 
 def model_launch(
@@ -548,81 +682,90 @@ def model_launch(
     blocks: list[Block],
     kv_bytes_per_token: float,
     probe: _counters.Probe | None,
-    latency_ns: float,
     fits_l2: bool,
     kv_in_l2: bool = False,
+    latency: str = "dram",
+    run_bytes: float | None = None,
+    end: str = "pess",
+    flip: tuple = (),
+    quantum: float = 1e-3,
     extra_notes: Iterable[str] = (),
 ) -> LaunchModel:
-    """Model one launch (module doc). ``fits_l2``: the launch's K/V fits
-    in half the L2, so a range read once is an L2 hit afterwards;
-    ``kv_in_l2``: the data is already in L2 (the merge's partials)."""
-    assert (
-        arch.clock_ghz is not None
-        and arch.copy_bw is not None
-        and arch.l2_bw is not None
-        and arch.mma_sync_flops is not None
-    ), f"{arch.name}: not a modeled arch"
+    """Model one launch (module doc) with the arch's figures at ``end`` of
+    their ranges (``flip``: those at the other end). ``fits_l2``: the
+    launch's K/V fits in half the L2, so a range read once is an L2 hit
+    afterwards; ``kv_in_l2``: the data is already in L2 (the merge's
+    partials); ``latency``: what a tile load waits for, "dram" or "l2";
+    ``run_bytes``: contiguous bytes of one K/V row run in memory (the DRAM
+    efficiency of the access pattern; None: long runs); ``quantum``: see
+    ``simulate``."""
+    pt = arch.point(end, flip)
     notes = list(extra_notes)
     if not desc.known:
-        notes.append(f"{facts.kernel} is not in cupaged/tools/kernels.py: modeled as '{desc.loads}'")
+        notes.append(f"{facts.kernel} is not in cupaged/tools/kernels.py")
     warps = -(-threads // 32)
     occ = _occupancy.occupancy(arch.name, threads, facts.registers, facts.static_smem, dynamic_smem)
     problems = _archs.launch_problems(arch.name, facts.static_smem, dynamic_smem, threads, facts.registers)
     n = len(blocks)
     tokens = np.array([b.tokens for b in blocks], float)
-    clk = arch.clock_ghz * 1e9
+    clk = pt.clock_hz
+    lat = pt.l2_latency_s if latency == "l2" else pt.latency_s
+    eff = 1.0 if kv_in_l2 else pt.dram_eff(run_bytes)
+    placed = min(float(max(1, occ.blocks_per_sm)), n / pt.sms) if n else 0.0
 
     rates = None
-    if facts.hot is not None:
+    hot = facts.hot
+    if hot is not None:
         # wgmma instructions (per warp part) are HGMMA in the SASS, which the solver counts with HMMA
         mma_t = (probe.slope.get("mma_16816", 0.0) + probe.slope.get("wgmma", 0.0)) / warps if probe else None
         ldsm_t = (
             (probe.slope.get("ldmatrix_x4", 0) + probe.slope.get("ldmatrix_x4_trans", 0)) / warps if probe else None
         )
         cold_t = probe.slope.get("cold_path", 0.0) / warps if probe else None
-        rates = solve_rates(facts.hot, kv_bytes_per_token / warps, mma_t, ldsm_t, cold_t)
+        rates = solve_rates(hot, kv_bytes_per_token / warps, mma_t, ldsm_t, cold_t)
         if rates.note:
             notes.append(rates.note)
     else:
         notes.append(facts.sass_note or "no SASS")
 
-    demands: dict = {}
-    if rates is not None:
+    demands: dict = {"dram_eff": eff}
+    startup = np.zeros(n)
+    iteration: dict = {}
+    cover = 0
+    in_flight_block = None
+    if rates is not None and hot is not None:
         per_tok = warps * tokens
-        cyc = per_tok * rates.instr / arch.issue_per_clk
-        pipe_of = {
-            "fp32": "fp32",
-            "imad": "imad",
-            "alu": "alu",
-            "mufu": "mufu",
-            "shfl": "shfl",
-            "conv": "conv",
-            "ldg": "lsu",
-            "ldgsts": "lsu",
-            "lds": "lsu",
-            "ldsm": "lsu",
-            "sts": "lsu",
-            "stg": "lsu",
-            "local": "lsu",
-            "atoms": "lsu",
-        }
+        fixed = warps * (hot.prologue + hot.epilogue)
+        demands["issue"] = (per_tok * rates.instr + np.where(tokens > 0, fixed, 0.0)) / clk
         pipe: dict = defaultdict(float)
         for c, v in rates.classes.items():
-            if c in pipe_of:
-                pipe[pipe_of[c]] += v
+            if c in _PIPE_OF:
+                pipe[_PIPE_OF[c]] += v
+        pcyc = np.zeros(n)
         for p, v in pipe.items():
-            lanes = arch.lanes_per_clk.get(p)
+            lanes = pt.lanes_per_clk.get(p)
             if lanes:
-                cyc = np.maximum(cyc, per_tok * v * 32 / lanes)
-        demands["issue"] = cyc / clk
-        lat_s = latency_ns * 1e-9
+                pcyc = np.maximum(pcyc, per_tok * v * 32 / lanes)
+        demands["pipe"] = pcyc / clk
+        wg_rate = pt.wgmma_flops
+        if any(seg[3] for r in hot.regions for seg in r.segments) and not wg_rate:
+            notes.append(f"{facts.kernel}: wgmma has no rate on {arch.name}; modeled at the mma.sync rate")
+        iteration = iteration_parts(hot, rates, pt, warps, wgmma_rate=wg_rate)
+        cover = hot.cover
+        if cover > 0:
+            t_iter = max(iteration["total"], lat / cover)
+        else:
+            t_iter = lat + iteration["total"]
+        iteration["memory wait"] = t_iter - iteration["total"]
+        iteration["iteration"] = t_iter
         iters = rates.y[0] * tokens
-        it_issue = rates.iter_instr / clk
-        per_iter = lat_s + it_issue if desc.loads == "ldg" else max(lat_s / max(1, desc.ahead), it_issue)
-        demands["latency"] = np.where(tokens > 0, lat_s + iters * per_iter, 0.0)
-        in_flight_block = rates.iter_bytes * warps * (max(1, desc.ahead) if desc.loads == "ring" else 1)
-    else:
-        in_flight_block = None
+        demands["chain"] = np.where(
+            tokens > 0, iters * t_iter + (hot.prologue + hot.epilogue) * iteration["per_instruction"], 0.0
+        )
+        startup = np.where(tokens > 0, hot.startup_levels * lat, 0.0)
+        in_flight_block = rates.iter_bytes * warps * max(1, cover)
+        if desc.known and desc.loads == "ring" and cover == 0:
+            notes.append(f"{facts.kernel}: no cp.async wait in the SASS hot loop; modeled as loads used in place")
     mma = np.zeros(n)
     smem = np.zeros(n)
     ldm = np.zeros(n)
@@ -631,20 +774,28 @@ def model_launch(
         ldm = np.array([probe.per_block("ldmatrix_x4", t) + probe.per_block("ldmatrix_x4_trans", t) for t in tokens])
         smem = np.array([probe.smem_bytes(t) for t in tokens])
         wg_flop = np.array([probe.per_block("wgmma_flop", t) for t in tokens])
-        if mma.any() or wg_flop.any():
-            demands["tensor"] = mma * _counters.MMA_FLOP / (arch.mma_sync_flops / arch.sms)
-            if wg_flop.any():
-                if not arch.wgmma_flops:
-                    notes.append(f"{facts.kernel}: wgmma has no rate on {arch.name}; modeled at the mma.sync rate")
-                demands["tensor"] = demands["tensor"] + wg_flop / ((arch.wgmma_flops or arch.mma_sync_flops) / arch.sms)
-            mma = mma + wg_flop / _counters.MMA_FLOP  # reported in m16n8k16 equivalents
+        if mma.any():
+            demands["mma"] = mma * _counters.MMA_FLOP / (pt.mma_sync_flops / pt.sms)
+        if wg_flop.any():
+            demands["wgmma"] = wg_flop / ((pt.wgmma_flops or pt.mma_sync_flops) / pt.sms)
+        mma = mma + wg_flop / _counters.MMA_FLOP  # reported in m16n8k16 equivalents
+    elif rates is not None and hot is not None:
+        # no counters: the tensor work from the SASS (each region's HMMA / HGMMA x its trip count)
+        mma_tok = sum(y * sum(seg[2] for seg in r.segments) for y, r in zip(rates.y, hot.regions))
+        wg_tok = sum(y * sum(seg[3] for seg in r.segments) for y, r in zip(rates.y, hot.regions))
+        if mma_tok:
+            mma = warps * tokens * mma_tok / _counters.MMA_FLOP
+            demands["mma"] = warps * tokens * mma_tok / (pt.mma_sync_flops / pt.sms)
+        if wg_tok:
+            demands["wgmma"] = warps * tokens * wg_tok / ((pt.wgmma_flops or pt.mma_sync_flops) / pt.sms)
+            mma = mma + warps * tokens * wg_tok / _counters.MMA_FLOP
     if rates is not None:
         smem = smem + warps * tokens * rates.smem_bytes
     if smem.any():
-        demands["smem"] = smem / (arch.smem_bytes_per_clk * clk)
+        demands["smem"] = smem / (pt.smem_bytes_per_clk * clk)
     kvb = tokens * kv_bytes_per_token
     io = np.array([b.q_bytes + b.out_bytes for b in blocks], float)
-    demands["L2"] = (kvb + io) / arch.l2_bw
+    demands["L2"] = (kvb + io) / pt.l2_bw
 
     def hbm_of(i, key_active, loaded):
         b = blocks[i]
@@ -661,21 +812,34 @@ def model_launch(
             by += extra * kv_bytes_per_token
         return by + b.q_bytes + b.out_bytes
 
-    sim = simulate(blocks, demands, arch, occ.blocks_per_sm, hbm_of)
+    sim = simulate(blocks, demands, pt, occ.blocks_per_sm, hbm_of, warps=warps, startup=startup, quantum=quantum)
     time_s = sim.time
-    if arch.launch_us and time_s < arch.launch_us * 1e-6:
+    if time_s < pt.launch_s:
         notes.append("launch-bound: below the per-launch floor")
         sim.bound_share = {"launch": 1.0}
-        time_s = arch.launch_us * 1e-6
+        time_s = pt.launch_s
     binding = max(sim.bound_share, key=lambda r: sim.bound_share[r]) if sim.bound_share else "-"
-    slots = max(1, occ.blocks_per_sm) * arch.sms
-    bounds = {"HBM": sim.hbm_bytes / arch.copy_bw, "L2": float((kvb + io).sum()) / arch.l2_bw}
-    for r in ("issue", "tensor", "smem"):
-        if r in demands:
-            bounds[r] = float(demands[r].sum()) / arch.sms
-    if "latency" in demands:
-        bounds["latency"] = float(demands["latency"].sum()) / min(slots, max(1, n))
-    instr = float((warps * tokens * rates.instr).sum()) if rates is not None else None
+    slots = max(1, occ.blocks_per_sm) * pt.sms
+    bounds = {"HBM": sim.hbm_bytes / (pt.copy_bw * eff), "L2": float((kvb + io).sum()) / pt.l2_bw}
+    if "issue" in demands:
+        wsm = max(1, int(round(placed * warps)))
+        bounds["issue"] = float(demands["issue"].sum()) / pt.sms / pt.issue_per_clk(wsm)
+        bounds["pipe"] = float(demands["pipe"].sum()) / pt.sms
+    if "mma" in demands or "wgmma" in demands:
+        frac = pt.mma_fraction(max(1, int(round(placed * warps))))
+        bounds["tensor"] = (
+            float(demands.get("mma", np.zeros(1)).sum()) / frac + float(demands.get("wgmma", np.zeros(1)).sum())
+        ) / pt.sms
+    if "smem" in demands:
+        bounds["smem"] = float(demands["smem"].sum()) / pt.sms
+    if "chain" in demands:
+        bounds["chain"] = float(demands["chain"].sum()) / min(slots, max(1, n))
+        bounds["startup"] = float(startup.max()) if n else 0.0
+    instr = None
+    if rates is not None and hot is not None:
+        instr = float((warps * tokens * rates.instr).sum()) + float(np.count_nonzero(tokens)) * warps * (
+            hot.prologue + hot.epilogue
+        )
     per_tile = {}
     if probe is not None:
         per_tile = {
@@ -688,24 +852,30 @@ def model_launch(
                 + (warps * rates.smem_bytes if rates is not None else 0.0)
             ),
         }
-    hot = {}
-    if facts.hot is not None and rates is not None:
-        tot = facts.hot.totals()
-        hot = {
-            "static_instructions": facts.hot.instructions,
-            "nested_loops": facts.hot.nested,
+    hot_d = {}
+    if hot is not None and rates is not None:
+        tot = hot.totals()
+        hot_d = {
+            "static_instructions": hot.instructions,
+            "skipped_instructions": tot.skipped,
+            "nested_loops": hot.nested,
             "classes_static": tot.classes,
             "trips_per_token": rates.y,
             "instr_per_iteration": rates.iter_instr,
             "kv_bytes_per_iteration_per_warp": rates.iter_bytes,
             "classes_per_kv_byte": {k: v / (kv_bytes_per_token / warps) for k, v in rates.classes.items()},
-            "offsets": [hex(facts.hot.first_offset), hex(facts.hot.last_offset)],
+            "offsets": [hex(hot.first_offset), hex(hot.last_offset)],
+            "prologue_instructions": hot.prologue,
+            "epilogue_instructions": hot.epilogue,
+            "startup_round_trips": hot.startup_levels,
+            "barriers_per_iteration": tot.bars,
         }
     kv_total = float(kvb.sum())
     return LaunchModel(
         kernel=facts.kernel,
         variant=facts.variant,
         role=desc.role,
+        end=end,
         grid=tuple(grid),
         threads=threads,
         registers=facts.registers,
@@ -716,6 +886,7 @@ def model_launch(
         launchable=not problems,
         launch_problems=problems,
         blocks=n,
+        blocks_per_sm=placed,
         waves=sim.waves,
         tail_share=sim.tail_share,
         time_s=time_s,
@@ -725,15 +896,19 @@ def model_launch(
         hbm_bytes=sim.hbm_bytes,
         l2_bytes=float((kvb + io).sum()),
         kv_bytes=kv_total,
-        in_flight_per_sm=None if in_flight_block is None else in_flight_block * occ.blocks_per_sm,
-        little_per_sm=arch.copy_bw * latency_ns * 1e-9 / arch.sms,
+        dram_eff=eff,
+        in_flight_per_sm=None if in_flight_block is None else in_flight_block * placed,
+        little_per_sm=pt.copy_bw * eff * lat / pt.sms,
+        cover=cover,
+        startup_s=float(startup.max()) if n else 0.0,
+        iteration=iteration,
         mma=float(mma.sum()),
         ldmatrix=float(ldm.sum()),
         mma_per_tile=per_tile,
         smem_bytes=float(smem.sum()),
         instr=instr,
         instr_per_kv_byte=(rates.instr / (kv_bytes_per_token / warps)) if rates is not None else None,
-        hot_loop=hot,
+        hot_loop=hot_d,
         notes=notes,
     )
 

@@ -261,6 +261,23 @@ class Loop:
 class Cfg:
     blocks: list[Block]
     indirect: bool = False  # an indirect branch (BRX/JMX) was seen: edges unknown
+    div_edges: set = field(default_factory=set)  # (from, to): the taken edge of a BRA.DIV
+
+    def warm(self) -> set:
+        """Blocks a converged warp can run: reachable from the entry without
+        taking a ``BRA.DIV`` (the branch to the slow path of a warp
+        collective, taken only when the warp is diverged; cupaged's kernels
+        call their collectives converged). The blocks only a ``BRA.DIV``
+        leads to, and code reached only by ``CALL`` (no edge), are skipped
+        paths: counted nowhere."""
+        seen, stack = set(), [0] if self.blocks else []
+        while stack:
+            k = stack.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            stack += [s for s in self.blocks[k].succs if (k, s) not in self.div_edges]
+        return seen
 
     def block_of(self, index: int) -> int:
         for n, b in enumerate(self.blocks):
@@ -293,13 +310,17 @@ def build_cfg(fn: Function) -> Cfg:
     order = sorted(starts)
     blocks = [Block(s, (order[k + 1] if k + 1 < len(order) else n)) for k, s in enumerate(order)]
     first = {b.start: k for k, b in enumerate(blocks)}
+    div_edges: set = set()
     for k, b in enumerate(blocks):
         last = fn.instrs[b.end - 1]
         succ: list[int] = []
+        div = None
         if last.base in ("BRA", "JMP") and last.target is not None:
             t = fn.index_of(last.target)
             if t is not None:
                 succ.append(first[t])
+                if ".DIV" in last.opcode:
+                    div = first[t]
             # Conditional: may fall through. BRA.DIV (taken only when the warp
             # is diverged, to the slow path of a warp collective) is too,
             # though it carries no predicate.
@@ -314,7 +335,9 @@ def build_cfg(fn: Function) -> Cfg:
         for s in dict.fromkeys(succ):
             b.succs.append(s)
             blocks[s].preds.append(k)
-    return Cfg(blocks, indirect)
+            if s == div and not (b.end < n and s == first[b.end]):
+                div_edges.add((k, s))
+    return Cfg(blocks, indirect, div_edges)
 
 
 def dominators(cfg: Cfg) -> list[set]:
@@ -424,7 +447,6 @@ CLASSES: dict[str, tuple[str, ...]] = {
         "PSETP",
         "P2R",
         "R2P",
-        "F2FP",
         "CS2R",
         "MOV",
         "MOV32I",
@@ -440,7 +462,9 @@ CLASSES: dict[str, tuple[str, ...]] = {
         "FSET",
         "ISET",
     ),
-    "conv": ("F2F", "F2I", "I2F", "I2I", "FRND", "I2FP", "F2IP"),
+    # conversions: 16 results per clock per SM on 8.x / 9.0 (the programming guide's throughput table), F2FP
+    # (the packing f32 -> bf16x2 / f16x2 and, on sm_89+, the fp8 <-> f16 conversions) among them
+    "conv": ("F2F", "F2I", "I2F", "I2I", "FRND", "I2FP", "F2IP", "F2FP"),
     "ldc": ("LDC", "ULDC"),
     "sync": (
         "BAR",
@@ -526,7 +550,19 @@ def is_wide_global_load(ins: Instr) -> bool:
 @dataclass
 class Region:
     """Static counts of part of a loop: the loop's own blocks, without the
-    loops nested in it (those are regions of their own)."""
+    loops nested in it (those are regions of their own), skipped paths
+    (``Cfg.warm``) left out.
+
+    ``segments`` splits the region, in program order, at each wait for the
+    warpgroup's asynchronous tensor work (``WARPGROUP.DEPBAR``): what the
+    warp issues, and the tensor and shared-memory work of its HGMMA / HMMA,
+    between two waits, per warp. A segment costs the issue up to its first
+    HGMMA plus the longer of the issue after it and the tensor (and operand
+    read) time it waits for: what a wait serializes adds up;
+    ``bars`` block barriers (``BAR.SYNC`` / ``BAR.RED``) add their own
+    cost; ``dep_levels``: dependent global-load round trips the warp waits
+    for inside one execution of the region (a word loaded and used in the
+    same pass: the issue of everything after it waits; ``dataflow``)."""
 
     offset: int  # first instruction
     depth: int
@@ -540,6 +576,12 @@ class Region:
     ldsm: int
     ldgsts: int
     pmtrig: int = 0  # cold-path markers (ptx::cold_path: pmevent)
+    segments: list = field(default_factory=list)  # see ``segments``
+    bars: int = 0  # block barriers that wait (BAR.SYNC, BAR.RED)
+    dep_levels: int = 0  # dependent scalar global-load round trips in one pass
+    ring_wait: int = -1  # N of the cp.async wait (DEPBAR.LE SB0, N) in the region, -1: none
+    commit_after_wait: bool = False  # the region's cp.async commit (LDGDEPBAR) follows that wait
+    skipped: int = 0  # instructions on skipped paths (BRA.DIV slow paths) left out
 
     def count(self, what: str) -> int:
         return {"hmma": self.hmma, "ldsm": self.ldsm, "ldgsts": self.ldgsts, "pmtrig": self.pmtrig}[what]
@@ -549,8 +591,16 @@ class Region:
 class HotLoop:
     """The K/V loop of a kernel: its own region first, then the loops
     nested in it. Static: one count per instruction, predicated ones
-    included; trip counts of nested loops are not in the SASS (see
-    ``perf_model`` for how they are solved from the counters)."""
+    included, skipped paths (``Cfg.warm``) not; trip counts of nested loops
+    are not in the SASS (see ``perf_model`` for how they are solved from
+    the counters).
+
+    Outside the loop: ``prologue`` / ``epilogue`` instructions a warp
+    issues once per block before / after it (other loops there counted
+    once), and ``startup_levels``: the dependent global-memory round trips
+    before the first tile is in hand (``dataflow`` from the entry through
+    the first pass of the loop: metadata word -> query load -> page word
+    -> first tile ...)."""
 
     function: str
     first_offset: int
@@ -558,6 +608,9 @@ class HotLoop:
     regions: list
     other_loops: int  # other loops of the function with wide loads
     indirect: bool = False
+    prologue: int = 0
+    epilogue: int = 0
+    startup_levels: int = 0
 
     @property
     def instructions(self) -> int:
@@ -567,6 +620,19 @@ class HotLoop:
     @property
     def nested(self) -> int:
         return len(self.regions) - 1
+
+    @property
+    def cover(self) -> int:
+        """Hot-loop iterations between issuing a tile's copies and waiting
+        for them: a cp.async ring waiting with ``DEPBAR.LE SB0, N`` covers N
+        iterations, one more when the loop commits its next copies after
+        that wait (a 3-stage ring that waits with N = 1 and then issues:
+        2). 0: no cp.async ring (loads used in the iteration that issues
+        them)."""
+        r = self.regions[0]
+        if r.ring_wait < 0:
+            return 0
+        return r.ring_wait + (1 if r.commit_after_wait else 0)
 
     def totals(self) -> Region:
         cls: Counter = Counter()
@@ -585,6 +651,8 @@ class HotLoop:
             sum(r.ldsm for r in self.regions),
             sum(r.ldgsts for r in self.regions),
             sum(r.pmtrig for r in self.regions),
+            bars=sum(r.bars for r in self.regions),
+            skipped=sum(r.skipped for r in self.regions),
         )
 
     def as_dict(self) -> dict:
@@ -594,6 +662,9 @@ class HotLoop:
             "last_offset": self.last_offset,
             "other_loops": self.other_loops,
             "indirect": self.indirect,
+            "prologue": self.prologue,
+            "epilogue": self.epilogue,
+            "startup_levels": self.startup_levels,
             "regions": [dict(r.__dict__) for r in self.regions],
         }
 
@@ -606,13 +677,213 @@ class HotLoop:
             [Region(**r) for r in d["regions"]],
             d["other_loops"],
             d["indirect"],
+            d.get("prologue", 0),
+            d.get("epilogue", 0),
+            d.get("startup_levels", 0),
         )
 
 
-def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int) -> Region:
-    ins = [fn.instrs[i] for b in sorted(blocks) for i in range(cfg.blocks[b].start, cfg.blocks[b].end)]
+# ---------------------------------------------------------------------------
+# Tensor work and dependences of an instruction stream
+# ---------------------------------------------------------------------------
+
+_MMA_SHAPE = re.compile(r"^(?:HMMA|HGMMA)\.(\d+)x?(\d+)x(\d+)")
+_HMMA_SHAPE = re.compile(r"^HMMA\.(16|8)(8)(\d+)")  # HMMA.16816: m16 n8 k16; HMMA.1688; HMMA.884
+
+
+def mma_flop(ins: Instr) -> float:
+    """FLOP of one warp's share of an HMMA (mma.sync: HMMA.16816 -> 2 x 16 x
+    8 x 16) or HGMMA (a quarter of the warpgroup's 2 x 64 x N x K:
+    HGMMA.64x32x16 -> 16384); 0 for anything else."""
+    if ins.base == "HGMMA":
+        m = _MMA_SHAPE.match(ins.opcode)
+        if not m:
+            return 0.0
+        mm, nn, kk = (int(g) for g in m.groups())
+        return 2.0 * mm * nn * kk / 4
+    if ins.base == "HMMA":
+        m = _HMMA_SHAPE.match(ins.opcode)
+        if not m:
+            return 2.0 * 16 * 8 * 16
+        mm, nn, kk = (int(g) for g in m.groups())
+        return 2.0 * mm * nn * kk
+    return 0.0
+
+
+def hgmma_smem_bytes(ins: Instr) -> float:
+    """Shared-memory operand bytes one warp's share of an HGMMA reads, as
+    the counters of ``kernels_cu/ptx.cuh`` count them: A (when it is a
+    descriptor, not registers) 16 rows x K x 2 bytes per warp, B N x K x 2
+    bytes per warpgroup (a quarter per warp); 16-bit operands."""
+    if ins.base != "HGMMA":
+        return 0.0
+    m = _MMA_SHAPE.match(ins.opcode)
+    if not m:
+        return 0.0
+    _, nn, kk = (int(g) for g in m.groups())
+    ops = [o.strip() for o in ins.operands.split(",")]
+    a_smem = len(ops) > 1 and ops[1].startswith("gdesc")
+    return (16 * kk * 2 if a_smem else 0) + nn * kk * 2 / 4
+
+
+def _is_gwait(ins: Instr) -> bool:
+    return ins.base == "WARPGROUP" and "DEPBAR" in ins.opcode
+
+
+def _is_bar_wait(ins: Instr) -> bool:
+    return ins.base == "BAR" and (".SYNC" in ins.opcode or ".RED" in ins.opcode)
+
+
+def _cp_wait(ins: Instr) -> int | None:
+    """N of a cp.async wait ``DEPBAR.LE SB0, N``, else None."""
+    if ins.base != "DEPBAR" or "SB0" not in ins.operands:
+        return None
+    m = re.search(r"SB0\s*,\s*(0x[0-9a-fA-F]+|\d+)", ins.operands)
+    return int(m.group(1), 0) if m else 0
+
+
+def segments(ins: list) -> list:
+    """``Region.segments`` of an instruction list (program order): per
+    segment [instructions before its first HGMMA, instructions from it on,
+    mma.sync FLOP, wgmma FLOP, wgmma shared-memory operand bytes, LDS / STS
+    / LDSM bytes, 1 when it ends in a wait for the wgmma group else 0], per
+    warp."""
+    out = []
+
+    def fresh() -> list:
+        return [0, 0, 0.0, 0.0, 0.0, 0.0, 0]
+
+    cur = fresh()
+    for i in ins:
+        if i.base == "HGMMA" or cur[1]:
+            cur[1] += 1
+        else:
+            cur[0] += 1
+        f = mma_flop(i)
+        if i.base == "HGMMA":
+            cur[3] += f
+            cur[4] += hgmma_smem_bytes(i)
+        else:
+            cur[2] += f
+        if i.base in ("LDS", "STS") and i.pred != "@!PT" or i.base == "LDSM":
+            cur[5] += 32 * access_bytes(i)
+        if _is_gwait(i):
+            cur[6] = 1
+            out.append(cur)
+            cur = fresh()
+    if cur[0] or cur[1]:
+        out.append(cur)
+    return out
+
+
+_REG_TOKEN = re.compile(r"(?<![\w.])(U?R\d+|U?P\d+)(?:\.(64|128))?\b")
+_NO_DEST = {
+    "STS", "STG", "ST", "STL", "RED", "REDG", "LDGSTS", "BAR", "BRA", "JMP", "EXIT", "RET", "CALL", "DEPBAR",
+    "LDGDEPBAR", "WARPSYNC", "MEMBAR", "BSSY", "BSYNC", "NOP", "WARPGROUP", "YIELD", "UBLKCP", "UTMALDG",
+    "ARRIVES", "SYNCS", "PMTRIG", "ERRBAR", "CCTL", "BPT", "KILL",
+}  # fmt: skip
+
+
+def _regs(tok: str, width: str | None, n: int = 1) -> list:
+    m = re.match(r"(U?[RP])(\d+)", tok)
+    if not m:
+        return [tok]
+    k = max(n, {"64": 2, "128": 4}.get(width or "", 1))
+    return [f"{m.group(1)}{int(m.group(2)) + j}" for j in range(k)]
+
+
+@dataclass
+class Flow:
+    """State of ``dataflow``: when each register is ready and when the warp
+    can issue, in dependent round trips from the start (``level``)."""
+
+    level: int = 0  # the warp issues in order: nothing issues before this
+    ready: dict = field(default_factory=dict)  # register -> level its value is there
+    smem: int = 0  # level by which what STS wrote is there
+    group: int = -1  # the open cp.async group's completion level (-1: none)
+    groups: list = field(default_factory=list)  # committed, oldest first
+    first_wide: int = -1  # level at which the first wide load / copy issued
+    first_wait: int = -1  # level after the first cp.async wait
+
+
+def dataflow(ins: list, flow: Flow | None = None, *, wide: int = 1, scalar: int = 1) -> Flow:
+    """Dependent global-memory round trips of an instruction stream run in
+    order by one warp: a global load's value is there ``scalar`` (or, for a
+    16-byte load, ``wide``) round trips after it issues; an instruction
+    issues when its sources are there and not before the one ahead of it;
+    a cp.async wait (``DEPBAR.LE SB0, N``) waits for all but the newest N
+    committed groups; LDS / LDSM read what STS stored (or what a waited
+    cp.async copied). Straight-line: every instruction once, in the order
+    given."""
+    f = flow or Flow()
+    for i in ins:
+        ops = [o.strip() for o in i.operands.split(",")] if i.operands else []
+        toks = [(m.group(1), m.group(2)) for m in _REG_TOKEN.finditer(i.operands)]
+        has_dest = i.base not in _NO_DEST and bool(ops) and bool(_REG_TOKEN.match(ops[0]))
+        srcs = toks[1:] if has_dest else toks
+        if i.pred:
+            srcs = srcs + [(i.pred.lstrip("@!"), None)]
+        need = 0
+        for t, w in srcs:
+            for r in _regs(t, w):
+                need = max(need, f.ready.get(r, 0))
+        f.level = max(f.level, need)
+        lvl = f.level
+        if i.pred == "@!PT":
+            continue
+        if i.base in ("LDGSTS", "UBLKCP", "UTMALDG"):
+            f.group = max(f.group, lvl + wide)
+            if f.first_wide < 0:
+                f.first_wide = lvl
+        elif i.base == "LDGDEPBAR":
+            f.groups.append(max(f.group, lvl))
+            f.group = -1
+        elif _cp_wait(i) is not None:
+            n = _cp_wait(i) or 0
+            done, f.groups = (f.groups[: len(f.groups) - n], f.groups[len(f.groups) - n :]) if n else (f.groups, [])
+            if done:
+                f.level = max(f.level, *done)
+            if f.first_wait < 0:
+                f.first_wait = f.level
+        elif i.base == "STS":
+            f.smem = max(f.smem, lvl)
+        if not has_dest:
+            continue
+        t, w = toks[0]
+        n = max(1, access_bytes(i) // 4) if i.base in ("LDG", "LD", "LDS", "LDSM") else 1
+        if ".WIDE" in i.opcode:
+            n = max(n, 2)
+        if i.base in ("LDG", "LD"):
+            big = is_wide_global_load(i)
+            if big and f.first_wide < 0:
+                f.first_wide = lvl
+            val = lvl + (wide if big else scalar)
+        elif i.base in ("LDS", "LDSM"):
+            val = max(lvl, f.smem)
+        else:
+            val = lvl
+        for r in _regs(t, w, n):
+            f.ready[r] = val
+    return f
+
+
+def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int, warm: set | None = None) -> Region:
+    order = sorted(blocks)
+    skipped = 0
+    if warm is not None:
+        skipped = sum(cfg.blocks[b].end - cfg.blocks[b].start for b in order if b not in warm)
+        order = [b for b in order if b in warm]
+    ins = [fn.instrs[i] for b in order for i in range(cfg.blocks[b].start, cfg.blocks[b].end)]
     cls = Counter(classify(i) for i in ins)
     glob = [i for i in ins if i.base in ("LDG", "LD", "LDGSTS", "UBLKCP", "UTMALDG")]
+    wait, commit_after = -1, False
+    for k, i in enumerate(ins):
+        n = _cp_wait(i)
+        if n is not None and wait < 0:
+            wait = n
+            commit_after = any(j.base == "LDGDEPBAR" for j in ins[k + 1 :]) and not any(
+                j.base == "LDGDEPBAR" for j in ins[:k]
+            )
     return Region(
         min((i.offset for i in ins), default=0),
         depth,
@@ -627,6 +898,12 @@ def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int) -> Region:
         sum(1 for i in ins if i.base == "LDSM"),
         sum(1 for i in ins if i.base == "LDGSTS"),
         sum(1 for i in ins if i.base == "PMTRIG"),
+        segments=segments(ins),
+        bars=sum(1 for i in ins if _is_bar_wait(i)),
+        dep_levels=dataflow(ins, wide=0).level,
+        ring_wait=wait,
+        commit_after_wait=commit_after,
+        skipped=skipped,
     )
 
 
@@ -643,6 +920,74 @@ def _has_load(fn: Function, cfg: Cfg, loop: Loop, wide: bool) -> bool:
     return False
 
 
+def _join(flows: list) -> Flow:
+    """The state after whichever of several paths took longest: levels and
+    readiness the latest of them."""
+    if not flows:
+        return Flow()
+    base = max(flows, key=lambda f: f.level)
+    out = Flow(
+        base.level,
+        dict(base.ready),
+        max(f.smem for f in flows),
+        base.group,
+        list(base.groups),
+        max((f.first_wide for f in flows), default=-1),
+        max((f.first_wait for f in flows), default=-1),
+    )
+    for f in flows:
+        for r, v in f.ready.items():
+            if v > out.ready.get(r, -1):
+                out.ready[r] = v
+    return out
+
+
+def _paths(fn: Function, cfg: Cfg, dom: list, allowed: set, starts: list, stop: int | None = None) -> tuple:
+    """(instructions on the longest path, ``dataflow`` state at its end)
+    through the blocks ``allowed`` from ``starts``, back edges left out
+    (a loop there counts once), to the end of the paths, or up to block
+    ``stop`` (not included). Only one of two branches runs: paths, not the
+    sum of every block, so code a warp skips is not counted."""
+    seen: set = set()
+    order: list = []
+
+    def visit(b: int) -> None:  # iterative post-order DFS
+        stack = [(b, iter(cfg.blocks[b].succs))]
+        seen.add(b)
+        while stack:
+            k, it = stack[-1]
+            nxt = next((x for x in it if x in allowed and x not in seen and x not in dom[k] and x != stop), None)
+            if nxt is None:
+                order.append(k)
+                stack.pop()
+                continue
+            if (k, nxt) in cfg.div_edges:
+                continue
+            seen.add(nxt)
+            stack.append((nxt, iter(cfg.blocks[nxt].succs)))
+
+    for b in starts:
+        if b not in seen:
+            visit(b)
+    order.reverse()
+    length: dict = {}
+    state: dict = {}
+    for b in order:
+        preds = [p for p in cfg.blocks[b].preds if p in length and b not in dom[p] and (p, b) not in cfg.div_edges]
+        before = max((length[p] for p in preds), default=0)
+        flow = _join([state[p] for p in preds])
+        blk = cfg.blocks[b]
+        length[b] = before + (blk.end - blk.start)
+        state[b] = dataflow([fn.instrs[i] for i in range(blk.start, blk.end)], flow)
+    if stop is not None:
+        ends = [p for p in cfg.blocks[stop].preds if p in length]
+    else:
+        ends = [b for b in length if not any(x in length and x not in dom[b] for x in cfg.blocks[b].succs)]
+    if not ends:
+        return 0, Flow()
+    return max(length[b] for b in ends), _join([state[b] for b in ends])
+
+
 def hot_loop(fn: Function) -> HotLoop | None:
     """The K/V streaming loop of ``fn``. Among the loops holding a 128-bit
     global load or copy, the one with the most instructions of its own,
@@ -651,9 +996,18 @@ def hot_loop(fn: Function) -> HotLoop | None:
     and epilogue; a copy loop inside the tile loop owns only its copies).
     The loop's regions are its own blocks and every loop nested in it. A
     function without wide loads (the split merge) falls back to loops with
-    any global load. None when no loop loads from global memory."""
+    any global load. None when no loop loads from global memory.
+
+    Outside the loop (``HotLoop.prologue`` / ``epilogue``): the longest
+    path of warm blocks without a cold-path marker from the entry to the
+    loop, and from the loop to the end (``_paths``; another loop on it
+    counts once). ``startup_levels``: ``dataflow`` along those paths to the
+    loop and through the loop's own region once, the round trips by which
+    the first cp.async wait returns (or, without one, before the first
+    16-byte load issues)."""
     cfg = build_cfg(fn)
     loops = find_loops(cfg)
+    warm = cfg.warm()
 
     def size(blocks) -> int:
         return sum(cfg.blocks[b].end - cfg.blocks[b].start for b in blocks)
@@ -675,12 +1029,36 @@ def hot_loop(fn: Function) -> HotLoop | None:
     for k, c in enumerate(inner):
         up = [j for j, o in enumerate(inner) if c.blocks < o.blocks]
         parents[k] = (1 + max(up, key=lambda j: inner[j].depth)) if up else 0
-    regions = [_region(fn, cfg, set(best.blocks) - set().union(*(c.blocks for c in inner)), best.depth, -1)]
+    own_blocks = set(best.blocks) - set().union(*(c.blocks for c in inner))
+    regions = [_region(fn, cfg, own_blocks, best.depth, -1, warm)]
     for k, c in enumerate(inner):
         mine = set(c.blocks) - set().union(*(g.blocks for g in _all_inside(c)))
-        regions.append(_region(fn, cfg, mine, c.depth, parents[k]))
+        regions.append(_region(fn, cfg, mine, c.depth, parents[k], warm))
     offs = [fn.instrs[i].offset for b in best.blocks for i in range(cfg.blocks[b].start, cfg.blocks[b].end)]
-    return HotLoop(fn.name, min(offs), max(offs), regions, len(cands) - 1, cfg.indirect)
+    outside = {
+        b
+        for b in warm - set(best.blocks)
+        if not any(fn.instrs[i].base == "PMTRIG" for i in range(cfg.blocks[b].start, cfg.blocks[b].end))
+    }
+    dom = dominators(cfg)
+    pro_len, flow = _paths(fn, cfg, dom, outside, [0] if 0 in outside else [], stop=best.header)
+    exits = sorted({s for b in best.blocks for s in cfg.blocks[b].succs if s in outside})
+    epi_len, _ = _paths(fn, cfg, dom, outside, exits)
+    own_ins = [fn.instrs[i] for b in sorted(own_blocks & warm) for i in range(cfg.blocks[b].start, cfg.blocks[b].end)]
+    flow.first_wide = flow.first_wait = -1  # the loop's own first copy / wait (the query's came before)
+    flow = dataflow(own_ins, flow)
+    startup = flow.first_wait if flow.first_wait >= 0 else flow.first_wide
+    return HotLoop(
+        fn.name,
+        min(offs),
+        max(offs),
+        regions,
+        len(cands) - 1,
+        cfg.indirect,
+        prologue=pro_len,
+        epilogue=epi_len,
+        startup_levels=max(0, startup),
+    )
 
 
 def function_profile(fn: Function) -> dict:

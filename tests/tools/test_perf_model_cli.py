@@ -37,16 +37,24 @@ def test_perf_model_json_is_all_modeled():
         assert row["status"] == "ok", row
         assert row["time_us"] > 0 and row["figure"] and row["binding"]
         assert row["design_bytes"] >= 0.99 * row["must_bytes"]
-        for lm in row["launches"]:
-            assert lm["label"] == "modeled"
+        # every row a range, the pessimistic end quoted, and what would move it
+        assert row["quoted_end"] == "pessimistic" and "range" in row["figure"]
+        assert 0 < row["optimistic"]["time_us"] <= row["time_us"] * 1.0001
+        assert all(m["figure"] and m["time_change"] <= -0.01 for m in row["moves"])
+        for lm in row["launches"] + row["launches_optimistic"]:
+            assert lm["label"] == "modeled" and lm["end"] in ("opt", "pess")
             assert lm["registers"] > 0 and lm["occupancy"]["blocks_per_sm"] >= 1 and lm["waves"] > 0
             assert 0 <= lm["tail_share"] <= 1
+            assert 0 < lm["blocks_per_sm"] <= lm["occupancy"]["blocks_per_sm"]
     by = {row["shape"]: row for row in rows}
     # MLA and prefill run on tensor cores: the counters saw mma.sync
     assert any(lm["mma"] > 0 for lm in by["mla_b64"]["launches"])
     assert any(lm["mma"] > 0 for lm in by["chunk_4k"]["launches"])
     # split-KV at batch 1 splits and merges
     assert by["split_b1"]["splits"] > 1 and len(by["split_b1"]["launches"]) >= 2
+    # HBM-bound decode reads below the copy bandwidth (a DRAM efficiency), and says what would move it
+    assert by["gqa_g4"]["pct"] < 100 and by["gqa_g4"]["moves"]
+    assert any(a["figure"] == "wgmma rate" and " - " in a["value"] for a in doc["assumptions"])
 
 
 def test_perf_model_text_and_assumptions():
@@ -58,7 +66,7 @@ def test_perf_model_text_and_assumptions():
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "MODELED" in r.stdout and "gqa_g4" in r.stdout
+    assert "MODELED" in r.stdout and "gqa_g4" in r.stdout and "what would move it" in r.stdout
     r = subprocess.run(
         [sys.executable, "-m", "cupaged.tools.perf_model", "--assumptions", "--arch", "sm_80"],
         capture_output=True,
