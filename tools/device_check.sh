@@ -50,6 +50,8 @@ grep -hE "^=+ .+ in [0-9.]+s" "$LOG/gpu_tests.log" | tail -n 1
 grep -h "tokens matching" "$LOG/demo.log"
 echo "--- performance model for $ARCH (MODELED; the measured figures are in the benchmark tables below)"
 awk 'BEGIN{RS=""} /modeled time/ {print; exit}' "$META/model.log"
+echo "--- calibration of the model's constants (MEASURED beside the MODELED ranges; JSON in gate.log)"
+head -n 40 "$META/calibrate.log"
 for b in bench_attention bench_mla bench_append bench_decode; do
   echo "--- $b (measured; modeled_* columns are modeled)"
   grep -h "copy bandwidth" "$LOG/$b.log" | head -n 1
