@@ -31,28 +31,41 @@
 //     sK  [2][9 column blocks][64 tokens][128 B]  latent | rotary rows of a tile
 //     sP  [64 rows][64 tokens]                    P of the tile (8 KiB)
 //   The rotary part of Q lives in registers as wgmma A fragments (16 a thread).
-//   Per tile of kN = 64 tokens (two buffers: the next tile's cp.async copies
-//   in flight while one computes; tc::run_ring):
+//   Per tile of kN = 64 tokens, two tile buffers (tile j + 1's cp.async
+//   copies in flight while tile j computes). The page walk: threads 0 .. 63
+//   keep their token's page-table column and slot and advance them by 64
+//   tokens a tile (no division in the loop); each stages its row's element
+//   offsets (latent, rotary) and valid bit in shared memory a tile ahead of
+//   the copies, its page-table word loaded a tile before that. Per tile:
+//     top: wait for this warpgroup's P V of tile j - 1 (it reads the buffer
+//        tile j + 1's copies overwrite, and sP) and for tile j's copies; a
+//        barrier (tile j visible, every P V of tile j - 1 done).
 //     S: warpgroup w computes S [64 x 32] for tokens 32 w .. 32 w + 31 of the
 //        tile: 32 wgmma m64n32k16 with Q and K from shared memory, then 4 with
-//        Q's rotary fragments from registers (36 k-steps over R + P).
-//     softmax: each warpgroup's row maxima meet in shared memory (one
-//        barrier); both compute the same new maxima; P = exp2(S - m) as bf16
-//        / f16 A fragments (kept) and into sP (for the other warpgroup).
+//        Q's rotary fragments from registers (36 k-steps over R + P), one
+//        group; tile j + 1's copies issue while it runs, then its wait.
+//     softmax: each warpgroup's row maxima meet in shared memory (the second
+//        barrier); both compute the same new maxima; P = exp2(S - m) into sP
+//        (bf16 / f16, both halves), O rescaled; the third barrier (sP complete).
 //     O += P V: warpgroup w owns value columns 256 w .. 256 w + 255 of all 64
-//        rows (128 f32 registers a thread): 4 wgmma m64n256k16, two with its
-//        own P from registers, two with the other half of P from sP; V is the
-//        latent tile itself, read N-major (the same bytes serve S K-major).
+//        rows (128 f32 registers a thread): 4 wgmma m64n256k16 with P from sP;
+//        V is the latent tile itself, read N-major (the same bytes serve S
+//        K-major). The group stays in flight until the next tile's top.
+//   S is split by tokens, not by heads: a wgmma's M = 64 rows are all of the
+//   block's rows, and a split by heads (128 rows a block, a warpgroup's 64)
+//   would give each warpgroup all 512 value columns of its rows, 256 f32
+//   accumulators a thread, past the 255-register cap.
 //   Finished rows: epilogue.cuh's writer (the sink, the latent's scale, out
 //   and lse or a split partial).
-//   Per 64-token tile and block: 9.4 MFLOP in 288 wgmma warp-parts; the
-//   shared-memory operand reads are 64 rows x 32 B of Q and 32 x 32 B of K
-//   per S k-step and warpgroup, and 256 x 32 B of V (plus P) per P V k-step.
+//   Per 64-token tile and block: 8.9 MFLOP in 320 wgmma warp-parts (288 of
+//   them S's, 32 P V's); the shared-memory operand reads are 64 rows x 32 B
+//   of Q and 32 x 32 B of K per S k-step and warpgroup, and 256 x 32 B of V
+//   (plus P) per P V k-step.
 //   A valid token a stored row cannot see contributes nothing, also when its
 //   latent row holds Inf or NaN: a tile where some stored row misses a valid
-//   token runs its P V k-step by k-step, and a k-step whose value rows hold
-//   a non-finite element leaves the tensor cores for exact per-lane sums over
-//   the tokens each row sees.
+//   token checks its value rows; when one holds a non-finite element, each
+//   lane adds p * v itself for those elements of the tokens its rows see, and
+//   they become 0 in the tile before the tensor cores' P V.
 //
 // Memory traffic: L * (R + P) * sizeof(kv_t) bytes per block (each latent row
 // serving up to 64 heads), the two head tiles of H = 128 sharing them in L2.
@@ -103,6 +116,10 @@ static_assert(sizeof(scalar_t) == 2 && (sizeof(kv_t) == sizeof(scalar_t) || kKvS
               "f16 / bf16 q; caches of q's type or fp8");
 static_assert(kRawBytes % kAlign == 0, "P stays on a swizzle atom boundary");
 
+// Descriptor d with its start address moved by off 16-byte units: a 32-bit add (the start address field,
+// bits 0-13, stays below 2^14 for shared memory: no carry out of the low word).
+__device__ __forceinline__ u64 desc_at(u64 d, u32 off) { return (u64)(u32)(d >> 32) << 32 | (u32)((u32)d + off); }
+
 // Byte offset of 16-byte chunk c (0 .. 7) of row r in a 128-byte-swizzled column block.
 __device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7u)) << 4); }
 
@@ -121,10 +138,18 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
     unsigned char* const sP = sRaw + kS * kRawBytes;  // [64][128 B]
     float* const s_max = reinterpret_cast<float*>(sP + kPBytes);  // [2][kRows]: each warpgroup's row maxima
     __shared__ tc::RowSet<kRows> rows;
-    __shared__ tc::Ring<kN, kS> st;
+    // The ring's staging: per token of the next tile its rows' element offsets (latent, rotary; 0 when
+    // invalid), and each tile buffer's valid bits.
+    __shared__ u64 s_koff[2][kN];
+    __shared__ u64 s_roff[kRotSteps ? 2 : 1][kN];
+    __shared__ u32 s_sval[2][2];  // the staged tile's valid bits (for its copies)
+    __shared__ u32 s_valid[kS][2];  // tile buffer b's valid bits (for its compute)
 
     const u32 tid = threadIdx.x, wg = tid >> 7, warp4 = (tid >> 5) & 3u, lane = tid & 31u;
     const u32 g = lane >> 2, tq = lane & 3u;
+    // The warpgroup, broadcast from lane 0 so that the compiler keeps the descriptors built from it in
+    // uniform registers.
+    const u32 wgu = __shfl_sync(CP_FULL_MASK, wg, 0);
     const u32 q_heads = p.q_heads;
     const u32 ht = q_heads < kRows ? q_heads : kRows;
     const u32 qt = kRows / ht;
@@ -215,7 +240,12 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
         unsigned char* const ldst0 = sK + (lch >> 3) * kColBytes + lr0 * 128 + (((lch & 7u) ^ lr0) << 4);
         unsigned char* const ldst1 = sK + (lch >> 3) * kColBytes + lr0 * 128 + (((lch & 7u) ^ (lr0 + 4)) << 4);
         unsigned char* const rdst = sK + kRBlocks * kColBytes + rr0 * 128 + ((rch ^ (rr0 & 7u)) << 4);
+        const kv_t* const k_lat = k_cache + lch * 8;  // this thread's chunk columns
+        const kv_t* const k_rl = k_rot + rch * 8;
+        // The copies of the tile staged in sb into buffer b (its valid bits published): an invalid row's
+        // offset is 0 (a row of page 0, never read: zero fill).
         auto issue = [&](u32 sb, u32 b) {
+            const u64 vb = (u64)s_sval[sb][0] | (u64)s_sval[sb][1] << 32;
             if constexpr (kKvScaled) {
                 // Raw codes, [kN][kK] bytes a tile: latent copy tid % 32 (16 codes) of rows tid / 32 + 8 i,
                 // rotary copy tid % kRotSteps of row tid / kRotSteps.
@@ -225,40 +255,30 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
 #pragma unroll
                 for (u32 i = 0; i < kN * kLC / kThreads; ++i) {
                     const u32 r = tid / kLC + (kThreads / kLC) * i;
-                    const uint2 ps = st.row[sb][r];
-                    const bool ok = ps.x != kNone;
-                    const kv_t* src = k_cache + ps.x * p.k_stride_page + (u64)ps.y * p.k_stride_slot + c16 * 16;
-                    ptx::cp_async_16(raw + r * kK + c16 * 16, ok ? src : k_cache, ok);
+                    ptx::cp_async_16(raw + r * kK + c16 * 16, k_cache + s_koff[sb][r] + c16 * 16, (vb >> r) & 1u);
                 }
                 if constexpr (kRotSteps > 0) {
                     constexpr u32 kRC = kRotSteps ? kRotSteps : 1;  // (a discarded branch still compiles)
                     static_assert(kRotSteps == 0 || kN * kRotSteps == kThreads, "one rotary copy a thread");
                     const u32 r = tid / kRC, c = tid % kRC;
-                    const uint2 ps = st.row[sb][r];
-                    const bool ok = ps.x != kNone;
-                    const kv_t* src = k_rot + ps.x * p.rot_stride_page + (u64)ps.y * p.rot_stride_slot + c * 16;
-                    ptx::cp_async_16(raw + r * kK + kR + c * 16, ok ? src : k_cache, ok);
+                    ptx::cp_async_16(raw + r * kK + kR + c * 16, k_rot + s_roff[sb][r] + c * 16, (vb >> r) & 1u);
                 }
             } else {
+                const u64 vl = vb >> lr0;  // row lr0 + 4 i: bit 4 i
 #pragma unroll
-                for (u32 i = 0; i < kN / 4; ++i) {
-                    const uint2 ps = st.row[sb][lr0 + 4 * i];  // page, slot
-                    const bool ok = ps.x != kNone;
-                    const kv_t* src = k_cache + ps.x * p.k_stride_page + (u64)ps.y * p.k_stride_slot + lch * 8;
-                    ptx::cp_async_16((i & 1u ? ldst1 : ldst0) + b * kKBytes + 4 * i * 128, ok ? src : k_cache, ok);
-                }
+                for (u32 i = 0; i < kN / 4; ++i)
+                    ptx::cp_async_16((i & 1u ? ldst1 : ldst0) + b * kKBytes + 4 * i * 128,
+                                     k_lat + s_koff[sb][lr0 + 4 * i], (vl >> (4 * i)) & 1u);
                 if constexpr (kRotSteps > 0) {
+                    const u64 vr = vb >> rr0;  // row rr0 + 32 i: bit 32 i
 #pragma unroll
-                    for (u32 i = 0; i < kN / 32; ++i) {
-                        const uint2 ps = st.row[sb][rr0 + 32 * i];
-                        const bool ok = ps.x != kNone;
-                        const kv_t* src = k_rot + ps.x * p.rot_stride_page + (u64)ps.y * p.rot_stride_slot + rch * 8;
-                        ptx::cp_async_16(rdst + b * kKBytes + 32 * i * 128, ok ? src : k_cache, ok);
-                    }
+                    for (u32 i = 0; i < kN / 32; ++i)
+                        ptx::cp_async_16(rdst + b * kKBytes + 32 * i * 128, k_rl + s_roff[sb][rr0 + 32 * i],
+                                         (vr >> (32 * i)) & 1u);
                 }
             }
         };
-        auto compute = [&](u32 b, u32 t0) {
+        auto compute = [&](u32 b, u32 t0, auto&& next_copies) {
             if constexpr (kKvScaled) {
                 // The tile's codes into the swizzled 16-bit tile (exactly): 8 codes make a 16-byte chunk;
                 // latent chunk lch of rows lr0 + 4 i, rotary chunk rch of rows rr0 + 32 i (the issue's map).
@@ -285,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
                 __syncthreads();
             }
             unsigned char* const kt = sK + (kKvScaled ? 0u : b) * kKBytes;
-            const u64 vbits = (u64)st.valid[b][0] | (u64)st.valid[b][1] << 32;
+            const u64 vbits = (u64)s_valid[b][0] | (u64)s_valid[b][1] << 32;
             u64 vis[2];
             bool miss = false;
 #pragma unroll
@@ -298,28 +318,31 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
             float s[16];
             // Descriptors move along K by adding the byte offset >> 4 to the start address field.
             const u64 dq = ptx::wgmma_desc(sQ, 16, 1024, kSw);
-            const u64 dk = ptx::wgmma_desc(kt + wg * 32 * 128, 16, 1024, kSw);
+            const u64 dk = ptx::wgmma_desc(kt + wgu * 32 * 128, 16, 1024, kSw);
             ptx::wgmma_fence();
 #pragma unroll
             for (u32 ks = 0; ks < kR / 16; ++ks) {
                 const u32 k_off = ((ks >> 2) * kColBytes + (ks & 3u) * 32) >> 4;
-                ptx::wgmma_ss<scalar_t, 32, 0, 0>(s, dq + k_off, dk + k_off, ks > 0);
+                ptx::wgmma_ss<scalar_t, 32, 0, 0>(s, desc_at(dq, k_off), desc_at(dk, k_off), ks > 0);
             }
 #pragma unroll
             for (u32 kr = 0; kr != kRotSteps; ++kr)
-                ptx::wgmma_rs<scalar_t, 32, 0>(s, qr[kr], dk + ((kRBlocks * kColBytes + kr * 32) >> 4), true);
+                ptx::wgmma_rs<scalar_t, 32, 0>(s, qr[kr], desc_at(dk, (kRBlocks * kColBytes + kr * 32) >> 4), true);
             ptx::wgmma_commit();
+            next_copies();  // the next tile's copies issue while the tensor cores compute S
             ptx::wgmma_wait<0>();
             ptx::wgmma_fence_operand(s);
 
             // Scale into the log2 domain, the score hook, mask; this half's row maxima.
             float mx[2] = {neg_inf(), neg_inf()};
+            // This lane's visible bits from its first column 32 wg + 2 tq: column c of the tile at bit c - that.
+            const u32 vlane[2] = {(u32)(vis[0] >> (32 * wg + 2 * tq)), (u32)(vis[1] >> (32 * wg + 2 * tq))};
 #pragma unroll
             for (u32 i = 0; i < 16; ++i) {
-                const u32 h = (i >> 1) & 1u, col = 32 * wg + 8 * (i >> 2) + 2 * tq + (i & 1u);
+                const u32 h = (i >> 1) & 1u, dc = 8 * (i >> 2) + (i & 1u), col = 32 * wg + 2 * tq + dc;
                 float v = s[i] * qscale;
                 if constexpr (!variant::kPlainScore) v = variant::score(sc, srow[h], v, t0 + col);
-                s[i] = ((vis[h] >> col) & 1u) ? v : neg_inf();
+                s[i] = ((vlane[h] >> dc) & 1u) ? v : neg_inf();
                 mx[h] = fmaxf(mx[h], s[i]);
             }
 #pragma unroll
@@ -413,21 +436,91 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
             }
 
             // ---- O [64 x 256] += P V: P (both halves) from sP, V N-major from the tile ----
-            const u64 dv = ptx::wgmma_desc(kt + 4 * wg * kColBytes, kColBytes, 1024, kSw);
+            const u64 dv = ptx::wgmma_desc(kt + 4 * wgu * kColBytes, kColBytes, 1024, kSw);
             const u64 dp = ptx::wgmma_desc(sP, 16, 1024, kSw);
             ptx::wgmma_fence_operand(o);
             ptx::wgmma_fence();
 #pragma unroll
             for (u32 kk = 0; kk < kN / 16; ++kk)
-                ptx::wgmma_ss<scalar_t, 256, 0, 1>(o, dp + ((32 * kk) >> 4), dv + ((16 * kk * 128) >> 4), true);
-            ptx::wgmma_commit();
-            ptx::wgmma_wait<0>();
-            ptx::wgmma_fence_operand(o);
+                ptx::wgmma_ss<scalar_t, 256, 0, 1>(o, desc_at(dp, (32 * kk) >> 4), desc_at(dv, (16 * kk * 128) >> 4),
+                                                   true);
+            ptx::wgmma_commit();  // waited for at the next tile's top (or after the pass): o is not touched before
         };
-        // 16-bit tiles are read by wgmma as cp.async left them: fenced to the async proxy (fp8: compute fences
-        // its converted tiles)
-        tc::run_ring<kN, kS, !kKvScaled>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue,
-                                         compute);
+        // ---- the ring: tile j computes in buffer j % 2 while tile j + 1's copies are in flight ----
+        // Page walk: thread tid < kN keeps token tok = lo + kN n + tid of the tile n it stages next, its
+        // page-table column pj and slot psl, advanced by kN tokens a tile (the one division is the pass's).
+        // Its page-table word is loaded one tile ahead of its staging (two ahead of its use).
+        const u32* const table = tables + (u64)seq * p.table_width;
+        const u32 ps = p.page_size, ntiles = (hi - lo + kN - 1) / kN;
+        const u32 step_j = kN / ps, step_s = kN - step_j * ps;
+        u32 tok = lo + tid, pj = tok / ps, psl = tok - pj * ps, word = kNone;
+        auto fetch = [&] { word = (tid < kN && tok < hi) ? table[pj] : kNone; };
+        auto advance = [&] {
+            tok += kN;
+            pj += step_j;
+            psl += step_s;
+            if (psl >= ps) {
+                psl -= ps;
+                ++pj;
+            }
+        };
+        // The fetched token's row offsets and valid bits into staging buffer sb (threads tid < kN: warps 0
+        // and 1); returns this warp's valid bits.
+        auto stage = [&](u32 sb) -> u32 {
+            u32 bits = 0;
+            if (tid < kN) {
+                const bool ok = word < p.num_pages;
+                s_koff[sb][tid] = ok ? (u64)word * p.k_stride_page + (u64)psl * p.k_stride_slot : 0ull;
+                if constexpr (kRotSteps > 0)
+                    s_roff[sb][tid] = ok ? (u64)word * p.rot_stride_page + (u64)psl * p.rot_stride_slot : 0ull;
+                bits = __ballot_sync(CP_FULL_MASK, ok);
+                if (lane == 0) s_sval[sb][warp4] = bits;
+            }
+            return bits;
+        };
+        auto publish = [&](u32 b, u32 bits) {  // buffer b's valid bits, for its compute
+            if (tid < kN && lane == 0) s_valid[b][warp4] = bits;
+        };
+        static_assert(kS == 2 && kN == 64, "two tile buffers of 64 tokens");
+        __syncthreads();  // the previous pass is done with every buffer and the staging arrays
+        fetch();
+        {
+            const u32 bits = stage(0u);
+            advance();
+            fetch();
+            __syncthreads();
+            if (ntiles > 0) {
+                publish(0u, bits);
+                issue(0u, 0u);
+            }
+            ptx::cp_async_commit();
+        }
+        // Iteration j: stage tile j + 1; wait for this warpgroup's P V of tile j - 1 (it reads buffer nb,
+        // which tile j + 1's copies overwrite, and sP) and for tile j's copies; one barrier (tile j visible,
+        // every P V of tile j - 1 done); S of tile j issues, then tile j + 1's copies (while S computes);
+        // then softmax and P V of tile j, left in flight.
+        for (u32 j = 0; j < ntiles; ++j) {
+            const u32 b = j & 1u, nb = b ^ 1u;
+            const u32 bits = stage(nb);
+            advance();
+            fetch();
+            ptx::wgmma_wait<0>();  // P V of tile j - 1
+            ptx::wgmma_fence_operand(o);
+            ptx::cp_async_wait<0>();  // tile j has landed
+            // 16-bit tiles are read by wgmma as cp.async left them: fenced to the async proxy (fp8: compute
+            // fences its converted tiles)
+            if constexpr (!kKvScaled) ptx::fence_proxy_async_shared();
+            __syncthreads();
+            compute(b, lo + j * kN, [&] {
+                if (j + 1 < ntiles) {
+                    publish(nb, bits);  // compute(j - 1) read these bits; it is done
+                    issue(nb, nb);
+                }
+                ptx::cp_async_commit();
+            });
+        }
+        ptx::wgmma_wait<0>();  // P V of the pass's last tile
+        ptx::wgmma_fence_operand(o);
     });
 
     // ---- normalize and write: warpgroup w its value columns of every row ----
