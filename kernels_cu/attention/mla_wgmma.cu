@@ -432,6 +432,7 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
                     const u32 hi = tc::nonfinite2<scalar_t>(x >> 16) ? 0u : (x & 0xffff0000u);
                     *w = lo | hi;
                 }
+                ptx::fence_proxy_async_shared();  // the zeroed tile is read by the P V wgmma below
                 __syncthreads();
             }
 
