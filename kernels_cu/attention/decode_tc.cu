@@ -25,17 +25,23 @@
 // positions [lo, hi) of its split are cut into tiles of 16 tokens; warp w
 // takes tiles w, w + 2, w + 4, ... and runs its own pipeline, with no block
 // barrier inside the loop:
-//   * a two-stage cp.async ring per warp in shared memory: while the warp
-//     computes tile k from one stage, tile k + 1 (its K and V rows, 16 x D
-//     each, rows padded by 8 elements for conflict-free ldmatrix) is in
-//     flight into the other; each copy instruction moves two (D = 128) or
-//     four (D = 64) whole 256 / 128-byte rows;
-//   * the page walk keeps, per lane of the first 16, its token's page column
-//     and slot and advances them by 32 tokens a tile (no division in the
-//     loop: the one division is at the start); the page-table word of tile
-//     k + 2 loads while tile k computes, and each token's K and V row offsets
-//     (page * stride_page + slot * stride_slot, the views' strides) are
-//     staged in shared memory for the lanes that copy them;
+//   * a cp.async ring of kStages stages per warp in shared memory (STAGES in
+//     decode_tc.py, 2): while the warp computes tile k from one stage, tiles
+//     k + 1 .. k + kStages - 1 (their K and V rows, 16 x D each, rows padded
+//     by 8 elements for conflict-free ldmatrix) are in flight into the
+//     others; each copy instruction moves two (D = 128) or four (D = 64)
+//     whole 256 / 128-byte rows; no static shared memory;
+//   * the page walk (no division in the loop: the one division is at the
+//     start) advances a page column and slot by 32 tokens a tile, and the
+//     page-table word of tile k + kStages loads while tile k computes. When
+//     the page size is a multiple of 16 and the share starts on a tile
+//     boundary (no window, or one starting there; splits are cut in
+//     SPLIT_TILE multiples), a tile lies in one page: one page-table word a
+//     tile, the same in every lane, and each lane addresses its rows from
+//     that page and the tile's slot plus its row (one 64-bit add a row).
+//     Other page sizes and windows walk a token per lane of the first 16 and
+//     a copying lane takes its rows' pages and slots from those lanes
+//     (shuffles, in a rolled loop that ptx::cold_path marks for the model);
 //   * fp8 caches: the ring holds the raw codes (K [16][D + 32], V [16][D]
 //     bytes: half the bytes in flight per token, the same tile and wait).
 //     K's B fragments are decoded in registers from 8-byte loads of the
@@ -60,9 +66,11 @@
 //   (epilogue.cuh's row writer: the sink, the V scale, the stores).
 //
 // Memory traffic per block: the visible K and V rows of its split once,
-// L * 2 * D * sizeof(kv_t) bytes, for all its heads; q and the outputs are
-// small beside them. In flight: one 16-token tile per warp (8 KiB at D = 128,
-// 4 KiB fp8) while one computes; six blocks per SM hold up to 96 KiB (48) in flight
+// L * 2 * D * sizeof(kv_t) bytes, for all its heads, and one 4-byte page-table
+// word per 16 tokens (a page size that is a multiple of 16) or per token (other
+// page sizes) from L1 / L2; q and the outputs are small beside them. In flight:
+// kStages - 1 16-token tiles per warp (8 KiB each at D = 128, 4 KiB fp8) while
+// one computes; at two stages six blocks per SM hold up to 96 KiB (48) in flight
 // against the ~23 KiB Little's law asks of an H200 SM (4.3 TB/s x 700 ns /
 // 132). The grid of a batch-64 decode with 8 KV heads (512 blocks) fits the
 // 792 resident slots of an H200 in one wave.
@@ -128,7 +136,7 @@ constexpr u32 kNone = CP_NO_PAGE;
 static_assert(kD == 64 || kD == 128, "HEAD_DIM: 64 or 128");
 static_assert(kThreads == 32 * kWarps, "whole warps");
 static_assert(kRows == 16 && kN == 16, "one m16n8k16 row tile of heads; one k-step of 16 tokens in P V");
-static_assert(kStages == 2, "the ring alternates two stages (b, b ^ 1; cp_async_wait<1>)");
+static_assert(kStages >= 2, "a ring of at least two stages per warp");
 static_assert((kN * kChunks) % 32 == 0, "a tile's K rows are whole copy instructions");
 static_assert((kN * kD / 8) % 32 == 0, "a tile's K rows are whole 8-code decode steps");
 static_assert(kWarpBytes % 16 == 0 && kDecodedBytes % 16 == 0 && kVOffB % 16 == 0, "16-byte aligned rings");
@@ -143,9 +151,7 @@ static_assert(sizeof(scalar_t) == 2 && (kFp8 || sizeof(kv_t) == 2), "f16 / bf16 
 extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) paged_decode_tc(const AttentionParams p) {
     using namespace dtc;
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
-    CUPAGED_DYNAMIC_SHARED(scalar_t, smem);  // kWarps rings of two stages
-    __shared__ u64 s_koff[kWarps][kStages][kN];  // element offset of each staged token's K row (0 when invalid)
-    __shared__ u64 s_voff[kWarps][kStages][kN];  // and of its V row
+    CUPAGED_DYNAMIC_SHARED(scalar_t, smem);  // kWarps rings of kStages stages
 
     const u32 qi = p.q_begin + blockIdx.x;  // see paged_attention: the whole block leaves before any barrier
     if (blockIdx.x >= p.q_count || qi >= p.queries || qi < p.q_begin) return;
@@ -239,14 +245,21 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     const kv_t* const v_lane = v_cache + (u64)kvh * p.v_stride_head + ch * kChunkElems;
     char* const kdst_lane = stages + r0 * kKPitchB + ch * 16;
     char* const vdst_lane = stages + kVOffB + r0 * kVPitchB + ch * 16;
-    // Page walk of token tok = lo + (k * kWarps + warp) * kN + lane (lanes < kN):
-    // its page-table column pj and slot psl, advanced by kStep tokens a tile.
+    // Page walk. When the page size is a multiple of kN and the share starts on
+    // a tile boundary (no window, or one that starts there), every tile lies in
+    // one page: the walk holds the tile's first token tok = lo + (k * kWarps +
+    // warp) * kN in every lane, one page-table word a tile, and each lane
+    // addresses its rows from that page and slot (whole). Otherwise lane l < kN
+    // walks token tok + l, and a copying lane takes its rows' pages and slots
+    // from their lanes (shuffles). Page column pj and slot psl advance by kStep
+    // tokens a tile (no division in the loop: the one division is here).
     constexpr u32 kStep = kN * kWarps;
+    const bool whole = ps % kN == 0 && lo % kN == 0;
     const u32 step_j = kStep / ps, step_s = kStep - step_j * ps;
-    u32 tok = lo + warp * kN + lane;
+    u32 tok = lo + warp * kN + (whole ? 0u : lane);
     u32 pj = tok / ps, psl = tok - pj * ps;
     u32 raw = kNone;  // page-table word of tok (kNone past hi), loaded one tile ahead
-    auto fetch = [&] { raw = (lane < kN && tok < hi) ? table[pj] : kNone; };
+    auto fetch = [&] { raw = ((whole || lane < kN) && tok < hi) ? table[pj] : kNone; };
     auto advance = [&] {
         tok += kStep;
         pj += step_j;
@@ -256,31 +269,52 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
             ++pj;
         }
     };
-    // Stage the fetched token's K and V rows (element offsets from its KV
-    // head's row in page 0; 0 when invalid) for stage b; returns the tile's
-    // valid bits.
-    auto stage = [&](u32 b) -> u32 {
-        const bool ok = lane < kN && raw < num_pages;
-        if (lane < kN) {
-            s_koff[warp][b][lane] = ok ? (u64)raw * p.k_stride_page + (u64)psl * p.k_stride_slot : 0ull;
-            s_voff[warp][b][lane] = ok ? (u64)raw * p.v_stride_page + (u64)psl * p.v_stride_slot : 0ull;
-        }
-        return __ballot_sync(CP_FULL_MASK, ok);
-    };
-    // The copies of stage b (after a __syncwarp made its offsets visible): a
-    // warp-wide instruction moves kRowsPerCopy whole K (or V) rows. An invalid
-    // row's offset is 0 (a row inside the cache, never read: zero fill).
-    auto issue = [&](u32 b, u32 valid) {
+    // Byte steps between the rows one lane copies (kRowsPerCopy slots apart in
+    // a page: a page's own offsets fit 32 bits).
+    const u32 krow_b = kRowsPerCopy * p.k_stride_slot * (u32)sizeof(kv_t);
+    const u32 vrow_b = kRowsPerCopy * p.v_stride_slot * (u32)sizeof(kv_t);
+    // The copies of the fetched tile into stage b; returns the tile's valid
+    // bits (bit r: token r is below hi in a page < num_pages). A warp-wide
+    // instruction moves kRowsPerCopy whole K (or V) rows; an invalid row is
+    // zero-filled from an address inside the cache (never read).
+    auto issue = [&](u32 b) -> u32 {
         char* const kd = kdst_lane + b * kStageBytes;
         char* const vd = vdst_lane + b * kStageBytes;
-        const u32 vb = valid >> r0;
+        if (whole) {
+            // One page for the whole tile (raw and psl are the same in every lane).
+            const bool ok = raw < num_pages;
+            const u32 nv = ok ? att::min_u32(hi - tok, kN) : 0u;  // valid tokens: rows 0 .. nv - 1
+            const u64 page = ok ? raw : 0u;
+            const u32 slot = psl + r0;
+            const char* const kb =
+                reinterpret_cast<const char*>(k_lane + page * p.k_stride_page + slot * p.k_stride_slot);
+            const char* const vb =
+                reinterpret_cast<const char*>(v_lane + page * p.v_stride_page + slot * p.v_stride_slot);
 #pragma unroll
-        for (u32 u = 0; u < kRowsPerLane; ++u) {
-            const u32 row = u * kRowsPerCopy + r0;
-            const bool ok = (vb >> (u * kRowsPerCopy)) & 1u;
-            ptx::cp_async_16(kd + u * kRowsPerCopy * kKPitchB, k_lane + s_koff[warp][b][row], ok);
-            ptx::cp_async_16(vd + u * kRowsPerCopy * kVPitchB, v_lane + s_voff[warp][b][row], ok);
+            for (u32 u = 0; u < kRowsPerLane; ++u) {
+                const bool row_ok = u * kRowsPerCopy + r0 < nv;
+                ptx::cp_async_16(kd + u * kRowsPerCopy * kKPitchB, kb + (u64)krow_b * u, row_ok);
+                ptx::cp_async_16(vd + u * kRowsPerCopy * kVPitchB, vb + (u64)vrow_b * u, row_ok);
+            }
+            return (1u << nv) - 1u;
         }
+        const u32 valid = __ballot_sync(CP_FULL_MASK, lane < kN && raw < num_pages);
+        // The general walk (a rolled loop; its marker tells the performance model
+        // how often it runs): row u * kRowsPerCopy + r0's page and slot from its lane.
+#pragma unroll 1
+        for (u32 u = 0; u < kRowsPerLane; ++u) {
+            ptx::cold_path();
+            const u32 row = u * kRowsPerCopy + r0;
+            const u32 pg = __shfl_sync(CP_FULL_MASK, raw, row), sl = __shfl_sync(CP_FULL_MASK, psl, row);
+            const bool row_ok = (valid >> row) & 1u;
+            const u64 page = row_ok ? pg : 0u;
+            const u32 slot = row_ok ? sl : 0u;
+            ptx::cp_async_16(kd + u * kRowsPerCopy * kKPitchB, k_lane + page * p.k_stride_page + slot * p.k_stride_slot,
+                             row_ok);
+            ptx::cp_async_16(vd + u * kRowsPerCopy * kVPitchB, v_lane + page * p.v_stride_page + slot * p.v_stride_slot,
+                             row_ok);
+        }
+        return valid;
     };
     // fp8: decode raw stage b's V rows into the 16-bit V tile, as f16 (8
     // codes a step: one 8-byte shared load, one 16-byte store). Zero-filled
@@ -377,34 +411,43 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     };
 
     if (nk > 0) {
+        // The ring: tile k in stage k % kStages; tiles k + 1 .. k + kStages - 1 in
+        // flight while tile k computes; valid[j] holds tile k + j's valid bits.
+        u32 valid[kStages];
         fetch();
-        u32 valid_cur = stage(0u), valid_next = 0;
-        advance();
-        fetch();  // tile 1's page word loads while tile 0 is issued
-        __syncwarp();
-        issue(0u, valid_cur);
-        ptx::cp_async_commit();
-        for (u32 k = 0; k < nk; ++k) {
-            const u32 b = k & 1u;
-            if (k + 1 < nk) {
-                valid_next = stage(b ^ 1u);  // stage b ^ 1 was last read by tile k - 1's compute
+#pragma unroll
+        for (u32 j = 0; j + 1 < kStages; ++j) {
+            valid[j] = 0u;
+            if (j < nk) {
+                valid[j] = issue(j);
                 advance();
-                fetch();  // tile k + 2's page word loads while tile k computes
-                __syncwarp();
-                issue(b ^ 1u, valid_next);
+                fetch();  // the next tile's page word loads while this one is in flight
             }
             ptx::cp_async_commit();  // possibly empty: one group per tile
-            ptx::cp_async_wait<1>();  // tile k has landed (tile k + 1 may be in flight)
+        }
+        u32 b = 0, nb = kStages - 1;  // the stage of tile k, and of tile k + kStages - 1
+        for (u32 k = 0; k < nk; ++k) {
+            valid[kStages - 1] = 0u;
+            if (k + kStages - 1 < nk) {
+                valid[kStages - 1] = issue(nb);  // stage nb was last read by tile k - 1's compute
+                advance();
+                fetch();  // the page word of the tile after loads while tile k computes
+            }
+            ptx::cp_async_commit();  // possibly empty: one group per tile
+            ptx::cp_async_wait<kStages - 1>();  // tile k has landed (the tiles after it may be in flight)
             __syncwarp();
-            if (valid_cur) {
+            if (valid[0]) {
                 if constexpr (kFp8) {
                     decode(b);  // the decoded tile was last read by tile k - 1's compute
                     __syncwarp();
                 }
-                compute(b, valid_cur, lo + (k * kWarps + warp) * kN);
+                compute(b, valid[0], lo + (k * kWarps + warp) * kN);
             }
             __syncwarp();  // every lane is done with stage b (and the decoded tile) before it is refilled
-            valid_cur = valid_next;
+#pragma unroll
+            for (u32 j = 0; j + 1 < kStages; ++j) valid[j] = valid[j + 1];
+            nb = b;  // tile k's stage takes tile k + kStages
+            b = b + 1 == kStages ? 0u : b + 1;
         }
     }
     ptx::cp_async_wait<0>();

@@ -1,6 +1,6 @@
 """paged_decode_tc (``kernels_cu/attention/decode_tc.cu``): mma.sync decode,
 one block per (query, KV head, 16-head tile, split) of WARPS warps, each
-with its own two-stage K/V ring in shared memory; f16 / bf16 q over a cache
+with its own K/V ring of STAGES stages in shared memory; f16 / bf16 q over a cache
 of q's type or fp8, D == Dv in DIMS, 16-byte aligned arrays."""
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ THREADS = 32 * WARPS
 HEADS = 16
 #: Tokens per warp tile (dtc::kN).
 TILE_TOKENS = 16
-#: Stages of each warp's ring.
+#: Stages of each warp's ring (dtc::kStages; the kernel takes any value >= 2).
+#: 2: at 3 the model (perf_model, sm_90; modeled, pessimistic end) has B64
+#: ctx4k decode HBM-bound as at 2 (bf16 299 us, fp8 160 us: no gain), while
+#: 51 KiB of shared memory a block at D = 128 (16-bit) leaves 4 resident
+#: blocks of the 6 and long_g4 (5.8 blocks placed per SM) slows (602 vs 595 us).
 STAGES = 2
 #: Bytes added to a raw fp8 K row of a stage (dtc::kRawKPitch = D + RAW_K_PAD).
 RAW_K_PAD = 32
