@@ -77,6 +77,43 @@ def test_decode_tc(xp_backend, kernels_used, dtype, shape):
     assert set(kernels_used) == {DECODE_TC, "attention_split_merge"}
 
 
+@pytest.mark.parametrize("page_size, general", [(16, False), (32, False), (48, False), (8, True), (24, True)])
+def test_page_walks(xp_backend, kernels_used, page_size, general):
+    """Both page walks: page sizes that are multiples of 16 (a tile in one
+    page: one page-table word a tile) and the others (a token per lane),
+    lengths around the page and tile boundaries, split and not, against the
+    reference; on the CPU, the general walk's cold-path marker counts
+    exactly when that walk runs."""
+    from cupaged._runtime import get_kernel
+    from cupaged.ops.attention import inputs
+    from cupaged.tools import counters
+
+    rng = np.random.default_rng(page_size)
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([97, 16, 47, 130, 1], np.int32),
+        page_size=page_size,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype="bf16",
+    )
+    plan = None
+    for causal in (True, False):
+        for splits in (None, 3, 5):
+            o, lse, plan = run(xp_backend, case, causal, splits=splits, plan=plan)
+            check(case, o, lse, causal, "bf16", f"page_size={page_size} causal={causal} splits={splits}")
+    assert set(kernels_used) == {DECODE_TC, "attention_split_merge"}
+    if xp_backend.name != "cpu":
+        return
+    (la,) = inputs.attention_call(plan, case.q, case.k_cache, case.v_cache, case.scale, True).launches
+    module = get_kernel(case.q, la.source, la.kernel, la.defines).module
+    counters.reset(module)
+    run(xp_backend, case, True, plan=plan)
+    marks = counters.read_all(module)["cold_path"]
+    assert (marks > 0) == general, marks
+
+
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_every_split_count(xp_backend, kernels_used, dtype):
     """Split z of a query covers [z c, min(L, (z + 1) c)): counts 1 .. 12 and
