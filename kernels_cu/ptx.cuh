@@ -574,7 +574,7 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[kN]) {
 }
 
 // One specialization per (type, N), all from one template: CP_WGMMA_SS / CP_WGMMA_RS below,
-// instantiated for N = 32, 64, 256 (SS: A and B from descriptors, RS: A from registers) and
+// instantiated for N = 32, 64, 128, 256 (SS: A and B from descriptors, RS: A from registers) and
 // each 16-bit input type (CT the C++ type, TYPE its PTX type token: f16, bf16). In the asm
 // text D is %0 .. %NR - 1 (NR = N / 2 f32 registers a thread: CP_WG_D<NR>, CP_WG_OUT<NR>);
 // the numbers after NR are the indices of the other operands, as the asm text names them.
@@ -586,6 +586,11 @@ struct WgRS;
 #define CP_WG_D32                                                             \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+#define CP_WG_D64                                                                      \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "          \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
 #define CP_WG_D128                                                                                 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
@@ -602,6 +607,12 @@ struct WgRS;
     CP_WG_OUT16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),  \
         "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), \
         "+f"(d[31])
+#define CP_WG_OUT64(d)                                                                                          \
+    CP_WG_OUT32(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]),  \
+        "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), \
+        "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), \
+        "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
+        "+f"(d[63])
 #define CP_WG_OUT128(d)                                                                                            \
     CP_WG_OUT32(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]),     \
         "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]),    \
@@ -642,12 +653,14 @@ struct WgRS;
                          : "memory");                                                                       \
         }                                                                                                   \
     };
-#define CP_WGMMA_TYPE(CT, TYPE)                               \
-    CP_WGMMA_SS(CT, TYPE, 32, 16, 16, 17, 18, 19, 20)         \
-    CP_WGMMA_SS(CT, TYPE, 64, 32, 32, 33, 34, 35, 36)         \
-    CP_WGMMA_SS(CT, TYPE, 256, 128, 128, 129, 130, 131, 132)  \
-    CP_WGMMA_RS(CT, TYPE, 32, 16, 16, 17, 18, 19, 20, 21, 22) \
-    CP_WGMMA_RS(CT, TYPE, 64, 32, 32, 33, 34, 35, 36, 37, 38) \
+#define CP_WGMMA_TYPE(CT, TYPE)                                \
+    CP_WGMMA_SS(CT, TYPE, 32, 16, 16, 17, 18, 19, 20)          \
+    CP_WGMMA_SS(CT, TYPE, 64, 32, 32, 33, 34, 35, 36)          \
+    CP_WGMMA_SS(CT, TYPE, 128, 64, 64, 65, 66, 67, 68)         \
+    CP_WGMMA_SS(CT, TYPE, 256, 128, 128, 129, 130, 131, 132)   \
+    CP_WGMMA_RS(CT, TYPE, 32, 16, 16, 17, 18, 19, 20, 21, 22)  \
+    CP_WGMMA_RS(CT, TYPE, 64, 32, 32, 33, 34, 35, 36, 37, 38)  \
+    CP_WGMMA_RS(CT, TYPE, 128, 64, 64, 65, 66, 67, 68, 69, 70) \
     CP_WGMMA_RS(CT, TYPE, 256, 128, 128, 129, 130, 131, 132, 133, 134)
 CP_WGMMA_TYPE(__half, f16)
 CP_WGMMA_TYPE(__nv_bfloat16, bf16)
@@ -655,9 +668,11 @@ CP_WGMMA_TYPE(__nv_bfloat16, bf16)
 #undef CP_WGMMA_RS
 #undef CP_WGMMA_SS
 #undef CP_WG_OUT128
+#undef CP_WG_OUT64
 #undef CP_WG_OUT32
 #undef CP_WG_OUT16
 #undef CP_WG_D128
+#undef CP_WG_D64
 #undef CP_WG_D32
 #undef CP_WG_D16
 template <typename T, u32 kN, u32 kTransA, u32 kTransB>

@@ -39,6 +39,7 @@ class KernelDesc:
 KERNELS: dict[str, KernelDesc] = {
     "paged_attention": KernelDesc(loads="ldg"),
     "paged_prefill_tc": KernelDesc(loads="ring", ahead=1, x_reversed=True),
+    "paged_prefill_wgmma": KernelDesc(loads="ring", ahead=1, x_reversed=True),
     "paged_mla_tc": KernelDesc(loads="ring", ahead=1, x_reversed=True),
     "paged_mla_wgmma": KernelDesc(loads="ring", ahead=1, x_reversed=True),
     # Each warp's own two-stage ring: one 16-token tile in flight while one computes.

@@ -27,6 +27,12 @@ constexpr u32 kRawKPad = 32;
 namespace prefill_tc {   // cupaged/ops/attention/kernels/prefill_tc.py
 constexpr u32 kQRegsMaxElems = 128;
 }  // namespace prefill_tc
+namespace prefill_wgmma {   // cupaged/ops/attention/kernels/prefill_wgmma.py
+constexpr u32 kThreads = 256;
+constexpr u32 kMinBlocks = 1;
+constexpr u32 kN = 64;
+constexpr u32 kAlignBytes = 1024;
+}  // namespace prefill_wgmma
 namespace mla_tc {   // cupaged/ops/attention/kernels/mla_tc.py
 constexpr u32 kWarps = 8;
 constexpr u32 kThreads = 256;

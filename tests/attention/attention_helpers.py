@@ -97,6 +97,8 @@ def _host(q_lens):
 #: The per-query kernel of f16 / bf16 decodes at D 64 / 128 with aligned
 #: arrays (variants.select_variant): the tensor-core decode kernel.
 DECODE_TC = "paged_decode_tc"
+#: The wgmma prefill kernel that sm_90 selects for tensor-core prefill (sm_90a builds; test_prefill_wgmma.py).
+PREFILL_WGMMA = "paged_prefill_wgmma"
 #: Six decodes, a chunk of 40, six decodes, a chunk of 33: D T D T at G = 4
 #: (decode segments on the per-query kernel, chunks on paged_prefill_tc).
 Q_MIXED = [1] * 6 + [40] + [1] * 6 + [33]
