@@ -1,0 +1,239 @@
+"""Text in, text out: a model's tokenizer and chat template, incremental
+decoding for streams, and ``Completion``, what ``Engine.generate`` returns.
+
+* ``TextCodec.from_folder(folder)``: ``tokenizer.json`` through the
+  ``tokenizers`` package (the ``tokenizers`` extra) and, from
+  ``tokenizer_config.json``, the chat template and the special tokens it
+  names. ``TextCodec(tokenizer, chat_template=...)`` for a tokenizer built
+  elsewhere (a GGUF file's). None where the folder has no tokenizer.
+* ``encode(text, chat=False)``: token ids as transformers' tokenizer gives
+  them (``add_special_tokens=True``: the tokenizer's post-processor adds a
+  BOS where the model wants one); with ``chat=True`` the text is a user
+  message (or a list of ``{"role", "content"}`` messages), rendered by the
+  chat template with ``add_generation_prompt=True`` and then tokenized
+  without special tokens, as ``apply_chat_template(..., tokenize=True)``.
+* Chat templates are Jinja2 (the ``jinja2`` package) rendered the way
+  transformers renders them: a sandboxed environment with ``trim_blocks``
+  and ``lstrip_blocks``, the ``loopcontrols`` extension, ``tojson``,
+  ``raise_exception`` and ``strftime_now``, and the tokenizer's special
+  tokens (``bos_token``, ``eos_token``, ...) as variables.
+* ``Detokenizer``: the text of a growing list of ids, handed out as the
+  new part each time; a trailing incomplete UTF-8 sequence (decoded as
+  U+FFFD) is held back until the token that completes it comes.
+* ``Completion``: a list of the generated token ids (so code that compared
+  ``generate``'s result with lists still does) with ``text``,
+  ``finish_reason`` ("stop": a stop token ended it, included; "length":
+  ``max_new_tokens`` or the model's length), ``prompt_ids`` and
+  ``logprobs`` (the chosen tokens' log probabilities, when asked).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, ConfigError
+
+__all__ = ["Completion", "Detokenizer", "TextCodec", "finish_reason"]
+
+#: tokenizer_config.json keys whose tokens the chat template may name.
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Completion(list):
+    """The generated token ids of one prompt (a ``list`` of ints), with
+    ``index`` (the prompt's place), ``prompt_ids``, ``text`` (None without a
+    tokenizer), ``finish_reason`` ("stop" or "length") and ``logprobs``
+    (float per generated token, or None)."""
+
+    def __init__(
+        self,
+        token_ids: Iterable[int],
+        *,
+        index: int = 0,
+        prompt_ids: Sequence[int] = (),
+        text: str | None = None,
+        finish_reason: str = "length",
+        logprobs: Sequence[float] | None = None,
+    ):
+        super().__init__(int(t) for t in token_ids)
+        self.index = index
+        self.prompt_ids = list(prompt_ids)
+        self.text = text
+        self.finish_reason = finish_reason
+        self.logprobs = None if logprobs is None else [float(x) for x in logprobs]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self)
+
+    def __repr__(self) -> str:
+        text = "" if self.text is None else f", text={self.text!r}"
+        return f"Completion({list(self)!r}{text}, finish_reason={self.finish_reason!r})"
+
+
+def finish_reason(tokens: Sequence[int], stop: Iterable[int], max_new: int) -> str:
+    """ "stop" when the last token is a stop token, else "length"."""
+    return "stop" if tokens and int(tokens[-1]) in set(stop) and len(tokens) <= max_new else "length"
+
+
+def _content(entry) -> str | None:
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, Mapping):
+        c = entry.get("content")
+        return c if isinstance(c, str) else None
+    return None
+
+
+def _special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
+    out = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        v = _content(config.get(key))
+        if v is not None:
+            out[key] = v
+    return out
+
+
+class TextCodec:
+    """A model's tokenizer (a ``tokenizers.Tokenizer``) and chat template."""
+
+    def __init__(self, tokenizer, chat_template: str | None = None, special_tokens: Mapping[str, str] | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        self._compiled = None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> TextCodec | None:
+        """The folder's tokenizer.json and tokenizer_config.json (None: no
+        tokenizer.json, or the ``tokenizers`` package is not installed)."""
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            return None
+        try:
+            import tokenizers  # the optional `tokenizers` extra
+        except ImportError:
+            return None
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 -- tokenizers raises plain Exceptions for a bad file
+            raise CheckpointError(f"{path}: not a readable tokenizer.json: {e}") from None
+        config: dict = {}
+        cfg_path = folder / "tokenizer_config.json"
+        if cfg_path.is_file():
+            try:
+                config = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{cfg_path}: not readable JSON: {e}") from None
+            if not isinstance(config, dict):
+                raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
+        template = config.get("chat_template")
+        jinja = folder / "chat_template.jinja"  # transformers >= 4.43 saves it beside the config
+        if template is None and jinja.is_file():
+            template = jinja.read_text(encoding="utf-8")
+        if isinstance(template, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default")
+        if template is not None and not isinstance(template, str):
+            raise CheckpointError(f"{cfg_path}: chat_template: expected a string, got {type(template).__name__}")
+        return cls(tok, template, _special_tokens(config))
+
+    # -- text <-> ids ---------------------------------------------------------------
+    def encode(self, text: str | Sequence[Mapping[str, str]], *, chat: bool = False) -> list[int]:
+        """Token ids of ``text`` (``chat``: a user message or messages through the chat template)."""
+        if chat:
+            return list(self.tokenizer.encode(self.render_chat(text), add_special_tokens=False).ids)
+        if not isinstance(text, str):
+            raise ConfigError(f"prompt: expected a string (or chat=True for messages), got {type(text).__name__}")
+        return list(self.tokenizer.encode(text).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens skipped."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # -- chat -------------------------------------------------------------------------
+    def render_chat(self, messages: str | Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to ``messages`` (a string is one user message)."""
+        if self.chat_template is None:
+            raise ConfigError("chat: expected a model with a chat template (tokenizer_config.json), got none")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        msgs = list(messages)
+        for i, m in enumerate(msgs):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
+                raise ConfigError(f"messages[{i}]: expected a {{'role': ..., 'content': ...}} mapping, got {m!r}")
+        return self._template().render(
+            messages=msgs, add_generation_prompt=add_generation_prompt, **self.special_tokens
+        )
+
+    def _template(self):
+        if self._compiled is None:
+            try:
+                import jinja2
+                from jinja2.ext import loopcontrols
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+            except ImportError:
+                raise ConfigError(
+                    "chat: expected the jinja2 package for chat templates (pip install 'cupaged[engine]'), got none"
+                ) from None
+
+            def raise_exception(message):
+                raise jinja2.exceptions.TemplateError(message)
+
+            def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+                return json.dumps(
+                    x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+                )
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+            env.filters["tojson"] = tojson
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            try:
+                self._compiled = env.from_string(self.chat_template)
+            except jinja2.exceptions.TemplateError as e:
+                raise ConfigError(f"chat_template: expected a Jinja2 template, got one that fails: {e}") from None
+        return self._compiled
+
+
+class Detokenizer:
+    """Text of a growing id list, handed out in new pieces (``push``), in
+    time linear in the ids: each push decodes only a short window, as
+    vLLM's incremental detokenizer does (the window's start gives a word its
+    leading space; a decode ending in U+FFFD waits for more ids)."""
+
+    #: Ids before the new ones decoded with them (context for spacing / merges).
+    CONTEXT = 5
+
+    def __init__(self, codec: TextCodec, prefix_ids: Sequence[int] = ()):
+        self.codec = codec
+        self.ids = list(prefix_ids)
+        self._read = len(self.ids)  # ids[:_read] are handed out (or the prompt)
+        self._prefix = max(self._read - self.CONTEXT, 0)
+        self.text = ""  # what has been handed out
+
+    def push(self, new_ids: Iterable[int]) -> str:
+        """The text the new ids add ("" while a character is incomplete)."""
+        self.ids.extend(int(t) for t in new_ids)
+        before = self.codec.decode(self.ids[self._prefix : self._read])
+        after = self.codec.decode(self.ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        new = after[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += new
+        return new
+
+    def flush(self) -> str:
+        """Whatever is still held back (the end of the stream)."""
+        before = self.codec.decode(self.ids[self._prefix : self._read])
+        after = self.codec.decode(self.ids[self._prefix :])
+        new = after[len(before) :] if len(after) > len(before) else ""
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += new
+        return new
