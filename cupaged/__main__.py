@@ -9,10 +9,11 @@ CuPy sees one, else the CPU backend (the same CUDA C kernels through g++).
 check: one kernel on random data against the float64 reference, with its
 error and time: the standalone kernel test.
 
-generate: greedy generation with a local Hugging Face model folder through
-cupaged.Engine: text in and out with the folder's tokenizer.json when the
-``tokenizers`` package is installed, token ids otherwise; tokens print as
-they are read back, then a line with prefill and decode tokens/s.
+generate: greedy generation with a local Hugging Face model folder (or a
+``.gguf`` file) through cupaged.Engine: text in and out with the folder's
+tokenizer.json (the GGUF file's tokenizer) when the ``tokenizers`` package is
+installed, token ids otherwise; tokens print as they are read back, then a
+line with prefill and decode tokens/s.
 
 Errors: a refused input, checkpoint, config or environment (a cupaged
 error) prints one line and exits with status 2; anything else is a bug in
@@ -48,6 +49,7 @@ from . import (
 from ._runtime import xp_of
 from .demo import tiny
 from .engine import parse_config
+from .engine.gguf import is_gguf
 from .testing import as_dtype, make_mla_case, make_paged_case, reference, tolerance
 
 #: Set (to anything but 0) for the traceback of every error, as --traceback.
@@ -248,6 +250,18 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
+def _gguf_tokenizer(model: str):
+    """(tokenizer, None) from a GGUF file's metadata, or (None, why not); a
+    file that cannot be read (or no gguf package) raises its error."""
+    from .engine.gguf import gguf_tokenizer, open_gguf
+
+    open_gguf(model)
+    try:
+        return gguf_tokenizer(model), None
+    except (SetupError, CheckpointError) as e:
+        return None, str(e)
+
+
 def _tokenizer(folder: str):
     """The folder's tokenizer.json through ``tokenizers`` (None: either is missing)."""
     path = Path(folder) / "tokenizer.json"
@@ -273,7 +287,10 @@ def _prompt_ids(text: str) -> list[int] | None:
 def cmd_generate(args: argparse.Namespace) -> int:
     prog = "python -m cupaged generate"
     like, backend = _like(args.cpu)
-    tok = None if args.ids else _tokenizer(args.model)
+    gguf_file = is_gguf(args.model)
+    tok, no_tok = None, None
+    if not args.ids:
+        tok, no_tok = _gguf_tokenizer(args.model) if gguf_file else (_tokenizer(args.model), None)
     if tok is not None:
         ids = tok.encode(args.prompt).ids
     else:
@@ -282,6 +299,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             why = (
                 "--ids was given"
                 if args.ids
+                else no_tok or "the GGUF file has no tokenizer"
+                if gguf_file
                 else (
                     "the model folder has no tokenizer.json"
                     if not (Path(args.model) / "tokenizer.json").is_file()
@@ -341,6 +360,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _model_limit(folder: str) -> int:
     """The model's longest sequence (engine checks come later, with the config)."""
     try:
+        if is_gguf(folder):
+            from .engine.gguf import gguf_config, open_gguf
+
+            return gguf_config(open_gguf(folder)).max_len
         return parse_config(json.loads((Path(folder) / "config.json").read_text())).max_len
     except Exception:  # noqa: BLE001 -- the engine reports the real error with its message
         return 1 << 30
@@ -514,12 +537,18 @@ def _check_check(p, args) -> None:
 def _generate_parser(sub):
     g = sub.add_parser(
         "generate",
-        help="greedy generation with a local Hugging Face model folder",
+        help="greedy generation with a local Hugging Face model folder or GGUF file",
         description="Greedy generation with a local Hugging Face model folder (config.json, "
-        "*.safetensors; tokenizer.json for text) through cupaged.Engine: tokens print "
+        "*.safetensors; tokenizer.json for text) or a GGUF file (dequantized at load; its "
+        "byte-level BPE tokenizer for text) through cupaged.Engine: tokens print "
         "as they come, then prefill and decode tokens/s.",
     )
-    g.add_argument("--model", required=True, metavar="DIR", help="the model folder")
+    g.add_argument(
+        "--model",
+        required=True,
+        metavar="PATH",
+        help="the model folder, or a .gguf file (its tokenizer too; needs the gguf extra)",
+    )
     g.add_argument(
         "--prompt",
         required=True,

@@ -14,6 +14,10 @@ Modules, one per concern:
   refuses);
 * ``rope``: rotary tables (default, linear, llama3, yarn);
 * ``checkpoint``: safetensors files through memory maps, state dicts;
+* ``gguf``: GGUF files (metadata as the config, dequantized tensors, the
+  byte-level BPE tokenizer);
+* ``text``: the tokenizer and chat template, incremental detokenizing,
+  ``Completion``;
 * ``projections``: the matrix products (cuBLAS on the GPU, the CPU kernels
   on the CPU backend);
 * ``model``, ``dense``, ``mla``: the forward pass per architecture family

@@ -15,7 +15,8 @@ no other tensor; a truncated file names the tensor that runs past its end.
 Every tensor the engine reads is a weight and must be floating point
 (``float_dtypes()``): an integer or bool tensor in a weight's place is refused,
 not cast. A ``model.safetensors.index.json`` decides which file holds each
-tensor it names.
+tensor it names. A GGUF file's tensors come through ``gguf.GGUFTensors``
+(dequantized as they are read), a ``TensorFile`` as ``SafetensorsFile`` is.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import os
 import struct
 from collections.abc import Iterable, KeysView, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -235,18 +236,30 @@ def _no_overlap(path: Path, tensors: dict) -> None:
             reach, owner = b, name
 
 
+class TensorFile(Protocol):
+    """A file of tensors the Checkpoint reads: ``path``, ``info(key)`` ->
+    (dtype, shape) without reading data, ``get(key)`` -> a host array
+    (``SafetensorsFile``; ``gguf.GGUFTensors``)."""
+
+    path: Path
+
+    def info(self, key: str) -> tuple[np.dtype, tuple[int, ...]]: ...
+
+    def get(self, key: str) -> np.ndarray: ...
+
+
 class Checkpoint:
-    """Tensors by name from safetensors files or a state dict, all host
-    (NumPy) arrays. ``get(name, shape)`` checks presence, a floating-point
-    dtype and the shape."""
+    """Tensors by name from safetensors files, a GGUF file or a state dict,
+    all host (NumPy) arrays. ``get(name, shape)`` checks presence, a
+    floating-point dtype and the shape."""
 
     def __init__(
         self,
-        tensors: Mapping[str, tuple[SafetensorsFile | Mapping[str, Any], str]],
+        tensors: Mapping[str, tuple[TensorFile | Mapping[str, Any], str]],
         where: str,
         files: Iterable[Path] = (),
     ):
-        self._tensors = tensors  # name -> (source, key): SafetensorsFile or a dict of arrays
+        self._tensors = tensors  # name -> (source, key): a TensorFile or a dict of arrays
         self.where = where
         self.files = tuple(files)
 
@@ -256,7 +269,7 @@ class Checkpoint:
         root = Path(path)
         if not root.is_dir():
             raise CheckpointError(
-                f"path: expected a model folder (config.json and *.safetensors), got {str(path)!r}"
+                f"path: expected a model folder (config.json and *.safetensors) or a .gguf file, got {str(path)!r}"
                 f"{' (no such folder)' if not root.exists() else ' (not a folder)'}"
             )
         cfg_path = root / "config.json"
@@ -283,7 +296,14 @@ class Checkpoint:
             files = sorted(root.glob("*.safetensors"))
         if not files:
             others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
-            hint = f" (found {', '.join(others)}: save with save_pretrained(safe_serialization=True))" if others else ""
+            ggufs = [n for n in others if n.endswith(".gguf")]
+            hint = (
+                f" (found {', '.join(ggufs)}: pass the .gguf file itself)"
+                if ggufs
+                else f" (found {', '.join(others)}: save with save_pretrained(safe_serialization=True))"
+                if others
+                else ""
+            )
             raise CheckpointError(f"{root}: missing weights: no *.safetensors file{hint}")
         tensors: dict = {}
         for p in files:
@@ -331,7 +351,7 @@ class Checkpoint:
         """The stored dtype of weight ``name`` (floating point, else CheckpointError)."""
         entry = self._entry(name)
         src, key = entry
-        dt = src.info(key)[0] if isinstance(src, SafetensorsFile) else self._array(name).dtype
+        dt = self._array(name).dtype if isinstance(src, Mapping) else src.info(key)[0]
         _float_weight(self.where, name, dt)
         return dt
 
@@ -343,7 +363,7 @@ class Checkpoint:
 
     def _array(self, name: str) -> np.ndarray:
         src, key = self._entry(name)
-        return src.get(key) if isinstance(src, SafetensorsFile) else _host(src[key])
+        return _host(src[key]) if isinstance(src, Mapping) else src.get(key)
 
 
 def _float_weight(where: str, name: str, dt: np.dtype) -> None:
