@@ -35,7 +35,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, SetupError
 
 __all__ = ["Completion", "Detokenizer", "TextCodec", "finish_reason"]
 
@@ -142,6 +142,49 @@ class TextCodec:
         if template is not None and not isinstance(template, str):
             raise CheckpointError(f"{cfg_path}: chat_template: expected a string, got {type(template).__name__}")
         return cls(tok, template, _special_tokens(config))
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> TextCodec:
+        """A GGUF file's tokenizer (``gguf.gguf_tokenizer``), chat template and
+        special tokens (SetupError without the packages, CheckpointError for a
+        tokenizer it cannot build)."""
+        from .gguf import gguf_chat_template, gguf_tokenizer, open_gguf
+
+        tok = gguf_tokenizer(path)
+        g = open_gguf(path)
+        special = {}
+        for key, name in (
+            ("bos", "bos_token"),
+            ("eos", "eos_token"),
+            ("unknown", "unk_token"),
+            ("padding", "pad_token"),
+        ):
+            i = g.value(f"tokenizer.ggml.{key}_token_id")
+            t = tok.id_to_token(int(i)) if isinstance(i, int) and not isinstance(i, bool) else None
+            if t is not None:
+                special[name] = t
+        return cls(tok, gguf_chat_template(path), special)
+
+    @classmethod
+    def for_model(cls, path: str | Path) -> tuple[TextCodec | None, str]:
+        """(the codec of a model folder or GGUF file, "") or (None, why there is none)."""
+        from .gguf import is_gguf
+
+        if is_gguf(path):
+            try:
+                return cls.from_gguf(path), ""
+            except SetupError as e:
+                return None, str(e)
+            except CheckpointError as e:
+                if "tokenizer" not in str(e):
+                    raise
+                return None, str(e)
+        codec = cls.from_folder(path)
+        if codec is not None:
+            return codec, ""
+        if not (Path(path) / "tokenizer.json").is_file():
+            return None, "the model folder has no tokenizer.json"
+        return None, "the tokenizers package is not installed (pip install 'cupaged[tokenizers]')"
 
     # -- text <-> ids ---------------------------------------------------------------
     def encode(self, text: str | Sequence[Mapping[str, str]], *, chat: bool = False) -> list[int]:

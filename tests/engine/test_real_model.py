@@ -97,3 +97,19 @@ def test_greedy_tokens_match_transformers(path, reference):
         assert toks == out[0, len(ids) :].tolist(), p
     text = tok.decode(prompts[0] + got[0], skip_special_tokens=True)
     assert text.startswith("The capital of France is") and "Paris" in text, text
+
+
+def test_chat_template_and_special_tokens_match_transformers(path, reference):
+    """The file's chat template rendered (cupaged.engine.text) and tokenized as transformers does."""
+    from cupaged.engine.text import TextCodec
+
+    _, ref = reference
+    codec, why = TextCodec.for_model(path)
+    assert codec is not None, why
+    for msgs in (
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "naïve café?"}],
+    ):
+        assert codec.render_chat(msgs) == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        want = ref.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+        assert codec.encode(msgs, chat=True) == list(want)

@@ -84,7 +84,11 @@ def test_chat_template_renders_and_tokenizes_as_transformers(folder, byte_bpe, t
     for messages in (
         "What is the capital of France?",
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Bonjour, café?"}],
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "日本"}],
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "日本"},
+        ],
     ):
         msgs = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
         want_text = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
