@@ -43,13 +43,16 @@ from . import (
     PagedAttentionError,
     SetupError,
     SplitWorkspace,
+    __version__,
     argmax_into,
     stream_for,
 )
-from ._runtime import xp_of
+from ._runtime import progress, xp_of
 from .demo import tiny
 from .engine import parse_config
 from .engine.gguf import is_gguf
+from .engine.text import Detokenizer, TextCodec
+from .sampling import SamplingParams
 from .testing import as_dtype, make_mla_case, make_paged_case, reference, tolerance
 
 #: Set (to anything but 0) for the traceback of every error, as --traceback.
@@ -250,33 +253,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-def _gguf_tokenizer(model: str):
-    """(tokenizer, None) from a GGUF file's metadata, or (None, why not); a
-    file that cannot be read (or no gguf package) raises its error."""
-    from .engine.gguf import gguf_tokenizer, open_gguf
-
-    open_gguf(model)
-    try:
-        return gguf_tokenizer(model), None
-    except (SetupError, CheckpointError) as e:
-        return None, str(e)
-
-
-def _tokenizer(folder: str):
-    """The folder's tokenizer.json through ``tokenizers`` (None: either is missing)."""
-    path = Path(folder) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    try:
-        import tokenizers  # the optional `tokenizers` extra
-    except ImportError:
-        return None
-    try:
-        return tokenizers.Tokenizer.from_file(str(path))
-    except Exception as e:  # noqa: BLE001 -- tokenizers raises plain Exceptions for a bad file
-        raise CheckpointError(f"{path}: not a readable tokenizer.json: {e}") from None
-
-
 def _prompt_ids(text: str) -> list[int] | None:
     parts = text.replace(",", " ").split()
     if not parts or not all(p.isascii() and p.isdigit() for p in parts):  # (not '²', '١')
@@ -284,69 +260,89 @@ def _prompt_ids(text: str) -> list[int] | None:
     return [int(p) for p in parts]
 
 
+#: --dtype spellings: cupaged's short names and NumPy / torch's long ones.
+DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "float32": "float32", "float16": "float16"}
+DTYPES["bfloat16"] = "bfloat16"
+
+
+def _sampling(args: argparse.Namespace):
+    """The CLI's SamplingParams: greedy unless --temperature is above 0."""
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     prog = "python -m cupaged generate"
+    if args.quiet:
+        progress.set_quiet(True)
     like, backend = _like(args.cpu)
-    gguf_file = is_gguf(args.model)
-    tok, no_tok = None, None
-    if not args.ids:
-        tok, no_tok = _gguf_tokenizer(args.model) if gguf_file else (_tokenizer(args.model), None)
-    if tok is not None:
-        ids = tok.encode(args.prompt).ids
-    else:
-        ids = _prompt_ids(args.prompt)
+    codec, no_tok = (None, "--ids was given") if args.ids else TextCodec.for_model(args.model)
+    if args.chat and codec is None:
+        print(f"{prog}: --chat: expected a model with a tokenizer ({no_tok})", file=sys.stderr)
+        return 2
+    prompts = []
+    for text in args.prompt:
+        ids = codec.encode(text, chat=args.chat) if codec is not None else _prompt_ids(text)
         if ids is None:
-            why = (
-                "--ids was given"
-                if args.ids
-                else no_tok or "the GGUF file has no tokenizer"
-                if gguf_file
-                else (
-                    "the model folder has no tokenizer.json"
-                    if not (Path(args.model) / "tokenizer.json").is_file()
-                    else "the tokenizers package is not installed (pip install 'cupaged[tokenizers]')"
-                )
-            )
-            print(f"{prog}: --prompt: expected token ids like '1 2 3' ({why}), got {args.prompt!r}", file=sys.stderr)
+            print(f"{prog}: --prompt: expected token ids like '1 2 3' ({no_tok}), got {text!r}", file=sys.stderr)
             return 2
-    dtype = {None: None, "f32": "float32", "f16": "float16", "bf16": "bfloat16"}[args.dtype]
+        prompts.append(ids)
+    sampling = _sampling(args)  # (checked before the model loads)
+    longest = max(len(ids) for ids in prompts)
     max_len = (
-        min(len(ids) + args.max_new_tokens, _model_limit(args.model))
+        min(longest + args.max_new_tokens, _model_limit(args.model))
         if args.max_model_len is None
         else args.max_model_len
     )
+    pages = -(-max_len // args.page_size) + 1
     engine = Engine.from_pretrained(
         args.model,
         like=like,
-        dtype=dtype,
-        max_batch=1,
+        dtype=None if args.dtype is None else DTYPES[args.dtype],
+        max_batch=len(prompts),
         page_size=args.page_size,
         max_model_len=max_len,
-        num_pages=-(-max_len // args.page_size) + 1,
+        num_pages=pages * len(prompts),
     )
     c = engine.config
+    lens = ", ".join(str(len(ids)) for ids in prompts)
     print(
         f"{c.architecture} on the {backend} backend: {c.layers} layers, hidden {c.hidden}, "
-        f"{engine.dtype.name}; prompt {len(ids)} tokens, up to {args.max_new_tokens} new",
+        f"{engine.dtype.name}; prompt{'s' if len(prompts) > 1 else ''} {lens} tokens, up to "
+        f"{args.max_new_tokens} new",
         flush=True,
     )
-    state = {"ids": list(ids), "text": tok.decode(ids, skip_special_tokens=True) if tok is not None else ""}
+    one = len(prompts) == 1
+    streams = [Detokenizer(codec, ids) for ids in prompts] if codec is not None else []
+    got: list[list[int]] = [[] for _ in prompts]
 
-    def show(_, new):
-        if tok is None:
-            print(" ".join(map(str, new)), end=" ", flush=True)
+    def show(i, new):
+        got[i].extend(new)
+        if not one:
             return
-        state["ids"].extend(new)
-        text = tok.decode(state["ids"], skip_special_tokens=True)
-        done = state["text"]
-        print(text[len(done) :] if text.startswith(done) else text, end="", flush=True)
-        state["text"] = text
+        if codec is None:
+            print(" ".join(map(str, new)), end=" ", flush=True)
+        else:
+            print(streams[i].push(new), end="", flush=True)
 
-    if tok is not None:
-        print(state["text"], end="", flush=True)  # the prompt as the tokenizer reads it
-    engine.generate([ids], args.max_new_tokens, on_tokens=show)
+    if one and codec is not None:
+        print(codec.decode(prompts[0]), end="", flush=True)  # the prompt as the tokenizer reads it
+    engine.generate(prompts, args.max_new_tokens, sampling=sampling, on_tokens=show)
+    if one:
+        if codec is not None:
+            print(streams[0].flush(), end="")
+        print()
+    else:
+        for i, ids in enumerate(prompts):
+            body = " ".join(map(str, got[i])) if codec is None else codec.decode(ids) + codec.decode(got[i])
+            print(f"[{i}] {body}")
     s = engine.stats
-    print()
     pre = s["prefill_tokens"] / s["prefill_seconds"] if s["prefill_seconds"] else float("inf")
     dec = s["decode_tokens"] / s["decode_seconds"] if s["decode_seconds"] else float("inf")
     print(
@@ -411,6 +407,21 @@ def _int_in(lo: int, hi: int, what: str = "an integer"):
         return v
 
     parse.__name__ = "int"
+    return parse
+
+
+def _float_in(lo: float, hi: float, low_open: bool = False):
+    def parse(text: str) -> float:
+        span = f"{'above' if low_open else 'from'} {lo:g} {'and at most' if low_open else 'to'} {hi:g}"
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number {span}, got {text!r}") from None
+        if not (v > lo if low_open else v >= lo) or not v <= hi:
+            raise argparse.ArgumentTypeError(f"expected a number {span}, got {text}")
+        return v
+
+    parse.__name__ = "float"
     return parse
 
 
@@ -552,10 +563,23 @@ def _generate_parser(sub):
     g.add_argument(
         "--prompt",
         required=True,
-        help="text (with the folder's tokenizer.json and the tokenizers package), or token ids like '1 2 3'",
+        action="append",
+        help="text (with the model's tokenizer), or token ids like '1 2 3'; several --prompt run as one batch",
     )
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template (each prompt a user message)")
     _opt(g, "--max-new-tokens", _int_in(1, 1 << 20), 32, "tokens to generate")
-    g.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"], help="(default: the checkpoint's)")
+    g.add_argument(
+        "--dtype",
+        default=None,
+        choices=list(DTYPES),
+        help="weights, activations and cache (default: the checkpoint's)",
+    )
+    _opt(g, "--temperature", _float_in(0.0, 1e6), 0.0, "0: greedy (the argmax)")
+    _opt(g, "--top-k", _int_in(-1, (1 << 31) - 1), 0, "keep the k likeliest tokens (0 or -1: all)")
+    _opt(g, "--top-p", _float_in(0.0, 1.0, low_open=True), 1.0, "keep the smallest set of tokens of this mass")
+    _opt(g, "--min-p", _float_in(0.0, 1.0), 0.0, "drop tokens below this share of the likeliest one's probability")
+    _opt(g, "--repetition-penalty", _float_in(0.0, 1e6, low_open=True), 1.0, "1: off")
+    g.add_argument("--seed", type=_int_in(0, (1 << 64) - 1), default=None, help="the sampling seed (default random)")
     _opt(g, "--page-size", _int_in(1, 256), 16, "tokens per page")
     g.add_argument(
         "--max-model-len",
@@ -565,6 +589,7 @@ def _generate_parser(sub):
     )
     g.add_argument("--ids", action="store_true", help="read --prompt as token ids and print ids, even with a tokenizer")
     g.add_argument("--cpu", action="store_true", help="use the CPU backend even when a GPU is present")
+    g.add_argument("--quiet", action="store_true", help="no progress notices or bars on stderr")
     _traceback_flag(g)
     g.set_defaults(fn=cmd_generate, checks=None)
 
@@ -572,6 +597,7 @@ def _generate_parser(sub):
 def main(argv: Sequence[str] | None = None) -> int:
     p = _Parser(prog="python -m cupaged", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _traceback_flag(p, default=False)
+    p.add_argument("--version", action="version", version=f"cupaged {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     _demo_parser(sub)
     _check_parsers(sub)

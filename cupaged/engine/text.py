@@ -45,7 +45,7 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 class Completion(list):
     """The generated token ids of one prompt (a ``list`` of ints), with
-    ``index`` (the prompt's place), ``prompt_ids``, ``text`` (None without a
+    ``prompt_index`` (the prompt's place), ``prompt_ids``, ``text`` (None without a
     tokenizer), ``finish_reason`` ("stop" or "length") and ``logprobs``
     (float per generated token, or None)."""
 
@@ -53,14 +53,14 @@ class Completion(list):
         self,
         token_ids: Iterable[int],
         *,
-        index: int = 0,
+        prompt_index: int = 0,
         prompt_ids: Sequence[int] = (),
         text: str | None = None,
         finish_reason: str = "length",
         logprobs: Sequence[float] | None = None,
     ):
         super().__init__(int(t) for t in token_ids)
-        self.index = index
+        self.prompt_index = prompt_index
         self.prompt_ids = list(prompt_ids)
         self.text = text
         self.finish_reason = finish_reason

@@ -74,11 +74,19 @@ def test_generate_text_with_tokenizer(folder, tmp_path, capsys):
             "--max-new-tokens: .*expected an integer from 1",
         ),
         (["--model", "MODEL", "--prompt", "1 999"], r"prompts\[0\]\[1\]: expected a token id in 0..255, got 999"),
+        (["--model", "MODEL", "--prompt", "1 2", "--top-p", "0"], "--top-p: .*expected a number above 0"),
+        (["--model", "MODEL", "--prompt", "1 2", "--temperature", "x"], "--temperature: .*expected a number from 0"),
+        (["--model", "MODEL", "--prompt", "1 2", "--dtype", "f64"], "--dtype: invalid choice"),
+        (
+            ["--model", "MODEL", "--prompt", "1 2", "--chat"],
+            r"--chat: expected a model with a tokenizer \(the model folder has no tokenizer.json\)",
+        ),
     ],
 )
 def test_generate_errors_are_one_line(folder, capsys, argv, message):
     argv = [str(folder) if a == "MODEL" else a for a in argv]
-    with pytest.raises(SystemExit) if "required" in message or "--max-new" in message else _no_exit():
+    exits = any(w in message for w in ("required", "--max-new", "--top-p", "--temperature", "--dtype"))
+    with pytest.raises(SystemExit) if exits else _no_exit():
         rc = main(["generate", "--cpu"] + argv)
         assert rc == 2
     err = capsys.readouterr().err
@@ -237,3 +245,74 @@ def test_bench_engine_cpu_smoke():
         assert col in header
     rows = [ln.split() for ln in r.stdout.splitlines() if ln.split() and ln.split()[0] in ("1", "2")]
     assert rows[-1][5] == "0.500" and rows[-1][6] == "31", r.stdout  # one launch per step serves 2 tokens
+
+
+def test_several_prompts_one_batch_and_sampling_flags(folder, capsys):
+    """Several --prompt run as one batch, each printed with its index; a seeded
+    sampling run repeats; --dtype takes the long names."""
+    argv = [
+        "generate",
+        "--cpu",
+        "--model",
+        str(folder),
+        "--prompt",
+        "5 6 7",
+        "--prompt",
+        "9 8",
+        "--max-new-tokens",
+        "5",
+    ]
+    assert main(argv + ["--dtype", "float32"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "prompts 3, 2 tokens" in out[0]
+    engine = cupaged.Engine.from_pretrained(folder, like=np.zeros(1, np.float32), max_batch=2)
+    want = engine.generate([[5, 6, 7], [9, 8]], 5)
+    assert out[1] == "[0] " + " ".join(map(str, want[0])) and out[2] == "[1] " + " ".join(map(str, want[1]))
+    sampled = argv + ["--temperature", "1.5", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.01", "--seed", "7"]
+    runs = []
+    for _ in range(2):
+        assert main(sampled) == 0
+        runs.append(capsys.readouterr().out.splitlines()[1:3])
+    assert runs[0] == runs[1]
+    sp = cupaged.SamplingParams(temperature=1.5, top_k=20, top_p=0.9, min_p=0.01, seed=7)
+    got = engine.generate([[5, 6, 7], [9, 8]], 5, sampling=sp)
+    assert runs[0] == [f"[{i}] " + " ".join(map(str, got[i])) for i in range(2)]
+
+
+def test_chat_applies_the_template(folder, tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers", reason="text in / out needs the tokenizers package")
+    pytest.importorskip("jinja2", reason="chat templates need jinja2")
+    shutil.copytree(folder, tmp_path / "m")
+    vocab = {f"w{i}": i for i in range(256)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece(prefix="##")
+    tok.save(str(tmp_path / "m" / "tokenizer.json"))
+    template = "{% for m in messages %}w1 {{ m.content }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    assert (
+        main(
+            [
+                "generate",
+                "--cpu",
+                "--model",
+                str(tmp_path / "m"),
+                "--prompt",
+                "w5 w6",
+                "--chat",
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
+    lines = capsys.readouterr().out.strip().splitlines()
+    engine = cupaged.Engine.from_pretrained(folder, like=np.zeros(1, np.float32), max_batch=1)
+    want = engine.generate([[1, 5, 6, 2, 3]], 4)[0]
+    assert lines[1] == "w1 w5 w6 w2 w3 " + " ".join(f"w{t}" for t in want)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"cupaged {cupaged.__version__}"
