@@ -7,15 +7,22 @@
   GPU backend (CuPy, marked ``gpu``), giving an object with ``name``, ``xp``
   (the array module), ``asarray(x)`` (NumPy -> that backend) and
   ``to_numpy(a)``.
+* ``CUPAGED_QUIET=1``: no progress notices on stderr (unless a test asks).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
+
+# Progress notices and bars (cupaged._runtime.progress) stay off in the tests, so
+# that what a test reads from stderr does not depend on which test built a kernel
+# first; tests/runtime/test_progress.py turns them on where it checks them.
+os.environ.setdefault("CUPAGED_QUIET", "1")
 
 
 @functools.lru_cache(maxsize=None)

@@ -64,6 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CompileError, KernelError, PagedAttentionError, SetupError
+from . import progress as _progress
 from . import source as _source
 from .structs import StructArg
 
@@ -202,7 +203,13 @@ def writable_dir(primary: Path, sub: str, what: str, variable: str) -> Path:
     )
 
 
-def _library(name: str, build) -> Path:
+#: What the first build of a process says (``_building``), per kind of file built.
+CPU_BUILD_NOTICE = (
+    "compiling CPU kernels on first use (g++, several seconds each; kept in {folder}, later runs load them)"
+)
+
+
+def _library(name: str, build, notice: str = CPU_BUILD_NOTICE) -> Path:
     """The intact library file ``name``: the one in ``cache_dir()`` (nothing
     written), else the one in ``build_dir()``, built there by ``build(path)``
     when missing or damaged."""
@@ -214,13 +221,16 @@ def _library(name: str, build) -> Path:
         path = folder / name
         if _intact(path):
             return path
-    _building(folder, build, path)
+    _building(folder, build, path, notice)
     return path
 
 
-def _building(folder: Path, build, path: Path) -> None:
+def _building(folder: Path, build, path: Path, notice: str = CPU_BUILD_NOTICE) -> None:
     """``build(path)``, with a file system failure in ``folder`` (a full disk,
-    a folder made read-only meanwhile) as one SetupError line."""
+    a folder made read-only meanwhile) as one SetupError line. The first
+    build of each kind (``notice``, formatted with the folder) says so on
+    stderr, once per process (``progress.notice_once``)."""
+    _progress.notice_once(notice, notice.format(folder=folder))
     try:
         build(path)
     except OSError as e:

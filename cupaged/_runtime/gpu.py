@@ -32,7 +32,9 @@ import ctypes
 import importlib
 import os
 import sys
+import tempfile
 import threading
+import time
 import weakref
 from collections import deque
 from pathlib import Path
@@ -45,6 +47,7 @@ from ..errors import CompileError, PagedAttentionError, SetupError
 from . import arrays as _backend
 from . import cpu as _cpu
 from . import nvrtc as _nvrtc
+from . import progress as _progress
 from . import source as _source
 from .arrays import Array
 from .stream import Graph, Stream
@@ -234,6 +237,23 @@ def _compile_cached(raw, source_text: str, options: tuple[str, ...], arch: str) 
     from cupy.cuda import compiler
 
     primary = Path(compiler.get_cache_dir())
+    t0 = time.perf_counter()
+    try:
+        _compile_in(raw, source_text, options, arch, primary)
+    finally:
+        if time.perf_counter() - t0 > COMPILE_NOTICE_SECONDS:  # a real compile, not CuPy's cache
+            _progress.notice_once(
+                "gpu-compile",
+                f"compiling GPU kernels on first use (NVRTC, a second or more each; CuPy keeps them in {primary}, "
+                f"later runs load them)",
+            )
+
+
+#: A module that took longer than this to load was compiled (CuPy's disk cache answers in milliseconds).
+COMPILE_NOTICE_SECONDS = 0.5
+
+
+def _compile_in(raw, source_text: str, options: tuple[str, ...], arch: str, primary: Path) -> None:
     marker = f"cupaged-{_source.digest(source_text, ' '.join(options), arch)}.moved"
     for folder in _cpu.fallback_dirs(primary, "cupy"):
         if (folder / marker).is_file() and _cpu.unwritable(folder) is None:
@@ -307,6 +327,34 @@ class GpuModule:
         return fn
 
 
+#: The first NVRTC compile of an arch-specific variant in a process says so.
+TARGET_BUILD_NOTICE = (
+    "compiling GPU kernels for an arch-specific target on first use (NVRTC, seconds each; kept in {folder}, "
+    "later runs load them)"
+)
+
+
+def target_cubin(source_text: str, variant: str, target: str, options: tuple[str, ...]) -> bytes:
+    """NVRTC's cubin of ``source_text`` for ``target`` (``sm_90a``), kept on
+    disk beside the CPU libraries (``cpu.cache_dir()``, with its read-only
+    and fallback rules and checksums) and keyed by the source, the options
+    and the NVRTC version, so a process compiles only what no earlier one
+    did. CompileError with NVRTC's log when it does not compile. Needs no GPU."""
+    key = _source.digest(source_text, " ".join(options), target, ".".join(map(str, _nvrtc.nvrtc_version())))
+    stem = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in variant)[:150] or "module"
+
+    def build(path: Path) -> None:
+        c = _nvrtc.compile_source(source_text, target, name=f"{variant}.cu", options=options)
+        if not c.ok:
+            raise CompileError(f"NVRTC could not compile {variant} for {target}:\n{c.log}")
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
+            out = Path(tmp) / path.name
+            out.write_bytes(c.cubin)
+            _cpu._install(out, path)
+
+    return _cpu._library(f"{stem}-{target}-{key}.cubin", build, TARGET_BUILD_NOTICE).read_bytes()
+
+
 class TargetModule:
     """One variant compiled for an arch-specific target (``sm_90a``) on one
     device: NVRTC (``nvrtc.compile_source`` with the GPU options and the
@@ -324,12 +372,10 @@ class TargetModule:
         if f"sm_{cc}" != target.rstrip("af"):
             raise CompileError(f"{variant} is built for {target} only; device {device} is sm_{cc}")
         opts = module_options() + _nvrtc.CUPY_APPENDED_OPTIONS + (f"--gpu-architecture={target}",)
-        c = _nvrtc.compile_source(source_text, target, name=f"{variant}.cu", options=opts)
-        if not c.ok:
-            raise CompileError(f"NVRTC could not compile {variant} for {target}:\n{c.log}")
+        cubin = target_cubin(source_text, variant, target, opts)
         drv = _driver()
         with _OnDevice(device):
-            self._module = _check(drv.cuModuleLoadData(c.cubin), f"cuModuleLoadData({variant})")
+            self._module = _check(drv.cuModuleLoadData(cubin), f"cuModuleLoadData({variant})")
 
     def get_function(self, name: str) -> "GpuFunction":
         fn = self._functions.get(name)

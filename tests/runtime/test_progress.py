@@ -7,6 +7,7 @@ import io
 
 import pytest
 
+import cupaged
 from cupaged._runtime import progress
 
 
@@ -85,3 +86,43 @@ def test_unknown_total_counts_up():
     bar = progress.Progress("reading", 0, "files", after=0.0, stream=out, clock=clock)
     bar.update(3)
     assert bar.line(clock.t) == "cupaged: reading: 3 files 0.0 s"
+
+
+def test_first_build_of_each_kind_is_told_once(tmp_path, monkeypatch, capsys):
+    """cpu._building tells the first build of each kind (CPU library, arch-specific cubin) once per process."""
+    from cupaged._runtime import cpu, gpu
+
+    monkeypatch.setattr(progress, "_told", set())
+    built = []
+    for notice in (cpu.CPU_BUILD_NOTICE, cpu.CPU_BUILD_NOTICE, gpu.TARGET_BUILD_NOTICE, gpu.TARGET_BUILD_NOTICE):
+        cpu._building(tmp_path, built.append, tmp_path / f"lib{len(built)}", notice)
+    assert len(built) == 4
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "cupaged: " + cpu.CPU_BUILD_NOTICE.format(folder=tmp_path),
+        "cupaged: " + gpu.TARGET_BUILD_NOTICE.format(folder=tmp_path),
+    ]
+
+
+def test_arch_specific_cubins_compile_once_then_load_from_disk(tmp_path, monkeypatch):
+    """gpu.target_cubin: NVRTC once per (source, options, NVRTC), then the kept file (no GPU needed)."""
+    from cupaged._runtime import gpu, nvrtc
+
+    try:
+        nvrtc.nvrtc_version()
+        opts = gpu.module_options() + ("--gpu-architecture=sm_90a",)
+    except Exception as e:  # noqa: BLE001 -- no NVRTC here
+        pytest.skip(f"NVRTC unavailable: {e}")
+    monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+    real = nvrtc.compile_source
+    monkeypatch.setattr(nvrtc, "compile_source", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    src = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] += 1.0f; }\n'
+    first = gpu.target_cubin(src, "probe", "sm_90a", opts)
+    again = gpu.target_cubin(src, "probe", "sm_90a", opts)
+    assert first == again and first[:4] == b"\x7fELF" and calls == ["sm_90a"]
+    assert len(list((tmp_path / "cache").glob("probe-sm_90a-*.cubin"))) == 1
+    gpu.target_cubin(src.replace("1.0f", "2.0f"), "probe", "sm_90a", opts)
+    assert calls == ["sm_90a", "sm_90a"]  # another source: compiled
+    with pytest.raises(cupaged.CompileError, match="NVRTC could not compile probe for sm_90a"):
+        gpu.target_cubin("this is not C++", "probe", "sm_90a", opts)
