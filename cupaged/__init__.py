@@ -15,6 +15,7 @@ from .ops.attention import AttentionOptions, KVLayer
 from .ops.sampling import argmax_into
 from .ops.slots import copy_pages, write_slots
 from .plan import DevicePlan, HostPlan, SplitWorkspace, choose_splits
+from .sampling import SamplingParams
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,7 @@ __all__ = [
     "capture_count",
     "DecodeBatch",
     "Readback",
+    "SamplingParams",
     "Sequence",
     "StepReport",
     "write_slots",

@@ -8,7 +8,9 @@ updates of those words (``Stream.copy_from_host`` of a host staging copy
 that lives until the copy ran, ``memset_d32``), never by recapture; an empty
 slot is a padded entry (kv_len word 0) that reads and writes nothing.
 
-Inside the graph, after the user's step and the argmax, ``advance_slots``
+Inside the graph, after the user's step and the argmax (or, with ``vocab``,
+the per-slot sampler: ``cupaged.ops.sample``, each slot's ``SamplingParams``
+in stable device words set at ``join``), ``advance_slots``
 records every slot's token in a device ring, finishes a slot whose token is a
 stop id or whose length reaches its limit (it stops advancing on the
 device), and advances the others. The host reads the ring back every k
@@ -42,8 +44,10 @@ from .errors import PagedAttentionError, add_note
 from .graph import CapturedGraph, _token_buffer, capture_graph, seed_tokens
 from .layout import MAX_VISIBLE_LEN, metadata_offsets
 from .ops.advance import SlotBuffers, advance_slots
+from .ops.sample import SamplerState, sample_into
 from .ops.sampling import argmax_into
 from .plan import DevicePlan, HostPlan
+from .sampling import SamplingParams
 
 #: Most slots of one DecodeBatch.
 MAX_BATCH = 1024
@@ -70,9 +74,16 @@ class Readback:
     each sequence that finished to ``"stop"``, ``"max_len"`` or
     ``"no_room"`` (it has left the batch) and ``finished_at`` to the launch
     (0-based, counting every launch of the batch, ``batch.launches``) that
-    generated its last token; ``steps``: launches covered."""
+    generated its last token; ``steps``: launches covered. ``logprobs``:
+    for each sequence that joined with ``SamplingParams(logprobs=0)``, the
+    log-probability of each of its new tokens under the raw logits (NaN for
+    a first token the batch did not draw itself); ``top_logprobs``: for those
+    with ``logprobs=n`` > 0, per new token the n most likely (token id,
+    logprob) pairs, largest first ([] for a first token not drawn here)."""
 
     tokens: dict[Sequence, list[int]] = field(default_factory=dict)
+    logprobs: dict[Sequence, list[float]] = field(default_factory=dict)
+    top_logprobs: dict[Sequence, list[list[tuple[int, float]]]] = field(default_factory=dict)
     finished: dict[Sequence, str] = field(default_factory=dict)
     finished_at: dict[Sequence, int] = field(default_factory=dict)
     steps: int = 0
@@ -81,10 +92,25 @@ class Readback:
 class _Slot:
     """Host view of one occupied slot."""
 
-    __slots__ = ("seq", "max_len", "start", "len0", "written0", "first_on_device", "done")
+    __slots__ = (
+        "seq",
+        "max_len",
+        "start",
+        "len0",
+        "written0",
+        "first_on_device",
+        "done",
+        "logprobs",
+        "top_n",
+        "first_drawn",
+    )
 
-    def __init__(self, seq: Sequence, max_len: int, start: int, first_on_device: bool):
+    def __init__(
+        self, seq: Sequence, max_len: int, start: int, first_on_device: bool, logprobs: bool = False, top_n: int = 0
+    ):
         self.seq, self.max_len, self.start = seq, max_len, start
+        self.logprobs, self.top_n = logprobs, top_n  # read its logprobs (and top n) back
+        self.first_drawn = False  # its first token was drawn by a SamplerState (join drawn_by=): its logprob is known
         self.len0 = seq.length  # prepared length at the start of this round
         self.written0 = seq.length - 1  # tokens written at the start of this round
         self.first_on_device = first_on_device
@@ -92,8 +118,9 @@ class _Slot:
 
 
 class DecodeBatch:
-    """Greedy decode of a changing set of sequences of ``cache``, one graph
-    launch per token, one capture per batch bucket.
+    """Decode of a changing set of sequences of ``cache`` (greedy, or each
+    with its own SamplingParams when made with ``vocab``), one graph launch
+    per token, one capture per batch bucket.
 
     ``step(plan)`` issues one decode step's stream work for ``plan`` (a
     stable slot plan of B = plan.sequences slots; B is a bucket): embedding of
@@ -109,7 +136,12 @@ class DecodeBatch:
     ceil(max_len / page_size) and it is each slot's default length limit.
     stop_ids: tokens that end a sequence. readback_every (k): launches
     between readbacks (the ring's rows). buckets: batch sizes with a graph
-    each (default 1, 2, 4, ..., max_batch).
+    each (default 1, 2, 4, ..., max_batch). vocab: the logits' last dim;
+    given, the graph draws each slot's token with its own ``SamplingParams``
+    (``join(..., sampling=)``; per-slot device words and token counts,
+    ``cupaged.ops.sample.SamplerState`` as ``sampler``) instead of the argmax
+    (temperature 0 is the argmax, bit for bit). max_logprobs: the most top
+    logprobs a slot may ask for (``SamplingParams.logprobs``).
 
     ``captures`` counts this batch's captures (at most one per bucket);
     ``launches`` its launches. Hot paths (advance, join, leave) allocate
@@ -136,6 +168,8 @@ class DecodeBatch:
         readback_every: int = 8,
         buckets: Iterable[int] | None = None,
         graph: bool = True,
+        vocab: int | None = None,
+        max_logprobs: int = 0,
     ):
         if not isinstance(cache, PagedKVCache):
             raise PagedAttentionError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
@@ -169,6 +203,11 @@ class DecodeBatch:
         check_not_capturing(self.stream, "DecodeBatch")
         self.table_width = -(-self.max_len // cache.page_size)
         self.slots = SlotBuffers(cache.k, self.max_batch, stop_ids=stop_ids, ring_rows=self.k)
+        self.sampler = (
+            None
+            if vocab is None
+            else SamplerState(cache.k, self.max_batch, vocab, ring_rows=self.k, max_logprobs=max_logprobs)
+        )
         self.first = zeros(cache.k, self.max_batch, np.int64)
         self._plans: dict[int, DevicePlan] = {}
         self._writes = {}
@@ -216,7 +255,15 @@ class DecodeBatch:
         return self._plans[b]
 
     # -- membership -----------------------------------------------------------
-    def join(self, seq: Sequence, token: int | Array, *, max_len: int | None = None) -> int:
+    def join(
+        self,
+        seq: Sequence,
+        token: int | Array,
+        *,
+        max_len: int | None = None,
+        sampling: SamplingParams | None = None,
+        drawn_by: tuple[SamplerState, int] | None = None,
+    ) -> int:
         """Put ``seq`` (prefilled: ``seq.length`` tokens written) into the
         lowest free slot, feeding ``token`` first at position ``seq.length``:
         an int (set on the device with memsets) or a 1-element int64 device
@@ -227,18 +274,47 @@ class DecodeBatch:
         Returns the slot. Raises (changing nothing) when the batch is full,
         out of pages, the sequence is too long or driven by a live decode
         loop, or an int ``token`` is no token id (< 0, or >= ``vocab`` once
-        known)."""
+        known). ``sampling`` (a batch made with ``vocab``): how the slot draws
+        its tokens (default greedy); its repetition penalty sees the
+        sequence's known tokens (``add_sequence(tokens=...)``) and an int
+        ``token`` counts as generated. ``drawn_by`` = (state, row): the device
+        ``token`` was drawn by ``ops.sample.sample_into`` with slot ``row`` of
+        SamplerState ``state`` (e.g. the prefill's last row with this
+        request's parameters): the slot takes that slot's parameters (its
+        step), counts and logprob, so the draws go on as one sequence."""
         with self.cache._lock:
             self._settle()
-            return self._join(seq, token, max_len)
+            return self._join(seq, token, max_len, sampling, drawn_by)
 
-    def _join(self, seq, token, max_len) -> int:
+    def _join(self, seq, token, max_len, sampling=None, drawn_by=None) -> int:
         self.cache._check_seqs([seq], "seq")
         if seq._batch is not None:
             raise PagedAttentionError(f"seq: sequence {seq.id} is already in a DecodeBatch")
         self.cache._check_not_driven(seq, "seq", "join")
         limit = self.max_len if max_len is None else checks.host_int("max_len", max_len, 2, self.max_len)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise PagedAttentionError(f"sampling: expected a SamplingParams or None, got {type(sampling).__name__}")
+        if sampling is not None and self.sampler is None and not sampling.is_greedy:
+            raise PagedAttentionError(
+                "sampling: this DecodeBatch takes the argmax; make it with vocab= to sample on the device"
+            )
+        sp = SamplingParams.greedy() if sampling is None else sampling
+        if sp.logprobs and (self.sampler is None or sp.logprobs > self.sampler.max_logprobs):
+            most = 0 if self.sampler is None else self.sampler.max_logprobs
+            raise PagedAttentionError(f"sampling: logprobs={sp.logprobs} exceeds the batch's max_logprobs {most}")
         L = seq.length
+        context = list(seq._tokens[:L])
+        if self.sampler is not None and context:
+            checks.token_ids("seq", context, self.sampler.vocab)
+        if drawn_by is not None:
+            ok = isinstance(drawn_by, tuple) and len(drawn_by) == 2 and isinstance(drawn_by[0], SamplerState)
+            ok = ok and self.sampler is not None and drawn_by[0].max_logprobs <= self.sampler.max_logprobs
+            if not ok or self.sampler is None or drawn_by[0].vocab != self.sampler.vocab:
+                raise PagedAttentionError(
+                    "drawn_by: expected (SamplerState of the batch's vocab and at most its max_logprobs, row) "
+                    "on a batch made with vocab="
+                )
+            checks.host_int("drawn_by", drawn_by[1], 0, drawn_by[0].slots - 1)
         if L + 1 >= limit:
             raise PagedAttentionError(
                 f"max_len: sequence {seq.id} holds {L} tokens and feeds one more; expected "
@@ -251,8 +327,11 @@ class DecodeBatch:
                     f"token: expected an int or a 1-element int64 array, got {type(token).__name__}"
                 )
             checks.plan_arrays(self._plans[self._bucket], token=token)
+        elif drawn_by is not None:
+            raise PagedAttentionError("drawn_by: expected a device token (the one the state drew), got an int")
         else:
-            token = int(checks.token_ids("token", token, self.vocab)[0])
+            vocab = self.vocab if self.sampler is None else self.sampler.vocab
+            token = int(checks.token_ids("token", token, vocab)[0])
         try:
             slot = self._slot.index(None)
         except ValueError:
@@ -267,7 +346,14 @@ class DecodeBatch:
             self._switch(self._bucket_for(slot + 1))
         seq._batch = self
         seq.length = L + 1  # the fed token is prepared (docs/layout.md)
-        self._slot[slot] = _Slot(seq, limit, self.launches, device_token)
+        state = _Slot(seq, limit, self.launches, device_token, sp.logprobs is not None, sp.logprobs or 0)
+        self._slot[slot] = state
+        if drawn_by is not None:
+            assert self.sampler is not None  # checked above
+            self.sampler.take(slot, drawn_by[0], int(drawn_by[1]))
+            state.first_drawn = True
+        elif self.sampler is not None:
+            self.sampler.set(slot, sp.words(), context=context, generated=[] if device_token else [token])
         if device_token:
             self.stream.copy(self.next_token, token, nbytes=8, dst_offset=8 * slot)
             self.stream.copy(self.first, token, nbytes=8, dst_offset=8 * slot)
@@ -393,15 +479,26 @@ class DecodeBatch:
         ring = self.stream.read(self.slots.ring)
         words = self.stream.read(self.slots.words)
         first = self.stream.read(self.first) if any(s is not None and s.first_on_device for s in self._slot) else None
+        lps: tuple | None = None
+        if self.sampler is not None and any(s is not None and s.logprobs for s in self._slot):
+            sm = self.sampler
+            lps = (self.stream.read(sm.logprobs), self.stream.read(sm.first_logprobs))
+            if any(s is not None and s.top_n for s in self._slot):
+                lps += (
+                    self.stream.read(sm.top_ids),
+                    self.stream.read(sm.top_logprobs),
+                    self.stream.read(sm.first_top_ids),
+                    self.stream.read(sm.first_top_logprobs),
+                )
         saved = self._snapshot()
         try:
-            self._learn_from(out, ring, words, first)
+            self._learn_from(out, ring, words, first, lps)
         except BaseException:
             self._restore(saved)
             raise
         return out
 
-    def _learn_from(self, out: Readback, ring, words, first) -> None:
+    def _learn_from(self, out: Readback, ring, words, first, lps=None) -> None:
         stride = self.max_batch
         for i, s in enumerate(self._slot):
             if s is None:
@@ -413,11 +510,20 @@ class DecodeBatch:
                 end = int(words[layout.SLOT_DONE_AT * stride + i]) + 1
                 reason = REASONS.get(int(words[layout.SLOT_REASON * stride + i]), "stop")
             toks = [int(ring[t % self.k, i]) for t in range(s.start, end)]
+            lp = None if lps is None or not s.logprobs else [float(lps[0][t % self.k, i]) for t in range(s.start, end)]
+            top = None
+            if lp is not None and s.top_n:
+                n, ids, tl = s.top_n, lps[2], lps[3]
+                top = [_pairs(ids[t % self.k, i, :n], tl[t % self.k, i, :n]) for t in range(s.start, end)]
             if s.first_on_device:
                 ft = int(first[i])
                 if len(s.seq._tokens) == s.written0:
                     s.seq._tokens.append(ft)
                 toks.insert(0, ft)
+                if lp is not None:
+                    lp.insert(0, float(lps[1][i]) if s.first_drawn else float("nan"))
+                if top is not None:
+                    top.insert(0, _pairs(lps[4][i, : s.top_n], lps[5][i, : s.top_n]) if s.first_drawn else [])
                 s.first_on_device = False
             m = end - s.start
             seq = s.seq
@@ -431,6 +537,10 @@ class DecodeBatch:
                 self.cache._index_pages(seq)
             if toks:
                 out.tokens[seq] = toks
+                if lp is not None:
+                    out.logprobs[seq] = lp
+                if top is not None:
+                    out.top_logprobs[seq] = top
             if reason:
                 out.finished[seq] = reason
                 out.finished_at[seq] = end - 1
@@ -444,7 +554,8 @@ class DecodeBatch:
         """What ``_learn_from`` changes (the prefix index aside: an entry it
         added describes written pages, and offering them again finds it)."""
         slots = [
-            (s, s.start, s.len0, s.written0, s.first_on_device, s.done) if s is not None else None for s in self._slot
+            (s, s.start, s.len0, s.written0, s.first_on_device, s.done, s.first_drawn) if s is not None else None
+            for s in self._slot
         ]
         seqs = [
             (s.seq, s.seq.length, len(s.seq._tokens), s.seq._written, s.seq._indexed, s.seq._batch)
@@ -458,7 +569,7 @@ class DecodeBatch:
         self._slot = [None if t is None else t[0] for t in slots]
         for t in slots:
             if t is not None:
-                t[0].start, t[0].len0, t[0].written0, t[0].first_on_device, t[0].done = t[1:]
+                t[0].start, t[0].len0, t[0].written0, t[0].first_on_device, t[0].done, t[0].first_drawn = t[1:]
         for seq, length, ntok, written, indexed, batch in seqs:
             seq.length, seq._written, seq._indexed, seq._batch = length, written, indexed, batch
             del seq._tokens[ntok:]
@@ -545,6 +656,8 @@ class DecodeBatch:
             assert s is not None  # src is in used
             for buf in (self.next_token, self.first):
                 self.stream.copy(buf, buf, nbytes=8, dst_offset=8 * dst, src_offset=8 * src)
+            if self.sampler is not None:
+                self.sampler.move(dst, src)  # its parameters, step and counts
             self._write_slot(dst, s.seq, s.max_len)
             self._slot[dst], self._slot[src] = s, None  # src still active on the device: padded next
             self._pad.add(src)
@@ -575,7 +688,10 @@ class DecodeBatch:
         plan = self._plans[bucket]
         logits = self._step(plan)
         self.vocab = int(logits.shape[-1])
-        argmax_into(logits, self.next_token[:bucket])
+        if self.sampler is None:
+            argmax_into(logits, self.next_token[:bucket])
+        else:
+            sample_into(logits, self.sampler, self.next_token, clock=self.slots.clock)
         advance_slots(plan, self.slots, self.next_token, full_finishes=True)
 
     def _launch(self, bucket: int) -> None:
@@ -594,6 +710,10 @@ class DecodeBatch:
         g.launch()
 
 
+def _pairs(ids, lps) -> list[tuple[int, float]]:
+    return [(int(t), float(v)) for t, v in zip(ids, lps)]
+
+
 def _merged(a: Readback, b: Readback) -> Readback:
     """Readback ``a`` followed by ``b``."""
     out = Readback(
@@ -604,6 +724,12 @@ def _merged(a: Readback, b: Readback) -> Readback:
     )
     for s, t in b.tokens.items():
         out.tokens.setdefault(s, []).extend(t)
+    out.logprobs = {s: list(lp) for s, lp in a.logprobs.items()}
+    for s, lp in b.logprobs.items():
+        out.logprobs.setdefault(s, []).extend(lp)
+    out.top_logprobs = {s: list(tp) for s, tp in a.top_logprobs.items()}
+    for s, tp in b.top_logprobs.items():
+        out.top_logprobs.setdefault(s, []).extend(tp)
     out.finished.update(b.finished)
     out.finished_at.update(b.finished_at)
     return out

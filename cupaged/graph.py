@@ -20,6 +20,11 @@
   manager's lengths follow the device step by step.
 * ``capture_count()``: captures completed so far (no recapture, provably).
 
+Both loops take the argmax, or with ``sampler`` (a
+``cupaged.ops.sample.SamplerState`` with a slot per row, its parameters set
+with ``sampler.set(row, SamplingParams(...).words(), context=...)``) draw
+each row's token on the device inside the graph.
+
 Decode batches whose membership changes between launches, on stable buffers
 and one graph per batch bucket: ``cupaged.batch.DecodeBatch``.
 """
@@ -39,6 +44,7 @@ from .cache import PagedKVCache, Sequence
 from .errors import PagedAttentionError
 from .layout import metadata_offsets
 from .ops.advance import SlotBuffers, advance_slots
+from .ops.sample import SamplerState, sample_into
 from .ops.sampling import argmax_into
 from .plan import DevicePlan, HostPlan
 
@@ -198,6 +204,18 @@ class _Loop:
         self.vocab = int(logits.shape[-1])
         self._argmax(logits, self.next_token)
 
+    def _drawer(self, sampler: SamplerState | None, clock: Array | None) -> Callable[[Array, Array], object]:
+        """The token step: the argmax, or ``sampler``'s draw (logprobs at
+        ``clock``'s ring row, or ``sampler.first_logprobs`` without one)."""
+        if sampler is None:
+            return argmax_into
+        if not isinstance(sampler, SamplerState):
+            raise PagedAttentionError(f"sampler: expected a SamplerState or None, got {type(sampler).__name__}")
+        self.sampler = sampler
+        return lambda logits, out: sample_into(logits, sampler, out, clock=clock)
+
+    sampler: SamplerState | None = None
+
     def _capture(self, graph: bool, like: Array) -> None:
         self.graph = None
         if graph:
@@ -225,7 +243,9 @@ class DecodeLoop(_Loop):
     every token) and issues the stream work of one decode step, reading the
     token from ``token_buf`` [batch] int64, positions from ``scalars`` and
     RoPE rows from ``rope_slices``; it returns logits [batch, vocab]. The
-    loop appends ``argmax_into(logits, next_token)``.
+    loop appends ``argmax_into(logits, next_token)`` (with ``sampler``: row
+    r drawn with slot r's parameters, its logprob in
+    ``sampler.first_logprobs[r]``).
 
     Per token, ``advance()`` issues: a device-to-device copy
     next_token -> token_buf; ``scalars.update(seq_len)``; copies of RoPE row
@@ -245,6 +265,7 @@ class DecodeLoop(_Loop):
         rope_tables: tuple[Array, Array] | None = None,
         rope_slices: tuple[Array, Array] | None = None,
         graph: bool = True,
+        sampler: SamplerState | None = None,
     ):
         _token_buffer("token_buf", token_buf)
         _token_buffer("next_token", next_token)
@@ -263,7 +284,7 @@ class DecodeLoop(_Loop):
                         f"rope_slices: expected a {name} slice of {t.shape[1]} "
                         f"{t.dtype} values, got {sl.dtype} {checks.shape_str(sl.shape)}"
                     )
-        self._step, self._argmax = step, argmax_into
+        self._step, self._argmax = step, self._drawer(sampler, None)
         self._capture(graph, token_buf)
 
     def _body(self) -> None:
@@ -293,7 +314,7 @@ class DecodeLoop(_Loop):
 
 
 class PagedDecodeLoop(_Loop):
-    """Greedy decode of B sequences over a paged plan, one graph launch per token.
+    """Decode of B sequences over a paged plan (greedy, or drawn by ``sampler``), one graph launch per token.
 
     ``plan``: a DevicePlan for the first decode step with one query per
     sequence (q_lens all 1). ``step(plan)`` issues one step's stream work
@@ -329,6 +350,10 @@ class PagedDecodeLoop(_Loop):
     steps to come; ``active`` [B] bool marks padding: a padded entry's length
     word is set to 0 on the device, so its attention output is 0, its append
     is skipped and it never advances; ``lengths`` is the host mirror.
+
+    ``sampler`` (a SamplerState of at least B slots): row r's token is drawn
+    with slot r's parameters instead of the argmax; the logprob of step t
+    (0-based) lands in ``sampler.logprobs[t % sampler.ring_rows, r]``.
     """
 
     def __init__(
@@ -342,13 +367,14 @@ class PagedDecodeLoop(_Loop):
         seqs: Collection[Sequence] | None = None,
         active: Iterable[bool] | None = None,
         graph: bool = True,
+        sampler: SamplerState | None = None,
     ):
         if cache is not None and not hasattr(cache, "_drive"):
             raise PagedAttentionError(f"cache: expected a PagedKVCache (or None), got {type(cache).__name__}")
         self._lock = contextlib.nullcontext() if cache is None else cache._lock
         self._drive = None
         with self._lock:
-            self._build(step, plan, token_buf, next_token, cache, seqs, active, graph)
+            self._build(step, plan, token_buf, next_token, cache, seqs, active, graph, sampler)
             if cache is not None:
                 self._drive = cache._drive(plan, self)
 
@@ -362,10 +388,18 @@ class PagedDecodeLoop(_Loop):
         seqs: Collection[Sequence] | None,
         active: Iterable[bool] | None,
         graph: bool,
+        sampler: SamplerState | None = None,
     ) -> None:
         h = plan.host
         if h.queries != h.sequences or (h.q_lens != 1).any():
             raise PagedAttentionError("plan: expected one query per sequence (decode: q_lens all 1)")
+        if sampler is not None and not isinstance(sampler, SamplerState):
+            raise PagedAttentionError(f"sampler: expected a SamplerState or None, got {type(sampler).__name__}")
+        if sampler is not None and sampler.slots < h.sequences:
+            raise PagedAttentionError(
+                f"sampler: expected a SamplerState of at least {h.sequences} slots (one per sequence), "
+                f"got {sampler.slots}"
+            )
         _token_buffer("token_buf", token_buf)
         _token_buffer("next_token", next_token)
         for name, b in (("token_buf", token_buf), ("next_token", next_token)):
@@ -416,7 +450,7 @@ class PagedDecodeLoop(_Loop):
         for s in np.nonzero(~self.active)[0]:
             plan.stream.memset_d32(plan.words, 0, count=1, offset_bytes=4 * (off["kv_len"] + int(s)))
         self._writes = cache._track(plan) if cache is not None else None
-        self._step, self._argmax = step, argmax_into
+        self._step, self._argmax = step, self._drawer(sampler, self.slots.clock)
         self._capture(graph, token_buf)
         self._all_layers = (
             cache is not None

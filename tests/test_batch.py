@@ -560,3 +560,125 @@ def test_threads_join_while_another_thread_advances(weights):
     assert not errors and not t.is_alive() and len(got[b]) > 4
     for s, prompt in ((a, PROMPTS[0]), (b, PROMPTS[2])):
         assert got[s] == eager(weights, prompt, len(got[s]))[0]
+
+
+# ---------------------------------------------------------------- sampling (vocab=)
+
+
+def sampled_run(weights, joins, limits, *, readback_every=3):
+    """Decode with per-slot SamplingParams: ``joins`` = [(prompt index,
+    params, round it joins)]; each round joins, then up to readback_every
+    launches and a readback. Returns ({prompt index: tokens}, {prompt index:
+    logprobs}, buckets seen, {prompt index: top logprob pairs})."""
+    e = Engine(weights, max_len=40, readback_every=readback_every, vocab=CFG.vocab, max_logprobs=4)
+    got, lps, seqs, pending, rnd, buckets = {}, {}, {}, list(joins), 0, set()
+    tops: dict[int, list] = {}
+    while pending or e.batch.members:
+        for j in [j for j in pending if j[2] <= rnd]:
+            i, params, _ = j
+            pending.remove(j)
+            s, first = e.prefill(PROMPTS[i])
+            seqs[s] = i
+            e.batch.join(s, int(first[0]), max_len=len(PROMPTS[i]) + limits[i], sampling=params)
+            got[i], lps[i], tops[i] = [int(first[0])], [], []
+        for _ in range(readback_every):
+            if any(not sl.done for sl in e.batch._slot if sl is not None):
+                buckets.add(e.batch.bucket)
+                e.batch.advance()
+        rb = e.batch.readback()
+        for s, t in rb.tokens.items():
+            got[seqs[s]].extend(t)
+            lps[seqs[s]].extend(rb.logprobs.get(s, []))
+            tops[seqs[s]].extend(rb.top_logprobs.get(s, []))
+        rnd += 1
+    return got, lps, buckets, tops
+
+
+def test_sampled_tokens_do_not_depend_on_slot_bucket_or_neighbours(weights):
+    from cupaged import SamplingParams
+
+    params = [
+        SamplingParams(temperature=1.3, seed=11, logprobs=3),
+        SamplingParams(temperature=0.9, top_k=8, seed=12),
+        SamplingParams(temperature=2.0, top_p=0.8, min_p=0.02, seed=13, logprobs=0),
+        SamplingParams(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.5, seed=14),
+    ]
+    limits = [9, 14, 6, 11]
+    together, lp_together, buckets, top_together = sampled_run(
+        weights, [(0, params[0], 0), (1, params[1], 0), (2, params[2], 1), (3, params[3], 2)], limits
+    )
+    assert 4 in buckets and 2 in buckets  # the batch grew to bucket 4 and (packing) shrank
+    greedy = {i: eager(weights, PROMPTS[i], limits[i])[0] for i in range(4)}
+    assert [len(p) for p in top_together[0]] == [3] * (limits[0] - 1) and top_together[2] == []
+    for pairs, lp, tok in zip(top_together[0], lp_together[0], together[0][1:]):
+        assert [v for _, v in pairs] == sorted((v for _, v in pairs), reverse=True)
+        assert pairs[0][1] >= lp and (tok not in dict(pairs) or abs(dict(pairs)[tok] - lp) < 1e-6)
+    for i in range(4):
+        alone, lp_alone, b, top_alone = sampled_run(weights, [(i, params[i], 0)], limits)
+        assert [[t for t, _ in p] for p in top_alone[i]] == [[t for t, _ in p] for p in top_together[i]]
+        assert b == {1}
+        assert together[i] == alone[i], i
+        assert len(together[i]) == limits[i]
+        np.testing.assert_allclose(lp_together[i], lp_alone[i], atol=1e-6)
+        # the first token came from the host (not in the readbacks): a logprob per decoded token
+        assert len(lp_together[i]) == (len(together[i]) - 1 if params[i].logprobs is not None else 0)
+        assert np.all(np.asarray(lp_together[i]) <= 0) and np.isfinite(lp_together[i]).all()
+        assert together[i] != greedy[i], i  # it sampled
+
+
+def test_vocab_batch_greedy_equals_argmax_batch(weights):
+    from cupaged import SamplingParams
+
+    limits = [7, 10, 5, 8]
+    got, _, _, _ = sampled_run(weights, [(i, SamplingParams.greedy(), i % 2) for i in range(4)], limits)
+    for i in range(4):
+        assert got[i] == eager(weights, PROMPTS[i], limits[i])[0]
+
+
+def test_sampling_join_errors(weights):
+    from cupaged import SamplingParams
+
+    e = Engine(weights, max_len=40)
+    s, first = e.prefill(PROMPTS[0])
+    with pytest.raises(PagedAttentionError, match="sampling: this DecodeBatch takes the argmax"):
+        e.batch.join(s, first, sampling=SamplingParams(temperature=1.0))
+    with pytest.raises(PagedAttentionError, match="sampling: expected a SamplingParams or None, got dict"):
+        e.batch.join(s, first, sampling={"temperature": 1.0})
+    assert e.batch.members == ()
+    e.batch.join(s, first, sampling=SamplingParams.greedy())  # greedy on an argmax batch is fine
+    e2 = Engine(weights, max_len=40, vocab=CFG.vocab)
+    s2, first2 = e2.prefill(PROMPTS[1])
+    with pytest.raises(PagedAttentionError, match="drawn_by: expected a device token"):
+        e2.batch.join(s2, int(first2[0]), drawn_by=(e2.batch.sampler, 0))
+    with pytest.raises(PagedAttentionError, match="drawn_by: expected \\(SamplerState"):
+        e2.batch.join(s2, first2, drawn_by=("x", 0))
+    assert e2.batch.members == ()
+
+
+def test_sampled_hot_paths_allocate_nothing(weights, monkeypatch):
+    """With vocab= (the sampler in the graph): after a bucket's first launch,
+    join (parameters and counts by stream-ordered copies), advance, leave
+    (packing moves a slot's sampler state) allocate nothing on the device."""
+    from cupaged import SamplingParams
+
+    e = Engine(weights, max_len=30, readback_every=2, vocab=CFG.vocab)
+    a, fa = e.prefill(PROMPTS[0])
+    b, fb = e.prefill(PROMPTS[1])
+    c, fc = e.prefill(PROMPTS[3])
+    e.batch.join(a, fa, sampling=SamplingParams(temperature=1.0, seed=1))
+    e.batch.join(b, fb, sampling=SamplingParams(temperature=0.5, top_p=0.9, seed=2))
+    e.batch.advance()  # bucket 2 captured
+    e.batch.readback()
+    captures = e.batch.captures
+
+    def refuse(*args, **kw):
+        raise AssertionError("allocation on a hot path")
+
+    monkeypatch.setattr(runtime_arrays, "_new", refuse)
+    e.batch.leave(a)  # b moves from slot 1 to slot 0
+    e.batch.join(c, fc, sampling=SamplingParams(temperature=1.5, top_k=5, seed=3, logprobs=0))
+    e.batch.advance()
+    e.batch.advance()
+    monkeypatch.undo()
+    assert set(e.batch.readback().tokens) == {b, c}
+    assert e.batch.captures == captures  # new parameters, same graphs

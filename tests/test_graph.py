@@ -703,3 +703,73 @@ def test_seeds_and_scalars_are_checked_before_any_stream_work(weights):
         with pytest.raises(PagedAttentionError, match="seq_len: expected an int in 0..2147483646"):
             sc.update(bad)
     assert sc.write_pos.tolist() == [4]
+
+
+def test_paged_decode_loop_with_a_sampler(weights):
+    """sampler=: greedy parameters give the argmax loop's tokens; seeded
+    sampling gives the same tokens captured and eager, other tokens than
+    greedy, and logprobs (the ring, by step) equal a float64 log-softmax of
+    the logits the eager step read."""
+    from cupaged import SamplingParams
+    from cupaged.ops.sample import SamplerState
+
+    like = np.zeros(1, np.float32)
+    B = len(PROMPTS)
+
+    def run(graph, params):
+        m = _model(like, weights)
+        seqs = [m.cache.add_sequence() for _ in PROMPTS]
+        logits, best = np.zeros((32, CFG.vocab), np.float32), np.zeros(32, np.int64)
+        token_buf, next_token = np.zeros(B, np.int64), np.zeros(B, np.int64)
+        _prefill(m, seqs, PROMPTS, logits, best, next_token)
+        sampler = None
+        if params is not None:
+            sampler = SamplerState(like, B, CFG.vocab, ring_rows=16)
+            for r, p in enumerate(params):
+                sampler.set(r, p.words(), context=PROMPTS[r])
+        plan, _ = m.cache.prepare(seqs, 1, reserve=6)
+        seen = []
+
+        def step(p):
+            m.forward(p, token_buf, logits)
+            if not graph:
+                seen.append(logits[:B].copy())
+            return logits[:B]
+
+        loop = PagedDecodeLoop(
+            step,
+            plan,
+            token_buf=token_buf,
+            next_token=next_token,
+            cache=m.cache,
+            seqs=seqs,
+            graph=graph,
+            sampler=sampler,
+        )
+        hist = []
+        for _ in range(loop.steps_left):
+            loop.advance()
+            hist.append(next_token.copy())
+        loop.finish()
+        lps = None if sampler is None else sampler.logprobs[: len(hist)].copy()
+        return np.array(hist), lps, seen
+
+    argmax, _, _ = run(True, None)
+    greedy, _, _ = run(True, [SamplingParams.greedy()] * B)
+    np.testing.assert_array_equal(greedy, argmax)
+    params = [SamplingParams(temperature=1.5, seed=s, top_p=0.95, logprobs=0) for s in range(B)]
+    g, g_lp, _ = run(True, params)
+    e, e_lp, seen = run(False, params)
+    np.testing.assert_array_equal(g, e)
+    assert not np.array_equal(g, argmax)
+    np.testing.assert_array_equal(g_lp, e_lp)
+    for t, (toks, rows) in enumerate(zip(e, seen)):
+        np.testing.assert_allclose(e_lp[t], reference.log_softmax_at(rows, toks), atol=2e-6)
+    m = _model(like, weights)
+    seqs = [m.cache.add_sequence() for _ in PROMPTS]
+    m.cache.prepare(seqs, [len(p) for p in PROMPTS])
+    plan, _ = m.cache.prepare(seqs, 1)
+    with pytest.raises(PagedAttentionError, match="sampler: expected a SamplerState or None, got str"):
+        PagedDecodeLoop(
+            lambda p: None, plan, token_buf=np.zeros(B, np.int64), next_token=np.zeros(B, np.int64), sampler="x"
+        )

@@ -17,9 +17,12 @@ from ..batch import DecodeBatch
 from ..cache import PagedKVCache
 from ..errors import CheckpointError, PagedAttentionError
 from ..layout import MAX_PAGE_SIZE
+from ..ops.sample import SamplerState
+from ..sampling import MAX_LOGPROBS, SamplingParams, as_sampling
 from .checkpoint import Checkpoint, read_json
 from .config import ModelConfig, parse_config, token_ids
 from .dense import DenseLM
+from .gguf import is_gguf, read_gguf
 from .mla import MlaLM
 from .scheduler import Scheduler
 
@@ -170,17 +173,24 @@ class Engine:
         """An engine from a local model folder: ``config.json`` and the
         ``*.safetensors`` files ``save_pretrained`` writes (nothing is
         downloaded), read through memory maps; the stop tokens default to
-        ``generation_config.json``'s eos_token_id, else config.json's. Further
-        options: see the class docstring. Raises CheckpointError (files) or
+        ``generation_config.json``'s eos_token_id, else config.json's. Or from
+        a ``.gguf`` file (the ``gguf`` extra; ``cupaged.engine.gguf``): its
+        metadata as the config, its tensors dequantized to the engine's dtype
+        as they load, its eos token as the stop token. Further options: see
+        the class docstring. Raises CheckpointError (files, tensor types) or
         ConfigError (an architecture or field it cannot run, eos ids it
-        cannot stop on): the configs are checked before any safetensors
-        file is opened."""
-        raw = Checkpoint.read_config(path)
-        cfg = parse_config(raw)
+        cannot stop on): the configs are checked before any weight is read."""
         eos = options.pop("eos_token_ids", None)
-        if eos is None:
-            eos = _generation_eos(Path(path))
-        ckpt = Checkpoint.from_folder(path)
+        if is_gguf(path):
+            cfg, ckpt, file_eos = read_gguf(path)
+            if eos is None:
+                eos = file_eos or None
+        else:
+            raw = Checkpoint.read_config(path)
+            cfg = parse_config(raw)
+            if eos is None:
+                eos = _generation_eos(Path(path))
+            ckpt = Checkpoint.from_folder(path)
         return cls(
             cfg,
             ckpt,
@@ -271,10 +281,22 @@ class Engine:
         stop_token_ids: int | Iterable[int] | None = None,
         return_logits: bool = False,
         on_tokens: Callable[[int, list[int]], object] | None = None,
-    ) -> list[list[int]] | tuple[list[list[int]], list[np.ndarray]]:
-        """Greedy generation: a list, per prompt (token-id sequences), of its
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Any:
+        """Generation: a list, per prompt (token-id sequences), of its
         generated token ids: ``max_new_tokens`` of them, or fewer when a stop
         token came (it is included, as in transformers' greedy generate).
+
+        sampling: a ``cupaged.SamplingParams`` for every prompt, a list of one
+        per prompt, or None (greedy). Tokens are drawn on the device inside
+        the decode graph (``cupaged.ops.sample``); a request's tokens depend
+        on its prompt, parameters and seed only, not on the other requests.
+        When any request asks for logprobs (``logprobs=n``, n >= 0), the
+        result is (tokens, logprobs): per prompt, per generated token, a dict
+        {token id: log-probability under the raw logits} holding the drawn
+        token first, then the n most likely tokens (vLLM's layout; an empty
+        list for requests that did not ask); with return_logits too, (tokens,
+        logits, logprobs).
 
         stop_token_ids: a token id, or token ids, that end a sequence (at most
         ``ops.advance.MAX_STOP_IDS`` distinct; default: the model's eos tokens, ``self.eos_token_ids``;
@@ -291,13 +313,26 @@ class Engine:
         waiting ones (``cupaged.engine.scheduler``). Every input is checked
         before anything is launched (PagedAttentionError)."""
         prompts, max_new, stop = self._check_generate(prompts, max_new_tokens, stop_token_ids)
+        params = as_sampling("sampling", sampling, len(prompts))
         return_logits = checks.boolean("return_logits", return_logits)
         if on_tokens is not None and not callable(on_tokens):
             raise PagedAttentionError(
                 f"on_tokens: expected a callable on_tokens(index, tokens), got {type(on_tokens).__name__}"
             )
+        if getattr(self, "_prefill_sampler", None) is None:
+            self._prefill_sampler = SamplerState(
+                self.like, self.max_batch, self.config.vocab, max_logprobs=MAX_LOGPROBS
+            )
         sched = Scheduler(
-            self, self._batch_for(stop), prompts, max_new, stop, return_logits=return_logits, on_tokens=on_tokens
+            self,
+            self._batch_for(stop),
+            prompts,
+            max_new,
+            stop,
+            return_logits=return_logits,
+            on_tokens=on_tokens,
+            sampling=params,
+            prefill_sampler=self._prefill_sampler,
         )
         self.stats = sched.stats  # updated as the call runs
         try:
@@ -306,11 +341,13 @@ class Engine:
             if not sched.abort():
                 self._batches = {k: b for k, b in self._batches.items() if b is not sched.batch}
             raise
+        extra: list[Any] = []
         if return_logits:
-            return out, [
-                np.stack(r.logits) if r.logits else np.zeros((0, self.config.vocab), np.float32) for r in sched.requests
-            ]
-        return out
+            vocab = self.config.vocab
+            extra.append([np.stack(r.logits) if r.logits else np.zeros((0, vocab), np.float32) for r in sched.requests])
+        if any(p.logprobs is not None for p in params):
+            extra.append([[dict(d) for d in r.logprobs] for r in sched.requests])
+        return (out, *extra) if extra else out
 
     def _check_generate(self, prompts, max_new_tokens, stop_token_ids):
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
@@ -363,6 +400,8 @@ class Engine:
                 stop_ids=stop,
                 readback_every=self.readback_every,
                 graph=self.graph,
+                vocab=self.config.vocab,
+                max_logprobs=MAX_LOGPROBS,
             )
             if model.gpu and self.graph:
                 # run each bucket's step once eagerly (every slot padded: it

@@ -12,9 +12,13 @@ The loop, until every request is done:
    requests as prompts complete), in chunks: a chunk is up to
    ``prefill_chunk`` prompt tokens, taken from the prefilling requests in
    admission order, in one ``cache.prepare`` plan and one eager forward pass;
-   each request whose prompt ends in the chunk gets its first token from the
-   argmax of its last row and joins the ``DecodeBatch`` with that token on the
-   device (``join(seq, best[i:i+1])``). A longer backlog waits for the next
+   each request whose prompt ends in the chunk gets its first token drawn
+   from its last row with its ``SamplingParams`` (``ops.sample.sample_into``
+   on the engine's prefill ``SamplerState``, row i set to the request's
+   parameters and its prompt as context; temperature 0 is the argmax) and
+   joins the ``DecodeBatch`` with that token on the device, taking the
+   state's row with it (``join(seq, best[i:i+1], drawn_by=(state, i))``: its
+   step, counts and logprob), so its draws go on in the decode graph. A longer backlog waits for the next
    round, so running sequences keep decoding (as vLLM's token budget per
    step, ``max_num_batched_tokens``, whose default of 2048 this follows).
 3. **Decode one round**: up to ``readback_every`` launches of the batch's
@@ -33,6 +37,7 @@ step; the engine also cuts a request's output after its first stop token
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -43,7 +48,8 @@ import numpy as np
 
 from ..batch import DecodeBatch
 from ..cache import Sequence
-from ..ops.sampling import argmax_into
+from ..ops.sample import SamplerState, sample_into
+from ..sampling import SamplingParams
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -63,6 +69,10 @@ class Request:
     launches: int = 0  # decode launches it took part in
     done: bool = False
     logits: list[np.ndarray] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams.greedy)
+    seed: int | None = None  # the seed its draws use (its own, else a random one)
+    # per token {token id: logprob}: the drawn token and the top n, when sampling.logprobs is set
+    logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -79,6 +89,8 @@ class Scheduler:
         *,
         return_logits: bool = False,
         on_tokens: Callable[[int, list[int]], object] | None = None,
+        sampling: list[SamplingParams] | None = None,
+        prefill_sampler: SamplerState | None = None,
     ):
         self.e = engine
         self.cache, self.model = engine.cache, engine.model
@@ -88,6 +100,12 @@ class Scheduler:
         self.return_logits, self.on_tokens = return_logits, on_tokens
         ps = self.cache.page_size
         self.requests = [Request(i, list(p), max_new) for i, p in enumerate(prompts)]
+        if sampling is not None:
+            for r, sp in zip(self.requests, sampling):
+                r.sampling = sp
+        for r in self.requests:
+            r.seed = r.sampling.seed if r.sampling.seed is not None else secrets.randbits(64)
+        self.prefill_sampler = prefill_sampler
         for r in self.requests:
             r.need_pages = -(-(len(r.prompt) + max_new - 1) // ps)
         self.waiting = deque(self.requests)
@@ -171,20 +189,38 @@ class Scheduler:
             stream.copy_from_host(model.idx, np.array([row for _, row in ends], np.int64))
         logits = model.forward(plan, model.tokens, n, gather=m)
         if m:
-            argmax_into(logits, model.best[:m])
+            st = self.prefill_sampler
+            assert st is not None and m <= st.slots  # (the engine's; at most max_batch requests prefill)
+            for i, (r, _) in enumerate(ends):
+                st.set(i, r.sampling.words(seed=r.seed), context=r.prompt)
+            sample_into(logits, st, model.best, clock=None)
             host_logits = stream.read(logits) if self.return_logits else None
             host_best = stream.read(model.best[:m]) if any(r.max_new == 1 for r, _ in ends) else None
+            want_lp = any(r.sampling.logprobs is not None and r.max_new == 1 for r, _ in ends)
+            host_lp = stream.read(st.first_logprobs[:m]) if want_lp else None
+            host_top = (stream.read(st.first_top_ids[:m]), stream.read(st.first_top_logprobs[:m])) if want_lp else None
             for i, (r, _) in enumerate(ends):
                 self.prefilling.remove(r)
                 if host_logits is not None:
                     r.logits.append(np.asarray(host_logits[i], np.float32))
                 if r.max_new == 1:
                     assert host_best is not None  # read above: a request ends with max_new 1
-                    self._emit(r, [int(host_best[i])])
+                    lp, top = None, None
+                    if host_lp is not None and host_top is not None:
+                        n = r.sampling.logprobs or 0
+                        lp = [float(host_lp[i])]
+                        top = [[(int(t), float(v)) for t, v in zip(host_top[0][i, :n], host_top[1][i, :n])]]
+                    self._emit(r, [int(host_best[i])], lp, top)
                     self._finish(r)
                 else:
                     assert r.seq is not None  # admitted
-                    self.batch.join(r.seq, model.best[i : i + 1], max_len=len(r.prompt) + r.max_new)
+                    self.batch.join(
+                        r.seq,
+                        model.best[i : i + 1],
+                        max_len=len(r.prompt) + r.max_new,
+                        sampling=r.sampling,
+                        drawn_by=(st, i),
+                    )
                     self.decoding[r.seq] = r
         stream.synchronize()  # (for the prefill / decode time split in stats)
         self.stats["prefill_tokens"] += n
@@ -217,7 +253,7 @@ class Scheduler:
         self._pending = 0
         self.stats["readbacks"] += 1
         for seq, toks in rb.tokens.items():
-            self._emit(self.decoding[seq], toks)
+            self._emit(self.decoding[seq], toks, rb.logprobs.get(seq), rb.top_logprobs.get(seq))
         for seq in list(self.decoding):
             r = self.decoding[seq]
             if seq in rb.finished or r.done:
@@ -247,14 +283,26 @@ class Scheduler:
         return ok
 
     # -- outputs ------------------------------------------------------------------
-    def _emit(self, r: Request, toks: Iterable[int]) -> None:
-        """Append a request's new tokens, cut after the first stop token and
-        at max_new; report them to ``on_tokens``."""
+    def _emit(
+        self,
+        r: Request,
+        toks: Iterable[int],
+        lps: list[float] | None = None,
+        tops: list[list[tuple[int, float]]] | None = None,
+    ) -> None:
+        """Append a request's new tokens (and, when it asked for them, their
+        logprobs ``lps`` and top-n pairs ``tops``), cut after the first stop
+        token and at max_new; report them to ``on_tokens``."""
         new = []
-        for t in toks:
+        for j, t in enumerate(toks):
             if r.done or len(r.out) >= r.max_new:
                 break
             r.out.append(int(t))
+            if lps is not None and r.sampling.logprobs is not None:
+                d = {int(t): float(lps[j])}
+                for tok, v in tops[j] if tops is not None else ():
+                    d.setdefault(tok, v)
+                r.logprobs.append(d)
             new.append(int(t))
             if int(t) in self.stop:
                 r.done = True

@@ -9,11 +9,12 @@ launch on a stream; none allocates on a hot path or synchronizes.
 * ``slots``: engine-level writes by slot mapping and page copies (vLLM semantics)
 * ``advance``: moving a plan forward on the device (decode graphs)
 * ``sampling``: argmax over logits
+* ``sample``: per-slot sampling (temperature, top-k/p, min-p, penalties, seeds, logprobs)
 * ``layers``: embedding, RMSNorm, linear, RoPE, SwiGLU
 """
 
 from __future__ import annotations
 
-from . import advance, append, attention, layers, sampling, slots
+from . import advance, append, attention, layers, sample, sampling, slots
 
-__all__ = ["advance", "append", "attention", "layers", "sampling", "slots"]
+__all__ = ["advance", "append", "attention", "layers", "sample", "sampling", "slots"]

@@ -525,3 +525,122 @@ def swiglu_mlp(x, w_gate, w_up, w_down) -> np.ndarray:
     """
     x = _f64(x)
     return (silu(x @ _f64(w_gate)) * (x @ _f64(w_up))) @ _f64(w_down)
+
+
+# --------------------------------------------------------------------------
+# Sampling (cupaged.ops.sample)
+# --------------------------------------------------------------------------
+
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+
+
+def philox4x32_10(counter, key) -> np.ndarray:
+    """Philox4x32-10 (Salmon et al. 2011, Random123) of ``counter`` uint32
+    [..., 4] under ``key`` uint32 [..., 2]: uint32 [..., 4]."""
+    c = np.asarray(counter, np.uint64) & 0xFFFFFFFF
+    k = np.asarray(key, np.uint64) & 0xFFFFFFFF
+    shape = np.broadcast_shapes(c.shape[:-1], k.shape[:-1])
+    x = [np.broadcast_to(c[..., i], shape) for i in range(4)]
+    k0, k1 = np.broadcast_to(k[..., 0], shape), np.broadcast_to(k[..., 1], shape)
+    mask = np.uint64(0xFFFFFFFF)
+    for _ in range(10):
+        p0 = np.uint64(_PHILOX_M[0]) * x[0]
+        p1 = np.uint64(_PHILOX_M[1]) * x[2]
+        hi0, lo0 = p0 >> np.uint64(32), p0 & mask
+        hi1, lo1 = p1 >> np.uint64(32), p1 & mask
+        x = [hi1 ^ x[1] ^ k0, lo1, hi0 ^ x[3] ^ k1, lo0]
+        k0 = (k0 + np.uint64(_PHILOX_W[0])) & mask
+        k1 = (k1 + np.uint64(_PHILOX_W[1])) & mask
+    return np.stack(x, axis=-1).astype(np.uint32)
+
+
+def apply_penalties(logits, context, generated, repetition, presence, frequency) -> np.ndarray:
+    """vLLM's penalties, float64 [batch, vocab]: a token in the context or
+    generated (``context`` bool [batch, vocab], ``generated`` int counts
+    [batch, vocab]) is divided (logit > 0) or multiplied (<= 0) by its row's
+    ``repetition`` [batch]; then logit -= frequency * count + presence *
+    (count > 0)."""
+    x = _f64(logits).copy()
+    gen = np.asarray(generated, np.float64)
+    seen = np.asarray(context, bool) | (gen > 0)
+    rep = np.asarray(repetition, np.float64)[:, None]
+    x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
+    x = x - np.asarray(frequency, np.float64)[:, None] * gen - np.asarray(presence, np.float64)[:, None] * (gen > 0)
+    return x
+
+
+def sampling_mask(logits, temperature, top_k, top_p, min_p) -> np.ndarray:
+    """Which tokens a sampler may draw, bool [batch, vocab], for finite
+    ``logits`` [batch, vocab] and per-row ``temperature`` (> 0), ``top_k``
+    (0: off), ``top_p`` and ``min_p``, applied in vLLM's order: min-p
+    (probability >= min_p * the largest), then top-k (value >= the k-th
+    largest kept value; ties kept), then top-p over the kept tokens
+    renormalised (a token stays when the kept tokens of larger value hold less
+    than top_p of the kept mass; ties at the boundary kept)."""
+    z = _f64(logits) / np.asarray(temperature, np.float64)[:, None]
+    out = np.zeros(z.shape, bool)
+    for b in range(z.shape[0]):
+        row = z[b]
+        p = np.exp(row - row.max())
+        keep = p >= float(min_p[b]) * p.max()
+        k = int(top_k[b])
+        if 0 < k < keep.sum():
+            kth = np.sort(row[keep])[::-1][k - 1]
+            keep &= row >= kth
+        if float(top_p[b]) < 1.0:
+            mass = np.where(keep, p, 0.0)
+            total = mass.sum()
+            order = np.argsort(row, kind="stable")  # ascending values
+            suffix = np.concatenate([np.cumsum(mass[order][::-1])[::-1], [0.0]])  # mass at sorted positions >= i
+            above = suffix[np.searchsorted(row[order], row, side="right")]  # mass of the values > each
+            keep &= above < float(top_p[b]) * total
+        out[b] = keep
+    return out
+
+
+def gumbel_of_words(words) -> np.ndarray:
+    """The Gumbel noise -log(-log(u)) of uint32 ``words``, u = ((w >> 9) +
+    0.5) / 2**23 in (0, 1), float64."""
+    u = ((np.asarray(words, np.uint64) >> np.uint64(9)).astype(np.float64) + 0.5) / 2.0**23
+    return -np.log(-np.log(u))
+
+
+def sample_gumbel(logits, mask, temperature, seeds, steps) -> np.ndarray:
+    """Tokens int64 [batch]: the argmax over ``mask``ed tokens of logits /
+    temperature + the Gumbel noise of Philox4x32-10 word 0 at counter
+    (token, step, 0, 0) under key (seed & 0xffffffff, seed >> 32)."""
+    z = _f64(logits) / np.asarray(temperature, np.float64)[:, None]
+    batch, vocab = z.shape
+    seeds = np.asarray(seeds, np.uint64)
+    ctr = np.zeros((batch, vocab, 4), np.uint64)
+    ctr[..., 0] = np.arange(vocab)[None, :]
+    ctr[..., 1] = np.asarray(steps, np.uint64)[:, None]
+    key = np.stack([seeds & np.uint64(0xFFFFFFFF), seeds >> np.uint64(32)], axis=-1)[:, None, :]
+    g = gumbel_of_words(philox4x32_10(ctr, key)[..., 0])
+    return np.argmax(np.where(mask, z + g, -np.inf), axis=1).astype(np.int64)
+
+
+def log_softmax_at(logits, tokens) -> np.ndarray:
+    """log softmax(logits[b])[tokens[b]] per row, float64 [batch]."""
+    x = _f64(logits)
+    m = x.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
+    return x[np.arange(x.shape[0]), np.asarray(tokens)] - lse
+
+
+def top_logprobs(logits, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``n`` largest logits of each row, largest first (NaN counts as the
+    largest; ties: the lower index first): (ids int64 [batch, n], their log
+    softmax float64 [batch, n])."""
+    x = _f64(logits)
+    key = np.where(np.isnan(x), np.inf, x)
+    ids = np.empty((x.shape[0], n), np.int64)
+    for b in range(x.shape[0]):
+        nan = np.isnan(x[b])
+        # NaN first (by index), then by value descending, index ascending
+        order = np.lexsort((np.arange(x.shape[1]), -key[b], ~nan))
+        ids[b] = order[:n]
+    m = np.nanmax(np.where(np.isinf(x) & (x < 0), -np.inf, x), axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
+    return ids, np.take_along_axis(x, ids, axis=1) - lse[:, None]
