@@ -26,7 +26,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, KeysView, Mapping, Sequence
+from collections.abc import Callable, Iterable, KeysView, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -260,6 +260,8 @@ class Checkpoint:
         files: Iterable[Path] = (),
     ):
         self._tensors = tensors  # name -> (source, key): a TensorFile or a dict of arrays
+        #: Called after each ``get`` (a progress bar's ``update``), or None.
+        self.on_read: Callable[[], object] | None = None
         self.where = where
         self.files = tuple(files)
 
@@ -345,7 +347,17 @@ class Checkpoint:
         _float_weight(self.where, name, a.dtype)
         if shape is not None and tuple(a.shape) != tuple(shape):
             raise CheckpointError(f"{self.where}: tensor {name!r}: expected shape {list(shape)}, got {list(a.shape)}")
+        if self.on_read is not None:
+            self.on_read()
         return a
+
+    def num_parameters(self) -> int:
+        """Elements of every tensor, from the headers (nothing is read)."""
+        total = 0
+        for src, key in self._tensors.values():
+            shape = getattr(src[key], "shape", ()) if isinstance(src, Mapping) else src.info(key)[1]
+            total += int(np.prod(shape, dtype=np.int64))
+        return total
 
     def dtype_of(self, name: str) -> np.dtype:
         """The stored dtype of weight ``name`` (floating point, else CheckpointError)."""

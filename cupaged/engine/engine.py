@@ -4,14 +4,15 @@ and the attention kernels (see the package docstring)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import dtypes
-from .._runtime import GPU, array_backend, checks, stream_for
+from .._runtime import GPU, array_backend, checks, progress, stream_for
 from .._runtime.arrays import Array
 from ..batch import DecodeBatch
 from ..cache import PagedKVCache
@@ -25,6 +26,7 @@ from .dense import DenseLM
 from .gguf import is_gguf, read_gguf
 from .mla import MlaLM
 from .scheduler import Scheduler
+from .text import Completion, Detokenizer, TextCodec, finish_reason
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
@@ -39,6 +41,23 @@ GPU_MEMORY_SHARE = 0.9
 GPU_RESERVE_BYTES = 512 << 20
 #: Decode batches kept per engine (one per distinct set of stop tokens).
 MAX_BATCHES = 4
+#: A model above this many parameters on the CPU backend is told it will be slow.
+CPU_WARN_PARAMETERS = 100_000_000
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What ``Engine.stream_generate`` yields: prompt ``index``'s new
+    (read back since the last event), their ``text`` (None without a
+    tokenizer; a character split across tokens comes whole, later), and
+    ``finished``: the prompt's ``Completion`` when this is its last event,
+    else None."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finished: Completion | None = None
 
 
 class Engine:
@@ -64,7 +83,10 @@ class Engine:
     (the longest sequence, prompt and generated tokens; default the model's,
     capped by the cache; a sliding window runs as the model's, it caps
     nothing), ``readback_every`` (decode
-    launches between token readbacks), ``graph`` (False: decode eagerly).
+    launches between token readbacks), ``graph`` (False: decode eagerly),
+    ``tokenizer`` (a ``cupaged.engine.text.TextCodec``, or a model folder or
+    GGUF file to load one from on first use; ``from_pretrained`` passes its
+    path: ``Engine.text``).
 
     Attributes: ``config`` (ModelConfig), ``model`` (the family's CausalLM:
     weights and buffers), ``cache`` (the PagedKVCache), ``max_model_len``,
@@ -93,6 +115,7 @@ class Engine:
         readback_every: int = 8,
         graph: bool = True,
         eos_token_ids: int | Iterable[int] | None = None,
+        tokenizer: TextCodec | str | os.PathLike[str] | None = None,
     ):
         if array_backend(like) is None:
             raise PagedAttentionError(
@@ -132,7 +155,21 @@ class Engine:
         )
         family = {"dense": DenseLM, "mla": MlaLM}[cfg.family]
         rows = max(self.prefill_chunk, self.max_batch)
-        self.model = family(cfg, ckpt, like, dt.np_dtype, max_rows=rows, max_logits=self.max_batch, max_len=limit)
+        n_params = ckpt.num_parameters()
+        if array_backend(like) != GPU and n_params > CPU_WARN_PARAMETERS:
+            progress.notice_once(
+                "cpu-large-model",
+                f"warning: a {n_params / 1e6:.0f}M-parameter model on the CPU backend runs at CPU speed "
+                f"(docs/performance.md has measured tokens/s); like=cupy.zeros(1) runs it on a GPU",
+            )
+        with progress.Progress("loading weights", len(ckpt.names()), "tensors") as bar:
+            ckpt.on_read = bar.update
+            try:
+                self.model = family(
+                    cfg, ckpt, like, dt.np_dtype, max_rows=rows, max_logits=self.max_batch, max_len=limit
+                )
+            finally:
+                ckpt.on_read = None
         heads, d, dv = self.model.cache_layout()
         page_bytes = cfg.layers * self.page_size * heads * (d + dv) * dt.itemsize
         if num_pages is None:
@@ -155,6 +192,17 @@ class Engine:
         self.stream = stream_for(like)
         self._batches: dict[tuple[int, ...], DecodeBatch] = {}
         self.stats: dict[str, float] = {}
+        self._text: TextCodec | None = _UNSET
+        self._no_text = ""
+        self._text_path: str | os.PathLike[str] | None = None
+        if isinstance(tokenizer, TextCodec):
+            self._text = tokenizer
+        elif tokenizer is not None:
+            if not isinstance(tokenizer, (str, os.PathLike)):
+                raise PagedAttentionError(
+                    f"tokenizer: expected a TextCodec, a model folder or a GGUF file, got {type(tokenizer).__name__}"
+                )
+            self._text_path = tokenizer  # loaded on first use (Engine.text)
 
     # -- construction -----------------------------------------------------------
     @classmethod
@@ -191,7 +239,8 @@ class Engine:
             if eos is None:
                 eos = _generation_eos(Path(path))
             ckpt = Checkpoint.from_folder(path)
-        return cls(
+        options.setdefault("tokenizer", path)
+        engine = cls(
             cfg,
             ckpt,
             like=like,
@@ -203,6 +252,7 @@ class Engine:
             eos_token_ids=eos,
             **options,
         )
+        return engine
 
     @classmethod
     def from_transformers(
@@ -272,39 +322,95 @@ class Engine:
             f"max_batch={self.max_batch}, max_model_len={self.max_model_len})"
         )
 
+    # -- text -------------------------------------------------------------------
+    @property
+    def text(self) -> TextCodec | None:
+        """The model's tokenizer and chat template (``cupaged.engine.text``:
+        the folder's tokenizer.json and tokenizer_config.json, or the GGUF
+        file's), loaded on first use; None when there is none. Assignable
+        (a ``TextCodec`` of your own, e.g. for ``from_transformers``)."""
+        if self._text is _UNSET:
+            if self._text_path is None:
+                self._text, self._no_text = None, "the engine was not built from a model folder or GGUF file"
+            else:
+                self._text, self._no_text = TextCodec.for_model(Path(self._text_path))
+        return self._text
+
+    @text.setter
+    def text(self, codec: TextCodec | None) -> None:
+        if codec is not None and not isinstance(codec, TextCodec):
+            raise PagedAttentionError(
+                f"text: expected a cupaged.engine.text.TextCodec or None, got {type(codec).__name__}"
+            )
+        self._text, self._no_text = codec, "no tokenizer was set (engine.text = None)"
+
+    def _encode(self, prompts, chat) -> list:
+        """Token ids of every prompt: ids as given, strings (and, with chat,
+        message lists) through the model's tokenizer and chat template."""
+        chat = checks.boolean("chat", chat)
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+            raise PagedAttentionError(
+                f"prompts: expected a list of prompts (strings or token-id lists), got {type(prompts).__name__}"
+            )
+        out = []
+        for i, p in enumerate(prompts):
+            messages = chat and isinstance(p, (list, tuple)) and bool(p) and all(isinstance(m, dict) for m in p)
+            if not (isinstance(p, str) or messages):
+                if chat:
+                    raise PagedAttentionError(
+                        f"prompts[{i}]: with chat=True expected a string or a list of {{'role', 'content'}} messages, "
+                        f"got {type(p).__name__}"
+                    )
+                out.append(p)
+                continue
+            codec = self.text
+            if codec is None:
+                raise PagedAttentionError(
+                    f"prompts[{i}]: expected token ids (ints), got a {type(p).__name__} (text needs the model's "
+                    f"tokenizer: {self._no_text})"
+                )
+            out.append(codec.encode(p, chat=chat))
+        return out
+
     # -- generation -------------------------------------------------------------
     def generate(
         self,
-        prompts: Sequence[Sequence[int] | np.ndarray],
+        prompts: Sequence[str | Sequence[int] | np.ndarray],
         max_new_tokens: int,
         *,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat: bool = False,
         stop_token_ids: int | Iterable[int] | None = None,
         return_logits: bool = False,
         on_tokens: Callable[[int, list[int]], object] | None = None,
-        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Any:
-        """Generation: a list, per prompt (token-id sequences), of its
-        generated token ids: ``max_new_tokens`` of them, or fewer when a stop
-        token came (it is included, as in transformers' greedy generate).
+        """Generation: a list, per prompt, of ``Completion`` (a list of the
+        generated token ids, so it compares equal to one, with ``text``,
+        ``finish_reason``, ``prompt_ids`` and ``logprobs``): ``max_new_tokens``
+        tokens, or fewer when a stop token came (it is included, as in
+        transformers' generate; ``finish_reason`` "stop", else "length").
+
+        prompts: token-id sequences (ints in 0..vocab-1), or strings when the
+        model has a tokenizer (``self.text``); with ``chat=True`` each string
+        is a user message (or a list of ``{"role", "content"}`` messages)
+        rendered by the model's chat template.
 
         sampling: a ``cupaged.SamplingParams`` for every prompt, a list of one
         per prompt, or None (greedy). Tokens are drawn on the device inside
         the decode graph (``cupaged.ops.sample``); a request's tokens depend
         on its prompt, parameters and seed only, not on the other requests.
-        When any request asks for logprobs (``logprobs=n``, n >= 0), the
-        result is (tokens, logprobs): per prompt, per generated token, a dict
-        {token id: log-probability under the raw logits} holding the drawn
-        token first, then the n most likely tokens (vLLM's layout; an empty
-        list for requests that did not ask); with return_logits too, (tokens,
-        logits, logprobs).
+        A request asking for logprobs (``logprobs=n``, n >= 0) gets
+        ``Completion.logprobs``: per generated token a dict {token id:
+        log-probability under the raw logits}, the drawn token first, then the
+        n most likely (vLLM's layout); None for requests that did not ask.
 
         stop_token_ids: a token id, or token ids, that end a sequence (at most
         ``ops.advance.MAX_STOP_IDS`` distinct; default: the model's eos tokens, ``self.eos_token_ids``;
-        ``()`` for none). Prompt tokens are ints in 0..vocab-1. on_tokens(index,
-        tokens): called with each prompt's new tokens as they are read back.
+        ``()`` for none). on_tokens(index, tokens): called with each prompt's
+        new tokens as they are read back (``stream_generate`` yields them).
         return_logits: also return, per prompt, float32 logits [generated,
         vocab] of every step (for checking; it reads back after every decode
-        launch, so it is slow): the result is then (tokens, logits).
+        launch, so it is slow): the result is then (completions, logits).
 
         Continuous batching: prompts are admitted in order while fewer than
         ``max_batch`` run and the cache holds every page they may need;
@@ -312,7 +418,57 @@ class Engine:
         rounds of the running sequences; finished sequences make room for
         waiting ones (``cupaged.engine.scheduler``). Every input is checked
         before anything is launched (PagedAttentionError)."""
-        prompts, max_new, stop = self._check_generate(prompts, max_new_tokens, stop_token_ids)
+        sched = self._scheduler(prompts, max_new_tokens, sampling, chat, stop_token_ids, return_logits, on_tokens)
+        for _ in self._rounds(sched):
+            pass
+        out = [self._completion(sched, r) for r in sched.requests]
+        if return_logits:
+            vocab = self.config.vocab
+            logits = [np.stack(r.logits) if r.logits else np.zeros((0, vocab), np.float32) for r in sched.requests]
+            return out, logits
+        return out
+
+    def stream_generate(
+        self,
+        prompts: Sequence[str | Sequence[int] | np.ndarray],
+        max_new_tokens: int,
+        *,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat: bool = False,
+        stop_token_ids: int | Iterable[int] | None = None,
+    ) -> Iterator[StreamEvent]:
+        """``generate`` as an iterator of ``StreamEvent``: each prompt's new
+        tokens (and text, with a tokenizer) as they are read back, every
+        ``readback_every`` decode steps; a prompt's last event carries its
+        ``Completion``. Inputs are checked before the first event; leaving
+        the loop early (``break``, an exception) stops the requests and frees
+        their pages, so the engine serves the next call."""
+        got: list[tuple[int, list[int]]] = []
+        sched = self._scheduler(
+            prompts, max_new_tokens, sampling, chat, stop_token_ids, False, lambda i, new: got.append((i, list(new)))
+        )
+        return self._events(sched, got)
+
+    def _events(self, sched: Scheduler, got: list) -> Iterator[StreamEvent]:
+        codec = self.text
+        detok = [Detokenizer(codec, r.prompt) for r in sched.requests] if codec is not None else []
+        told = [False] * len(sched.requests)
+        for _ in self._rounds(sched):
+            news, got[:] = list(got), []
+            for i, new in news:
+                r = sched.requests[i]
+                last = r.done and not told[i]
+                text = None if codec is None else detok[i].push(new) + (detok[i].flush() if last else "")
+                told[i] = told[i] or last
+                yield StreamEvent(i, new, text, self._completion(sched, r) if last else None)
+            for i, r in enumerate(sched.requests):
+                if r.done and not told[i]:  # finished with no token in this round
+                    told[i] = True
+                    yield StreamEvent(i, [], None if codec is None else detok[i].flush(), self._completion(sched, r))
+
+    def _scheduler(self, prompts, max_new_tokens, sampling, chat, stop_token_ids, return_logits, on_tokens):
+        ids = self._encode(prompts, chat)
+        prompts, max_new, stop = self._check_generate(ids, max_new_tokens, stop_token_ids)
         params = as_sampling("sampling", sampling, len(prompts))
         return_logits = checks.boolean("return_logits", return_logits)
         if on_tokens is not None and not callable(on_tokens):
@@ -335,19 +491,28 @@ class Engine:
             prefill_sampler=self._prefill_sampler,
         )
         self.stats = sched.stats  # updated as the call runs
+        return sched
+
+    def _rounds(self, sched: Scheduler) -> Iterator[None]:
+        """The scheduler's rounds; after an error, an interrupt or a caller
+        leaving a stream, its requests are stopped and their pages freed."""
         try:
-            out = sched.run()
+            yield from sched.rounds()
         except BaseException:
             if not sched.abort():
                 self._batches = {k: b for k, b in self._batches.items() if b is not sched.batch}
             raise
-        extra: list[Any] = []
-        if return_logits:
-            vocab = self.config.vocab
-            extra.append([np.stack(r.logits) if r.logits else np.zeros((0, vocab), np.float32) for r in sched.requests])
-        if any(p.logprobs is not None for p in params):
-            extra.append([[dict(d) for d in r.logprobs] for r in sched.requests])
-        return (out, *extra) if extra else out
+
+    def _completion(self, sched: Scheduler, r) -> Completion:
+        lp = [dict(d) for d in r.logprobs] if r.sampling.logprobs is not None else None
+        return Completion(
+            r.out,
+            prompt_index=r.index,
+            prompt_ids=r.prompt,
+            finish_reason=finish_reason(r.out, sched.stop, r.max_new),
+            logprobs=lp,
+            codec=self.text,
+        )
 
     def _check_generate(self, prompts, max_new_tokens, stop_token_ids):
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):

@@ -40,12 +40,13 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._runtime import progress
 from ..batch import DecodeBatch
 from ..cache import Sequence
 from ..ops.sample import SamplerState, sample_into
@@ -96,6 +97,7 @@ class Scheduler:
         self.cache, self.model = engine.cache, engine.model
         self.stream = engine.stream
         self.stop = set(stop_ids)
+        self._bar: progress.Progress | None = None  # the prefill bar while rounds() runs
         self.batch = batch
         self.return_logits, self.on_tokens = return_logits, on_tokens
         ps = self.cache.page_size
@@ -127,17 +129,34 @@ class Scheduler:
 
     # -- the loop -----------------------------------------------------------------
     def run(self) -> list[list[int]]:
-        while self.waiting or self.prefilling or self.decoding:
-            self._admit()
-            done = 0
-            while self.prefilling and done < self.e.prefill_per_round:
-                done += self._prefill_chunk(self.e.prefill_per_round - done)
-                self._admit()
-            if self.decoding:
-                self._decode_round()
-            if self.waiting and not (self.prefilling or self.decoding) and not self._try_admit:
-                raise RuntimeError("scheduler: nothing runs and nothing can be admitted")  # (cannot happen)
+        for _ in self.rounds():
+            pass
         return [r.out for r in self.requests]
+
+    def rounds(self) -> Iterator[None]:
+        """The loop, a round at a time (prefill chunks up to the round's
+        token budget, then a decode round of the running sequences): it
+        yields after each round, when ``on_tokens`` has had what was read
+        back, so a caller can stream it. A prefill taking more than ~2 s
+        shows a progress bar (``progress.Progress``; stderr, a terminal)."""
+        bar = progress.Progress("prefill", sum(len(r.prompt) for r in self.requests), "tokens")
+        self._bar = bar
+        try:
+            while self.waiting or self.prefilling or self.decoding:
+                self._admit()
+                done = 0
+                while self.prefilling and done < self.e.prefill_per_round:
+                    done += self._prefill_chunk(self.e.prefill_per_round - done)
+                    self._admit()
+                if not self.prefilling and not self.waiting:
+                    bar.close()  # every prompt is in: the rest is decode
+                if self.decoding:
+                    self._decode_round()
+                if self.waiting and not (self.prefilling or self.decoding) and not self._try_admit:
+                    raise RuntimeError("scheduler: nothing runs and nothing can be admitted")  # (cannot happen)
+                yield
+        finally:
+            bar.close()
 
     def _running(self):
         return self.prefilling + list(self.decoding.values())
@@ -225,6 +244,8 @@ class Scheduler:
         stream.synchronize()  # (for the prefill / decode time split in stats)
         self.stats["prefill_tokens"] += n
         self.stats["prefill_chunks"] += 1
+        if self._bar is not None:
+            self._bar.update(n)
         self.stats["prefill_seconds"] += time.perf_counter() - t0
         return n
 

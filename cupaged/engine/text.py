@@ -45,9 +45,11 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 class Completion(list):
     """The generated token ids of one prompt (a ``list`` of ints), with
-    ``prompt_index`` (the prompt's place), ``prompt_ids``, ``text`` (None without a
-    tokenizer), ``finish_reason`` ("stop" or "length") and ``logprobs``
-    (float per generated token, or None)."""
+    ``prompt_index`` (the prompt's place), ``prompt_ids``, ``text`` (their
+    text, decoded on first use; None without a tokenizer),
+    ``finish_reason`` ("stop" or "length") and ``logprobs`` (per token a
+    dict {token id: log-probability}, the drawn token first; None when not
+    asked)."""
 
     def __init__(
         self,
@@ -57,14 +59,22 @@ class Completion(list):
         prompt_ids: Sequence[int] = (),
         text: str | None = None,
         finish_reason: str = "length",
-        logprobs: Sequence[float] | None = None,
+        logprobs: Sequence[Mapping[int, float]] | None = None,
+        codec: TextCodec | None = None,
     ):
         super().__init__(int(t) for t in token_ids)
         self.prompt_index = prompt_index
         self.prompt_ids = list(prompt_ids)
-        self.text = text
+        self._text = text
+        self._codec = codec
         self.finish_reason = finish_reason
-        self.logprobs = None if logprobs is None else [float(x) for x in logprobs]
+        self.logprobs = None if logprobs is None else [{int(k): float(v) for k, v in d.items()} for d in logprobs]
+
+    @property
+    def text(self) -> str | None:
+        if self._text is None and self._codec is not None:
+            self._text = self._codec.decode(list(self))
+        return self._text
 
     @property
     def token_ids(self) -> list[int]:

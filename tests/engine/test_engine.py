@@ -362,7 +362,7 @@ def test_generate_input_errors_change_nothing(llama_folder):
         (([[1, 2], [300]], 2), r"prompts\[1\]\[0\]: expected a token id in 0..255, got 300"),
         (([[]], 2), r"prompts\[0\]: expected at least one token"),
         ((["hello"], 2), r"prompts\[0\]: expected token ids \(ints\), got a str"),
-        (("hello", 2), "prompts: expected a list of token-id lists, got str"),
+        (("hello", 2), r"prompts: expected a list of prompts \(strings or token-id lists\), got str"),
         (([[1]], 0), "max_new_tokens: expected an int in 1..31, got 0"),
         (([[1]], 2, {"stop_token_ids": [-1]}), r"stop_token_ids: expected token ids >= 0"),
         (([[1]], 2, {"on_tokens": 3}), "on_tokens: expected a callable"),

@@ -69,13 +69,15 @@ def test_penalised_greedy_against_reference(engine):
 
 def test_logprobs_against_reference(engine):
     sp = SamplingParams(temperature=1.0, seed=7, logprobs=0)
-    toks, logits, lps = engine.generate([PROMPTS[0]], 5, stop_token_ids=(), sampling=sp, return_logits=True)
+    toks, logits = engine.generate([PROMPTS[0]], 5, stop_token_ids=(), sampling=sp, return_logits=True)
+    lps = [c.logprobs for c in toks]
     assert len(lps[0]) == len(toks[0]) == 5
     assert [list(d) for d in lps[0]] == [[t] for t in toks[0]]  # the drawn token only
     drawn = [d[t] for d, t in zip(lps[0], toks[0])]
     np.testing.assert_allclose(drawn, reference.log_softmax_at(logits[0], toks[0]), atol=1e-5)
-    toks2, lps2 = engine.generate([PROMPTS[0], PROMPTS[3]], 5, stop_token_ids=(), sampling=[sp, SamplingParams(seed=1)])
-    assert toks2[0] == toks[0] and lps2[1] == []
+    toks2 = engine.generate([PROMPTS[0], PROMPTS[3]], 5, stop_token_ids=(), sampling=[sp, SamplingParams(seed=1)])
+    lps2 = [c.logprobs for c in toks2]
+    assert toks2[0] == toks[0] and lps2[1] is None
     again = [d[t] for d, t in zip(lps2[0], toks2[0])]
     np.testing.assert_allclose(again, drawn, atol=1e-4)  # (batch-1 vs batch-2 logits differ in rounding)
 
@@ -85,7 +87,8 @@ def test_top_logprobs_against_reference(engine, max_new):
     # logprobs=4: per token the drawn one, then the 4 most likely (the
     # prefill's first token and the decode graph's), vs a float64 log-softmax
     sp = SamplingParams(temperature=2.0, seed=3, logprobs=4)
-    toks, logits, lps = engine.generate([PROMPTS[1]], max_new, stop_token_ids=(), sampling=sp, return_logits=True)
+    toks, logits = engine.generate([PROMPTS[1]], max_new, stop_token_ids=(), sampling=sp, return_logits=True)
+    lps = [c.logprobs for c in toks]
     assert len(lps[0]) == len(toks[0]) == max_new
     ids, want = reference.top_logprobs(logits[0], 4)
     for t, d, row_ids, row_lp, row in zip(toks[0], lps[0], ids, want, logits[0]):

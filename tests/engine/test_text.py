@@ -140,10 +140,20 @@ def test_streamed_text_is_the_whole_decode_and_never_a_broken_character(folder, 
 
 def test_completion_is_a_list_with_its_reason():
     c = Completion(
-        [5, 6, 2], prompt_index=1, prompt_ids=[1, 2], text="ab", finish_reason="stop", logprobs=[-0.1, -1, -2]
+        [5, 6, 2],
+        prompt_index=1,
+        prompt_ids=[1, 2],
+        text="ab",
+        finish_reason="stop",
+        logprobs=[{5: -0.1}, {6: -1}, {2: -2}],
     )
     assert c == [5, 6, 2] and isinstance(c, list) and c.token_ids == [5, 6, 2]
-    assert c.prompt_index == 1 and c.text == "ab" and c.finish_reason == "stop" and c.logprobs == [-0.1, -1.0, -2.0]
+    assert (
+        c.prompt_index == 1
+        and c.text == "ab"
+        and c.finish_reason == "stop"
+        and c.logprobs == [{5: -0.1}, {6: -1.0}, {2: -2.0}]
+    )
     assert "finish_reason='stop'" in repr(c)
     assert finish_reason([5, 6, 2], {2}, 8) == "stop"
     assert finish_reason([5, 6, 7], {2}, 3) == "length"
