@@ -26,12 +26,35 @@ decode step's time is mostly the cuBLAS products).
 
 Compare on the same GPU, model shape and batch with vLLM and SGLang decode
 tokens/s (docs/performance.md, "Engine").
+
+A real model against transformers, side by side in one run::
+
+    python benchmarks/bench_engine.py --cpu --model /path/to/SmolLM2-135M --vs-transformers
+    python benchmarks/bench_engine.py --cpu --model model.gguf --vs-transformers --batch 1 8 --prompt-tokens 256
+
+``--model``: a model folder (config.json + safetensors) or a ``.gguf`` file,
+float32 unless ``--dtype``. For each batch B (``--batch``, default 1 and 8):
+decode tokens/s of B prompts of ``--decode-prompt`` tokens generating
+``--new`` tokens each, no stop tokens; then the time of one
+``--prompt-tokens`` prefill (and its first token). Each measurement runs
+after a warm-up of the same shape (kernels compiled, graphs captured), so
+compile time stays out of the figures; the best of ``--repeats`` runs counts.
+cupaged: decode from ``engine.stats`` (decode tokens / decode seconds,
+readbacks included), prefill = prefill seconds. transformers
+(``--vs-transformers``, torch on the CPU with ``torch.set_num_threads`` =
+the CPUs, the same as the CPU backend's BLAS and kernel workers):
+``generate`` greedy with ``min_new_tokens = max_new_tokens``; decode
+tokens/s = B x (new - 1) / (time(new) - time(1)), prefill = time of a
+``max_new_tokens=1`` generate. Ratios are cupaged / transformers for
+tokens/s and cupaged time / transformers time for the prefill.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 
 import benchlib  # noqa: I001
 import numpy as np
@@ -184,15 +207,151 @@ class LaunchCounter:
         del self.stream.launch
 
 
+def _best(fn, repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def _cupaged_model(args, be, dtype, max_batch: int, max_len: int):
+    like = be.asarray(np.zeros(1, np.float32))
+    return cupaged.Engine.from_pretrained(
+        args.model,
+        like=like,
+        dtype=dtype,
+        max_batch=max_batch,
+        prefill_chunk=max(args.prompt_tokens, 16),
+        max_model_len=max_len,
+        num_pages=2 * max_batch * -(-max_len // 16) + 8,
+    )
+
+
+def _cupaged_figures(engine, args, rng) -> dict:
+    """decode tokens/s per batch and the prefill seconds of cupaged."""
+    vocab = engine.config.vocab
+    out = {}
+
+    def decode(b):
+        prompts = [rng.integers(2, vocab, args.decode_prompt).tolist() for _ in range(b)]
+        engine.generate(prompts, args.new, stop_token_ids=())
+        s = engine.stats
+        return -s["decode_tokens"] / s["decode_seconds"]
+
+    def prefill():
+        engine.generate([rng.integers(2, vocab, args.prompt_tokens).tolist()], 1, stop_token_ids=())
+        return engine.stats["prefill_seconds"]
+
+    for b in args.batch:
+        decode(b)  # warm-up: kernels compiled, this bucket's graph captured
+        out[f"decode_b{b}"] = -_best(lambda b=b: decode(b), args.repeats)
+    prefill()
+    out["prefill"] = _best(prefill, args.repeats)
+    return out
+
+
+def _transformers_figures(args, dtype, rng) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype.name]
+    path = Path(args.model)
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=tdt)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=tdt)
+    model.eval()
+    vocab = model.config.vocab_size
+
+    def gen(b, length, new):
+        ids = torch.from_numpy(rng.integers(2, vocab, (b, length)))
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        return time.perf_counter() - t
+
+    out = {}
+    for b in args.batch:
+        gen(b, args.decode_prompt, args.new)  # warm-up
+        full = _best(lambda b=b: gen(b, args.decode_prompt, args.new), args.repeats)
+        first = _best(lambda b=b: gen(b, args.decode_prompt, 1), args.repeats)
+        out[f"decode_b{b}"] = b * (args.new - 1) / max(full - first, 1e-9)
+    gen(1, args.prompt_tokens, 1)
+    out["prefill"] = _best(lambda: gen(1, args.prompt_tokens, 1), args.repeats)
+    return out
+
+
+def model_main(args) -> int:
+    """--model: a real checkpoint, optionally side by side with transformers."""
+    be = benchlib.backend(args.cpu, flush=False)
+    dtype = benchlib.dtype_of(args.dtype or "f32", be)
+    max_batch = max(args.batch)
+    max_len = max(args.prompt_tokens + 1, args.decode_prompt + args.new) + 16
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    t0 = time.perf_counter()
+    engine = _cupaged_model(args, be, dtype, max_batch, max_len)
+    c = engine.config
+    print(
+        f"device: {be.device}; {args.model}: {c.architecture}, {c.layers} layers, hidden {c.hidden}, heads "
+        f"{c.heads}/{c.kv_heads} x {c.head_dim}, ffn {c.ffn}, vocab {c.vocab}, {dtype.name}; threads "
+        f"{os.cpu_count()}; engine built in {time.perf_counter() - t0:.1f} s; load average at start "
+        f"{' '.join(f'{x:.2f}' for x in load) if load else '-'}",
+        flush=True,
+    )
+    rng = np.random.default_rng(1)
+    ours = _cupaged_figures(engine, args, rng)
+    print("cupaged: " + ", ".join(f"{k} {v:.3g}" for k, v in ours.items()), flush=True)
+    del engine
+    theirs = _transformers_figures(args, dtype, rng) if args.vs_transformers else {}
+    rows = []
+    for b in args.batch:
+        k = f"decode_b{b}"
+        rows.append(
+            dict(
+                figure=f"decode tok/s, batch {b}",
+                cupaged=f"{ours[k]:.2f}",
+                transformers=f"{theirs[k]:.2f}" if theirs else "-",
+                ratio=f"{ours[k] / theirs[k]:.2f}x" if theirs else "-",
+            )
+        )
+    rows.append(
+        dict(
+            figure=f"prefill {args.prompt_tokens} tokens, s",
+            cupaged=f"{ours['prefill']:.3f}",
+            transformers=f"{theirs['prefill']:.3f}" if theirs else "-",
+            ratio=f"{ours['prefill'] / theirs['prefill']:.2f}x time" if theirs else "-",
+        )
+    )
+    print()
+    print(benchlib.table(rows, list(rows[0])))
+    end = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(
+        f"(decode: {args.decode_prompt}-token prompts, {args.new} new tokens; best of {args.repeats}; load average "
+        f"at end {' '.join(f'{x:.2f}' for x in end) if end else '-'}: other work on the machine slows both sides)"
+    )
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="CPU backend, tiny shape")
+    p.add_argument("--model", default=None, help="a model folder or .gguf file (instead of a random --shape)")
+    p.add_argument("--vs-transformers", action="store_true", help="with --model: transformers side by side")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="with --model: decode batches")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="with --model: the timed prefill's tokens")
+    p.add_argument("--decode-prompt", type=int, default=32, help="with --model: prompt tokens of the decode runs")
+    p.add_argument("--repeats", type=int, default=2, help="with --model: measured runs per figure (best counts)")
     p.add_argument("--shape", choices=sorted(SHAPES), default=None, help="(default: 1b on the GPU, tiny on --cpu)")
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512 GPU, 16 CPU)")
     p.add_argument("--new", type=int, default=None, help="new tokens (default 128 GPU, 8 CPU)")
     p.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"], help="(default bf16 GPU, f32 CPU)")
     args = p.parse_args(argv)
+    if args.model is not None:
+        if args.new is None:
+            args.new = 32
+        return model_main(args)
+    if args.vs_transformers:
+        p.error("--vs-transformers needs --model")
     be = benchlib.backend(args.cpu, flush=False)
     shape = args.shape or ("tiny" if args.cpu else "1b")
     prompt = args.prompt or (16 if args.cpu else 512)

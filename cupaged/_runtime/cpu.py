@@ -494,6 +494,55 @@ def num_workers() -> int:
     return int(runtime().cupaged_rt_num_workers())
 
 
+# ---- BLAS threads of host work --------------------------------------------------
+#: Products of at most this many rows (a decode step's) run BLAS on one thread:
+#: they are memory-bound, and handing a small product to a second BLAS thread
+#: costs more than it saves (measured: 0.1 ms alone vs 15-30 ms with two
+#: threads for a [1, 576] x [576, 3072] product on 2 busy cores); larger ones
+#: (prefill) use BLAS's own thread count (the CPUs).
+BLAS_ONE_THREAD_ROWS = 32
+
+
+@functools.cache
+def _blas_thread_setter():
+    """OpenBLAS's ``openblas_set_num_threads_local`` (the calling thread's
+    BLAS thread count; 0 restores the global one; returns the previous)
+    from the OpenBLAS NumPy loaded, or None (another BLAS, an older
+    OpenBLAS, no /proc)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line.lower() and ".so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            fn = lib.openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        return fn
+    return None
+
+
+def blas_one_thread(op, rows: int):
+    """``op`` (host work calling BLAS on ``rows`` rows) wrapped to run BLAS on
+    one thread of its own when rows <= BLAS_ONE_THREAD_ROWS (the thread's
+    previous setting is restored after it); else ``op`` itself."""
+    setter = _blas_thread_setter() if rows <= BLAS_ONE_THREAD_ROWS else None
+    if setter is None:
+        return op
+
+    def one_thread():
+        prev = setter(1)
+        try:
+            op()
+        finally:
+            setter(prev)
+
+    return one_thread
+
+
 # ---- modules --------------------------------------------------------------------
 def _export_block(names: list[str]) -> str:
     lines = ['#line 1 "<cupaged exports>"']

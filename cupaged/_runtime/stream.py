@@ -9,7 +9,9 @@ host-to-device async copies, and capture into a graph plus replay.
 * CPU: every call runs at once, in order. While capturing, calls are recorded
   instead, with their arguments frozen at capture (array addresses, scalar
   values), and ``Graph.launch()`` re-runs them in order, exactly as a CUDA
-  graph freezes kernel parameters.
+  graph freezes kernel parameters. ``host_call(fn)`` issues a host callable
+  (NumPy / BLAS work on preallocated arrays, ``ops.layers``' ``host=True``
+  path) the same way: run at once, or recorded and re-run by every replay.
 
 Arguments to ``launch`` follow ``cuLaunchKernel``: a tuple where an array
 stands for its data pointer and a NumPy scalar (``np.int32``, ``np.uint32``,
@@ -143,6 +145,24 @@ class Stream:
         if host.nbytes:
             self._copy_from_host(dst, host.copy(), int(dst_offset))
 
+    def host_call(self, fn: Callable[[], object], *keep: Any) -> None:
+        """Stream-ordered host work (CPU backend only): ``fn()`` runs at once,
+        or, while capturing, is recorded and runs again at every replay of the
+        graph, which keeps ``keep`` (the arrays ``fn`` touches) alive. ``fn``
+        must read and write only arrays that exist before capture (its
+        addresses are frozen in it, as a kernel's arguments are) and must not
+        synchronize or copy to another device."""
+        if not callable(fn):
+            raise PagedAttentionError(f"fn: expected a callable fn(), got {type(fn).__name__}")
+        self._foreign_capture()
+        self._host_call(fn, keep)
+
+    def _host_call(self, fn: Callable[[], object], keep: tuple) -> None:
+        raise PagedAttentionError(
+            f"host_call: expected the CPU backend's stream (host callables are CPU stream work), got the "
+            f"{self.backend} backend's"
+        )
+
     def begin_capture(self) -> None:
         if self.capturing:
             raise PagedAttentionError("stream: already capturing; captures do not nest")
@@ -240,6 +260,9 @@ class CpuStream(Stream):
     def _copy_from_host(self, dst, host, dst_offset) -> None:
         d, s, n = _backend.address(dst) + dst_offset, _backend.address(host), host.nbytes
         self._run_or_record(lambda: ctypes.memmove(d, s, n), dst, host)
+
+    def _host_call(self, fn, keep) -> None:
+        self._run_or_record(fn, fn, *keep)
 
     def _begin_capture(self) -> None:
         self._capture, self._capture_keep = [], []

@@ -56,22 +56,22 @@ class DenseLM(CausalLM):
         return self.cfg.kv_heads, self.cfg.head_dim, self.cfg.head_dim
 
     def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, positions: Array, n: int) -> None:
-        cfg, proj = self.cfg, self.proj
+        cfg, proj, hw = self.cfg, self.proj, self.host
         x, q, k, v, attn = self.x[:n], self.q[:n], self.k[:n], self.v[:n], self.attn[:n]
         q2, k2, v2 = q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)
         proj.linear(h, lw["wq"], q2)
         proj.linear(h, lw["wk"], k2)
         proj.linear(h, lw["wv"], v2)
         if cfg.qkv_bias:
-            layers.bias_add(q2, lw["bq"])
-            layers.bias_add(k2, lw["bk"])
-            layers.bias_add(v2, lw["bv"])
+            layers.bias_add(q2, lw["bq"], host=hw)
+            layers.bias_add(k2, lw["bk"], host=hw)
+            layers.bias_add(v2, lw["bv"], host=hw)
         if cfg.qk_norm:  # RMSNorm over each head's head_dim
             qh, kh = q.reshape(-1, cfg.head_dim), k.reshape(-1, cfg.head_dim)
-            layers.rms_norm(qh, lw["q_norm"], qh, cfg.eps)
-            layers.rms_norm(kh, lw["k_norm"], kh, cfg.eps)
-        layers.rope(q, positions, self.cos, self.sin)
-        layers.rope(k, positions, self.cos, self.sin)
+            layers.rms_norm(qh, lw["q_norm"], qh, cfg.eps, host=hw)
+            layers.rms_norm(kh, lw["k_norm"], kh, cfg.eps, host=hw)
+        layers.rope(q, positions, self.cos, self.sin, host=hw)
+        layers.rope(k, positions, self.cos, self.sin, host=hw)
         cache = self.cache
         assert cache is not None  # attach() ran before the first forward pass
         cache.append(plan, k, v, layer=li)
@@ -79,4 +79,4 @@ class DenseLM(CausalLM):
         plan.attention(q, cache.k[li], cache.v[li], cfg.scale, True, out=attn, window=window)
         proj.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)
         if cfg.o_bias:
-            layers.bias_add(x, lw["bo"])
+            layers.bias_add(x, lw["bo"], host=hw)

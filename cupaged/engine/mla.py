@@ -133,7 +133,7 @@ class MlaLM(CausalLM):
         return 1, self.cfg.kv_lora_rank, self.cfg.qk_rope_dim
 
     def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, positions: Array, n: int) -> None:
-        cfg, proj = self.cfg, self.proj
+        cfg, proj, hw = self.cfg, self.proj, self.host
         x, q_rope, q_abs, lat, k_rope, o_lat = (
             b[:n] for b in (self.x, self.q_rope, self.q_abs, self.lat, self.k_rope, self.o_lat)
         )
@@ -142,10 +142,10 @@ class MlaLM(CausalLM):
             src = self.qa[:n]
             proj.linear(h, lw["wqa"], src)
             if cfg.qkv_bias:
-                layers.bias_add(src, lw["bqa"])
-            layers.rms_norm(src, lw["q_a_norm"], src, LATENT_EPS)
+                layers.bias_add(src, lw["bqa"], host=hw)
+            layers.rms_norm(src, lw["q_a_norm"], src, LATENT_EPS, host=hw)
         proj.linear(src, lw["wq_rope"], q_rope.reshape(n, -1))
-        layers.rope(q_rope, positions, self.cos, self.sin)
+        layers.rope(q_rope, positions, self.cos, self.sin, host=hw)
         if self.fold_q:
             proj.linear(src, lw["wq_abs"], q_abs.reshape(n, -1))
         else:
@@ -156,10 +156,10 @@ class MlaLM(CausalLM):
         proj.linear(h, lw["wdkv"], lat2)
         proj.linear(h, lw["wkr"], kr2)
         if cfg.qkv_bias:
-            layers.bias_add(lat2, lw["bdkv"])
-            layers.bias_add(kr2, lw["bkr"])
-        layers.rms_norm(lat2, lw["kv_norm"], lat2, LATENT_EPS)
-        layers.rope(k_rope, positions, self.cos, self.sin)
+            layers.bias_add(lat2, lw["bdkv"], host=hw)
+            layers.bias_add(kr2, lw["bkr"], host=hw)
+        layers.rms_norm(lat2, lw["kv_norm"], lat2, LATENT_EPS, host=hw)
+        layers.rope(k_rope, positions, self.cos, self.sin, host=hw)
         cache = self.cache
         assert cache is not None  # attach() ran before the first forward pass
         cache.append(plan, lat, k_rope, layer=li)
@@ -171,4 +171,4 @@ class MlaLM(CausalLM):
             proj.linear_heads(o_lat, lw["w_uv"], v_out)
             proj.linear(v_out.reshape(n, -1), lw["wo"], x, accumulate=True)
         if cfg.o_bias:
-            layers.bias_add(x, lw["bo"])
+            layers.bias_add(x, lw["bo"], host=hw)

@@ -59,6 +59,7 @@ class CausalLM:
         self.xp = xp_of(like)
         self.gpu = array_backend(like) == GPU
         self.proj = Projections(like)
+        self.host = not self.gpu  # the CPU backend's dense layers: NumPy / BLAS (ops.layers host=True)
         self.max_rows, self.max_logits, self.max_len = max_rows, max_logits, max_len
         self.cache: PagedKVCache | None = None  # set by attach() before the first forward pass
         self.weight_bytes = 0
@@ -162,18 +163,19 @@ class CausalLM:
         off = metadata_offsets(plan.host.queries, plan.host.sequences)["q_pos"]
         positions = plan.words[off : off + n]
         x, h, gu, act = self.x[:n], self.h[:n], self.gu[:n], self.act[:n]
-        layers.embed(tokens[:n], self.embed, x)
+        hw = self.host
+        layers.embed(tokens[:n], self.embed, x, host=hw)
         for li, lw in enumerate(self.layers):
-            layers.rms_norm(x, lw["attn_norm"], h, cfg.eps)
+            layers.rms_norm(x, lw["attn_norm"], h, cfg.eps, host=hw)
             self._attention(plan, li, lw, h, positions, n)
-            layers.rms_norm(x, lw["mlp_norm"], h, cfg.eps)
+            layers.rms_norm(x, lw["mlp_norm"], h, cfg.eps, host=hw)
             self.proj.linear(h, lw["gate_up"], gu)
             if cfg.mlp_bias:
-                layers.bias_add(gu, lw["gate_up_bias"])
-            layers.silu_mul(gu, act)
+                layers.bias_add(gu, lw["gate_up_bias"], host=hw)
+            layers.silu_mul(gu, act, host=hw)
             self.proj.linear(act, lw["down"], x, accumulate=True)
             if cfg.mlp_bias:
-                layers.bias_add(x, lw["down_bias"])
+                layers.bias_add(x, lw["down_bias"], host=hw)
         if gather == 0:  # a prefill chunk that ends no prompt needs no logits
             return self.logits[:0]
         if gather is None:
@@ -182,8 +184,8 @@ class CausalLM:
             xs, hs, lg = x, h, self.logits[:n]
         else:
             xs, hs, lg = self.xg[:gather], self.hg[:gather], self.logits[:gather]
-            layers.embed(self.idx[:gather], x, xs)  # gather: row r of xs = x[idx[r]]
-        layers.rms_norm(xs, self.final_norm, hs, cfg.eps)
+            layers.embed(self.idx[:gather], x, xs, host=hw)  # gather: row r of xs = x[idx[r]]
+        layers.rms_norm(xs, self.final_norm, hs, cfg.eps, host=hw)
         self.proj.linear(hs, self.lm_head, lg)
         return lg
 

@@ -2,8 +2,11 @@
 optionally accumulated: the fused residual add) and ``linear_heads`` (one
 product per head, MLA's absorbed up-projections).
 
-* CPU backend (NumPy arrays): the CPU kernels, ``ops.layers.linear`` and
-  ``ops.layers.linear_heads`` (the same CUDA C through g++).
+* CPU backend (NumPy arrays): ``ops.layers.linear`` and
+  ``ops.layers.linear_heads`` with ``host=True``: for float32, NumPy's BLAS
+  (``np.matmul(x, W.T, out=...)``) issued into the CPU stream, so the
+  products are recorded into CPU graphs and replayed with the kernels; for
+  float16 / bfloat16 the CPU kernels (the same CUDA C through g++).
 * GPU backend (CuPy arrays): cuBLAS (``cublasGemmEx`` /
   ``cublasGemmStridedBatchedEx``, float32 accumulation, beta = 1 for the
   residual add) on the stream cupaged captures, so the products are recorded
@@ -161,7 +164,7 @@ class Projections:
     def linear(self, x: Array, w: Array, out: Array, *, accumulate: bool = False) -> None:
         """out[M, N] (+)= x[M, K] @ w[N, K].T; all C-contiguous."""
         if not self.gpu:
-            layers.linear(x, w, out, accumulate=accumulate)
+            layers.linear(x, w, out, accumulate=accumulate, host=True)
             return
         m, k = x.shape
         n = w.shape[0]
@@ -208,7 +211,7 @@ class Projections:
     def linear_heads(self, x: Array, w: Array, out: Array, *, accumulate: bool = False) -> None:
         """out[M, H, N] (+)= x[M, H, K] @ w[H, N, K].T per head; C-contiguous."""
         if not self.gpu:
-            layers.linear_heads(x, w, out, accumulate=accumulate)
+            layers.linear_heads(x, w, out, accumulate=accumulate, host=True)
             return
         m, h, k = x.shape
         n = w.shape[1]

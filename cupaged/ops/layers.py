@@ -6,6 +6,16 @@ They exist so that a whole decoder step is stream work on either backend and
 can be captured into one graph (on the CPU backend only cupaged's stream work
 is captured, not NumPy expressions). Every function writes into a
 preallocated ``out``, allocates nothing and never synchronizes.
+
+``host=True`` (the engine's CPU path): on the CPU backend with float32
+arrays, the same layer is NumPy work (BLAS for the products) issued into the
+stream with ``Stream.host_call``, so it runs in stream order and is recorded
+into a CPU graph like a kernel launch; its scratch arrays are allocated when
+it is issued (once per capture: a replay allocates nothing but what NumPy's
+BLAS call itself may). Arithmetic in float32 as the kernels', rounding and
+summation order aside; decode-sized products run BLAS on one thread
+(``cupaged._runtime.cpu.blas_one_thread``). Other dtypes and the GPU backend
+run the kernel.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import numpy as np
 
 from .. import dtypes
 from .._runtime import backend_of, checks, get_kernel, register, stream_for
+from .._runtime.cpu import blas_one_thread
 from ..errors import PagedAttentionError
 
 THREADS = 128
@@ -26,12 +37,17 @@ def _kernel(like, name):
     return get_kernel(like, "layers", name, {"CP_DTYPE": dtypes.token(like.dtype)})
 
 
+def _on_host(host: bool, *arrays) -> bool:
+    """Whether the ``host=True`` NumPy path applies: CPU backend, float32."""
+    return host and all(type(a) is np.ndarray and a.dtype == np.float32 for a in arrays)
+
+
 def _same(ref_name, ref, **arrays):
     backend_of(**{ref_name: ref}, **arrays)
     checks.same_dtype(ref_name, ref, **arrays)
 
 
-def embed(tokens, table, out) -> None:
+def embed(tokens, table, out, *, host: bool = False) -> None:
     """out[r] = table[tokens[r]]: tokens int64 [rows], table [vocab, dim],
     out [rows, dim]. A token outside 0..vocab-1 yields a zero row."""
     checks.float_array("table", table, 2)
@@ -43,6 +59,22 @@ def embed(tokens, table, out) -> None:
             f"tokens: expected a contiguous int64 [rows] array, got {tokens.dtype} {checks.shape_str(tokens.shape)}"
         )
     checks.shape_is("out", out, (tokens.shape[0], table.shape[1]))
+    if _on_host(host, table, out):
+        checks.no_overlap("out", out, table=table)
+        vocab = table.shape[0]
+        ok = np.zeros(tokens.shape[0], np.bool_)
+        low = np.zeros(tokens.shape[0], np.bool_)
+
+        def op():
+            np.take(table, tokens, axis=0, out=out, mode="clip")
+            np.greater_equal(tokens, 0, out=ok)
+            np.less(tokens, vocab, out=low)
+            np.logical_and(ok, low, out=ok)
+            if not ok.all():
+                out[~ok] = 0
+
+        stream_for(out).host_call(op, tokens, table, out)
+        return
     stream_for(out).launch(
         _kernel(out, "embed"),
         (tokens.shape[0],),
@@ -51,7 +83,7 @@ def embed(tokens, table, out) -> None:
     )
 
 
-def rms_norm(x, weight, out, eps: float = 1e-6) -> None:
+def rms_norm(x, weight, out, eps: float = 1e-6, *, host: bool = False) -> None:
     """out = x / sqrt(mean(x^2) + eps) * weight over the last dim.
     x [rows, dim], weight [dim], out [rows, dim] (may be x itself)."""
     checks.float_array("x", x, 2)
@@ -60,12 +92,27 @@ def rms_norm(x, weight, out, eps: float = 1e-6) -> None:
     _same("x", x, weight=weight, out=out)
     checks.shape_is("weight", weight, x.shape[1:])
     checks.shape_is("out", out, x.shape)
+    if _on_host(host, x, weight, out):
+        dim, e = x.shape[1], np.float32(eps)
+        ss = np.zeros((x.shape[0], 1), np.float32)
+        ss1 = ss[:, 0]
+
+        def op():
+            np.einsum("ij,ij->i", x, x, out=ss1)
+            np.multiply(ss, np.float32(1.0 / dim), out=ss)
+            np.add(ss, e, out=ss)
+            np.sqrt(ss, out=ss)
+            np.divide(x, ss, out=out)
+            np.multiply(out, weight, out=out)
+
+        stream_for(x).host_call(op, x, weight, out)
+        return
     stream_for(x).launch(
         _kernel(x, "rms_norm"), (x.shape[0],), (THREADS,), (x, weight, out, np.uint32(x.shape[1]), np.float32(eps))
     )
 
 
-def linear(x, weight, out, *, accumulate: bool = False) -> None:
+def linear(x, weight, out, *, accumulate: bool = False, host: bool = False) -> None:
     """out = x @ weight.T, or out += x @ weight.T with ``accumulate`` (a fused
     residual add). x [M, K], weight [N, K], out [M, N]; float32 accumulation."""
     checks.float_array("x", x, 2)
@@ -79,6 +126,24 @@ def linear(x, weight, out, *, accumulate: bool = False) -> None:
     checks.shape_is("out", out, (x.shape[0], weight.shape[0]))
     checks.no_overlap("out", out, x=x, weight=weight)
     m, n = x.shape[0], weight.shape[0]
+    if _on_host(host, x, weight, out):
+        if m == 0:
+            return
+        wt = weight.T
+        if accumulate:
+            tmp = np.zeros(out.shape, np.float32)
+
+            def op():
+                np.matmul(x, wt, out=tmp)
+                np.add(out, tmp, out=out)
+
+        else:
+
+            def op():
+                np.matmul(x, wt, out=out)
+
+        stream_for(x).host_call(blas_one_thread(op, m), x, weight, out)
+        return
     stream_for(x).launch(
         _kernel(x, "linear"),
         ((n + THREADS // 32 - 1) // (THREADS // 32), m),
@@ -87,7 +152,7 @@ def linear(x, weight, out, *, accumulate: bool = False) -> None:
     )
 
 
-def linear_heads(x, weight, out, *, accumulate: bool = False) -> None:
+def linear_heads(x, weight, out, *, accumulate: bool = False, host: bool = False) -> None:
     """One linear layer per head: out[m, h] = x[m, h] @ weight[h].T (or +=
     with ``accumulate``). x [M, H, K], weight [H, N, K], out [M, H, N];
     float32 accumulation. MLA's absorbed form uses it for the query through
@@ -110,6 +175,22 @@ def linear_heads(x, weight, out, *, accumulate: bool = False) -> None:
         )
     if m == 0 or n == 0:
         return
+    if _on_host(host, x, weight, out):
+        xh, wt, oh = x.transpose(1, 0, 2), weight.transpose(0, 2, 1), out.transpose(1, 0, 2)  # per head
+        if accumulate:
+            tmp = np.zeros((h, m, n), np.float32)
+
+            def op():
+                np.matmul(xh, wt, out=tmp)
+                np.add(oh, tmp, out=oh)
+
+        else:
+
+            def op():
+                np.matmul(xh, wt, out=oh)
+
+        stream_for(x).host_call(blas_one_thread(op, m), x, weight, out)
+        return
     stream_for(x).launch(
         _kernel(x, "linear_heads"),
         ((n + THREADS // 32 - 1) // (THREADS // 32), m, h),
@@ -129,7 +210,7 @@ def linear_heads(x, weight, out, *, accumulate: bool = False) -> None:
     )
 
 
-def bias_add(x, bias) -> None:
+def bias_add(x, bias, *, host: bool = False) -> None:
     """x[r] += bias in place: x [rows, n], bias [n] (a linear layer's bias)."""
     checks.float_array("x", x, 2)
     checks.float_array("bias", bias, 1)
@@ -138,10 +219,13 @@ def bias_add(x, bias) -> None:
     checks.no_overlap("x", x, bias=bias)
     if x.shape[0] == 0:
         return
+    if _on_host(host, x, bias):
+        stream_for(x).host_call(lambda: np.add(x, bias, out=x), x, bias)
+        return
     stream_for(x).launch(_kernel(x, "bias_add"), (x.shape[0],), (THREADS,), (x, bias, np.uint32(x.shape[1])))
 
 
-def rope(x, positions, cos, sin, *, position_stride: int = 1) -> None:
+def rope(x, positions, cos, sin, *, position_stride: int = 1, host: bool = False) -> None:
     """Rotary embedding (rotate-half form) in place.
 
     x [rows, heads, dim] (dim even); positions uint32 with row r's position
@@ -169,6 +253,9 @@ def rope(x, positions, cos, sin, *, position_stride: int = 1) -> None:
             f"positions: expected at least {need} words for {x.shape[0]} rows with "
             f"stride {position_stride}, got {positions.size}"
         )
+    if _on_host(host, x) and x.shape[0]:
+        _rope_host(x, positions, cos, sin, position_stride)
+        return
     stream_for(x).launch(
         _kernel(x, "rope"),
         (x.shape[0],),
@@ -186,7 +273,7 @@ def rope(x, positions, cos, sin, *, position_stride: int = 1) -> None:
     )
 
 
-def silu_mul(gate_up, out) -> None:
+def silu_mul(gate_up, out, *, host: bool = False) -> None:
     """out = silu(gate) * up with gate_up [rows, 2F] = (gate | up), out [rows, F]."""
     checks.float_array("gate_up", gate_up, 2)
     checks.float_array("out", out, 2)
@@ -195,6 +282,49 @@ def silu_mul(gate_up, out) -> None:
         raise PagedAttentionError(f"gate_up: expected an even last dim, got {gate_up.shape[1]}")
     checks.shape_is("out", out, (gate_up.shape[0], gate_up.shape[1] // 2))
     checks.no_overlap("out", out, gate_up=gate_up)
+    if _on_host(host, gate_up, out):
+        f = out.shape[1]
+        gate, up = gate_up[:, :f], gate_up[:, f:]
+
+        def op():
+            np.negative(gate, out=out)
+            np.exp(out, out=out)
+            np.add(out, np.float32(1), out=out)
+            np.divide(gate, out, out=out)
+            np.multiply(out, up, out=out)
+
+        stream_for(out).host_call(op, gate_up, out)
+        return
     stream_for(out).launch(
         _kernel(out, "silu_mul"), (out.shape[0],), (THREADS,), (gate_up, out, np.uint32(out.shape[1]))
     )
+
+
+def _rope_host(x, positions, cos, sin, stride: int) -> None:
+    """rope's host=True path: the rotate-half rotation with NumPy on
+    preallocated scratch; positions are read at every run (replay)."""
+    rows, half = x.shape[0], x.shape[2] // 2
+    words = positions.view(np.uint32) if positions.dtype == np.int32 else positions  # read as u32, as the kernel
+    pos = words[: (rows - 1) * stride + 1 : stride]
+    top = cos.shape[0] - 1
+    p = np.zeros(rows, np.intp)
+    c = np.zeros((rows, 1, half), np.float32)
+    s = np.zeros((rows, 1, half), np.float32)
+    a = np.zeros((rows, x.shape[1], half), np.float32)
+    t = np.zeros_like(a)
+    x1, x2 = x[:, :, :half], x[:, :, half:]
+    c2, s2 = c[:, 0], s[:, 0]
+
+    def op():
+        np.minimum(pos, top, out=p, casting="unsafe")
+        np.take(cos, p, axis=0, out=c2, mode="clip")
+        np.take(sin, p, axis=0, out=s2, mode="clip")
+        np.copyto(a, x1)
+        np.multiply(x1, c, out=x1)
+        np.multiply(x2, s, out=t)
+        np.subtract(x1, t, out=x1)
+        np.multiply(x2, c, out=x2)
+        np.multiply(a, s, out=t)
+        np.add(x2, t, out=x2)
+
+    stream_for(x).host_call(op, x, positions, cos, sin)

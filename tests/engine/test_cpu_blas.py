@@ -1,0 +1,171 @@
+"""The CPU backend's dense layers at BLAS speed: ``ops.layers``' ``host=True``
+path (NumPy / BLAS work issued into the CPU stream with ``host_call``)
+against float64 NumPy references; the work is recorded into CPU graphs and
+replayed (a replay follows new inputs and positions); rows stay independent
+(an Inf / NaN row changes only its own outputs); float16 falls back to the
+kernels; and the engine's decode graph holds only the attention, append and
+sampling kernels, the rest host work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import PagedAttentionError
+from cupaged._runtime import cpu as _cpu
+from cupaged._runtime import stream_for
+from cupaged.graph import capture_graph
+from cupaged.ops import layers
+from cupaged.testing import write_random_checkpoint
+
+F32 = np.float32
+LIKE = np.zeros(1, F32)
+RTOL = 2e-5  # float32 against float64: summation order and one rounding per op
+
+
+def _rand(rng, *shape):
+    return rng.standard_normal(shape).astype(F32)
+
+
+def _close(got, want, tol=RTOL):
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()))
+
+
+def test_embed_gathers_rows_and_zeroes_tokens_outside_the_vocab():
+    rng = np.random.default_rng(0)
+    table = _rand(rng, 11, 6)
+    tokens = np.array([3, 0, 10, -1, 11, 7], np.int64)
+    out = np.full((6, 6), np.nan, F32)
+    layers.embed(tokens, table, out, host=True)
+    want = np.array([table[t] if 0 <= t < 11 else np.zeros(6) for t in tokens], np.float64)
+    np.testing.assert_array_equal(out, want.astype(F32))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_rms_norm(in_place):
+    rng = np.random.default_rng(1)
+    x, w = _rand(rng, 5, 48) * 3, _rand(rng, 48)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64**2).mean(1, keepdims=True) + 1e-5) * w.astype(np.float64)
+    out = x if in_place else np.zeros_like(x)
+    layers.rms_norm(x, w, out, 1e-5, host=True)
+    _close(out, want)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("m", [1, 7])
+def test_linear(accumulate, m):
+    rng = np.random.default_rng(2)
+    x, w, out = _rand(rng, m, 40), _rand(rng, 24, 40), _rand(rng, m, 24)
+    want = x.astype(np.float64) @ w.astype(np.float64).T + (out.astype(np.float64) if accumulate else 0)
+    layers.linear(x, w, out, accumulate=accumulate, host=True)
+    _close(out, want)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_linear_heads(accumulate):
+    rng = np.random.default_rng(3)
+    x, w, out = _rand(rng, 4, 3, 16), _rand(rng, 3, 10, 16), _rand(rng, 4, 3, 10)
+    want = np.einsum("mhk,hnk->mhn", x.astype(np.float64), w.astype(np.float64))
+    want += out.astype(np.float64) if accumulate else 0
+    layers.linear_heads(x, w, out, accumulate=accumulate, host=True)
+    _close(out, want)
+
+
+def test_bias_add_and_silu_mul():
+    rng = np.random.default_rng(4)
+    gu, b = _rand(rng, 3, 20) * 4, _rand(rng, 20)
+    want_b = gu.astype(np.float64) + b
+    layers.bias_add(gu, b, host=True)
+    _close(gu, want_b)
+    g, u = want_b[:, :10], want_b[:, 10:]
+    out = np.zeros((3, 10), F32)
+    layers.silu_mul(gu, out, host=True)
+    _close(out, g / (1 + np.exp(-g)) * u)
+
+
+@pytest.mark.parametrize("stride", [1, 3])
+def test_rope_reads_positions_with_stride_and_clamps(stride):
+    rng = np.random.default_rng(5)
+    rows, heads, dim, max_pos = 4, 3, 8, 6
+    x = _rand(rng, rows, heads, dim)
+    cos, sin = _rand(rng, max_pos, dim // 2), _rand(rng, max_pos, dim // 2)
+    pos = [2, 0, 5, 9]  # 9: past the table, clamped to its last row
+    words = np.full(rows * stride, 77, np.uint32)
+    words[::stride] = pos
+    p = np.minimum(pos, max_pos - 1)
+    c, s = cos[p][:, None].astype(np.float64), sin[p][:, None].astype(np.float64)
+    a, b = x[..., : dim // 2].astype(np.float64), x[..., dim // 2 :].astype(np.float64)
+    want = np.concatenate([a * c - b * s, b * c + a * s], -1)
+    layers.rope(x, words, cos, sin, position_stride=stride, host=True)
+    _close(x, want)
+
+
+def test_a_row_of_inf_and_nan_changes_only_its_own_outputs():
+    rng = np.random.default_rng(6)
+    x, w = _rand(rng, 4, 32), _rand(rng, 16, 32)
+    x[2, 0], x[2, 5] = np.inf, np.nan
+    out, h = np.zeros((4, 16), F32), np.zeros((4, 32), F32)
+    layers.rms_norm(x, np.ones(32, F32), h, host=True)
+    layers.linear(h, w, out, host=True)
+    keep = [0, 1, 3]
+    assert np.isfinite(out[keep]).all() and np.isfinite(h[keep]).all()
+    xk = x[keep].astype(np.float64)
+    hk = xk / np.sqrt((xk**2).mean(1, keepdims=True) + 1e-6)
+    _close(out[keep], hk @ w.astype(np.float64).T)
+
+
+def test_host_work_is_recorded_into_a_cpu_graph_and_replayed():
+    rng = np.random.default_rng(7)
+    x, w, out = _rand(rng, 2, 12), _rand(rng, 5, 12), np.zeros((2, 5), F32)
+    y = np.zeros((2, 2, 4), F32)
+    cos, sin = _rand(rng, 8, 2), _rand(rng, 8, 2)
+    pos = np.array([1, 3], np.uint32)
+    with capture_graph(LIKE) as g:
+        layers.linear(x, w, out, host=True)
+        layers.rope(y, pos, cos, sin, host=True)
+    assert not out.any(), "captured host work ran at capture"
+    for step in range(2):
+        x[:] = _rand(rng, 2, 12)
+        y[:] = _rand(rng, 2, 2, 4)
+        pos[:] = [step + 4, 2 * step]
+        y64 = y.astype(np.float64)
+        g.launch()
+        _close(out, x.astype(np.float64) @ w.astype(np.float64).T)
+        c, s = cos[pos][:, None], sin[pos][:, None]
+        a, b = y64[..., :2], y64[..., 2:]
+        _close(y, np.concatenate([a * c - b * s, b * c + a * s], -1))
+    assert g.graph is not None and g.graph.num_ops == 2
+    assert not any(isinstance(op, _cpu.BoundLaunch) for op in g.graph._ops)
+
+
+def test_host_call_refuses_a_non_callable():
+    with pytest.raises(PagedAttentionError, match="fn: expected a callable fn"):
+        stream_for(LIKE).host_call(3)
+
+
+def test_float16_runs_the_kernel():
+    rng = np.random.default_rng(8)
+    x, w = _rand(rng, 3, 32).astype(np.float16), _rand(rng, 8, 32).astype(np.float16)
+    out = np.zeros((3, 8), np.float16)
+    with capture_graph(LIKE) as g:
+        layers.linear(x, w, out, host=True)
+    assert g.graph is not None and isinstance(g.graph._ops[0], _cpu.BoundLaunch)
+    g.launch()
+    _close(out, x.astype(np.float64) @ w.astype(np.float64).T, tol=2e-3)
+
+
+def test_the_engine_decode_graph_keeps_only_attention_append_and_sampling_kernels(tmp_path):
+    folder = write_random_checkpoint(tmp_path, "LlamaForCausalLM", eos_token_id=None)
+    engine = cupaged.Engine.from_pretrained(folder, like=LIKE, dtype="float32", max_batch=2, prefill_chunk=16)
+    engine.generate([[5, 6, 7], [8, 9]], 3, stop_token_ids=())
+    batch = engine._batches[()]
+    graph = batch._graphs[2].graph
+    names = [op.function.name for op in graph._ops if isinstance(op, _cpu.BoundLaunch)]
+    dense = {"embed", "rms_norm", "linear", "linear_heads", "bias_add", "rope", "silu_mul"}  # layers.cu's kernels
+    assert not dense & set(names), names
+    layers_ = engine.config.layers
+    assert names.count("paged_attention") == names.count("paged_append") == layers_, names
+    # the rest: the step's sampling and slot-advance kernels, one each
+    assert len(names) == 2 * layers_ + 2, names
