@@ -630,6 +630,55 @@ _PIPE_OF = {
 }
 
 
+def _region_time(r: _sass.Region, t: float, w: int, wg_sm: float, smem_bw: float, mma_sm: float) -> float:
+    """One execution of region ``r`` by one warp (seconds) whose waits see
+    the tensor work of ``w`` warps, at ``t`` seconds per instruction: the
+    segments in order, each HGMMA commit group queued on the tensor cores
+    behind those still in flight (from its first HGMMA's issue on, at the
+    longer of its FLOP and its operand bytes); a segment's wait
+    (``WARPGROUP.DEPBAR.LE gsb0, N``) returns when the issue is done and
+    every group but the newest N has finished; those N stay in flight into
+    what follows (and, when the region waits somewhere, around into its
+    next execution: the steady state of a second pass). An mma.sync
+    segment: the longer of its issue, its HMMA time and its shared-memory
+    time. A region with no wait waits for its groups at its end."""
+    segs = r.segments
+    waits = r.waits if len(r.waits) == len(segs) else [0] * len(segs)
+    groups = r.groups if len(r.groups) == len(segs) else [[[s[3], s[4]]] if s[3] else [] for s in segs]
+    has_wait = any(s[6] for s in segs)
+
+    def one_pass(carry: list) -> tuple:
+        total = 0.0
+        for k, (seg, n, gs) in enumerate(zip(segs, waits, groups)):
+            pre, post, mmaf, _wgf, wgs, sm, closed = seg[:7]
+            if not has_wait and k == len(segs) - 1:
+                closed, n = 1, 0
+            issue = (pre + post) * t
+            done = max(issue, mmaf * w / mma_sm if mmaf else 0.0)
+            fin = list(carry)  # finish times of the groups in flight, from this segment's start
+            tail = max(fin, default=0.0)
+            for f, b in gs:
+                tail = max(tail, pre * t) + max(f * w / wg_sm, b * w / smem_bw)
+                fin.append(tail)
+            start = pre * t if gs else 0.0  # LDS / STS beside HGMMA: from the first HGMMA's issue on
+            if closed:
+                waited = fin[: len(fin) - n] if n else fin
+                wgs_waited = sum(b for _, b in (gs[: len(gs) - n] if n else gs))
+                done = max(done, max(waited, default=0.0), start + (wgs_waited + sm) * w / smem_bw)
+                rest = fin[len(fin) - n :] if n else []
+            else:
+                done = max(done, start + sm * w / smem_bw)
+                rest = fin
+            carry = [x - done for x in rest if x > done]
+            total += done
+        return total, carry
+
+    first, carry = one_pass([])
+    if not has_wait or not carry:
+        return first
+    return one_pass(carry)[0]
+
+
 def iteration_parts(
     hot: _sass.HotLoop, rates: Rates, pt: _archs.Point, warps: int, *, wgmma_rate: float | None = None
 ) -> dict:
@@ -637,37 +686,69 @@ def iteration_parts(
     seconds, as the SASS serializes it (``sass.Region``): each region's
     segments run once per its executions per iteration (``rates.y``); in a
     segment, the issue up to the first HGMMA, then the longer of the rest
-    of the issue and the tensor / operand time its wait returns after (an
-    mma.sync segment: the longer of its issue, its HMMA time and its
-    shared-memory time, which overlap); block barriers and the dependent
-    word loads add. The warp issues at ``max(1 / warp_ipc, k / sched_ipc)``
-    clocks per instruction, k of the block's warps sharing its scheduler.
+    of the issue and the tensor / operand time its wait returns after, a
+    wait that leaves its newest N groups in flight (``wait_group N``)
+    overlapping them with what follows (``_region_time``; an mma.sync
+    segment: the longer of its issue, its HMMA time and its shared-memory
+    time, which overlap); block barriers and the dependent word loads add.
+    The warp issues at ``max(1 / warp_ipc, k / sched_ipc)`` clocks per
+    instruction, k of the block's warps sharing its scheduler.
+
+    Warpgroups that take turns through named barriers
+    (``HotLoop.pingpong``: G of them): a warp's waits see only its own
+    warpgroup's tensor work (the others are in their softmax meanwhile)
+    and it issues alone on its scheduler; the iteration is the longest of
+    that chain, the block's tensor time (all G warpgroups' groups one
+    after another), its shared-memory operand time and its issue (the
+    instructions of the k warps of a scheduler). A block barrier in the
+    loop (``BAR.SYNC 0``, not a named one) starts the warpgroups together
+    every iteration: the last to take its turn waits for the others'
+    products first (``turn wait``: G - 1 warpgroups' tensor time added to
+    the chain). Without ping-pong the warps run in lockstep: every wait
+    sees the whole block's tensor work.
+
     Keys: issue, tensor (what the waits for tensor work add), barriers,
-    dependent loads, total."""
+    dependent loads, turn wait (ping-pong only), ping-pong wait (what the shared tensor cores or
+    schedulers add beyond one warpgroup's chain), total; per_instruction,
+    pingpong (G, 0 for none)."""
     clk = pt.clock_hz
     k = -(-warps // pt.sub_partitions)
     t_i = max(1.0 / pt.warp_ipc, k / pt.sched_ipc) / clk
     mma_sm = pt.mma_sync_flops / pt.sms * pt.mma_fraction(warps)
     wg_sm = (wgmma_rate or pt.wgmma_flops or pt.mma_sync_flops) / pt.sms
     smem_bw = pt.smem_bytes_per_clk * clk
+    groups = hot.pingpong(warps)
+    own = 4 if groups else warps  # the warps whose tensor work one warp's waits see
+    t_own = max(1.0 / pt.warp_ipc, 1.0 / pt.sched_ipc) / clk if groups else t_i
     y0 = rates.y[0] if rates.y and rates.y[0] > 0 else float("nan")
     parts = {"issue": 0.0, "tensor": 0.0, "barriers": 0.0, "dependent loads": 0.0}
+    block = {"tensor": 0.0, "smem": 0.0, "issue": 0.0}  # the whole block's, per iteration
+    own_tensor, realign = 0.0, False  # one warpgroup's tensor time; a block barrier in the loop
     for j, r in enumerate(hot.regions):
         per = rates.y[j] / y0 if j < len(rates.y) and np.isfinite(y0) else 0.0
         if per <= 0:
             continue
-        for pre, post, mmaf, wgf, wgs, sm, _closed in r.segments:
-            issue = (pre + post) * t_i
-            if wgf > 0:
-                seg = pre * t_i + max(post * t_i, wgf * warps / wg_sm, (wgs + sm) * warps / smem_bw)
-            else:
-                seg = max(issue, mmaf * warps / mma_sm, sm * warps / smem_bw)
-            parts["issue"] += per * issue
-            parts["tensor"] += per * (seg - issue)
+        n_issue = sum(seg[0] + seg[1] for seg in r.segments)
+        seg_t = _region_time(r, t_own, own, wg_sm, smem_bw, mma_sm)
+        parts["issue"] += per * n_issue * t_own
+        parts["tensor"] += per * (seg_t - n_issue * t_own)
         parts["barriers"] += per * r.bars * pt.bar_clk / clk
         parts["dependent loads"] += per * r.dep_levels * pt.dep_load_s
-    parts["total"] = sum(parts.values())
+        block["tensor"] += per * sum(seg[3] * warps / wg_sm + seg[2] * warps / mma_sm for seg in r.segments)
+        block["smem"] += per * sum((seg[4] + seg[5]) * warps / smem_bw for seg in r.segments)
+        block["issue"] += per * n_issue * k / pt.sched_ipc / clk
+        own_tensor += per * sum(seg[3] * own / wg_sm + seg[2] * own / mma_sm for seg in r.segments)
+        realign = realign or r.bars > r.named_syncs
+    if groups and realign:
+        # a block barrier in the loop starts the warpgroups together each iteration: the last to take its turn
+        # queues behind the others' products (G - 1 warpgroups' tensor time) before its own
+        parts["turn wait"] = (groups - 1) * own_tensor
+    chain = sum(parts.values())
+    total = max(chain, *block.values()) if groups else chain
+    parts["ping-pong wait"] = total - chain
+    parts["total"] = total
     parts["per_instruction"] = t_i
+    parts["pingpong"] = groups
     return parts
 
 

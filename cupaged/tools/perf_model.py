@@ -946,10 +946,16 @@ def _iteration_text(lm: _model.LaunchModel) -> str:
         return "n/a"
     parts = [
         (k, it.get(k, 0.0))
-        for k in ("issue", "tensor", "barriers", "dependent loads", "memory wait")
+        for k in ("issue", "tensor", "barriers", "dependent loads", "turn wait", "ping-pong wait", "memory wait")
         if it.get(k, 0.0) >= 0.5e-9
     ]
-    short = {"dependent loads": "dep", "barriers": "bar", "memory wait": "mem"}
+    short = {
+        "dependent loads": "dep",
+        "barriers": "bar",
+        "turn wait": "turn",
+        "ping-pong wait": "pp",
+        "memory wait": "mem",
+    }
     return f"{it['iteration'] * 1e9:.0f} = " + " + ".join(f"{short.get(k, k)} {v * 1e9:.0f}" for k, v in parts)
 
 

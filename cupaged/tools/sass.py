@@ -560,7 +560,14 @@ class Region:
     HGMMA plus the longer of the issue after it and the tensor (and operand
     read) time it waits for: what a wait serializes adds up;
     ``bars`` block barriers (``BAR.SYNC`` / ``BAR.RED``) add their own
-    cost; ``dep_levels``: dependent global-load round trips the warp waits
+    cost; ``waits`` / ``groups``: per segment, the depth N of its wait
+    (``WARPGROUP.DEPBAR.LE gsb0, N``: the newest N commit groups stay in
+    flight past it) and its HGMMA commit groups (split after each HGMMA
+    that carries ``gsb0``): [wgmma FLOP, operand bytes] per group, per warp;
+    ``named_syncs`` / ``arrives``: named barriers that wait (``BAR.SYNC``
+    with an id other than 0) / only arrive (``BAR.ARV``), and
+    ``named_threads`` the largest constant thread count they name (0: none
+    or in a register); ``dep_levels``: dependent global-load round trips the warp waits
     for inside one execution of the region (a word loaded and used in the
     same pass: the issue of everything after it waits; ``dataflow``)."""
 
@@ -578,6 +585,11 @@ class Region:
     pmtrig: int = 0  # cold-path markers (ptx::cold_path: pmevent)
     segments: list = field(default_factory=list)  # see ``segments``
     bars: int = 0  # block barriers that wait (BAR.SYNC, BAR.RED)
+    waits: list = field(default_factory=list)  # per segment: N of its WARPGROUP.DEPBAR.LE gsb0, N (0: none)
+    groups: list = field(default_factory=list)  # per segment: [[wgmma FLOP, operand bytes] per commit group]
+    named_syncs: int = 0  # BAR.SYNC / BAR.RED on a named barrier (id not 0)
+    arrives: int = 0  # BAR.ARV (arrive on a named barrier, no wait)
+    named_threads: int = 0  # the largest constant thread count of a named barrier (0: none)
     dep_levels: int = 0  # dependent scalar global-load round trips in one pass
     ring_wait: int = -1  # N of the cp.async wait (DEPBAR.LE SB0, N) in the region, -1: none
     commit_after_wait: bool = False  # the region's cp.async commit (LDGDEPBAR) follows that wait
@@ -633,6 +645,19 @@ class HotLoop:
         if r.ring_wait < 0:
             return 0
         return r.ring_wait + (1 if r.commit_after_wait else 0)
+
+    def pingpong(self, warps: int) -> int:
+        """Warpgroups of a block of ``warps`` warps that take turns through
+        named barriers in the hot loop (one waits with ``BAR.SYNC id, n``
+        while the other ``BAR.ARV``s it on, so the tensor phase of one
+        overlaps the other's issue: FlashAttention-3's ping-pong): the
+        barriers' thread count / 128, else the block's warpgroups; 0 when
+        the loop has no such pair (or fewer than 2 warpgroups take part)."""
+        if not any(r.named_syncs for r in self.regions) or not any(r.arrives for r in self.regions):
+            return 0
+        n = max(r.named_threads for r in self.regions)
+        g = min(n // 128, warps // 4) if n else warps // 4
+        return g if g >= 2 else 0
 
     def totals(self) -> Region:
         cls: Counter = Counter()
@@ -734,12 +759,81 @@ def _is_bar_wait(ins: Instr) -> bool:
     return ins.base == "BAR" and (".SYNC" in ins.opcode or ".RED" in ins.opcode)
 
 
+def _bar_operands(ins: Instr) -> list:
+    """Operands of a BAR instruction (``BAR.RED.POPC`` / ``.OR`` / ``.AND``: the predicate first, left out)."""
+    ops = [o.strip() for o in ins.operands.split(",") if o.strip()]
+    return [o for o in ops if not re.fullmatch(r"!?U?P(T|\d+)", o)]
+
+
+def is_named_barrier(ins: Instr) -> bool:
+    """A BAR on a named barrier: an id in a register or an immediate other than 0 (``__syncthreads`` is
+    ``BAR.SYNC.DEFER_BLOCKING 0x0``), or a thread count (a second operand)."""
+    if ins.base != "BAR":
+        return False
+    ops = _bar_operands(ins)
+    if not ops:
+        return False
+    if len(ops) > 1 or ".ARV" in ins.opcode:
+        return True
+    try:
+        return int(ops[0], 0) != 0
+    except ValueError:
+        return True  # an id in a register
+
+
+def named_barrier_threads(ins: Instr) -> int:
+    """The constant thread count of a named barrier (``BAR.SYNC R4, 0x100``: 256), 0 when none or in a
+    register."""
+    ops = _bar_operands(ins) if ins.base == "BAR" else []
+    if len(ops) < 2:
+        return 0
+    try:
+        return int(ops[1], 0)
+    except ValueError:
+        return 0
+
+
+def _gwait_depth(ins: Instr) -> int:
+    """N of ``WARPGROUP.DEPBAR.LE gsb0, N``: the newest N wgmma commit groups it leaves in flight."""
+    m = re.search(r"gsb0\s*,\s*(0x[0-9a-fA-F]+|\d+)", ins.operands)
+    return int(m.group(1), 0) if m else 0
+
+
 def _cp_wait(ins: Instr) -> int | None:
     """N of a cp.async wait ``DEPBAR.LE SB0, N``, else None."""
     if ins.base != "DEPBAR" or "SB0" not in ins.operands:
         return None
     m = re.search(r"SB0\s*,\s*(0x[0-9a-fA-F]+|\d+)", ins.operands)
     return int(m.group(1), 0) if m else 0
+
+
+def segment_groups(ins: list) -> tuple:
+    """(waits, groups) of an instruction list, one entry per ``segments``
+    entry: the depth of the segment's closing wait (0: waits for all, or
+    no wait) and its HGMMA commit groups [[wgmma FLOP, operand bytes]],
+    a group ending at an HGMMA marked ``gsb0`` (the commit), per warp."""
+    waits, groups = [], []
+    cur: list = []
+    open_group: list | None = None
+    started = False
+    for i in ins:
+        started = True
+        if i.base == "HGMMA":
+            if open_group is None:
+                open_group = [0.0, 0.0]
+                cur.append(open_group)
+            open_group[0] += mma_flop(i)
+            open_group[1] += hgmma_smem_bytes(i)
+            if "gsb0" in i.operands:
+                open_group = None
+        if _is_gwait(i):
+            waits.append(_gwait_depth(i))
+            groups.append(cur)
+            cur, open_group, started = [], None, False
+    if started:
+        waits.append(0)
+        groups.append(cur)
+    return waits, groups
 
 
 def segments(ins: list) -> list:
@@ -900,6 +994,11 @@ def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int, warm: set |
         sum(1 for i in ins if i.base == "PMTRIG"),
         segments=segments(ins),
         bars=sum(1 for i in ins if _is_bar_wait(i)),
+        waits=segment_groups(ins)[0],
+        groups=segment_groups(ins)[1],
+        named_syncs=sum(1 for i in ins if _is_bar_wait(i) and is_named_barrier(i)),
+        arrives=sum(1 for i in ins if i.base == "BAR" and ".ARV" in i.opcode),
+        named_threads=max((named_barrier_threads(i) for i in ins if is_named_barrier(i)), default=0),
         dep_levels=dataflow(ins, wide=0).level,
         ring_wait=wait,
         commit_after_wait=commit_after,
@@ -993,7 +1092,10 @@ def hot_loop(fn: Function) -> HotLoop | None:
     global load or copy, the one with the most instructions of its own,
     counting the loops nested in it except those that hold such loads
     themselves (a pass loop around the tile loop owns only its prologue
-    and epilogue; a copy loop inside the tile loop owns only its copies).
+    and epilogue; a copy loop inside the tile loop owns only its copies);
+    but when a loop nested in that one holds such loads and tensor
+    instructions of its own (the tile loop of a pass loop that owns a
+    peeled first tile), the deepest such loop.
     The loop's regions are its own blocks and every loop nested in it. A
     function without wide loads (the split merge) falls back to loops with
     any global load. None when no loop loads from global memory.
@@ -1024,6 +1126,20 @@ def hot_loop(fn: Function) -> HotLoop | None:
         return size(set(lp.blocks) - set().union(*(c.blocks for c in loaders)))
 
     best = max(cands, key=own)
+
+    def tensor_own(lp: Loop) -> bool:
+        loaders = [c for c in _all_inside(lp) if c in cands]
+        mine = set(lp.blocks) - set().union(*(c.blocks for c in loaders))
+        return any(
+            fn.instrs[i].base in ("HMMA", "HGMMA") for b in mine for i in range(cfg.blocks[b].start, cfg.blocks[b].end)
+        )
+
+    # A pass loop that owns a peeled first tile (and the last tile's deferred products) can own more
+    # instructions than the tile loop inside it; the tile loop, run once per tile, is the hot one: the deepest
+    # loader loop inside whose own blocks issue tensor instructions (a copy loop inside a tile loop issues none).
+    tiles = [c for c in cands if c is not best and set(c.blocks) < set(best.blocks) and tensor_own(c)]
+    if tiles:
+        best = max(tiles, key=lambda c: (c.depth, own(c)))
     inner = list(_all_inside(best))
     parents = {}
     for k, c in enumerate(inner):

@@ -8,11 +8,13 @@
 // workspace: docs/layout.md.
 //
 // NOT SELECTED YET: its spec (prefill_wgmma.PREFILL_WGMMA) is not in SPECS, so selection never picks it and the
-// NVRTC gate does not cover it; only tests/attention/test_prefill_wgmma.py runs it (against float64). It is
-// modeled slower than paged_prefill_tc (223 vs 240 TFLOP/s at the pessimistic end, D 128 causal 1x4096 on
-// H200): S, the softmax and P V run one after another in each warpgroup. It becomes the selected sm_90 prefill
-// with issue #21's FA3 schedule (ping-pong of the two warpgroups on named barriers, a producer warp, setmaxnreg;
-// the CPU shim first needs named barriers and setmaxnreg), then goes into SPECS and the gate.
+// NVRTC gate does not cover it; only tests/attention/test_prefill_wgmma.py runs it (against float64). Modeled
+// (python -m cupaged.tools.perf_model, pessimistic end, D 128 causal 1x4096 on H200) at 216 TFLOP/s, below
+// paged_prefill_tc's 240: with the two warpgroups taking turns and P V overlapping the softmax the tensor wait is
+// gone, but each warp still issues ~840 instructions a tile, and the ring's block barrier starts both
+// warpgroups together every tile (the second waits for the first's products). What is left of issue #21's FA3
+// schedule: a producer warp filling the ring through full / empty barriers (no block barrier a tile, no copies
+// or page walk in the consumers), setmaxnreg for the register split (warpgroup.cuh), then SPECS and the gate.
 //
 // paged_prefill_wgmma: f16 / bf16 q, D == Dv == HEAD_DIM (64, 128, 256),
 //   caches of q's type or fp8 codes (e4m3 / e5m2, k_scale / v_scale per
@@ -40,10 +42,15 @@
 //   (fp8.cuh) into the 16-bit tiles as each tile is used (K as q's type, V
 //   as f16: P V runs in f16, tc::v16_t); k_scale folds into the score scale,
 //   v_scale into the output.
-//   Per tile of kN = 64 tokens (kS buffers: kS - 1 tiles of cp.async copies
-//   in flight while one computes; tc::run_ring, one barrier a tile):
+//   Per tile of kN = 64 tokens (kS buffers; 16-bit caches at D <= 128, kDefer: ring_keep, kS - 2 tiles of
+//   cp.async copies in flight, one computing, the one before kept for its P V; fp8 and D 256: tc::run_ring,
+//   kS - 1 in flight; one block barrier a tile):
+//     turn: the warpgroups take turns issuing their products (named barriers kTurn + w, warpgroup.cuh;
+//        warpgroup 0 first), so one's products run while the other's softmax issues;
 //     S: each warpgroup computes S [64 x 64] of its rows: D / 16 wgmma
 //        m64n64k16 with Q and K from shared memory;
+//     kDefer: in the same turn O += P V of the previous tile, waited for after the softmax (wait_group 1 for
+//        S, then 0), then O is rescaled for this tile; otherwise P V in a second turn after the softmax;
 //     softmax: f32, log2 domain, on the S fragments (softmax_state.cuh;
 //        a row's max and sum live in the 4 lanes of a quad); the score hook
 //        (variant.cuh) and the visibility of each row (span.cuh);
@@ -60,10 +67,11 @@
 //   page ids >= num_pages are zero-filled (never read) and masked. A valid
 //   token a stored row cannot see contributes exactly nothing, also when its
 //   value row holds Inf or NaN: on a tile where some stored row of the block
-//   misses a valid token the block checks the V tile; if it holds a
-//   non-finite element, each lane adds p * v for those elements of its
+//   misses a valid token the block checks the V tile (before the turns); if it
+//   holds a non-finite element, each lane adds p * v for those elements of its
 //   columns and the tokens its rows see, then they become 0 in the tile and
-//   the tensor cores add the finite rest (masked P is 0).
+//   the tensor cores add the finite rest (masked P is 0); kDefer: before the
+//   tile's deferred P V.
 //
 // Memory traffic: K/V are read once per block, about ceil(q_len * G / 128) *
 // L * 2 * D * sizeof(kv_t) bytes per sequence and KV head; q and the outputs
@@ -87,6 +95,7 @@
 #include "tc_common.cuh"
 #include "epilogue.cuh"
 #include "geometry.cuh"
+#include "warpgroup.cuh"
 
 namespace pwg {
 constexpr u32 kD = HEAD_DIM;
@@ -104,6 +113,9 @@ constexpr u32 kQBytes = kBlocks * kQCol;
 constexpr u32 kTileBytes = kBlocks * kTCol;  // one 16-bit K (or V) tile
 constexpr bool kFp8 = kKvScaled;
 constexpr u32 kTileBufs = kFp8 ? 1 : kS;  // 16-bit tiles of each of K and V
+// P V of tile j runs in iteration j + 1, beside S of tile j + 1 (ring_keep keeps tile j's buffer): 16-bit caches
+// with 3 or more buffers (fp8 decodes into one tile; D 256 has 2 buffers).
+constexpr bool kDefer = !kFp8 && kS >= 3;
 constexpr u32 kRawStage = kFp8 ? 2 * kN * kD : 0;  // bytes of one raw stage (fp8): K then V codes
 // Dynamic shared memory (prefill_wgmma.smem_bytes): the layout above after up to kAlign - 1 bytes of alignment.
 constexpr u32 kSmemBytes = kAlign + kQBytes + 2 * kTileBufs * kTileBytes + kS * kRawStage;
@@ -113,6 +125,7 @@ constexpr u32 kChunks = kD / 8;  // 16-byte chunks of a 16-bit row
 constexpr u32 kCopyChunks = kD * sizeof(kv_t) / geom::kVectorBytes;  // 16-byte copies per cache row
 constexpr u32 kCopyElems = geom::kVectorBytes / sizeof(kv_t);  // cache elements per copy
 constexpr u32 kCopyStep = kThreads / kCopyChunks;  // rows one pass of the block's threads copies
+constexpr u32 kTurn = 1;  // named barriers kTurn + w: warpgroup w's turn to issue its products (warpgroup.cuh)
 static_assert(kD == 64 || kD == 128 || kD == 256, "HEAD_DIM: 64, 128 or 256");
 static_assert(kThreads == 2 * 128 && kRows == 128, "two warpgroups of 64 rows");
 static_assert(kN == 64, "S [64 x 64] per warpgroup: tiles of 64 tokens (tc::tile_vis masks)");
@@ -121,6 +134,83 @@ static_assert(kN % kCopyStep == 0, "whole rows per copy pass");
 static_assert((kN * kChunks) % kThreads == 0, "whole decode steps per thread");
 static_assert(sizeof(scalar_t) == 2 && (kFp8 || sizeof(kv_t) == 2), "f16 / bf16 q; f16 / bf16 / fp8 caches");
 static_assert(kRawStage % kAlign == 0, "the tiles stay on swizzle atom boundaries");
+
+// tc::run_ring with the buffer of the tile before the one computing kept (its V tile read by the deferred P V):
+// iteration j stages and issues tile j + kS - 2 into the buffer of tile j - 2, waits for tile j (kS - 3 tiles
+// after it in flight), one barrier a tile, compute(buf, t0, First{} / Later{}) as run_ring's compute (issue(sb,
+// buf) too), the copies fenced to the async proxy (wgmma reads the tiles), finish() after the last tile. Every
+// thread of the block calls it with the same lo, hi.
+struct First {  // compute's third argument: the pass's first tile (no deferred tile before it) ...
+    static constexpr bool kFirst = true;
+};
+struct Later {  // ... or a later one
+    static constexpr bool kFirst = false;
+};
+template <u32 kN, u32 kS, typename Issue, typename Compute, typename Finish>
+__device__ __forceinline__ void ring_keep(tc::Ring<kN, kS>& st, const u32* __restrict__ table, u32 lo, u32 hi,
+                                          u32 page_size, u32 num_pages, Issue&& issue, Compute&& compute,
+                                          Finish&& finish) {
+    static_assert(kS >= 3 && kS <= 4, "3 or 4 buffers: one kept, one computing, at least one in flight");
+    constexpr u32 kWords = tc::Ring<kN, kS>::kWords, kAhead = kS - 2;  // tiles issued ahead of the computing one
+    const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    u32 raw = tc::kNone, slot = 0;  // token tid of a later tile: page-table word (kNone past hi) and slot
+    auto fetch = [&](u32 t) {
+        raw = tc::kNone;
+        slot = 0;
+        if (tid < kN && t < hi) {
+            const u32 j = t / page_size;
+            raw = table[j];
+            slot = t - j * page_size;
+        }
+    };
+    auto stage = [&](u32 sb) -> bool {
+        const bool ok = raw < num_pages;
+        if (tid < kN) st.row[sb][tid] = make_uint2(ok ? raw : tc::kNone, slot);
+        return ok;
+    };
+    auto publish = [&](u32 b, bool ok) {  // valid bits of tile buffer b
+        if (warp < kWords) {
+            const u32 bits = __ballot_sync(CP_FULL_MASK, ok && tid < kN);
+            if (lane == 0) st.valid[b][warp] = bits;
+        }
+    };
+    const u32 ntiles = (hi - lo + kN - 1) / kN;
+    __syncthreads();  // the previous pass is done with every buffer and the staging arrays
+    fetch(lo + tid);
+#pragma unroll
+    for (u32 i = 0; i < kAhead; ++i) {
+        const bool ok = stage(i & 1u);
+        fetch(lo + (i + 1) * kN + tid);
+        __syncthreads();
+        if (i < ntiles) {
+            publish(i, ok);
+            issue(i & 1u, i);
+        }
+        ptx::cp_async_commit();  // possibly empty: one group per tile
+    }
+    auto tile = [&](u32 j, auto first) {
+        const u32 n = j + kAhead;
+        const u32 b = j % kS, nb = n % kS;  // nb: the buffer of tile j - 2, done with
+        const bool ok = stage(n & 1u);
+        fetch(lo + (n + 1) * kN + tid);
+        ptx::cp_async_wait<kAhead - 1>();  // tile j has landed
+        ptx::fence_proxy_async_shared();
+        __syncthreads();  // tile j visible; every warp is past tile j - 1's S and tile j - 2's P V
+        if (n < ntiles) {
+            publish(nb, ok);
+            issue(n & 1u, nb);
+        }
+        ptx::cp_async_commit();
+        compute(b, lo + j * kN, first);
+    };
+    if (ntiles == 0) return;
+    tile(0, First{});  // peeled: compute's deferred work is unconditional (no wgmma on a divergent path)
+    // Two tiles a trip: the page-table word loaded in one stays in its register for the next (one trip would
+    // copy it at the back edge, waiting for the load in the iteration that issued it).
+#pragma unroll 2
+    for (u32 j = 1; j < ntiles; ++j) tile(j, Later{});
+    finish();  // the last tile's deferred work
+}
 
 // Byte offset of 16-byte chunk c (0 .. 7) of row r in a 128-byte-swizzled column block.
 __device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7u)) << 4); }
@@ -186,6 +276,11 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
     ptx::cp_async_wait<0>();
     ptx::fence_proxy_async_shared();  // Q is read by wgmma
     __syncthreads();
+    // The warpgroups take turns issuing their products (S, then P V, of each tile): warpgroup w waits on
+    // barrier kTurn + w until the other has issued its own and arrived there; warpgroup 0 goes first.
+    auto take_turn = [&] { wgb::sync(kTurn + wg, kThreads); };
+    auto pass_turn = [&] { wgb::arrive(kTurn + (wg ^ 1u), kThreads); };
+    if (wg == 1) pass_turn();
 
     // An fp8 cache's K scale folds into the score scale, its V scale into the
     // output (every row of the block reads KV head kvh).
@@ -240,7 +335,68 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
                 }
             }
         };
-        auto compute = [&](u32 b, u32 t0) {
+        // A V tile holding a non-finite element some row of the block must not see (bad: block-uniform,
+        // every thread calls this): each lane adds p * v itself for every non-finite element of its columns
+        // and a token its row sees (P of the tile: pa_, the rows' visible tokens: vis_); then those elements
+        // become 0 in the tile vt_, and the products add the finite rest. O is not in flight here.
+        auto fix_values = [&](const u32(&pa_)[kPSteps][4], const u64(&vis_)[2], unsigned char* vt_) {
+#pragma unroll
+            for (u32 kk = 0; kk < kPSteps; ++kk) {
+#pragma unroll 1
+                for (u32 u = 0; u < 16; ++u) {
+                    ptx::cold_path();
+                    const u32 tok = 16 * kk + u;
+                    // P of rows g, g + 8 for token tok: lane 4 g + (u & 7) / 2's a[0] / a[1] (u < 8)
+                    // or a[2] / a[3].
+                    const u32 src = 4 * g + ((u & 7u) >> 1);
+                    const u32 r0 = __shfl_sync(CP_FULL_MASK, u < 8 ? pa_[kk][0] : pa_[kk][2], src);
+                    const u32 r1 = __shfl_sync(CP_FULL_MASK, u < 8 ? pa_[kk][1] : pa_[kk][3], src);
+                    const float p0 = tc::half_of<v16_t>(r0, u & 1u), p1 = tc::half_of<v16_t>(r1, u & 1u);
+                    const bool see0 = (vis_[0] >> tok) & 1u, see1 = (vis_[1] >> tok) & 1u;
+#pragma unroll
+                    for (u32 j = 0; j < kD / 8; ++j) {  // unrolled: o stays in registers
+                        const u32 col = 8 * j + 2 * tq;  // value columns col, col + 1
+                        // volatile: one value at a time (no register pressure from early loads)
+                        const u32 vb = *reinterpret_cast<const volatile u32*>(
+                            vt_ + (col >> 6) * kTCol + swz(tok, (col >> 3) & 7u) + (col & 7u) * 2);
+                        if (!tc::nonfinite2<v16_t>(vb)) continue;
+#pragma unroll
+                        for (u32 e = 0; e < 2; ++e)
+                            if (tc::nonfinite2<v16_t>(e ? vb >> 16 : vb & 0xffffu)) {
+                                const float v = tc::half_of<v16_t>(vb, e);
+                                if (see0) o[4 * j + e] += p0 * v;
+                                if (see1) o[4 * j + 2 + e] += p1 * v;
+                            }
+                    }
+                }
+            }
+            __syncthreads();  // every lane has read the tile's non-finite values
+#pragma unroll 1
+            for (u32 c = tid; c < kTileBytes / 4; c += kThreads) {  // every 32-bit pair
+                ptx::cold_path();
+                u32* const w = reinterpret_cast<u32*>(vt_) + c;
+                const u32 x = *w;
+                const u32 xlo = tc::nonfinite2<v16_t>(x & 0xffffu) ? 0u : (x & 0xffffu);
+                const u32 xhi = tc::nonfinite2<v16_t>(x >> 16) ? 0u : (x & 0xffff0000u);
+                *w = xlo | xhi;
+            }
+            ptx::fence_proxy_async_shared();  // the tile is read by wgmma
+            __syncthreads();
+        };
+        // O [64 x D] += P V of a tile: P from registers, V N-major from the tile vt_ (issued, not committed).
+        auto issue_pv = [&](const u32(&pa_)[kPSteps][4], const unsigned char* vt_) {
+            const u64 dv = dv0 + ((vt_ - sV) >> 4);
+#pragma unroll
+            for (u32 kk = 0; kk < kPSteps; ++kk)
+                ptx::wgmma_rs<v16_t, kD, 1>(o, pa_[kk], dv + ((16 * kk * 128) >> 4), true);
+        };
+        // The deferred tile (kDefer): its P, visible tokens, V tile, whether its V tile needs fix_values.
+        u32 pa_prev[kPSteps][4];
+        u64 vis_prev[2] = {0, 0};
+        unsigned char* vt_prev = sV;
+        bool bad_prev = false;
+        auto compute = [&](u32 b, u32 t0, auto first) {
+            constexpr bool kPrev = kDefer && !decltype(first)::kFirst;  // a deferred tile before this one
             if constexpr (kFp8) {
                 // Every warp is past tile j - 1's products (the ring's barrier): the block decodes tile j's
                 // codes into the swizzled 16-bit tiles, exactly (8 codes make a 16-byte chunk), then meets.
@@ -273,17 +429,47 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
                 miss |= my_slot[h] != kNone && vis[h] != vbits;
             }
 
-            // ---- S [64 x 64] = Q K^T of this warpgroup's rows ----
+            // A tile where some stored row of the block misses a valid token (the causal diagonal, split
+            // edges, another sequence's rows): its value rows' Inf / NaN must reach only the rows that see
+            // them (0 x Inf is NaN in the tensor cores). The block checks the V tile here, before either
+            // warpgroup's turn (bad: block-uniform); the rows that see such an element add it below.
+            bool bad = false;
+            if (__syncthreads_or(miss)) {
+                bool any = false;
+#pragma unroll 1
+                for (u32 c = tid; c < kTileBytes / 16; c += kThreads) {  // every 16-byte chunk of the values
+                    ptx::cold_path();
+                    const uint4 x = *reinterpret_cast<const uint4*>(vt + c * 16);
+                    any |= tc::nonfinite2<v16_t>(x.x) | tc::nonfinite2<v16_t>(x.y) | tc::nonfinite2<v16_t>(x.z) |
+                           tc::nonfinite2<v16_t>(x.w);
+                }
+                bad = __syncthreads_or(any);
+            }
+
+            // ---- S [64 x 64] = Q K^T of this warpgroup's rows, in its turn ----
             float s[kN / 2];
             // Descriptors move along K by adding the byte offset >> 4 to the start address field.
             const u64 dk = dk0 + ((kt - sK) >> 4);
+            if constexpr (kPrev)
+                if (bad_prev) fix_values(pa_prev, vis_prev, vt_prev);  // block-uniform
+            take_turn();
             ptx::wgmma_fence();
 #pragma unroll
             for (u32 ks = 0; ks < kKSteps; ++ks)
                 ptx::wgmma_ss<scalar_t, kN, 0, 0>(s, dq + (((ks >> 2) * kQCol + (ks & 3u) * 32) >> 4),
                                                   dk + (((ks >> 2) * kTCol + (ks & 3u) * 32) >> 4), ks > 0);
             ptx::wgmma_commit();
-            ptx::wgmma_wait<0>();
+            if constexpr (kDefer) {
+                // In the same turn, the previous tile's P V (its V tile kept by the ring): it runs on the tensor
+                // cores while this warpgroup's softmax below issues (wait_group 1 waits for S only).
+                if constexpr (kPrev) issue_pv(pa_prev, vt_prev);
+                ptx::wgmma_commit();  // possibly empty
+            }
+            pass_turn();  // the other warpgroup's products queue behind these while this one waits
+            if constexpr (kDefer)
+                ptx::wgmma_wait<1>();
+            else
+                ptx::wgmma_wait<0>();
             ptx::wgmma_fence_operand(s);
 
             // Scale into the log2 domain, the score hook, mask; online softmax per row. Element i of
@@ -316,90 +502,72 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
                     }
                 sm[h].add(alpha[h], ps);  // this lane's part of the row sum
             }
+            if constexpr (!kDefer) {  // deferred: O is in flight (the previous tile's P V) until the wait below
 #pragma unroll
-            for (u32 i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1u];
-            // P as A fragments of k-step kk (tokens 16 kk ..): S n-tiles 2 kk (a[0], a[1]) and 2 kk + 1.
-            u32 pa[kPSteps][4];
-#pragma unroll
-            for (u32 kk = 0; kk < kPSteps; ++kk)
-#pragma unroll
-                for (u32 i = 0; i < 4; ++i) pa[kk][i] = ptx::pack2<v16_t>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-
-            // A tile where some stored row of the block misses a valid token (the causal diagonal,
-            // split edges, another sequence's rows): its value rows' Inf / NaN must reach only the
-            // rows that see them (0 x Inf is NaN in the tensor cores). Each lane adds p * v itself
-            // for every non-finite element of its columns and a token its row sees; then those
-            // elements become 0 in the tile, and the products below add the finite rest.
-            if (__syncthreads_or(miss)) {
-                bool bad = false;
-#pragma unroll 1
-                for (u32 c = tid; c < kTileBytes / 16; c += kThreads) {  // every 16-byte chunk of the values
-                    ptx::cold_path();
-                    const uint4 x = *reinterpret_cast<const uint4*>(vt + c * 16);
-                    bad |= tc::nonfinite2<v16_t>(x.x) | tc::nonfinite2<v16_t>(x.y) | tc::nonfinite2<v16_t>(x.z) |
-                           tc::nonfinite2<v16_t>(x.w);
-                }
-                if (__syncthreads_or(bad)) {
-#pragma unroll
-                    for (u32 kk = 0; kk < kPSteps; ++kk) {
-#pragma unroll 1
-                        for (u32 u = 0; u < 16; ++u) {
-                            ptx::cold_path();
-                            const u32 tok = 16 * kk + u;
-                            // P of rows g, g + 8 for token tok: lane 4 g + (u & 7) / 2's a[0] / a[1] (u < 8)
-                            // or a[2] / a[3].
-                            const u32 src = 4 * g + ((u & 7u) >> 1);
-                            const u32 r0 = __shfl_sync(CP_FULL_MASK, u < 8 ? pa[kk][0] : pa[kk][2], src);
-                            const u32 r1 = __shfl_sync(CP_FULL_MASK, u < 8 ? pa[kk][1] : pa[kk][3], src);
-                            const float p0 = tc::half_of<v16_t>(r0, u & 1u), p1 = tc::half_of<v16_t>(r1, u & 1u);
-                            const bool see0 = (vis[0] >> tok) & 1u, see1 = (vis[1] >> tok) & 1u;
-#pragma unroll
-                            for (u32 j = 0; j < kD / 8; ++j) {  // unrolled: o stays in registers
-                                const u32 col = 8 * j + 2 * tq;  // value columns col, col + 1
-                                // volatile: one value at a time (no register pressure from early loads)
-                                const u32 vb = *reinterpret_cast<const volatile u32*>(
-                                    vt + (col >> 6) * kTCol + swz(tok, (col >> 3) & 7u) + (col & 7u) * 2);
-                                if (!tc::nonfinite2<v16_t>(vb)) continue;
-#pragma unroll
-                                for (u32 e = 0; e < 2; ++e)
-                                    if (tc::nonfinite2<v16_t>(e ? vb >> 16 : vb & 0xffffu)) {
-                                        const float v = tc::half_of<v16_t>(vb, e);
-                                        if (see0) o[4 * j + e] += p0 * v;
-                                        if (see1) o[4 * j + 2 + e] += p1 * v;
-                                    }
-                            }
-                        }
-                    }
-                    __syncthreads();  // every lane has read the tile's non-finite values
-#pragma unroll 1
-                    for (u32 c = tid; c < kTileBytes / 4; c += kThreads) {  // every 32-bit pair
-                        ptx::cold_path();
-                        u32* const w = reinterpret_cast<u32*>(vt) + c;
-                        const u32 x = *w;
-                        const u32 xlo = tc::nonfinite2<v16_t>(x & 0xffffu) ? 0u : (x & 0xffffu);
-                        const u32 xhi = tc::nonfinite2<v16_t>(x >> 16) ? 0u : (x & 0xffff0000u);
-                        *w = xlo | xhi;
-                    }
-                    ptx::fence_proxy_async_shared();  // the tile is read by wgmma
-                    __syncthreads();
-                }
+                for (u32 i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1u];
             }
-
-            // ---- O [64 x D] += P V: P from registers, V N-major from the tile ----
-            const u64 dv = dv0 + ((vt - sV) >> 4);
-            ptx::wgmma_fence_operand(o);
-            ptx::wgmma_fence();
+            // P as A fragments of k-step kk (tokens 16 kk ..): S n-tiles 2 kk (a[0], a[1]) and 2 kk + 1.
+            // Deferred: packed after the wait below, into pa_prev (registers the P V in flight reads stay as
+            // they are until it is done).
+            u32 pa[kPSteps][4];
+            auto pack = [&](u32(&dst)[kPSteps][4]) {
 #pragma unroll
-            for (u32 kk = 0; kk < kPSteps; ++kk)
-                ptx::wgmma_rs<v16_t, kD, 1>(o, pa[kk], dv + ((16 * kk * 128) >> 4), true);
-            ptx::wgmma_commit();
-            ptx::wgmma_wait<0>();
-            ptx::wgmma_fence_operand(o);
+                for (u32 kk = 0; kk < kPSteps; ++kk)
+#pragma unroll
+                    for (u32 i = 0; i < 4; ++i)
+                        dst[kk][i] = ptx::pack2<v16_t>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+            };
+            if constexpr (!kDefer) pack(pa);
+
+            if constexpr (!kDefer) {
+                if (bad) fix_values(pa, vis, vt);
+            }
+            if constexpr (kDefer) {
+                // P V of the previous tile is done: rescale O for this tile, keep this tile's P for the next.
+                ptx::wgmma_wait<0>();
+                ptx::wgmma_fence_operand(o);
+#pragma unroll
+                for (u32 i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1u];
+                pack(pa_prev);
+                vis_prev[0] = vis[0];
+                vis_prev[1] = vis[1];
+                vt_prev = vt;
+                bad_prev = bad;
+            } else {
+                // ---- O [64 x D] += P V in this warpgroup's turn ----
+                ptx::wgmma_fence_operand(o);
+                take_turn();
+                ptx::wgmma_fence();
+                issue_pv(pa, vt);
+                ptx::wgmma_commit();
+                pass_turn();
+                ptx::wgmma_wait<0>();
+                ptx::wgmma_fence_operand(o);
+            }
+        };
+        // The last tile's deferred P V (kDefer), before the pass ends (the next pass's ring reuses its buffer).
+        auto finish = [&] {
+            if constexpr (kDefer) {
+                if (bad_prev) fix_values(pa_prev, vis_prev, vt_prev);
+                ptx::wgmma_fence_operand(o);
+                take_turn();
+                ptx::wgmma_fence();
+                issue_pv(pa_prev, vt_prev);
+                ptx::wgmma_commit();
+                pass_turn();
+                ptx::wgmma_wait<0>();
+                ptx::wgmma_fence_operand(o);
+            }
         };
         // 16-bit tiles are read by wgmma as cp.async left them: fenced to the async proxy (fp8: compute
         // fences its decoded tiles).
-        tc::run_ring<kN, kS, !kFp8>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue,
-                                    compute);
+        if constexpr (kDefer) {
+            ring_keep<kN, kS>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue, compute,
+                              finish);
+        } else {
+            tc::run_ring<kN, kS, !kFp8>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue,
+                                        [&](u32 b, u32 t0) { compute(b, t0, Later{}); });
+        }
     });
 
     // ---- normalize and write ----

@@ -181,6 +181,11 @@ struct Worker {
     unsigned qh = 0, qt = 0, qmask = 0;
     std::vector<Fiber*> barw;  // fibers waiting at the block barrier
     unsigned nbar = 0;
+    struct Named {  // one named barrier (bar.sync / bar.arrive)
+        unsigned count = 0, arrived = 0;  // its thread count (0: idle) and the arrivals since it last completed
+        std::source_location site;  // where its first arrival came from
+        std::vector<Fiber*> waiters;
+    } named[kNamedBarriers];
     std::vector<WarpRt> warps;
     bool failed = false;
     std::string err;
@@ -282,6 +287,8 @@ const char* barrier_name(int k) {
             return "__syncthreads_and";
         case kBarOr:
             return "__syncthreads_or";
+        case kBarNamed:
+            return "bar.sync";
     }
     return "__syncthreads";
 }
@@ -594,6 +601,7 @@ std::string deadlock_report(Worker* w) {
         for (Group& g : groups) {
             Fiber* r = g.rep;
             if (r->state == f->state && r->kind == f->kind && same_site(r->site, f->site) &&
+                (f->kind != kBarNamed || r->b == f->b) &&
                 (f->state == kWaitBarrier || (r->mask == f->mask && r->warp == f->warp))) {
                 g.ids.push_back(i);
                 found = true;
@@ -606,7 +614,12 @@ std::string deadlock_report(Worker* w) {
     for (Group& g : groups) {
         Fiber* r = g.rep;
         const char* who = g.ids.size() == 1 ? "thread" : "threads";
-        if (r->state == kWaitBarrier) {
+        if (r->state == kWaitBarrier && r->kind == kBarNamed) {
+            const Worker::Named& nb = w->named[r->b];
+            msg +=
+                fmt("\n  %s %s wait%s at bar.sync(%d, %u) %s (%u of %u threads arrived)", who, id_ranges(g.ids).c_str(),
+                    g.ids.size() == 1 ? "s" : "", r->b, nb.count, site_str(r->site).c_str(), nb.arrived, nb.count);
+        } else if (r->state == kWaitBarrier) {
             msg += fmt("\n  %s %s wait%s at %s() %s", who, id_ranges(g.ids).c_str(), g.ids.size() == 1 ? "s" : "",
                        barrier_name(r->kind), site_str(r->site).c_str());
         } else {
@@ -889,6 +902,10 @@ void run_block(Worker* w, Launch* L, unsigned long long b) {
     w->n = w->live = n;
     w->qh = w->qt = 0;
     w->nbar = 0;
+    for (Worker::Named& nb : w->named) {
+        nb.count = nb.arrived = 0;
+        nb.waiters.clear();
+    }
     w->failed = false;
     const unsigned nwarps = (n + 31) / 32;
     for (unsigned i = 0; i < nwarps; ++i) {
@@ -1083,6 +1100,47 @@ CUPAGED_RT_API int cupaged_rt_barrier(int kind, int pred, std::source_location l
     f->state = kWaitBarrier;
     park(f);
     return (int)f->res;
+}
+
+// Messages are built in functions of their own (nothing left undestroyed on the stack fail() abandons).
+static std::string named_barrier_error(Fiber* f, unsigned id, unsigned count, const char* what,
+                                       const Worker::Named* busy = nullptr) {
+    std::string msg = fmt("%s: bar.%s(%u, %u) at %s: %s", thread_str(f).c_str(),
+                          f->kind == kBarNamed ? "sync" : "arrive", id, count, site_str(f->site).c_str(), what);
+    if (busy)
+        msg += fmt(" (barrier %u is in use with %u threads since %s)", id, busy->count, site_str(busy->site).c_str());
+    return msg;
+}
+
+CUPAGED_RT_API void cupaged_rt_named_barrier(unsigned id, unsigned count, int wait, std::source_location loc) {
+    Fiber* f = self();
+    Worker* w = f->w;
+    stop_if_cancelled(w);
+    f->kind = wait ? kBarNamed : kBarSync;  // for the messages only, until it parks
+    f->site = loc;
+    const unsigned n = count ? count : w->n;
+    if (id == 0 || id >= kNamedBarriers)
+        fail(w, named_barrier_error(f, id, count, "barrier ids 1 .. 15 (0 is __syncthreads' barrier)"));
+    if (n % 32u || n > w->n)
+        fail(w, named_barrier_error(f, id, count, "the thread count must be a multiple of 32, at most the block's"));
+    Worker::Named& nb = w->named[id];
+    if (nb.arrived == 0) {
+        nb.count = n;
+        nb.site = loc;
+    } else if (nb.count != n) {
+        fail(w, named_barrier_error(f, id, count, "every arrival between two completions names one count", &nb));
+    }
+    if (++nb.arrived == n) {  // complete: the waiters go on, the barrier starts over
+        for (Fiber* x : nb.waiters) enqueue(w, x);
+        nb.waiters.clear();
+        nb.arrived = 0;
+        return;
+    }
+    if (!wait) return;
+    nb.waiters.push_back(f);
+    f->b = (int)id;
+    f->state = kWaitBarrier;
+    park(f);
 }
 
 CUPAGED_RT_API unsigned long long cupaged_rt_warp_op(int kind, unsigned mask, unsigned long long value, int b,

@@ -91,14 +91,23 @@ enum WarpKind : int {
     kGeneric,  // cupaged_rt_warp_collective
 };
 
-// Block barrier kinds (cupaged_rt_barrier).
-enum BarrierKind : int { kBarSync = 0, kBarCount, kBarAnd, kBarOr };
+// Block barrier kinds (cupaged_rt_barrier); kBarNamed: a thread parked in a named barrier
+// (cupaged_rt_named_barrier).
+enum BarrierKind : int { kBarSync = 0, kBarCount, kBarAnd, kBarOr, kBarNamed };
+
+// Named barriers of a block (PTX bar.sync / bar.arrive a, b): ids 1 .. kNamedBarriers - 1 (0 is
+// __syncthreads' barrier).
+inline constexpr unsigned kNamedBarriers = 16;
 
 }  // namespace cupaged
 
 // ---- runtime entry points (defined in cupaged_rt.cpp) ----------------------
 // Called from fibers:
 CUPAGED_RT_API int cupaged_rt_barrier(int kind, int pred, std::source_location loc);
+// Named barrier `id` with `count` threads (0: every thread of the block): the calling thread arrives and,
+// when `wait`, waits until `count` threads have arrived since the barrier last completed (bar.sync); else
+// it goes on (bar.arrive). The count-th arrival completes the barrier: its waiters go on, it starts over.
+CUPAGED_RT_API void cupaged_rt_named_barrier(unsigned id, unsigned count, int wait, std::source_location loc);
 CUPAGED_RT_API unsigned long long cupaged_rt_warp_op(int kind, unsigned mask, unsigned long long value, int b,
                                                      int width, std::source_location loc);
 CUPAGED_RT_API void cupaged_rt_warp_collective(unsigned mask, void* lane_data,

@@ -88,6 +88,20 @@ inline int __syncthreads_or(int pred, CUPAGED_LOC) {
     return r;
 }
 
+// ---- named barriers (PTX bar.sync / bar.arrive id, count) -------------------------------
+// Ids 1 .. 15; count: the threads that arrive (a multiple of 32; 0: the whole block). bar.sync waits for
+// them, bar.arrive only counts itself in (a producer signalling a consumer, warpgroups taking turns).
+inline void cupaged_bar_sync(unsigned id, unsigned count, CUPAGED_LOC) {
+    CUPAGED_FENCE();
+    cupaged_rt_named_barrier(id, count, 1, cupaged_loc);
+    CUPAGED_FENCE();
+}
+inline void cupaged_bar_arrive(unsigned id, unsigned count, CUPAGED_LOC) {
+    CUPAGED_FENCE();
+    cupaged_rt_named_barrier(id, count, 0, cupaged_loc);
+    CUPAGED_FENCE();
+}
+
 // ---- warp collectives -------------------------------------------------------------
 namespace cupaged {
 template <class T>

@@ -291,3 +291,146 @@ def test_both_ends_bracket_and_the_sensitivity_is_real():
     f = SM90.figures["dram_eff_256"]
     assert flipped.time_s / hi.time_s == pytest.approx(f.pess / f.opt, rel=0.02)
     assert math.isfinite(float(np.sum([lo.time_s, hi.time_s])))
+
+
+S_GROUP = ["HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24"] * 7 + ["HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0"]
+PV_GROUP = ["HGMMA.64x256x16.F32.BF16 R88, R120, gdesc[UR12].tnspB, R88"] * 3 + [
+    "HGMMA.64x256x16.F32.BF16 R88, R120, gdesc[UR12].tnspB, R88, gsb0"
+]
+
+
+def group_time(lines, pt, warps):
+    """Tensor time of one commit group of ``warps`` warps on one SM: the longer of its FLOP at the wgmma
+    rate and its shared-memory operand bytes (counted here from the shapes, as the PTX ISA defines them)."""
+    flop = byts = 0.0
+    for line in lines:
+        m, n, k = (int(x) for x in line.split()[0].split(".")[1].split("x"))
+        flop += 2 * m * n * k / 4
+        a_smem = line.split(",")[1].strip().startswith("gdesc")
+        byts += (16 * k * 2 if a_smem else 0) + n * k * 2 / 4
+    return max(warps * flop / (pt.wgmma_flops / pt.sms), warps * byts / (pt.smem_bytes_per_clk * pt.clock_hz))
+
+
+def test_a_wait_that_leaves_a_group_in_flight_overlaps_it_with_the_work_after_it():
+    """Intra-warpgroup overlap (FlashAttention-3): S(j) and P V(j - 1) issued,
+    ``wait_group 1`` returns when S is done, the softmax issues while P V
+    still runs, ``wait_group 0`` waits for what is left of it. A wait for
+    everything (``wait_group 0`` right after the products) serializes the
+    same work: only independent work after a partial wait overlaps."""
+    pt = SM90.point("pess")
+    warps = 8
+    t_i = max(1 / pt.warp_ipc, 2 / pt.sched_ipc) / pt.clock_hz
+
+    def body(first_wait):
+        return (
+            ["DEPBAR.LE SB0, 0x0", "WARPGROUP.ARRIVE"]
+            + S_GROUP
+            + PV_GROUP
+            + [f"WARPGROUP.DEPBAR.LE gsb0, {first_wait}"]
+            + ["FFMA R8, R8, R9, R10"] * 120
+            + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+            + ["FMUL R88, R88, R7"] * 20
+            + ["BAR.SYNC.DEFER_BLOCKING 0x0", COPY, COPY, "LDGDEPBAR"]
+        )
+
+    t_s, t_pv = group_time(S_GROUP, pt, warps), group_time(PV_GROUP, pt, warps)
+    overlapped = hot_of(listing(body("0x1")))
+    r = overlapped.regions[0]
+    assert r.waits == [1, 0, 0] and [len(g) for g in r.groups] == [2, 0, 0]
+    n0, n1, n2 = (s[0] + s[1] for s in r.segments)
+    assert (n0, n1) == (2 + 12 + 1, 120 + 1)
+    softmax = n1 * t_i
+    assert t_pv > softmax > 0.25 * t_pv and t_s > (n0 - 2) * t_i  # the numbers make each term count
+    # S waited for; P V overlaps the softmax and is waited for after it; the rest, the barrier
+    want = 2 * t_i + t_s + max(softmax, t_pv) + n2 * t_i + pt.bar_clk / pt.clock_hz
+    kw = dict(threads=256, grid=SM90.sms, tokens=1024, bpt=8 * 2 * 512 / 16, registers=200)
+    it = launch(overlapped, **kw).iteration
+    assert it["total"] == pytest.approx(want, rel=1e-9)
+    serial = 2 * t_i + t_s + t_pv + softmax + n2 * t_i + pt.bar_clk / pt.clock_hz
+    assert it["total"] < serial - 0.2 * softmax
+    # the same products waited for at once: the softmax after them adds
+    lockstep = launch(hot_of(listing(body("0x0"))), **kw).iteration
+    assert lockstep["total"] == pytest.approx(serial, rel=1e-9)
+
+
+def test_pingpong_warpgroups_overlap_one_s_gemms_with_the_others_softmax():
+    """Two warpgroups taking turns through named barriers (``bar.sync id,
+    256`` / ``bar.arrive``, FlashAttention-3's ping-pong): a warpgroup's wait
+    sees its own products only (the other is in its softmax meanwhile) and
+    issues alone on its schedulers; the block's iteration is the longest of
+    one warpgroup's chain, both warpgroups' tensor time one after another,
+    and both warpgroups' issue through the shared schedulers: not their
+    sum. The same loop on a block barrier (lockstep) adds them."""
+    pt = SM90.point("pess")
+    warps = 8
+
+    def body(turn, signal):
+        return (
+            ["DEPBAR.LE SB0, 0x0", turn, "WARPGROUP.ARRIVE"]
+            + S_GROUP
+            + PV_GROUP
+            + signal
+            + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+            + ["FFMA R8, R8, R9, R10"] * 260
+            + [COPY, COPY, "LDGDEPBAR"]
+        )
+
+    pp = hot_of(listing(body("BAR.SYNC.DEFER_BLOCKING R4, 0x100", ["BAR.ARV R5, 0x100"])))
+    r = pp.regions[0]
+    assert (r.named_syncs, r.arrives, r.named_threads, r.bars) == (1, 1, 256, 1) and pp.pingpong(warps) == 2
+    ls = hot_of(listing(body("BAR.SYNC.DEFER_BLOCKING 0x0", [])))
+    assert ls.pingpong(warps) == 0 and ls.regions[0].named_syncs == 0 and ls.regions[0].bars == 1
+    assert not pp.pingpong(4)  # one warpgroup takes no turns
+    kw = dict(threads=256, grid=SM90.sms, tokens=1024, bpt=8 * 2 * 512 / 16, registers=200)
+    bar = pt.bar_clk / pt.clock_hz
+    t_block = group_time(S_GROUP, pt, warps) + group_time(PV_GROUP, pt, warps)  # both warpgroups' products
+    t_own = group_time(S_GROUP, pt, 4) + group_time(PV_GROUP, pt, 4)  # one warpgroup's
+    seg = [s[0] + s[1] for s in r.segments]
+    pre = r.segments[0][0]
+    n = sum(seg)
+    # lockstep: 2 warps per scheduler issue together, each wait sees the whole block's products
+    t2 = max(1 / pt.warp_ipc, 2 / pt.sched_ipc) / pt.clock_hz
+    lockstep = pre * t2 + max(r.segments[0][1] * t2, t_block) + seg[1] * t2 + bar
+    assert launch(ls, **kw).iteration["total"] == pytest.approx(lockstep, rel=1e-9)
+    # ping-pong: one warpgroup's chain, or the block's tensor time, or the block's issue
+    t1 = max(1 / pt.warp_ipc, 1 / pt.sched_ipc) / pt.clock_hz
+    chain = pre * t1 + max(r.segments[0][1] * t1, t_own) + seg[1] * t1 + bar
+    issue = n * 2 / pt.sched_ipc / pt.clock_hz
+    want = max(chain, t_block, issue)
+    it = launch(pp, **kw).iteration
+    assert it["pingpong"] == 2 and it["total"] == pytest.approx(want, rel=1e-9)
+    assert it["ping-pong wait"] == pytest.approx(want - chain, abs=1e-15)
+    assert it["total"] < 0.8 * lockstep  # the overlap is real at these numbers
+
+
+def test_a_block_barrier_in_a_pingpong_loop_starts_the_warpgroups_together():
+    """Ping-pong with a block barrier in the loop too (a ring's per-tile
+    ``__syncthreads``): every iteration the warpgroups restart together, so
+    the one whose turn comes last waits for the other's products before its
+    own; the overlap left is what the turns buy after that."""
+    pt = SM90.point("pess")
+    warps = 8
+    body = (
+        ["DEPBAR.LE SB0, 0x0", "BAR.SYNC.DEFER_BLOCKING 0x0", "BAR.SYNC.DEFER_BLOCKING R4, 0x100", "WARPGROUP.ARRIVE"]
+        + S_GROUP
+        + PV_GROUP
+        + ["BAR.ARV R5, 0x100", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+        + ["FFMA R8, R8, R9, R10"] * 260
+        + [COPY, COPY, "LDGDEPBAR"]
+    )
+    hot = hot_of(listing(body))
+    r = hot.regions[0]
+    assert hot.pingpong(warps) == 2 and (r.bars, r.named_syncs) == (2, 1)
+    kw = dict(threads=256, grid=SM90.sms, tokens=1024, bpt=8 * 2 * 512 / 16, registers=200)
+    it = launch(hot, **kw).iteration
+    flop = 8 * 2 * 64 * 64 * 16 / 4 + 4 * 2 * 64 * 256 * 16 / 4  # one warp's share of S and P V
+    other = 4 * flop / (pt.wgmma_flops / pt.sms)  # the other warpgroup's products
+    assert it["turn wait"] == pytest.approx(other, rel=1e-9)
+    t1 = max(1 / pt.warp_ipc, 1 / pt.sched_ipc) / pt.clock_hz
+    pre, post = r.segments[0][:2]
+    rest = r.segments[1][0] + r.segments[1][1]
+    own = group_time(S_GROUP, pt, 4) + group_time(PV_GROUP, pt, 4)
+    chain = pre * t1 + max(post * t1, own) + rest * t1 + 2 * pt.bar_clk / pt.clock_hz + other
+    t_block = group_time(S_GROUP, pt, warps) + group_time(PV_GROUP, pt, warps)
+    want = max(chain, t_block, (pre + post + rest) * 2 / pt.sched_ipc / pt.clock_hz)
+    assert it["total"] == pytest.approx(want, rel=1e-9) and chain > t_block

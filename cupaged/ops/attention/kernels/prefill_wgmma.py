@@ -2,7 +2,9 @@
 and chunked-prefill attention on wgmma.mma_async, sm_90a only: two
 warpgroups per block of 128 (query, head) rows (64 each, one m64 wgmma tile),
 K / V tiles of TILE_TOKENS tokens in 128-byte-swizzled column blocks through
-a cp.async ring; what paged_prefill_tc serves at the head dims of
+a cp.async ring, the warpgroups taking turns on named barriers to issue
+their products (and, for 16-bit caches at 3 stages, each tile's P V beside
+the next tile's S); what paged_prefill_tc serves at the head dims of
 WGMMA_TILES, preferred to it where the device's arch is TARGET's once in
 SPECS. Not in SPECS yet: selection does not pick it (its tests put its builds
 in the table themselves, tests/attention/test_prefill_wgmma.py)."""
