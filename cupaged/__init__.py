@@ -14,7 +14,7 @@ from .layout import MAX_SPLITS
 from .ops.attention import AttentionOptions, KVLayer
 from .ops.sampling import argmax_into
 from .ops.slots import copy_pages, write_slots
-from .plan import DevicePlan, HostPlan, SplitWorkspace, choose_splits
+from .plan import DevicePlan, DevicePlanBuilder, HostPlan, SplitWorkspace, choose_splits
 from .sampling import SamplingParams
 
 __version__ = "0.1.0"
@@ -25,6 +25,7 @@ __all__ = [
     "PagedAttentionError",
     "MAX_SPLITS",
     "DevicePlan",
+    "DevicePlanBuilder",
     "HostPlan",
     "SplitWorkspace",
     "choose_splits",

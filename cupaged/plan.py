@@ -14,18 +14,27 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import layout
-from ._runtime import CPU, Stream, check_not_capturing, checks, empty, stream_for
+from ._runtime import CPU, Stream, check_not_capturing, checks, empty, stream_for, zeros
 from .errors import PagedAttentionError
 from .layout import MAX_PAGE_SIZE, MAX_SPLITS, MAX_VISIBLE_LEN, U32_MAX, metadata_offsets
 from .ops import append as append_op
 from .ops import attention as attention_op
+from .ops import plan_build as plan_build_op
 from .ops.attention import SplitWorkspace, choose_splits
 from .ops.attention.options import MISSING, document
 
 if TYPE_CHECKING:
     from .cache import PagedKVCache, Sequence
 
-__all__ = ["HostPlan", "DevicePlan", "SplitWorkspace", "choose_splits", "MAX_SPLITS", "metadata_offsets"]
+__all__ = [
+    "HostPlan",
+    "DevicePlan",
+    "DevicePlanBuilder",
+    "SplitWorkspace",
+    "choose_splits",
+    "MAX_SPLITS",
+    "metadata_offsets",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -431,3 +440,137 @@ class DevicePlan:
         ``cupaged.ops.append.append``."""
         self._fresh()
         append_op.append(self, new_k, new_v, k_cache, v_cache, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+
+
+class DevicePlanBuilder:
+    """Plans built on the device (``cupaged.ops.plan_build``), for engines
+    whose step metadata lives on the device (vLLM's CUDA build): one words
+    buffer of a fixed capacity, allocated here once on the backend and
+    device of ``like``, and ``build`` (one launch, no sync, no allocation)
+    writing a step's plan into it. docs/layout.md, "Plans built on the device".
+
+    Capacity: up to ``queries`` packed queries and ``sequences`` sequences a
+    step, page tables ``table_width`` columns wide, caches of ``num_pages``
+    pages of ``page_size`` tokens. A plan of Q queries (Q <= ``queries``)
+    has ``sequences + 1`` rows: the step's sequences, padding rows (kv_len 0,
+    no query, no page) and the last row, the padding sequence, which holds
+    the queries past the step's (kv_len 0: they read nothing, write nothing
+    by ``write_slots`` with slot -1, and their attention output is 0). Its
+    words are exactly ``HostPlan.build(table, kv_lens, q_lens, page_size,
+    num_pages).upload(like).words`` for the step so padded (table rows -1,
+    kv_lens 0, q_lens 0 but the last, Q minus the step's queries).
+
+    The plan's host side (``plan.host``) knows only the sizes: its kernel
+    choice is that of a decode batch of Q one-query sequences (the
+    per-query kernels, as ``HostPlan.slots``), so the launches depend on Q
+    alone and a CUDA graph captured over a plan of Q queries replays any
+    step of Q (padded) queries; ``causal_ok`` is True (the device cannot tell
+    the host otherwise: a sequence with more queries than keys sets a status
+    bit) and appends through ``plan.append`` are not checked on the host
+    (``stable``): write K/V with ``write_slots`` and the engine's slot mapping.
+
+    ``status`` uint32 [1]: bits the device found wrong in a step's values
+    (``cupaged.ops.plan_build.STATUS_BITS``), sticky; ``errors()`` /
+    ``check()`` read it (a synchronization: for tests and debugging, never
+    per step).
+    """
+
+    def __init__(self, queries: int, sequences: int, table_width: int, page_size: int, num_pages: int, like):
+        self.queries = checks.host_int("queries", queries, 0, U32_MAX)
+        self.sequences = checks.host_int("sequences", sequences, 0, U32_MAX - 1)
+        self.table_width = checks.host_int("table_width", table_width, 1, U32_MAX)
+        self.page_size = checks.host_int("page_size", page_size, 1, MAX_PAGE_SIZE)
+        self.num_pages = checks.host_int("num_pages", num_pages, 1, U32_MAX - 1)
+        #: Rows of every plan: the sequences and the padding sequence.
+        self.rows = self.sequences + 1
+        checks.u32_size("page_table", (self.rows, self.table_width))
+        n_words = layout.metadata_words(self.queries, self.rows, self.table_width)
+        checks.u32_size("metadata words", (n_words,))
+        stream = stream_for(like)
+        check_not_capturing(stream, "DevicePlanBuilder")
+        #: uint32 [metadata_words(queries, rows, table_width)]: a plan of Q queries uses its first
+        #: metadata_words(Q, rows, table_width) words.
+        self.words = zeros(like, n_words, np.uint32)
+        self.status = zeros(like, 1, np.uint32)
+        self._plans: dict[tuple, DevicePlan] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"DevicePlanBuilder(queries={self.queries}, sequences={self.sequences}, table_width={self.table_width}, "
+            f"page_size={self.page_size}, num_pages={self.num_pages})"
+        )
+
+    def _host(self, queries: int) -> HostPlan:
+        """The host side of a plan of ``queries`` queries: sizes, and the
+        schedule of a decode batch (see the class docstring)."""
+        rows, width = self.rows, self.table_width
+        return HostPlan(
+            queries=queries,
+            sequences=rows,
+            table_width=width,
+            page_size=self.page_size,
+            pages=self.num_pages,
+            max_kv_len=min(width * self.page_size, MAX_VISIBLE_LEN),
+            words=np.zeros(0, np.uint32),  # the words live on the device only
+            page_table=np.full((rows, width), -1, np.int64),
+            kv_lens=np.zeros(rows, np.int64),
+            q_lens=np.ones(queries, np.int64),  # the schedule's view: one query a sequence
+            q_seq=np.arange(queries, dtype=np.int64),
+            q_pos=np.zeros(queries, np.int64),
+            stable=True,
+        )
+
+    def build(self, query_start_loc, seq_lens, block_table, queries: int | None = None) -> DevicePlan:
+        """Stream work (one launch on the current stream of the builder's
+        device): the plan of one step from device arrays (or NumPy arrays on
+        the CPU backend) query_start_loc int32 [num_seqs + 1] (the step's
+        queries of sequence s are query_start_loc[s] - query_start_loc[0] ..
+        query_start_loc[s + 1] - query_start_loc[0] - 1), seq_lens int32
+        [num_seqs] (kv lengths, this step's tokens included), block_table
+        int32 [num_seqs, cols] (cols <= table_width; rows may be strided),
+        num_seqs <= ``sequences``. ``queries``: the plan's queries Q (default
+        the capacity), >= the step's (else the step is padded out on the
+        device, a status bit). Returns the DevicePlan of Q queries over the
+        builder's words (one object per Q and stream, reused: a later build
+        overwrites the words of every plan of this builder)."""
+        q = self.queries if queries is None else checks.host_int("queries", queries, 0, self.queries)
+        stream = stream_for(self.words)
+        key = (q, stream.backend, stream.device, getattr(stream, "ptr", None))
+        plan = self._plans.get(key)
+        if plan is None:
+            view = self.words[: layout.metadata_words(q, self.rows, self.table_width)]
+            plan = DevicePlan(self._host(q), view, stream)
+        plan_build_op.build_plan_words(
+            plan.words,
+            self.status,
+            query_start_loc,
+            seq_lens,
+            block_table,
+            queries=q,
+            sequences=self.rows,
+            table_width=self.table_width,
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+        )
+        self._plans[key] = plan
+        return plan
+
+    def errors(self) -> int:
+        """The status bits since the last call (reads the device: a
+        synchronization), then clears them."""
+        stream = stream_for(self.status)
+        if stream.backend == CPU:
+            bits = int(self.status[0])
+        else:
+            stream.synchronize()
+            bits = int(self.status.get()[0])
+        stream.memset_d32(self.status, 0)
+        return bits
+
+    def check(self) -> None:
+        """Raise PagedAttentionError naming what the device found wrong in
+        the steps built since the last check (``errors()``; a sync)."""
+        bits = self.errors()
+        if bits:
+            found = "; ".join(m for b, m in plan_build_op.STATUS_BITS.items() if bits & b)
+            raise PagedAttentionError(f"device plan metadata: {found}")

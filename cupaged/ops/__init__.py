@@ -8,6 +8,7 @@ launch on a stream; none allocates on a hot path or synchronizes.
 * ``append``: writing K/V rows into pages; copying pages
 * ``slots``: engine-level writes by slot mapping and page copies (vLLM semantics)
 * ``advance``: moving a plan forward on the device (decode graphs)
+* ``plan_build``: a step's plan words built on the device from an engine's device metadata
 * ``sampling``: argmax over logits
 * ``sample``: per-slot sampling (temperature, top-k/p, min-p, penalties, seeds, logprobs)
 * ``layers``: embedding, RMSNorm, linear, RoPE, SwiGLU
@@ -15,6 +16,6 @@ launch on a stream; none allocates on a hot path or synchronizes.
 
 from __future__ import annotations
 
-from . import advance, append, attention, layers, sample, sampling, slots
+from . import advance, append, attention, layers, plan_build, sample, sampling, slots
 
-__all__ = ["advance", "append", "attention", "layers", "sample", "sampling", "slots"]
+__all__ = ["advance", "append", "attention", "layers", "plan_build", "sample", "sampling", "slots"]

@@ -21,6 +21,7 @@ from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata  # 
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
 
+import cupaged  # noqa: E402
 import cupaged.integrations.vllm as cv  # noqa: E402
 from cupaged.errors import ConfigError  # noqa: E402
 from cupaged.testing import assert_close, reference  # noqa: E402
@@ -176,8 +177,16 @@ def _store(x64, kv_cache_dtype, q_np, scale):
     return codes, reference.dequantize_fp8(codes, fmt, s)
 
 
+@pytest.fixture(params=[False, True], ids=["host-plan", "device-plan"])
+def device_plans(request, monkeypatch):
+    """Both plan paths on CPU tensors: the host plan (vLLM's CPU build) and the device-built plan (what a
+    CUDA build runs: vLLM's tensors as they are, DevicePlanBuilder, no host copy)."""
+    monkeypatch.setattr(B.get_builder_cls(), "device_plans", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_mixed_step_against_float64(case):
+def test_mixed_step_against_float64(case, device_plans):
     name, dt, kv_dtype, hq, hkv, d, bs, layout, opts = case
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     q_np = _np_dtype(dt)
@@ -282,11 +291,14 @@ def test_mixed_step_against_float64(case):
     np.testing.assert_array_equal(got_k.numpy(), ref_k)
     np.testing.assert_array_equal(got_v.numpy(), ref_v)
 
-    metadata = B.get_builder_cls()(None, ["layer.0"], None, torch.device("cpu")).build(0, common)
+    builder = B.get_builder_cls()(None, ["layer.0"], None, torch.device("cpu"))
+    metadata = builder.build(0, common)
+    assert (metadata.device is not None) == device_plans and (metadata.page_table is None) == device_plans
     output = torch.full((tp, hq * d), 7.0, dtype=dt)
     impl.forward(layer, query, key, value, kv_cache, metadata, output)
     assert cv.KERNEL_CALLS["attention"] == before.get("attention", 0) + 1
     assert cv.KERNEL_CALLS["write_slots"] == before.get("write_slots", 0) + 1
+    assert cv.KERNEL_CALLS["plan_build"] == before.get("plan_build", 0) + device_plans
 
     expect, _ = reference.scored_attention(
         query[:tokens].to(torch.float64).numpy(),
@@ -304,7 +316,28 @@ def test_mixed_step_against_float64(case):
     )
     out = output.view(tp, hq, d)
     assert_close(out[:tokens].to(torch.float64).numpy(), expect, q_np, name)
-    assert (output[tokens:] == 7.0).all(), "padded rows were written"
+    if not device_plans:
+        assert (output[tokens:] == 7.0).all(), "padded rows were written"
+        return
+    assert (output[tokens:] == 0).all(), "padded rows: the device plan's padding sequence gives 0"
+    # the device path: the same stable words every step (no allocation), and the words a host plan would have
+    (plans,) = builder._device_plans.builders.values()
+    words = plans.words
+    plan = metadata.plan(query, bs, NUM_BLOCKS).plan
+    assert np.shares_memory(plan.words, words) and plans.errors() == 0
+    host = cupaged.HostPlan.build(
+        np.vstack([table, np.full((1, width), -1, np.int32)]),
+        np.append(kv_lens, 0),
+        np.append(q_lens, tp - tokens),
+        bs,
+        NUM_BLOCKS,
+    )
+    np.testing.assert_array_equal(plan.words, host.words)
+    again = builder.build(0, common)
+    output2 = torch.zeros_like(output)
+    impl.forward(layer, query, key, value, kv_cache, again, output2)
+    assert again.plan(query, bs, NUM_BLOCKS).plan is plan and plans.words is words
+    assert torch.equal(output2, output)
 
 
 def test_builder_refuses_per_request_causal_flags_and_warmup_is_a_no_op():
@@ -328,3 +361,13 @@ def test_builder_refuses_per_request_causal_flags_and_warmup_is_a_no_op():
     q = torch.zeros((2, 2, 32))
     assert impl.forward(None, q, q[:, :1], q[:, :1], torch.zeros((4, 1, 16, 64)), None, output) is output
     assert (output == 3.0).all()
+
+
+def test_cudagraph_support_level():
+    """ALWAYS only where plans are built on the device into stable buffers (CUDA); vLLM's CPU build: NEVER."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    level = B.get_builder_cls().get_cudagraph_support(None, None)
+    cuda = current_platform.is_cuda_alike()
+    assert level == (AttentionCGSupport.ALWAYS if cuda else AttentionCGSupport.NEVER)

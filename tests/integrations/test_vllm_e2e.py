@@ -2,8 +2,9 @@
 plugin through a ``vllm.general_plugins`` entry point, and
 ``LLM(..., attention_backend="CUSTOM")`` gives the same greedy tokens as
 vLLM's own CPU backend, logprobs within 1e-4, for prompts of different
-lengths in one batch (one chunked), on a random Llama and Qwen3; cupaged's
-launch counter proves its kernels ran (and did not under CPU_ATTN).
+lengths in one batch (one chunked), on a random Llama and Qwen3, and on the
+Llama with cupaged's plans built on the device (the CUDA build's path);
+cupaged's launch counter proves its kernels ran (and did not under CPU_ATTN).
 
 One subprocess (tests/integrations/vllm_e2e_child.py) runs all four
 engines, ~55-65 s on 2 cores; the entry point is a temporary dist-info on
@@ -75,4 +76,16 @@ def test_same_greedy_tokens_and_logprobs_as_vllm_cpu(report, model):
     calls = ours["calls"]
     assert calls.get("attention", 0) > 0 and calls.get("attention") == calls.get("write_slots")
     assert calls["attention"] % 2 == 0
+    assert not calls.get("plan_build"), "the host-plan path launched the device plan builder"
     assert not any(theirs["calls"].values())
+
+
+def test_device_built_plans_give_the_same_tokens_and_logprobs(report):
+    """The CUDA build's path (vLLM's metadata tensors as they are, plans built on the device) on vLLM's CPU
+    build: same greedy tokens and logprobs as vLLM's own backend; one plan build per step, both layers on it."""
+    ours, theirs = report["runs"]["llama/CUSTOM-device"], report["runs"]["llama/CPU_ATTN"]
+    assert ours["tokens"] == theirs["tokens"]
+    for a, b in zip(ours["logprobs"], theirs["logprobs"]):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    calls = ours["calls"]
+    assert calls.get("plan_build", 0) > 0 and calls["attention"] == 2 * calls["plan_build"] == calls["write_slots"]

@@ -4,7 +4,8 @@ process: ``python vllm_e2e_child.py <folder>``. It never calls cupaged's
 point (the test puts one on PYTHONPATH). For a small random Llama (GQA) and
 Qwen3 (MQA, q/k norms) written with ``cupaged.testing.write_random_checkpoint``
 it runs the same prompts under vLLM's own CPU backend and under CUSTOM
-(cupaged), greedy, in this one process (the engine in-process, so
+(cupaged; for the Llama also CUSTOM with plans built on the device,
+``CupagedMetadataBuilder.device_plans``), greedy, in this one process (the engine in-process, so
 cupaged's launch counter is visible here), and prints ``RESULT <json>``:
 tokens, sampled-token logprobs, cupaged launches per run, and whether the
 plugin was registered and the CPU platform patched."""
@@ -42,9 +43,13 @@ def main(root: str) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, detokenize=False)
     report: dict = {"runs": {}}
     for name, folder in folders.items():
-        for backend in ("CPU_ATTN", "CUSTOM"):
-            from cupaged.integrations.vllm import KERNEL_CALLS
+        # CUSTOM-device: cupaged with its plans built on the device (what vLLM's CUDA build runs), on one model
+        runs = ("CPU_ATTN", "CUSTOM", "CUSTOM-device") if name == "llama" else ("CPU_ATTN", "CUSTOM")
+        for run in runs:
+            from cupaged.integrations.vllm import KERNEL_CALLS, CupagedMetadataBuilder
 
+            backend = run.split("-")[0]
+            CupagedMetadataBuilder.device_plans = True if run == "CUSTOM-device" else None
             before = dict(KERNEL_CALLS)
             t = time.time()
             llm = LLM(
@@ -61,7 +66,7 @@ def main(root: str) -> None:
                 attention_backend=backend,
             )
             outs = llm.generate(prompts, params)
-            report["runs"][f"{name}/{backend}"] = {
+            report["runs"][f"{name}/{run}"] = {
                 "tokens": [list(o.outputs[0].token_ids) for o in outs],
                 "logprobs": [
                     [lp[tok].logprob for tok, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs

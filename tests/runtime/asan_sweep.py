@@ -241,6 +241,25 @@ def small_ops():
     layers.silu_mul(x, np.empty((4, 8), np.float32))
 
 
+def plan_build_on_absurd_metadata():
+    """The device plan builder on query starts, lengths and block ids no check would let through (a strided
+    block table of vLLM's kind), then attention over each plan it wrote: every array sized exactly."""
+    builder = cupaged.DevicePlanBuilder(9, 4, 3, 4, 7, np.zeros(1, np.float32))
+    k = rng.standard_normal((7, 4, 2, 16)).astype(np.float32)
+    q = rng.standard_normal((9, 4, 16)).astype(np.float32)
+    for n in (0, 1, 4):
+        for _ in range(3):
+            qsl = rng.integers(-(2**31), 2**31, n + 1).astype(np.int32)
+            qsl[: n + 1 : 2] = np.sort(rng.integers(0, 12, len(qsl[: n + 1 : 2])))  # sometimes in range
+            lens = rng.integers(-(2**31), 2**31, n).astype(np.int32)
+            lens[::2] = rng.integers(0, 14, lens[::2].size)
+            table = rng.integers(-(2**31), 2**31, (n, 5)).astype(np.int32)[:, 1:4]
+            table[:, ::2] = rng.integers(0, 8, table[:, ::2].shape)
+            plan = builder.build(qsl, lens, np.ascontiguousarray(table) if n == 1 else table)
+            plan.attention(q, k, k, 0.25)
+            plan.attention(q, k, k, 0.25, causal=False)
+
+
 SHARD, COUNT = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) == 3 else (0, 1)
 for i, (name, fn) in enumerate(
     [
@@ -306,6 +325,7 @@ for i, (name, fn) in enumerate(
         ("append + copy_pages + advance_plan", append_and_pages),
         ("layered copy_pages + write_slots + advance_slots", engine_kernels),
         ("argmax + layers", small_ops),
+        ("plan_build on absurd device metadata, attention over its plans", plan_build_on_absurd_metadata),
     ]
 ):
     if i % COUNT != SHARD:

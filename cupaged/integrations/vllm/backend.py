@@ -1,6 +1,7 @@
 """cupaged's vLLM 0.32.0 attention backend: ``CupagedAttentionBackend`` (what
 vLLM selects), ``CupagedMetadataBuilder`` (vLLM's per-step
-``CommonAttentionMetadata`` -> ``CupagedMetadata``, host arrays only),
+``CommonAttentionMetadata`` -> ``CupagedMetadata``: host arrays on vLLM's CPU
+build, vLLM's device tensors as they are on a CUDA build),
 ``CupagedAttentionImpl`` (one per layer: the KV write through
 ``cupaged.ops.slots.write_slots`` and the attention through a cupaged plan).
 docs/vllm.md has the mapping of vLLM's block table, slot mapping and cache
@@ -8,14 +9,19 @@ view onto cupaged's.
 
 Tensors: torch CPU tensors are viewed as NumPy arrays without a copy
 (``cupaged.interop.torch``), so cupaged's CPU backend (the CUDA kernels
-compiled for the host) runs under vLLM's CPU build. ``KERNEL_CALLS`` counts
-the cupaged launches this process made ("write_slots", "attention"), so a
-test can tell cupaged ran.
+compiled for the host) runs under vLLM's CPU build. CUDA tensors are viewed
+as CuPy arrays (DLPack), every launch goes to torch's current stream, and the
+step's plan is built on the device (``cupaged.DevicePlanBuilder``: no
+device-to-host copy, no allocation per step, a grid fixed by the step's
+padded token count, so vLLM may capture full CUDA graphs over it).
+``KERNEL_CALLS`` counts the cupaged launches this process made
+("write_slots", "attention", "plan_build"), so a test can tell cupaged ran.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -35,10 +41,10 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from ...errors import ConfigError
-from ...interop.torch import TorchPlan, as_array, torch_plan
+from ...interop.torch import TorchPlan, as_array, torch_plan, torch_stream
 from ...layout import MAX_PAGE_SIZE
 from ...ops.slots import write_slots
-from ...plan import HostPlan
+from ...plan import DevicePlanBuilder, HostPlan
 
 __all__ = [
     "CupagedAttentionBackend",
@@ -48,7 +54,7 @@ __all__ = [
     "KERNEL_CALLS",
 ]
 
-#: cupaged launches made in this process, by op ("write_slots", "attention").
+#: cupaged launches made in this process, by op ("write_slots", "attention", "plan_build").
 KERNEL_CALLS: collections.Counter[str] = collections.Counter()
 
 #: vLLM's kv_cache_dtype -> the torch fp8 dtype its uint8 cache holds (vLLM's "fp8" is e4m3).
@@ -158,50 +164,141 @@ class CupagedAttentionBackend(AttentionBackend):
         return [detail.get(r, r) for r in reasons]
 
 
+class _DevicePlans:
+    """The stable plan buffers of one metadata builder (one per KV-cache
+    group): a ``DevicePlanBuilder`` per (page size, page count, device),
+    sized once from vLLM's limits (``max_num_batched_tokens`` queries,
+    ``max_num_seqs`` sequences, the block table's width) and replaced by a
+    larger one only when a step outgrows it (never inside a CUDA graph
+    capture: ConfigError), and the TorchPlan of each plan it hands out."""
+
+    def __init__(self, queries: int, sequences: int):
+        self.queries, self.sequences = queries, sequences
+        self.builders: dict[tuple, DevicePlanBuilder] = {}
+        self.wrapped: dict[int, TorchPlan] = {}
+
+    def builder(self, like: torch.Tensor, queries: int, sequences: int, width: int, page_size: int, num_pages: int):
+        key = (page_size, num_pages, like.device)
+        b = self.builders.get(key)
+        if b is None or b.queries < queries or b.sequences < sequences or b.table_width < width:
+            if like.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ConfigError(
+                    f"plan buffers: a step of {queries} tokens, {sequences} requests, {width} blocks a request "
+                    f"outgrew them during a CUDA graph capture (sized from max_num_batched_tokens="
+                    f"{self.queries}, max_num_seqs={self.sequences})"
+                )
+            self.queries, self.sequences = max(self.queries, queries), max(self.sequences, sequences)
+            w = max(width, b.table_width if b is not None else 1)
+            b = self.builders[key] = DevicePlanBuilder(
+                self.queries, self.sequences, w, page_size, num_pages, as_array(like, "like")
+            )
+        return b
+
+
+@dataclass
+class _DeviceStep:
+    """One step's metadata as vLLM's tensors (no host copy): query_start_loc
+    int32 [reqs + 1], seq_lens int32 [reqs], block_table int32 [reqs, width]
+    (rows of vLLM's persistent buffers), and the builder's stable buffers."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    plans: _DevicePlans
+
+
 @dataclass
 class CupagedMetadata(AttentionMetadata):
-    """One step's schedule as host arrays (copied from vLLM's CPU tensors):
-    ``page_table`` [reqs, width] (vLLM's block table), ``kv_lens`` [reqs]
-    (seq_lens: tokens in the cache after this step's writes), ``q_lens``
-    [reqs] (from query_start_loc's CPU copy), ``queries`` (their sum: the
-    real query tokens; rows past it are padding), ``causal``,
-    ``slot_mapping`` [num_actual_tokens]. ``plan`` builds and uploads the
-    cupaged plan once per step, on the first layer that asks; later layers
-    of the step reuse it."""
+    """One step's schedule. Host path (vLLM's CPU build): host arrays copied
+    from vLLM's CPU tensors, ``page_table`` [reqs, width] (vLLM's block
+    table), ``kv_lens`` [reqs] (seq_lens: tokens in the cache after this
+    step's writes), ``q_lens`` [reqs] (from query_start_loc's CPU copy),
+    ``queries`` (their sum: the real query tokens; rows past it are padding
+    and left as they are). Device path (CUDA tensors, or
+    ``CupagedMetadataBuilder.device_plans``): ``device`` holds vLLM's
+    tensors, the host arrays are None, and the plan covers every row of the
+    layer's query (padding rows get output 0). ``causal``, ``slot_mapping``
+    [num_actual_tokens]. ``plan`` builds the cupaged plan once per step, on
+    the first layer that asks; later layers of the step reuse it."""
 
     num_actual_tokens: int
     queries: int
-    page_table: np.ndarray
-    kv_lens: np.ndarray
-    q_lens: np.ndarray
+    page_table: np.ndarray | None
+    kv_lens: np.ndarray | None
+    q_lens: np.ndarray | None
     causal: bool
     slot_mapping: torch.Tensor
+    device: _DeviceStep | None = None
     _plans: dict = field(default_factory=dict, repr=False)
 
     def plan(self, like: torch.Tensor, page_size: int, num_pages: int) -> TorchPlan:
         """The step's TorchPlan for caches of ``num_pages`` pages of
-        ``page_size`` tokens on ``like``'s device (built once per key)."""
-        key = (page_size, num_pages, like.device)
+        ``page_size`` tokens on ``like``'s device (built once per key; on
+        the device path ``like`` [tokens, ...] gives the plan's queries)."""
+        d = self.device
+        key = (page_size, num_pages, like.device, None if d is None else int(like.shape[0]))
         p = self._plans.get(key)
         if p is None:
-            host = HostPlan.build(self.page_table, self.kv_lens, self.q_lens, page_size, num_pages)
-            p = self._plans[key] = torch_plan(host, like)
+            if d is None:
+                host = HostPlan.build(self.page_table, self.kv_lens, self.q_lens, page_size, num_pages)
+                p = torch_plan(host, like)
+            else:
+                p = self._device_plan(d, like, page_size, num_pages)
+            self._plans[key] = p
         return p
+
+    @staticmethod
+    def _device_plan(d: _DeviceStep, like: torch.Tensor, page_size: int, num_pages: int) -> TorchPlan:
+        """One ``plan_build`` launch into the builder's stable words, on
+        torch's current stream: no host read of vLLM's tensors."""
+        queries, (reqs, width) = int(like.shape[0]), (int(x) for x in d.block_table.shape)
+        ctx = torch_stream(like.device.index) if like.device.type == "cuda" else contextlib.nullcontext()
+        with ctx:  # the buffers (once) and the build on torch's current stream, on like's device
+            b = d.plans.builder(like, queries, reqs, width, page_size, num_pages)
+            dp = b.build(
+                as_array(d.query_start_loc, "query_start_loc"),
+                as_array(d.seq_lens, "seq_lens"),
+                as_array(d.block_table, "block_table_tensor"),
+                queries=queries,
+            )
+        KERNEL_CALLS["plan_build"] += 1
+        tp = d.plans.wrapped.get(id(dp))
+        if tp is None or tp.plan is not dp:
+            tp = d.plans.wrapped[id(dp)] = TorchPlan(dp)
+        return tp
 
 
 class CupagedMetadataBuilder(AttentionMetadataBuilder[CupagedMetadata]):
-    """``CommonAttentionMetadata`` -> ``CupagedMetadata``, from host data:
-    query_start_loc's CPU copy, and seq_lens / block_table_tensor read
-    through NumPy views (CPU tensors on vLLM's CPU build: no device read,
-    no synchronization) and copied, since vLLM refills those buffers.
-    No CUDA graphs: plans are built per step on the host
-    (``AttentionCGSupport.NEVER``)."""
+    """``CommonAttentionMetadata`` -> ``CupagedMetadata``. On vLLM's CPU
+    build, from host data: query_start_loc's CPU copy, and seq_lens /
+    block_table_tensor read through NumPy views and copied, since vLLM
+    refills those buffers; the plan is a HostPlan built per step. On CUDA
+    (or with ``device_plans`` True), from vLLM's tensors as they are: the
+    plan is built on the device (``DevicePlanBuilder``) into buffers sized
+    once, with no device-to-host copy; its grid depends only on the step's
+    padded token count, and any mix of prefills, chunked prefills and
+    decodes runs on it, so on CUDA full CUDA graphs are supported for mixed
+    batches (``AttentionCGSupport.ALWAYS``; on the CPU, ``NEVER``: vLLM's
+    CPU build captures none)."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     reorder_batch_threshold: int | None = None
+    #: None: plans built on the device for CUDA tensors, on the host for CPU tensors; True: on the device
+    #: for both (the CUDA path run on the CPU backend, for tests); False: on the host (CPU tensors only).
+    device_plans: ClassVar[bool | None] = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        sched = getattr(vllm_config, "scheduler_config", None)
+        self._device_plans = _DevicePlans(
+            int(getattr(sched, "max_num_batched_tokens", 0) or 0), int(getattr(sched, "max_num_seqs", 0) or 0)
+        )
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        from vllm.platforms import current_platform
+
+        return AttentionCGSupport.ALWAYS if current_platform.is_cuda_alike() else cls._cudagraph_support
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -210,6 +307,25 @@ class CupagedMetadataBuilder(AttentionMetadataBuilder[CupagedMetadata]):
         n = int(m.num_reqs)
         if isinstance(m.causal, torch.Tensor):
             raise ConfigError("causal: expected a bool (cupaged has no per-request causal flags), got a tensor")
+        on_device = self.device_plans
+        if on_device is None:
+            on_device = m.block_table_tensor.device.type != "cpu"
+        if on_device:
+            return CupagedMetadata(
+                num_actual_tokens=int(m.num_actual_tokens),
+                queries=int(m.num_actual_tokens),
+                page_table=None,
+                kv_lens=None,
+                q_lens=None,
+                causal=bool(m.causal),
+                slot_mapping=m.slot_mapping,
+                device=_DeviceStep(
+                    _int32("query_start_loc", m.query_start_loc[: n + 1]),
+                    _int32("seq_lens", m.seq_lens[:n]),
+                    _int32("block_table_tensor", m.block_table_tensor[:n]),
+                    self._device_plans,
+                ),
+            )
         qsl = _host("query_start_loc_cpu", m.query_start_loc_cpu)[: n + 1].astype(np.int64)
         return CupagedMetadata(
             num_actual_tokens=int(m.num_actual_tokens),
@@ -223,14 +339,18 @@ class CupagedMetadataBuilder(AttentionMetadataBuilder[CupagedMetadata]):
         )
 
 
+def _int32(name: str, t: torch.Tensor) -> torch.Tensor:
+    """vLLM's int32 metadata tensor as it is (no copy, no device read)."""
+    if t.dtype != torch.int32:
+        raise ConfigError(f"{name}: expected an int32 tensor, got {t.dtype}")
+    return t
+
+
 def _host(name: str, t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor (no copy). vLLM's CPU build keeps its
-    metadata on the host; a CUDA tensor here would need a device read each
-    step, which this backend does not do."""
+    """A NumPy view of a CPU tensor (no copy); the host path only (CUDA
+    metadata takes the device path)."""
     if t.device.type != "cpu":
-        raise ConfigError(
-            f"{name}: expected a CPU tensor (cupaged's vLLM backend runs on vLLM's CPU build), got {t.device}"
-        )
+        raise ConfigError(f"{name}: expected a CPU tensor on the host-plan path (device_plans False), got {t.device}")
     return t.numpy()
 
 
@@ -286,6 +406,7 @@ class CupagedAttentionImpl(AttentionImpl[CupagedMetadata]):
             raise ConfigError(f"sinks: expected shape [{self.num_heads}], got {list(sinks.shape)}")
         self.sinks = sinks
         self._sinks32: torch.Tensor | None = None
+        self._alibi_on: dict[torch.device, torch.Tensor] = {}
         self._q_buffer: torch.Tensor | None = None
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
@@ -374,13 +495,15 @@ class CupagedAttentionImpl(AttentionImpl[CupagedMetadata]):
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [tokens, Hq, D] -> output [tokens, Hq, D] (written in place;
-        rows past the step's real tokens are left as they are). The cache
-        already holds this step's K/V (``do_kv_cache_update``)."""
+        rows past the step's real tokens are left as they are on the host
+        path and set to 0 on the device path). The cache already holds this
+        step's K/V (``do_kv_cache_update``)."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("cupaged's vLLM backend: fused output quantization is not supported")
         if attn_metadata is None:  # vLLM's profiling / warm-up run
             return output
-        n = attn_metadata.queries
+        # the device path's plan covers every row of query (padding rows get 0); the host path the real ones
+        n = int(query.shape[0]) if attn_metadata.device is not None else attn_metadata.queries
         if n == 0:
             return output
         k_cache, v_cache = self._caches(kv_cache)
@@ -392,7 +515,10 @@ class CupagedAttentionImpl(AttentionImpl[CupagedMetadata]):
         if self.logits_soft_cap is not None:
             options["soft_cap"] = self.logits_soft_cap
         if self.alibi_slopes is not None:
-            options["alibi_slopes"] = self.alibi_slopes
+            slopes = self._alibi_on.get(query.device)
+            if slopes is None:  # one copy per device, at the first step there
+                slopes = self._alibi_on[query.device] = self.alibi_slopes.to(query.device)
+            options["alibi_slopes"] = slopes
         sinks = self._sinks()
         if sinks is not None:
             options["sinks"] = sinks
