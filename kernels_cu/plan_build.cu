@@ -36,11 +36,12 @@
 #include "common.cuh"
 #include "plan_words.cuh"
 
-// Status bits (mirrored by cupaged/ops/plan_build.py's STATUS_BITS).
-#define CP_BUILD_BAD_QUERY_START 1u
-#define CP_BUILD_BAD_SEQ_LEN 2u
-#define CP_BUILD_BAD_PAGE 4u
-#define CP_BUILD_NEGATIVE_POSITION 8u
+// Status bits: defined once in cupaged/ops/plan_build.py (DEFINES), passed as
+// CP_BUILD_BAD_QUERY_START, CP_BUILD_BAD_SEQ_LEN, CP_BUILD_BAD_PAGE, CP_BUILD_NEGATIVE_POSITION.
+#if !defined(CP_BUILD_BAD_QUERY_START) || !defined(CP_BUILD_BAD_SEQ_LEN) || !defined(CP_BUILD_BAD_PAGE) || \
+    !defined(CP_BUILD_NEGATIVE_POSITION)
+#error "plan_build.cu: the CP_BUILD_* status bits come from cupaged/ops/plan_build.py (DEFINES)"
+#endif
 
 namespace {
 // The step's view of query_start_loc: q_start of row s in 0 .. sequences.

@@ -31,8 +31,14 @@ THREADS = 256
 #: Words a thread writes about (the grid is sized to the words, at most MAX_BLOCKS blocks).
 WORDS_PER_THREAD = 8
 MAX_BLOCKS = 1024
-#: Bits of the status word (the kernel's CP_BUILD_* defines).
+#: Bits of the status word; the kernel gets them as its CP_BUILD_* defines (DEFINES).
 BAD_QUERY_START, BAD_SEQ_LEN, BAD_PAGE, NEGATIVE_POSITION = 1, 2, 4, 8
+DEFINES = {
+    "CP_BUILD_BAD_QUERY_START": f"{BAD_QUERY_START}u",
+    "CP_BUILD_BAD_SEQ_LEN": f"{BAD_SEQ_LEN}u",
+    "CP_BUILD_BAD_PAGE": f"{BAD_PAGE}u",
+    "CP_BUILD_NEGATIVE_POSITION": f"{NEGATIVE_POSITION}u",
+}
 #: What each bit means, for messages.
 STATUS_BITS = {
     BAD_QUERY_START: "query_start_loc decreasing or spanning more than the plan's queries (the step was padded out)",
@@ -40,7 +46,7 @@ STATUS_BITS = {
     BAD_PAGE: "a block id inside a sequence's length outside 0 .. num_pages - 1 (that page was skipped)",
     NEGATIVE_POSITION: "a sequence with more queries than keys (its first queries at negative positions)",
 }
-register("plan_build", [{}])
+register("plan_build", [DEFINES])
 
 
 def _int32(name: str, a, ndim: int) -> None:
@@ -136,7 +142,7 @@ def build_plan_words(
         )
     backend_of(words=words, status=status, query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table)
     blocks = max(1, min(MAX_BLOCKS, -(-n_words // (THREADS * WORDS_PER_THREAD))))
-    k = get_kernel(words, "plan_build", "plan_build")
+    k = get_kernel(words, "plan_build", "plan_build", DEFINES)
     stream_for(words).launch(
         k,
         (blocks,),
