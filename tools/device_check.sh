@@ -36,7 +36,7 @@ LOG="$META" step model 150 $PY -m cupaged.tools.perf_model --arch "$ARCH"
 { echo; echo "=== performance model (MODELED, not measured) for $ARCH"; cat "$META/model.log"; } >> "$LOG/gate.log"
 LOG="$META" step calibrate 90 $PY -m cupaged.tools.calibrate --json "$META/calibrate.json"; { echo; echo "=== calibration (MEASURED, beside the MODELED constants of cupaged/tools/archs.py)"; cat "$META/calibrate.log" "$META/calibrate.json" 2>/dev/null; } >> "$LOG/gate.log"
 step gpu_tests 200 $PY -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=60 tests
-step demo      60  $PY -m cupaged demo --tokens 64 --batch 8
+step demo      180 sh -c "$PY -m cupaged demo --tokens 64 --batch 8 && echo && echo '=== engine (cupaged.Engine, random Llama-3.2-1B shape, bf16; sampling in the graph; tokens/s measured)' && $PY benchmarks/bench_engine.py --batches 1,8 --new 64"
 step bench_attention 180 sh -c "$PY benchmarks/bench_attention.py --quick && echo && echo '=== fp8 (e4m3) K/V' && $PY benchmarks/bench_attention.py --quick --kv-dtype e4m3"
 step bench_mla 60  $PY benchmarks/bench_mla.py --quick
 step bench_append 40 $PY benchmarks/bench_append.py --reps 20
@@ -48,6 +48,7 @@ while read -r name rc secs; do printf '%-16s exit %-3s %4ss\n' "$name" "$rc" "$s
 grep -h "compiles in" "$LOG/gate.log" | tail -n 1
 grep -hE "^=+ .+ in [0-9.]+s" "$LOG/gpu_tests.log" | tail -n 1
 grep -h "tokens matching" "$LOG/demo.log"
+echo "--- engine (measured)"; awk '/=== engine/{f=1} f' "$LOG/demo.log" | tail -n 12
 echo "--- performance model for $ARCH (MODELED; the measured figures are in the benchmark tables below)"
 awk 'BEGIN{RS=""} /modeled time/ {print; exit}' "$META/model.log"
 echo "--- calibration of the model's constants (MEASURED beside the MODELED ranges; JSON in gate.log)"
