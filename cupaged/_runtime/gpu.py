@@ -664,16 +664,21 @@ class GpuStream(Stream):
 _streams: dict[tuple, GpuStream] = {}
 
 
-def _retire(key: tuple, stream: GpuStream) -> None:
+def _retire(key: tuple, stream: GpuStream, streams: dict | None = None, orphans: deque | None = None, drv=None) -> None:
     """The CuPy stream of ``stream`` was destroyed: forget it, keeping its
-    unfinished host copies' buffers alive until they complete."""
-    if _streams.get(key) is stream:
-        del _streams[key]
-    _orphans.extend(stream._inflight)
+    unfinished host copies' buffers alive until they complete. ``streams``,
+    ``orphans`` and ``drv``: the registry, orphan queue and driver the
+    stream was made with (a finalizer runs whenever the CuPy stream is
+    collected; it must not hand its events to another driver's queue)."""
+    streams = _streams if streams is None else streams
+    orphans = _orphans if orphans is None else orphans
+    if streams.get(key) is stream:
+        del streams[key]
+    orphans.extend(stream._inflight)
     stream._inflight.clear()
     for ev in stream._free_events:
         try:
-            driver_module().cuEventDestroy(ev)
+            (driver_module() if drv is None else drv).cuEventDestroy(ev)
         except Exception:
             pass
     stream._free_events.clear()
@@ -699,5 +704,6 @@ def current_stream(like: Array) -> GpuStream:
             _retire(key, s)
         s = GpuStream(dev, cs)
         _streams[key] = s
-        weakref.finalize(cs, _retire, key, s).atexit = False  # nothing to release at exit
+        fin = weakref.finalize(cs, _retire, key, s, _streams, _orphans, driver_module())
+        fin.atexit = False  # nothing to release at exit
     return s

@@ -644,6 +644,29 @@ def test_emulated_host_copy_queue_is_reaped_lazily(emu):
     assert not s._inflight
 
 
+def test_a_stream_collected_later_keeps_its_events_to_its_own_driver(emu, monkeypatch):
+    """A CuPy stream collected after the driver state was replaced (another
+    test's emulated driver, here) retires its copies into the queue and
+    driver it was made with, never into the new ones."""
+    import gc
+
+    drv, fake_cupy = emu
+    a = EmuArray(np.zeros(4, np.int32))
+    s = _gpu.current_stream(a)
+    for i in range(4):
+        s.copy_from_host(a, np.full(4, i, np.int32))
+    assert s._inflight
+    old_orphans = _gpu._orphans
+    new_drv, new_orphans = FakeDriver(), __import__("collections").deque()
+    monkeypatch.setattr(_gpu, "_drv", new_drv)
+    monkeypatch.setattr(_gpu, "_orphans", new_orphans)
+    fake_cupy.current = FakeCupyStream(0)  # the old CuPy stream object goes away
+    del s
+    gc.collect()
+    assert not new_orphans and old_orphans
+    monkeypatch.setattr(_gpu, "_drv", drv)
+
+
 def test_emulated_optin_counts_static_shared_memory(emu):
     """Static + dynamic shared memory may total 48 KiB without opting in, so a
     kernel with static shared memory opts in below 48 KiB of dynamic."""
