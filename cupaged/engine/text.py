@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ConfigError, SetupError
+from .gguf import gguf_chat_template, gguf_tokenizer, is_gguf, open_gguf
 
 __all__ = ["Completion", "Detokenizer", "TextCodec", "finish_reason"]
 
@@ -158,8 +159,6 @@ class TextCodec:
         """A GGUF file's tokenizer (``gguf.gguf_tokenizer``), chat template and
         special tokens (SetupError without the packages, CheckpointError for a
         tokenizer it cannot build)."""
-        from .gguf import gguf_chat_template, gguf_tokenizer, open_gguf
-
         tok = gguf_tokenizer(path)
         g = open_gguf(path)
         special = {}
@@ -178,8 +177,6 @@ class TextCodec:
     @classmethod
     def for_model(cls, path: str | Path) -> tuple[TextCodec | None, str]:
         """(the codec of a model folder or GGUF file, "") or (None, why there is none)."""
-        from .gguf import is_gguf
-
         if is_gguf(path):
             try:
                 return cls.from_gguf(path), ""
