@@ -112,6 +112,26 @@ def rms_norm(x, weight, out, eps: float = 1e-6, *, host: bool = False) -> None:
     )
 
 
+def _host_product(lhs, rhs, out, accumulate: bool, rows: int, keep: tuple) -> None:
+    """``out = lhs @ rhs`` (or ``out +=`` with ``accumulate``, through a
+    scratch array made once here, so a replay allocates nothing) as host
+    work on the CPU stream; ``rows`` picks the BLAS threads
+    (``blas_one_thread``), ``keep`` the arrays the recorded call holds."""
+    if accumulate:
+        tmp = np.zeros(out.shape, np.float32)
+
+        def op():
+            np.matmul(lhs, rhs, out=tmp)
+            np.add(out, tmp, out=out)
+
+    else:
+
+        def op():
+            np.matmul(lhs, rhs, out=out)
+
+    stream_for(keep[0]).host_call(blas_one_thread(op, rows), *keep)
+
+
 def linear(x, weight, out, *, accumulate: bool = False, host: bool = False) -> None:
     """out = x @ weight.T, or out += x @ weight.T with ``accumulate`` (a fused
     residual add). x [M, K], weight [N, K], out [M, N]; float32 accumulation."""
@@ -129,20 +149,7 @@ def linear(x, weight, out, *, accumulate: bool = False, host: bool = False) -> N
     if _on_host(host, x, weight, out):
         if m == 0:
             return
-        wt = weight.T
-        if accumulate:
-            tmp = np.zeros(out.shape, np.float32)
-
-            def op():
-                np.matmul(x, wt, out=tmp)
-                np.add(out, tmp, out=out)
-
-        else:
-
-            def op():
-                np.matmul(x, wt, out=out)
-
-        stream_for(x).host_call(blas_one_thread(op, m), x, weight, out)
+        _host_product(x, weight.T, out, accumulate, m, keep=(x, weight, out))
         return
     stream_for(x).launch(
         _kernel(x, "linear"),
@@ -176,20 +183,15 @@ def linear_heads(x, weight, out, *, accumulate: bool = False, host: bool = False
     if m == 0 or n == 0:
         return
     if _on_host(host, x, weight, out):
-        xh, wt, oh = x.transpose(1, 0, 2), weight.transpose(0, 2, 1), out.transpose(1, 0, 2)  # per head
-        if accumulate:
-            tmp = np.zeros((h, m, n), np.float32)
-
-            def op():
-                np.matmul(xh, wt, out=tmp)
-                np.add(oh, tmp, out=oh)
-
-        else:
-
-            def op():
-                np.matmul(xh, wt, out=oh)
-
-        stream_for(x).host_call(blas_one_thread(op, m), x, weight, out)
+        # per head: [H, M, K] @ [H, K, N] into out's [H, M, N] view
+        _host_product(
+            x.transpose(1, 0, 2),
+            weight.transpose(0, 2, 1),
+            out.transpose(1, 0, 2),
+            accumulate,
+            m,
+            keep=(x, weight, out),
+        )
         return
     stream_for(x).launch(
         _kernel(x, "linear_heads"),
