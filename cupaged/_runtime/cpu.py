@@ -51,6 +51,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -85,6 +86,7 @@ MODULE_FLAGS = (
     "-ftls-model=global-dynamic",
     "-fvisibility=hidden",
     "-fno-math-errno",
+    "-ffp-contract=off",  # a*b+c stays two roundings (as written); only fmaf / __fmaf_rn fuse
     "-fstack-clash-protection",
     "-DCUPAGED_CPU",
 )
@@ -255,10 +257,27 @@ def cp_async_mode() -> str:
     return mode
 
 
+@functools.cache
+def _host_isa_flags(machine: str | None = None, cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
+    """``-mfma`` on an x86-64 CPU that has FMA: the kernels' ``fmaf`` is then one instruction, not a libm call
+    (both round once, so results are the same bits; ``-ffp-contract=off`` keeps g++ from fusing anything else).
+    Part of the flags, so of the cache key: a cache shared with a machine without FMA builds its own."""
+    if (machine or platform.machine()).lower() not in ("x86_64", "amd64"):
+        return ()
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return ("-mfma",) if "fma" in line.split(":", 1)[-1].split() else ()
+    except OSError:
+        pass
+    return ()
+
+
 def _module_flags() -> tuple[str, ...]:
     extra = tuple(shlex.split(os.environ.get("CUPAGED_CPU_CXXFLAGS", "")))
     eager = ("-DCUPAGED_CP_ASYNC_EAGER=1",) if cp_async_mode() == "eager" else ()
-    return MODULE_FLAGS + (ASAN_FLAGS if _asan() else ()) + eager + extra
+    return MODULE_FLAGS + _host_isa_flags() + (ASAN_FLAGS if _asan() else ()) + eager + extra
 
 
 def _runtime_flags() -> tuple[str, ...]:

@@ -201,6 +201,12 @@ inline void enqueue(Worker* w, Fiber* f) {
     f->state = kReady;
     w->runq[w->qt++ & w->qmask] = f;
 }
+// At the head of the queue: the next to run (a warp collective's lanes, so that one warp's fibers run
+// back to back while their stacks are still in the cache).
+inline void enqueue_front(Worker* w, Fiber* f) {
+    f->state = kReady;
+    w->runq[--w->qh & w->qmask] = f;
+}
 inline Fiber* dequeue(Worker* w) {
     if (w->qh == w->qt) return nullptr;
     return w->runq[w->qh++ & w->qmask];
@@ -210,6 +216,17 @@ inline Fiber* dequeue(Worker* w) {
 inline void switch_away(Worker* w, Ctx* save, bool dies = false) {
     Fiber* next = dequeue(w);
     if (next) {
+        // The fibers to run after it: the saved stack of the next one (its state was fetched a switch ago)
+        // and the state of the one after, while this switch runs.
+        const unsigned queued = w->qt - w->qh;
+#if !CUPAGED_USE_UCONTEXT
+        if (queued > 0) __builtin_prefetch(w->runq[w->qh & w->qmask]->ctx.sp);
+#endif
+        if (queued > 1) {
+            const char* later = reinterpret_cast<const char*>(w->runq[(w->qh + 1) & w->qmask]);
+            __builtin_prefetch(later);
+            __builtin_prefetch(later + 64);
+        }
         next->state = kRunning;
         swap_ctx(save, &next->ctx, dies);
     } else {
@@ -515,9 +532,9 @@ void complete(Worker* w, Fiber* last, WarpRt& W, unsigned pi) {
             }
         }
     }
-    for (unsigned rest = m; rest; rest &= rest - 1) {
-        Fiber* f = lanes[__builtin_ctz(rest)];
-        if (f != last) enqueue(w, f);
+    for (unsigned rest = m; rest; rest &= ~(1u << (31 - __builtin_clz(rest)))) {  // highest lane first
+        Fiber* f = lanes[31 - __builtin_clz(rest)];
+        if (f != last) enqueue_front(w, f);
     }
 }
 

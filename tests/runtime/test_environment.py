@@ -546,3 +546,15 @@ def test_read_only_cupy_cache_and_no_writable_fallback(tmp_path):
     assert r.stdout.splitlines() == [f"hit {ro}"]
     last = _assert_one_setup_error(r)
     assert f"kernel cache {ro} is not writable" in last and last.endswith("set CUPY_CACHE_DIR to a writable folder")
+
+
+def test_fma_flag_follows_the_cpu(tmp_path):
+    with_fma = tmp_path / "fma"
+    with_fma.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx fma avx2\n")
+    without = tmp_path / "nofma"
+    without.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx fmax\n")  # a flag that merely starts with fma
+    assert _cpu._host_isa_flags("x86_64", str(with_fma)) == ("-mfma",)
+    assert _cpu._host_isa_flags("x86_64", str(without)) == ()
+    assert _cpu._host_isa_flags("aarch64", str(with_fma)) == ()  # FMA is in the base ISA there
+    assert _cpu._host_isa_flags("x86_64", str(tmp_path / "absent")) == ()
+    assert "-ffp-contract=off" in _cpu.MODULE_FLAGS  # only fmaf fuses: the bits do not depend on the flag
