@@ -24,7 +24,7 @@
 //   lane issues STEP_U rows of K and V loads before it uses any, so a block
 //   has kThreads * STEP_U * CHUNKS * 2 loads in flight, and loads the next step's
 //   page ids while they are in flight. Scores are reduced over
-//   the LANES lanes of a row by xor-shuffles; every row group keeps its own
+//   the LANES lanes of a row by xor-shuffles (butterfly.cuh); every row group keeps its own
 //   online-softmax state (softmax_state.cuh: max and sum in the log2 domain,
 //   and an FP32 accumulator of its value slice for each head) and the states
 //   are merged at the end: first inside a warp by shuffles, then across warps
@@ -71,6 +71,7 @@
 #include "../common.cuh"
 #include "../plan_words.cuh"
 #include "../softmax_state.cuh"
+#include "../butterfly.cuh"
 #include "params.cuh"
 #include "variant.cuh"
 #include "span.cuh"
@@ -390,12 +391,7 @@ extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) pag
                 s[u][g] = d;
             }
         }
-#pragma unroll
-        for (u32 o = kLanes / 2; o > 0; o >>= 1)
-#pragma unroll
-            for (u32 u = 0; u < kU; ++u)
-#pragma unroll
-                for (u32 g = 0; g < kHeads; ++g) s[u][g] += __shfl_xor_sync(CP_FULL_MASK, s[u][g], o);
+        bfly::sum<kLanes, kU * kHeads>(&s[0][0]);
         if constexpr (!variant::kPlainScore) {
 #pragma unroll
             for (u32 u = 0; u < kU; ++u)
@@ -448,21 +444,7 @@ extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) pag
     }
 
     // ---- merge the row groups of each warp (shuffles), then the warps (shared memory) ----
-#pragma unroll
-    for (u32 o = kLanes; o < 32; o <<= 1) {
-#pragma unroll
-        for (u32 g = 0; g < kHeads; ++g) {
-            const float mo = __shfl_xor_sync(CP_FULL_MASK, st[g].m, o);
-            const float lo = __shfl_xor_sync(CP_FULL_MASK, st[g].l, o);
-            float a, b;
-            st[g].merge(softmax::make_state(mo, lo), a, b);
-#pragma unroll
-            for (u32 i = 0; i < kElems; ++i) {
-                const float other = __shfl_xor_sync(CP_FULL_MASK, acc[g][i], o);
-                acc[g][i] = acc[g][i] * a + other * b;
-            }
-        }
-    }
+    bfly::merge_rows<kLanes>(st, acc);
     if (row == 0) {
 #pragma unroll
         for (u32 g = 0; g < kHeads; ++g) {
