@@ -8,6 +8,8 @@
   (the array module), ``asarray(x)`` (NumPy -> that backend) and
   ``to_numpy(a)``.
 * ``CUPAGED_QUIET=1``: no progress notices on stderr (unless a test asks).
+* ``CUPAGED_BLAS_ONE_THREAD_ROWS=32``: the engine's small host products on one
+  BLAS thread (the CPUs are busy with one pytest worker each).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 # that what a test reads from stderr does not depend on which test built a kernel
 # first; tests/runtime/test_progress.py turns them on where it checks them.
 os.environ.setdefault("CUPAGED_QUIET", "1")
+os.environ.setdefault("CUPAGED_BLAS_ONE_THREAD_ROWS", "32")
 
 
 @functools.lru_cache(maxsize=None)

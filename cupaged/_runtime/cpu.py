@@ -26,6 +26,10 @@ Environment:
   this process may run on); parsed once, by ``configured_workers``.
 * ``CUPAGED_CPU_CXXFLAGS``: extra flags for kernel modules (e.g. ``-g -O0``).
 * ``CUPAGED_CPU_FIBERS=ucontext``: the portable (slower) context switch.
+* ``CUPAGED_BLAS_ONE_THREAD_ROWS``: host products (the engine's dense layers) of at
+  most this many rows run BLAS on one thread (default 0: BLAS's own thread count
+  for every product); for a machine whose other cores are busy (the test suite
+  sets 32: one pytest worker per CPU). Parsed once, by ``blas_one_thread_rows``.
 * ``CUPAGED_CPU_CP_ASYNC=eager``: ``cp.async`` copies (``kernels_cu/ptx.cuh``)
   land at issue, the earliest point a GPU allows, instead of at the
   ``cp.async.wait_group`` that covers them (``late``, the default, the latest
@@ -514,12 +518,23 @@ def num_workers() -> int:
 
 
 # ---- BLAS threads of host work --------------------------------------------------
-#: Products of at most this many rows (a decode step's) run BLAS on one thread:
-#: they are memory-bound, and handing a small product to a second BLAS thread
-#: costs more than it saves (measured: 0.1 ms alone vs 15-30 ms with two
-#: threads for a [1, 576] x [576, 3072] product on 2 busy cores); larger ones
-#: (prefill) use BLAS's own thread count (the CPUs).
-BLAS_ONE_THREAD_ROWS = 32
+@functools.cache
+def blas_one_thread_rows() -> int:
+    """``CUPAGED_BLAS_ONE_THREAD_ROWS`` (default 0): products of at most this many rows run BLAS on one thread.
+    On idle cores BLAS's own threads are faster even for one row (measured, SmolLM2-135M f32 decode at batch 1
+    on 2 idle cores: 30.8 tokens/s with two BLAS threads, 19.8 with one); on cores other processes keep busy,
+    handing a small product to a second BLAS thread costs far more than it saves (0.1 ms alone vs 15-30 ms
+    with two threads for a [1, 576] x [576, 3072] product), so the test suite sets 32 (a decode step's rows)."""
+    raw = os.environ.get("CUPAGED_BLAS_ONE_THREAD_ROWS", "").strip()
+    if not raw:
+        return 0
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise PagedAttentionError(f"CUPAGED_BLAS_ONE_THREAD_ROWS: expected an integer >= 0, got {raw!r}")
+    return n
 
 
 @functools.cache
@@ -546,9 +561,9 @@ def _blas_thread_setter():
 
 def blas_one_thread(op, rows: int):
     """``op`` (host work calling BLAS on ``rows`` rows) wrapped to run BLAS on
-    one thread of its own when rows <= BLAS_ONE_THREAD_ROWS (the thread's
+    one thread of its own when rows <= blas_one_thread_rows() (the thread's
     previous setting is restored after it); else ``op`` itself."""
-    setter = _blas_thread_setter() if rows <= BLAS_ONE_THREAD_ROWS else None
+    setter = _blas_thread_setter() if rows <= blas_one_thread_rows() else None
     if setter is None:
         return op
 

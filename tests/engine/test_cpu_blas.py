@@ -54,10 +54,11 @@ def test_rms_norm(in_place):
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("m", [1, 7])
-def test_linear(accumulate, m):
+@pytest.mark.parametrize("m,n", [(1, 24), (7, 24), (2, 300), (8, 300), (9, 300), (1, 300)])
+def test_linear(accumulate, m, n):
+    # n 300 at 2 .. 8 rows: the product in panels of layers.PANEL columns (two whole, one of 44)
     rng = np.random.default_rng(2)
-    x, w, out = _rand(rng, m, 40), _rand(rng, 24, 40), _rand(rng, m, 24)
+    x, w, out = _rand(rng, m, 40), _rand(rng, n, 40), _rand(rng, m, n)
     want = x.astype(np.float64) @ w.astype(np.float64).T + (out.astype(np.float64) if accumulate else 0)
     layers.linear(x, w, out, accumulate=accumulate, host=True)
     _close(out, want)

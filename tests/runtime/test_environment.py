@@ -25,7 +25,7 @@ import pytest
 
 import cupaged
 from cupaged._runtime import cpu as _cpu
-from cupaged.errors import SetupError
+from cupaged.errors import PagedAttentionError, SetupError
 
 REPO = Path(__file__).resolve().parents[2]
 UNREADABLE = 77  # the child's exit status when the folder it was told is read-only is writable
@@ -558,3 +558,19 @@ def test_fma_flag_follows_the_cpu(tmp_path):
     assert _cpu._host_isa_flags("aarch64", str(with_fma)) == ()  # FMA is in the base ISA there
     assert _cpu._host_isa_flags("x86_64", str(tmp_path / "absent")) == ()
     assert "-ffp-contract=off" in _cpu.MODULE_FLAGS  # only fmaf fuses: the bits do not depend on the flag
+
+
+@pytest.mark.parametrize("raw,want", [("", 0), ("32", 32), (" 0 ", 0), ("-1", None), ("many", None)])
+def test_blas_one_thread_rows(monkeypatch, raw, want):
+    monkeypatch.setenv("CUPAGED_BLAS_ONE_THREAD_ROWS", raw)
+    _cpu.blas_one_thread_rows.cache_clear()
+    try:
+        if want is None:
+            with pytest.raises(
+                PagedAttentionError, match=f"CUPAGED_BLAS_ONE_THREAD_ROWS: expected an integer >= 0, got '{raw}'"
+            ):
+                _cpu.blas_one_thread_rows()
+        else:
+            assert _cpu.blas_one_thread_rows() == want
+    finally:
+        _cpu.blas_one_thread_rows.cache_clear()
