@@ -20,7 +20,7 @@ import sys, time
 import numpy as np
 import cupaged
 rng = np.random.default_rng(0)
-Q, L, ps, d = 4096, 1024, 16, 64            # 4096 decode queries over one shared 1024-token history
+Q, L, ps, d = 16384, 4096, 16, 64          # 16384 decode queries over one shared 4096-token history (tens of seconds)
 k = rng.standard_normal((L // ps, ps, 1, d)).astype(np.float32)
 table = np.tile(np.arange(L // ps), (Q, 1))
 plan = cupaged.HostPlan.build(table, [L] * Q, [1] * Q, ps, L // ps).upload(k)
