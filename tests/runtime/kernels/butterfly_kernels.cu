@@ -23,8 +23,8 @@ __device__ void sums(const float* in, float* out) {
     for (u32 i = 0; i < kN; ++i) out[t * kN + i] = v[i];
 }
 
-#define SUMS(L)                                                                                           \
-    extern "C" __global__ void sum_helper_##L(const float* in, float* out) { sums<L, true>(in, out); }   \
+#define SUMS(L)                                                                                        \
+    extern "C" __global__ void sum_helper_##L(const float* in, float* out) { sums<L, true>(in, out); } \
     extern "C" __global__ void sum_shuffles_##L(const float* in, float* out) { sums<L, false>(in, out); }
 SUMS(2)
 SUMS(8)
@@ -62,7 +62,7 @@ __device__ void merges(float* m, float* l, float* acc) {
     }
 }
 
-#define MERGES(F)                                                                                       \
+#define MERGES(F)                                                                                               \
     extern "C" __global__ void merge_helper_##F(float* m, float* l, float* acc) { merges<F, true>(m, l, acc); } \
     extern "C" __global__ void merge_shuffles_##F(float* m, float* l, float* acc) { merges<F, false>(m, l, acc); }
 MERGES(1)
