@@ -171,6 +171,19 @@ def cases() -> dict:
         layers.silu_mul(gu, act)
         out[f"rowwise+layers/{dt}"] = _digest(idx, o, n, q, act)
 
+    # the engine's host products (NumPy / BLAS on the CPU stream): a decode row, a panelled 8, a prefill-sized 40
+    try:
+        prods = []
+        for m in (1, 8, 40):
+            x = rng.standard_normal((m, 96)).astype(np.float32)
+            w = rng.standard_normal((300, 96)).astype(np.float32)
+            o = rng.standard_normal((m, 300)).astype(np.float32)
+            layers.linear(x, w, o, accumulate=True, host=True)
+            prods.append(o)
+        out["host-products/f32"] = _digest(*prods)
+    except TypeError:  # a revision without host products
+        out["host-products/f32"] = "n/a"
+
     # the demo's tokens (graph decode on the CPU backend)
     for extra in ([], ["--mla"]):
         r = subprocess.run(
