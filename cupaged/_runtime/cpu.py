@@ -30,6 +30,9 @@ Environment:
   most this many rows run BLAS on one thread (default 0: BLAS's own thread count
   for every product); for a machine whose other cores are busy (the test suite
   sets 32: one pytest worker per CPU). Parsed once, by ``blas_one_thread_rows``.
+* ``OPENBLAS_THREAD_TIMEOUT`` (OpenBLAS's own): when unset, the first host product
+  shortens OpenBLAS's idle spin to 2**``BLAS_SPIN_LOG2`` cycles
+  (``settle_blas_spin``); when set, OpenBLAS keeps it.
 * ``CUPAGED_CPU_CP_ASYNC=eager``: ``cp.async`` copies (``kernels_cu/ptx.cuh``)
   land at issue, the earliest point a GPU allows, instead of at the
   ``cp.async.wait_group`` that covers them (``late``, the default, the latest
@@ -538,11 +541,9 @@ def blas_one_thread_rows() -> int:
 
 
 @functools.cache
-def _blas_thread_setter():
-    """OpenBLAS's ``openblas_set_num_threads_local`` (the calling thread's
-    BLAS thread count; 0 restores the global one; returns the previous)
-    from the OpenBLAS NumPy loaded, or None (another BLAS, an older
-    OpenBLAS, no /proc)."""
+def _openblas():
+    """The OpenBLAS library NumPy loaded (ctypes, not loaded anew), or None
+    (another BLAS, no /proc)."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "openblas" in line.lower() and ".so" in line}
@@ -551,19 +552,77 @@ def _blas_thread_setter():
     for path in sorted(paths):
         try:
             lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-            fn = lib.openblas_set_num_threads_local
+            lib.openblas_set_num_threads_local  # noqa: B018 (OpenBLAS 0.3.27 or later)
         except (OSError, AttributeError):
             continue
-        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-        return fn
+        return lib
     return None
+
+
+@functools.cache
+def _blas_thread_setter():
+    """OpenBLAS's ``openblas_set_num_threads_local`` (the calling thread's
+    BLAS thread count; 0 restores the global one; returns the previous), or
+    None (another BLAS, an older OpenBLAS, no /proc)."""
+    lib = _openblas()
+    if lib is None:
+        return None
+    fn = lib.openblas_set_num_threads_local
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+#: How long an idle OpenBLAS thread spins before it sleeps, as OpenBLAS's ``OPENBLAS_THREAD_TIMEOUT``: 2**N cycles of
+#: the time-stamp counter (~0.35 ms at 3 GHz; OpenBLAS's own default is 2**28, ~90 ms). A BLAS thread spinning after
+#: a product competes for the cores with the kernel workers that run next: profiled on 2 cores, a 256-token SmolLM2
+#: prefill spent 27% of its CPU time in OpenBLAS's idle loop. Measured there (f32, 2 idle cores, 2**28 -> 2**N):
+#: prefill 2.22 -> 1.48 s at N 20 (1.55 at 18, 1.51 at 22, 1.57 at 24), decode batch 1 and 8 within the noise.
+BLAS_SPIN_LOG2 = 20
+_SPIN_VARIABLES = ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
+_spin_lock = threading.Lock()
+_spin_settled = False
+
+
+def settle_blas_spin(lib=None) -> bool:
+    """Once per process, before the first host product: OpenBLAS's idle
+    threads spin 2**BLAS_SPIN_LOG2 cycles, not 2**28, unless the user set
+    OPENBLAS_THREAD_TIMEOUT / GOTO_THREAD_TIMEOUT. OpenBLAS reads the timeout
+    when it starts its threads, so its environment is read again
+    (``openblas_read_env``; the variable is set only for that call) and its
+    threads stopped (``blas_thread_shutdown_``, what its fork handler does);
+    its next threaded call starts them anew with the shorter spin. Runs on
+    the stream's thread, between host products (no BLAS call of ours in
+    flight). Returns whether it changed anything. ``lib``: the OpenBLAS
+    library (tests); default the one NumPy loaded."""
+    global _spin_settled
+    with _spin_lock:
+        if _spin_settled:
+            return False
+        _spin_settled = True
+        if any(os.environ.get(v, "").strip() for v in _SPIN_VARIABLES):
+            return False
+        lib = lib if lib is not None else _openblas()
+        try:
+            read_env, shutdown = lib.openblas_read_env, lib.blas_thread_shutdown_
+        except AttributeError:  # None, or an OpenBLAS without them
+            return False
+        os.environ[_SPIN_VARIABLES[0]] = str(BLAS_SPIN_LOG2)
+        try:
+            read_env()
+        finally:
+            del os.environ[_SPIN_VARIABLES[0]]
+        shutdown()
+        return True
 
 
 def blas_one_thread(op, rows: int):
     """``op`` (host work calling BLAS on ``rows`` rows) wrapped to run BLAS on
     one thread of its own when rows <= blas_one_thread_rows() (the thread's
-    previous setting is restored after it); else ``op`` itself."""
+    previous setting is restored after it); else ``op`` itself. Until the
+    process's BLAS spin is settled, ``op`` settles it first (``settle_blas_spin``)."""
     setter = _blas_thread_setter() if rows <= blas_one_thread_rows() else None
+    if not _spin_settled:
+        op = _settling(op)
     if setter is None:
         return op
 
@@ -575,6 +634,17 @@ def blas_one_thread(op, rows: int):
             setter(prev)
 
     return one_thread
+
+
+def _settling(op):
+    """``op`` preceded by ``settle_blas_spin`` (a recording made before the
+    spin is settled; after it, a no-op check)."""
+
+    def settled():
+        settle_blas_spin()
+        op()
+
+    return settled
 
 
 # ---- modules --------------------------------------------------------------------

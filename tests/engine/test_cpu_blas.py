@@ -170,3 +170,74 @@ def test_the_engine_decode_graph_keeps_only_attention_append_and_sampling_kernel
     assert names.count("paged_attention") == names.count("paged_append") == layers_, names
     # the rest: the step's sampling and slot-advance kernels, one each
     assert len(names) == 2 * layers_ + 2, names
+
+
+class _FakeBlas:
+    """An OpenBLAS stand-in recording what settle_blas_spin calls and the
+    timeout variable it sees while reading the environment."""
+
+    def __init__(self):
+        self.calls = []
+
+    def openblas_read_env(self):
+        import os
+
+        self.calls.append(("read_env", os.environ.get("OPENBLAS_THREAD_TIMEOUT")))
+
+    def blas_thread_shutdown_(self):
+        self.calls.append(("shutdown", None))
+
+
+def test_settle_blas_spin_reads_the_shorter_timeout_once_and_leaves_the_environment(monkeypatch):
+    monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
+    monkeypatch.delenv("GOTO_THREAD_TIMEOUT", raising=False)
+    monkeypatch.setattr(_cpu, "_spin_settled", False)
+    fake = _FakeBlas()
+    assert _cpu.settle_blas_spin(fake)
+    assert fake.calls == [("read_env", str(_cpu.BLAS_SPIN_LOG2)), ("shutdown", None)]
+    import os
+
+    assert "OPENBLAS_THREAD_TIMEOUT" not in os.environ
+    assert not _cpu.settle_blas_spin(fake)  # once per process
+    assert len(fake.calls) == 2
+
+
+@pytest.mark.parametrize("variable", ["OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT"])
+def test_settle_blas_spin_keeps_a_timeout_the_user_set(monkeypatch, variable):
+    monkeypatch.setenv(variable, "26")
+    monkeypatch.setattr(_cpu, "_spin_settled", False)
+    fake = _FakeBlas()
+    assert not _cpu.settle_blas_spin(fake)
+    assert fake.calls == []
+
+
+def test_settle_blas_spin_without_openblas_changes_nothing(monkeypatch):
+    monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
+    monkeypatch.delenv("GOTO_THREAD_TIMEOUT", raising=False)
+    monkeypatch.setattr(_cpu, "_spin_settled", False)
+    assert not _cpu.settle_blas_spin(object())  # another BLAS: no such functions
+
+
+def test_host_products_leave_no_blas_thread_spinning():
+    # After a threaded product, OpenBLAS's idle threads spin 2**28 cycles (~0.1 s of a core) by default; the
+    # first host product settles that to 2**BLAS_SPIN_LOG2 (~0.35 ms). Idle CPU time after a product says which.
+    import os
+    import time
+
+    if _cpu._openblas() is None or (os.cpu_count() or 1) < 2:
+        pytest.skip("needs NumPy's OpenBLAS and two CPUs (the spin is of OpenBLAS's own threads)")
+    if any(os.environ.get(v, "").strip() for v in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")):
+        pytest.skip("the environment sets OpenBLAS's timeout itself")
+    rng = np.random.default_rng(9)
+    x, w = _rand(rng, 256, 576), _rand(rng, 1536, 576)  # 256 rows: BLAS's own threads (conftest: one thread <= 32)
+    out = np.zeros((256, 1536), F32)
+    layers.linear(x, w, out, host=True)
+    stream_for(x).synchronize()
+    _close(out, x.astype(np.float64) @ w.astype(np.float64).T, 1e-4)
+    idle = []
+    for _ in range(3):
+        np.matmul(x, w.T)  # threaded, on this thread: its helper thread then idles
+        t0 = time.process_time()
+        time.sleep(0.15)
+        idle.append(time.process_time() - t0)
+    assert min(idle) < 0.03, f"CPU time while idle after a product: {idle} s (OpenBLAS threads still spinning)"
