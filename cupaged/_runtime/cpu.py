@@ -67,6 +67,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -634,6 +635,64 @@ def blas_one_thread(op, rows: int):
             setter(prev)
 
     return one_thread
+
+
+class HostPair:
+    """A second host thread for host work that splits in two (the engine's
+    wide few-row products: OpenBLAS runs those on one thread, its small-matrix
+    kernel). ``run(a, b)`` runs ``a()`` on the calling thread and ``b()`` on
+    the pair's thread and returns when both are done (an exception of
+    either is raised here, ``a``'s first). While another caller holds the
+    pair, ``b`` runs after ``a`` on the calling thread. The thread starts
+    with the first ``run``; ``host_pair`` gives the process's one pair."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._go = threading.Semaphore(0)
+        self._done = threading.Semaphore(0)
+        self._job: Callable[[], object] | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.jobs = 0  # jobs the pair's thread ran
+
+    def _loop(self) -> None:
+        while True:
+            self._go.acquire()
+            try:
+                assert self._job is not None
+                self._job()
+            except BaseException as e:  # raised on the caller's thread
+                self._error = e
+            self.jobs += 1
+            self._done.release()
+
+    def run(self, a, b) -> None:
+        if not self._lock.acquire(blocking=False):
+            a()
+            b()
+            return
+        try:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="cupaged-host-pair", daemon=True)
+                self._thread.start()
+            self._job = b
+            self._go.release()
+            try:
+                a()
+            finally:
+                self._done.acquire()
+                self._job = None
+            if self._error is not None:
+                e, self._error = self._error, None
+                raise e
+        finally:
+            self._lock.release()
+
+
+@functools.cache
+def host_pair() -> HostPair:
+    """The process's HostPair."""
+    return HostPair()
 
 
 def _settling(op):

@@ -13,9 +13,11 @@ stream with ``Stream.host_call``, so it runs in stream order and is recorded
 into a CPU graph like a kernel launch; its scratch arrays are allocated when
 it is issued (once per capture: a replay allocates nothing but what NumPy's
 BLAS call itself may). Arithmetic in float32 as the kernels', rounding and
-summation order aside; decode-sized products run BLAS on one thread
-(``cupaged._runtime.cpu.blas_one_thread``). Other dtypes and the GPU backend
-run the kernel.
+summation order aside; products use BLAS's own threads (one thread for
+the rows ``CUPAGED_BLAS_ONE_THREAD_ROWS`` names:
+``cupaged._runtime.cpu.blas_one_thread``), wide 2-8-row products run their
+column panels on two host threads. Other dtypes and the GPU backend run the
+kernel.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 
 from .. import dtypes
 from .._runtime import backend_of, checks, get_kernel, register, stream_for
+from .._runtime import cpu as _cpu
 from .._runtime.cpu import blas_one_thread
 from ..errors import PagedAttentionError
 
@@ -118,6 +121,11 @@ def rms_norm(x, weight, out, eps: float = 1e-6, *, host: bool = False) -> None:
 #: out of cache): M 2: 0.83 -> 0.22 ms, M 8: 0.78 -> 0.36 ms; one row (GEMV) and 16 or more rows gain nothing.
 PANEL = 128
 PANEL_ROWS_MAX = 8
+#: A panelled product of at least this many panels runs half of them on the second host thread (HostPair), unless
+#: its rows run BLAS on one thread (CUPAGED_BLAS_ONE_THREAD_ROWS: other processes keep the cores busy). OpenBLAS
+#: runs these products on one thread (its small-matrix kernel); measured on 2 cores, one thread -> two (8 rows, K 576):
+#: N 1536 0.34 -> 0.29 ms, N 49152 (an LM head) 11.9 -> 6.9 ms; N 576 0.06 -> 0.14 ms (the handoff costs more).
+PAIR_PANELS_MIN = 12
 
 
 def _host_product(lhs, rhs, out, accumulate: bool, rows: int, keep: tuple) -> None:
@@ -131,9 +139,22 @@ def _host_product(lhs, rhs, out, accumulate: bool, rows: int, keep: tuple) -> No
     if 2 <= rows <= PANEL_ROWS_MAX and lhs.ndim == 2 and n > PANEL:  # the views made once, here
         parts = [(rhs[:, c : c + PANEL], tmp[:, c : c + PANEL]) for c in range(0, n, PANEL)]
 
-        def product():
-            for r, o in parts:
-                np.matmul(lhs, r, out=o)
+        def panels(ps):
+            def run():
+                for r, o in ps:
+                    np.matmul(lhs, r, out=o)
+
+            return run
+
+        if len(parts) >= PAIR_PANELS_MIN and rows > _cpu.blas_one_thread_rows() and _cpu.configured_workers() > 1:
+            half = (len(parts) + 1) // 2
+            first, second, pair = panels(parts[:half]), panels(parts[half:]), _cpu.host_pair()
+
+            def product():
+                pair.run(first, second)
+
+        else:
+            product = panels(parts)
 
     else:
 

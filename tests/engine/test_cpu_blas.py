@@ -241,3 +241,40 @@ def test_host_products_leave_no_blas_thread_spinning():
         time.sleep(0.15)
         idle.append(time.process_time() - t0)
     assert min(idle) < 0.03, f"CPU time while idle after a product: {idle} s (OpenBLAS threads still spinning)"
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("m,n", [(2, 1600), (8, 1536 + 44)])
+def test_linear_wide_panels_on_two_host_threads(monkeypatch, accumulate, m, n):
+    # >= PAIR_PANELS_MIN panels at 2 .. 8 rows: half the panels on the HostPair's thread (the suite's
+    # CUPAGED_BLAS_ONE_THREAD_ROWS=32 would keep them on one; lifted here)
+    monkeypatch.setattr(_cpu, "blas_one_thread_rows", lambda: 0)
+    if _cpu.configured_workers() < 2:
+        pytest.skip("one CPU worker configured: products stay on one thread")
+    assert -(-n // layers.PANEL) >= layers.PAIR_PANELS_MIN
+    rng = np.random.default_rng(12)
+    x, w = _rand(rng, m, 96), _rand(rng, n, 96)
+    out = _rand(rng, m, n)
+    want = x.astype(np.float64) @ w.astype(np.float64).T + (out.astype(np.float64) if accumulate else 0)
+    pair = _cpu.host_pair()
+    before = pair.jobs
+    layers.linear(x, w, out, accumulate=accumulate, host=True)
+    stream_for(x).synchronize()
+    _close(out, want)
+    assert pair.jobs == before + 1  # the second half ran on the pair's thread
+
+
+def test_host_pair_runs_both_halves_and_raises_the_second_halfs_error():
+    pair = _cpu.HostPair()
+    seen = []
+    pair.run(lambda: seen.append("a"), lambda: seen.append("b"))
+    assert sorted(seen) == ["a", "b"] and pair.jobs == 1
+
+    def fail():
+        raise ValueError("half b")
+
+    with pytest.raises(ValueError, match="half b"):
+        pair.run(lambda: seen.append("a2"), fail)
+    assert "a2" in seen
+    pair.run(lambda: seen.append("a3"), lambda: seen.append("b3"))  # usable after an error
+    assert seen[-2:] in (["a3", "b3"], ["b3", "a3"])
