@@ -574,11 +574,12 @@ def _blas_thread_setter():
 
 
 #: How long an idle OpenBLAS thread spins before it sleeps, as OpenBLAS's ``OPENBLAS_THREAD_TIMEOUT``: 2**N cycles of
-#: the time-stamp counter (~0.35 ms at 3 GHz; OpenBLAS's own default is 2**28, ~90 ms). A BLAS thread spinning after
+#: the time-stamp counter (~1.4 ms at 3 GHz; OpenBLAS's own default is 2**28, ~90 ms). A BLAS thread spinning after
 #: a product competes for the cores with the kernel workers that run next: profiled on 2 cores, a 256-token SmolLM2
-#: prefill spent 27% of its CPU time in OpenBLAS's idle loop. Measured there (f32, 2 idle cores, 2**28 -> 2**N):
-#: prefill 2.22 -> 1.48 s at N 20 (1.55 at 18, 1.51 at 22, 1.57 at 24), decode batch 1 and 8 within the noise.
-BLAS_SPIN_LOG2 = 20
+#: prefill spent 27% of its CPU time in OpenBLAS's idle loop. Measured there (f32, 2 idle cores), N 28 -> 22:
+#: prefill 2.22 -> 1.51-1.59 s, decode batch 1 30.5 -> 30.1-30.3 tok/s; N 20 gains ~3% more prefill and loses ~4% of
+#: batch 1 (the threads fall asleep between a step's products: 28.7-29.6 tok/s).
+BLAS_SPIN_LOG2 = 22
 _SPIN_VARIABLES = ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
 _spin_lock = threading.Lock()
 _spin_settled = False
