@@ -574,12 +574,13 @@ def _blas_thread_setter():
 
 
 #: How long an idle OpenBLAS thread spins before it sleeps, as OpenBLAS's ``OPENBLAS_THREAD_TIMEOUT``: 2**N cycles of
-#: the time-stamp counter (~1.4 ms at 3 GHz; OpenBLAS's own default is 2**28, ~90 ms). A BLAS thread spinning after
-#: a product competes for the cores with the kernel workers that run next: profiled on 2 cores, a 256-token SmolLM2
-#: prefill spent 27% of its CPU time in OpenBLAS's idle loop. Measured there (f32, 2 idle cores), N 28 -> 22:
-#: prefill 2.22 -> 1.51-1.59 s, decode batch 1 30.5 -> 30.1-30.3 tok/s; N 20 gains ~3% more prefill and loses ~4% of
-#: batch 1 (the threads fall asleep between a step's products: 28.7-29.6 tok/s).
-BLAS_SPIN_LOG2 = 22
+#: the time-stamp counter (~0.35 ms at 3 GHz; OpenBLAS's own default is 2**28, ~90 ms). A BLAS thread spinning after
+#: a product competes for the cores with the kernel workers and the second host thread (HostPair) that run next:
+#: profiled on 2 cores, a 256-token SmolLM2 prefill spent 27% of its CPU time in OpenBLAS's idle loop. Measured there
+#: (SmolLM2-135M f32, 2 cores), N 28 / 22 / 20 / 18: prefill 2.22 / 1.51-1.59 / 1.48-1.50 s; decode batch 8
+#: - / 63-69 / 92-93 / 92 tok/s; batch 1 30.5 / 30.1-30.3 / 29.0-29.6 / 26.2 (its threads fall asleep between a
+#: step's products). 20 is the best of the three.
+BLAS_SPIN_LOG2 = 20
 _SPIN_VARIABLES = ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
 _spin_lock = threading.Lock()
 _spin_settled = False

@@ -220,7 +220,7 @@ def test_settle_blas_spin_without_openblas_changes_nothing(monkeypatch):
 
 def test_host_products_leave_no_blas_thread_spinning():
     # After a threaded product, OpenBLAS's idle threads spin 2**28 cycles (~0.1 s of a core) by default; the
-    # first host product settles that to 2**BLAS_SPIN_LOG2 (~1.4 ms). Idle CPU time after a product says which.
+    # first host product settles that to 2**BLAS_SPIN_LOG2 (~0.35 ms). Idle CPU time after a product says which.
     import os
     import time
 
