@@ -64,7 +64,7 @@
 //   VEC_LOADS   1: 16-byte loads (D and Dv multiples of 16 bytes, arrays
 //               and their strides 16-byte aligned); 0: element loads (any
 //               view, e.g. one misaligned by an element).
-//   GROUP_TILE  1 | 2 | 4 | 8: query heads per block.
+//   GROUP_TILE  1 .. 8 (the values decode.py GROUP_TILES builds): query heads per block.
 //   ROT_CAP     0, or the capacity of the rotary part P (MLA): the score adds
 //               q_rot.k_rot and V is the K row itself (the MLA latent cache
 //               serves as both).

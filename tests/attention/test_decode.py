@@ -35,7 +35,7 @@ def cuda_core_kernel(monkeypatch, kernels_used):
 # ----------------------------------------------------------------- decode
 
 # (page_size, head_dim, head_dim_v, q_heads, kv_heads): fast dims 64/128/256,
-# runtime dims 80/96/5 and Dv != D, GQA ratios 1, 2, 3, 4, 8 and 16 (two tiles).
+# runtime dims 80/96/5 and Dv != D, GQA ratios 1, 2, 3, 4, 8 and 16 (two tiles); 3 also at D 64.
 DECODE_SHAPES = [
     (16, 64, None, 4, 4),
     (1, 128, None, 8, 2),
@@ -44,6 +44,7 @@ DECODE_SHAPES = [
     (16, 5, 7, 4, 1),
     (16, 256, None, 2, 1),
     (3, 128, 64, 16, 1),
+    (16, 64, None, 9, 3),  # a group of 3 on the fast path: GROUP_TILE 3
 ]
 
 
@@ -426,7 +427,8 @@ def test_variant_selection():
         "GROUP_TILE": 8,
     }
     assert sel("bf16", 64, 64, True, 1).group_tile == 1
-    assert sel("f32", 256, 256, True, 3).group_tile == 4
+    assert sel("f32", 256, 256, True, 3).group_tile == 3  # one tile of 3: no padded head (SmolLM2's 9 / 3)
+    assert sel("f16", 128, 128, True, 6).group_tile == 8  # one tile (fewest K/V re-reads) before two of 3
     # Group of 12 in two tiles of 6 -> tile 8; group of 16 in two tiles of 8.
     assert sel("f16", 128, 128, True, 12).group_tile == 8
     assert sel("f16", 128, 128, True, 16).group_tile == 8

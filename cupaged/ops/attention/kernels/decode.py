@@ -28,7 +28,7 @@ FAST_DIMS = (64, 128, 256)
 #: Capacities of the runtime-dim variants (max(D, Dv) <= capacity).
 DIM_CAPS = (64, 128, 256, 512, 1024)
 #: Query heads per block a variant may be built for.
-GROUP_TILES = (1, 2, 4, 8)
+GROUP_TILES = (1, 2, 3, 4, 8)
 #: Capacities of the MLA rotary part P (q_rot / k_rot), ROT_CAP variants.
 #: One capacity: a 64 one gave the same GROUP_TILE at R = 512 (the
 #: DeepSeek shape, and f16 / bf16 at 512 / 64 run on paged_mla_tc).
