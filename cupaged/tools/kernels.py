@@ -40,6 +40,8 @@ KERNELS: dict[str, KernelDesc] = {
     "paged_attention": KernelDesc(loads="ldg"),
     "paged_prefill_tc": KernelDesc(loads="ring", ahead=1, x_reversed=True),
     "paged_prefill_wgmma": KernelDesc(loads="ring", ahead=1, x_reversed=True),
+    # f32 on CUDA cores: the tensor-core prefill's two-stage ring (one 32-token tile in flight).
+    "paged_prefill_simt": KernelDesc(loads="ring", ahead=1, x_reversed=True),
     "paged_mla_tc": KernelDesc(loads="ring", ahead=1, x_reversed=True),
     "paged_mla_wgmma": KernelDesc(loads="ring", ahead=1, x_reversed=True),
     # Each warp's own two-stage ring: one 16-token tile in flight while one computes.

@@ -361,6 +361,46 @@ __device__ __forceinline__ void pv_step(float (&o0)[4], float (&o1)[4], const u3
     ptx::mma_16816<T>(o1, a, b1);
 }
 
+// ---------------------------------------------------------------------------
+// Row maxima across the lanes sharing a row (paged_prefill_simt): for each
+// aligned group of kLanes lanes (a power of two) of the lanes in `mask`,
+// every lane's v[i] becomes the group's fmaxf of v[i], for i < N. On the GPU
+// an xor butterfly of shuffles (as bfly::sum, butterfly.cuh); on the CPU
+// backend one warp collective (the last lane to arrive writes each group's
+// maxima into every lane's values) instead of one per shuffle. fmaxf is
+// exact, commutative and associative (a NaN loses to any number), so both
+// give every lane the same bits. Every lane of `mask` calls it; mask is a
+// union of whole groups.
+#ifdef CUPAGED_CPU
+namespace cpu {
+template <u32 kLanes, u32 N>
+void max_lanes_warp(void** lanes, unsigned mask, void*) {
+    for (u32 g = 0; g < 32; g += kLanes) {
+        if (!((mask >> g) & 1u)) continue;
+        float m[N];
+        for (u32 i = 0; i < N; ++i) m[i] = static_cast<float*>(lanes[g])[i];
+        for (u32 l = g + 1; l < g + kLanes; ++l)
+            for (u32 i = 0; i < N; ++i) m[i] = fmaxf(m[i], static_cast<float*>(lanes[l])[i]);
+        for (u32 l = g; l < g + kLanes; ++l)
+            for (u32 i = 0; i < N; ++i) static_cast<float*>(lanes[l])[i] = m[i];
+    }
+}
+}  // namespace cpu
+#endif
+
+template <u32 kLanes, u32 N>
+__device__ __forceinline__ void max_lanes(float (&v)[N], unsigned mask) {
+    static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "lanes: a power of two up to 32");
+#ifdef CUPAGED_CPU
+    if constexpr (kLanes > 1) cupaged_warp_collective(mask, v, &cpu::max_lanes_warp<kLanes, N>, nullptr);
+#else
+#pragma unroll
+    for (u32 o = kLanes / 2; o > 0; o >>= 1)
+#pragma unroll
+        for (u32 i = 0; i < N; ++i) v[i] = fmaxf(v[i], __shfl_xor_sync(mask, v[i], o));
+#endif
+}
+
 // The block of kRows rows of paged_mla_tc.
 using Rows = RowSet<kRows>;
 template <typename Pass>

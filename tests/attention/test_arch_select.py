@@ -268,6 +268,12 @@ KERNEL_FACTS = {
         "mwg::kRows == geom::kTcRows",
         f"mwg::kSmemBytes == {v.smem}",
     ],
+    "paged_prefill_simt": lambda v: [
+        "simt::kThreads == geom::prefill_simt::kThreads",
+        "simt::kRows == geom::kTcRows",
+        "simt::kPitch == simt::kD + geom::prefill_simt::kPad",
+        f"simt::kSmemBytes == {v.smem}",
+    ],
     MERGE.name: lambda v: ["merge::kThreads == geom::merge::kThreads"],
 }
 _LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\(\s*([^,()]+?)\s*,\s*([^()]+?)\s*\)\s*(\w+)\s*\(")
@@ -290,7 +296,7 @@ def _decode_sample(v) -> bool:
 
 def _spec_builds():
     """One build per distinct geometry of each tensor-core kernel (bf16 q,
-    a bf16 or e4m3 cache),
+    a bf16 or e4m3 cache) and of paged_prefill_simt (f32),
     paged_attention's of ``_decode_sample`` (the largest tile of each), and
     the merge; as (kernel, source, defines, threads, resident blocks, facts)."""
     by_geometry = {}
@@ -298,6 +304,8 @@ def _spec_builds():
         if v.kernel == "paged_attention":
             if _decode_sample(v):
                 by_geometry[(v.kernel, v.head_dim, v.dim_cap, v.vec_loads, v.rot_cap, v.kv_dtype)] = v
+        elif v.kernel == "paged_prefill_simt":  # f32 only
+            by_geometry.setdefault((v.kernel, v.head_dim), v)
         elif v.dtype == "bf16" and v.kv_dtype in ("bf16", "e4m3"):
             by_geometry.setdefault((v.kernel, v.head_dim, v.tile, v.latent_dim, v.rope_dim, v.kv_dtype), v)
     out = [
@@ -397,6 +405,7 @@ def test_each_spec_is_beside_its_kernel():
     assert variants.RESIDENT_BLOCKS == {
         "paged_attention": 2,
         "paged_decode_tc": 6,
+        "paged_prefill_simt": 2,
         "paged_mla_tc": 1,
         "paged_mla_wgmma": 1,
     }

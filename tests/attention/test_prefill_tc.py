@@ -211,7 +211,7 @@ def test_tc_selection():
     assert tc("f16", 64, 64, True, True).head_dim == 64
     assert tc("f16", 256, 256, True, True).head_dim == 256
     assert tc("f16", 128, 128, True, False) is None  # packing unsuited (tc_schedule_ok)
-    assert tc("f32", 128, 128, True, True) is None  # no f32 tensor-core path
+    assert tc("f32", 128, 128, True, True).kernel == "paged_prefill_simt"  # f32: row-packed on CUDA cores
     assert tc("f16", 96, 96, True, True) is None  # not a fast dim
     assert tc("f16", 128, 64, True, True) is None  # Dv != D
     assert tc("f16", 128, 128, False, True) is None  # misaligned
@@ -303,11 +303,12 @@ def test_tc_prefill_masked_nonfinite_values(xp_backend, kernels_used, dtype, sha
 
 @pytest.mark.parametrize("what", ["decode", "f32", "dim96", "small-chunk"])
 def test_tc_falls_back(xp_backend, kernels_used, what):
-    """Shapes off the tensor-core prefill path still run, on a per-query
+    """Shapes off the tensor-core prefill path still run, on another
     kernel: decode steps, f32, other dims, and a step mixing a chunk too
     small for a tensor-core segment (6 queries x 2 heads) with six decode
     queries of a small group (seven sequences in one block). f16 at D 64
-    goes to the tensor-core decode kernel, f32 and D 96 to the CUDA-core one."""
+    goes to the tensor-core decode kernel, D 96 to the CUDA-core one, an f32
+    prefill to the row-packed CUDA-core prefill (test_prefill_simt.py)."""
     rng = np.random.default_rng(25)
     dtype = "f32" if what == "f32" else "f16"
     d = 96 if what == "dim96" else 64
@@ -326,5 +327,7 @@ def test_tc_falls_back(xp_backend, kernels_used, what):
     o, lse, _ = run(xp_backend, case, True)
     check(case, o, lse, True, dtype, what)
     assert kernels_used == [
-        {"decode": "paged_decode_tc", "small-chunk": "paged_decode_tc"}.get(what, "paged_attention")
+        {"decode": "paged_decode_tc", "small-chunk": "paged_decode_tc", "f32": "paged_prefill_simt"}.get(
+            what, "paged_attention"
+        )
     ]

@@ -146,7 +146,13 @@ def test_segments_are_cached_and_sum_the_grids(monkeypatch):
     # and ceil(40 / 16) + ceil(33 / 16) tensor-core prefill blocks per KV head.
     qpb = _prefill_qpb(4, 128)  # queries of G = 4 in one block of the D = 128 prefill tile
     assert schedule.unsplit_blocks(host, 8, 2, 128, 128, "bf16") == (12 + -(-40 // qpb) + -(-33 // qpb)) * 2
-    assert schedule.unsplit_blocks(host, 8, 2, 128, 128, np.float32) == 85 * 2  # f32: one CUDA-core launch
+    # f32: the same segments, the chunks on paged_prefill_simt (64 rows a block: 16 queries of G = 4) and
+    # the decodes on paged_attention; at D 96 (no row-packed build) one CUDA-core launch.
+    simt_qpb = variants.tc_queries_per_block(4)
+    assert (
+        schedule.unsplit_blocks(host, 8, 2, 128, 128, np.float32) == (12 + -(-40 // simt_qpb) + -(-33 // simt_qpb)) * 2
+    )
+    assert schedule.unsplit_blocks(host, 8, 2, 96, 96, np.float32) == 85 * 2
     assert calls == [4]
 
 

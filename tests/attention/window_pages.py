@@ -131,6 +131,7 @@ for args in [
     ("paged_decode_tc bf16 decode 4k of 32k, 5 splits", "bf16", 128, 8, 2, 32768, 4096, 8, 1, 5),
     ("paged_prefill_tc f16 chunk of 64, 1k of 8k", "f16", 64, 8, 2, 8192, 1024, 16, 64, 1),
     ("paged_prefill_tc f16 chunk of 64, 1k of 8k, 3 splits", "f16", 64, 8, 2, 8192, 1024, 16, 64, 3),
+    ("paged_prefill_simt f32 chunk of 64, 1k of 8k, 3 splits", "f32", 64, 8, 2, 8192, 1024, 16, 64, 3),
 ]:
     attention(*args)
 for args in [

@@ -289,6 +289,10 @@ for i, (name, fn) in enumerate(
             lambda: attention("f16", 64, [16, 20, 17], 2, 1, 3, score_features(2)),
         ),
         (
+            "score variants: attention f32 d64 row-packed prefill (paged_prefill_simt), splits 3",
+            lambda: attention("f32", 64, [16, 20, 17], 2, 1, 3, score_features(2)),
+        ),
+        (
             "score variants: mla bf16 wgmma (sm_90), mla f16 mma.sync (sm_80)",
             lambda: (
                 mla("bf16", 16, [1, 3], score_features(16)),

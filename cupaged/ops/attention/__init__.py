@@ -62,6 +62,12 @@ chosen; ``Variant.runs_on``):
   style). K/V are read once per block instead of once per query: about
   ``ceil(q_len * G / 128) * L * (D + Dv) * itemsize`` bytes per sequence and
   KV head.
+* ``paged_prefill_simt`` (``prefill_simt.cu``; f32, D == Dv in 64 / 128,
+  the same segments): the same row-packed blocks, 64 rows and a two-stage
+  ring of 32-token tiles, on CUDA cores: each thread a 4-row micro-tile of
+  scores (its own tokens) and of outputs (its own dims), so no thread
+  recomputes another's exponentials; same K/V traffic per block. D = 128
+  needs 108.5 KiB of shared memory: on sm_86 / sm_89 it runs per query.
 * MLA (R, P in ``TC_MLA_DIMS``): one 256-thread block per 64 (query, head)
   rows and split, the heads in the M dimension, so each latent row is read
   once per 64 heads (``L * (R + P) * itemsize`` bytes per block); the head
@@ -70,7 +76,7 @@ chosen; ``Variant.runs_on``):
   two warpgroups) on sm_90, ``paged_mla_tc`` (``mma.sync``) elsewhere where
   it fits; neither on sm_86 / sm_89 (99 KiB), where MLA runs per query.
 
-All five take the one ``AttentionParams`` struct (``params.py``), call the
+All six take the one ``AttentionParams`` struct (``params.py``), call the
 one variant hook (``variant.cuh``: score and visibility) and keep the one
 online-softmax state (``softmax_state.cuh``), write the same split partials
 (so ``attention_split_merge`` serves them) and read lengths and positions

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 # ``host`` below: a ``cupaged.plan.HostPlan``, a layer above the ops (so Any to the type checker).
 
-#: The tensor-core kernels serve the sequences whose queries meet in one
+#: The tensor-core kernels (and, for f32, paged_prefill_simt: the same
+#: row-packed blocks on CUDA cores) serve the sequences whose queries meet in one
 #: block one after the other (a pass each, reading that sequence's K/V
 #: tiles for all the block's rows). They run when no block has more than
 #: TC_MAX_PASSES passes and the passes average at least 64 / TC_MAX_PASSES

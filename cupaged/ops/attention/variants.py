@@ -419,8 +419,9 @@ def select_tensor_core(
     strided: bool = False,
     latent: bool = False,
 ) -> Variant | None:
-    """The tensor-core variant that runs, or None for the per-query kernels
-    (``select_variant``).
+    """The row-packed variant that runs (the tensor-core kernels for f16 /
+    bf16; paged_prefill_simt, on CUDA cores, for f32), or None for the
+    per-query kernels (``select_variant``).
 
     ``schedule_ok``: ``tc_schedule_ok(host, group)``; ``aligned``: every
     array copied by cp.async (q, caches, q_rot, k_rot) and out start on a

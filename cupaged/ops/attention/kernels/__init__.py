@@ -12,10 +12,11 @@ from .decode_tc import DECODE_TC
 from .merge import MERGE
 from .mla_tc import MLA_TC
 from .mla_wgmma import MLA_WGMMA
+from .prefill_simt import PREFILL_SIMT
 from .prefill_tc import PREFILL_TC
 from .spec import KernelSpec
 
 #: The attention kernels (the split merge, MERGE, is a module of its own).
-SPECS: tuple[KernelSpec, ...] = (DECODE, DECODE_TC, PREFILL_TC, MLA_TC, MLA_WGMMA)
+SPECS: tuple[KernelSpec, ...] = (DECODE, DECODE_TC, PREFILL_TC, PREFILL_SIMT, MLA_TC, MLA_WGMMA)
 
-__all__ = ["DECODE", "DECODE_TC", "MERGE", "MLA_TC", "MLA_WGMMA", "PREFILL_TC", "SPECS", "KernelSpec"]
+__all__ = ["DECODE", "DECODE_TC", "MERGE", "MLA_TC", "MLA_WGMMA", "PREFILL_SIMT", "PREFILL_TC", "SPECS", "KernelSpec"]
