@@ -56,12 +56,37 @@ def test_rms_norm(in_place):
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("m,n", [(1, 24), (7, 24), (2, 300), (8, 300), (9, 300), (1, 300)])
 def test_linear(accumulate, m, n):
-    # n 300 at 2 .. 8 rows: the product in panels of layers.PANEL columns (two whole, one of 44)
+    # n 300 at 2 .. 8 rows: the product in panels of layers.panel_columns(m, 40) columns (one of 256, one of 44)
     rng = np.random.default_rng(2)
     x, w, out = _rand(rng, m, 40), _rand(rng, n, 40), _rand(rng, m, n)
     want = x.astype(np.float64) @ w.astype(np.float64).T + (out.astype(np.float64) if accumulate else 0)
     layers.linear(x, w, out, accumulate=accumulate, host=True)
     _close(out, want)
+
+
+def test_panel_columns_keep_the_small_matrix_kernel():
+    """A panel of a 2 .. 8-row product is the widest multiple of PANEL_STEP
+    with rows x width x K <= PANEL_MNK, at most PANEL (the measured widths in
+    layers.py's table), and never below PANEL_STEP."""
+    assert [layers.panel_columns(8, 576), layers.panel_columns(8, 1536)] == [128, 48]
+    assert [layers.panel_columns(4, 1536), layers.panel_columns(2, 576)] == [96, 256]
+    assert layers.panel_columns(8, 10**6) == 16
+    for rows in range(2, layers.PANEL_ROWS_MAX + 1):
+        for k in (40, 576, 1536, 8192):
+            w = layers.panel_columns(rows, k)
+            assert w % layers.PANEL_STEP == 0 and layers.PANEL_STEP <= w <= layers.PANEL
+            assert w == layers.PANEL_STEP or rows * w * k <= layers.PANEL_MNK
+            assert w == layers.PANEL or rows * (w + layers.PANEL_STEP) * k > layers.PANEL_MNK
+
+
+@pytest.mark.parametrize("m", [3, 8])
+def test_linear_narrow_panels_at_a_large_k(m):
+    # K 1536 (a down projection): panels of 128 (3 rows) or 48 (8 rows) columns, the last one partial
+    rng = np.random.default_rng(5)
+    x, w, out = _rand(rng, m, 1536), _rand(rng, 200, 1536), _rand(rng, m, 200)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    layers.linear(x, w, out, host=True)
+    _close(out, want, 1e-4)
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
@@ -246,12 +271,12 @@ def test_host_products_leave_no_blas_thread_spinning():
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("m,n", [(2, 1600), (8, 1536 + 44)])
 def test_linear_wide_panels_on_two_host_threads(monkeypatch, accumulate, m, n):
-    # >= PAIR_PANELS_MIN panels at 2 .. 8 rows: half the panels on the HostPair's thread (the suite's
+    # >= PAIR_COLUMNS_MIN columns at 2 .. 8 rows: half the panels on the HostPair's thread (the suite's
     # CUPAGED_BLAS_ONE_THREAD_ROWS=32 would keep them on one; lifted here)
     monkeypatch.setattr(_cpu, "blas_one_thread_rows", lambda: 0)
     if _cpu.configured_workers() < 2:
         pytest.skip("one CPU worker configured: products stay on one thread")
-    assert -(-n // layers.PANEL) >= layers.PAIR_PANELS_MIN
+    assert n >= layers.PAIR_COLUMNS_MIN
     rng = np.random.default_rng(12)
     x, w = _rand(rng, m, 96), _rand(rng, n, 96)
     out = _rand(rng, m, n)
