@@ -63,6 +63,7 @@
 #include "../ptx.cuh"
 #include "../softmax_state.cuh"
 #include "../butterfly.cuh"
+#include "../vec4.cuh"
 #include "params.cuh"
 #include "variant.cuh"
 #include "span.cuh"
@@ -159,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(simt::kThreads, geom::prefill_simt:
     // This thread's rows: query slot, or kNone; their score rows.
     u32 my_slot[kRowTile];
     variant::ScoreRow srow[kRowTile];
-SIMT_UNROLL
+    SIMT_UNROLL
     for (u32 i = 0; i < kRowTile; ++i) {
         const u32 r = row0 + i, slot = r / ht, hl = r - slot * ht;
         my_slot[i] = (slot < qt && q0 + slot < q_end && hl < heads) ? slot : kNone;
@@ -167,21 +168,19 @@ SIMT_UNROLL
     }
 
     softmax::State sm[kRowTile];  // m: the row's max (every lane of the group); l: this lane's part of the sum
-    float o[kRowTile][kDimChunks][4];
-SIMT_UNROLL
+    v4::V4 o[kRowTile][kDimChunks];  // row i, dims 4 c + 4 kLanes e .. + 3
+    SIMT_UNROLL
     for (u32 i = 0; i < kRowTile; ++i) {
         sm[i].clear();
-SIMT_UNROLL
-        for (u32 e = 0; e < kDimChunks; ++e)
-SIMT_UNROLL
-            for (u32 x = 0; x < 4; ++x) o[i][e][x] = 0.0f;
+        SIMT_UNROLL
+        for (u32 e = 0; e < kDimChunks; ++e) o[i][e] = v4::zero();
     }
 
     const u32* const tables = words + pw::page_table(p.queries, p.sequences);
 
     tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
         u32 rlo[kRowTile], rhi[kRowTile];  // this thread's rows' positions in this pass
-SIMT_UNROLL
+        SIMT_UNROLL
         for (u32 i = 0; i < kRowTile; ++i) {
             const u32 s = my_slot[i];
             const bool in = s != kNone && s >= slot_lo && s < slot_hi;
@@ -190,7 +189,7 @@ SIMT_UNROLL
         }
         auto issue = [&](u32 sb, u32 b) {
             // Thread tid copies chunk tid % kCopyChunks of rows tid / kCopyChunks + i * kRowStep.
-SIMT_UNROLL
+            SIMT_UNROLL
             for (u32 i = 0; i < kN / kRowStep; ++i) {
                 const u32 r = tid / kCopyChunks + i * kRowStep, ch = tid % kCopyChunks;
                 const uint2 ps = st.row[sb][r];  // page, slot
@@ -209,7 +208,7 @@ SIMT_UNROLL
             const u32 vbits = st.valid[b][0];
             u32 vis[kRowTile], seen = 0;
             bool miss = false;  // a stored row misses a valid token of the tile
-SIMT_UNROLL
+            SIMT_UNROLL
             for (u32 i = 0; i < kRowTile; ++i) {
                 vis[i] = (u32)tc::tile_vis<kN>(vbits, rlo[i], rhi[i], t0);
                 seen |= vis[i];
@@ -217,39 +216,40 @@ SIMT_UNROLL
             }
             if (!seen) return;  // none of the group's rows sees this tile (the group's lanes agree)
 
-            // S = Q K^T: this lane's tokens c + kLanes j x the group's rows, over d in order.
+            // S = Q K^T: this lane's tokens c + kLanes j x the group's rows (a V4 of 4 rows per token), over d
+            // in order: s[j][i] = fmaf(k[j][d], q[d][i], s[j][i]) for d = 0 .. D - 1.
             const float* const kt = sK + b * kN * kPitch;
             float s[kTokTile][kRowTile];
-SIMT_UNROLL
-            for (u32 j = 0; j < kTokTile; ++j)
-SIMT_UNROLL
-                for (u32 i = 0; i < kRowTile; ++i) s[j][i] = 0.0f;
-SIMT_UNROLL_4
-            for (u32 d4 = 0; d4 < kD / 4; ++d4) {
-                float4 kv[kTokTile];
-SIMT_UNROLL
-                for (u32 j = 0; j < kTokTile; ++j)
-                    kv[j] = *reinterpret_cast<const float4*>(kt + (c + kLanes * j) * kPitch + 4 * d4);
-SIMT_UNROLL
-                for (u32 dd = 0; dd < 4; ++dd) {
-                    const float4 qv = *reinterpret_cast<const float4*>(sQ + (4 * d4 + dd) * kRowPitch + row0);
-SIMT_UNROLL
-                    for (u32 j = 0; j < kTokTile; ++j) {
-                        const float k = dd == 0 ? kv[j].x : dd == 1 ? kv[j].y : dd == 2 ? kv[j].z : kv[j].w;
-                        s[j][0] = fmaf(k, qv.x, s[j][0]);
-                        s[j][1] = fmaf(k, qv.y, s[j][1]);
-                        s[j][2] = fmaf(k, qv.z, s[j][2]);
-                        s[j][3] = fmaf(k, qv.w, s[j][3]);
+            {
+                v4::V4 acc[kTokTile];
+                SIMT_UNROLL
+                for (u32 j = 0; j < kTokTile; ++j) acc[j] = v4::zero();
+                SIMT_UNROLL_4
+                for (u32 d4 = 0; d4 < kD / 4; ++d4) {
+                    float4 kv[kTokTile];
+                    SIMT_UNROLL
+                    for (u32 j = 0; j < kTokTile; ++j)
+                        kv[j] = *reinterpret_cast<const float4*>(kt + (c + kLanes * j) * kPitch + 4 * d4);
+                    SIMT_UNROLL
+                    for (u32 dd = 0; dd < 4; ++dd) {
+                        const v4::V4 qv = v4::load(sQ + (4 * d4 + dd) * kRowPitch + row0);
+                        SIMT_UNROLL
+                        for (u32 j = 0; j < kTokTile; ++j) {
+                            const float k = dd == 0 ? kv[j].x : dd == 1 ? kv[j].y : dd == 2 ? kv[j].z : kv[j].w;
+                            acc[j] = v4::fma(v4::splat(k), qv, acc[j]);
+                        }
                     }
                 }
+                SIMT_UNROLL
+                for (u32 j = 0; j < kTokTile; ++j) v4::to(s[j], acc[j]);
             }
 
             // The score hook and the mask; the rows' maxima over the group's lanes (one collective).
             float mx[kRowTile];
-SIMT_UNROLL
+            SIMT_UNROLL
             for (u32 i = 0; i < kRowTile; ++i) {
                 mx[i] = neg_inf();
-SIMT_UNROLL
+                SIMT_UNROLL
                 for (u32 j = 0; j < kTokTile; ++j) {
                     const u32 t = c + kLanes * j;
                     float v = s[j][i];
@@ -264,20 +264,20 @@ SIMT_UNROLL
             // P = exp2(s - m) of this lane's scores, its part of the row sums; lane 0 of the group
             // computes the rows' rescale factors.
             float ps[kRowTile];
-SIMT_UNROLL
+            SIMT_UNROLL
             for (u32 i = 0; i < kRowTile; ++i) {
                 const float mn = fmaxf(sm[i].m, mx[i]);
                 if (c == 0) s_alpha[row0 + i] = softmax::rescale(sm[i].m, mn);
                 sm[i].m = mn;
                 const float mu = sm[i].offset();  // exp2(-inf - mu) = 0 for masked scores
                 ps[i] = 0.0f;
-SIMT_UNROLL
+                SIMT_UNROLL
                 for (u32 j = 0; j < kTokTile; ++j) {
                     s[j][i] = exp2f(s[j][i] - mu);
                     ps[i] += s[j][i];
                 }
             }
-SIMT_UNROLL
+            SIMT_UNROLL
             for (u32 j = 0; j < kTokTile; ++j) {
                 float4 pv;
                 pv.x = s[j][0];
@@ -290,51 +290,44 @@ SIMT_UNROLL
 
             const float4 al = *reinterpret_cast<const float4*>(s_alpha + row0);
             const float alpha[kRowTile] = {al.x, al.y, al.z, al.w};
-SIMT_UNROLL
+            SIMT_UNROLL
             for (u32 i = 0; i < kRowTile; ++i) {
                 sm[i].add(alpha[i], ps[i]);
-SIMT_UNROLL
-                for (u32 e = 0; e < kDimChunks; ++e)
-SIMT_UNROLL
-                    for (u32 x = 0; x < 4; ++x) o[i][e][x] *= alpha[i];
+                const v4::V4 a = v4::splat(alpha[i]);
+                SIMT_UNROLL
+                for (u32 e = 0; e < kDimChunks; ++e) o[i][e] = v4::mul(o[i][e], a);
             }
 
             // O += P V: this lane's dims of the group's rows, tokens in order.
             const float* const vt = sV + b * kN * kPitch + 4 * c;
             if (!miss) {
-SIMT_UNROLL_4
+                SIMT_UNROLL_4
                 for (u32 t = 0; t < kN; ++t) {
                     const float4 pr = *reinterpret_cast<const float4*>(sP + t * kRowPitch + row0);
-SIMT_UNROLL
+                    SIMT_UNROLL
                     for (u32 e = 0; e < kDimChunks; ++e) {
-                        const float4 v = *reinterpret_cast<const float4*>(vt + t * kPitch + 4 * kLanes * e);
-SIMT_UNROLL
+                        const v4::V4 v = v4::load(vt + t * kPitch + 4 * kLanes * e);
+                        SIMT_UNROLL
                         for (u32 i = 0; i < kRowTile; ++i) {
                             const float pi = i == 0 ? pr.x : i == 1 ? pr.y : i == 2 ? pr.z : pr.w;
-                            o[i][e][0] = fmaf(pi, v.x, o[i][e][0]);
-                            o[i][e][1] = fmaf(pi, v.y, o[i][e][1]);
-                            o[i][e][2] = fmaf(pi, v.z, o[i][e][2]);
-                            o[i][e][3] = fmaf(pi, v.w, o[i][e][3]);
+                            o[i][e] = v4::fma(v4::splat(pi), v, o[i][e]);
                         }
                     }
                 }
             } else {
                 // A row adds only the tokens it sees: a masked token's value row (Inf, NaN) is never
                 // multiplied in, not even by P = 0.
-SIMT_UNROLL_NONE
+                SIMT_UNROLL_NONE
                 for (u32 t = 0; t < kN; ++t) {
                     const float4 pr = *reinterpret_cast<const float4*>(sP + t * kRowPitch + row0);
-SIMT_UNROLL
+                    SIMT_UNROLL
                     for (u32 e = 0; e < kDimChunks; ++e) {
-                        const float4 v = *reinterpret_cast<const float4*>(vt + t * kPitch + 4 * kLanes * e);
-SIMT_UNROLL
+                        const v4::V4 v = v4::load(vt + t * kPitch + 4 * kLanes * e);
+                        SIMT_UNROLL
                         for (u32 i = 0; i < kRowTile; ++i) {
                             if (!((vis[i] >> t) & 1u)) continue;
                             const float pi = i == 0 ? pr.x : i == 1 ? pr.y : i == 2 ? pr.z : pr.w;
-                            o[i][e][0] = fmaf(pi, v.x, o[i][e][0]);
-                            o[i][e][1] = fmaf(pi, v.y, o[i][e][1]);
-                            o[i][e][2] = fmaf(pi, v.z, o[i][e][2]);
-                            o[i][e][3] = fmaf(pi, v.w, o[i][e][3]);
+                            o[i][e] = v4::fma(v4::splat(pi), v, o[i][e]);
                         }
                     }
                 }
@@ -348,11 +341,11 @@ SIMT_UNROLL
     // full-warp sum (a barrier, not a collective: lanes still in a group's collective are not named).
     __syncthreads();
     float l[kRowTile];
-SIMT_UNROLL
+    SIMT_UNROLL
     for (u32 i = 0; i < kRowTile; ++i) l[i] = sm[i].l;
     bfly::sum<kLanes, kRowTile>(l);
     const bool split = p.splits > 1;
-SIMT_UNROLL
+    SIMT_UNROLL
     for (u32 i = 0; i < kRowTile; ++i) {
         const u32 slot = my_slot[i];
         if (slot == kNone) continue;
@@ -360,9 +353,12 @@ SIMT_UNROLL
         const u32 head = head0 + (row0 + i - slot * ht);
         const epi::Row r = epi::row_of(p, (q0 + slot) * q_heads + head, split);
         const float inv = epi::finish(sm[i], sc, head, split, 1.0f);
-SIMT_UNROLL
-        for (u32 e = 0; e < kDimChunks; ++e)
-            epi::store_values<4>(out, part_out, r.dst * kD + 4 * c + 4 * kLanes * e, split, o[i][e], inv);
+        SIMT_UNROLL
+        for (u32 e = 0; e < kDimChunks; ++e) {
+            float oe[4];
+            v4::to(oe, o[i][e]);
+            epi::store_values<4>(out, part_out, r.dst * kD + 4 * c + 4 * kLanes * e, split, oe, inv);
+        }
         if (c == 0) epi::store_lse(lse, part_lse, p.write_lse, r, split, sm[i].lse());
     }
 }

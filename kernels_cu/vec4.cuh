@@ -1,0 +1,78 @@
+// vec4.cuh: four floats one thread computes on together (a register
+// micro-tile's four rows, or four output dims), with component-wise
+// operations that round exactly as the scalar ones: v4::fma(a, b, c) is
+// fmaf(a[i], b[i], c[i]) for each i (rounded once), v4::mul a[i] * b[i].
+//
+// On the GPU a V4 is four float registers and every operation four scalar
+// instructions (FFMA, FMUL): the compiled code is what the scalar loops give.
+// On the CPU backend with FMA (g++ -mfma) a V4 is one SSE register and an
+// operation one instruction (vfmadd231ps, vmulps) instead of four scalar ones
+// with their spills: the same bits, about four times fewer instructions in a
+// micro-tile loop (paged_prefill_simt). Without FMA the CPU backend uses the
+// scalar form too.
+#pragma once
+
+#if defined(CUPAGED_CPU) && defined(__FMA__)
+#include <immintrin.h>
+#define CUPAGED_V4_SSE 1
+#else
+#define CUPAGED_V4_SSE 0
+#endif
+
+namespace v4 {
+
+#if CUPAGED_V4_SSE
+struct V4 {
+    __m128 v;
+};
+// p: 16-byte aligned (a float4 on the GPU; the CPU form accepts any).
+__device__ __forceinline__ V4 load(const float* p) { return V4{_mm_loadu_ps(p)}; }
+__device__ __forceinline__ void store(float* p, V4 a) { _mm_storeu_ps(p, a.v); }
+// A register array's four floats, and back.
+__device__ __forceinline__ V4 from(const float (&f)[4]) { return V4{_mm_loadu_ps(f)}; }
+__device__ __forceinline__ void to(float (&f)[4], V4 a) { _mm_storeu_ps(f, a.v); }
+__device__ __forceinline__ V4 splat(float x) { return V4{_mm_set1_ps(x)}; }
+__device__ __forceinline__ V4 zero() { return V4{_mm_setzero_ps()}; }
+__device__ __forceinline__ V4 fma(V4 a, V4 b, V4 c) { return V4{_mm_fmadd_ps(a.v, b.v, c.v)}; }
+__device__ __forceinline__ V4 mul(V4 a, V4 b) { return V4{_mm_mul_ps(a.v, b.v)}; }
+#else
+struct V4 {
+    float x, y, z, w;
+};
+__device__ __forceinline__ V4 load(const float* p) {
+    const float4 f = *reinterpret_cast<const float4*>(p);
+    return V4{f.x, f.y, f.z, f.w};
+}
+__device__ __forceinline__ void store(float* p, V4 a) {
+    float4 f;
+    f.x = a.x;
+    f.y = a.y;
+    f.z = a.z;
+    f.w = a.w;
+    *reinterpret_cast<float4*>(p) = f;
+}
+__device__ __forceinline__ V4 from(const float (&f)[4]) { return V4{f[0], f[1], f[2], f[3]}; }
+__device__ __forceinline__ void to(float (&f)[4], V4 a) {
+    f[0] = a.x;
+    f[1] = a.y;
+    f[2] = a.z;
+    f[3] = a.w;
+}
+__device__ __forceinline__ V4 splat(float x) { return V4{x, x, x, x}; }
+__device__ __forceinline__ V4 zero() { return V4{0.0f, 0.0f, 0.0f, 0.0f}; }
+__device__ __forceinline__ V4 fma(V4 a, V4 b, V4 c) {
+    return V4{fmaf(a.x, b.x, c.x), fmaf(a.y, b.y, c.y), fmaf(a.z, b.z, c.z), fmaf(a.w, b.w, c.w)};
+}
+__device__ __forceinline__ V4 mul(V4 a, V4 b) { return V4{a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w}; }
+#endif
+
+// A float4's components as a V4 (a register value, not memory).
+__device__ __forceinline__ V4 of(float4 f) {
+#if CUPAGED_V4_SSE
+    return V4{_mm_set_ps(f.w, f.z, f.y, f.x)};
+#else
+    return V4{f.x, f.y, f.z, f.w};
+#endif
+}
+
+}  // namespace v4
