@@ -124,7 +124,7 @@ print(json.dumps(out))
 """
 _ALONE = [n for n, _ in _modules() if not n.endswith("__main__")]
 #: Modules that import an optional package at module level: skipped with the reason without it.
-_NEEDS = {"cupaged.integrations.vllm.backend": "vllm"}
+_NEEDS = {"cupaged.integrations.vllm.backend": "vllm", "cupaged.integrations.vllm.mla": "vllm"}
 
 
 @pytest.fixture(scope="module")

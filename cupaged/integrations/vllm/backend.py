@@ -177,6 +177,12 @@ class _DevicePlans:
         self.builders: dict[tuple, DevicePlanBuilder] = {}
         self.wrapped: dict[int, TorchPlan] = {}
 
+    @classmethod
+    def for_config(cls, vllm_config: Any) -> _DevicePlans:
+        """Sized from vLLM's scheduler limits (0: from the first step)."""
+        sched = getattr(vllm_config, "scheduler_config", None)
+        return cls(int(getattr(sched, "max_num_batched_tokens", 0) or 0), int(getattr(sched, "max_num_seqs", 0) or 0))
+
     def builder(self, like: torch.Tensor, queries: int, sequences: int, width: int, page_size: int, num_pages: int):
         key = (page_size, num_pages, like.device)
         b = self.builders.get(key)
@@ -289,10 +295,7 @@ class CupagedMetadataBuilder(AttentionMetadataBuilder[CupagedMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        sched = getattr(vllm_config, "scheduler_config", None)
-        self._device_plans = _DevicePlans(
-            int(getattr(sched, "max_num_batched_tokens", 0) or 0), int(getattr(sched, "max_num_seqs", 0) or 0)
-        )
+        self._device_plans = _DevicePlans.for_config(vllm_config)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -303,40 +306,46 @@ class CupagedMetadataBuilder(AttentionMetadataBuilder[CupagedMetadata]):
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> CupagedMetadata:
-        m = common_attn_metadata
-        n = int(m.num_reqs)
-        if isinstance(m.causal, torch.Tensor):
-            raise ConfigError("causal: expected a bool (cupaged has no per-request causal flags), got a tensor")
-        on_device = self.device_plans
-        if on_device is None:
-            on_device = m.block_table_tensor.device.type != "cpu"
-        if on_device:
-            return CupagedMetadata(
-                num_actual_tokens=int(m.num_actual_tokens),
-                queries=int(m.num_actual_tokens),
-                page_table=None,
-                kv_lens=None,
-                q_lens=None,
-                causal=bool(m.causal),
-                slot_mapping=m.slot_mapping,
-                device=_DeviceStep(
-                    _int32("query_start_loc", m.query_start_loc[: n + 1]),
-                    _int32("seq_lens", m.seq_lens[:n]),
-                    _int32("block_table_tensor", m.block_table_tensor[:n]),
-                    self._device_plans,
-                ),
-            )
-        qsl = _host("query_start_loc_cpu", m.query_start_loc_cpu)[: n + 1].astype(np.int64)
+        return _step_metadata(common_attn_metadata, self.device_plans, self._device_plans)
+
+
+def _step_metadata(m: CommonAttentionMetadata, device_plans: bool | None, plans: _DevicePlans) -> CupagedMetadata:
+    """One step's ``CupagedMetadata`` from vLLM's ``CommonAttentionMetadata``
+    (``CupagedMetadataBuilder.build``; the MLA builder wraps the same):
+    ``device_plans`` as the builder's, ``plans`` its stable plan buffers."""
+    n = int(m.num_reqs)
+    if isinstance(m.causal, torch.Tensor):
+        raise ConfigError("causal: expected a bool (cupaged has no per-request causal flags), got a tensor")
+    on_device = device_plans
+    if on_device is None:
+        on_device = m.block_table_tensor.device.type != "cpu"
+    if on_device:
         return CupagedMetadata(
             num_actual_tokens=int(m.num_actual_tokens),
-            queries=int(qsl[-1] - qsl[0]) if n else 0,
-            # copies (host memcpy of a few KB): vLLM refills its persistent buffers for the next step
-            page_table=_host("block_table_tensor", m.block_table_tensor)[:n].copy(),
-            kv_lens=_host("seq_lens", m.seq_lens)[:n].copy(),
-            q_lens=np.diff(qsl),
+            queries=int(m.num_actual_tokens),
+            page_table=None,
+            kv_lens=None,
+            q_lens=None,
             causal=bool(m.causal),
             slot_mapping=m.slot_mapping,
+            device=_DeviceStep(
+                _int32("query_start_loc", m.query_start_loc[: n + 1]),
+                _int32("seq_lens", m.seq_lens[:n]),
+                _int32("block_table_tensor", m.block_table_tensor[:n]),
+                plans,
+            ),
         )
+    qsl = _host("query_start_loc_cpu", m.query_start_loc_cpu)[: n + 1].astype(np.int64)
+    return CupagedMetadata(
+        num_actual_tokens=int(m.num_actual_tokens),
+        queries=int(qsl[-1] - qsl[0]) if n else 0,
+        # copies (host memcpy of a few KB): vLLM refills its persistent buffers for the next step
+        page_table=_host("block_table_tensor", m.block_table_tensor)[:n].copy(),
+        kv_lens=_host("seq_lens", m.seq_lens)[:n].copy(),
+        q_lens=np.diff(qsl),
+        causal=bool(m.causal),
+        slot_mapping=m.slot_mapping,
+    )
 
 
 def _int32(name: str, t: torch.Tensor) -> torch.Tensor:
