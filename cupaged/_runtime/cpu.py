@@ -5,8 +5,10 @@ g++ with ``kernels_cu/shim/cupaged_shim.h`` force-included into a shared
 library, cached on disk, loaded with ctypes and launched with a
 ``cuLaunchKernel``-style ``void**`` argument array. The kernels run on the
 runtime of ``kernels_cu/shim/cupaged_rt.cpp``: every CUDA thread is a fiber,
-one worker thread runs all fibers of a block, blocks spread over a persistent
-pool of workers (one per core; ``CUPAGED_CPU_WORKERS`` overrides).
+one worker runs all fibers of a block, blocks spread over the workers (one
+per core; ``CUPAGED_CPU_WORKERS`` overrides): the thread that launches is one
+of them, the others a persistent pool of threads, woken only by a launch of
+more than one block.
 
 Barriers and warp collectives that cannot complete (a deadlock, lanes in
 different collectives, a mask naming a lane that exited), ``__trap()`` and
@@ -22,8 +24,9 @@ Environment:
   holds; the others are built in a per-user folder (``build_dir``), told once
   per process on stderr.
 * ``CUPAGED_CXX``: the C++ compiler (default ``g++``; GCC 12 or later, checked).
-* ``CUPAGED_CPU_WORKERS``: number of worker threads, 1 to 1024 (default: the CPUs
-  this process may run on); parsed once, by ``configured_workers``.
+* ``CUPAGED_CPU_WORKERS``: number of workers (the launching thread and
+  ``n - 1`` pool threads), 1 to 1024 (default: the CPUs this process may run
+  on); parsed once, by ``configured_workers``.
 * ``CUPAGED_CPU_CXXFLAGS``: extra flags for kernel modules (e.g. ``-g -O0``).
 * ``CUPAGED_CPU_FIBERS=ucontext``: the portable (slower) context switch.
 * ``CUPAGED_BLAS_ONE_THREAD_ROWS``: host products (the engine's dense layers) of at
@@ -486,6 +489,8 @@ def runtime() -> ctypes.CDLL:
         lib.cupaged_rt_last_error.argtypes = []
         lib.cupaged_rt_num_workers.restype = ctypes.c_int
         lib.cupaged_rt_num_workers.argtypes = []
+        lib.cupaged_rt_thread_wakes.restype = ctypes.c_ulonglong
+        lib.cupaged_rt_thread_wakes.argtypes = []
         lib.cupaged_rt_set_workers.restype = None
         lib.cupaged_rt_set_workers.argtypes = [ctypes.c_uint]
         lib.cupaged_rt_set_workers(configured_workers())

@@ -954,17 +954,63 @@ void run_block(Worker* w, Launch* L, unsigned long long b) {
 }
 
 // ---- worker pool ----------------------------------------------------------------
+// workers[0] runs blocks on the thread that launches (cupaged_rt_launch, under
+// g_launch_mu: one launch at a time, so one such Worker serves every calling
+// thread); workers[1 ..] are threads of their own. A launch of one block
+// wakes no thread, a launch of n blocks the first min(n, workers) - 1: no
+// futex round trip for the small launches of a decode step, and no thread
+// idles waiting for the others.
 struct Pool {
     std::vector<Worker*> workers;
     std::mutex mu;
     std::condition_variable cv_work, cv_done;
     unsigned long long gen = 0;
-    unsigned active = 0, finished = 0;
+    unsigned active = 0, finished = 0;  // workers in this launch (the caller's included); threads done
     Launch* L = nullptr;
 };
 
 Pool* g_pool = nullptr;
 std::mutex g_launch_mu;
+std::atomic<unsigned long long> g_thread_wakes{0};  // launches that woke worker threads
+
+// The launch's blocks, taken one by one from its counter until none is left
+// (or it failed, or was cancelled), on worker w of the calling thread.
+void run_blocks(Worker* w, Launch* L) {
+    w->L = L;
+    w->pub.bdim = dim3(L->block[0], L->block[1], L->block[2]);
+    w->pub.gdim = dim3(L->grid[0], L->grid[1], L->grid[2]);
+    w->pub.kernel = L->kernel;
+    if (w->runq.size() < L->nthreads) {
+        unsigned cap = 32;
+        while (cap < L->nthreads) cap <<= 1;
+        w->runq.assign(cap, nullptr);
+        w->qmask = cap - 1;
+        w->barw.assign(cap, nullptr);
+        w->warps.resize(cap / 32);
+    }
+    while (!L->failed.load(std::memory_order_relaxed) && !L->cancel.load(std::memory_order_relaxed)) {
+        const unsigned long long b = L->next.fetch_add(1, std::memory_order_relaxed);
+        if (b >= L->nblocks) break;
+        run_block(w, L, b);
+    }
+}
+
+// The scheduler stack's bounds for ASan's fiber switches: this thread's stack.
+void set_sched_stack(Worker* w) {
+#if CUPAGED_ASAN
+    pthread_attr_t attr;
+    if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+        void* lo = nullptr;
+        size_t size = 0;
+        pthread_attr_getstack(&attr, &lo, &size);
+        w->sched.stack_lo = lo;
+        w->sched.stack_size = size;
+        pthread_attr_destroy(&attr);
+    }
+#else
+    (void)w;
+#endif
+}
 
 void worker_main(Pool* P, Worker* w) {
     t_worker = w;
@@ -977,17 +1023,7 @@ void worker_main(Pool* P, Worker* w) {
     ss.ss_size = 64 * 1024;
     ss.ss_flags = 0;
     sigaltstack(&ss, nullptr);
-#if CUPAGED_ASAN
-    pthread_attr_t attr;
-    if (pthread_getattr_np(pthread_self(), &attr) == 0) {
-        void* lo = nullptr;
-        size_t size = 0;
-        pthread_attr_getstack(&attr, &lo, &size);
-        w->sched.stack_lo = lo;
-        w->sched.stack_size = size;
-        pthread_attr_destroy(&attr);
-    }
-#endif
+    set_sched_stack(w);
     char name[16];
     snprintf(name, sizeof name, "cupaged-cpu-%u", w->index);
     pthread_setname_np(pthread_self(), name);
@@ -1001,28 +1037,38 @@ void worker_main(Pool* P, Worker* w) {
             if (w->index >= P->active) continue;
             L = P->L;
         }
-        w->L = L;
-        w->pub.bdim = dim3(L->block[0], L->block[1], L->block[2]);
-        w->pub.gdim = dim3(L->grid[0], L->grid[1], L->grid[2]);
-        w->pub.kernel = L->kernel;
-        if (w->runq.size() < L->nthreads) {
-            unsigned cap = 32;
-            while (cap < L->nthreads) cap <<= 1;
-            w->runq.assign(cap, nullptr);
-            w->qmask = cap - 1;
-            w->barw.assign(cap, nullptr);
-            w->warps.resize(cap / 32);
-        }
-        while (!L->failed.load(std::memory_order_relaxed) && !L->cancel.load(std::memory_order_relaxed)) {
-            const unsigned long long b = L->next.fetch_add(1, std::memory_order_relaxed);
-            if (b >= L->nblocks) break;
-            run_block(w, L, b);
-        }
+        run_blocks(w, L);
         {
             std::lock_guard<std::mutex> lk(P->mu);
-            if (++P->finished == P->active) P->cv_done.notify_all();
+            if (++P->finished == P->active - 1) P->cv_done.notify_all();
         }
     }
+}
+
+// Blocks on the calling thread (workers[0]): t_worker names it while they
+// run; the thread gets an alternate signal stack of the worker's (for the
+// fault handler's report of a fiber stack overflow) unless it has one.
+void run_blocks_here(Worker* w, Launch* L) {
+    static thread_local bool altstack_checked = false;
+    if (!altstack_checked) {
+        stack_t cur;
+        if (sigaltstack(nullptr, &cur) == 0 && (cur.ss_flags & SS_DISABLE)) {
+            char* mine = static_cast<char*>(std::malloc(64 * 1024));  // this thread's, kept for its life
+            if (mine) {
+                stack_t ss;
+                ss.ss_sp = mine;
+                ss.ss_size = 64 * 1024;
+                ss.ss_flags = 0;
+                sigaltstack(&ss, nullptr);
+            }
+        }
+        altstack_checked = true;
+    }
+    set_sched_stack(w);
+    Worker* const prev = t_worker;
+    t_worker = w;
+    run_blocks(w, L);
+    t_worker = prev;
 }
 
 unsigned g_configured_workers = 0;  // set by the Python side (the one parser of CUPAGED_CPU_WORKERS)
@@ -1044,16 +1090,20 @@ void atfork_child() {
 }
 
 // ---- SIGINT during a launch ------------------------------------------------------
-// While the process's main thread waits for a launch, a SIGINT handler of ours
-// (chained to the one it replaces, Python's) sets g_sigint; the launch then
-// stops starting blocks, the running blocks stop at their next barrier or warp
-// collective, and cupaged_rt_launch returns 2, so Ctrl-C ends a long CPU
-// launch within a fraction of a second and the pool stays usable.
+// While the process's main thread runs (its share of the blocks) or waits for
+// a launch, a SIGINT handler of ours (chained to the one it replaces,
+// Python's) sets g_sigint and cancels that launch; it then stops starting
+// blocks, the running blocks stop at their next barrier or warp collective,
+// and cupaged_rt_launch returns 2, so Ctrl-C ends a long CPU launch within a
+// fraction of a second and the pool stays usable.
 volatile sig_atomic_t g_sigint = 0;
+std::atomic<bool>* volatile g_sigint_cancel = nullptr;  // the main thread's launch, while it runs
 struct sigaction g_prev_sigint;
+static_assert(std::atomic<bool>::is_always_lock_free, "a lock-free store in a signal handler");
 
 void on_sigint(int sig, siginfo_t* info, void* uctx) {
     g_sigint = 1;
+    if (std::atomic<bool>* c = g_sigint_cancel) c->store(true, std::memory_order_relaxed);
     const struct sigaction& p = g_prev_sigint;
     if (p.sa_flags & SA_SIGINFO) {
         if (p.sa_sigaction) p.sa_sigaction(sig, info, uctx);
@@ -1073,7 +1123,7 @@ Pool* get_pool(std::string* err) {
     }
     Pool* P = new Pool();  // never freed: workers live as long as the process
     const unsigned nw = worker_count();
-    for (unsigned i = 0; i < nw; ++i) {
+    for (unsigned i = 0; i < nw; ++i) {  // workers[0]: the launching thread's (no thread of its own)
         Worker* w = new Worker();
         w->index = i;
         w->smem = std::aligned_alloc(4096, (kMaxDynamicShared + 4095) & ~4095u);
@@ -1085,7 +1135,7 @@ Pool* get_pool(std::string* err) {
         P->workers.push_back(w);
     }
     try {
-        for (Worker* w : P->workers) std::thread(worker_main, P, w).detach();
+        for (size_t i = 1; i < P->workers.size(); ++i) std::thread(worker_main, P, P->workers[i]).detach();
     } catch (const std::exception& e) {
         *err = fmt("cannot start CPU worker threads: %s", e.what());
         return nullptr;
@@ -1192,6 +1242,10 @@ CUPAGED_RT_API void* cupaged_rt_dynamic_shared() { return t_worker ? t_worker->s
 
 CUPAGED_RT_API const char* cupaged_rt_last_error() { return t_last_error.c_str(); }
 
+// Launches so far that woke worker threads (a launch of one block, or with one
+// worker configured, runs on the launching thread alone).
+CUPAGED_RT_API unsigned long long cupaged_rt_thread_wakes() { return g_thread_wakes.load(); }
+
 CUPAGED_RT_API int cupaged_rt_num_workers() {
     std::lock_guard<std::mutex> g(g_launch_mu);
     std::string err;
@@ -1230,32 +1284,41 @@ CUPAGED_RT_API int cupaged_rt_launch(const char* kernel, const unsigned* grid3, 
     L.fn = thread_fn;
     L.ctx = ctx;
     L.nblocks = nblocks;
-    {
-        std::lock_guard<std::mutex> lk(P->mu);
-        P->L = &L;
-        P->active = (unsigned)std::min<unsigned long long>(P->workers.size(), nblocks);
-        P->finished = 0;
-        ++P->gen;
-    }
+    const unsigned active = (unsigned)std::min<unsigned long long>(P->workers.size(), nblocks);
     const bool watch = on_main_thread();
     if (watch) {
         g_sigint = 0;
+        g_sigint_cancel = &L.cancel;
         struct sigaction sa{};
         sa.sa_sigaction = on_sigint;
         sa.sa_flags = SA_SIGINFO;
         sigemptyset(&sa.sa_mask);
         sigaction(SIGINT, &sa, &g_prev_sigint);
     }
-    P->cv_work.notify_all();
-    {
+    if (active > 1) {
+        {
+            std::lock_guard<std::mutex> lk(P->mu);
+            P->L = &L;
+            P->active = active;
+            P->finished = 0;
+            ++P->gen;
+        }
+        g_thread_wakes.fetch_add(1, std::memory_order_relaxed);
+        P->cv_work.notify_all();
+    }
+    run_blocks_here(P->workers[0], &L);
+    if (active > 1) {
         std::unique_lock<std::mutex> lk(P->mu);
-        while (P->finished != P->active) {
+        while (P->finished != P->active - 1) {
             P->cv_done.wait_for(lk, std::chrono::milliseconds(20));
             if (g_sigint && !L.cancel.load()) L.cancel.store(true);
         }
         P->L = nullptr;
     }
-    if (watch) sigaction(SIGINT, &g_prev_sigint, nullptr);
+    if (watch) {
+        sigaction(SIGINT, &g_prev_sigint, nullptr);
+        g_sigint_cancel = nullptr;
+    }
     std::fflush(stdout);
     if (L.cancel.load()) {
         t_last_error = fmt("kernel '%s': interrupted (SIGINT)", kernel);

@@ -335,6 +335,25 @@ def test_atomics_across_blocks(mod):
     assert cas[0] == n
 
 
+def test_blocks_run_on_the_launching_thread_too(mod):
+    """A one-block launch runs on the launching thread alone (no worker
+    thread woken: no futex round trip for a decode step's small launches);
+    a launch of more blocks wakes the other workers once, and every block
+    still runs exactly once."""
+    rt = _cpu.runtime()
+    before = rt.cupaged_rt_thread_wakes()
+    out = np.full((32, 12), -1, np.int32)
+    run(mod, "geometry", 1, 32, out)
+    assert rt.cupaged_rt_thread_wakes() == before and (out[:, 0] == np.arange(32)).all()
+    if _cpu.num_workers() < 2:
+        pytest.skip("one CPU worker: every launch runs on the launching thread")
+    nb = 64
+    out = np.full((nb * 32, 12), -1, np.int32)
+    run(mod, "geometry", nb, 32, out)
+    assert rt.cupaged_rt_thread_wakes() == before + 1
+    assert sorted(out[::32, 3].tolist()) == list(range(nb))
+
+
 # ---- fp16 / bf16 ----------------------------------------------------------------------------
 def same_bits_or_both_nan(got_bits, want_bits, dtype):
     got_nan = np.isnan(got_bits.view(dtype).astype(np.float32))
