@@ -63,10 +63,17 @@ __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
 // ---------------------------------------------------------------- CPU versions
 namespace cpu {
 // Execution counters of this module's helpers (relaxed atomics: blocks run on
-// several workers). Order and names: cupaged_ptx_counter_names().
+// several workers). Order and names: cupaged_ptx_counter_names(). They count
+// once cupaged_ptx_counting(1) has been called (cupaged.tools.counters.reset
+// does): until then a count is a test of a flag no worker writes, not an
+// atomic add whose cache line the workers pass back and forth (that traffic
+// took ~12% of paged_prefill_simt's CPU time, a count per cp.async).
 enum Counter : int { kMma16816, kLdmatrixX4, kLdmatrixX4Trans, kCpAsync16, kCpAsync16Zero, kNumCounters };
 inline unsigned long long counters[kNumCounters];
-inline void count(Counter c) { __atomic_fetch_add(&counters[c], 1ull, __ATOMIC_RELAXED); }
+inline bool counting = false;
+inline void count(Counter c) {
+    if (__builtin_expect(counting, false)) __atomic_fetch_add(&counters[c], 1ull, __ATOMIC_RELAXED);
+}
 inline float half_bits_to_float(unsigned short b, __half*) { return __half2float(__ushort_as_half(b)); }
 inline float half_bits_to_float(unsigned short b, __nv_bfloat16*) { return __bfloat162float(__ushort_as_bfloat16(b)); }
 template <typename T>
@@ -146,6 +153,10 @@ inline void ldmatrix_x4_warp(void** lanes, unsigned, void*) {
 // their comma-separated names, in order.
 extern "C" __attribute__((visibility("default"), used)) inline unsigned long long* cupaged_ptx_counters() {
     return cpu::counters;
+}
+// Counting on (on != 0) or off, for this module's ptx and wgmma counters.
+extern "C" __attribute__((visibility("default"), used)) inline void cupaged_ptx_counting(int on) {
+    cpu::counting = on != 0;
 }
 extern "C" __attribute__((visibility("default"), used)) inline const char* cupaged_ptx_counter_names() {
     return "mma_16816,ldmatrix_x4,ldmatrix_x4_trans,cp_async_16,cp_async_16_zero";
@@ -357,7 +368,9 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 namespace cpu {
 enum WgCounter : int { kWgmma, kWgmmaFlop, kWgmmaSmemBytes, kNumWgCounters };
 inline unsigned long long wg_counters[kNumWgCounters];
-inline void wg_count(WgCounter c, unsigned long long n) { __atomic_fetch_add(&wg_counters[c], n, __ATOMIC_RELAXED); }
+inline void wg_count(WgCounter c, unsigned long long n) {
+    if (__builtin_expect(counting, false)) __atomic_fetch_add(&wg_counters[c], n, __ATOMIC_RELAXED);
+}
 // The shared-memory window of the calling worker: its dynamic shared memory,
 // from a 1024-byte boundary, so that address bits 4-9 (the swizzles) are the
 // pointer's own.

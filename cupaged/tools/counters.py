@@ -105,9 +105,16 @@ def read_all(module: CpuModule) -> dict | None:
 
 
 def reset(module: CpuModule) -> None:
+    """Zero a CPU module's counters and turn its counting on (off until
+    then: a module that is never reset counts nothing, ptx.cuh)."""
     for n, arr in _arrays(module):
         for i in range(len(n)):
             arr[i] = 0
+    lib = _lib(module)
+    if hasattr(lib, "cupaged_ptx_counting"):
+        lib.cupaged_ptx_counting.restype = None
+        lib.cupaged_ptx_counting.argtypes = [ctypes.c_int]
+        lib.cupaged_ptx_counting(1)
 
 
 # ---------------------------------------------------------------------------
