@@ -218,6 +218,11 @@ def page_key(parent_key: bytes, tokens: Iterable[int] | np.ndarray) -> bytes:
     return hashlib.blake2b(parent_key + np.asarray(tokens, "<i8").tobytes(), digest_size=16).digest()
 
 
+#: A CPU-backend cache of at most this many bytes (K and V) has its memory written at construction (the page
+#: faults then happen there, not in the first appends); a larger one is left to the OS's lazy mapping.
+CPU_COMMIT_BYTES = 1 << 30
+
+
 class PagedKVCache:
     """Paged K/V caches of ``layers`` layers and their pages, shared between
     sequences with reference counts and copied on write.
@@ -304,10 +309,11 @@ class PagedKVCache:
         self.backend = array_backend(like)
         self.k = zeros(like, k_shape, self.dtype)
         self.v = zeros(like, v_shape, self.dtype)
-        if self.backend != GPU:
+        if self.backend != GPU and self.k.nbytes + self.v.nbytes <= CPU_COMMIT_BYTES:
             # The CPU backend's cache memory committed now: NumPy's zeros are pages the OS maps on first write,
             # and those faults would land in the first requests' appends (SmolLM2's 256-token prefill append:
-            # 0.98 -> 0.27 ms a layer, measured on 2 cores).
+            # 0.98 -> 0.27 ms a layer, measured on 2 cores). A larger cache stays lazily mapped (it may be sized
+            # past the memory the requests will touch).
             self.k.fill(0)
             self.v.fill(0)
         self.k_scale = self._scale("k_scale", k_scale, like) if fmt.scaled else None

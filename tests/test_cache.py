@@ -1255,3 +1255,4 @@ def test_cpu_cache_memory_is_committed_at_construction():
     c.v[...] = 1.0
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < 32, f"{faults} page faults writing {2 * c.k.nbytes} committed bytes"
+    assert 2 * c.k.nbytes <= cache_mod.CPU_COMMIT_BYTES  # (a larger cache is left lazily mapped)
