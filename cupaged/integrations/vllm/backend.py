@@ -65,7 +65,33 @@ _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2":
 _BLOCK_SIZES = [b for b in (16, 32, 64, 128, 256) if b <= MAX_PAGE_SIZE]
 
 
-class CupagedAttentionBackend(AttentionBackend):
+class _CupagedSupport:
+    """What both of cupaged's backends (this one and mla.py's) accept alike:
+    decoder self-attention; an fp8 cache under 16-bit queries only."""
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_combination(
+        cls,
+        head_size,
+        dtype,
+        kv_cache_dtype,
+        block_size,
+        use_mla,
+        has_sink,
+        use_sparse,
+        use_mm_prefix,
+        device_capability,
+    ) -> str | None:
+        if kv_cache_dtype in _FP8 and dtype == torch.float32:
+            return f"kv_cache_dtype {kv_cache_dtype} needs dtype float16 or bfloat16 (cupaged's fp8 path), got float32"
+        return None
+
+
+class CupagedAttentionBackend(_CupagedSupport, AttentionBackend):
     """Decoder self-attention on cupaged's paged kernels (MHA / GQA / MQA,
     mixed prefill, chunked prefill and decode steps, sliding window, logit
     soft cap, sinks, ALiBi, fp8 K/V caches with per-tensor or per-KV-head
@@ -118,27 +144,6 @@ class CupagedAttentionBackend(AttentionBackend):
     @classmethod
     def supports_per_head_quant_scales(cls) -> bool:
         return True
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
-
-    @classmethod
-    def supports_combination(
-        cls,
-        head_size,
-        dtype,
-        kv_cache_dtype,
-        block_size,
-        use_mla,
-        has_sink,
-        use_sparse,
-        use_mm_prefix,
-        device_capability,
-    ) -> str | None:
-        if kv_cache_dtype in _FP8 and dtype == torch.float32:
-            return f"kv_cache_dtype {kv_cache_dtype} needs dtype float16 or bfloat16 (cupaged's fp8 path), got float32"
-        return None
 
     @classmethod
     def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, *args, **kwargs) -> list[str]:

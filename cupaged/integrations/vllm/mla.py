@@ -57,6 +57,7 @@ from .backend import (
     _FP8,
     KERNEL_CALLS,
     CupagedMetadata,
+    _CupagedSupport,
     _DevicePlans,
     _step_metadata,
 )
@@ -64,7 +65,7 @@ from .backend import (
 __all__ = ["CupagedMLABackend", "CupagedMLAImpl", "CupagedMLAMetadataBuilder", "CupagedMLADecodeMetadata"]
 
 
-class CupagedMLABackend(MLACommonBackend):
+class CupagedMLABackend(_CupagedSupport, MLACommonBackend):
     """MLA layers (DeepSeek-V2 / V3 style: one latent cache [num_blocks,
     block_size, R + P], kv_lora_rank R, qk_rope_head_dim P) on cupaged's MLA
     kernels: mixed prefill, chunked prefill, prefix-cache hits and decode
@@ -105,27 +106,6 @@ class CupagedMLABackend(MLACommonBackend):
     @classmethod
     def supports_sliding_window(cls) -> bool:
         return True
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
-
-    @classmethod
-    def supports_combination(
-        cls,
-        head_size,
-        dtype,
-        kv_cache_dtype,
-        block_size,
-        use_mla,
-        has_sink,
-        use_sparse,
-        use_mm_prefix,
-        device_capability,
-    ) -> str | None:
-        if kv_cache_dtype in _FP8 and dtype == torch.float32:
-            return f"kv_cache_dtype {kv_cache_dtype} needs dtype float16 or bfloat16 (cupaged's fp8 path), got float32"
-        return None
 
     @classmethod
     def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, *args, **kwargs) -> list[str]:
