@@ -236,18 +236,11 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
 
     const u32 tid = threadIdx.x, wg = tid >> 7, warp4 = (tid >> 5) & 3u, lane = tid & 31u;
     const u32 g = lane >> 2, tq = lane & 3u;  // fragment coordinates
-    const u32 q_heads = p.q_heads, kv_heads = p.kv_heads;
-    const u32 group = q_heads / kv_heads;
-    const u32 ht = group < kRows ? group : kRows;  // heads per block
-    const u32 tiles = (group + ht - 1) / ht;
-    const u32 qt = kRows / ht;  // query slots per block
-    const u32 kvh = blockIdx.y / tiles;
-    const u32 head0 = kvh * group + (blockIdx.y - kvh * tiles) * ht;
-    const u32 heads = tc::min_u32(ht, (kvh + 1) * group - head0);
-    // Queries q0 .. q0 + qt - 1 of the launch's range [q_begin, q_end); last
-    // queries first: under a causal mask they see the most.
-    const u32 q_end = att::range_end(p.queries, p.q_begin, p.q_count);
-    const u64 q0 = (u64)p.q_begin + (u64)(gridDim.x - 1 - blockIdx.x) * qt;
+    const u32 q_heads = p.q_heads;
+    const tc::Place<kRows> place(p);  // this block's heads and queries
+    const u32 group = place.group, ht = place.ht, qt = place.qt, kvh = place.kvh;
+    const u32 head0 = place.head0, heads = place.heads, q_end = place.q_end;
+    const u64 q0 = place.q0;
     auto row_ok = [&](u32 r, u32& slot, u32& hl) {
         slot = r / ht;
         hl = r - slot * ht;

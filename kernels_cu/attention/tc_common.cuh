@@ -22,6 +22,29 @@ constexpr u32 kRows = geom::kTcRows;
 static_assert(geom::kVectorBytes == sizeof(uint4), "16-byte copies: ptx::cp_async_16, uint4 loads");
 constexpr u32 kNone = CP_NO_PAGE;  // no sequence / no page
 
+// Where a row-packed prefill block (paged_prefill_tc, paged_prefill_wgmma,
+// paged_prefill_simt) sits in its launch (schedule.py's Launch.grid): ht =
+// min(G, R) query heads head0 .. head0 + heads - 1 of KV head kvh's group of G
+// (head tile blockIdx.y % tiles), for each of qt = R / ht consecutive packed
+// queries q0 .. q0 + qt - 1 of the launch's range [q_begin, q_end); block x
+// serves the last ones first (under a causal mask they see the most).
+template <u32 R>
+struct Place {
+    u32 group, ht, qt, kvh, head0, heads, q_end;
+    u64 q0;
+    __device__ __forceinline__ explicit Place(const AttentionParams& p) {
+        group = p.q_heads / p.kv_heads;
+        ht = group < R ? group : R;
+        const u32 tiles = (group + ht - 1) / ht;
+        qt = R / ht;
+        kvh = blockIdx.y / tiles;
+        head0 = kvh * group + (blockIdx.y - kvh * tiles) * ht;
+        heads = min_u32(ht, (kvh + 1) * group - head0);
+        q_end = att::range_end(p.queries, p.q_begin, p.q_count);
+        q0 = (u64)p.q_begin + (u64)(gridDim.x - 1 - blockIdx.x) * qt;
+    }
+};
+
 // Bits a .. e-1 of a tile's token mask (0 <= a, e <= 64; none when e <= a).
 __device__ __forceinline__ u64 span_bits(u32 a, u32 e) {
     const u64 upto_e = e >= 64 ? ~0ull : ((1ull << e) - 1);
