@@ -279,18 +279,10 @@ class CupagedMetadata(AttentionMetadata):
         return tp
 
 
-class CupagedMetadataBuilder(AttentionMetadataBuilder[CupagedMetadata]):
-    """``CommonAttentionMetadata`` -> ``CupagedMetadata``. On vLLM's CPU
-    build, from host data: query_start_loc's CPU copy, and seq_lens /
-    block_table_tensor read through NumPy views and copied, since vLLM
-    refills those buffers; the plan is a HostPlan built per step. On CUDA
-    (or with ``device_plans`` True), from vLLM's tensors as they are: the
-    plan is built on the device (``DevicePlanBuilder``) into buffers sized
-    once, with no device-to-host copy; its grid depends only on the step's
-    padded token count, and any mix of prefills, chunked prefills and
-    decodes runs on it, so on CUDA full CUDA graphs are supported for mixed
-    batches (``AttentionCGSupport.ALWAYS``; on the CPU, ``NEVER``: vLLM's
-    CPU build captures none)."""
+class _PlanBuilding:
+    """What both metadata builders (this module's and mla.py's) share: the
+    step's plan from vLLM's metadata (``_step_metadata``), where plans are
+    built, and the CUDA-graph level."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     reorder_batch_threshold: int | None = None
@@ -307,6 +299,20 @@ class CupagedMetadataBuilder(AttentionMetadataBuilder[CupagedMetadata]):
         from vllm.platforms import current_platform
 
         return AttentionCGSupport.ALWAYS if current_platform.is_cuda_alike() else cls._cudagraph_support
+
+
+class CupagedMetadataBuilder(_PlanBuilding, AttentionMetadataBuilder[CupagedMetadata]):
+    """``CommonAttentionMetadata`` -> ``CupagedMetadata``. On vLLM's CPU
+    build, from host data: query_start_loc's CPU copy, and seq_lens /
+    block_table_tensor read through NumPy views and copied, since vLLM
+    refills those buffers; the plan is a HostPlan built per step. On CUDA
+    (or with ``device_plans`` True), from vLLM's tensors as they are: the
+    plan is built on the device (``DevicePlanBuilder``) into buffers sized
+    once, with no device-to-host copy; its grid depends only on the step's
+    padded token count, and any mix of prefills, chunked prefills and
+    decodes runs on it, so on CUDA full CUDA graphs are supported for mixed
+    batches (``AttentionCGSupport.ALWAYS``; on the CPU, ``NEVER``: vLLM's
+    CPU build captures none)."""
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False

@@ -40,7 +40,6 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonMetadata,
 )
 from vllm.v1.attention.backend import (
-    AttentionCGSupport,
     AttentionLayer,
     AttentionMetadataBuilder,
     AttentionType,
@@ -58,7 +57,7 @@ from .backend import (
     KERNEL_CALLS,
     CupagedMetadata,
     _CupagedSupport,
-    _DevicePlans,
+    _PlanBuilding,
     _step_metadata,
 )
 
@@ -144,7 +143,7 @@ class CupagedMLADecodeMetadata(MLACommonDecodeMetadata):
     step: CupagedMetadata | None = None
 
 
-class CupagedMLAMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata]):
+class CupagedMLAMetadataBuilder(_PlanBuilding, AttentionMetadataBuilder[MLACommonMetadata]):
     """``CommonAttentionMetadata`` -> ``MLACommonMetadata``: every request a
     "decode" (``num_decodes = num_reqs``, ``num_decode_tokens =
     num_actual_tokens``, ``num_prefills = 0``, no prefill metadata), so vLLM's
@@ -155,22 +154,6 @@ class CupagedMLAMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata]):
     into stable buffers). No reordering (``reorder_batch_threshold`` None):
     any mix runs in one plan. CUDA graphs: as ``CupagedMetadataBuilder``
     (``ALWAYS`` on CUDA, ``NEVER`` on the CPU)."""
-
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
-    reorder_batch_threshold: int | None = None
-    #: As CupagedMetadataBuilder.device_plans: None: by the tensors' device; True: device plans for CPU
-    #: tensors too (the CUDA path on the CPU backend, for tests); False: host plans.
-    device_plans: ClassVar[bool | None] = None
-
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._device_plans = _DevicePlans.for_config(vllm_config)
-
-    @classmethod
-    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        from vllm.platforms import current_platform
-
-        return AttentionCGSupport.ALWAYS if current_platform.is_cuda_alike() else cls._cudagraph_support
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
