@@ -204,41 +204,7 @@ def test_simt_unused_slots_and_window_hidden_tokens_hold_nan(xp_backend, kernels
     assert hidden and set(kernels_used) == {SIMT, "attention_split_merge"}
 
 
-def test_simt_nothing_visible_and_bad_metadata(xp_backend, kernels_used):
-    """A sequence of length 0 and a query with a sequence index out of range
-    get out 0 and lse -inf; garbage device words never make the kernel
-    leave its arrays."""
-    from cupaged.layout import metadata_offsets
-
-    rng = np.random.default_rng(24)
-    case = _case(rng, (4, 64, 2, 1), [20, 30, 25], [16, 16, 20])
-    q, k, v = (xp_backend.asarray(a) for a in (case.q, case.k_cache, case.v_cache))
-    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 4, case.num_pages).upload(q)
-    off = metadata_offsets(plan.queries, plan.sequences)
-    words = plan.words
-    words[off["kv_len"]] = 0  # sequence 0: nothing visible
-    words[off["q_seq"] + 20] = 0xFFFFFFFF  # query 20 (of sequence 1): bad index
-    ref_out, ref_lse = case.reference(True)
-    for splits in (None, 4):
-        ws = None if splits is None else cupaged.SplitWorkspace(plan.queries, 2, 64, splits, q)
-        o, lse = plan.attention(q, k, v, case.scale, True, return_lse=True, workspace=ws)
-        o, lse = xp_backend.to_numpy(o), xp_backend.to_numpy(lse)
-        dead = np.zeros(plan.queries, bool)
-        dead[:16] = True
-        dead[20] = True
-        assert (o[dead] == 0).all() and (lse[dead] == -np.inf).all()
-        assert_close(o[~dead], ref_out[~dead], "f32")
-        assert_close(lse[~dead], ref_lse[~dead], "f32")
-    words[off["kv_len"] : off["q_start"]] = 0xFFFFFFFF
-    words[off["q_pos"] : off["kv_len"]] = 0xFFFFFFFF
-    seqs = rng.integers(0, 3, size=plan.queries).astype(np.uint32)  # out of packing order
-    words[off["q_seq"] : off["q_pos"]] = xp_backend.asarray(seqs)
-    table = rng.integers(0, 2**32, size=int(plan.words.size) - off["page_table"], dtype=np.uint64)
-    table[::3] = rng.integers(0, case.num_pages, size=table[::3].size)
-    words[off["page_table"] :] = xp_backend.asarray(table.astype(np.uint32))
-    for causal in (True, False):
-        plan.attention(q, k, v, case.scale, causal, return_lse=True)  # must simply not crash
-    assert set(kernels_used) == {SIMT, "attention_split_merge"}
+# Padded and absurd device metadata: test_prefill_tc.py's test_tc_nothing_visible_and_bad_metadata (f32 case).
 
 
 def test_simt_selection():

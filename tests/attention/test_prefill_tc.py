@@ -135,11 +135,13 @@ def test_tc_lengths_read_from_device_words(xp_backend, kernels_used):
     assert set(kernels_used) == {"paged_prefill_tc"}
 
 
-def test_tc_nothing_visible_and_bad_metadata(xp_backend, kernels_used):
-    """Tensor-core prefill on padded and absurd device metadata: a sequence of
-    length 0 and a query with a sequence index out of range get out 0 and
-    lse -inf; garbage lengths, positions, page ids and sequence orders never
-    make the kernel leave its arrays."""
+@pytest.mark.parametrize("dtype,kernel", [("f16", "paged_prefill_tc"), ("f32", "paged_prefill_simt")])
+def test_tc_nothing_visible_and_bad_metadata(xp_backend, kernels_used, dtype, kernel):
+    """Row-packed prefill (tensor cores for f16, paged_prefill_simt for f32)
+    on padded and absurd device metadata: a sequence of length 0 and a query
+    with a sequence index out of range get out 0 and lse -inf; garbage
+    lengths, positions, page ids and sequence orders never make the kernel
+    leave its arrays."""
     rng = np.random.default_rng(24)
     case = make_paged_case(
         rng,
@@ -149,7 +151,7 @@ def test_tc_nothing_visible_and_bad_metadata(xp_backend, kernels_used):
         num_q_heads=2,
         num_kv_heads=1,
         head_dim=64,
-        dtype="f16",
+        dtype=dtype,
     )
     q, k, v = (_to_device(xp_backend, a) for a in (case.q, case.k_cache, case.v_cache))
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 4, case.num_pages).upload(q)
@@ -166,8 +168,8 @@ def test_tc_nothing_visible_and_bad_metadata(xp_backend, kernels_used):
         dead[:16] = True
         dead[20] = True
         assert (o[dead] == 0).all() and (lse[dead] == -np.inf).all()
-        assert_close(o[~dead], ref_out[~dead], "f16")
-        assert_close(lse[~dead], ref_lse[~dead], "f16")
+        assert_close(o[~dead], ref_out[~dead], dtype)
+        assert_close(lse[~dead], ref_lse[~dead], dtype)
     words[off["kv_len"] : off["q_start"]] = 0xFFFFFFFF
     words[off["q_pos"] : off["kv_len"]] = 0xFFFFFFFF
     seqs = rng.integers(0, 3, size=plan.queries).astype(np.uint32)  # out of packing order
@@ -177,7 +179,7 @@ def test_tc_nothing_visible_and_bad_metadata(xp_backend, kernels_used):
     words[off["page_table"] :] = xp_backend.asarray(table.astype(np.uint32))
     for causal in (True, False):
         plan.attention(q, k, v, case.scale, causal, return_lse=True)  # must simply not crash
-    assert set(kernels_used) == {"paged_prefill_tc", "attention_split_merge"}
+    assert set(kernels_used) == {kernel, "attention_split_merge"}
 
 
 def test_tc_capture_and_replay(xp_backend, kernels_used):
