@@ -10,6 +10,8 @@
 * ``CUPAGED_QUIET=1``: no progress notices on stderr (unless a test asks).
 * ``CUPAGED_BLAS_ONE_THREAD_ROWS=32``: the engine's small host products on one
   BLAS thread (the CPUs are busy with one pytest worker each).
+* ``CUPAGED_CPU_SPIN_US=0``: idle CPU worker threads sleep at once (a polling one
+  would take a core from the other pytest worker).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import pytest
 # first; tests/runtime/test_progress.py turns them on where it checks them.
 os.environ.setdefault("CUPAGED_QUIET", "1")
 os.environ.setdefault("CUPAGED_BLAS_ONE_THREAD_ROWS", "32")
+os.environ.setdefault("CUPAGED_CPU_SPIN_US", "0")
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,12 +27,17 @@ Environment:
 * ``CUPAGED_CPU_WORKERS``: number of workers (the launching thread and
   ``n - 1`` pool threads), 1 to 1024 (default: the CPUs this process may run
   on); parsed once, by ``configured_workers``.
+* ``CUPAGED_CPU_SPIN_US``: how long an idle worker thread polls for the next
+  launch or host product before it sleeps (default ``SPIN_US``, 1000; 0 never:
+  the test suite, whose other processes keep the cores busy). Parsed once, by
+  ``spin_us``.
 * ``CUPAGED_CPU_CXXFLAGS``: extra flags for kernel modules (e.g. ``-g -O0``).
 * ``CUPAGED_CPU_FIBERS=ucontext``: the portable (slower) context switch.
 * ``CUPAGED_BLAS_ONE_THREAD_ROWS``: host products (the engine's dense layers) of at
-  most this many rows run BLAS on one thread (default 0: BLAS's own thread count
-  for every product); for a machine whose other cores are busy (the test suite
-  sets 32: one pytest worker per CPU). Parsed once, by ``blas_one_thread_rows``.
+  most this many rows run on one thread (default 0: BLAS's own thread count, and
+  every worker for the few-row products of ``host_products``); for a machine
+  whose other cores are busy (the test suite sets 32: one pytest worker per CPU).
+  Parsed once, by ``blas_one_thread_rows``.
 * ``OPENBLAS_THREAD_TIMEOUT`` (OpenBLAS's own): when unset, the first host product
   shortens OpenBLAS's idle spin to 2**``BLAS_SPIN_LOG2`` cycles
   (``settle_blas_spin``); when set, OpenBLAS keeps it.
@@ -42,6 +47,11 @@ Environment:
   point): a pipeline that refills a shared-memory stage still being read
   gives wrong results in one mode or the other. A per-process choice (part
   of the module flags, so of the cache key).
+* ``CUPAGED_CPU_GEOMETRY=gpu``: kernels whose spec has a CPU geometry (``CPU_GEOMETRY``:
+  paged_attention runs one warp a block here, where each fiber's fixed work costs
+  what a GPU hides) are built and launched with their GPU geometry instead, so the
+  GPU's block shape runs here too (``cpu``, the default: the CPU one). A
+  per-process choice (a module flag, so part of the cache key).
 * ``CUPAGED_CPU_ASAN=1``: build runtime and kernels with AddressSanitizer, so
   that a kernel reading or writing outside a NumPy array stops with a report
   naming the kernel's source line. Python itself is not built with ASan, so
@@ -70,7 +80,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -285,10 +294,19 @@ def _host_isa_flags(machine: str | None = None, cpuinfo: str = "/proc/cpuinfo") 
     return ()
 
 
+def geometry_mode() -> str:
+    """``CUPAGED_CPU_GEOMETRY``: ``"cpu"`` (default) or ``"gpu"``."""
+    mode = os.environ.get("CUPAGED_CPU_GEOMETRY", "").strip().lower() or "cpu"
+    if mode not in ("cpu", "gpu"):
+        raise PagedAttentionError(f"CUPAGED_CPU_GEOMETRY: expected 'cpu' or 'gpu', got {mode!r}")
+    return mode
+
+
 def _module_flags() -> tuple[str, ...]:
     extra = tuple(shlex.split(os.environ.get("CUPAGED_CPU_CXXFLAGS", "")))
     eager = ("-DCUPAGED_CP_ASYNC_EAGER=1",) if cp_async_mode() == "eager" else ()
-    return MODULE_FLAGS + _host_isa_flags() + (ASAN_FLAGS if _asan() else ()) + eager + extra
+    gpu_geometry = ("-DCUPAGED_GPU_GEOMETRY=1",) if geometry_mode() == "gpu" else ()
+    return MODULE_FLAGS + _host_isa_flags() + (ASAN_FLAGS if _asan() else ()) + eager + gpu_geometry + extra
 
 
 def _runtime_flags() -> tuple[str, ...]:
@@ -494,6 +512,9 @@ def runtime() -> ctypes.CDLL:
         lib.cupaged_rt_set_workers.restype = None
         lib.cupaged_rt_set_workers.argtypes = [ctypes.c_uint]
         lib.cupaged_rt_set_workers(configured_workers())
+        lib.cupaged_rt_set_spin.restype = None
+        lib.cupaged_rt_set_spin.argtypes = [ctypes.c_uint]
+        lib.cupaged_rt_set_spin(spin_us())
         _runtime = lib
         return lib
 
@@ -521,6 +542,29 @@ def configured_workers() -> int:
     return n
 
 
+#: CUPAGED_CPU_SPIN_US's default: how long an idle pool thread polls for the next job before it sleeps. Measured
+#: (SmolLM2-135M f32 decode, batch 8, 2 idle cores): a futex wake per multi-block launch or split product costs
+#: 10 - 60 us on this VM, ~370 a step.
+SPIN_US = 1000
+MAX_SPIN_US = 1_000_000
+
+
+def spin_us() -> int:
+    """``CUPAGED_CPU_SPIN_US``: microseconds an idle worker thread polls for the next job before it sleeps (0 to
+    MAX_SPIN_US; default SPIN_US; 0 where other processes keep the cores busy: the test suite). The one parser
+    of that variable: the runtime gets the result."""
+    raw = os.environ.get("CUPAGED_CPU_SPIN_US", "").strip()
+    if not raw:
+        return SPIN_US
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_SPIN_US:
+        raise PagedAttentionError(f"CUPAGED_CPU_SPIN_US: expected an integer from 0 to {MAX_SPIN_US}, got {raw!r}")
+    return n
+
+
 def num_workers() -> int:
     """Worker threads of the CPU backend (starts the pool)."""
     return int(runtime().cupaged_rt_num_workers())
@@ -529,7 +573,8 @@ def num_workers() -> int:
 # ---- BLAS threads of host work --------------------------------------------------
 @functools.cache
 def blas_one_thread_rows() -> int:
-    """``CUPAGED_BLAS_ONE_THREAD_ROWS`` (default 0): products of at most this many rows run BLAS on one thread.
+    """``CUPAGED_BLAS_ONE_THREAD_ROWS`` (default 0): host products of at most this many rows run on one thread
+    (BLAS's, and the few-row products of host_products: the pool's threads otherwise).
     On idle cores BLAS's own threads are faster even for one row (measured, SmolLM2-135M f32 decode at batch 1
     on 2 idle cores: 30.8 tokens/s with two BLAS threads, 19.8 with one); on cores other processes keep busy,
     handing a small product to a second BLAS thread costs far more than it saves (0.1 ms alone vs 15-30 ms
@@ -580,7 +625,7 @@ def _blas_thread_setter():
 
 #: How long an idle OpenBLAS thread spins before it sleeps, as OpenBLAS's ``OPENBLAS_THREAD_TIMEOUT``: 2**N cycles of
 #: the time-stamp counter (~0.35 ms at 3 GHz; OpenBLAS's own default is 2**28, ~90 ms). A BLAS thread spinning after
-#: a product competes for the cores with the kernel workers and the second host thread (HostPair) that run next:
+#: a product competes for the cores with the kernel workers and the host products' threads that run next:
 #: profiled on 2 cores, a 256-token SmolLM2 prefill spent 27% of its CPU time in OpenBLAS's idle loop. Measured there
 #: (SmolLM2-135M f32, 2 cores), N 28 / 22 / 20 / 18: prefill 2.22 / 1.51-1.59 / 1.48-1.50 s; decode batch 8
 #: - / 63-69 / 92-93 / 92 tok/s; batch 1 30.5 / 30.1-30.3 / 29.0-29.6 / 26.2 (its threads fall asleep between a
@@ -642,64 +687,6 @@ def blas_one_thread(op, rows: int):
             setter(prev)
 
     return one_thread
-
-
-class HostPair:
-    """A second host thread for host work that splits in two (the engine's
-    wide few-row products: OpenBLAS runs those on one thread, its small-matrix
-    kernel). ``run(a, b)`` runs ``a()`` on the calling thread and ``b()`` on
-    the pair's thread and returns when both are done (an exception of
-    either is raised here, ``a``'s first). While another caller holds the
-    pair, ``b`` runs after ``a`` on the calling thread. The thread starts
-    with the first ``run``; ``host_pair`` gives the process's one pair."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._go = threading.Semaphore(0)
-        self._done = threading.Semaphore(0)
-        self._job: Callable[[], object] | None = None
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self.jobs = 0  # jobs the pair's thread ran
-
-    def _loop(self) -> None:
-        while True:
-            self._go.acquire()
-            try:
-                assert self._job is not None
-                self._job()
-            except BaseException as e:  # raised on the caller's thread
-                self._error = e
-            self.jobs += 1
-            self._done.release()
-
-    def run(self, a, b) -> None:
-        if not self._lock.acquire(blocking=False):
-            a()
-            b()
-            return
-        try:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="cupaged-host-pair", daemon=True)
-                self._thread.start()
-            self._job = b
-            self._go.release()
-            try:
-                a()
-            finally:
-                self._done.acquire()
-                self._job = None
-            if self._error is not None:
-                e, self._error = self._error, None
-                raise e
-        finally:
-            self._lock.release()
-
-
-@functools.cache
-def host_pair() -> HostPair:
-    """The process's HostPair."""
-    return HostPair()
 
 
 def _settling(op):

@@ -27,6 +27,7 @@ import numpy as np
 from .. import dtypes
 from .._runtime import backend_of, checks, get_kernel, register, stream_for
 from .._runtime import cpu as _cpu
+from .._runtime import host_products as _products
 from .._runtime.cpu import blas_one_thread
 from ..errors import PagedAttentionError
 
@@ -115,68 +116,24 @@ def rms_norm(x, weight, out, eps: float = 1e-6, *, host: bool = False) -> None:
     )
 
 
-#: Products of 2 .. PANEL_ROWS_MAX rows run as one BLAS product per panel of columns of the result (that many rows
-#: of the weight: a panel that BLAS packs stays in the cache). OpenBLAS's GEMM at a few rows packs the whole weight
-#: out of the cache, and it keeps its fast small-matrix kernel only while rows x columns x K stays small: a panel is
-#: ``panel_columns(rows, K)`` wide, the widest multiple of PANEL_STEP with rows x width x K <= PANEL_MNK, at most
-#: PANEL. Measured on 2 cores (NumPy's OpenBLAS 0.3, one thread, weights out of cache, ms for the whole product):
-#: | rows, K x N      | whole | 48 wide | 80  | 128  | 192  | 256  |
-#: | 8, 576 x 1536    | 0.55  | 0.21    | 0.20| 0.19 | 0.52 | 0.52 |
-#: | 8, 1536 x 576    | 0.49  | 0.18    | 0.18| 0.47 | 0.50 | 0.47 |
-#: | 4, 1536 x 576    | 0.44  | 0.14    | 0.14| 0.14 | 0.46 | 0.41 |
-#: | 2, 576 x 1536    | 0.83  | 0.15    | 0.14| 0.14 | 0.14 | 0.14 |
-#: (the step from fast to slow lies between 590K and 884K for rows x width x K); one row (GEMV) and 16 or more rows
-#: gain nothing.
-PANEL = 256
-PANEL_STEP = 16
-PANEL_MNK = 600_000
-PANEL_ROWS_MAX = 8
-#: A panelled product of at least PAIR_COLUMNS_MIN columns runs half of its panels on the second host thread
-#: (HostPair), unless its rows run BLAS on one thread (CUPAGED_BLAS_ONE_THREAD_ROWS: other processes keep the cores
-#: busy). OpenBLAS runs these products on one thread (its small-matrix kernel); measured on 2 cores, one thread -> two
-#: (8 rows, K 576): N 1536 0.34 -> 0.29 ms, N 49152 (an LM head) 11.9 -> 6.9 ms; N 576 0.06 -> 0.14 ms (the handoff
-#: costs more).
-PAIR_COLUMNS_MIN = 1536
-
-
-def panel_columns(rows: int, k: int) -> int:
-    """The panel width of a ``rows`` x K product (PANEL_MNK)."""
-    return max(PANEL_STEP, min(PANEL, PANEL_MNK // max(1, rows * k) // PANEL_STEP * PANEL_STEP))
-
-
 def _host_product(lhs, rhs, out, accumulate: bool, rows: int, keep: tuple) -> None:
-    """``out = lhs @ rhs`` (or ``out +=`` with ``accumulate``, through a
-    scratch array made once here, so a replay allocates nothing) as host
-    work on the CPU stream; ``rows`` picks the BLAS threads
-    (``blas_one_thread``), ``keep`` the arrays the recorded call holds.
-    lhs [..., M, K], rhs [..., K, N], out [..., M, N]."""
+    """``out = lhs @ rhs`` (or ``out +=`` with ``accumulate``) as host work on
+    the CPU stream; ``keep`` the arrays the recorded call holds. lhs [..., M, K],
+    rhs [..., K, N], out [..., M, N]. A product of a few rows of float32 rows
+    (``host_products.fits``: a decode step's projections) runs the CPU
+    products (kernels_cu/host/products.cpp) straight from the weight on the
+    worker pool's threads (one thread when ``rows`` <= blas_one_thread_rows);
+    the rest is BLAS (``np.matmul``; ``rows`` picks its threads the same way),
+    ``accumulate`` through a scratch array made once here, so a replay
+    allocates nothing."""
+    if lhs.ndim == 2 and _products.fits(lhs, rhs.T, out):
+        parts = 1 if rows <= _cpu.blas_one_thread_rows() else _cpu.configured_workers()
+        stream_for(keep[0]).host_call(_products.product(lhs, rhs.T, out, accumulate, parts), *keep)
+        return
     tmp = np.zeros(out.shape, np.float32) if accumulate else out
-    n = out.shape[-1]
-    width = panel_columns(rows, int(lhs.shape[-1]))
-    if 2 <= rows <= PANEL_ROWS_MAX and lhs.ndim == 2 and n > width:  # the views made once, here
-        parts = [(rhs[:, c : c + width], tmp[:, c : c + width]) for c in range(0, n, width)]
 
-        def panels(ps):
-            def run():
-                for r, o in ps:
-                    np.matmul(lhs, r, out=o)
-
-            return run
-
-        if n >= PAIR_COLUMNS_MIN and rows > _cpu.blas_one_thread_rows() and _cpu.configured_workers() > 1:
-            half = (len(parts) + 1) // 2
-            first, second, pair = panels(parts[:half]), panels(parts[half:]), _cpu.host_pair()
-
-            def product():
-                pair.run(first, second)
-
-        else:
-            product = panels(parts)
-
-    else:
-
-        def product():
-            np.matmul(lhs, rhs, out=tmp)
+    def product():
+        np.matmul(lhs, rhs, out=tmp)
 
     if accumulate:
 

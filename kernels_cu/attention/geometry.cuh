@@ -9,11 +9,16 @@ constexpr u32 kTcRows = 64;
 constexpr u32 kPitchPad = 8;
 constexpr u32 kVectorBytes = 16;
 namespace decode {   // cupaged/ops/attention/kernels/decode.py
-constexpr u32 kWarps = 4;
-constexpr u32 kThreads = 128;
 constexpr u32 kMinBlocks = 2;
 constexpr u32 kLaneFloats = 64;
 constexpr u32 kMergeSmemBytes = 32768;
+#if defined(CUPAGED_CPU) && !defined(CUPAGED_GPU_GEOMETRY)  // the CPU backend's (CPU_GEOMETRY)
+constexpr u32 kWarps = 1;
+constexpr u32 kThreads = 32;
+#else
+constexpr u32 kWarps = 4;
+constexpr u32 kThreads = 128;
+#endif
 }  // namespace decode
 namespace decode_tc {   // cupaged/ops/attention/kernels/decode_tc.py
 constexpr u32 kWarps = 2;

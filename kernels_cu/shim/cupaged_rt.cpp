@@ -958,20 +958,53 @@ void run_block(Worker* w, Launch* L, unsigned long long b) {
 // g_launch_mu: one launch at a time, so one such Worker serves every calling
 // thread); workers[1 ..] are threads of their own. A launch of one block
 // wakes no thread, a launch of n blocks the first min(n, workers) - 1: no
-// futex round trip for the small launches of a decode step, and no thread
-// idles waiting for the others.
+// thread idles waiting for the others. The same threads run host work split
+// in parts (cupaged_rt_parallel: the engine's few-row products).
+//
+// Waiting: a thread that finished its share waits for the next job (or the
+// caller for the others' shares) by polling first, for g_spin_us (set from
+// CUPAGED_CPU_SPIN_US: cupaged_rt_set_spin), yielding the core every few
+// polls, then on the condition variable. A decode step is a chain of small
+// launches and products a few microseconds to a few hundred apart: a futex
+// wake costs 10 - 60 us on a shared VM, a poll none; after g_spin_us of
+// nothing the threads sleep and cost nothing. 0: no polling (cores other
+// processes keep busy, as in the test suite).
+std::atomic<unsigned> g_spin_us{1000};
+
 struct Pool {
     std::vector<Worker*> workers;
     std::mutex mu;
     std::condition_variable cv_work, cv_done;
-    unsigned long long gen = 0;
-    unsigned active = 0, finished = 0;  // workers in this launch (the caller's included); threads done
-    Launch* L = nullptr;
+    std::atomic<unsigned long long> gen{0};  // bumped (under mu) for each job
+    std::atomic<unsigned> finished{0};  // threads done with this job
+    unsigned active = 0;  // workers in this job (the caller's included)
+    Launch* L = nullptr;  // the job: a launch's blocks, or
+    void (*task)(void*, unsigned, unsigned) = nullptr;  // host work: task(ctx, part, parts)
+    void* task_ctx = nullptr;
 };
+
+// Polls pred for up to g_spin_us microseconds; false if it never held.
+template <class Pred>
+bool spin_until(Pred pred) {
+    const unsigned us = g_spin_us.load(std::memory_order_relaxed);
+    if (pred()) return true;
+    if (us == 0) return false;
+    const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+    for (unsigned i = 1;; ++i) {
+        if (pred()) return true;
+        if (i % 64 == 0) {
+            if (std::chrono::steady_clock::now() > end) return false;
+            sched_yield();
+        }
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+    }
+}
 
 Pool* g_pool = nullptr;
 std::mutex g_launch_mu;
-std::atomic<unsigned long long> g_thread_wakes{0};  // launches that woke worker threads
+std::atomic<unsigned long long> g_thread_wakes{0};  // jobs that woke worker threads
 
 // The launch's blocks, taken one by one from its counter until none is left
 // (or it failed, or was cancelled), on worker w of the calling thread.
@@ -1029,21 +1062,48 @@ void worker_main(Pool* P, Worker* w) {
     pthread_setname_np(pthread_self(), name);
     unsigned long long seen = 0;
     for (;;) {
-        Launch* L;
-        {
+        if (!spin_until([&] { return P->gen.load(std::memory_order_acquire) != seen; })) {
             std::unique_lock<std::mutex> lk(P->mu);
-            P->cv_work.wait(lk, [&] { return P->gen != seen; });
-            seen = P->gen;
-            if (w->index >= P->active) continue;
-            L = P->L;
+            P->cv_work.wait(lk, [&] { return P->gen.load(std::memory_order_relaxed) != seen; });
         }
-        run_blocks(w, L);
+        Launch* L;
+        void (*task)(void*, unsigned, unsigned);
+        void* task_ctx;
+        unsigned active;
         {
             std::lock_guard<std::mutex> lk(P->mu);
-            if (++P->finished == P->active - 1) P->cv_done.notify_all();
+            seen = P->gen.load(std::memory_order_relaxed);
+            active = P->active;
+            L = P->L, task = P->task, task_ctx = P->task_ctx;
+        }
+        if (w->index >= active) continue;
+        if (task)
+            task(task_ctx, w->index, active);
+        else
+            run_blocks(w, L);
+        if (P->finished.fetch_add(1, std::memory_order_acq_rel) + 2 == active) {
+            std::lock_guard<std::mutex> lk(P->mu);  // the caller may be asleep on cv_done
+            P->cv_done.notify_all();
         }
     }
 }
+
+// Starts a job on workers 1 .. active - 1 (under g_launch_mu; active > 1).
+void start_job(Pool* P, unsigned active, Launch* L, void (*task)(void*, unsigned, unsigned), void* ctx) {
+    {
+        std::lock_guard<std::mutex> lk(P->mu);
+        P->L = L, P->task = task, P->task_ctx = ctx;
+        P->active = active;
+        P->finished.store(0, std::memory_order_relaxed);
+        P->gen.fetch_add(1, std::memory_order_release);
+    }
+    g_thread_wakes.fetch_add(1, std::memory_order_relaxed);
+    P->cv_work.notify_all();
+}
+
+// Waits for workers 1 .. active - 1 to finish the job; cancel (if given) is set
+// when a SIGINT arrives meanwhile.
+void finish_job(Pool* P, unsigned active, std::atomic<bool>* cancel);
 
 // Blocks on the calling thread (workers[0]): t_worker names it while they
 // run; the thread gets an alternate signal stack of the worker's (for the
@@ -1144,6 +1204,19 @@ Pool* get_pool(std::string* err) {
     return P;
 }
 
+void finish_job(Pool* P, unsigned active, std::atomic<bool>* cancel) {
+    const auto done = [&] { return P->finished.load(std::memory_order_acquire) + 1 == active; };
+    if (!spin_until(done)) {
+        std::unique_lock<std::mutex> lk(P->mu);
+        while (!done()) {
+            P->cv_done.wait_for(lk, std::chrono::milliseconds(20));
+            if (g_sigint && cancel && !cancel->load()) cancel->store(true);
+        }
+    }
+    std::lock_guard<std::mutex> lk(P->mu);
+    P->L = nullptr, P->task = nullptr, P->task_ctx = nullptr;
+}
+
 }  // namespace
 }  // namespace cupaged
 
@@ -1227,6 +1300,8 @@ CUPAGED_RT_API void cupaged_rt_set_workers(unsigned n) {
     g_configured_workers = n;  // read when the pool starts (first launch, or after a fork)
 }
 
+CUPAGED_RT_API void cupaged_rt_set_spin(unsigned us) { g_spin_us.store(us, std::memory_order_relaxed); }
+
 CUPAGED_RT_API unsigned cupaged_rt_activemask() {
     Fiber* f = self();
     const WarpRt& W = f->w->warps[f->warp];
@@ -1251,6 +1326,21 @@ CUPAGED_RT_API int cupaged_rt_num_workers() {
     std::string err;
     Pool* P = get_pool(&err);
     return P ? (int)P->workers.size() : 0;
+}
+
+CUPAGED_RT_API int cupaged_rt_parallel(void (*task)(void*, unsigned, unsigned), void* ctx, unsigned parts) {
+    std::lock_guard<std::mutex> guard(g_launch_mu);
+    std::string err;
+    Pool* P = get_pool(&err);
+    if (!P) {
+        t_last_error = err;
+        return 1;
+    }
+    const unsigned active = std::max(1u, std::min<unsigned>(parts, (unsigned)P->workers.size()));
+    if (active > 1) start_job(P, active, nullptr, task, ctx);
+    task(ctx, 0, active);
+    if (active > 1) finish_job(P, active, nullptr);
+    return 0;
 }
 
 CUPAGED_RT_API int cupaged_rt_launch(const char* kernel, const unsigned* grid3, const unsigned* block3,
@@ -1295,26 +1385,9 @@ CUPAGED_RT_API int cupaged_rt_launch(const char* kernel, const unsigned* grid3, 
         sigemptyset(&sa.sa_mask);
         sigaction(SIGINT, &sa, &g_prev_sigint);
     }
-    if (active > 1) {
-        {
-            std::lock_guard<std::mutex> lk(P->mu);
-            P->L = &L;
-            P->active = active;
-            P->finished = 0;
-            ++P->gen;
-        }
-        g_thread_wakes.fetch_add(1, std::memory_order_relaxed);
-        P->cv_work.notify_all();
-    }
+    if (active > 1) start_job(P, active, &L, nullptr, nullptr);
     run_blocks_here(P->workers[0], &L);
-    if (active > 1) {
-        std::unique_lock<std::mutex> lk(P->mu);
-        while (P->finished != P->active - 1) {
-            P->cv_done.wait_for(lk, std::chrono::milliseconds(20));
-            if (g_sigint && !L.cancel.load()) L.cancel.store(true);
-        }
-        P->L = nullptr;
-    }
+    if (active > 1) finish_job(P, active, &L.cancel);
     if (watch) {
         sigaction(SIGINT, &g_prev_sigint, nullptr);
         g_sigint_cancel = nullptr;

@@ -123,3 +123,9 @@ CUPAGED_RT_API int cupaged_rt_launch(const char* kernel, const unsigned* grid3, 
 // Called from Python:
 CUPAGED_RT_API const char* cupaged_rt_last_error();  // of the calling thread's last failed launch
 CUPAGED_RT_API int cupaged_rt_num_workers();
+// Host work split in parts: task(ctx, part, parts) for part 0 .. parts - 1, part 0 on the calling thread and the
+// others on the pool's threads (parts is min(the parts asked, workers)); returns when all are done (0; 1 if the
+// pool could not start: cupaged_rt_last_error). One job at a time, launches included.
+// How long an idle pool thread (and a caller waiting for one) polls before it sleeps, in microseconds (0: never).
+CUPAGED_RT_API void cupaged_rt_set_spin(unsigned us);
+CUPAGED_RT_API int cupaged_rt_parallel(void (*task)(void*, unsigned, unsigned), void* ctx, unsigned parts);

@@ -33,6 +33,7 @@ def launches(monkeypatch):
     class Spy:
         def __init__(self, stream):
             self.stream = stream
+            self.backend = stream.backend
 
         def launch(self, kernel, grid, block, args, shared_mem=0):
             attn = kernel.name != "attention_split_merge"

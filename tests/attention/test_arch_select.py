@@ -298,7 +298,8 @@ def _spec_builds():
     """One build per distinct geometry of each tensor-core kernel (bf16 q,
     a bf16 or e4m3 cache) and of paged_prefill_simt (f32),
     paged_attention's of ``_decode_sample`` (the largest tile of each), and
-    the merge; as (kernel, source, defines, threads, resident blocks, facts)."""
+    the merge; as (kernel, source, defines, threads, resident blocks, facts): threads the CPU build's
+    (``cpu_threads``), and each build with a CPU geometry again with the GPU's."""
     by_geometry = {}
     for v in variants._built():
         if v.kernel == "paged_attention":
@@ -309,8 +310,14 @@ def _spec_builds():
         elif v.dtype == "bf16" and v.kv_dtype in ("bf16", "e4m3"):
             by_geometry.setdefault((v.kernel, v.head_dim, v.tile, v.latent_dim, v.rope_dim, v.kv_dtype), v)
     out = [
-        (v.kernel, v.source, v.defines(), v.threads, v.resident_blocks, KERNEL_FACTS[v.kernel](v))
+        (v.kernel, v.source, v.defines(), v.cpu_threads, v.resident_blocks, KERNEL_FACTS[v.kernel](v))
         for v in by_geometry.values()
+    ]
+    # a kernel with a CPU geometry (decode.py CPU_GEOMETRY): its GPU block too, as CUPAGED_CPU_GEOMETRY=gpu builds it
+    out += [
+        (v.kernel, v.source, {**v.defines(), "CUPAGED_GPU_GEOMETRY": 1}, v.threads, v.resident_blocks, [])
+        for v in by_geometry.values()
+        if v.cpu_threads != v.threads
     ]
     return out + [
         (

@@ -41,6 +41,8 @@ def test_launch_fills_every_field(monkeypatch):
     seen = []
 
     class Spy:
+        backend = plan.stream.backend
+
         def launch(self, kernel, grid, block, args, shared_mem=0):
             seen.append(args)
             return plan.stream.launch(kernel, grid, block, args, shared_mem=shared_mem)

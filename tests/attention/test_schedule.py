@@ -292,7 +292,9 @@ def test_launch_range_is_clamped(xp_backend, monkeypatch, kernel):
             else variants.Variant(kernel, "f16", "f16", head_dim=64, group_tile=4)
         )
         assert var.kernel == kernel
-        first = schedule.Launch(var.source, kernel, var.defines(), var.threads, var.smem, 0, 0, 0, 0)
+        first = schedule.Launch(
+            var.source, kernel, var.defines(), var.threads, var.smem, 0, 0, 0, 0, cpu_threads=var.cpu_threads
+        )
     for begin, count, blocks in ((n - 5, 2**32 - 1, 9), (n + 3, 4, 2), (2**32 - 2, 5, 3), (3, 6, 20)):
         # One launch of `blocks` blocks along x over [begin, begin + count) (one head tile: G = 4).
         one = first._replace(blocks=blocks, tiles=1, q_begin=begin, q_count=count)

@@ -354,6 +354,35 @@ def test_blocks_run_on_the_launching_thread_too(mod):
     assert sorted(out[::32, 3].tolist()) == list(range(nb))
 
 
+def test_polling_workers_run_every_block_and_sleep_after(mod):
+    """With idle workers polling (CUPAGED_CPU_SPIN_US's default; the suite sets 0), back-to-back launches still
+    run every block once, and after the spin the pool's threads sleep (no CPU used while idle)."""
+    import time
+
+    rt = _cpu.runtime()
+    if _cpu.num_workers() < 2:
+        pytest.skip("one CPU worker: every launch runs on the launching thread")
+    rt.cupaged_rt_set_spin(_cpu.SPIN_US)
+    try:
+        for nb in (2, 64, 3, 200):
+            out = np.full((nb * 32, 12), -1, np.int32)
+            run(mod, "geometry", nb, 32, out)
+            assert sorted(out[::32, 3].tolist()) == list(range(nb))
+        time.sleep(0.05)  # past the spin: the threads are asleep now
+        t0 = time.process_time()
+        time.sleep(0.2)
+        assert time.process_time() - t0 < 0.03, "worker threads kept polling after the spin"
+    finally:
+        rt.cupaged_rt_set_spin(_cpu.spin_us())
+
+
+@pytest.mark.parametrize("raw", ["-1", "x", "2000000"])
+def test_spin_variable_is_checked(monkeypatch, raw):
+    monkeypatch.setenv("CUPAGED_CPU_SPIN_US", raw)
+    with pytest.raises(PagedAttentionError, match="CUPAGED_CPU_SPIN_US: expected an integer from 0 to"):
+        _cpu.spin_us()
+
+
 # ---- fp16 / bf16 ----------------------------------------------------------------------------
 def same_bits_or_both_nan(got_bits, want_bits, dtype):
     got_nan = np.isnan(got_bits.view(dtype).astype(np.float32))

@@ -50,7 +50,9 @@ def launch_call(call: Call, stream: Stream | None = None) -> None:
         for launch, kernel in zip(call.launches, kernels):
             values["q_begin"], values["q_count"] = launch.q_begin, launch.q_count
             args = params.pack(values, call.refs)
-            stream.launch(kernel, launch.grid(hkv, call.splits), (launch.threads,), (args,), shared_mem=launch.smem)
+            stream.launch(
+                kernel, launch.grid(hkv, call.splits), (launch.block(stream.backend),), (args,), shared_mem=launch.smem
+            )
         if ws is not None:
             u32, queries, hq, lse = np.uint32, values["queries"], values["q_heads"], call.lse
             stream.launch(

@@ -257,7 +257,8 @@ class Launch(NamedTuple):
     """One attention launch of a step (before the split merge).
 
     ``source`` (a ``kernels_cu`` stem: ``"attention/decode"``, ...) and
-    ``kernel`` name it, ``defines`` its variant; ``threads`` per block and
+    ``kernel`` name it, ``defines`` its variant; ``threads`` per block (on the
+    CPU backend ``cpu_threads``: ``KernelSpec.cpu_block_threads``) and
     ``smem`` dynamic shared bytes; the grid is ``(blocks, kv_heads * tiles,
     splits)``, or with ``tiles_in_x`` ``(blocks * tiles, kv_heads, splits)``
     (the head tile the fastest block index: the MLA kernels, whose head
@@ -278,6 +279,11 @@ class Launch(NamedTuple):
     q_count: int
     min_blocks: int = 0
     tiles_in_x: bool = False
+    cpu_threads: int = 0
+
+    def block(self, backend: str) -> int:
+        """Threads per block on ``backend`` ("cpu" or "gpu")."""
+        return (self.cpu_threads or self.threads) if backend == "cpu" else self.threads
 
     def grid(self, kv_heads: int, splits: int) -> tuple[int, int, int]:
         """The launch grid for ``kv_heads`` KV heads and ``splits`` splits."""
@@ -409,6 +415,7 @@ def _launches(
                 count,
                 v.resident_blocks,
                 bool(on_tc and v.latent_dim),
+                v.cpu_threads,
             )
         )  # MLA: head tiles in x
     return tuple(launches)

@@ -133,6 +133,11 @@ class Variant:
         return KERNELS[self.kernel].block_threads(self)
 
     @property
+    def cpu_threads(self) -> int:
+        """Threads per block on the CPU backend (``KernelSpec.cpu_block_threads``)."""
+        return KERNELS[self.kernel].cpu_block_threads(self)
+
+    @property
     def features(self) -> tuple[str, ...]:
         """The FEATURES that are on."""
         return tuple(f for f in FEATURES if getattr(self, f))

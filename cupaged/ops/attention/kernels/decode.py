@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 WARPS = 4
 #: Threads per block (att::kThreads; the first ``__launch_bounds__`` argument).
 THREADS = 32 * WARPS
+#: Warps per block on the CPU backend (CPU_GEOMETRY; CUPAGED_CPU_GEOMETRY=gpu: WARPS there too). A fiber's fixed
+#: work (q rows, the softmax states, the merges at the end) is paid per thread on the CPU and hidden on a GPU: one
+#: warp a block ran SmolLM2-135M's decode attention (8 sequences, 9 / 3 heads, D 64, contexts 16 - 48) in 195 us a
+#: layer against 662 with four (2 cores), the same tokens in 4x the steps.
+CPU_WARPS = 1
 #: Resident blocks per SM the kernel is built for (the second
 #: ``__launch_bounds__`` argument): a floor, its registers vary with the
 #: variant and most fit more.
@@ -47,6 +52,8 @@ GEOMETRY = {
     "kLaneFloats": LANE_FLOATS,
     "kMergeSmemBytes": MERGE_SMEM_BYTES,
 }
+#: What the CPU backend's builds use instead (geometry.header: under CUPAGED_CPU, unless CUPAGED_GPU_GEOMETRY).
+CPU_GEOMETRY = {"kWarps": CPU_WARPS, "kThreads": 32 * CPU_WARPS}
 
 
 def elems_per_lane(cap: int, vec: int) -> int:
@@ -97,6 +104,7 @@ class Decode(KernelSpec):
     name = "paged_attention"
     source = "attention/decode"
     threads = THREADS
+    cpu_threads = CPU_GEOMETRY["kThreads"]
     min_blocks = MIN_BLOCKS
     fields = ("head_dim", "dim_cap", "vec_loads", "group_tile", "rot_cap")
     per_query = True

@@ -26,10 +26,27 @@ def _consts(values: dict[str, int]) -> str:
     return "".join(f"constexpr u32 {k} = {v};\n" for k, v in values.items())
 
 
+def _module_consts(m: ModuleType) -> str:
+    """A spec module's GEOMETRY; the names its CPU_GEOMETRY overrides (if any) chosen by the build."""
+    cpu = getattr(m, "CPU_GEOMETRY", {})
+    common = {k: v for k, v in m.GEOMETRY.items() if k not in cpu}
+    if not cpu:
+        return _consts(common)
+    gpu = {k: m.GEOMETRY[k] for k in cpu}
+    return (
+        _consts(common)
+        + "#if defined(CUPAGED_CPU) && !defined(CUPAGED_GPU_GEOMETRY)  // the CPU backend's (CPU_GEOMETRY)\n"
+        + _consts(cpu)
+        + "#else\n"
+        + _consts(gpu)
+        + "#endif\n"
+    )
+
+
 def body() -> str:
     """The header's namespace ``geom`` (what follows its includes)."""
     parts = [
-        f"namespace {stem} {{   // {m.__name__.replace('.', '/')}.py\n{_consts(m.GEOMETRY)}}}  // namespace {stem}\n"
+        f"namespace {stem} {{   // {m.__name__.replace('.', '/')}.py\n{_module_consts(m)}}}  // namespace {stem}\n"
         for stem, m in MODULES.items()
     ]
     return "namespace geom {\n" + _consts(SHARED) + "".join(parts) + "}  // namespace geom\n"

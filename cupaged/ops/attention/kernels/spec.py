@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .... import dtypes
+from ...._runtime import cpu as _cpu
 
 if TYPE_CHECKING:
     from ..variants import Shape, Variant
@@ -56,7 +57,8 @@ class KernelSpec:
 
     ``name``: its ``extern "C"`` name; ``source``: the ``kernels_cu`` stem;
     ``threads``: its block (the first ``__launch_bounds__`` argument; 0 when
-    each build has its own, ``block_threads``); ``min_blocks``: resident
+    each build has its own, ``block_threads``); ``cpu_threads``: its block on
+    the CPU backend where that differs (0: the same; ``cpu_block_threads``); ``min_blocks``: resident
     blocks per SM by design (the second argument; 0 when each build has its
     own, ``resident_blocks``); ``fields``: the ``Variant`` fields that are its
     defines (each as the field's name in capitals unless ``defines`` says
@@ -76,6 +78,7 @@ class KernelSpec:
     name: str = ""
     source: str = ""
     threads: int = 0
+    cpu_threads: int = 0
     min_blocks: int = 0
     fields: tuple[str, ...] = ()
     per_query: bool = False
@@ -110,6 +113,13 @@ class KernelSpec:
     def block_threads(self, v: Variant) -> int:
         """Threads per block of ``v``."""
         return self.threads
+
+    def cpu_block_threads(self, v: Variant) -> int:
+        """Threads per block of ``v`` on the CPU backend: ``cpu_threads`` where the kernel has a CPU geometry
+        (its module's CPU_GEOMETRY), unless CUPAGED_CPU_GEOMETRY=gpu; else ``block_threads``."""
+        if self.cpu_threads and _cpu.geometry_mode() == "cpu":
+            return self.cpu_threads
+        return self.block_threads(v)
 
     def resident_blocks(self, v: Variant) -> int:
         """Blocks per SM ``v`` is designed for (its ``__launch_bounds__``
