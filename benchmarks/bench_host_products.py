@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
-import benchlib  # noqa: F401  (puts this source tree first on sys.path)
+import benchlib  # puts this source tree first on sys.path; its Cpu times host work
 import numpy as np
 
 SHAPES = {  # hidden, kv width (heads x dim), intermediate, layers
@@ -83,13 +82,7 @@ def main() -> None:
 
 
 def _median(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return benchlib.Cpu().time(fn, reps, warmup=1)
 
 
 if __name__ == "__main__":
