@@ -21,8 +21,8 @@ WARPS = 4
 THREADS = 32 * WARPS
 #: Warps per block on the CPU backend (CPU_GEOMETRY; CUPAGED_CPU_GEOMETRY=gpu: WARPS there too). A fiber's fixed
 #: work (q rows, the softmax states, the merges at the end) is paid per thread on the CPU and hidden on a GPU: one
-#: warp a block ran SmolLM2-135M's decode attention (8 sequences, 9 / 3 heads, D 64, contexts 16 - 48) in 195 us a
-#: layer against 662 with four (2 cores), the same tokens in 4x the steps.
+#: warp a block ran SmolLM2-135M's decode attention (8 sequences, 9 / 3 heads, D 64, contexts 16 - 48) in 342 us a
+#: layer against 662 with four (2 cores, in the engine's decode graph), the same tokens in 4x the steps.
 CPU_WARPS = 1
 #: Resident blocks per SM the kernel is built for (the second
 #: ``__launch_bounds__`` argument): a floor, its registers vary with the
