@@ -182,21 +182,21 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem_
 // performs the copies of every committed group but the newest N. So a copy
 // lands at the latest moment the GPU allows, and a kernel that reads shared
 // memory before the wait (and barrier) that the GPU needs reads stale data
-// here too. Queues are per thread of the block on each worker, reset when a
-// thread of another block (or kernel) starts copying.
+// here too. A thread's queue lives in its fiber's local storage (FiberPub::local: no thread-local lookup), reset
+// when the fiber starts copying in another block (or kernel).
 namespace cpu {
-constexpr unsigned kMaxAsync = 96;  // queued copies per thread; beyond, the oldest lands at once
+constexpr unsigned kMaxAsync = 160;  // queued copies per thread; beyond, the oldest lands at once
 struct AsyncCopy {
     void* dst;
     const void* src;  // null: 16 zero bytes
     unsigned group;
 };
 struct AsyncQueue {
-    const char* kernel;
-    uint3 bid;
+    unsigned long long serial;  // BlockPub::serial of the block that queued these
     unsigned n, committed;
     AsyncCopy q[kMaxAsync];
 };
+static_assert(sizeof(AsyncQueue) <= ::cupaged::kFiberLocalBytes, "the cp.async queue fits a fiber's local storage");
 inline void land(const AsyncCopy& c) {
     if (c.src)
         memcpy(c.dst, c.src, 16);
@@ -204,14 +204,10 @@ inline void land(const AsyncCopy& c) {
         memset(c.dst, 0, 16);
 }
 inline AsyncQueue& async_queue() {
-    static thread_local AsyncQueue* table = nullptr;  // one queue per thread of a block, per worker
-    if (!table) table = static_cast<AsyncQueue*>(calloc(::cupaged::kMaxThreadsPerBlock, sizeof(AsyncQueue)));
     const ::cupaged::FiberPub* f = ::cupaged::cur();
-    AsyncQueue& aq = table[f->linear];
-    const uint3 b = f->block->bid;
-    if (aq.kernel != f->block->kernel || aq.bid.x != b.x || aq.bid.y != b.y || aq.bid.z != b.z) {
-        aq.kernel = f->block->kernel;
-        aq.bid = b;
+    AsyncQueue& aq = *static_cast<AsyncQueue*>(f->local);
+    if (aq.serial != f->block->serial) {
+        aq.serial = f->block->serial;
         aq.n = aq.committed = 0;
     }
     return aq;

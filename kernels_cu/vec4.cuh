@@ -1,7 +1,8 @@
 // vec4.cuh: four floats one thread computes on together (a register
 // micro-tile's four rows, or four output dims), with component-wise
 // operations that round exactly as the scalar ones: v4::fma(a, b, c) is
-// fmaf(a[i], b[i], c[i]) for each i (rounded once), v4::mul a[i] * b[i].
+// fmaf(a[i], b[i], c[i]) for each i (rounded once), v4::mul a[i] * b[i]; v4::exp2 is
+// 2^a[i] (exp2f; on the CPU backend the shim's cupaged_exp2f, in every form).
 //
 // On the GPU a V4 is four float registers and every operation four scalar
 // instructions (FFMA, FMUL): the compiled code is what the scalar loops give.
@@ -35,6 +36,21 @@ __device__ __forceinline__ V4 splat(float x) { return V4{_mm_set1_ps(x)}; }
 __device__ __forceinline__ V4 zero() { return V4{_mm_setzero_ps()}; }
 __device__ __forceinline__ V4 fma(V4 a, V4 b, V4 c) { return V4{_mm_fmadd_ps(a.v, b.v, c.v)}; }
 __device__ __forceinline__ V4 mul(V4 a, V4 b) { return V4{_mm_mul_ps(a.v, b.v)}; }
+__device__ __forceinline__ V4 sub(V4 a, V4 b) { return V4{_mm_sub_ps(a.v, b.v)}; }
+// a where c, else b (a blend: neither is rounded or read for its value).
+__device__ __forceinline__ V4 select(bool c, V4 a, V4 b) {
+    return V4{_mm_blendv_ps(b.v, a.v, _mm_castsi128_ps(_mm_set1_epi32(-(int)c)))};
+}
+// 2^a of each: the shim's cupaged_exp2f (four at once with AVX2, the same bits).
+__device__ __forceinline__ V4 exp2(V4 a) {
+#if CUPAGED_EXP2F4
+    return V4{cupaged_exp2f4(a.v)};
+#else
+    float f[4];
+    _mm_storeu_ps(f, a.v);
+    return V4{_mm_set_ps(cupaged_exp2f(f[3]), cupaged_exp2f(f[2]), cupaged_exp2f(f[1]), cupaged_exp2f(f[0]))};
+#endif
+}
 #else
 struct V4 {
     float x, y, z, w;
@@ -64,6 +80,16 @@ __device__ __forceinline__ V4 fma(V4 a, V4 b, V4 c) {
     return V4{fmaf(a.x, b.x, c.x), fmaf(a.y, b.y, c.y), fmaf(a.z, b.z, c.z), fmaf(a.w, b.w, c.w)};
 }
 __device__ __forceinline__ V4 mul(V4 a, V4 b) { return V4{a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w}; }
+__device__ __forceinline__ V4 sub(V4 a, V4 b) { return V4{a.x - b.x, a.y - b.y, a.z - b.z, a.w - b.w}; }
+__device__ __forceinline__ V4 select(bool c, V4 a, V4 b) { return c ? a : b; }
+// 2^a of each: exp2f on a GPU, the shim's cupaged_exp2f on the CPU backend (as the vector form).
+#ifdef CUPAGED_CPU
+__device__ __forceinline__ V4 exp2(V4 a) {
+    return V4{cupaged_exp2f(a.x), cupaged_exp2f(a.y), cupaged_exp2f(a.z), cupaged_exp2f(a.w)};
+}
+#else
+__device__ __forceinline__ V4 exp2(V4 a) { return V4{exp2f(a.x), exp2f(a.y), exp2f(a.z), exp2f(a.w)}; }
+#endif
 #endif
 
 // A float4's components as a V4 (a register value, not memory).

@@ -277,21 +277,39 @@ def cp_async_mode() -> str:
     return mode
 
 
+#: x86-64 ISA extensions the kernel modules use where the CPU has them (its /proc/cpuinfo flags), with the g++
+#: flags each adds, in order: FMA (fmaf one instruction, not a libm call), AVX2 (the shim's exp2f four at once),
+#: AVX-512 F/VL/DQ (32 vector registers for the micro-tiles, 256-bit vectors kept: no wider ones by default).
+_X86_ISA = (
+    (("fma",), ("-mfma",)),
+    (("avx2",), ("-mavx2",)),
+    (("avx512f", "avx512vl", "avx512dq"), ("-mavx512f", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=256")),
+)
+
+
 @functools.cache
 def _host_isa_flags(machine: str | None = None, cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
-    """``-mfma`` on an x86-64 CPU that has FMA: the kernels' ``fmaf`` is then one instruction, not a libm call
-    (both round once, so results are the same bits; ``-ffp-contract=off`` keeps g++ from fusing anything else).
-    Part of the flags, so of the cache key: a cache shared with a machine without FMA builds its own."""
+    """The g++ flags of ``_X86_ISA`` whose extensions this x86-64 CPU has (each only after the ones before it:
+    no AVX2 without FMA). None changes a result's bits: ``-ffp-contract=off`` keeps g++ from fusing anything
+    but fmaf, which rounds once either way, and the shim's vector exp2f computes what its scalar one does.
+    Part of the flags, so of the cache key: a cache shared with a machine without them builds its own."""
     if (machine or platform.machine()).lower() not in ("x86_64", "amd64"):
         return ()
+    have: set[str] = set()
     try:
         with open(cpuinfo, encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return ("-mfma",) if "fma" in line.split(":", 1)[-1].split() else ()
+                    have = set(line.split(":", 1)[-1].split())
+                    break
     except OSError:
         pass
-    return ()
+    flags: list[str] = []
+    for needs, adds in _X86_ISA:
+        if not have.issuperset(needs):
+            break
+        flags += adds
+    return tuple(flags)
 
 
 def geometry_mode() -> str:

@@ -58,11 +58,15 @@ constexpr u32 kMinBlocks = 8;
 constexpr u32 kHeadsPerBlock = 1;
 }  // namespace merge
 namespace prefill_simt {   // cupaged/ops/attention/kernels/prefill_simt.py
-constexpr u32 kThreads = 128;
 constexpr u32 kMinBlocks = 2;
 constexpr u32 kRowTile = 4;
 constexpr u32 kN = 32;
 constexpr u32 kStages = 2;
 constexpr u32 kPad = 4;
+#if defined(CUPAGED_CPU) && !defined(CUPAGED_GPU_GEOMETRY)  // the CPU backend's (CPU_GEOMETRY)
+constexpr u32 kThreads = 32;
+#else
+constexpr u32 kThreads = 128;
+#endif
 }  // namespace prefill_simt
 }  // namespace geom

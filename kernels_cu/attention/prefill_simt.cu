@@ -42,10 +42,10 @@
 //   the split share, span.cuh). Positions past the pass's end and page ids
 //   >= num_pages are zero-filled (never read) and masked. A valid token a
 //   row cannot see (past its causal position, outside its window or split
-//   share, another sequence's row) has P = 0 and its value row is never
-//   multiplied in (a group whose stored rows miss a valid token of the tile
-//   adds row by row, token by token), so Inf / NaN there never reach the
-//   output.
+//   share, another sequence's row) has P = 0 and its value row never enters
+//   a row's accumulator (a group whose stored rows miss a valid token of the
+//   tile selects, row by row and token by token, between the accumulator and
+//   its update), so Inf / NaN there never reach the output.
 //
 // Memory traffic: K/V are read once per block instead of once per query, about
 // ceil(q_len * G / kRows) * L * (D + Dv) * 4 bytes per sequence and KV head;
@@ -139,9 +139,9 @@ extern "C" __global__ void __launch_bounds__(simt::kThreads, geom::prefill_simt:
 
     // ---- Q^T, scaled into the log2 domain (zero rows for slots without a query or head) ----
     const float qscale = p.scale * softmax::kLog2e;
-    for (u32 i = tid; i < kRows * kD; i += kThreads) {
+    for (u32 i = tid, r_at = 0, slot = 0, hl = 0; i < kRows * kD; i += kThreads) {  // r_at = slot * ht + hl
         const u32 r = i / kD, d = i - r * kD;
-        const u32 slot = r / ht, hl = r - slot * ht;
+        for (hl += r - r_at, r_at = r; hl >= ht; hl -= ht) ++slot;  // (slot, hl) follow r without a division
         const bool ok = slot < qt && q0 + slot < q_end && hl < heads;
         sQ[d * kRowPitch + r] = ok ? q[((q0 + slot) * q_heads + head0 + hl) * kD + d] * qscale : 0.0f;
     }
@@ -256,19 +256,21 @@ extern "C" __global__ void __launch_bounds__(simt::kThreads, geom::prefill_simt:
 
             // P = exp2(s - m) of this lane's scores, its part of the row sums; lane 0 of the group
             // computes the rows' rescale factors.
-            float ps[kRowTile];
+            float ps[kRowTile], mu[kRowTile];
             SIMT_UNROLL
             for (u32 i = 0; i < kRowTile; ++i) {
                 const float mn = fmaxf(sm[i].m, mx[i]);
                 if (c == 0) s_alpha[row0 + i] = softmax::rescale(sm[i].m, mn);
                 sm[i].m = mn;
-                const float mu = sm[i].offset();  // exp2(-inf - mu) = 0 for masked scores
+                mu[i] = sm[i].offset();  // exp2(-inf - mu) = 0 for masked scores
                 ps[i] = 0.0f;
+            }
+            const v4::V4 muv = v4::from(mu);
+            SIMT_UNROLL
+            for (u32 j = 0; j < kTokTile; ++j) {
+                v4::to(s[j], v4::exp2(v4::sub(v4::from(s[j]), muv)));  // a token's four rows at once
                 SIMT_UNROLL
-                for (u32 j = 0; j < kTokTile; ++j) {
-                    s[j][i] = exp2f(s[j][i] - mu);
-                    ps[i] += s[j][i];
-                }
+                for (u32 i = 0; i < kRowTile; ++i) ps[i] += s[j][i];  // each row's sum in token order
             }
             SIMT_UNROLL
             for (u32 j = 0; j < kTokTile; ++j) {
@@ -308,19 +310,21 @@ extern "C" __global__ void __launch_bounds__(simt::kThreads, geom::prefill_simt:
                     }
                 }
             } else {
-                // A row adds only the tokens it sees: a masked token's value row (Inf, NaN) is never
-                // multiplied in, not even by P = 0.
+                // A row keeps only the tokens it sees: for a masked token the row's accumulator is kept as
+                // it was (a select), so its value row (Inf, NaN) never enters, not even times P = 0.
                 SIMT_UNROLL_NONE
                 for (u32 t = 0; t < kN; ++t) {
                     const float4 pr = *reinterpret_cast<const float4*>(sP + t * kRowPitch + row0);
+                    bool sees[kRowTile];
+                    SIMT_UNROLL
+                    for (u32 i = 0; i < kRowTile; ++i) sees[i] = (vis[i] >> t) & 1u;
                     SIMT_UNROLL
                     for (u32 e = 0; e < kDimChunks; ++e) {
                         const v4::V4 v = v4::load(vt + t * kPitch + 4 * kLanes * e);
                         SIMT_UNROLL
                         for (u32 i = 0; i < kRowTile; ++i) {
-                            if (!((vis[i] >> t) & 1u)) continue;
                             const float pi = i == 0 ? pr.x : i == 1 ? pr.y : i == 2 ? pr.z : pr.w;
-                            o[i][e] = v4::fma(v4::splat(pi), v, o[i][e]);
+                            o[i][e] = v4::select(sees[i], v4::fma(v4::splat(pi), v, o[i][e]), o[i][e]);
                         }
                     }
                 }

@@ -132,6 +132,7 @@ struct Fiber {
     void* ptr;  // cupaged_warp_collective lane data
     void* cctx;  // cupaged_warp_collective context
     Ctx ctx;
+    alignas(16) unsigned char local[kFiberLocalBytes];  // pub.local
 };
 static_assert(sizeof(Fiber) + (kColors - 1) * 64 <= kTop, "fiber state must fit the top of its region");
 
@@ -783,6 +784,7 @@ bool grow_fibers(Worker* w, unsigned n, std::string* err) {
     for (unsigned i = 0; i < count; ++i) {
         Fiber* f = new (reinterpret_cast<void*>(header_of_region(base + (std::uintptr_t)i * kRegion))) Fiber();
         f->w = w;
+        f->pub.local = f->local;
 #if CUPAGED_USE_UCONTEXT
         getcontext(&f->ctx.uc);
 #endif
@@ -904,6 +906,7 @@ void run_block(Worker* w, Launch* L, unsigned long long b) {
     }
     const unsigned long long gx = L->grid[0], gy = L->grid[1];
     w->pub.bid = uint3{(unsigned)(b % gx), (unsigned)(b / gx % gy), (unsigned)(b / (gx * gy))};
+    ++w->pub.serial;
     const unsigned bx = L->block[0], by = L->block[1], bz = L->block[2];
     if (w->tid_dims[0] != bx || w->tid_dims[1] != by || w->tid_dims[2] != bz) {
         for (unsigned i = 0; i < n; ++i) {

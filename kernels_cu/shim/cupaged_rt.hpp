@@ -31,12 +31,15 @@ inline constexpr std::uintptr_t kColors = 256;  // header offsets, 64 bytes apar
 inline constexpr unsigned kMaxDynamicShared = 227 * 1024;
 inline constexpr unsigned kMaxThreadsPerBlock = 1024;
 
+inline constexpr unsigned kFiberLocalBytes = 4096;  // FiberPub::local
+
 // What kernels read: the block being run by the current worker.
 struct BlockPub {
     uint3 bid;  // blockIdx
     dim3 bdim;  // blockDim
     dim3 gdim;  // gridDim
     const char* kernel;  // kernel name, for messages
+    unsigned long long serial;  // new at each block the worker runs: per-thread state of an older block is stale
 };
 
 // What kernels read: the first member of the runtime's fiber state.
@@ -44,6 +47,9 @@ struct FiberPub {
     uint3 tid;  // threadIdx
     unsigned linear;
     const BlockPub* block;
+    // kFiberLocalBytes (16-byte aligned) of this fiber's that the kernel side keeps across the fiber's blocks
+    // (ptx.cuh's cp.async queue): zero when the fiber is made, never touched by the runtime after.
+    void* local;
 };
 
 // Address of the fiber state (and stack top) of the region based at r.

@@ -15,7 +15,7 @@ from cupaged._runtime import cpu as _cpu
 from cupaged._runtime import dispatch
 from cupaged.errors import PagedAttentionError
 from cupaged.ops import attention
-from cupaged.ops.attention.kernels import decode, geometry
+from cupaged.ops.attention.kernels import decode, geometry, prefill_simt
 from cupaged.testing import make_paged_case
 
 
@@ -41,13 +41,11 @@ def geometry_mode(request, monkeypatch):
             self.stream, self.backend = stream, stream.backend
 
         def launch(self, kernel, grid, block, args, shared_mem=0):
-            if kernel.name == decode.DECODE.name:
-                blocks.append(block[0])
+            blocks.append((kernel.name, block[0]))
             return self.stream.launch(kernel, grid, block, args, shared_mem=shared_mem)
 
     monkeypatch.setattr(attention, "launch_call", lambda call, stream=None: real(call, Spy(stream or call.plan.stream)))
-    want = decode.THREADS if request.param == "gpu" else decode.CPU_GEOMETRY["kThreads"]
-    return want, blocks
+    return request.param, blocks
 
 
 @pytest.mark.parametrize(
@@ -60,7 +58,8 @@ def geometry_mode(request, monkeypatch):
     ],
 )
 def test_decode_in_either_geometry(geometry_mode, d, dv, hq, hkv, page_size):
-    want_threads, blocks = geometry_mode
+    mode, blocks = geometry_mode
+    want_threads = decode.THREADS if mode == "gpu" else decode.CPU_GEOMETRY["kThreads"]
     rng = np.random.default_rng([d, hq, page_size])
     case = make_paged_case(
         rng,
@@ -76,7 +75,31 @@ def test_decode_in_either_geometry(geometry_mode, d, dv, hq, hkv, page_size):
     for splits in (None, 3):
         o, lse, _ = run(_Cpu, case, True, splits=splits)
         check(case, o, lse, True, "f32", f"geometry {want_threads} threads, splits={splits}")
-    assert blocks and set(blocks) == {want_threads}, blocks
+    seen = {b for name, b in blocks if name == decode.DECODE.name}
+    assert seen == {want_threads}, blocks
+
+
+@pytest.mark.parametrize("d, hq, hkv, page_size", [(64, 9, 3, 16), (128, 4, 1, 5)])
+def test_prefill_simt_in_either_geometry(geometry_mode, d, hq, hkv, page_size):
+    """paged_prefill_simt (prefill_simt.py CPU_GEOMETRY: one warp, two lanes a row group; the GPU's four warps of
+    eight) over causal chunks whose tiles cross the diagonal (the per-row select) and a poisoned cache."""
+    mode, blocks = geometry_mode
+    want_threads = prefill_simt.THREADS if mode == "gpu" else prefill_simt.CPU_GEOMETRY["kThreads"]
+    rng = np.random.default_rng([d, hq, page_size, 7])
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([150, 37, 64], np.int32),
+        q_lens=np.array([150, 20, 33], np.int32),
+        page_size=page_size,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        dtype="f32",
+    )
+    o, lse, _ = run(_Cpu, case, True)
+    check(case, o, lse, True, "f32", f"prefill_simt geometry {want_threads} threads")
+    seen = {b for name, b in blocks if name == prefill_simt.PREFILL_SIMT.name}
+    assert seen == {want_threads}, blocks
 
 
 def test_the_geometry_header_holds_both_and_the_spec_says_which():

@@ -548,13 +548,26 @@ def test_read_only_cupy_cache_and_no_writable_fallback(tmp_path):
     assert f"kernel cache {ro} is not writable" in last and last.endswith("set CUPY_CACHE_DIR to a writable folder")
 
 
-def test_fma_flag_follows_the_cpu(tmp_path):
+def test_isa_flags_follow_the_cpu(tmp_path):
     with_fma = tmp_path / "fma"
     with_fma.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx fma avx2\n")
     without = tmp_path / "nofma"
     without.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx fmax\n")  # a flag that merely starts with fma
-    assert _cpu._host_isa_flags("x86_64", str(with_fma)) == ("-mfma",)
+    assert _cpu._host_isa_flags("x86_64", str(with_fma)) == ("-mfma", "-mavx2")
     assert _cpu._host_isa_flags("x86_64", str(without)) == ()
+    avx512 = tmp_path / "avx512"
+    avx512.write_text("flags\t\t: fpu sse2 avx fma avx2 avx512f avx512dq avx512vl avx512bw\n")
+    assert _cpu._host_isa_flags("x86_64", str(avx512)) == (
+        "-mfma",
+        "-mavx2",
+        "-mavx512f",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mprefer-vector-width=256",
+    )
+    no_avx2 = tmp_path / "fma_only"
+    no_avx2.write_text("flags\t\t: fpu sse2 avx fma avx512f avx512dq avx512vl\n")  # an extension after a missing one
+    assert _cpu._host_isa_flags("x86_64", str(no_avx2)) == ("-mfma",)
     assert _cpu._host_isa_flags("aarch64", str(with_fma)) == ()  # FMA is in the base ISA there
     assert _cpu._host_isa_flags("x86_64", str(tmp_path / "absent")) == ()
     assert "-ffp-contract=off" in _cpu.MODULE_FLAGS  # only fmaf fuses: the bits do not depend on the flag

@@ -518,6 +518,32 @@ def test_half_arithmetic(mod):
 
 
 # ---- math, vectors, printf --------------------------------------------------------------------
+def test_exp2_and_min_max(mod):
+    """The shim's exp2 (vec4.cuh v4::exp2 on the CPU backend) within one ulp of float64's, exact at integers
+    (subnormal ones too) and the special values, its four-wide form the same bits; fmaxf / fminf (inline
+    compares) as IEEE fmax / fmin with glibc's answer for a NaN operand: the other one."""
+    rng = np.random.default_rng(5)
+    special = np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, 1, -1, 127, 128, -126, -149, -149.5, -150, -151, 3.25])
+    x = np.concatenate([special, rng.uniform(-160, 130, 20000), rng.uniform(-1, 1, 5000)]).astype(np.float32)
+    y = np.concatenate([np.full(special.size, np.nan), rng.uniform(-50, 50, x.size - special.size)]).astype(np.float32)
+    y[3], y[4] = -0.0, 0.0
+    out = np.zeros((x.size, 5), np.float32)
+    run(mod, "exp2_forms", (x.size + 255) // 256, 256, x, y, out, i32(x.size))
+    with np.errstate(over="ignore"):
+        want = np.exp2(x.astype(np.float64)).astype(np.float32)
+    ulps = np.abs(out[:, 0].view(np.int32).astype(np.int64) - want.view(np.int32).astype(np.int64))
+    assert np.all(ulps[~np.isnan(x)] <= 1), x[ulps > 1]
+    assert np.mean(ulps) < 0.05
+    exact = (x == np.round(x)) | ~np.isfinite(x)
+    np.testing.assert_array_equal(out[exact, 0], want[exact])  # 0 at -inf and -150, inf from 128, NaN for NaN
+    np.testing.assert_array_equal(out[:, 1].view(np.uint32), out[:, 0].view(np.uint32))
+    libm = np.abs(out[:, 2].view(np.int32).astype(np.int64) - out[:, 0].view(np.int32).astype(np.int64))
+    assert np.all(libm[~np.isnan(x)] <= 1)  # the kernels' scalar exp2f (libm's) within an ulp of it
+    np.testing.assert_array_equal(out[:, 3], np.fmax(x, y))
+    np.testing.assert_array_equal(out[:, 4], np.fmin(x, y))
+    assert not np.signbit(out[3, 3]) and np.signbit(out[4, 3])  # fmaxf of +0 and -0 is its first operand (glibc)
+
+
 def test_math_functions(mod):
     x = np.linspace(-3, 3, 301).astype(np.float32)
     out = np.zeros((301, 20), np.float32)

@@ -290,6 +290,24 @@ extern "C" __global__ void half_math(const unsigned short* a, const unsigned sho
 }
 
 // ---- float math and vector types ---------------------------------------------------------
+// The shim's exp2 (scalar and four at once, where AVX2 has it) and fmaxf / fminf against y: out [n][5].
+extern "C" __global__ void exp2_forms(const float* x, const float* y, float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float* o = out + 5 * i;
+    o[0] = cupaged_exp2f(x[i]);
+#if CUPAGED_EXP2F4
+    float four[4];
+    _mm_storeu_ps(four, cupaged_exp2f4(_mm_set_ps(0.0f, x[i], -1.0f, 2.5f)));
+    o[1] = four[2];
+#else
+    o[1] = cupaged_exp2f(x[i]);
+#endif
+    o[2] = ::exp2f(x[i]);
+    o[3] = fmaxf(x[i], y[i]);
+    o[4] = fminf(x[i], y[i]);
+}
+
 extern "C" __global__ void math_funcs(const float* x, float* out, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;

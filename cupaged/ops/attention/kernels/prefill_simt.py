@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 #: Threads per block (simt::kThreads; the first ``__launch_bounds__`` argument).
 THREADS = 128
+#: Threads per block on the CPU backend (CPU_GEOMETRY; CUPAGED_CPU_GEOMETRY=gpu: THREADS there too): one warp,
+#: two lanes a row group (ROWS / ROW_TILE groups), so a tile's collectives and meetings switch 32 fibers, not 128.
+CPU_THREADS = 32
 #: Resident blocks per SM by design (the second ``__launch_bounds__`` argument).
 MIN_BLOCKS = 2
 #: (query, head) rows per block: the row unit of the tensor-core segments (spec.TC_ROWS).
@@ -43,6 +46,8 @@ GEOMETRY = {
     "kStages": STAGES,
     "kPad": PAD,
 }
+#: What the CPU backend's builds use instead (geometry.header: under CUPAGED_CPU, unless CUPAGED_GPU_GEOMETRY).
+CPU_GEOMETRY = {"kThreads": CPU_THREADS}
 
 
 def smem_bytes(head_dim: int) -> int:
@@ -60,6 +65,7 @@ class PrefillSimt(TensorCoreSpec):
     name = "paged_prefill_simt"
     source = "attention/prefill_simt"
     threads = THREADS
+    cpu_threads = CPU_THREADS
     min_blocks = MIN_BLOCKS
     fields = ("head_dim",)
     fp8 = False
