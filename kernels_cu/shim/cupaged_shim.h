@@ -25,9 +25,6 @@
 #include <source_location>
 #include <type_traits>
 #include <utility>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 #include "cupaged_rt.hpp"
 #include "cupaged_fp16.hpp"
@@ -463,7 +460,8 @@ inline float cupaged_fminf(float x, float y) { return x <= y ? x : (x > y ? y : 
 // of results differ from the correctly rounded float by one ulp; the GPU's exp2f is within two), exactly 0 at
 // -inf and from -150 down, +inf at +inf and from 128, NaN for NaN, exact at integers; inline and without
 // branches, so it costs a few instructions where libm's is a call, and cupaged_exp2f4 below computes four at
-// once with the same bits (vec4.cuh v4::exp2 on the CPU backend; the kernels' scalar exp2f stays libm's).
+// once with the same bits (vec4.cuh's cupaged_exp2f4, v4::exp2 on the CPU backend; the kernels' scalar exp2f
+// stays libm's).
 // x = n + r, n the nearest integer, |r| <= 1/2; 2^r by a degree-6 polynomial in r in double (each step a
 // product and a sum, as the vector form computes them), times 2^n made from the exponent bits, rounded once
 // to float (subnormal results included).
@@ -486,25 +484,6 @@ inline float cupaged_exp2f(float xf) {
     const float e = (float)(p * __builtin_bit_cast(double, bits));
     return xf != xf ? xf : e;
 }
-#if defined(__AVX2__)
-#define CUPAGED_EXP2F4 1
-// cupaged_exp2f of four floats (AVX2: four doubles), the same operations in the same order.
-inline __m128 cupaged_exp2f4(__m128 xf) {
-    using namespace ::cupaged::exp2_poly;
-    const __m128 c = _mm_min_ps(_mm_max_ps(xf, _mm_set1_ps(kLo)), _mm_set1_ps(kHi));  // NaN lanes: replaced below
-    const __m256d x = _mm256_cvtps_pd(c);
-    const __m256d shift = _mm256_set1_pd(kShift);
-    const __m256d big = _mm256_add_pd(x, shift);
-    const __m256d r = _mm256_sub_pd(x, _mm256_sub_pd(big, shift));
-    __m256d p = _mm256_set1_pd(kC[6]);
-    for (int k = 5; k >= 0; --k) p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(kC[k]));
-    const __m256i bits = _mm256_slli_epi64(_mm256_add_epi64(_mm256_castpd_si256(big), _mm256_set1_epi64x(1023)), 52);
-    const __m128 e = _mm256_cvtpd_ps(_mm256_mul_pd(p, _mm256_castsi256_pd(bits)));
-    return _mm_blendv_ps(e, xf, _mm_cmpunord_ps(xf, xf));
-}
-#else
-#define CUPAGED_EXP2F4 0
-#endif
 // glibc declares __expf, __logf, __sinf ... itself, so the CUDA intrinsics of
 // those names are macros onto the (more accurate) libm functions.
 #define __expf(x) (::expf(x))

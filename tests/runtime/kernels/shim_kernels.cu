@@ -2,6 +2,7 @@
 // everything but the cupaged_warp_collective test would compile under NVRTC.
 // Lines marked "// @NAME" are found by the tests to check reported lines.
 #include "../../../kernels_cu/common.cuh"
+#include "../../../kernels_cu/vec4.cuh"
 
 // ---- identity and launch geometry --------------------------------------------------
 // out[global linear thread][12]: threadIdx, blockIdx, blockDim, gridDim.
