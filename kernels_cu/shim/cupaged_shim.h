@@ -459,9 +459,8 @@ inline float cupaged_fminf(float x, float y) { return x <= y ? x : (x > y ? y : 
 // cupaged_exp2f: 2^x within one ulp (the rounding of a value within 2.2e-9 relative of the exact one: about 1%
 // of results differ from the correctly rounded float by one ulp; the GPU's exp2f is within two), exactly 0 at
 // -inf and from -150 down, +inf at +inf and from 128, NaN for NaN, exact at integers; inline and without
-// branches, so it costs a few instructions where libm's is a call, and cupaged_exp2f4 below computes four at
-// once with the same bits (vec4.cuh's cupaged_exp2f4, v4::exp2 on the CPU backend; the kernels' scalar exp2f
-// stays libm's).
+// branches, so it costs a few instructions where libm's is a call; vec4.cuh's cupaged_exp2f4 computes four at
+// once with the same bits (v4::exp2 on the CPU backend; the kernels' scalar exp2f stays libm's).
 // x = n + r, n the nearest integer, |r| <= 1/2; 2^r by a degree-6 polynomial in r in double (each step a
 // product and a sum, as the vector form computes them), times 2^n made from the exponent bits, rounded once
 // to float (subnormal results included).
