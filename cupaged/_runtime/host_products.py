@@ -1,7 +1,6 @@
 """The CPU backend's few-row products (``kernels_cu/host/products.cpp``): out [M, N] = x [M, K] @ w [N, K]^T (or
 out +=) straight from the weight on the worker pool's threads, for the engine's decode-step projections, where
-BLAS packs the whole weight first and runs on one thread. Built once per source, flags and compiler into its own
-library beside the runtime's (which it calls for its threads) and loaded after it.
+BLAS packs the whole weight first and runs on one thread. Part of the host library (``host.library``).
 
 ``product(x, w, out, accumulate, parts)`` makes the call once (the argument struct built here) and returns a
 zero-argument callable that runs it: what a CPU stream records, so a replay builds nothing. ``fits`` says
@@ -11,17 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
 from ..errors import KernelError
 from . import cpu as _cpu
-from . import source as _source
+from . import host as _host
 
-#: Flags of the products library (part of its cache key). -ffp-contract=off: only the explicit madd fuses.
-FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-fno-math-errno", "-ffp-contract=off")
 #: At most this many rows go to these products (more: BLAS, compute-bound there and faster). Measured on 2 cores
 #: (benchmarks/bench_host_products.py, SmolLM2-135M's projections at f32, both threads): 32 rows 60 ms vs BLAS's 82,
 #: 48 rows 100 vs 93 (docs/performance.md).
@@ -45,33 +40,10 @@ class ProductArgs(ctypes.Structure):
     ]
 
 
-def _source_path() -> Path:
-    return _source.kernel_dir() / "host" / "products.cpp"
-
-
-def _sources_blob() -> bytes:
-    """Every file of kernels_cu/host (names and contents): the library's sources."""
-    folder = _source_path().parent
-    return b"".join(p.name.encode() + b"\0" + p.read_bytes() + b"\0" for p in sorted(folder.iterdir()) if p.is_file())
-
-
-def _build(cxx: str, path: Path) -> None:
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
-        out = Path(tmp) / path.name
-        _cpu._run_compiler(
-            [cxx, *FLAGS, str(_source_path()), "-o", str(out)], "the CPU products (kernels_cu/host/products.cpp)"
-        )
-        _cpu._install(out, path)
-
-
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The products library (the runtime loaded first: it resolves cupaged_rt_parallel)."""
-    _cpu.runtime()
-    cxx, version = _cpu._compiler()
-    key = _source.digest("host products", _sources_blob(), " ".join(FLAGS), version)
-    path = _cpu._library(f"cupaged_products-{key}.so", functools.partial(_build, cxx))
-    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+    """The host library with ``cupaged_host_product`` declared."""
+    lib = _host.library()
     lib.cupaged_host_product.restype = ctypes.c_int
     lib.cupaged_host_product.argtypes = [ctypes.POINTER(ProductArgs), ctypes.c_uint]
     return lib

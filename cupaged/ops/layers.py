@@ -8,16 +8,18 @@ is captured, not NumPy expressions). Every function writes into a
 preallocated ``out``, allocates nothing and never synchronizes.
 
 ``host=True`` (the engine's CPU path): on the CPU backend with float32
-arrays, the same layer is NumPy work (BLAS for the products) issued into the
-stream with ``Stream.host_call``, so it runs in stream order and is recorded
-into a CPU graph like a kernel launch; its scratch arrays are allocated when
-it is issued (once per capture: a replay allocates nothing but what NumPy's
-BLAS call itself may). Arithmetic in float32 as the kernels', rounding and
-summation order aside; products use BLAS's own threads (one thread for
-the rows ``CUPAGED_BLAS_ONE_THREAD_ROWS`` names:
-``cupaged._runtime.cpu.blas_one_thread``), wide 2-8-row products run their
-column panels on two host threads. Other dtypes and the GPU backend run the
-kernel.
+arrays, the same layer is host code issued into the stream with
+``Stream.host_call``, so it runs in stream order and is recorded into a CPU
+graph like a kernel launch: products of up to ``host_products.MAX_ROWS`` rows
+the few-row products (kernels_cu/host/products.cpp, on the worker pool), wider
+ones BLAS (``np.matmul``, on BLAS's own threads, or one for the rows
+``CUPAGED_BLAS_ONE_THREAD_ROWS`` names: ``cupaged._runtime.cpu.blas_one_thread``);
+RMSNorm, SwiGLU and RoPE the row-wise layers (kernels_cu/host/layers.cpp,
+``host_layers``); bias add and embedding NumPy. Scratch arrays and argument
+structs are made when the work is issued (once per capture: a replay
+allocates nothing but what NumPy's BLAS call itself may). Arithmetic in
+float32 as the kernels', rounding and summation order aside. Other dtypes
+and the GPU backend run the kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 from .. import dtypes
 from .._runtime import backend_of, checks, get_kernel, register, stream_for
 from .._runtime import cpu as _cpu
+from .._runtime import host_layers as _layers
 from .._runtime import host_products as _products
 from .._runtime.cpu import blas_one_thread
 from ..errors import PagedAttentionError
@@ -97,19 +100,7 @@ def rms_norm(x, weight, out, eps: float = 1e-6, *, host: bool = False) -> None:
     checks.shape_is("weight", weight, x.shape[1:])
     checks.shape_is("out", out, x.shape)
     if _on_host(host, x, weight, out):
-        dim, e = x.shape[1], np.float32(eps)
-        ss = np.zeros((x.shape[0], 1), np.float32)
-        ss1 = ss[:, 0]
-
-        def op():
-            np.einsum("ij,ij->i", x, x, out=ss1)
-            np.multiply(ss, np.float32(1.0 / dim), out=ss)
-            np.add(ss, e, out=ss)
-            np.sqrt(ss, out=ss)
-            np.divide(x, ss, out=out)
-            np.multiply(out, weight, out=out)
-
-        stream_for(x).host_call(op, x, weight, out)
+        stream_for(x).host_call(_layers.rms_norm(x, weight, out, eps), x, weight, out)
         return
     stream_for(x).launch(
         _kernel(x, "rms_norm"), (x.shape[0],), (THREADS,), (x, weight, out, np.uint32(x.shape[1]), np.float32(eps))
@@ -271,7 +262,8 @@ def rope(x, positions, cos, sin, *, position_stride: int = 1, host: bool = False
             f"stride {position_stride}, got {positions.size}"
         )
     if _on_host(host, x) and x.shape[0]:
-        _rope_host(x, positions, cos, sin, position_stride)
+        words = positions.view(np.uint32)  # read as u32, as the kernel
+        stream_for(x).host_call(_layers.rope(x, words, cos, sin, position_stride), x, positions, cos, sin)
         return
     stream_for(x).launch(
         _kernel(x, "rope"),
@@ -300,48 +292,8 @@ def silu_mul(gate_up, out, *, host: bool = False) -> None:
     checks.shape_is("out", out, (gate_up.shape[0], gate_up.shape[1] // 2))
     checks.no_overlap("out", out, gate_up=gate_up)
     if _on_host(host, gate_up, out):
-        f = out.shape[1]
-        gate, up = gate_up[:, :f], gate_up[:, f:]
-
-        def op():
-            np.negative(gate, out=out)
-            np.exp(out, out=out)
-            np.add(out, np.float32(1), out=out)
-            np.divide(gate, out, out=out)
-            np.multiply(out, up, out=out)
-
-        stream_for(out).host_call(op, gate_up, out)
+        stream_for(out).host_call(_layers.silu_mul(gate_up, out), gate_up, out)
         return
     stream_for(out).launch(
         _kernel(out, "silu_mul"), (out.shape[0],), (THREADS,), (gate_up, out, np.uint32(out.shape[1]))
     )
-
-
-def _rope_host(x, positions, cos, sin, stride: int) -> None:
-    """rope's host=True path: the rotate-half rotation with NumPy on
-    preallocated scratch; positions are read at every run (replay)."""
-    rows, half = x.shape[0], x.shape[2] // 2
-    words = positions.view(np.uint32) if positions.dtype == np.int32 else positions  # read as u32, as the kernel
-    pos = words[: (rows - 1) * stride + 1 : stride]
-    top = cos.shape[0] - 1
-    p = np.zeros(rows, np.intp)
-    c = np.zeros((rows, 1, half), np.float32)
-    s = np.zeros((rows, 1, half), np.float32)
-    a = np.zeros((rows, x.shape[1], half), np.float32)
-    t = np.zeros_like(a)
-    x1, x2 = x[:, :, :half], x[:, :, half:]
-    c2, s2 = c[:, 0], s[:, 0]
-
-    def op():
-        np.minimum(pos, top, out=p, casting="unsafe")
-        np.take(cos, p, axis=0, out=c2, mode="clip")
-        np.take(sin, p, axis=0, out=s2, mode="clip")
-        np.copyto(a, x1)
-        np.multiply(x1, c, out=x1)
-        np.multiply(x2, s, out=t)
-        np.subtract(x1, t, out=x1)
-        np.multiply(x2, c, out=x2)
-        np.multiply(a, s, out=t)
-        np.add(x2, t, out=x2)
-
-    stream_for(x).host_call(op, x, positions, cos, sin)

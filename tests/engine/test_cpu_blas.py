@@ -1,5 +1,6 @@
 """The CPU backend's dense layers at BLAS speed: ``ops.layers``' ``host=True``
-path (NumPy / BLAS work issued into the CPU stream with ``host_call``)
+path (host code: BLAS, the few-row products and row-wise layers of
+kernels_cu/host, issued into the CPU stream with ``host_call``)
 against float64 NumPy references; the work is recorded into CPU graphs and
 replayed (a replay follows new inputs and positions); rows stay independent
 (an Inf / NaN row changes only its own outputs); float16 falls back to the
@@ -145,6 +146,38 @@ def test_rope_reads_positions_with_stride_and_clamps(stride):
     want = np.concatenate([a * c - b * s, b * c + a * s], -1)
     layers.rope(x, words, cos, sin, position_stride=stride, host=True)
     _close(x, want)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 16), (3, 37), (300, 576), (130, 1536)])
+def test_row_layers_give_each_row_the_same_bits_in_any_batch(rows, width):
+    # kernels_cu/host/layers.cpp: whole vectors and a row tail (37), a prefill's rows (300) and SwiGLU's width
+    # (1536): against float64, and every row's bits as when it runs alone
+    rng = np.random.default_rng(9)
+    x, w = _rand(rng, rows, width) * 3, _rand(rng, width)
+    gu = _rand(rng, rows, 2 * width) * 6
+    gu[0, :4] = [-100, 100, 0, -90]  # exp's clamps and exact cases
+    y = _rand(rng, rows, 3, 2 * width)
+    cos, sin = _rand(rng, 50, width), _rand(rng, 50, width)
+    pos = rng.integers(0, 60, rows).astype(np.uint32)  # some past the table
+    x64, g, u, y64 = x.astype(np.float64), gu[:, :width].astype(np.float64), gu[:, width:], y.astype(np.float64)
+    p = np.minimum(pos, 49)
+    c, s = cos[p][:, None].astype(np.float64), sin[p][:, None].astype(np.float64)
+    a, b = y64[..., :width], y64[..., width:]
+
+    def run(lo, hi):
+        norm, silu, rot = np.zeros((hi - lo, width), F32), np.zeros((hi - lo, width), F32), y[lo:hi].copy()
+        layers.rms_norm(x[lo:hi], w, norm, 1e-6, host=True)
+        layers.silu_mul(gu[lo:hi], silu, host=True)
+        layers.rope(rot, pos[lo:hi], cos, sin, host=True)
+        return norm, silu, rot
+
+    norm, silu, rot = run(0, rows)
+    _close(norm, x64 / np.sqrt((x64**2).mean(1, keepdims=True) + 1e-6) * w)
+    np.testing.assert_allclose(silu, g / (1 + np.exp(-g)) * u, rtol=RTOL, atol=1e-30)
+    _close(rot, np.concatenate([a * c - b * s, b * c + a * s], -1))
+    for r in {0, rows // 2, rows - 1}:
+        for whole, alone in zip((norm, silu, rot), run(r, r + 1)):
+            np.testing.assert_array_equal(whole[r : r + 1], alone)
 
 
 def test_a_row_of_inf_and_nan_changes_only_its_own_outputs():
