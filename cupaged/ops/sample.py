@@ -249,7 +249,7 @@ def sample_into(logits, state: SamplerState, out, *, rows=None, clock=None) -> N
     if batch == 0:
         return
     kernel = get_kernel(logits, "sample", "sample_rows", {"CP_DTYPE": dtypes.token(logits.dtype), **_DEFINES})
-    threads = min(MAX_THREADS, block_size(vocab, logits.itemsize))
+    threads = min(MAX_THREADS, block_size(vocab, logits.itemsize, logits))
     stream_for(logits).launch(
         kernel,
         (batch,),

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes
-from .._runtime import address, backend_of, checks, get_kernel, register, stream_for, xp_of
+from .._runtime import CPU, address, array_backend, backend_of, checks, get_kernel, register, stream_for, xp_of
+from .._runtime import cpu as _cpu
 from ..errors import PagedAttentionError
 
 register("sampling", [{"CP_DTYPE": t} for t in dtypes.QUERY_TOKENS])
@@ -26,6 +27,10 @@ MAX_VOCAB = 2**31 - 1  # indices are 32-bit inside the kernel
 MAX_BATCH = 2**31 - 1  # one block per row: the grid.x limit
 _VECTOR_BYTES = 16
 _MAX_THREADS = 1024
+#: Threads per row on the CPU backend: one warp. A block's barriers and reductions switch every fiber (1024 for a
+#: 49152-token vocab at float32 on a GPU's geometry); the work per row is the same in either. Measured (SmolLM2-135M
+#: f32, batch 8, 2 cores, the engine's decode graph): sample_rows 3.1 ms a step with 1024 threads, 0.67 ms with 32.
+CPU_THREADS = 32
 
 
 def _check_logits(logits) -> None:
@@ -58,9 +63,12 @@ def _check_out(out, logits) -> None:
     checks.no_overlap("out", out, logits=logits)
 
 
-def block_size(vocab: int, itemsize: int) -> int:
+def block_size(vocab: int, itemsize: int, like=None) -> int:
     """Threads per row: a power of two in 32..1024, the smallest giving each
-    thread at most four 16-byte vectors of the row."""
+    thread at most four 16-byte vectors of the row; on the CPU backend
+    (``like`` a NumPy array) ``CPU_THREADS``, unless CUPAGED_CPU_GEOMETRY=gpu."""
+    if like is not None and array_backend(like) == CPU and _cpu.geometry_mode() == "cpu":
+        return CPU_THREADS
     vectors = -(-vocab * itemsize // _VECTOR_BYTES)
     threads = 32
     while threads < _MAX_THREADS and 4 * threads < vectors:
@@ -83,7 +91,9 @@ def argmax_into(logits, out):
     if batch == 0:
         return out
     kernel = get_kernel(logits, "sampling", "row_argmax", {"CP_DTYPE": dtypes.token(logits.dtype)})
-    stream_for(logits).launch(kernel, (batch,), (block_size(vocab, logits.itemsize),), (logits, out, np.uint32(vocab)))
+    stream_for(logits).launch(
+        kernel, (batch,), (block_size(vocab, logits.itemsize, logits),), (logits, out, np.uint32(vocab))
+    )
     return out
 
 

@@ -19,7 +19,8 @@
 //   the GQA group of its KV head, so each K/V row it reads is used by every
 //   one of those heads (read once per group when the group fits one tile).
 //   Each warp owns a slice of the tokens of every block step: its 32 lanes
-//   form ROWS row groups of LANES lanes; a row group holds one K (and V) row,
+//   form ROWS row groups of LANES lanes (as many as a row has chunks, at most
+//   geom::decode::kRowLanes); a row group holds one K (and V) row,
 //   each lane CHUNKS vector chunks of it (16-byte loads when VEC_LOADS). A
 //   lane issues STEP_U rows of K and V loads before it uses any, so a block
 //   has kThreads * STEP_U * CHUNKS * 2 loads in flight, and loads the next step's
@@ -104,7 +105,8 @@ static_assert(kThreads == 32 * kWarps, "whole warps");
 static_assert(geom::kVectorBytes == sizeof(uint4), "a 16-byte chunk is one uint4 load");
 constexpr u32 kCap = HEAD_DIM ? HEAD_DIM : DIM_CAP;  // largest D / Dv of the variant
 constexpr u32 kRowChunks = kCap / kVec;  // chunks in a row of kCap elements
-constexpr u32 kLanes = kRowChunks < 32 ? kRowChunks : 32;  // lanes per row (LANES)
+constexpr u32 kLanes =
+    kRowChunks < geom::decode::kRowLanes ? kRowChunks : geom::decode::kRowLanes;  // lanes per row (LANES)
 constexpr u32 kChunks = kRowChunks / kLanes;  // chunks per lane (CHUNKS)
 constexpr u32 kElems = kChunks * kVec;  // elements of a row per lane
 constexpr u32 kRows = 32 / kLanes;  // rows a warp holds at once (ROWS)

@@ -15,9 +15,11 @@ constexpr u32 kMergeSmemBytes = 32768;
 #if defined(CUPAGED_CPU) && !defined(CUPAGED_GPU_GEOMETRY)  // the CPU backend's (CPU_GEOMETRY)
 constexpr u32 kWarps = 1;
 constexpr u32 kThreads = 32;
+constexpr u32 kRowLanes = 8;
 #else
 constexpr u32 kWarps = 4;
 constexpr u32 kThreads = 128;
+constexpr u32 kRowLanes = 32;
 #endif
 }  // namespace decode
 namespace decode_tc {   // cupaged/ops/attention/kernels/decode_tc.py

@@ -9,7 +9,7 @@ import pytest
 
 from cupaged import stream_for
 from cupaged.ops import sample as ops
-from cupaged.ops.sampling import argmax_into
+from cupaged.ops.sampling import CPU_THREADS, argmax_into
 from cupaged.testing import as_dtype, reference
 
 #: Chi-square critical values at significance 1e-4 by degrees of freedom.
@@ -236,10 +236,29 @@ def test_errors():
         st.set(0, words(), context=[8])
 
 
+@pytest.mark.parametrize("geometry", ["cpu", "gpu"])
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
-def test_large_vocab_half_types_against_reference(dtype):
+def test_large_vocab_half_types_against_reference(dtype, geometry, monkeypatch):
     # vocab 32003 in f16 / bf16 (many ties after rounding): the drawn token
-    # lies in the reference mask and is the reference's Gumbel draw
+    # lies in the reference mask and is the reference's Gumbel draw; in the
+    # CPU backend's geometry (one warp a row) and the GPU's (1024 threads:
+    # the cross-warp reductions through shared memory)
+    monkeypatch.setenv("CUPAGED_CPU_GEOMETRY", geometry)
+    blocks = []
+    real = ops.stream_for
+
+    class Spy:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+        def launch(self, kernel, grid, block, args, shared_mem=0):
+            blocks.append(block[0])
+            return self.stream.launch(kernel, grid, block, args, shared_mem=shared_mem)
+
+    monkeypatch.setattr(ops, "stream_for", lambda a: Spy(real(a)))
     rng = np.random.default_rng(11)
     B, V = 4, 32003
     logits = (rng.standard_normal((B, V)) * 2).astype(as_dtype(dtype))
@@ -256,6 +275,7 @@ def test_large_vocab_half_types_against_reference(dtype):
     assert mask[np.arange(B), got].all()
     np.testing.assert_array_equal(got, reference.sample_gumbel(z32, mask, np.ones(B), seeds, steps))
     np.testing.assert_allclose(lp, reference.log_softmax_at(logits, got), atol=1e-5)
+    assert blocks == [CPU_THREADS if geometry == "cpu" else 1024]
 
 
 def test_rows_with_nan_or_inf_take_the_greedy_token():

@@ -24,6 +24,13 @@ THREADS = 32 * WARPS
 #: warp a block ran SmolLM2-135M's decode attention (8 sequences, 9 / 3 heads, D 64, contexts 16 - 48) in 342 us a
 #: layer against 662 with four (2 cores, in the engine's decode graph), the same tokens in 4x the steps.
 CPU_WARPS = 1
+#: Lanes a K / V row is spread over at most (att::kLanes: fewer when the row has fewer 16-byte chunks). On the CPU
+#: backend (CPU_GEOMETRY) fewer: every lane of a row group computes the row's scores' exponentials again, and a
+#: lane's loop over its share of the row is short. SmolLM2-135M's decode attention (8 sequences, 9 / 3 heads, D 64
+#: f32, contexts 32 / 48; 2 cores, graph replay): 16 lanes a row 276 / 416 us, 8 lanes 248 / 313, 4 295 / 349,
+#: 1 407 / 502.
+ROW_LANES = 32
+CPU_ROW_LANES = 8
 #: Resident blocks per SM the kernel is built for (the second
 #: ``__launch_bounds__`` argument): a floor, its registers vary with the
 #: variant and most fit more.
@@ -49,25 +56,27 @@ GEOMETRY = {
     "kWarps": WARPS,
     "kThreads": THREADS,
     "kMinBlocks": MIN_BLOCKS,
+    "kRowLanes": ROW_LANES,
     "kLaneFloats": LANE_FLOATS,
     "kMergeSmemBytes": MERGE_SMEM_BYTES,
 }
 #: What the CPU backend's builds use instead (geometry.header: under CUPAGED_CPU, unless CUPAGED_GPU_GEOMETRY).
-CPU_GEOMETRY = {"kWarps": CPU_WARPS, "kThreads": 32 * CPU_WARPS}
+CPU_GEOMETRY = {"kWarps": CPU_WARPS, "kThreads": 32 * CPU_WARPS, "kRowLanes": CPU_ROW_LANES}
 
 
 def elems_per_lane(cap: int, vec: int) -> int:
     """Row elements one lane holds (att::kElems) for a row capacity ``cap``
-    in chunks of ``vec`` elements (att::kVec): a row is spread over up to 32
-    lanes, one chunk each, then more chunks per lane."""
+    in chunks of ``vec`` elements (att::kVec) in the GPU geometry, whose
+    registers this bounds: a row is spread over up to ROW_LANES lanes, one
+    chunk each, then more chunks per lane."""
     chunks = cap // vec
-    return vec if chunks <= 32 else cap // 32
+    return vec if chunks <= ROW_LANES else cap // ROW_LANES
 
 
 def rot_elems_per_lane(cap: int, vec: int, rot_cap: int) -> int:
     """Rotary elements one lane holds (att::kRotElems; 0 without a rotary
     part): the rotary capacity over the lanes of a row."""
-    lanes = min(32, cap // vec)
+    lanes = min(ROW_LANES, cap // vec)
     return -(-rot_cap // lanes) if rot_cap else 0
 
 
