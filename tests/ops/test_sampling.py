@@ -59,9 +59,16 @@ def test_every_position_and_alignment(dtype, offset, xp_backend):
     assert run_argmax(x.astype(as_dtype(dtype)), xp_backend, offset).tolist() == list(range(vocab))
 
 
+@pytest.mark.parametrize("geometry", ["cpu", "gpu"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_ties_first_index_wins(dtype, xp_backend):
+def test_ties_first_index_wins(dtype, geometry, xp_backend, monkeypatch):
+    # in either geometry of the CPU backend: one warp a row, or the GPU's block (cross-warp ties)
+    monkeypatch.setenv("CUPAGED_CPU_GEOMETRY", geometry)
     vocab = 32003
+    itemsize = np.dtype(as_dtype(dtype)).itemsize
+    gpu_block = rowwise.block_size(vocab, itemsize)
+    want_block = rowwise.CPU_THREADS if geometry == "cpu" and xp_backend.name == "cpu" else gpu_block
+    assert gpu_block > 32 and rowwise.block_size(vocab, itemsize, xp_backend.asarray(np.zeros(1))) == want_block
     x = np.zeros((5, vocab), as_dtype(dtype))
     x[1, [31000, 5000, 20000, 5001]] = 3  # far apart: different threads and warps
     x[2, [vocab - 1, vocab - 2]] = 1  # both in the tail
