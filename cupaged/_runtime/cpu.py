@@ -47,9 +47,11 @@ Environment:
   point): a pipeline that refills a shared-memory stage still being read
   gives wrong results in one mode or the other. A per-process choice (part
   of the module flags, so of the cache key).
-* ``CUPAGED_CPU_GEOMETRY=gpu``: kernels whose spec has a CPU geometry (``CPU_GEOMETRY``:
-  paged_attention runs one warp a block here, where each fiber's fixed work costs
-  what a GPU hides) are built and launched with their GPU geometry instead, so the
+* ``CUPAGED_CPU_GEOMETRY=gpu``: kernels with a CPU geometry (an attention spec's
+  ``CPU_GEOMETRY``: paged_attention and paged_prefill_simt run one warp a block
+  here, where each fiber's fixed work costs what a GPU hides, and paged_attention
+  at most 8 lanes a K/V row; ``ops.sampling.CPU_THREADS``: the sampling kernels one
+  warp a row) are built and launched with their GPU geometry instead, so the
   GPU's block shape runs here too (``cpu``, the default: the CPU one). A
   per-process choice (a module flag, so part of the cache key).
 * ``CUPAGED_CPU_ASAN=1``: build runtime and kernels with AddressSanitizer, so

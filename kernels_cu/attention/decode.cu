@@ -69,6 +69,12 @@
 //   ROT_CAP     0, or the capacity of the rotary part P (MLA): the score adds
 //               q_rot.k_rot and V is the K row itself (the MLA latent cache
 //               serves as both).
+#ifdef CUPAGED_CPU
+// The CPU backend: g++ does not read "#pragma unroll"; unrolling this file's fixed-count loops (the lane's dot
+// products, the accumulator updates) ran SmolLM2's batch-8 decode attention 22% faster (same bits: no
+// reassociation). Only here: the other kernels gained nothing and compile ~10% slower with it.
+#pragma GCC optimize("unroll-loops")
+#endif
 #include "../common.cuh"
 #include "../plan_words.cuh"
 #include "../softmax_state.cuh"
