@@ -211,14 +211,28 @@ def test_gate_finds_no_launch_problem_on_any_arch():
 # What each kernel states that its spec (cupaged/ops/attention/kernels/<stem>.py) states too, as C++
 # expressions over the kernel's own constants, per build: the kernel reads its geometry from geometry.cuh
 # (geometry.header), and its layout must agree with the spec's shared-memory formula.
+def _decode_dims(v):
+    return v.head_dim or v.dim_cap, decode._vec(v.kv_dtype, bool(v.head_dim or v.vec_loads))
+
+
 def _decode_facts(v):
-    cap = v.head_dim or v.dim_cap
-    vec = decode._vec(v.kv_dtype, bool(v.head_dim or v.vec_loads))
-    facts = [
+    """paged_attention's facts in the CPU backend's geometry (decode.py CPU_GEOMETRY: its lanes a row)."""
+    cap, vec = _decode_dims(v)
+    return [
         "att::kWarps == geom::decode::kWarps",
         "att::kThreads == geom::decode::kThreads",
         f"att::kCap == {cap}",
         f"att::kVec == {vec}",
+        f"att::kLanes == {min(cap // vec, decode.CPU_ROW_LANES)}",
+        f"att::kHeads == {v.group_tile}",
+    ]
+
+
+def _decode_gpu_facts(v):
+    """paged_attention's facts in the GPU geometry, whose registers and shared memory the spec bounds."""
+    cap, vec = _decode_dims(v)
+    facts = [
+        f"att::kLanes == {min(cap // vec, decode.ROW_LANES)}",
         f"att::kElems == {decode.elems_per_lane(cap, vec)}",
         # decode.max_group_tile: the largest tile within both bounds, or 1
         "att::kHeads == 1 || att::kHeads * (att::kElems + (att::kRotCap ? att::kRotElems : 0))"
@@ -229,6 +243,10 @@ def _decode_facts(v):
     if v.rot_cap:
         facts.append(f"att::kRotElems == {decode.rot_elems_per_lane(cap, vec, v.rot_cap)}")
     return facts
+
+
+#: Facts of a kernel with a CPU geometry that hold in its GPU geometry (checked in the CUPAGED_GPU_GEOMETRY build).
+GPU_GEOMETRY_FACTS = {"paged_attention": _decode_gpu_facts}
 
 
 KERNEL_FACTS = {
@@ -315,7 +333,14 @@ def _spec_builds():
     ]
     # a kernel with a CPU geometry (decode.py CPU_GEOMETRY): its GPU block too, as CUPAGED_CPU_GEOMETRY=gpu builds it
     out += [
-        (v.kernel, v.source, {**v.defines(), "CUPAGED_GPU_GEOMETRY": 1}, v.threads, v.resident_blocks, [])
+        (
+            v.kernel,
+            v.source,
+            {**v.defines(), "CUPAGED_GPU_GEOMETRY": 1},
+            v.threads,
+            v.resident_blocks,
+            GPU_GEOMETRY_FACTS.get(v.kernel, lambda v: [])(v),
+        )
         for v in by_geometry.values()
         if v.cpu_threads != v.threads
     ]
