@@ -264,7 +264,10 @@ def _building(folder: Path, build, path: Path, notice: str = CPU_BUILD_NOTICE) -
         ) from None
 
 
-ASAN_FLAGS = ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")
+#: AddressSanitizer builds (CUPAGED_CPU_ASAN=1), after the -O2 of the module and runtime flags: -O1 (ASan's own
+#: advice) and -g1 (line tables only: reports still name file and line) build a kernel module in about half the time
+#: of -O2 -g (measured: a decode module 1.85 -> 1.01 s, a tensor-core prefill one 3.05 -> 1.36 s).
+ASAN_FLAGS = ("-fsanitize=address", "-fno-omit-frame-pointer", "-O1", "-g1")
 
 
 def _asan() -> bool:
