@@ -737,10 +737,54 @@ def _export_block(names: list[str]) -> str:
 _PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", re.M)
 
 
+def _build_shim_pch(cxx: str, flags: tuple[str, ...], gch: Path) -> None:
+    """The shim precompiled for ``flags`` at ``gch`` and, beside it, the header it stands for: a wrapper that
+    includes the shim (what g++ reads instead where the precompiled one does not fit)."""
+    shim = _source.shim_dir()
+    wrapper = gch.with_suffix("")
+    with tempfile.TemporaryDirectory(dir=gch.parent, prefix=".build-") as tmp:
+        text = f'#include "{shim / "cupaged_shim.h"}"\n'.encode()
+        src = Path(tmp) / wrapper.name
+        src.write_bytes(text)
+        out = Path(tmp) / gch.name
+        _run_compiler(
+            [cxx, *flags, "-I", str(shim), "-x", "c++-header", str(src), "-o", str(out)],
+            "the CPU shim's precompiled header (kernels_cu/shim/cupaged_shim.h)",
+        )
+        _write_atomic(wrapper, text)
+        _install(out, gch)
+
+
+@functools.lru_cache(maxsize=None)
+def _shim_include(flags: tuple[str, ...]) -> Path:
+    """The header every module of ``flags`` is built with first (``-include``): with g++, a wrapper of the shim
+    whose precompiled form (``.gch``, built for these flags on first use and kept in the cache beside the
+    libraries) g++ reads instead of parsing the shim again, ~0.2 s of each module's build (measured: a decode
+    module 0.70 -> 0.48 s, an append one 0.44 -> 0.22); the shim itself with clang, or where the precompiled
+    header cannot be built. Part of nothing's cache key: a module's bits are the same either way."""
+    shim = _source.shim_dir()
+    cxx, version = _compiler()
+    first = version.strip().splitlines()[0].lower() if version.strip() else ""
+    if "clang" in first:
+        return shim / "cupaged_shim.h"
+    key = _source.digest("shim pch", str(shim), _shim_blob(), " ".join(flags), version)
+    name = f"cupaged_shim-{key}.h.gch"
+    try:
+        gch = _library(name, functools.partial(_build_shim_pch, cxx, flags))
+    except CompileError:
+        return shim / "cupaged_shim.h"
+    wrapper = gch.with_suffix("")
+    if not wrapper.is_file():  # a cache holding the .gch without its wrapper: build both where we may write
+        gch = build_dir() / name
+        _build_shim_pch(cxx, flags, gch)
+    return gch.with_suffix("")
+
+
 def _build_module(source_text: str, variant: str, path: Path, flags: tuple[str, ...]) -> None:
     cxx, _ = _compiler()
     shim = _source.shim_dir()
-    common = ["-include", str(shim / "cupaged_shim.h"), "-I", str(shim)]
+    scan = ["-include", str(shim / "cupaged_shim.h"), "-I", str(shim)]
+    common = ["-include", str(_shim_include(flags)), "-I", str(shim)]
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
         src = Path(tmp) / (path.stem + ".cu")
         # Headers are inlined once each: their "#pragma once" only draws a warning.
@@ -748,7 +792,7 @@ def _build_module(source_text: str, variant: str, path: Path, flags: tuple[str, 
         src.write_text(source_text)
         # The kernels as the compiler sees them, after #if and macros.
         pre = _run_compiler(
-            [cxx, *flags, "-E", "-P", "-DCUPAGED_KERNEL_SCAN", *common, "-x", "c++", str(src)],
+            [cxx, *flags, "-E", "-P", "-DCUPAGED_KERNEL_SCAN", *scan, "-x", "c++", str(src)],
             f"CPU kernel module {variant}",
         )
         names = _source.kernel_names(pre)

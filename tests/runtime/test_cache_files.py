@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cupaged._runtime import cpu as _cpu
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,3 +61,24 @@ def test_damaged_libraries_are_rebuilt(tmp_path):
         for p in libs:  # rebuilt in full, with a matching sum
             assert p.stat().st_size > sizes[p] // 2, damage
             assert _cpu._intact(p), damage
+
+
+def test_the_precompiled_shim_is_kept_and_rebuilt_when_damaged(tmp_path):
+    # g++ builds every module with the shim precompiled (cpu._shim_include): one .gch a flag set, beside the
+    # libraries, checked like them; a damaged one is rebuilt before the next module build reads it
+    cxx, version = _cpu._compiler()
+    if "clang" in version.lower().splitlines()[0]:
+        pytest.skip("clang builds modules with the shim's text (no precompiled header)")
+    r = _run(tmp_path)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+    (gch,) = tmp_path.glob("cupaged_shim-*.h.gch")
+    assert _cpu._intact(gch) and gch.with_suffix("").is_file()
+    size = gch.stat().st_size
+    for lib in _libs(tmp_path):
+        if not lib.name.startswith("cupaged_rt-"):
+            lib.unlink()  # the next run builds its module again
+    with open(gch, "r+b") as f:
+        f.truncate(size // 3)
+    r = _run(tmp_path)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+    assert _cpu._intact(gch) and gch.stat().st_size > size // 2  # rebuilt in full (its bytes name the build folder)
