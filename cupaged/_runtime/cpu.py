@@ -400,11 +400,17 @@ _GCC_VERSION = re.compile(r"\)\s+(\d+)\.(\d+)")
 _ANY_VERSION = re.compile(r"(\d+)\.(\d+)")
 
 
+def _is_clang(version: str) -> bool:
+    """Whether ``version`` (a compiler's ``--version`` text) is clang's."""
+    first = version.strip().splitlines()[0] if version.strip() else ""
+    return "clang" in first.lower()
+
+
 def _check_version(path: str, text: str) -> None:
     """SetupError unless ``text`` (``--version`` of ``path``) is g++
     ``MIN_GCC`` or later. Clang, named by CUPAGED_CXX, is used as it is."""
     first = text.strip().splitlines()[0] if text.strip() else ""
-    if "clang" in first.lower():
+    if _is_clang(text):
         return
     m = _GCC_VERSION.search(first) or (_ANY_VERSION.findall(first) or [None])[-1]
     if m is None:
@@ -764,8 +770,7 @@ def _shim_include(flags: tuple[str, ...]) -> Path:
     header cannot be built. Part of nothing's cache key: a module's bits are the same either way."""
     shim = _source.shim_dir()
     cxx, version = _compiler()
-    first = version.strip().splitlines()[0].lower() if version.strip() else ""
-    if "clang" in first:
+    if _is_clang(version):
         return shim / "cupaged_shim.h"
     key = _source.digest("shim pch", str(shim), _shim_blob(), " ".join(flags), version)
     name = f"cupaged_shim-{key}.h.gch"

@@ -1,7 +1,7 @@
 // products.cpp: the CPU backend's few-row products, out [M, N] = x [M, K] @ w [N, K]^T (or out +=), host code
-// (not a kernel: the engine's projections on the CPU backend, cupaged/ops/layers.py). Built once into its own
-// shared library (cupaged/_runtime/host_products.py), which calls the runtime's worker pool (cupaged_rt_parallel)
-// to split N over its threads.
+// (not a kernel: the engine's projections on the CPU backend, cupaged/ops/layers.py). Built into the host library
+// with layers.cpp (cupaged/_runtime/host.py; host_products.py its Python side), which calls the runtime's worker
+// pool (cupaged_rt_parallel) to split N over its threads.
 //
 // Why not BLAS: at a decode step's few rows a product is a stream of the weight (M x K x N x 4 bytes of weight
 // for 2 M FLOP per element); BLAS packs the weight into its panel layout first (a second pass over it) and runs

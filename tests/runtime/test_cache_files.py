@@ -66,8 +66,7 @@ def test_damaged_libraries_are_rebuilt(tmp_path):
 def test_the_precompiled_shim_is_kept_and_rebuilt_when_damaged(tmp_path):
     # g++ builds every module with the shim precompiled (cpu._shim_include): one .gch a flag set, beside the
     # libraries, checked like them; a damaged one is rebuilt before the next module build reads it
-    cxx, version = _cpu._compiler()
-    if "clang" in version.lower().splitlines()[0]:
+    if _cpu._is_clang(_cpu._compiler()[1]):
         pytest.skip("clang builds modules with the shim's text (no precompiled header)")
     r = _run(tmp_path)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
