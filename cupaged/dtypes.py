@@ -102,15 +102,29 @@ TC_TOKENS = tuple(d.token for d in TABLE if d.tensor_core)
 FP8_TOKENS = tuple(d.token for d in TABLE if d.scaled)
 
 
+#: lookup's answers for dtype objects and types already seen (NumPy's ``dtype.name`` is Python code, ~2 us, and
+#: every op's input checks ask it several times).
+_SEEN: dict = {}
+
+
 def lookup(dtype: DTypeLike) -> DType | None:
     """The row of ``dtype`` (a token, a NumPy name, a NumPy dtype or type),
     or None when cupaged has no such storage type."""
     if isinstance(dtype, str):
         return _BY_NAME.get(dtype)
     try:
-        return _BY_NAME.get(np.dtype(dtype).name)
+        return _SEEN[dtype]
+    except (KeyError, TypeError):  # TypeError: not hashable
+        pass
+    try:
+        d = _BY_NAME.get(np.dtype(dtype).name)
     except TypeError:
         return None
+    try:
+        _SEEN[dtype] = d
+    except TypeError:
+        pass
+    return d
 
 
 def names(rows: Iterable[DType] = TABLE) -> str:
@@ -166,8 +180,8 @@ def row(name: str, dtype: DTypeLike, *, kv: bool = False) -> DType:
     ``name`` is "dtype"), which must be a query dtype (or, with ``kv``, a
     cache dtype); PagedAttentionError naming ``name`` otherwise."""
     d = lookup(dtype)
-    allowed = tuple(r for r in TABLE if (r.kv if kv else r.query))
-    if d is None or d not in allowed:
+    if d is None or not (d.kv if kv else d.query):
+        allowed = tuple(r for r in TABLE if (r.kv if kv else r.query))
         if name == "dtype":  # the argument itself: "dtype: expected float32, ..., got 'int8'"
             raise PagedAttentionError(f"dtype: expected {names(allowed)}, got {dtype!r}")
         raise PagedAttentionError(f"{name}: expected dtype {names(allowed)}, got {dtype_name(dtype)}")
