@@ -34,7 +34,7 @@ def float_array(name: str, a, ndim: int, *, total: bool = True) -> None:
 
 def same_dtype(ref_name: str, ref, **arrays) -> None:
     for name, a in arrays.items():
-        if a is not None and str(a.dtype) != str(ref.dtype):
+        if a is not None and a.dtype != ref.dtype:  # (not their str: NumPy's dtype.name is slow Python)
             raise PagedAttentionError(
                 f"{name}: expected dtype {dtypes.dtype_name(ref.dtype)} like {ref_name}, got "
                 f"{dtypes.dtype_name(a.dtype)}"
