@@ -349,6 +349,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"prefill: {s['prefill_tokens']} tokens in {s['prefill_seconds']:.3f} s ({pre:.1f} tokens/s); "
         f"decode: {s['decode_tokens']} tokens in {s['decode_seconds']:.3f} s ({dec:.1f} tokens/s, "
         f"{s['decode_launches']} graph launches)"
+        + (f"; compiling kernels: {s['compile_seconds']:.1f} s, not counted" if s.get("compile_seconds") else "")
     )
     return 0
 

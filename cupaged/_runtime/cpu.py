@@ -256,7 +256,8 @@ def _building(folder: Path, build, path: Path, notice: str = CPU_BUILD_NOTICE) -
     stderr, once per process (``progress.notice_once``)."""
     _progress.notice_once(notice, notice.format(folder=folder))
     try:
-        build(path)
+        with _progress.building():
+            build(path)
     except OSError as e:
         raise SetupError(
             f"kernel cache {folder}: cannot write {path.name} ({e.strerror or e}): set "

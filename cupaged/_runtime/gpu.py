@@ -239,7 +239,8 @@ def _compile_cached(raw, source_text: str, options: tuple[str, ...], arch: str) 
     primary = Path(compiler.get_cache_dir())
     t0 = time.perf_counter()
     try:
-        _compile_in(raw, source_text, options, arch, primary)
+        with _progress.building():
+            _compile_in(raw, source_text, options, arch, primary)
     finally:
         if time.perf_counter() - t0 > COMPILE_NOTICE_SECONDS:  # a real compile, not CuPy's cache
             _progress.notice_once(

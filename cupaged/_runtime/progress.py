@@ -8,6 +8,10 @@
   within ``after`` seconds (default 2 s), and draws only on a terminal: at
   most ten redraws a second on one line (``\\r``), ended by a newline when it
   was drawn. Used as a context manager or closed with ``close()``.
+* ``building()``: a context the kernel builds run in (CPU modules, the
+  runtime and host libraries; NVRTC compiles), whose time ``build_seconds()``
+  sums for the process, so that figures of steady work (the engine's
+  tokens/s) can leave first-run compilation out and say it apart.
 * Quiet: ``CUPAGED_QUIET=1`` in the environment or ``set_quiet(True)`` (the
   CLI's ``--quiet``) silences both. Errors are never silenced: they raise.
 
@@ -17,16 +21,44 @@ read, so it may sit in a loop of launches (it never synchronizes).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
-__all__ = ["Progress", "is_quiet", "notice", "notice_once", "set_quiet"]
+__all__ = ["Progress", "build_seconds", "building", "is_quiet", "notice", "notice_once", "set_quiet"]
 
 _quiet: bool | None = None  # None: follow CUPAGED_QUIET
 _told: set[str] = set()
+_builds = threading.local()  # .depth: builds this thread is inside (a build may start another: counted once)
+_build_lock = threading.Lock()
+_build_total = 0.0
+
+
+@contextlib.contextmanager
+def building() -> Iterator[None]:
+    """Count the time inside as kernel build time (``build_seconds``); nested builds count once."""
+    global _build_total
+    depth = getattr(_builds, "depth", 0)
+    _builds.depth = depth + 1
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _builds.depth = depth
+        if depth == 0:
+            with _build_lock:
+                _build_total += time.perf_counter() - t0
+
+
+def build_seconds() -> float:
+    """Seconds this process has spent in kernel builds (``building``), every thread's."""
+    return _build_total
+
+
 #: Seconds between two redraws of a bar.
 REDRAW_SECONDS = 0.1
 

@@ -95,7 +95,9 @@ class Engine:
     chunk timed to its end on the device; decode tokens, launches, readbacks
     and seconds, up to each round's readback; ``advance_seconds``: host time
     of the decode launches alone; ``cached_prompt_tokens``: prompt tokens
-    shared from the prefix cache).
+    shared from the prefix cache; ``compile_seconds``: kernel builds that ran
+    during the call, first-run compilation, left out of the prefill and
+    decode seconds).
     """
 
     def __init__(

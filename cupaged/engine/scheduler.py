@@ -125,6 +125,7 @@ class Scheduler:
             "readbacks": 0,
             "cached_prompt_tokens": 0,
             "advance_seconds": 0.0,
+            "compile_seconds": 0.0,  # kernel builds during the rounds: not in prefill_seconds / decode_seconds
         }
 
     # -- the loop -----------------------------------------------------------------
@@ -180,7 +181,7 @@ class Scheduler:
 
     def _prefill_chunk(self, budget: int) -> int:
         """Prefill up to min(budget, prefill_chunk) prompt tokens; returns how many."""
-        t0 = time.perf_counter()
+        t0, b0 = time.perf_counter(), progress.build_seconds()
         model, stream = self.model, self.stream
         budget = min(budget, self.e.prefill_chunk)
         reqs, counts = [], []
@@ -246,11 +247,17 @@ class Scheduler:
         self.stats["prefill_chunks"] += 1
         if self._bar is not None:
             self._bar.update(n)
-        self.stats["prefill_seconds"] += time.perf_counter() - t0
+        self.stats["prefill_seconds"] += self._minus_builds(time.perf_counter() - t0, b0)
         return n
 
+    def _minus_builds(self, seconds: float, builds_before: float) -> float:
+        """``seconds`` less the kernel builds since ``builds_before`` (added to compile_seconds)."""
+        built = progress.build_seconds() - builds_before
+        self.stats["compile_seconds"] += built
+        return max(0.0, seconds - built)
+
     def _decode_round(self) -> None:
-        t0 = time.perf_counter()
+        t0, b0 = time.perf_counter(), progress.build_seconds()
         batch, k = self.batch, (1 if self.return_logits else self.batch.k)
         remaining = {r: r.max_new - 1 - r.launches for r in self.decoding.values()}
         steps = min(k, max(remaining.values()))
@@ -282,7 +289,7 @@ class Scheduler:
                     batch.leave(seq)  # the engine saw a stop token the device did not check
                 del self.decoding[seq]
                 self._finish(r)
-        self.stats["decode_seconds"] += time.perf_counter() - t0
+        self.stats["decode_seconds"] += self._minus_builds(time.perf_counter() - t0, b0)
 
     def abort(self) -> bool:
         """After an error or an interrupt: take every running sequence out of

@@ -316,3 +316,20 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"cupaged {cupaged.__version__}"
+
+
+def test_kernel_builds_are_left_out_of_the_figures(folder, capsys, monkeypatch):
+    # every reading of the build clock 2 s later: each prefill chunk and decode round "built" for 2 s, more
+    # than it took, so its seconds are 0 and the builds are told apart (Engine.stats["compile_seconds"])
+    from cupaged._runtime import progress
+
+    ticks = iter(range(0, 10**6, 2))
+    monkeypatch.setattr(progress, "build_seconds", lambda: float(next(ticks)))
+    assert main(["generate", "--model", str(folder), "--prompt", "5 6 7 8", "--max-new-tokens", "4", "--cpu"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(
+        r"prefill: \d+ tokens in ([\d.]+) s .*; decode: \d+ tokens in ([\d.]+) s .*; "
+        r"compiling kernels: ([\d.]+) s, not counted",
+        out,
+    )
+    assert m and float(m[1]) == 0 and float(m[2]) == 0 and float(m[3]) >= 4, out

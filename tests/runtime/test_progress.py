@@ -4,6 +4,7 @@ quiet, when not a terminal and for short work; one line, redrawn, ended."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +127,21 @@ def test_arch_specific_cubins_compile_once_then_load_from_disk(tmp_path, monkeyp
     assert calls == ["sm_90a", "sm_90a"]  # another source: compiled
     with pytest.raises(cupaged.CompileError, match="NVRTC could not compile probe for sm_90a"):
         gpu.target_cubin("this is not C++", "probe", "sm_90a", opts)
+
+
+def test_build_time_counts_each_build_once():
+    """progress.building: time inside adds to build_seconds; a build inside a build (a module's build making the
+    precompiled shim) counts once; cpu._building runs its build inside one."""
+    import time
+
+    from cupaged._runtime import cpu
+
+    t0 = progress.build_seconds()
+    with progress.building():
+        time.sleep(0.05)
+        with progress.building():
+            time.sleep(0.05)
+    mid = progress.build_seconds()
+    assert 0.1 <= mid - t0 < 0.5
+    cpu._building(Path("."), lambda path: time.sleep(0.05), Path("unused"))
+    assert 0.05 <= progress.build_seconds() - mid < 0.5
