@@ -762,13 +762,24 @@ def _build_shim_pch(cxx: str, flags: tuple[str, ...], gch: Path) -> None:
         _install(out, gch)
 
 
-@functools.lru_cache(maxsize=None)
 def _shim_include(flags: tuple[str, ...]) -> Path:
-    """The header every module of ``flags`` is built with first (``-include``): with g++, a wrapper of the shim
-    whose precompiled form (``.gch``, built for these flags on first use and kept in the cache beside the
-    libraries) g++ reads instead of parsing the shim again, ~0.2 s of each module's build (measured: a decode
-    module 0.70 -> 0.48 s, an append one 0.44 -> 0.22); the shim itself with clang, or where the precompiled
-    header cannot be built. Part of nothing's cache key: a module's bits are the same either way."""
+    """``_shim_found`` for ``flags`` and the cache folder of now; found again when its files are gone (a cache
+    folder removed while the process runs)."""
+    path = _shim_found(flags, str(cache_dir()))
+    if path == _source.shim_dir() / "cupaged_shim.h" or (path.is_file() and Path(f"{path}.gch").is_file()):
+        return path
+    _shim_found.cache_clear()
+    return _shim_found(flags, str(cache_dir()))
+
+
+@functools.lru_cache(maxsize=None)
+def _shim_found(flags: tuple[str, ...], cache: str) -> Path:
+    """The header every module of ``flags`` is built with first (``-include``; ``cache``: the cache folder it
+    was found for): with g++, a wrapper of the shim whose precompiled form (``.gch``, built for these flags on
+    first use and kept in the cache beside the libraries) g++ reads instead of parsing the shim again, ~0.2 s of
+    each module's build (measured: a decode module 0.70 -> 0.48 s, an append one 0.44 -> 0.22); the shim itself
+    with clang, or where the precompiled header cannot be built. Part of nothing's cache key: a module's bits
+    are the same either way."""
     shim = _source.shim_dir()
     cxx, version = _compiler()
     if _is_clang(version):

@@ -81,3 +81,17 @@ def test_the_precompiled_shim_is_kept_and_rebuilt_when_damaged(tmp_path):
     r = _run(tmp_path)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
     assert _cpu._intact(gch) and gch.stat().st_size > size // 2  # rebuilt in full (its bytes name the build folder)
+
+
+def test_a_precompiled_shim_removed_meanwhile_is_built_again(tmp_path, monkeypatch):
+    # in one process: the cache folder's precompiled shim deleted after use is found missing and built again
+    monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path))
+    flags = _cpu._module_flags()
+    first = _cpu._shim_include(flags)
+    if first.name == "cupaged_shim.h":
+        pytest.skip("clang builds modules with the shim's text (no precompiled header)")
+    assert first.parent == tmp_path and Path(f"{first}.gch").is_file()
+    for p in tmp_path.glob("cupaged_shim-*"):
+        p.unlink()
+    again = _cpu._shim_include(flags)
+    assert again == first and Path(f"{again}.gch").is_file() and _cpu._intact(Path(f"{again}.gch"))
