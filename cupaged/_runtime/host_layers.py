@@ -1,7 +1,7 @@
 """The CPU backend's row-wise layers at float32 (``kernels_cu/host/layers.cpp``, part of the host library):
 RMSNorm, SwiGLU and the rotate-half rotary embedding, each row read once and written once, on the calling
-thread. The ``host=True`` paths of ``ops.layers`` on the CPU
-backend call them (C-contiguous float32 arrays, checked there).
+thread. The ``host=True`` paths of ``ops.layers`` on the CPU backend call them (C-contiguous float32 arrays,
+checked there).
 
 Each function builds its argument struct once and returns a zero-argument callable that runs the layer: what a
 CPU stream records, so a replay builds nothing and reads the arrays' contents (positions too) at every run.
