@@ -98,6 +98,10 @@ constexpr u32 kAlign = geom::mla_wgmma::kAlignBytes;  // the layout's start: a s
 constexpr u32 kRows = tc::kRows;
 constexpr u32 kRBlocks = kR / 64, kBlocks = kK / 64;  // 128-byte column blocks (8 latent, 9 in all)
 constexpr u32 kRotSteps = kP / 16;  // k-steps of the rotary part
+constexpr u32 kWarps = kThreads / 32;
+constexpr u32 kRowsPerWarp = kN / kWarps;  // the copy map: rows w + kWarps i of warp w
+constexpr u32 kHalfBlocks = kRBlocks / 2;  // a lane's two latent chunks: kHalfBlocks column blocks apart
+constexpr u32 kRotChunks = kP * 2 / 16;  // 16-byte chunks of a 16-bit rotary row
 constexpr u32 kColBytes = 64 * 128;  // one column block of 64 rows (or tokens)
 constexpr u32 kQBytes = kRBlocks * kColBytes;
 constexpr u32 kKBytes = kBlocks * kColBytes;
@@ -112,6 +116,8 @@ static_assert(kR == 512 && (kP == 64 || kP == 0), "LATENT_DIM 512, ROPE_DIM 64 o
 static_assert(kThreads == 2 * 128, "two warpgroups");
 static_assert(kRows == 64 && kN == 64, "m64 wgmma rows; S [64 x 32] per warpgroup over a tile of 64 tokens");
 static_assert(kAlign == 8 * 128, "a 128-byte swizzle atom: 8 rows of 128 B");
+static_assert(kWarps == 8 && kR / 8 == 2 * 32 && kRotChunks <= 32 && kP / 16 <= 32,
+              "the copy map: a warp's rows share r % 8; two latent chunks a lane");
 static_assert(sizeof(scalar_t) == 2 && (sizeof(kv_t) == sizeof(scalar_t) || kKvScaled),
               "f16 / bf16 q; caches of q's type or fp8");
 static_assert(kRawBytes % kAlign == 0, "P stays on a swizzle atom boundary");
@@ -233,73 +239,67 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
             if constexpr (!variant::kPlainScore)
                 srow[h] = sc.row(in ? rows.position(s) : 0u, head0 + (16 * warp4 + g + 8 * h - (in ? s : 0u) * ht));
         }
-        // Thread tid copies latent chunk tid % 64 of rows tid / 64 + 4 i (i < 16) and rotary chunk
-        // tid % 8 of rows tid / 8 + 32 i (i < 2): the same chunk column every tile, the swizzle
-        // known up to the row's parity of 4.
-        const u32 lch = tid & 63u, lr0 = tid >> 6, rch = tid & 7u, rr0 = tid >> 3;
-        unsigned char* const ldst0 = sK + (lch >> 3) * kColBytes + lr0 * 128 + (((lch & 7u) ^ lr0) << 4);
-        unsigned char* const ldst1 = sK + (lch >> 3) * kColBytes + lr0 * 128 + (((lch & 7u) ^ (lr0 + 4)) << 4);
-        unsigned char* const rdst = sK + kRBlocks * kColBytes + rr0 * 128 + ((rch ^ (rr0 & 7u)) << 4);
-        const kv_t* const k_lat = k_cache + lch * 8;  // this thread's chunk columns
-        const kv_t* const k_rl = k_rot + rch * 8;
+        // The copy map (also fp8's conversion map): warp w copies rows w + 8 i (i < 8) of a tile, lane l the
+        // 16-byte chunks l and l + 32 of a row's latent part and, l < kRotChunks, chunk l of its rotary part.
+        // Every row w + 8 i has r % 8 = w, so a lane's swizzled chunk position is the same in each of its
+        // rows: its destinations are one address plus constants (immediate offsets), its sources a row's
+        // offset, read once a row by the whole warp (a broadcast), plus the lane's column.
+        const u32 cw = tid >> 5;
+        unsigned char* const cdst = sK + (lane >> 3) * kColBytes + cw * 128 + (((lane & 7u) ^ cw) << 4);
         // The copies of the tile staged in sb into buffer b (its valid bits published): an invalid row's
         // offset is 0 (a row of page 0, never read: zero fill).
         auto issue = [&](u32 sb, u32 b) {
-            const u64 vb = (u64)s_sval[sb][0] | (u64)s_sval[sb][1] << 32;
+            const u64 vw = ((u64)s_sval[sb][0] | (u64)s_sval[sb][1] << 32) >> cw;  // row cw + 8 i: bit 8 i
             if constexpr (kKvScaled) {
-                // Raw codes, [kN][kK] bytes a tile: latent copy tid % 32 (16 codes) of rows tid / 32 + 8 i,
-                // rotary copy tid % kRotSteps of row tid / kRotSteps.
-                unsigned char* const raw = sRaw + b * kRawBytes;
-                constexpr u32 kLC = kR / 16;
-                const u32 c16 = tid % kLC;
+                // Raw codes, [kN][kK] bytes a tile: lane l copies codes 16 l .. 16 l + 15 of the latent part
+                // and, l < kP / 16, of the rotary part.
+                unsigned char* const raw = sRaw + b * kRawBytes + cw * kK + lane * 16;
 #pragma unroll
-                for (u32 i = 0; i < kN * kLC / kThreads; ++i) {
-                    const u32 r = tid / kLC + (kThreads / kLC) * i;
-                    ptx::cp_async_16(raw + r * kK + c16 * 16, k_cache + s_koff[sb][r] + c16 * 16, (vb >> r) & 1u);
-                }
-                if constexpr (kRotSteps > 0) {
-                    constexpr u32 kRC = kRotSteps ? kRotSteps : 1;  // (a discarded branch still compiles)
-                    static_assert(kRotSteps == 0 || kN * kRotSteps == kThreads, "one rotary copy a thread");
-                    const u32 r = tid / kRC, c = tid % kRC;
-                    ptx::cp_async_16(raw + r * kK + kR + c * 16, k_rot + s_roff[sb][r] + c * 16, (vb >> r) & 1u);
+                for (u32 i = 0; i < kRowsPerWarp; ++i) {
+                    const u32 r = cw + kWarps * i;
+                    const bool ok = (vw >> (kWarps * i)) & 1u;
+                    ptx::cp_async_16(raw + kWarps * i * kK, k_cache + s_koff[sb][r] + lane * 16, ok);
+                    if constexpr (kRotSteps > 0)
+                        if (lane < kP / 16)
+                            ptx::cp_async_16(raw + kWarps * i * kK + kR, k_rot + s_roff[sb][r] + lane * 16, ok);
                 }
             } else {
-                const u64 vl = vb >> lr0;  // row lr0 + 4 i: bit 4 i
+                unsigned char* const dst = cdst + b * kKBytes;
 #pragma unroll
-                for (u32 i = 0; i < kN / 4; ++i)
-                    ptx::cp_async_16((i & 1u ? ldst1 : ldst0) + b * kKBytes + 4 * i * 128,
-                                     k_lat + s_koff[sb][lr0 + 4 * i], (vl >> (4 * i)) & 1u);
-                if constexpr (kRotSteps > 0) {
-                    const u64 vr = vb >> rr0;  // row rr0 + 32 i: bit 32 i
-#pragma unroll
-                    for (u32 i = 0; i < kN / 32; ++i)
-                        ptx::cp_async_16(rdst + b * kKBytes + 32 * i * 128, k_rl + s_roff[sb][rr0 + 32 * i],
-                                         (vr >> (32 * i)) & 1u);
+                for (u32 i = 0; i < kRowsPerWarp; ++i) {
+                    const u32 r = cw + kWarps * i;
+                    const bool ok = (vw >> (kWarps * i)) & 1u;
+                    const kv_t* const src = k_cache + s_koff[sb][r] + lane * 8;
+                    ptx::cp_async_16(dst + kWarps * i * 128, src, ok);
+                    ptx::cp_async_16(dst + kWarps * i * 128 + kHalfBlocks * kColBytes, src + kHalfBlocks * 64, ok);
+                    if constexpr (kRotSteps > 0)
+                        if (lane < kRotChunks)  // lane >> 3 == 0: cdst is in column block 0
+                            ptx::cp_async_16(dst + kWarps * i * 128 + kRBlocks * kColBytes,
+                                             k_rot + s_roff[sb][r] + lane * 8, ok);
                 }
             }
         };
         auto compute = [&](u32 b, u32 t0, auto&& next_copies) {
             if constexpr (kKvScaled) {
-                // The tile's codes into the swizzled 16-bit tile (exactly): 8 codes make a 16-byte chunk;
-                // latent chunk lch of rows lr0 + 4 i, rotary chunk rch of rows rr0 + 32 i (the issue's map).
-                const unsigned char* const raw = sRaw + b * kRawBytes;
-#pragma unroll 4
-                for (u32 i = 0; i < kN / 4; ++i) {
-                    const uint2 x = *reinterpret_cast<const uint2*>(raw + (lr0 + 4 * i) * kK + lch * 8);
+                // The tile's codes into the swizzled 16-bit tile (exactly), on the copy map: 8 codes make a
+                // 16-byte chunk; lane l converts latent chunks l and l + 32 and rotary chunk l (l < kRotChunks)
+                // of rows cw + 8 i.
+                const unsigned char* const raw = sRaw + b * kRawBytes + cw * kK + lane * 8;
+                auto convert = [&](const unsigned char* from, unsigned char* to) {
+                    const uint2 x = *reinterpret_cast<const uint2*>(from);
                     uint4 y;
                     fp8::x4_to<scalar_t, kv_t>(x.x, y.x, y.y);
                     fp8::x4_to<scalar_t, kv_t>(x.y, y.z, y.w);
-                    *reinterpret_cast<uint4*>((i & 1u ? ldst1 : ldst0) + 4 * i * 128) = y;
-                }
-                if constexpr (kRotSteps > 0) {
-#pragma unroll
-                    for (u32 i = 0; i < kN / 32; ++i) {
-                        const uint2 x = *reinterpret_cast<const uint2*>(raw + (rr0 + 32 * i) * kK + kR + rch * 8);
-                        uint4 y;
-                        fp8::x4_to<scalar_t, kv_t>(x.x, y.x, y.y);
-                        fp8::x4_to<scalar_t, kv_t>(x.y, y.z, y.w);
-                        *reinterpret_cast<uint4*>(rdst + 32 * i * 128) = y;
-                    }
+                    *reinterpret_cast<uint4*>(to) = y;
+                };
+#pragma unroll 4
+                for (u32 i = 0; i < kRowsPerWarp; ++i) {
+                    const unsigned char* const from = raw + kWarps * i * kK;
+                    unsigned char* const to = cdst + kWarps * i * 128;
+                    convert(from, to);
+                    convert(from + kHalfBlocks * 64, to + kHalfBlocks * kColBytes);
+                    if constexpr (kRotSteps > 0)
+                        if (lane < kRotChunks) convert(from + kR, to + kRBlocks * kColBytes);
                 }
                 ptx::fence_proxy_async_shared();
                 __syncthreads();
