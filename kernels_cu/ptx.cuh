@@ -348,6 +348,10 @@ __device__ __forceinline__ void cp_async_wait() {
 enum : u32 { kSwizzleNone = 0u, kSwizzle128B = 1u, kSwizzle64B = 2u, kSwizzle32B = 3u };
 
 __device__ __forceinline__ u64 wgmma_encode(u32 x) { return (u64)((x & 0x3FFFFu) >> 4); }
+// Descriptor d with its start address moved by off 16-byte units: a 32-bit add (the start address field,
+// bits 0-13, stays below 2^14 for shared memory: no carry out of the low word), so a descriptor kept in
+// uniform registers stays there (a 64-bit add costs a carry chain and the moves back to uniform registers).
+__device__ __forceinline__ u64 wgmma_desc_at(u64 d, u32 off) { return (u64)(u32)(d >> 32) << 32 | (u32)((u32)d + off); }
 
 // This thread's shared-memory writes (st.shared, and cp.async copies once
 // waited for: generic-proxy writes) made visible to the async proxy that

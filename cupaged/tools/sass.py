@@ -1146,17 +1146,36 @@ def hot_loop(fn: Function) -> HotLoop | None:
         up = [j for j, o in enumerate(inner) if c.blocks < o.blocks]
         parents[k] = (1 + max(up, key=lambda j: inner[j].depth)) if up else 0
     own_blocks = set(best.blocks) - set().union(*(c.blocks for c in inner))
+    dom = dominators(cfg)
+    # Cold branches: a block of the loop's own that holds a cold-path marker (PMTRIG: ptx::cold_path, code
+    # that runs only on rare inputs) and every block of the loop it dominates, a region of its own (its rate
+    # from the counters' marks, 0 when the probe never took it) instead of counted once per iteration;
+    # loops inside it are its children. Only the outermost of nested cold branches.
+    marks = [
+        b
+        for b in sorted(own_blocks & warm)
+        if any(fn.instrs[i].base == "PMTRIG" for i in range(cfg.blocks[b].start, cfg.blocks[b].end))
+    ]
+    cold = {m: {b for b in best.blocks if m in dom[b]} for m in marks if m != best.header}
+    cold = {m: d for m, d in cold.items() if not any(m in d2 for m2, d2 in cold.items() if m2 != m)}
+    loop_own = set(own_blocks)
+    own_blocks -= set().union(*cold.values())
     regions = [_region(fn, cfg, own_blocks, best.depth, -1, warm)]
+    cold_index = {m: 1 + len(inner) + k for k, m in enumerate(cold)}
     for k, c in enumerate(inner):
         mine = set(c.blocks) - set().union(*(g.blocks for g in _all_inside(c)))
-        regions.append(_region(fn, cfg, mine, c.depth, parents[k], warm))
+        parent = parents[k]
+        if parent == 0:  # directly inside the hot loop: inside a cold branch, that branch's child
+            parent = next((cold_index[m] for m, d in cold.items() if c.header in d), 0)
+        regions.append(_region(fn, cfg, mine, c.depth, parent, warm))
+    for d in cold.values():
+        regions.append(_region(fn, cfg, d & loop_own, best.depth + 1, 0, warm))
     offs = [fn.instrs[i].offset for b in best.blocks for i in range(cfg.blocks[b].start, cfg.blocks[b].end)]
     outside = {
         b
         for b in warm - set(best.blocks)
         if not any(fn.instrs[i].base == "PMTRIG" for i in range(cfg.blocks[b].start, cfg.blocks[b].end))
     }
-    dom = dominators(cfg)
     pro_len, flow = _paths(fn, cfg, dom, outside, [0] if 0 in outside else [], stop=best.header)
     exits = sorted({s for b in best.blocks for s in cfg.blocks[b].succs if s in outside})
     epi_len, _ = _paths(fn, cfg, dom, outside, exits)

@@ -122,10 +122,6 @@ static_assert(sizeof(scalar_t) == 2 && (sizeof(kv_t) == sizeof(scalar_t) || kKvS
               "f16 / bf16 q; caches of q's type or fp8");
 static_assert(kRawBytes % kAlign == 0, "P stays on a swizzle atom boundary");
 
-// Descriptor d with its start address moved by off 16-byte units: a 32-bit add (the start address field,
-// bits 0-13, stays below 2^14 for shared memory: no carry out of the low word).
-__device__ __forceinline__ u64 desc_at(u64 d, u32 off) { return (u64)(u32)(d >> 32) << 32 | (u32)((u32)d + off); }
-
 // Byte offset of 16-byte chunk c (0 .. 7) of row r in a 128-byte-swizzled column block.
 __device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7u)) << 4); }
 
@@ -323,11 +319,13 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
 #pragma unroll
             for (u32 ks = 0; ks < kR / 16; ++ks) {
                 const u32 k_off = ((ks >> 2) * kColBytes + (ks & 3u) * 32) >> 4;
-                ptx::wgmma_ss<scalar_t, 32, 0, 0>(s, desc_at(dq, k_off), desc_at(dk, k_off), ks > 0);
+                ptx::wgmma_ss<scalar_t, 32, 0, 0>(s, ptx::wgmma_desc_at(dq, k_off), ptx::wgmma_desc_at(dk, k_off),
+                                                  ks > 0);
             }
 #pragma unroll
             for (u32 kr = 0; kr != kRotSteps; ++kr)
-                ptx::wgmma_rs<scalar_t, 32, 0>(s, qr[kr], desc_at(dk, (kRBlocks * kColBytes + kr * 32) >> 4), true);
+                ptx::wgmma_rs<scalar_t, 32, 0>(s, qr[kr], ptx::wgmma_desc_at(dk, (kRBlocks * kColBytes + kr * 32) >> 4),
+                                               true);
             ptx::wgmma_commit();
             next_copies();  // the next tile's copies issue while the tensor cores compute S
             ptx::wgmma_wait<0>();
@@ -385,6 +383,7 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
             // products below add the finite rest (masked P is 0, and 0 x a finite value is 0).
             bool bad = false;
             if (mixed) {
+                ptx::cold_path();
 #pragma unroll 1
                 for (u32 c = tid; c < kN * kRBlocks * 8; c += kThreads) {  // every 16-byte chunk of the values
                     ptx::cold_path();
@@ -397,6 +396,7 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
                 __syncthreads();  // sP complete
             }
             if (bad) {
+                ptx::cold_path();
 #pragma unroll 1
                 for (u32 tok = 0; tok < kN; ++tok) {
                     ptx::cold_path();
@@ -443,8 +443,8 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
             ptx::wgmma_fence();
 #pragma unroll
             for (u32 kk = 0; kk < kN / 16; ++kk)
-                ptx::wgmma_ss<scalar_t, 256, 0, 1>(o, desc_at(dp, (32 * kk) >> 4), desc_at(dv, (16 * kk * 128) >> 4),
-                                                   true);
+                ptx::wgmma_ss<scalar_t, 256, 0, 1>(o, ptx::wgmma_desc_at(dp, (32 * kk) >> 4),
+                                                   ptx::wgmma_desc_at(dv, (16 * kk * 128) >> 4), true);
             ptx::wgmma_commit();  // waited for at the next tile's top (or after the pass): o is not touched before
         };
         // ---- the ring: tile j computes in buffer j % 2 while tile j + 1's copies are in flight ----

@@ -9,12 +9,13 @@
 //
 // NOT SELECTED YET: its spec (prefill_wgmma.PREFILL_WGMMA) is not in SPECS, so selection never picks it and the
 // NVRTC gate does not cover it; only tests/attention/test_prefill_wgmma.py runs it (against float64). Modeled
-// (python -m cupaged.tools.perf_model, pessimistic end, D 128 causal 1x4096 on H200) at 216 TFLOP/s, below
-// paged_prefill_tc's 240: with the two warpgroups taking turns and P V overlapping the softmax the tensor wait is
-// gone, but each warp still issues ~840 instructions a tile, and the ring's block barrier starts both
-// warpgroups together every tile (the second waits for the first's products). What is left of issue #21's FA3
-// schedule: a producer warp filling the ring through full / empty barriers (no block barrier a tile, no copies
-// or page walk in the consumers), setmaxnreg for the register split (warpgroup.cuh), then SPECS and the gate.
+// (python -m cupaged.tools.perf_model, pessimistic end, H200, D 128) at 245 TFLOP/s causal 1x4096 and 251
+// chunked 4x2048, beside paged_prefill_tc's 240 and 277: with the two warpgroups taking turns and P V
+// overlapping the softmax the tensor wait is gone, but each warp still issues ~750 instructions a tile, and the
+// ring's block barrier starts both warpgroups together every tile (the second waits for the first's products).
+// What is left of issue #21's FA3 schedule: a producer warp filling the ring through full / empty barriers (no
+// block barrier a tile, no copies or page walk in the consumers), setmaxnreg for the register split
+// (warpgroup.cuh), then SPECS and the gate.
 //
 // paged_prefill_wgmma: f16 / bf16 q, D == Dv == HEAD_DIM (64, 128, 256),
 //   caches of q's type or fp8 codes (e4m3 / e5m2, k_scale / v_scale per
@@ -146,6 +147,8 @@ struct First {  // compute's third argument: the pass's first tile (no deferred 
 struct Later {  // ... or a later one
     static constexpr bool kFirst = false;
 };
+// The page walk has no division in the loop: thread tid < kN keeps the page-table column and slot of its token
+// of the next tile to fetch and advances them by kN tokens a tile (the pass's one division is its first token's).
 template <u32 kN, u32 kS, typename Issue, typename Compute, typename Finish>
 __device__ __forceinline__ void ring_keep(tc::Ring<kN, kS>& st, const u32* __restrict__ table, u32 lo, u32 hi,
                                           u32 page_size, u32 num_pages, Issue&& issue, Compute&& compute,
@@ -154,13 +157,17 @@ __device__ __forceinline__ void ring_keep(tc::Ring<kN, kS>& st, const u32* __res
     constexpr u32 kWords = tc::Ring<kN, kS>::kWords, kAhead = kS - 2;  // tiles issued ahead of the computing one
     const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
     u32 raw = tc::kNone, slot = 0;  // token tid of a later tile: page-table word (kNone past hi) and slot
-    auto fetch = [&](u32 t) {
-        raw = tc::kNone;
-        slot = 0;
-        if (tid < kN && t < hi) {
-            const u32 j = t / page_size;
-            raw = table[j];
-            slot = t - j * page_size;
+    const u32 step_j = kN / page_size, step_s = kN - step_j * page_size;
+    u32 tok = lo + tid, pj = tok / page_size, psl = tok - pj * page_size;  // the next token to fetch
+    auto fetch = [&] {
+        raw = (tid < kN && tok < hi) ? table[pj] : tc::kNone;
+        slot = psl;
+        tok += kN;
+        pj += step_j;
+        psl += step_s;
+        if (psl >= page_size) {
+            psl -= page_size;
+            ++pj;
         }
     };
     auto stage = [&](u32 sb) -> bool {
@@ -176,11 +183,11 @@ __device__ __forceinline__ void ring_keep(tc::Ring<kN, kS>& st, const u32* __res
     };
     const u32 ntiles = (hi - lo + kN - 1) / kN;
     __syncthreads();  // the previous pass is done with every buffer and the staging arrays
-    fetch(lo + tid);
+    fetch();
 #pragma unroll
     for (u32 i = 0; i < kAhead; ++i) {
         const bool ok = stage(i & 1u);
-        fetch(lo + (i + 1) * kN + tid);
+        fetch();
         __syncthreads();
         if (i < ntiles) {
             publish(i, ok);
@@ -192,7 +199,7 @@ __device__ __forceinline__ void ring_keep(tc::Ring<kN, kS>& st, const u32* __res
         const u32 n = j + kAhead;
         const u32 b = j % kS, nb = n % kS;  // nb: the buffer of tile j - 2, done with
         const bool ok = stage(n & 1u);
-        fetch(lo + (n + 1) * kN + tid);
+        fetch();
         ptx::cp_async_wait<kAhead - 1>();  // tile j has landed
         ptx::fence_proxy_async_shared();
         __syncthreads();  // tile j visible; every warp is past tile j - 1's S and tile j - 2's P V
@@ -292,7 +299,10 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
     const u64 kh = (u64)kvh * p.k_stride_head, vh = (u64)kvh * p.v_stride_head;
     // The operand descriptors of Q (this warpgroup's rows), the first K and V tiles (K-major / N-major); a
     // tile's own adds its byte offset >> 4 (the start address field), as the k-steps do.
-    const u64 dq = ptx::wgmma_desc(sQ + wg * kWgRows * 128, 16, 1024, kSw);
+    // The warpgroup broadcast from lane 0, so that the compiler keeps the descriptors built from it in uniform
+    // registers (and they move by 32-bit adds: ptx::wgmma_desc_at).
+    const u32 wgu = __shfl_sync(CP_FULL_MASK, wg, 0);
+    const u64 dq = ptx::wgmma_desc(sQ + wgu * kWgRows * 128, 16, 1024, kSw);
     const u64 dk0 = ptx::wgmma_desc(sK, 16, 1024, kSw), dv0 = ptx::wgmma_desc(sV, kTCol, 1024, kSw);
 
     tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
@@ -333,6 +343,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
         // and a token its row sees (P of the tile: pa_, the rows' visible tokens: vis_); then those elements
         // become 0 in the tile vt_, and the products add the finite rest. O is not in flight here.
         auto fix_values = [&](const u32(&pa_)[kPSteps][4], const u64(&vis_)[2], unsigned char* vt_) {
+            ptx::cold_path();
 #pragma unroll
             for (u32 kk = 0; kk < kPSteps; ++kk) {
 #pragma unroll 1
@@ -378,10 +389,10 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
         };
         // O [64 x D] += P V of a tile: P from registers, V N-major from the tile vt_ (issued, not committed).
         auto issue_pv = [&](const u32(&pa_)[kPSteps][4], const unsigned char* vt_) {
-            const u64 dv = dv0 + ((vt_ - sV) >> 4);
+            const u64 dv = ptx::wgmma_desc_at(dv0, (u32)(vt_ - sV) >> 4);
 #pragma unroll
             for (u32 kk = 0; kk < kPSteps; ++kk)
-                ptx::wgmma_rs<v16_t, kD, 1>(o, pa_[kk], dv + ((16 * kk * 128) >> 4), true);
+                ptx::wgmma_rs<v16_t, kD, 1>(o, pa_[kk], ptx::wgmma_desc_at(dv, (16 * kk * 128) >> 4), true);
         };
         // The deferred tile (kDefer): its P, visible tokens, V tile, whether its V tile needs fix_values.
         u32 pa_prev[kPSteps][4];
@@ -428,6 +439,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
             // warpgroup's turn (bad: block-uniform); the rows that see such an element add it below.
             bool bad = false;
             if (__syncthreads_or(miss)) {
+                ptx::cold_path();
                 bool any = false;
 #pragma unroll 1
                 for (u32 c = tid; c < kTileBytes / 16; c += kThreads) {  // every 16-byte chunk of the values
@@ -442,15 +454,16 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
             // ---- S [64 x 64] = Q K^T of this warpgroup's rows, in its turn ----
             float s[kN / 2];
             // Descriptors move along K by adding the byte offset >> 4 to the start address field.
-            const u64 dk = dk0 + ((kt - sK) >> 4);
+            const u64 dk = ptx::wgmma_desc_at(dk0, (u32)(kt - sK) >> 4);
             if constexpr (kPrev)
                 if (bad_prev) fix_values(pa_prev, vis_prev, vt_prev);  // block-uniform
             take_turn();
             ptx::wgmma_fence();
 #pragma unroll
             for (u32 ks = 0; ks < kKSteps; ++ks)
-                ptx::wgmma_ss<scalar_t, kN, 0, 0>(s, dq + (((ks >> 2) * kQCol + (ks & 3u) * 32) >> 4),
-                                                  dk + (((ks >> 2) * kTCol + (ks & 3u) * 32) >> 4), ks > 0);
+                ptx::wgmma_ss<scalar_t, kN, 0, 0>(s, ptx::wgmma_desc_at(dq, ((ks >> 2) * kQCol + (ks & 3u) * 32) >> 4),
+                                                  ptx::wgmma_desc_at(dk, ((ks >> 2) * kTCol + (ks & 3u) * 32) >> 4),
+                                                  ks > 0);
             ptx::wgmma_commit();
             if constexpr (kDefer) {
                 // In the same turn, the previous tile's P V (its V tile kept by the ring): it runs on the tensor

@@ -434,3 +434,54 @@ def test_a_block_barrier_in_a_pingpong_loop_starts_the_warpgroups_together():
     t_block = group_time(S_GROUP, pt, warps) + group_time(PV_GROUP, pt, warps)
     want = max(chain, t_block, (pre + post + rest) * 2 / pt.sched_ipc / pt.clock_hz)
     assert it["total"] == pytest.approx(want, rel=1e-9) and chain > t_block
+
+
+def test_a_cold_branch_is_a_region_of_its_own_that_the_probe_rates():
+    """Defect 8, its pessimistic side: a branch that runs only on rare inputs
+    (ptx::cold_path at its top: PMTRIG) and the blocks it dominates (here a
+    block barrier and 20 instructions) form a region of their own, rated by
+    the counters' cold-path marks (0 when the probe never took it), not
+    counted once per iteration; the join after it stays in the loop's own."""
+
+    def text(n_cold):
+        rows = (
+            [
+                "S2R R0, SR_TID.X",
+                None,
+                "LDG.E.128 R4, desc[UR4][R2.64]",
+                "FFMA R8, R4, R5, R8",
+                "ISETP.NE.AND P3, PT, R7, RZ, PT",
+                "@!P3 BRA `(.L_x_5)",
+                "PMTRIG 0x80",
+                "BAR.SYNC.DEFER_BLOCKING 0x0",
+            ]
+            + ["IADD3 R6, R6, 0x1, RZ"] * n_cold
+            + [
+                "BRA `(.L_x_5)",
+                None,
+                "FADD R8, R8, R9",
+                "ISETP.NE.AND P2, PT, R0, R1, PT",
+                "@P2 BRA `(.L_x_0)",
+                "EXIT",
+                None,
+                "BRA `(.L_x_1)",
+            ]
+        )
+        labels = iter([".L_x_0:", ".L_x_5:", ".L_x_1:"])
+        out, off = [".text.k:"], 0
+        for r in rows:
+            if r is None:
+                out.append(next(labels))
+                continue
+            out.append(f"        /*{off:04x}*/                   {r} ;")
+            off += 0x10
+        return "\n".join(out)
+
+    hot = hot_of(text(20))
+    own, cold = hot.regions
+    assert cold.pmtrig == 1 and cold.bars == 1 and cold.instructions == 1 + 1 + 20 + 1 and cold.parent == 0
+    assert own.bars == 0 and own.pmtrig == 0 and own.classes.get("fp32") == 2  # FFMA, and the join's FADD
+    never = model.solve_rates(hot, 512.0, None, None, cold_per_token=0.0)
+    assert never.y[1] == 0 and never.iter_instr == own.instructions
+    often = model.solve_rates(hot, 512.0, None, None, cold_per_token=0.25)  # a warp's every 4th token
+    assert often.y[1] == pytest.approx(0.25) and often.y[0] == pytest.approx(1.0)
