@@ -331,15 +331,18 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
             ptx::wgmma_wait<0>();
             ptx::wgmma_fence_operand(s);
 
-            // Scale into the log2 domain, the score hook, mask; this half's row maxima.
+            // Scale into the log2 domain, the score hook, mask; this half's row maxima. The plain score keeps S
+            // unscaled up to exp2(S qscale - m) (one FFMA; qscale > 0 keeps the max), as paged_prefill_wgmma.
+            constexpr bool kLate = variant::kPlainScore;
+            const float late = kLate ? qscale : 1.0f;
             float mx[2] = {neg_inf(), neg_inf()};
             // This lane's visible bits from its first column 32 wg + 2 tq: column c of the tile at bit c - that.
             const u32 vlane[2] = {(u32)(vis[0] >> (32 * wg + 2 * tq)), (u32)(vis[1] >> (32 * wg + 2 * tq))};
 #pragma unroll
             for (u32 i = 0; i < 16; ++i) {
                 const u32 h = (i >> 1) & 1u, dc = 8 * (i >> 2) + (i & 1u), col = 32 * wg + 2 * tq + dc;
-                float v = s[i] * qscale;
-                if constexpr (!variant::kPlainScore) v = variant::score(sc, srow[h], v, t0 + col);
+                float v = s[i];
+                if constexpr (!kLate) v = variant::score(sc, srow[h], v * qscale, t0 + col);
                 s[i] = ((vlane[h] >> dc) & 1u) ? v : neg_inf();
                 mx[h] = fmaxf(mx[h], s[i]);
             }
@@ -357,13 +360,13 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) {
                 const u32 r = 16 * warp4 + g + 8 * h;
-                alpha[h] = sm[h].raise(fmaxf(s_max[r], s_max[kRows + r]));
+                alpha[h] = sm[h].raise(fmaxf(s_max[r], s_max[kRows + r]) * late);
                 const float mu = sm[h].offset();
                 float ps = 0.0f;
 #pragma unroll
                 for (u32 i = 0; i < 16; ++i)
                     if (((i >> 1) & 1u) == h) {
-                        s[i] = exp2f(s[i] - mu);
+                        s[i] = exp2f(fmaf(s[i], late, -mu));
                         ps += s[i];
                     }
                 sm[h].add(alpha[h], ps);  // this lane's part of its half of the row sum
