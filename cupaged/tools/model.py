@@ -679,6 +679,17 @@ def _region_time(r: _sass.Region, t: float, w: int, wg_sm: float, smem_bw: float
     return one_pass(carry)[0]
 
 
+def dependent_wait(r: _sass.Region, latency: float, t: float) -> float:
+    """What one execution of region ``r`` waits for its dependent word loads
+    (seconds): per round trip the load's ``latency`` less the issue of the
+    instructions between the load and its first use (``Region.dep_gaps``,
+    ``t`` seconds each), which in-order issue overlaps with it; a round trip
+    without a known gap waits the whole latency."""
+    gaps = list(r.dep_gaps)[: r.dep_levels]
+    gaps += [0] * (r.dep_levels - len(gaps))
+    return sum(max(0.0, latency - g * t) for g in gaps)
+
+
 def iteration_parts(
     hot: _sass.HotLoop, rates: Rates, pt: _archs.Point, warps: int, *, wgmma_rate: float | None = None
 ) -> dict:
@@ -690,7 +701,8 @@ def iteration_parts(
     wait that leaves its newest N groups in flight (``wait_group N``)
     overlapping them with what follows (``_region_time``; an mma.sync
     segment: the longer of its issue, its HMMA time and its shared-memory
-    time, which overlap); block barriers and the dependent word loads add.
+    time, which overlap); block barriers and the dependent word loads add (a
+    load its latency less the issue between it and its use: dependent_wait).
     The warp issues at ``max(1 / warp_ipc, k / sched_ipc)`` clocks per
     instruction, k of the block's warps sharing its scheduler.
 
@@ -733,7 +745,7 @@ def iteration_parts(
         parts["issue"] += per * n_issue * t_own
         parts["tensor"] += per * (seg_t - n_issue * t_own)
         parts["barriers"] += per * r.bars * pt.bar_clk / clk
-        parts["dependent loads"] += per * r.dep_levels * pt.dep_load_s
+        parts["dependent loads"] += per * dependent_wait(r, pt.dep_load_s, t_own)
         block["tensor"] += per * sum(seg[3] * warps / wg_sm + seg[2] * warps / mma_sm for seg in r.segments)
         block["smem"] += per * sum((seg[4] + seg[5]) * warps / smem_bw for seg in r.segments)
         block["issue"] += per * n_issue * k / pt.sched_ipc / clk

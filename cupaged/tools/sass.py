@@ -591,6 +591,7 @@ class Region:
     arrives: int = 0  # BAR.ARV (arrive on a named barrier, no wait)
     named_threads: int = 0  # the largest constant thread count of a named barrier (0: none)
     dep_levels: int = 0  # dependent scalar global-load round trips in one pass
+    dep_gaps: list = field(default_factory=list)  # per such round trip: instructions between the load and its use
     ring_wait: int = -1  # N of the cp.async wait (DEPBAR.LE SB0, N) in the region, -1: none
     commit_after_wait: bool = False  # the region's cp.async commit (LDGDEPBAR) follows that wait
     skipped: int = 0  # instructions on skipped paths (BRA.DIV slow paths) left out
@@ -898,6 +899,9 @@ class Flow:
     groups: list = field(default_factory=list)  # committed, oldest first
     first_wide: int = -1  # level at which the first wide load / copy issued
     first_wait: int = -1  # level after the first cp.async wait
+    n: int = 0  # instructions seen (issued, or waiting to) so far
+    issued_at: dict = field(default_factory=dict)  # register -> the instruction count at its global load's issue
+    gaps: list = field(default_factory=list)  # per level the stream waited for: instructions from the load to that use
 
 
 def dataflow(ins: list, flow: Flow | None = None, *, wide: int = 1, scalar: int = 1) -> Flow:
@@ -921,8 +925,14 @@ def dataflow(ins: list, flow: Flow | None = None, *, wide: int = 1, scalar: int 
         for t, w in srcs:
             for r in _regs(t, w):
                 need = max(need, f.ready.get(r, 0))
+        if need > f.level:
+            # the wait for a load's value: the instructions issued since that load overlap its latency
+            src = [f.issued_at.get(r) for t, w in srcs for r in _regs(t, w) if f.ready.get(r, 0) == need]
+            known = [k for k in src if k is not None]
+            f.gaps += [f.n - max(known) if known else 0] * (need - f.level)
         f.level = max(f.level, need)
         lvl = f.level
+        f.n += 1
         if i.pred == "@!PT":
             continue
         if i.base in ("LDGSTS", "UBLKCP", "UTMALDG"):
@@ -952,6 +962,8 @@ def dataflow(ins: list, flow: Flow | None = None, *, wide: int = 1, scalar: int 
             if big and f.first_wide < 0:
                 f.first_wide = lvl
             val = lvl + (wide if big else scalar)
+            for r in _regs(t, w, n):
+                f.issued_at[r] = f.n
         elif i.base in ("LDS", "LDSM"):
             val = max(lvl, f.smem)
         else:
@@ -969,6 +981,7 @@ def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int, warm: set |
         order = [b for b in order if b in warm]
     ins = [fn.instrs[i] for b in order for i in range(cfg.blocks[b].start, cfg.blocks[b].end)]
     cls = Counter(classify(i) for i in ins)
+    flow = dataflow(ins, wide=0)
     glob = [i for i in ins if i.base in ("LDG", "LD", "LDGSTS", "UBLKCP", "UTMALDG")]
     wait, commit_after = -1, False
     for k, i in enumerate(ins):
@@ -999,7 +1012,8 @@ def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int, warm: set |
         named_syncs=sum(1 for i in ins if _is_bar_wait(i) and is_named_barrier(i)),
         arrives=sum(1 for i in ins if i.base == "BAR" and ".ARV" in i.opcode),
         named_threads=max((named_barrier_threads(i) for i in ins if is_named_barrier(i)), default=0),
-        dep_levels=dataflow(ins, wide=0).level,
+        dep_levels=flow.level,
+        dep_gaps=flow.gaps,
         ring_wait=wait,
         commit_after_wait=commit_after,
         skipped=skipped,

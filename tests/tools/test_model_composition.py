@@ -485,3 +485,30 @@ def test_a_cold_branch_is_a_region_of_its_own_that_the_probe_rates():
     assert never.y[1] == 0 and never.iter_instr == own.instructions
     often = model.solve_rates(hot, 512.0, None, None, cold_per_token=0.25)  # a warp's every 4th token
     assert often.y[1] == pytest.approx(0.25) and often.y[0] == pytest.approx(1.0)
+
+
+def test_a_dependent_load_waits_only_for_what_the_issue_before_its_use_leaves():
+    """Defect 3, refined: a word loaded inside an iteration stalls the warp
+    by its latency less the issue of the instructions between the load and
+    its first use (in-order issue runs them meanwhile): used at once, the
+    whole latency; used after enough independent work, nothing."""
+
+    def body(gap):
+        return (
+            ["LDG.E R7, desc[UR4][R16.64]"]
+            + ["FFMA R8, R8, R9, R10"] * gap
+            + ["IMAD.WIDE R12, R7, 0x100, R14", "LDGSTS.E.BYPASS.128 [R20], desc[UR4][R12.64]", "LDGDEPBAR"]
+        )
+
+    pt = SM90.point("pess")
+    t_own = max(1 / pt.warp_ipc, 4 / pt.sched_ipc) / pt.clock_hz  # 16 warps: 4 a scheduler
+    waits = {}
+    for gap in (0, 40, 4000):
+        own = hot_of(listing(body(gap))).regions[0]
+        assert own.dep_levels == 1 and own.dep_gaps == [gap]
+        waits[gap] = model.dependent_wait(own, pt.dep_load_s, t_own)
+        lm = launch(hot_of(listing(body(gap))), threads=512, grid=2 * SM90.sms, tokens=64, bpt=16 * 512)
+        assert lm.iteration["dependent loads"] == pytest.approx(waits[gap])
+    assert waits[0] == pytest.approx(pt.dep_load_s)
+    assert waits[40] == pytest.approx(pt.dep_load_s - 40 * t_own) and 0 < waits[40] < pt.dep_load_s
+    assert waits[4000] == 0
