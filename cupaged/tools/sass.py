@@ -1101,6 +1101,11 @@ def _paths(fn: Function, cfg: Cfg, dom: list, allowed: set, starts: list, stop: 
     return max(length[b] for b in ends), _join([state[b] for b in ends])
 
 
+def _marked_cold(fn: Function, cfg: Cfg, b: int) -> bool:
+    """Block ``b`` holds a cold-path marker (PMTRIG: ``ptx::cold_path``)."""
+    return any(fn.instrs[i].base == "PMTRIG" for i in range(cfg.blocks[b].start, cfg.blocks[b].end))
+
+
 def hot_loop(fn: Function) -> HotLoop | None:
     """The K/V streaming loop of ``fn``. Among the loops holding a 128-bit
     global load or copy, the one with the most instructions of its own,
@@ -1165,11 +1170,7 @@ def hot_loop(fn: Function) -> HotLoop | None:
     # that runs only on rare inputs) and every block of the loop it dominates, a region of its own (its rate
     # from the counters' marks, 0 when the probe never took it) instead of counted once per iteration;
     # loops inside it are its children. Only the outermost of nested cold branches.
-    marks = [
-        b
-        for b in sorted(own_blocks & warm)
-        if any(fn.instrs[i].base == "PMTRIG" for i in range(cfg.blocks[b].start, cfg.blocks[b].end))
-    ]
+    marks = [b for b in sorted(own_blocks & warm) if _marked_cold(fn, cfg, b)]
     cold = {m: {b for b in best.blocks if m in dom[b]} for m in marks if m != best.header}
     cold = {m: d for m, d in cold.items() if not any(m in d2 for m2, d2 in cold.items() if m2 != m)}
     loop_own = set(own_blocks)
@@ -1185,11 +1186,7 @@ def hot_loop(fn: Function) -> HotLoop | None:
     for d in cold.values():
         regions.append(_region(fn, cfg, d & loop_own, best.depth + 1, 0, warm))
     offs = [fn.instrs[i].offset for b in best.blocks for i in range(cfg.blocks[b].start, cfg.blocks[b].end)]
-    outside = {
-        b
-        for b in warm - set(best.blocks)
-        if not any(fn.instrs[i].base == "PMTRIG" for i in range(cfg.blocks[b].start, cfg.blocks[b].end))
-    }
+    outside = {b for b in warm - set(best.blocks) if not _marked_cold(fn, cfg, b)}
     pro_len, flow = _paths(fn, cfg, dom, outside, [0] if 0 in outside else [], stop=best.header)
     exits = sorted({s for b in best.blocks for s in cfg.blocks[b].succs if s in outside})
     epi_len, _ = _paths(fn, cfg, dom, outside, exits)
