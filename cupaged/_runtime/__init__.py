@@ -10,7 +10,7 @@ Ops import from here; nothing here imports an op or a public concept.
 from __future__ import annotations
 
 from . import archs, checks, registry
-from .archs import cpu_arch_override, device_arch, launchable
+from .archs import cpu_arch, cpu_arch_override, device_arch, launchable
 from .arrays import CPU, GPU, address, array_backend, backend_of, device_id, empty, xp_of, zeros
 from .dispatch import get_kernel, multiprocessor_count, stream_for
 from .registry import register
@@ -37,6 +37,7 @@ __all__ = [
     "CpuStream",
     "check_not_capturing",
     "archs",
+    "cpu_arch",
     "cpu_arch_override",
     "device_arch",
     "launchable",

@@ -18,7 +18,6 @@ when it does not.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import dtypes
-from .._runtime import cpu_arch_override, get_kernel
+from .._runtime import cpu_arch, cpu_arch_override, get_kernel
 from .._runtime import source as _source
 from .._runtime.cpu import CpuModule
 from ..ops.attention import plan_launches
@@ -214,9 +213,11 @@ def probe(
     block, one KV head with its whole group (``hq // hkv`` query heads),
     non-causal, at each of ``lengths`` tokens (caches of ``kv_dtype``, an
     fp8 format, when given, else of ``dtype``), on the CPU backend standing
-    in for ``arch`` (so it runs the build that arch selects); cached on disk
-    by the kernel source and the probe shape. ProbeError when the CPU module
-    has no counters or the probe plan selects another kernel."""
+    in for ``arch`` (so it runs the build that arch selects; None: the arch
+    the CPU backend stands in for, ``cpu_arch()``); cached on disk by the
+    kernel source and the probe shape. ProbeError when the CPU module has no
+    counters or the probe plan selects another kernel."""
+    arch = arch or cpu_arch()  # the plan below and the run are for the arch the CPU runs as
     group = hq // hkv
     qpb = max(1, -(-launch.q_count // launch.blocks))
     text = _source.assemble(launch.source, launch.defines)
@@ -258,7 +259,7 @@ def probe(
             )
             break
         reset(mod)
-        with cpu_arch_override(arch) if arch else contextlib.nullcontext():
+        with cpu_arch_override(arch):
             _run(host, np_dtype, group, 1, d, dv, rot, kv_dtype=kv_dtype)
         found = read_all(mod)
         assert found is not None  # read(mod) found its counters

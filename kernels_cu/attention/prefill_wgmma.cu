@@ -7,16 +7,14 @@
 // [queries, Hq, D]. Layout, positions, metadata words, LSE and the split
 // workspace: docs/layout.md.
 //
-// NOT SELECTED YET: its spec (prefill_wgmma.PREFILL_WGMMA) is not in SPECS, so selection never picks it and the
-// NVRTC gate does not cover it; only tests/attention/test_prefill_wgmma.py runs it (against float64). Modeled
-// (python -m cupaged.tools.perf_model, pessimistic end, H200, D 128) at 269 TFLOP/s causal 1x4096 and 277
-// chunked 4x2048, beside paged_prefill_tc's 240 and 277 (not selected yet: the CPU backend stands in for sm_90,
-// so selecting it moves every CPU prefill onto the wgmma emulation; docs/performance.md): with the two
-// warpgroups taking turns and P V overlapping the softmax the tensor wait is gone, but each warp still issues
-// ~735 instructions a tile, and the ring's block barrier starts both warpgroups together every tile (the second
-// waits for the first's products). What is left of issue #21's FA3 schedule: a producer warp filling the ring
-// through full / empty barriers (no block barrier a tile, no copies or page walk in the consumers), setmaxnreg
-// for the register split (warpgroup.cuh), then SPECS and the gate.
+// Selected on sm_90 for 16-bit q at its head dims (paged_prefill_tc elsewhere). Modeled (python -m
+// cupaged.tools.perf_model, pessimistic end, H200, D 128) at 269 TFLOP/s causal 1x4096 and 277 chunked 4x2048,
+// beside paged_prefill_tc's 240 and 277 (docs/performance.md): with the two warpgroups taking turns and P V
+// overlapping the softmax the tensor wait is gone, but each warp still issues ~735 instructions a tile, and the
+// ring's block barrier starts both warpgroups together every tile (the second waits for the first's products).
+// What is left of issue #21's FA3 schedule: a producer warp filling the ring through full / empty barriers (no
+// block barrier a tile, no copies or page walk in the consumers), setmaxnreg for the register split
+// (warpgroup.cuh).
 //
 // paged_prefill_wgmma: f16 / bf16 q, D == Dv == HEAD_DIM (64, 128, 256),
 //   caches of q's type or fp8 codes (e4m3 / e5m2, k_scale / v_scale per

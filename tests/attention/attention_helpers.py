@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 import cupaged
+from cupaged._runtime import archs
+from cupaged.ops.attention import variants
 from cupaged.testing import as_dtype, assert_close, reference
 
 DTYPES = ["f32", "f16", "bf16"]
@@ -99,7 +101,21 @@ def _host(q_lens):
 DECODE_TC = "paged_decode_tc"
 #: The wgmma prefill kernel that sm_90 selects for tensor-core prefill (sm_90a builds; test_prefill_wgmma.py).
 PREFILL_WGMMA = "paged_prefill_wgmma"
+
+
+def tc_prefill_kernel(arch: str | None = None) -> str:
+    """The tensor-core prefill kernel selection picks for a 16-bit chunk on
+    ``arch`` (default: the arch the CPU backend stands in for,
+    ``cpu_arch()``): paged_prefill_wgmma on sm_90, paged_prefill_tc below."""
+    v = variants.select_tensor_core("f16", 64, 64, True, True, arch=arch or archs.cpu_arch())
+    assert v is not None
+    return v.kernel
+
+
+#: The tensor-core prefill kernel of the CPU backend's arch (the tests that name the kernel a chunk runs on;
+#: test_prefill_tc.py runs paged_prefill_tc as sm_80, test_prefill_wgmma.py paged_prefill_wgmma as sm_90).
+TC_PREFILL = tc_prefill_kernel()
 #: Six decodes, a chunk of 40, six decodes, a chunk of 33: D T D T at G = 4
-#: (decode segments on the per-query kernel, chunks on paged_prefill_tc).
+#: (decode segments on the per-query kernel, chunks on the tensor-core prefill kernel).
 Q_MIXED = [1] * 6 + [40] + [1] * 6 + [33]
-MIXED_TC = [(DECODE_TC, 0, 6), ("paged_prefill_tc", 6, 40), (DECODE_TC, 46, 6), ("paged_prefill_tc", 52, 33)]
+MIXED_TC = [(DECODE_TC, 0, 6), (TC_PREFILL, 6, 40), (DECODE_TC, 46, 6), (TC_PREFILL, 52, 33)]

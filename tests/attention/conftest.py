@@ -71,3 +71,22 @@ def mla_arch(request, xp_backend):
         return
     with archs.cpu_arch_override(request.param):
         yield kernel
+
+
+@pytest.fixture
+def mma_sync_arch(xp_backend):
+    """The CPU backend as sm_80 (cupaged._runtime.cpu_arch_override), where
+    the tensor-core kernels are the mma.sync ones (paged_prefill_tc,
+    paged_mla_tc; sm_90 selects paged_prefill_wgmma and paged_mla_wgmma); on
+    a GPU only a device below sm_90 runs the test."""
+    from cupaged._runtime import archs
+
+    if xp_backend.name == "gpu":
+        import cupy
+
+        if archs.device_arch(cupy.zeros(1)) == "sm_90":
+            pytest.skip("sm_90 selects the wgmma kernels")
+        yield
+        return
+    with archs.cpu_arch_override("sm_80"):
+        yield

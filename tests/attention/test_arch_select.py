@@ -21,8 +21,11 @@ import cupaged
 from cupaged._runtime import archs, cpu, cpu_arch_override, source
 from cupaged.errors import PagedAttentionError
 from cupaged.ops.attention import plan_launches, variants
-from cupaged.ops.attention.kernels import MERGE, SPECS, decode, geometry, prefill_tc, spec
+from cupaged.ops.attention.kernels import MERGE, SPECS, decode, geometry, prefill_tc, prefill_wgmma, spec
 from cupaged.testing import assert_close, make_mla_case, make_paged_case
+
+#: The tensor-core kernels whose builds the gate holds to the arch limits (the mma.sync ones and the wgmma ones).
+TC_KERNELS = ("paged_prefill_tc", "paged_prefill_wgmma", "paged_mla_tc", "paged_mla_wgmma")
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 
@@ -38,14 +41,18 @@ def test_selected_builds_fit_the_arch(arch):
     """Every tensor-core build selected for an arch launches there (threads,
     dynamic shared memory + the static budget within the opt-in limit);
     sm_86 / sm_89 get the 99 KiB prefill tile at D 256 and no MLA
-    tensor-core build; sm_90 the wgmma MLA build, sm_80 the mma.sync one."""
+    tensor-core build; sm_90 the wgmma prefill and MLA builds, sm_80 the
+    mma.sync ones."""
     lim = archs.limits(arch)
     for dt in TC_DTYPES:
         for d in prefill_tc.DIMS:
             v = variants.select_tensor_core(dt, d, d, True, True, arch=arch)
             assert v is not None and v.runs_on(arch)
             assert v.smem + spec.TC_STATIC_SMEM_BUDGET <= lim.smem_optin_per_block
-            assert v.tile == (
+            if arch == "sm_90":
+                assert v.kernel == "paged_prefill_wgmma" and v.tile == prefill_wgmma.WGMMA_TILES[d]
+                continue
+            assert v.kernel == "paged_prefill_tc" and v.tile == (
                 prefill_tc.PREFILL_TILES[d][-1]
                 if (arch in ("sm_86", "sm_89") and d == 256)
                 else prefill_tc.PREFILL_TILES[d][0]
@@ -181,11 +188,7 @@ def test_gate_finds_no_launch_problem_on_any_arch():
     _nvrtc_or_skip()
     from cupaged.tools import compile_check, gate_manifest, launchcheck
 
-    tc = [
-        (v.source, v.defines())
-        for v in variants.VARIANTS
-        if v.kernel in ("paged_prefill_tc", "paged_mla_tc", "paged_mla_wgmma")
-    ]
+    tc = [(v.source, v.defines()) for v in variants.VARIANTS if v.kernel in TC_KERNELS]
     results = compile_check.check(
         tc,
         ("sm_80", "sm_86", "sm_90"),
@@ -193,17 +196,17 @@ def test_gate_finds_no_launch_problem_on_any_arch():
         cache_dir=compile_check.default_cache_dir(),
         manifest=gate_manifest.load(sample=0),
     )
-    mine = ("paged_prefill_tc", "paged_mla_tc", "paged_mla_wgmma")
     bad = [
         (r.variant, r.kernel, r.arch, r.problems)
         for r in results
-        if not r.ok and (r.kernel in mine or any("cannot launch" in p for p in r.problems))
+        if not r.ok and (r.kernel in TC_KERNELS or any("cannot launch" in p for p in r.problems))
     ]
     assert not bad, bad
-    assert {r.arch for r in results if r.kernel == "paged_mla_wgmma"} == {"sm_90a"}
+    for wgmma in ("paged_prefill_wgmma", "paged_mla_wgmma"):
+        assert {r.arch for r in results if r.kernel == wgmma} == {"sm_90a"}, wgmma
     assert launchcheck.arch_warnings(results, ("sm_80", "sm_86", "sm_90")) == []
     for r in results:
-        if r.kernel in ("paged_prefill_tc", "paged_mla_tc", "paged_mla_wgmma"):
+        if r.kernel in TC_KERNELS:
             assert r.smem <= spec.TC_STATIC_SMEM_BUDGET, (r.variant, r.arch, r.smem)
 
 
@@ -267,6 +270,14 @@ KERNEL_FACTS = {
         "tcp::kPitch == tcp::kD + geom::kPitchPad",
         f"tcp::kQInRegs == {str(prefill_tc.q_in_registers(v.head_dim, v.tile)).lower()}",
         f"2 * tcp::kRawOff + (tcp::kFp8 ? tcp::kS * tcp::kRawStage : 0) == {v.smem}",
+    ],
+    "paged_prefill_wgmma": lambda v: [
+        "pwg::kThreads == geom::prefill_wgmma::kThreads",
+        "pwg::kMinBlocks == geom::prefill_wgmma::kMinBlocks",
+        "pwg::kN == geom::prefill_wgmma::kN",
+        f"pwg::kRows == {v.rows}",
+        f"pwg::kS == {v.tile.stages}",
+        f"pwg::kSmemBytes == {v.smem}",
     ],
     "paged_mla_tc": lambda v: [
         "tcm::kWarps == geom::mla_tc::kWarps",
@@ -437,6 +448,7 @@ def test_each_spec_is_beside_its_kernel():
     assert variants.RESIDENT_BLOCKS == {
         "paged_attention": 2,
         "paged_decode_tc": 6,
+        "paged_prefill_wgmma": 1,
         "paged_prefill_simt": 2,
         "paged_mla_tc": 1,
         "paged_mla_wgmma": 1,

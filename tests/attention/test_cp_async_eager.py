@@ -1,5 +1,5 @@
-"""Every tensor-core kernel (paged_decode_tc, paged_prefill_tc, paged_mla_tc,
-paged_mla_wgmma)
+"""Every tensor-core kernel (paged_decode_tc, paged_prefill_tc,
+paged_prefill_wgmma, paged_mla_tc, paged_mla_wgmma)
 with cp.async copies landing at issue (CUPAGED_CPU_CP_ASYNC=eager), the
 earliest point a GPU allows, against the float64 reference. The rest of the
 suite runs them with copies landing at the wait that covers them, the
@@ -69,8 +69,9 @@ def test_decode_tc_eager(eager, dtype, d, hq, hkv, page_size, q_lens):
     assert "paged_decode_tc" in eager
 
 
+@pytest.mark.parametrize("arch, kernel", [("sm_80", "paged_prefill_tc"), ("sm_90", "paged_prefill_wgmma")])
 @pytest.mark.parametrize("d", [64, 128])
-def test_prefill_tc_eager(eager, d):
+def test_prefill_tc_eager(eager, d, arch, kernel):
     rng = np.random.default_rng(d)
     case = make_paged_case(
         rng,
@@ -82,11 +83,12 @@ def test_prefill_tc_eager(eager, d):
         head_dim=d,
         dtype="bf16",
     )
-    for causal in (True, False):
-        for splits in (None, 3):
-            o, lse, _ = run(_Cpu, case, causal, splits=splits)
-            check(case, o, lse, causal, "bf16", f"eager prefill_tc causal={causal} splits={splits}")
-    assert "paged_prefill_tc" in eager
+    with cpu_arch_override(arch):
+        for causal in (True, False):
+            for splits in (None, 3):
+                o, lse, _ = run(_Cpu, case, causal, splits=splits)
+                check(case, o, lse, causal, "bf16", f"eager {kernel} causal={causal} splits={splits}")
+    assert kernel in eager
 
 
 @pytest.mark.parametrize("arch, kernel", [("sm_80", "paged_mla_tc"), ("sm_90", "paged_mla_wgmma")])

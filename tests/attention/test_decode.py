@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attention_helpers import DTYPES, _to_device, check, run
+from attention_helpers import DTYPES, TC_PREFILL, _to_device, check, run
 
 import cupaged
 from cupaged.layout import metadata_offsets
@@ -180,7 +180,7 @@ def test_max_splits_tiny(xp_backend):
     "dtype, q_lens, heads, kernel",
     [
         ("f32", None, (2, 2), "paged_attention"),
-        ("f16", [20, 16], (4, 2), "paged_prefill_tc"),
+        ("f16", [20, 16], (4, 2), TC_PREFILL),
     ],
     ids=["cuda-core", "tensor-core"],
 )

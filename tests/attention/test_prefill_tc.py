@@ -1,6 +1,8 @@
 """The tensor-core chunked-prefill kernel (paged_prefill_tc) against the
 float64 reference: chunks, odd groups, outputs, device metadata, capture,
-selection and fallbacks.
+selection and fallbacks. On the CPU backend as sm_80 (the ``mma_sync_arch``
+fixture): sm_90 selects paged_prefill_wgmma for these shapes
+(test_prefill_wgmma.py).
 
 paged_prefill_tc and paged_mla_tc (f16 / bf16, mma.sync; on the CPU backend
 through the fragment-exact emulation of kernels_cu/ptx.cuh). P is rounded to
@@ -17,6 +19,8 @@ import cupaged
 from cupaged.layout import metadata_offsets
 from cupaged.ops.attention import variants
 from cupaged.testing import assert_close, make_paged_case, reference
+
+pytestmark = pytest.mark.usefixtures("mma_sync_arch")
 
 # (page_size, head_dim, q_heads, kv_heads): GQA 1 (64 queries a block, so
 # blocks straddle sequences), 4 and 8, page sizes 1 / 16 / 64, D 64 / 128 / 256.

@@ -11,10 +11,9 @@ features (soft cap, window, sinks, ALiBi) and score variants (the toy
 e5m2 caches and strided views, and Inf / NaN value rows only later queries
 see. P is rounded to the 16-bit type before O += P V (f16 for fp8 caches),
 as in paged_prefill_tc; the tolerances are q's dtype's, as in
-test_prefill_tc.py and test_tc_storage.py. Selection, with the kernel's builds
-in the table (the autouse fixture ``sm90``: the spec is not in SPECS yet):
-sm_90 runs this kernel for tensor-core prefill, sm_80 (and no arch)
-paged_prefill_tc."""
+test_prefill_tc.py and test_tc_storage.py. Selection: sm_90 runs this kernel for
+tensor-core prefill, sm_80 (and no arch) paged_prefill_tc (the autouse
+fixture ``sm90`` puts the CPU backend on sm_90)."""
 
 from __future__ import annotations
 
@@ -31,23 +30,11 @@ from cupaged.ops.attention.kernels import prefill_wgmma
 from cupaged.testing import assert_close, make_paged_case, reference
 
 MERGE = "attention_split_merge"
-#: The cases beyond the core ones (each a CPU build of its own): not in the default run while the kernel is not
-#: selected (pyproject's addopts deselect ``wip``; ``python -m pytest -m wip tests/attention/test_prefill_wgmma.py``
-#: runs them). They join the default run when the spec goes into SPECS.
-WIP = pytest.mark.wip
 
 
 @pytest.fixture(autouse=True)
-def sm90(xp_backend, monkeypatch):
-    """The kernel's builds in the selection table (its spec is not in SPECS yet: selection does not pick it
-    outside these tests), and the CPU backend as sm_90; on a GPU only an sm_90 device runs these."""
-    spec = prefill_wgmma.PREFILL_WGMMA
-    monkeypatch.setitem(variants.KERNELS, spec.name, spec)
-    table = {k: list(rows) for k, rows in variants._TABLE.items()}
-    for dt, kv in variants.DTYPE_PAIRS:
-        for fields in spec.builds(dt, kv):
-            table[(True, dt, kv)].append(variants.Variant(spec.name, dt, kv, target=spec.target, **fields))
-    monkeypatch.setattr(variants, "_TABLE", table)
+def sm90(xp_backend):
+    """The CPU backend as sm_90 (whatever CUPAGED_CPU_ARCH says); on a GPU only an sm_90 device runs these."""
     if xp_backend.name == "gpu":
         import cupy
 
@@ -86,10 +73,7 @@ SHAPES = [
 # Each shape with one dtype (f16 and bf16 both at D 128): one build a case, the suite's cold time in mind.
 @pytest.mark.parametrize(
     "dtype, shape",
-    [
-        pytest.param(d, s, marks=() if (d, s) == ("f16", SHAPES[1]) else WIP)
-        for d, s in zip(("bf16", "f16", "bf16", "f16"), SHAPES)
-    ],
+    [(d, s) for d, s in zip(("bf16", "f16", "bf16", "f16"), SHAPES)],
     ids=lambda s: str(s).replace(" ", ""),
 )
 def test_wgmma_prefill_chunks(xp_backend, kernels_used, dtype, shape):
@@ -105,7 +89,6 @@ def test_wgmma_prefill_chunks(xp_backend, kernels_used, dtype, shape):
     assert set(kernels_used) == {PREFILL_WGMMA, MERGE}
 
 
-@WIP
 @pytest.mark.parametrize(
     "shape",
     [("bf16", (16, 64, 1, 1), [300], [300]), ("f16", (16, 128, 8, 8), [200, 70], [140, 3])],
@@ -123,7 +106,6 @@ def test_wgmma_long_prefill(xp_backend, kernels_used, shape):
     assert set(kernels_used) == {PREFILL_WGMMA, MERGE}
 
 
-@WIP
 @pytest.mark.parametrize(
     "shape", [("f16", 96, 1, [1, 2, 1]), ("bf16", 6, 2, [30, 17, 5])], ids=lambda s: "{}-h{}x{}".format(*s[:3])
 )
@@ -140,7 +122,6 @@ def test_wgmma_odd_groups(xp_backend, kernels_used, shape):
     assert PREFILL_WGMMA in kernels_used and "paged_prefill_tc" not in kernels_used
 
 
-@WIP
 def test_wgmma_score_features(xp_backend, kernels_used):
     """Soft cap, window, sinks and ALiBi, each alone and all together, causal
     and not, split and not (bf16, D 128, GQA 4)."""
@@ -187,7 +168,6 @@ def toy_scores(monkeypatch, xp_backend):
     return _launch_log(monkeypatch)
 
 
-@WIP
 @pytest.mark.parametrize("causal, splits", [(True, None), (False, 3)])
 def test_wgmma_score_variants(toy_scores, causal, splits):
     """The score hook of variant.cuh: the toy test_bias (head and positions)
@@ -229,10 +209,10 @@ def cpu_only(xp_backend):
 # (fmt, q dtype, per-head scales, (page_size, D, Hq, Hkv), view): D 64 / 128 / 256, GQA 1 / 4, NHD / HND /
 # combined views.
 FP8 = [
-    pytest.param("e4m3", "f16", False, (16, 64, 4, 4), "nhd", marks=WIP),
-    pytest.param("e5m2", "bf16", True, (1, 128, 8, 2), "combined", marks=WIP),
+    ("e4m3", "f16", False, (16, 64, 4, 4), "nhd"),
+    ("e5m2", "bf16", True, (1, 128, 8, 2), "combined"),
     ("e4m3", "bf16", True, (16, 128, 8, 2), "hnd"),
-    pytest.param("e5m2", "f16", True, (16, 256, 8, 2), "nhd", marks=WIP),
+    ("e5m2", "f16", True, (16, 256, 8, 2), "nhd"),
 ]
 
 
@@ -260,7 +240,7 @@ def test_wgmma_fp8_and_views(cpu_only, fmt, dtype, per_head, shape, view):
     assert check_attention(sc16, True, splits=2, what=f"16-bit {view}") == (PREFILL_WGMMA,)
 
 
-@pytest.mark.parametrize("fmt", [None, pytest.param("e5m2", marks=WIP)], ids=["16bit", "e5m2"])
+@pytest.mark.parametrize("fmt", [None, "e5m2"], ids=["16bit", "e5m2"])
 @pytest.mark.parametrize("splits", [None, 2])
 def test_wgmma_nonfinite_rows_only_later_queries_see(cpu_only, fmt, splits):
     """Inf / NaN in the K and V rows of tokens that only later queries of

@@ -10,6 +10,7 @@ from attention_helpers import (
     MIXED_TC,
     Q_MIXED,
     TC_DTYPES,
+    TC_PREFILL,
     _host,
     _to_device,
     check,
@@ -18,6 +19,7 @@ from attention_helpers import (
 )
 
 import cupaged
+from cupaged._runtime import archs
 from cupaged.layout import metadata_offsets
 from cupaged.ops.attention import inputs, schedule, variants
 from cupaged.ops.attention.kernels import prefill_tc
@@ -77,7 +79,7 @@ def test_tc_segments_rule():
     # chunks rides along in their blocks.
     assert _segs([1, 1, 40, 1, 33, 1, 1], 4) == ((T, 0, 78),)
     assert _segs([1, 1, 40, 1, 33, 1, 1], 1) == ((C, 0, 2), (T, 2, 74), (C, 76, 2))
-    assert _segs(Q_MIXED, 4) == tuple((n == "paged_prefill_tc", b, c) for n, b, c in MIXED_TC)
+    assert _segs(Q_MIXED, 4) == tuple((n == TC_PREFILL, b, c) for n, b, c in MIXED_TC)
     assert _segs([40, 0, 24] + [1] * 8, 4) == ((T, 0, 64), (C, 64, 8))
     assert _segs([1, 1, 8, 1, 1], 4) == ((C, 0, 2), (T, 2, 8), (C, 10, 2))  # 32 rows: worth a launch
     assert _segs([1, 1, 4, 1], 4) == ((C, 0, 7),)  # 16 rows: fewer than TC_SEGMENT_ROWS
@@ -168,7 +170,7 @@ def test_whole_steps_are_one_launch(xp_backend, launches, q_lens):
     o, lse, plan = run(xp_backend, case, True)
     check(case, o, lse, True, "f16", f"whole step {q_lens.tolist()}")
     n = plan.queries
-    expect = [(DECODE_TC, 0, n, n)] if n == 5 else [("paged_prefill_tc", 0, n, -(-n // _prefill_qpb(4, 64)))]
+    expect = [(DECODE_TC, 0, n, n)] if n == 5 else [(TC_PREFILL, 0, n, -(-n // _prefill_qpb(4, 64)))]
     assert launches == expect
 
 
@@ -176,8 +178,8 @@ def test_whole_steps_are_one_launch(xp_backend, launches, q_lens):
 MIXED_SHAPES = [
     (16, 64, 8, 2, Q_MIXED, MIXED_TC),
     (8, 128, 8, 2, Q_MIXED, MIXED_TC),
-    (16, 64, 4, 4, [1, 1, 40, 1, 33, 1, 1], [(DECODE_TC, 0, 2), ("paged_prefill_tc", 2, 74), (DECODE_TC, 76, 2)]),
-    (4, 128, 4, 1, [40, 0, 24] + [1] * 8, [("paged_prefill_tc", 0, 64), (DECODE_TC, 64, 8)]),
+    (16, 64, 4, 4, [1, 1, 40, 1, 33, 1, 1], [(DECODE_TC, 0, 2), (TC_PREFILL, 2, 74), (DECODE_TC, 76, 2)]),
+    (4, 128, 4, 1, [40, 0, 24] + [1] * 8, [(TC_PREFILL, 0, 64), (DECODE_TC, 64, 8)]),
 ]
 
 
@@ -203,7 +205,7 @@ def test_mixed_steps(xp_backend, launches, dtype, shape):
         dtype=dtype,
     )
     qpb = _prefill_qpb(hq // hkv, d)
-    grids = [(n, b, c, -(-c // qpb) if n == "paged_prefill_tc" else c) for n, b, c in expect]
+    grids = [(n, b, c, -(-c // qpb) if n == TC_PREFILL else c) for n, b, c in expect]
     plan = None
     for causal in (True, False):
         for splits in (None, 3):
@@ -265,10 +267,10 @@ def test_mixed_step_bad_metadata(xp_backend, kernels_used):
     words[off["page_table"] :] = xp_backend.asarray(table.astype(np.uint32))
     for causal in (True, False):
         plan.attention(q, k, v, case.scale, causal, return_lse=True)  # must simply not crash
-    assert {DECODE_TC, "paged_prefill_tc"} <= set(kernels_used)
+    assert {DECODE_TC, TC_PREFILL} <= set(kernels_used)
 
 
-@pytest.mark.parametrize("kernel", ["paged_attention", DECODE_TC, "paged_prefill_tc"])
+@pytest.mark.parametrize("kernel", ["paged_attention", DECODE_TC, TC_PREFILL])
 def test_launch_range_is_clamped(xp_backend, monkeypatch, kernel):
     """q_begin / q_count are host arguments, clamped anyway: a range running
     past the plan's queries (or starting past them, or wrapping 32 bits) with
@@ -282,8 +284,8 @@ def test_launch_range_is_clamped(xp_backend, monkeypatch, kernel):
     plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(q)
     n = plan.queries
     ref_out, ref_lse = case.reference(True)
-    if kernel == "paged_prefill_tc":
-        first = schedule.plan_launches(plan.host, "f16", 4, 1, 64, 64, 0, True, True)[0]
+    if kernel == TC_PREFILL:
+        first = schedule.plan_launches(plan.host, "f16", 4, 1, 64, 64, 0, True, True, arch=archs.device_arch(q))[0]
         assert first.kernel == kernel
     else:
         var = (
@@ -303,7 +305,7 @@ def test_launch_range_is_clamped(xp_backend, monkeypatch, kernel):
         lse = xp_backend.xp.full((n, 4), 5.0, dtype=np.float32)
         plan.attention(q, k, v, case.scale, True, out=out, lse=lse)
         o, l = xp_backend.to_numpy(out), xp_backend.to_numpy(lse)
-        per_block = _prefill_qpb(4, 64) if kernel == "paged_prefill_tc" else 1
+        per_block = _prefill_qpb(4, 64) if kernel == TC_PREFILL else 1
         hit = np.zeros(n, bool)
         if begin < n:
             hit[begin : min(n, begin + count, begin + blocks * per_block)] = True

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from attention_helpers import TC_PREFILL
 
 import cupaged
 from cupaged import PagedAttentionError
@@ -108,8 +109,8 @@ KERNELS = [
     ("decode", "bf16", 96, 5, "paged_attention"),  # runtime dims (DIM_CAP)
     ("decode", "bf16", 128, 1, "paged_decode_tc"),  # tensor-core decode, one-token pages
     ("decode", "f16", 64, 16, "paged_decode_tc"),
-    ("chunk", "f16", 64, 16, "paged_prefill_tc"),  # rows of one block see different windows
-    ("chunk", "bf16", 128, 5, "paged_prefill_tc"),
+    ("chunk", "f16", 64, 16, TC_PREFILL),  # rows of one block see different windows
+    ("chunk", "bf16", 128, 5, TC_PREFILL),
     ("mixed", "f16", 64, 16, None),  # segments: decodes and chunks in one step
 ]
 Q_LENS = {"decode": [1, 1, 1], "chunk": [40, 20, 33], "mixed": [1] * 6 + [40] + [1] * 6 + [33]}
@@ -139,7 +140,7 @@ def test_features_on_every_kernel(used, what, dtype, d, page, kernel, fset):
         for splits in (None, 3):
             check(case, causal, splits, dtype, f"{what} {fset} causal={causal} splits={splits}", **features)
     kernels = {k for k, _ in used if k != "attention_split_merge"}
-    assert kernels == ({kernel} if kernel else {"paged_decode_tc", "paged_prefill_tc"})
+    assert kernels == ({kernel} if kernel else {"paged_decode_tc", TC_PREFILL})
     flags = {k for _, d_ in used for k in d_ if k in ("CP_SOFT_CAP", "CP_WINDOW", "CP_SINKS", "CP_ALIBI")}
     assert flags == {f"CP_{f.upper()}" for f in FEATURE_SETS[fset]}
 
@@ -181,7 +182,7 @@ def test_soft_cap_accurate_at_every_cap(used, what, dtype, d, page, kernel):
                 )
             check(hot_case, True, 3, dtype, f"{what} cap={cap} x{hot} +alibi", soft_cap=cap, **slopes)
     kernels = {k for k, _ in used if k != "attention_split_merge"}
-    assert kernels == ({kernel} if kernel else {"paged_decode_tc", "paged_prefill_tc"})
+    assert kernels == ({kernel} if kernel else {"paged_decode_tc", TC_PREFILL})
     assert all(d_.get("CP_SOFT_CAP") for k, d_ in used if k != "attention_split_merge")
 
 
@@ -392,7 +393,7 @@ def test_mla_features(used, dtype, r, p, kernel, arch, fset):
 CROSS = [
     ("f32", 64, [5, 1, 3], [2, 0, 9], "paged_attention"),
     ("bf16", 128, [3, 1, 2], [1, 0, 40], "paged_decode_tc"),
-    ("f16", 64, [40, 3, 20], [10, 0, 33], "paged_prefill_tc"),
+    ("f16", 64, [40, 3, 20], [10, 0, 33], TC_PREFILL),
 ]
 
 
@@ -581,13 +582,14 @@ def test_pages_outside_the_window_are_never_read():
     r = subprocess.run([sys.executable, str(HERE / "window_pages.py")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("done"), (r.returncode, r.stdout, r.stderr[-3000:])
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")]
-    assert len(lines) == 9, r.stdout
+    assert len(lines) == 10, r.stdout
     assert "read 512 of 4096 pages [paged_attention]" in lines[0]
     kernels = set(re.findall(r"\[(\w+)\]", r.stdout))
     assert kernels == {
         "paged_attention",
         "paged_decode_tc",
         "paged_prefill_tc",
+        "paged_prefill_wgmma",
         "paged_prefill_simt",
         "paged_mla_tc",
         "paged_mla_wgmma",

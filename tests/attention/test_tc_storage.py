@@ -2,7 +2,8 @@
 paged_prefill_tc; issue #14): fp8 caches and cache views, against the
 float64 reference on the DEQUANTIZED cache times its scale
 (``storage_helpers``), on the CPU backend (the kernels' own code through
-kernels_cu/ptx.cuh's emulation).
+kernels_cu/ptx.cuh's emulation) as sm_80 (``mma_sync_arch``: sm_90 selects
+paged_prefill_wgmma, whose storage cases are test_prefill_wgmma.py's).
 
 fp8: e4m3 and e5m2 codes under f16 and bf16 q, scales per tensor (shape []
 or [1]) and per KV head; decode at GQA groups 4 and 8 (D 128 / 64), chunked
@@ -41,6 +42,7 @@ from storage_helpers import (
 from cupaged.testing import assert_close, reference
 
 DECODE_TC, PREFILL_TC = "paged_decode_tc", "paged_prefill_tc"
+pytestmark = pytest.mark.usefixtures("mma_sync_arch")
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from attention_helpers import TC_PREFILL
 
 import cupaged
 from cupaged import PagedAttentionError
@@ -98,7 +99,7 @@ def run(case, q, k, v, causal, score, splits=None, q_rot=None, k_rot=None):
         ("decode", "bf16", 96, "paged_attention"),  # runtime dims (DIM_CAP)
         ("decode", "bf16", 128, "paged_decode_tc"),  # tensor-core decode
         ("decode", "f16", 64, "paged_decode_tc"),
-        ("prefill", "f16", 64, "paged_prefill_tc"),  # tensor cores
+        ("prefill", "f16", 64, TC_PREFILL),  # tensor cores
         ("mixed", "f16", 64, None),  # segments: both kernels in one step
     ],
 )
@@ -130,7 +131,7 @@ def test_toy_score_variant(toy_score, what, dtype, d, kernel, causal, splits):
     assert_close(o, ref_o, dtype, f"{what} out")
     assert_close(lse, ref_lse, dtype, f"{what} lse")
     attention_kernels = {k for k, _ in toy_score if k != "attention_split_merge"}
-    assert attention_kernels == ({kernel} if kernel else {"paged_decode_tc", "paged_prefill_tc"})
+    assert attention_kernels == ({kernel} if kernel else {"paged_decode_tc", TC_PREFILL})
     assert {s for k, s in toy_score if k != "attention_split_merge"} == {"test_bias"}
     assert all(s is None for k, s in toy_score if k == "attention_split_merge")  # the merge has no score
     # The plain variant of the same step is the unbiased reference.
@@ -253,7 +254,7 @@ def head_bias_row(monkeypatch):
         ("decode", "bf16", 96, "paged_attention"),
         ("decode", "bf16", 128, "paged_decode_tc"),
         ("decode", "f16", 64, "paged_decode_tc"),
-        ("prefill", "f16", 64, "paged_prefill_tc"),
+        ("prefill", "f16", 64, TC_PREFILL),
         ("mixed", "f16", 64, None),
     ],
 )
@@ -301,7 +302,7 @@ def test_head_bias_score(head_bias_row, what, dtype, d, kernel, causal, splits, 
     assert_close(o, ref_o, dtype, f"{what} out")
     assert_close(lse, ref_lse, dtype, f"{what} lse")
     attention_kernels = {k for k, _ in head_bias_row if k != "attention_split_merge"}
-    assert attention_kernels == ({kernel} if kernel else {"paged_decode_tc", "paged_prefill_tc"})
+    assert attention_kernels == ({kernel} if kernel else {"paged_decode_tc", TC_PREFILL})
     assert {s for k, s in head_bias_row if k != "attention_split_merge"} == {"head_bias"}
     # Without the bias the same plan runs plain: the unbiased reference.
     assert_close(

@@ -82,7 +82,7 @@ def layout(length, page_size, window, q_len):
     return table, pages - first, pages
 
 
-def attention(name, dtype, d, hq, hkv, length, window, page_size, q_len, splits):
+def attention(name, dtype, d, hq, hkv, length, window, page_size, q_len, splits, arch="sm_90"):
     rng = np.random.default_rng(d + q_len)
     table, read, pages = layout(length, page_size, window, q_len)
     k = mapped((pages, page_size, hkv, d), dtype, rng)
@@ -96,7 +96,8 @@ def attention(name, dtype, d, hq, hkv, length, window, page_size, q_len, splits)
     ws = cupaged.SplitWorkspace(q_len, hq, d, splits, q) if splits > 1 else None
     protect(k, read)
     protect(v, read)
-    o, lse = plan.attention(q, k, v, scale, True, window=window, sinks=sinks, workspace=ws, return_lse=True)
+    with cpu_arch_override(arch):
+        o, lse = plan.attention(q, k, v, scale, True, window=window, sinks=sinks, workspace=ws, return_lse=True)
     assert_close(o, ref_o, dtype, name)
     assert_close(lse, ref_l, dtype, name)
     print(f"ok {name}: read {read} of {pages} pages [{ran()}]", flush=True)
@@ -129,8 +130,21 @@ for args in [
     ("paged_attention f32 decode 4k of 32k", "f32", 64, 8, 2, 32768, 4096, 8, 1, 1),
     ("paged_attention f32 decode 4k of 32k, 7 splits", "f32", 64, 8, 2, 32768, 4096, 8, 1, 7),
     ("paged_decode_tc bf16 decode 4k of 32k, 5 splits", "bf16", 128, 8, 2, 32768, 4096, 8, 1, 5),
-    ("paged_prefill_tc f16 chunk of 64, 1k of 8k", "f16", 64, 8, 2, 8192, 1024, 16, 64, 1),
-    ("paged_prefill_tc f16 chunk of 64, 1k of 8k, 3 splits", "f16", 64, 8, 2, 8192, 1024, 16, 64, 3),
+    ("paged_prefill_wgmma f16 (the CPU as sm_90) chunk of 64, 1k of 8k", "f16", 64, 8, 2, 8192, 1024, 16, 64, 1),
+    ("paged_prefill_wgmma f16 (sm_90) chunk of 64, 1k of 8k, 3 splits", "f16", 64, 8, 2, 8192, 1024, 16, 64, 3),
+    (
+        "paged_prefill_tc f16 (the CPU as sm_80) chunk of 64, 1k of 8k, 3 splits",
+        "f16",
+        64,
+        8,
+        2,
+        8192,
+        1024,
+        16,
+        64,
+        3,
+        "sm_80",
+    ),
     ("paged_prefill_simt f32 chunk of 64, 1k of 8k, 3 splits", "f32", 64, 8, 2, 8192, 1024, 16, 64, 3),
 ]:
     attention(*args)

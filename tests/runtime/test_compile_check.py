@@ -69,7 +69,7 @@ def test_package_variants_pass_gate():
     assert len(compiled) == (len(variants) - len(targeted)) * len(archs) + len(targeted)
     assert all(t == "sm_90a" for t in targeted) and {a for _, a in compiled} == archs | set(targeted)
     assert launchcheck.arch_warnings(results, gate_manifest.MANIFEST_ARCHS) == []
-    tc = ("paged_prefill_tc", "paged_mla_tc", "paged_mla_wgmma")
+    tc = ("paged_prefill_tc", "paged_prefill_wgmma", "paged_mla_tc", "paged_mla_wgmma")
     for r in results:
         if r.kernel in tc:
             assert r.smem <= attention_variants.TC_STATIC_SMEM_BUDGET, (r.variant, r.arch, r.smem)

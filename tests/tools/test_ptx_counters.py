@@ -85,7 +85,8 @@ def test_cp_async_groups(mod):
 
 
 def test_probe_of_an_attention_launch():
-    """A one-block probe of the tensor-core prefill kernel (D 128, bf16):
+    """A one-block probe of the mma.sync prefill kernel (D 128, bf16, sm_80; a probe for another arch's
+    plan than the CPU's fails):
     per K/V token the block copies one K and one V row (2 x 256 bytes = 32
     cp.async of 16 bytes) and its rows (128 with the D = 128 tile) x 1 token
     of S = Q K^T and of P V take rows x 128 x 2 FLOP each:
@@ -95,10 +96,13 @@ def test_probe_of_an_attention_launch():
 
     kv = 4096
     host = HostPlan.build(np.arange(kv // 16).reshape(1, -1), [kv], [kv], 16, kv // 16)
-    launches = plan_launches(host, "bf16", 32, 8, 128, 128, 0, True, True)
-    if launches[0].kernel != "paged_prefill_tc":
-        pytest.skip(f"prefill runs on {launches[0].kernel} now")
-    p = counters.probe(launches[0], dtype="bf16", hq=32, hkv=8, d=128, dv=128, rot=0, page_size=16, use_cache=False)
+    launches = plan_launches(host, "bf16", 32, 8, 128, 128, 0, True, True, arch="sm_80")
+    assert launches[0].kernel == "paged_prefill_tc"
+    with pytest.raises(counters.ProbeError, match="selects paged_prefill_wgmma"):  # the CPU as sm_90
+        counters.probe(launches[0], dtype="bf16", hq=32, hkv=8, d=128, dv=128, rot=0, page_size=16, use_cache=False)
+    p = counters.probe(
+        launches[0], dtype="bf16", hq=32, hkv=8, d=128, dv=128, rot=0, page_size=16, use_cache=False, arch="sm_80"
+    )
     assert p.slope["cp_async_16"] == pytest.approx(32)
     from cupaged.ops.attention.kernels import prefill_tc
 

@@ -432,7 +432,7 @@ def select_tensor_core(
     array copied by cp.async (q, caches, q_rot, k_rot) and out start on a
     16-byte boundary. ``arch``: the device's (``cupaged._runtime.device_arch``):
     only a build that launches there (``Variant.runs_on``) is chosen, an
-    arch-specific one first (paged_mla_wgmma on sm_90), then the first
+    arch-specific one first (paged_prefill_wgmma and paged_mla_wgmma on sm_90), then the first
     prefill tile that fits (PREFILL_TILES); None without an arch: no
     arch-specific build, no limit checked. ``strided`` / ``latent``: as in
     ``select_variant``.

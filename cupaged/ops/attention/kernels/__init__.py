@@ -14,9 +14,21 @@ from .mla_tc import MLA_TC
 from .mla_wgmma import MLA_WGMMA
 from .prefill_simt import PREFILL_SIMT
 from .prefill_tc import PREFILL_TC
+from .prefill_wgmma import PREFILL_WGMMA
 from .spec import KernelSpec
 
 #: The attention kernels (the split merge, MERGE, is a module of its own).
-SPECS: tuple[KernelSpec, ...] = (DECODE, DECODE_TC, PREFILL_TC, PREFILL_SIMT, MLA_TC, MLA_WGMMA)
+SPECS: tuple[KernelSpec, ...] = (DECODE, DECODE_TC, PREFILL_TC, PREFILL_WGMMA, PREFILL_SIMT, MLA_TC, MLA_WGMMA)
 
-__all__ = ["DECODE", "DECODE_TC", "MERGE", "MLA_TC", "MLA_WGMMA", "PREFILL_SIMT", "PREFILL_TC", "SPECS", "KernelSpec"]
+__all__ = [
+    "DECODE",
+    "DECODE_TC",
+    "MERGE",
+    "MLA_TC",
+    "MLA_WGMMA",
+    "PREFILL_SIMT",
+    "PREFILL_TC",
+    "PREFILL_WGMMA",
+    "SPECS",
+    "KernelSpec",
+]

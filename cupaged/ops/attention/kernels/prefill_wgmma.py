@@ -5,9 +5,8 @@ K / V tiles of TILE_TOKENS tokens in 128-byte-swizzled column blocks through
 a cp.async ring, the warpgroups taking turns on named barriers to issue
 their products (and, for 16-bit caches at 3 stages, each tile's P V beside
 the next tile's S); what paged_prefill_tc serves at the head dims of
-WGMMA_TILES, preferred to it where the device's arch is TARGET's once in
-SPECS. Not in SPECS yet: selection does not pick it (its tests put its builds
-in the table themselves, tests/attention/test_prefill_wgmma.py)."""
+WGMMA_TILES, preferred to it where the device's arch is TARGET's (sm_90;
+tests/attention/test_prefill_wgmma.py)."""
 
 from __future__ import annotations
 
