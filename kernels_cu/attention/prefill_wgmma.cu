@@ -138,8 +138,8 @@ static_assert(kRawStage % kAlign == 0, "the tiles stay on swizzle atom boundarie
 // tc::run_ring with the buffer of the tile before the one computing kept (its V tile read by the deferred P V):
 // iteration j stages and issues tile j + kS - 2 into the buffer of tile j - 2, waits for tile j (kS - 3 tiles
 // after it in flight), one barrier a tile, compute(buf, t0, First{} / Later{}) as run_ring's compute (issue(sb,
-// buf) too), the copies fenced to the async proxy (wgmma reads the tiles), finish() after the last tile. Every
-// thread of the block calls it with the same lo, hi.
+// buf) and on_stage(sb, t, page, slot) too), the copies fenced to the async proxy (wgmma reads the tiles),
+// finish() after the last tile. Every thread of the block calls it with the same lo, hi.
 struct First {  // compute's third argument: the pass's first tile (no deferred tile before it) ...
     static constexpr bool kFirst = true;
 };
@@ -148,10 +148,10 @@ struct Later {  // ... or a later one
 };
 // The page walk has no division in the loop: thread tid < kN keeps the page-table column and slot of its token
 // of the next tile to fetch and advances them by kN tokens a tile (the pass's one division is its first token's).
-template <u32 kN, u32 kS, typename Issue, typename Compute, typename Finish>
+template <u32 kN, u32 kS, typename Issue, typename Compute, typename Finish, typename OnStage>
 __device__ __forceinline__ void ring_keep(tc::Ring<kN, kS>& st, const u32* __restrict__ table, u32 lo, u32 hi,
                                           u32 page_size, u32 num_pages, Issue&& issue, Compute&& compute,
-                                          Finish&& finish) {
+                                          Finish&& finish, OnStage&& on_stage) {
     static_assert(kS >= 3 && kS <= 4, "3 or 4 buffers: one kept, one computing, at least one in flight");
     constexpr u32 kWords = tc::Ring<kN, kS>::kWords, kAhead = kS - 2;  // tiles issued ahead of the computing one
     const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
@@ -171,7 +171,10 @@ __device__ __forceinline__ void ring_keep(tc::Ring<kN, kS>& st, const u32* __res
     };
     auto stage = [&](u32 sb) -> bool {
         const bool ok = raw < num_pages;
-        if (tid < kN) st.row[sb][tid] = make_uint2(ok ? raw : tc::kNone, slot);
+        if (tid < kN) {
+            st.row[sb][tid] = make_uint2(ok ? raw : tc::kNone, slot);
+            on_stage(sb, tid, ok ? raw : tc::kNone, slot);
+        }
         return ok;
     };
     auto publish = [&](u32 b, bool ok) {  // valid bits of tile buffer b
@@ -239,6 +242,14 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
     unsigned char* const sRaw = sV + kTileBufs * kTileBytes;  // fp8: [kS][2][kN][kD] codes
     __shared__ tc::RowSet<kRows> rows;
     __shared__ tc::Ring<kN, kS> st;
+    // The K and V rows of each staged token (staging buffer, token): their first element, or the cache's
+    // first (never read: the copy zero-fills) where the ring staged no page. Thread t < kN computes token
+    // t's as it stages it, once for the 256 / kCopyChunks threads that copy its chunks.
+    struct alignas(16) RowSrc {  // one 16-byte load
+        const kv_t* k;
+        const kv_t* v;
+    };
+    __shared__ RowSrc src[2][kN];
 
     const u32 tid = threadIdx.x, wg = tid >> 7, warp4 = (tid >> 5) & 3u, lane = tid & 31u;
     const u32 g = lane >> 2, tq = lane & 3u;  // fragment coordinates
@@ -303,6 +314,9 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
     const u32 wgu = __shfl_sync(CP_FULL_MASK, wg, 0);
     const u64 dq = ptx::wgmma_desc(sQ + wgu * kWgRows * 128, 16, 1024, kSw);
     const u64 dk0 = ptx::wgmma_desc(sK, 16, 1024, kSw), dv0 = ptx::wgmma_desc(sV, kTCol, 1024, kSw);
+    u64 dqs[kKSteps];  // Q's descriptor of each k-step of S (the same every tile)
+#pragma unroll
+    for (u32 ks = 0; ks < kKSteps; ++ks) dqs[ks] = ptx::wgmma_desc_at(dq, ((ks >> 2) * kQCol + (ks & 3u) * 32) >> 4);
 
     tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
         u32 rlo[2], rhi[2];  // this thread's rows' positions in this pass
@@ -316,24 +330,34 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
             if constexpr (!variant::kPlainScore)
                 srow[h] = tc::score_row(rows, s, wg * kWgRows + 16 * warp4 + g + 8 * h, ht, head0, qt);
         }
-        // Thread tid copies chunk tid % kCopyChunks of rows tid / kCopyChunks + i * kCopyStep of K and V.
+        auto on_stage = [&](u32 sb, u32 t, u32 page, u32 slot) {
+            const bool ok = page != kNone;
+            const u64 koff = (u64)page * p.k_stride_page + ((u64)slot * p.k_stride_slot + kh);
+            const u64 voff = (u64)page * p.v_stride_page + ((u64)slot * p.v_stride_slot + vh);
+            src[sb][t] = RowSrc{ok ? k_cache + koff : k_cache, ok ? v_cache + voff : v_cache};
+        };
+        // Thread tid copies chunk tid % kCopyChunks of rows tid / kCopyChunks + i * kCopyStep of K and V (the
+        // same swizzle row r % 8 for every i: kCopyStep is a multiple of 8, so row i's chunk is row 0's + i
+        // kCopyStep rows).
         const u32 cch = tid % kCopyChunks, cr0 = tid / kCopyChunks;
+        const u32 cdst = kFp8 ? cr0 * kD + cch * 16 : chunk_at(cr0, cch, kTCol);
+        static_assert(kFp8 || kCopyStep % 8 == 0, "one swizzle pattern for a thread's rows");
         auto issue = [&](u32 sb, u32 b) {
 #pragma unroll
             for (u32 i = 0; i < kN / kCopyStep; ++i) {
                 const u32 r = cr0 + i * kCopyStep;
-                const uint2 ps = st.row[sb][r];  // page, slot
-                const bool ok = ps.x != kNone;
-                const u64 koff = (u64)ps.x * p.k_stride_page + ((u64)ps.y * p.k_stride_slot + kh) + cch * kCopyElems;
-                const u64 voff = (u64)ps.x * p.v_stride_page + ((u64)ps.y * p.v_stride_slot + vh) + cch * kCopyElems;
+                const RowSrc rs = src[sb][r];
+                const bool ok = st.row[sb][r].x != kNone;
+                const kv_t* const ks = rs.k + cch * kCopyElems;
+                const kv_t* const vs = rs.v + cch * kCopyElems;
                 if constexpr (kFp8) {
-                    unsigned char* const dst = sRaw + b * kRawStage + r * kD + cch * 16;
-                    ptx::cp_async_16(dst, ok ? k_cache + koff : k_cache, ok);
-                    ptx::cp_async_16(dst + kN * kD, ok ? v_cache + voff : v_cache, ok);
+                    unsigned char* const dst = sRaw + b * kRawStage + cdst + i * kCopyStep * kD;
+                    ptx::cp_async_16(dst, ks, ok);
+                    ptx::cp_async_16(dst + kN * kD, vs, ok);
                 } else {
-                    const u32 dst = b * kTileBytes + chunk_at(r, cch, kTCol);
-                    ptx::cp_async_16(sK + dst, ok ? k_cache + koff : k_cache, ok);
-                    ptx::cp_async_16(sV + dst, ok ? v_cache + voff : v_cache, ok);
+                    const u32 dst = b * kTileBytes + cdst + i * kCopyStep * 128;
+                    ptx::cp_async_16(sK + dst, ks, ok);
+                    ptx::cp_async_16(sV + dst, vs, ok);
                 }
             }
         };
@@ -460,9 +484,8 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
             ptx::wgmma_fence();
 #pragma unroll
             for (u32 ks = 0; ks < kKSteps; ++ks)
-                ptx::wgmma_ss<scalar_t, kN, 0, 0>(s, ptx::wgmma_desc_at(dq, ((ks >> 2) * kQCol + (ks & 3u) * 32) >> 4),
-                                                  ptx::wgmma_desc_at(dk, ((ks >> 2) * kTCol + (ks & 3u) * 32) >> 4),
-                                                  ks > 0);
+                ptx::wgmma_ss<scalar_t, kN, 0, 0>(
+                    s, dqs[ks], ptx::wgmma_desc_at(dk, ((ks >> 2) * kTCol + (ks & 3u) * 32) >> 4), ks > 0);
             ptx::wgmma_commit();
             if constexpr (kDefer) {
                 // In the same turn, the previous tile's P V (its V tile kept by the ring): it runs on the tensor
@@ -482,13 +505,15 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
             // score keeps S unscaled up to exp2(S qscale - m) (one FFMA; qscale > 0 keeps the max).
             constexpr bool kLate = variant::kPlainScore;
             const float late = kLate ? qscale : 1.0f;
+            // The rows' visible tokens from this lane's first column 2 tq on: element i tests a constant bit.
+            const u64 vq[2] = {vis[0] >> (2 * tq), vis[1] >> (2 * tq)};
             float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
             for (u32 i = 0; i < kN / 2; ++i) {
-                const u32 h = (i >> 1) & 1u, col = 8 * (i >> 2) + 2 * tq + (i & 1u);
+                const u32 h = (i >> 1) & 1u, dc = 8 * (i >> 2) + (i & 1u), col = dc + 2 * tq;
                 float v = s[i];
                 if constexpr (!kLate) v = variant::score(sc, srow[h], v * qscale, t0 + col);
-                s[i] = ((vis[h] >> col) & 1u) ? v : neg_inf();
+                s[i] = ((vq[h] >> dc) & 1u) ? v : neg_inf();
                 mx[h] = fmaxf(mx[h], s[i]);
             }
             float alpha[2];
@@ -568,10 +593,11 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
         // fences its decoded tiles).
         if constexpr (kDefer) {
             ring_keep<kN, kS>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue, compute,
-                              finish);
+                              finish, on_stage);
         } else {
-            tc::run_ring<kN, kS, !kFp8>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue,
-                                        [&](u32 b, u32 t0) { compute(b, t0, Later{}); });
+            tc::run_ring<kN, kS, !kFp8>(
+                st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue,
+                [&](u32 b, u32 t0) { compute(b, t0, Later{}); }, on_stage);
         }
     });
 
