@@ -216,6 +216,7 @@ def solve_rates(
     mma_per_token: float | None,
     ldsm_per_token: float | None,
     cold_per_token: float | None = None,
+    trips: float | None = None,
 ) -> Rates:
     """Executions per token (per warp) of each region of the hot loop.
 
@@ -225,13 +226,18 @@ def solve_rates(
     iteration of its parent. Equations, per token per warp: K/V bytes
     loaded = ``bytes_per_token``; HMMA = the counters' mma (and wgmma);
     LDSM = the counters' ldmatrix; PMTRIG = the counters' cold-path marks
-    (``ptx::cold_path``: rare paths, never run by the probe). Least squares;
+    (``ptx::cold_path``: rare paths, never run by the probe); ``trips``: the
+    loop's own iterations per token where nothing else tells (a consumer
+    loop without counters: its producer's). Least squares;
     when the equations cannot tell two unknowns apart, the deeper one runs
     once per parent iteration."""
     R = hot.regions
     use_wide = any(r.wide_load_bytes for r in R)
     load = [r.wide_load_bytes if use_wide else r.global_load_bytes for r in R]
-    eqs = [(load, bytes_per_token)]
+    # a loop that loads nothing (a warp-specialized kernel's consumers): its trip counts from the others
+    eqs = [(load, bytes_per_token)] if any(load) else []
+    if trips is not None and not eqs and (mma_per_token is None or not any(r.hmma for r in R)):
+        eqs.append(([1.0] + [0.0] * (len(R) - 1), trips))
     if mma_per_token is not None and any(r.hmma for r in R):
         eqs.append(([r.hmma for r in R], mma_per_token))
     if ldsm_per_token is not None and any(r.ldsm for r in R):
@@ -691,7 +697,14 @@ def dependent_wait(r: _sass.Region, latency: float, t: float) -> float:
 
 
 def iteration_parts(
-    hot: _sass.HotLoop, rates: Rates, pt: _archs.Point, warps: int, *, wgmma_rate: float | None = None
+    hot: _sass.HotLoop,
+    rates: Rates,
+    pt: _archs.Point,
+    warps: int,
+    *,
+    wgmma_rate: float | None = None,
+    runners: int | None = None,
+    beside: float = 0.0,
 ) -> dict:
     """One hot-loop iteration of one warp of a block alone on its SM, in
     seconds, as the SASS serializes it (``sass.Region``): each region's
@@ -704,7 +717,11 @@ def iteration_parts(
     time, which overlap); block barriers and the dependent word loads add (a
     load its latency less the issue between it and its use: dependent_wait).
     The warp issues at ``max(1 / warp_ipc, k / sched_ipc)`` clocks per
-    instruction, k of the block's warps sharing its scheduler.
+    instruction, k of the block's warps sharing its scheduler; ``runners``:
+    the warps that run this loop (a warp-specialized kernel's consumers or
+    producer; default all), whose tensor, operand and issue work is the
+    block's; ``beside``: seconds of other warps' issue per iteration on one
+    scheduler (the producer's, beside the consumers).
 
     Warpgroups that take turns through named barriers
     (``HotLoop.pingpong``: G of them): a warp's waits see only its own
@@ -729,8 +746,9 @@ def iteration_parts(
     mma_sm = pt.mma_sync_flops / pt.sms * pt.mma_fraction(warps)
     wg_sm = (wgmma_rate or pt.wgmma_flops or pt.mma_sync_flops) / pt.sms
     smem_bw = pt.smem_bytes_per_clk * clk
-    groups = hot.pingpong(warps)
-    own = 4 if groups else warps  # the warps whose tensor work one warp's waits see
+    run = runners or warps
+    groups = hot.pingpong(run)
+    own = 4 if groups else run  # the warps whose tensor work one warp's waits see
     t_own = max(1.0 / pt.warp_ipc, 1.0 / pt.sched_ipc) / clk if groups else t_i
     y0 = rates.y[0] if rates.y and rates.y[0] > 0 else float("nan")
     parts = {"issue": 0.0, "tensor": 0.0, "barriers": 0.0, "dependent loads": 0.0}
@@ -746,11 +764,12 @@ def iteration_parts(
         parts["tensor"] += per * (seg_t - n_issue * t_own)
         parts["barriers"] += per * r.bars * pt.bar_clk / clk
         parts["dependent loads"] += per * dependent_wait(r, pt.dep_load_s, t_own)
-        block["tensor"] += per * sum(seg[3] * warps / wg_sm + seg[2] * warps / mma_sm for seg in r.segments)
-        block["smem"] += per * sum((seg[4] + seg[5]) * warps / smem_bw for seg in r.segments)
-        block["issue"] += per * n_issue * k / pt.sched_ipc / clk
+        block["tensor"] += per * sum(seg[3] * run / wg_sm + seg[2] * run / mma_sm for seg in r.segments)
+        block["smem"] += per * sum((seg[4] + seg[5]) * run / smem_bw for seg in r.segments)
+        block["issue"] += per * n_issue * -(-run // pt.sub_partitions) / pt.sched_ipc / clk
         own_tensor += per * sum(seg[3] * own / wg_sm + seg[2] * own / mma_sm for seg in r.segments)
         realign = realign or r.bars > r.named_syncs
+    block["issue"] += beside
     if groups and realign:
         # a block barrier in the loop starts the warpgroups together each iteration: the last to take its turn
         # queues behind the others' products (G - 1 warpgroups' tensor time) before its own
@@ -808,14 +827,24 @@ def model_launch(
 
     rates = None
     hot = facts.hot
+    prod = hot.producer if hot is not None else None  # a warp-specialized kernel's loader loop
+    wc = hot.consumer_warps(warps) if hot is not None else warps  # the warps running the hot loop
+    wp = warps - wc  # ... and the producer's
+    rates_p = None
     if hot is not None:
         # wgmma instructions (per warp part) are HGMMA in the SASS, which the solver counts with HMMA
-        mma_t = (probe.slope.get("mma_16816", 0.0) + probe.slope.get("wgmma", 0.0)) / warps if probe else None
-        ldsm_t = (
-            (probe.slope.get("ldmatrix_x4", 0) + probe.slope.get("ldmatrix_x4_trans", 0)) / warps if probe else None
-        )
+        mma_t = (probe.slope.get("mma_16816", 0.0) + probe.slope.get("wgmma", 0.0)) / wc if probe else None
+        ldsm_t = (probe.slope.get("ldmatrix_x4", 0) + probe.slope.get("ldmatrix_x4_trans", 0)) / wc if probe else None
+        # cold-path marks per warp of the block (a split kernel's consumers and producer share the counter)
         cold_t = probe.slope.get("cold_path", 0.0) / warps if probe else None
-        rates = solve_rates(hot, kv_bytes_per_token / warps, mma_t, ldsm_t, cold_t)
+        if prod is not None:
+            rates_p = solve_rates(prod, kv_bytes_per_token / wp, None, None, cold_t)
+            if rates_p.note:
+                notes.append(f"producer: {rates_p.note}")
+            if mma_t is None:
+                notes.append(f"{facts.kernel}: no counters: one consumer iteration per producer iteration")
+        trips = rates_p.y[0] if rates_p is not None else None
+        rates = solve_rates(hot, kv_bytes_per_token / wc, mma_t, ldsm_t, cold_t, trips)
         if rates.note:
             notes.append(rates.note)
     else:
@@ -827,13 +856,20 @@ def model_launch(
     cover = 0
     in_flight_block = None
     if rates is not None and hot is not None:
-        per_tok = warps * tokens
-        fixed = warps * (hot.prologue + hot.epilogue)
-        demands["issue"] = (per_tok * rates.instr + np.where(tokens > 0, fixed, 0.0)) / clk
+        per_tok = wc * tokens
+        fixed = wc * (hot.prologue + hot.epilogue)
+        instr_tok = wc * rates.instr + (wp * rates_p.instr if rates_p is not None else 0.0)
+        if prod is not None:
+            fixed = fixed + wp * (prod.prologue + prod.epilogue)
+        demands["issue"] = (tokens * instr_tok + np.where(tokens > 0, fixed, 0.0)) / clk
         pipe: dict = defaultdict(float)
         for c, v in rates.classes.items():
             if c in _PIPE_OF:
                 pipe[_PIPE_OF[c]] += v
+        if rates_p is not None:  # per consumer warp, as the consumers' own
+            for c, v in rates_p.classes.items():
+                if c in _PIPE_OF:
+                    pipe[_PIPE_OF[c]] += v * wp / wc
         pcyc = np.zeros(n)
         for p, v in pipe.items():
             lanes = pt.lanes_per_clk.get(p)
@@ -843,20 +879,40 @@ def model_launch(
         wg_rate = pt.wgmma_flops
         if any(seg[3] for r in hot.regions for seg in r.segments) and not wg_rate:
             notes.append(f"{facts.kernel}: wgmma has no rate on {arch.name}; modeled at the mma.sync rate")
-        iteration = iteration_parts(hot, rates, pt, warps, wgmma_rate=wg_rate)
-        cover = hot.cover
-        if cover > 0:
-            t_iter = max(iteration["total"], lat / cover)
+        if prod is None:
+            iteration = iteration_parts(hot, rates, pt, warps, wgmma_rate=wg_rate)
+            cover = hot.cover
+            if cover > 0:
+                t_iter = max(iteration["total"], lat / cover)
+            else:
+                t_iter = lat + iteration["total"]
+            iteration["memory wait"] = t_iter - iteration["total"]
         else:
-            t_iter = lat + iteration["total"]
-        iteration["memory wait"] = t_iter - iteration["total"]
+            # Warp-specialized: the consumers wait for memory only through the producer, which waits for
+            # its copies cover iterations after issuing them; a consumer iteration is the longer of its own
+            # chain and the producer's for the same tokens (whose issue shares the schedulers: beside).
+            assert rates_p is not None
+            per_c = 1.0 / rates.y[0] if rates.y[0] > 0 else 0.0  # tokens per consumer iteration
+            p_iters = rates_p.y[0] * per_c  # producer iterations per consumer iteration
+            p_parts = iteration_parts(prod, rates_p, pt, warps, runners=wp)
+            cover = prod.cover
+            t_p = max(p_parts["total"], lat / cover) if cover > 0 else lat + p_parts["total"]
+            beside = p_iters * rates_p.iter_instr * -(-wp // pt.sub_partitions) / pt.sched_ipc / clk
+            iteration = iteration_parts(hot, rates, pt, warps, wgmma_rate=wg_rate, runners=wc, beside=beside)
+            t_iter = max(iteration["total"], p_iters * t_p)
+            iteration["producer"] = p_iters * t_p
+            iteration["memory wait"] = t_iter - iteration["total"]
         iteration["iteration"] = t_iter
         iters = rates.y[0] * tokens
         demands["chain"] = np.where(
             tokens > 0, iters * t_iter + (hot.prologue + hot.epilogue) * iteration["per_instruction"], 0.0
         )
         startup = np.where(tokens > 0, hot.startup_levels * lat, 0.0)
-        in_flight_block = rates.iter_bytes * warps * max(1, cover)
+        if prod is not None and rates_p is not None:
+            startup = np.where(tokens > 0, prod.startup_levels * lat, 0.0)
+            in_flight_block = rates_p.iter_bytes * wp * max(1, cover)
+        else:
+            in_flight_block = rates.iter_bytes * warps * max(1, cover)
         if desc.known and desc.loads == "ring" and cover == 0:
             notes.append(f"{facts.kernel}: no cp.async wait in the SASS hot loop; modeled as loads used in place")
     mma = np.zeros(n)
@@ -883,7 +939,9 @@ def model_launch(
             demands["wgmma"] = warps * tokens * wg_tok / ((pt.wgmma_flops or pt.mma_sync_flops) / pt.sms)
             mma = mma + warps * tokens * wg_tok / _counters.MMA_FLOP
     if rates is not None:
-        smem = smem + warps * tokens * rates.smem_bytes
+        smem = smem + wc * tokens * rates.smem_bytes
+    if rates_p is not None:
+        smem = smem + wp * tokens * rates_p.smem_bytes
     if smem.any():
         demands["smem"] = smem / (pt.smem_bytes_per_clk * clk)
     kvb = tokens * kv_bytes_per_token
@@ -930,9 +988,13 @@ def model_launch(
         bounds["startup"] = float(startup.max()) if n else 0.0
     instr = None
     if rates is not None and hot is not None:
-        instr = float((warps * tokens * rates.instr).sum()) + float(np.count_nonzero(tokens)) * warps * (
+        instr = float((wc * tokens * rates.instr).sum()) + float(np.count_nonzero(tokens)) * wc * (
             hot.prologue + hot.epilogue
         )
+        if prod is not None and rates_p is not None:
+            instr += float((wp * tokens * rates_p.instr).sum()) + float(np.count_nonzero(tokens)) * wp * (
+                prod.prologue + prod.epilogue
+            )
     per_tile = {}
     if probe is not None:
         per_tile = {

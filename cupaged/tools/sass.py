@@ -590,6 +590,7 @@ class Region:
     named_syncs: int = 0  # BAR.SYNC / BAR.RED on a named barrier (id not 0)
     arrives: int = 0  # BAR.ARV (arrive on a named barrier, no wait)
     named_threads: int = 0  # the largest constant thread count of a named barrier (0: none)
+    named_counts: list = field(default_factory=list)  # the constant thread counts of its named barriers
     dep_levels: int = 0  # dependent scalar global-load round trips in one pass
     dep_gaps: list = field(default_factory=list)  # per such round trip: instructions between the load and its use
     ring_wait: int = -1  # N of the cp.async wait (DEPBAR.LE SB0, N) in the region, -1: none
@@ -624,6 +625,10 @@ class HotLoop:
     prologue: int = 0
     epilogue: int = 0
     startup_levels: int = 0
+    # A warp-specialized kernel (FlashAttention-3's producer / consumer split): this loop is the consumers'
+    # tensor loop, which loads nothing itself, and ``producer`` the loop of the warps that fill the ring
+    # (its copies, their waits, its own instructions), run beside it by other warps of the block.
+    producer: "HotLoop | None" = None
 
     @property
     def instructions(self) -> int:
@@ -647,16 +652,27 @@ class HotLoop:
             return 0
         return r.ring_wait + (1 if r.commit_after_wait else 0)
 
+    def consumer_warps(self, warps: int) -> int:
+        """The warps of a block of ``warps`` that run this loop: all of them, or for a warp-specialized
+        kernel (``producer``) the largest constant thread count of the loop's named barriers below the
+        block's (the computing warpgroups' own barriers: their turns; the block-wide ones are the
+        producer's hand-offs) / 32, else the block less one warpgroup."""
+        if self.producer is None:
+            return warps
+        below = [n for r in self.regions for n in r.named_counts if n < 32 * warps]
+        return max(below) // 32 if below else max(1, warps - 4)
+
     def pingpong(self, warps: int) -> int:
-        """Warpgroups of a block of ``warps`` warps that take turns through
-        named barriers in the hot loop (one waits with ``BAR.SYNC id, n``
-        while the other ``BAR.ARV``s it on, so the tensor phase of one
+        """Warpgroups of ``warps`` warps running the loop that take turns
+        through named barriers in the hot loop (one waits with ``BAR.SYNC id,
+        n`` while the other ``BAR.ARV``s it on, so the tensor phase of one
         overlaps the other's issue: FlashAttention-3's ping-pong): the
-        barriers' thread count / 128, else the block's warpgroups; 0 when
-        the loop has no such pair (or fewer than 2 warpgroups take part)."""
+        barriers' thread count / 128 (at most ``warps`` / 4), else those
+        warps' warpgroups; 0 when the loop has no such pair (or fewer than 2
+        warpgroups take part)."""
         if not any(r.named_syncs for r in self.regions) or not any(r.arrives for r in self.regions):
             return 0
-        n = max(r.named_threads for r in self.regions)
+        n = max((c for r in self.regions for c in r.named_counts if c <= 32 * warps), default=0)
         g = min(n // 128, warps // 4) if n else warps // 4
         return g if g >= 2 else 0
 
@@ -692,6 +708,7 @@ class HotLoop:
             "epilogue": self.epilogue,
             "startup_levels": self.startup_levels,
             "regions": [dict(r.__dict__) for r in self.regions],
+            "producer": self.producer.as_dict() if self.producer else None,
         }
 
     @classmethod
@@ -706,6 +723,7 @@ class HotLoop:
             d.get("prologue", 0),
             d.get("epilogue", 0),
             d.get("startup_levels", 0),
+            cls.from_dict(d["producer"]) if d.get("producer") else None,
         )
 
 
@@ -1012,6 +1030,7 @@ def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int, warm: set |
         named_syncs=sum(1 for i in ins if _is_bar_wait(i) and is_named_barrier(i)),
         arrives=sum(1 for i in ins if i.base == "BAR" and ".ARV" in i.opcode),
         named_threads=max((named_barrier_threads(i) for i in ins if is_named_barrier(i)), default=0),
+        named_counts=sorted({named_barrier_threads(i) for i in ins if is_named_barrier(i)} - {0}),
         dep_levels=flow.level,
         dep_gaps=flow.gaps,
         ring_wait=wait,
@@ -1125,7 +1144,13 @@ def hot_loop(fn: Function) -> HotLoop | None:
     counts once). ``startup_levels``: ``dataflow`` along those paths to the
     loop and through the loop's own region once, the round trips by which
     the first cp.async wait returns (or, without one, before the first
-    16-byte load issues)."""
+    16-byte load issues).
+
+    Warp-specialized (a loop whose own blocks issue tensor instructions and
+    no global loads, outside the loader loop, which issues none: the
+    consumers of FlashAttention-3's schedule): that tensor loop is the hot
+    one (the deepest such, its tile loop), and the loader loop its
+    ``producer``."""
     cfg = build_cfg(fn)
     loops = find_loops(cfg)
     warm = cfg.warm()
@@ -1159,6 +1184,43 @@ def hot_loop(fn: Function) -> HotLoop | None:
     tiles = [c for c in cands if c is not best and set(c.blocks) < set(best.blocks) and tensor_own(c)]
     if tiles:
         best = max(tiles, key=lambda c: (c.depth, own(c)))
+
+    def tensor_in(lp: Loop) -> bool:
+        return any(i.base in ("HMMA", "HGMMA") for i in lp.instructions(fn, cfg))
+
+    if not tensor_in(best):
+        consumers = [
+            lp
+            for lp in loops
+            if not _has_load(fn, cfg, lp, False)
+            and not set(lp.blocks) & set(best.blocks)
+            and any(
+                fn.instrs[i].base in ("HMMA", "HGMMA")
+                for b in set(lp.blocks) - set().union(*(c.blocks for c in _all_inside(lp)))
+                for i in range(cfg.blocks[b].start, cfg.blocks[b].end)
+            )
+        ]
+        if consumers:
+            hot = _loop_at(fn, cfg, warm, max(consumers, key=lambda c: (c.depth, size(c.blocks))), 0)
+
+            def wide_own(lp: Loop) -> bool:  # the copies in the loop's own blocks (its tile loop)
+                mine = set(lp.blocks) - set().union(*(c.blocks for c in _all_inside(lp)))
+                return any(
+                    is_wide_global_load(fn.instrs[i])
+                    for b in mine
+                    for i in range(cfg.blocks[b].start, cfg.blocks[b].end)
+                )
+
+            copiers = [c for c in cands if set(c.blocks) <= set(best.blocks) and wide_own(c)]
+            loader = max(copiers, key=lambda c: (c.depth, size(c.blocks))) if copiers else best
+            hot.producer = _loop_at(fn, cfg, warm, loader, len(cands) - 1)
+            return hot
+    return _loop_at(fn, cfg, warm, best, len(cands) - 1)
+
+
+def _loop_at(fn: Function, cfg: Cfg, warm: set, best: Loop, others: int) -> HotLoop:
+    """The HotLoop of loop ``best`` of ``fn`` (``hot_loop``'s regions, prologue, epilogue and startup);
+    ``others``: the function's other loops with wide loads."""
     inner = list(_all_inside(best))
     parents = {}
     for k, c in enumerate(inner):
@@ -1199,7 +1261,7 @@ def hot_loop(fn: Function) -> HotLoop | None:
         min(offs),
         max(offs),
         regions,
-        len(cands) - 1,
+        others,
         cfg.indirect,
         prologue=pro_len,
         epilogue=epi_len,

@@ -39,6 +39,7 @@ constexpr u32 kThreads = 256;
 constexpr u32 kMinBlocks = 1;
 constexpr u32 kN = 64;
 constexpr u32 kAlignBytes = 1024;
+constexpr u32 kProducerThreads = 128;
 }  // namespace prefill_wgmma
 namespace mla_tc {   // cupaged/ops/attention/kernels/mla_tc.py
 constexpr u32 kWarps = 8;

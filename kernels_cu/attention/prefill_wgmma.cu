@@ -8,19 +8,20 @@
 // workspace: docs/layout.md.
 //
 // Selected on sm_90 for 16-bit q at its head dims (paged_prefill_tc elsewhere). Modeled (python -m
-// cupaged.tools.perf_model, pessimistic end, H200, D 128) at 269 TFLOP/s causal 1x4096 and 277 chunked 4x2048,
-// beside paged_prefill_tc's 240 and 277 (docs/performance.md): with the two warpgroups taking turns and P V
-// overlapping the softmax the tensor wait is gone, but each warp still issues ~735 instructions a tile, and the
-// ring's block barrier starts both warpgroups together every tile (the second waits for the first's products).
-// What is left of issue #21's FA3 schedule: a producer warp filling the ring through full / empty barriers (no
-// block barrier a tile, no copies or page walk in the consumers), setmaxnreg for the register split
-// (warpgroup.cuh).
+// cupaged.tools.perf_model, pessimistic end, H200, D 128): docs/performance.md. The 16-bit builds at D <= 128
+// follow FlashAttention-3's schedule (warp specialization: a producer warpgroup, two consumer warpgroups
+// taking turns, setmaxnreg for the register split), with cp.async copies instead of TMA (pages of any size
+// and stride) and named barriers instead of mbarriers; what is left of it: intra-warpgroup overlap (the next
+// tile's S issued before this tile's softmax), 128-token tiles.
 //
 // paged_prefill_wgmma: f16 / bf16 q, D == Dv == HEAD_DIM (64, 128, 256),
 //   caches of q's type or fp8 codes (e4m3 / e5m2, k_scale / v_scale per
 //   tensor or KV head).
-//   grid (ceil(q_count / qt), kv_heads * head_tiles, splits), block kThreads =
-//   two warpgroups, __launch_bounds__(kThreads, kMinBlocks); dynamic shared
+//   grid (ceil(q_count / qt), kv_heads * head_tiles, splits), block kBlockThreads:
+//   the two computing warpgroups (kThreads) and, kSplit (16-bit caches, 4 or
+//   more stages: D <= 128), a producer warpgroup before them (kProducer = 128
+//   threads, warpgroup 0; setmaxnreg: kProducerRegs for it, kConsumerRegs for
+//   the others), __launch_bounds__(kBlockThreads, kMinBlocks); dynamic shared
 //   memory prefill_wgmma.smem_bytes (cupaged/ops/attention/kernels/prefill_wgmma.py,
 //   = kSmemBytes). The block geometry (threads, minimum, tile, alignment) is
 //   defined once in prefill_wgmma.py (GEOMETRY), the stages per head dim are
@@ -29,8 +30,8 @@
 //   wgmma m64 tile each) are (query, head) pairs as in paged_prefill_tc:
 //   ht = min(G, kRows) query heads of one KV head's GQA group for each of
 //   qt = kRows / ht consecutive packed queries, so a K/V row read serves
-//   qt * ht rows. Warpgroup w owns rows 64 w .. 64 w + 63 (warp w4 of it rows
-//   64 w + 16 w4 .. + 15, the wgmma fragment rows).
+//   qt * ht rows. Computing warpgroup w owns rows 64 w .. 64 w + 63 (warp w4 of
+//   it rows 64 w + 16 w4 .. + 15, the wgmma fragment rows).
 //   Shared memory, all in the 128-byte-swizzled K-major layout of wgmma
 //   (ptx.cuh; rows of 128 bytes = 64 elements, 16-byte chunk c of row r at
 //   chunk c ^ (r % 8), column blocks of 64 elements one after the other):
@@ -42,15 +43,27 @@
 //   (fp8.cuh) into the 16-bit tiles as each tile is used (K as q's type, V
 //   as f16: P V runs in f16, tc::v16_t); k_scale folds into the score scale,
 //   v_scale into the output.
-//   Per tile of kN = 64 tokens (kS buffers; 16-bit caches at D <= 128, kDefer: ring_keep, kS - 2 tiles of
-//   cp.async copies in flight, one computing, the one before kept for its P V; fp8 and D 256: tc::run_ring,
-//   kS - 1 in flight; one block barrier a tile):
-//     turn: the warpgroups take turns issuing their products (named barriers kTurn + w, warpgroup.cuh;
-//        warpgroup 0 first), so one's products run while the other's softmax issues;
+//   The ring, kS tile buffers of kN = 64 tokens:
+//     kSplit: the block's n-th tile (every pass's, in order) goes into buffer n % kS. The producer walks the
+//        page table (thread t < kN: its token's page word, fetched a tile ahead, no division in the loop),
+//        stages each token's K / V row addresses, waits until the consumers have released the buffer
+//        (named barrier kEmpty + b; not for the first kS tiles), copies the tile (16 cp.async a thread) and,
+//        kLag = kS - 3 tiles later, once its copies have landed, fences them to the async proxy and arrives
+//        at kFull + b (with the tile's valid bits and whether its value rows need fix_values: st_bad). The
+//        consumers wait at kFull + b and release the buffer (arrive at kEmpty + b) once its P V is done:
+//        they hold two buffers (the tile computing and the one whose P V is deferred), the producer up to
+//        three, and no barrier of the whole block is met in the loop (the consumers never wait for each
+//        other except for their turns).
+//     fp8 and D 256: the two warpgroups copy and compute through tc::run_ring, kS - 1 tiles in flight, one
+//        block barrier a tile.
+//   Per tile:
+//     turn: the computing warpgroups take turns issuing their products (named barriers kTurn + w,
+//        warpgroup.cuh; warpgroup 0 first), so one's products run while the other's softmax issues;
 //     S: each warpgroup computes S [64 x 64] of its rows: D / 16 wgmma
 //        m64n64k16 with Q and K from shared memory;
-//     kDefer: in the same turn O += P V of the previous tile, waited for after the softmax (wait_group 1 for
-//        S, then 0), then O is rescaled for this tile; otherwise P V in a second turn after the softmax;
+//     kDefer (= kSplit): in the same turn O += P V of the previous tile, waited for after the softmax
+//        (wait_group 1 for S, then 0), then O is rescaled for this tile; otherwise P V in a second turn
+//        after the softmax;
 //     softmax: f32, log2 domain, on the S fragments (softmax_state.cuh;
 //        a row's max and sum live in the 4 lanes of a quad); the score hook
 //        (variant.cuh) and the visibility of each row (span.cuh);
@@ -67,11 +80,12 @@
 //   page ids >= num_pages are zero-filled (never read) and masked. A valid
 //   token a stored row cannot see contributes exactly nothing, also when its
 //   value row holds Inf or NaN: on a tile where some stored row of the block
-//   misses a valid token the block checks the V tile (before the turns); if it
+//   misses a valid token the block checks the V tile (before the turns; kSplit:
+//   the producer, from the rows' positions, before it signals the tile); if it
 //   holds a non-finite element, each lane adds p * v for those elements of its
 //   columns and the tokens its rows see, then they become 0 in the tile and
 //   the tensor cores add the finite rest (masked P is 0); kDefer: before the
-//   tile's deferred P V.
+//   tile's deferred P V (the consumers meet on kFix).
 //
 // Memory traffic: K/V are read once per block, about ceil(q_len * G / 128) *
 // L * 2 * D * sizeof(kv_t) bytes per sequence and KV head; q and the outputs
@@ -113,9 +127,18 @@ constexpr u32 kQBytes = kBlocks * kQCol;
 constexpr u32 kTileBytes = kBlocks * kTCol;  // one 16-bit K (or V) tile
 constexpr bool kFp8 = kKvScaled;
 constexpr u32 kTileBufs = kFp8 ? 1 : kS;  // 16-bit tiles of each of K and V
-// P V of tile j runs in iteration j + 1, beside S of tile j + 1 (ring_keep keeps tile j's buffer): 16-bit caches
-// with 3 or more buffers (fp8 decodes into one tile; D 256 has 2 buffers).
-constexpr bool kDefer = !kFp8 && kS >= 3;
+// Warp-specialized (16-bit caches with 4 or more buffers: D <= 128): a producer warpgroup (warpgroup 0)
+// fills the ring and signals each tile on named barriers, the two consumer warpgroups (1, 2) compute, P V of
+// tile j in iteration j + 1 beside S of tile j + 1 (kDefer). fp8 (decoded into one tile) and D 256 (2
+// buffers): the two warpgroups copy and compute through tc::run_ring, one block barrier a tile.
+constexpr bool kSplit = !kFp8 && kS >= 4;
+constexpr bool kDefer = kSplit;
+constexpr u32 kProducer = kSplit ? geom::prefill_wgmma::kProducerThreads : 0u;  // producer threads
+constexpr u32 kBlockThreads = kThreads + kProducer;  // the block (kThreads: the computing warpgroups)
+// setmaxnreg, kSplit: registers per thread of the producer and of the computing warpgroups (launched at 168).
+constexpr u32 kProducerRegs = 48, kConsumerRegs = 224;
+static_assert(kProducer * kProducerRegs + kThreads * kConsumerRegs <= 65536, "the block's register file");
+constexpr u32 kLag = kS >= 3 ? kS - 3 : 0;  // tiles the producer keeps in flight past the one it signals
 constexpr u32 kRawStage = kFp8 ? 2 * kN * kD : 0;  // bytes of one raw stage (fp8): K then V codes
 // Dynamic shared memory (prefill_wgmma.smem_bytes): the layout above after up to kAlign - 1 bytes of alignment.
 constexpr u32 kSmemBytes = kAlign + kQBytes + 2 * kTileBufs * kTileBytes + kS * kRawStage;
@@ -124,101 +147,49 @@ constexpr u32 kPSteps = kN / 16;  // k-steps of O += P V
 constexpr u32 kChunks = kD / 8;  // 16-byte chunks of a 16-bit row
 constexpr u32 kCopyChunks = kD * sizeof(kv_t) / geom::kVectorBytes;  // 16-byte copies per cache row
 constexpr u32 kCopyElems = geom::kVectorBytes / sizeof(kv_t);  // cache elements per copy
-constexpr u32 kCopyStep = kThreads / kCopyChunks;  // rows one pass of the block's threads copies
-constexpr u32 kTurn = 1;  // named barriers kTurn + w: warpgroup w's turn to issue its products (warpgroup.cuh)
+constexpr u32 kCopiers = kSplit ? kProducer : kThreads;  // threads that copy the tiles
+constexpr u32 kCopyStep = kCopiers / kCopyChunks;  // rows one pass of the copying threads copies
+// Named barriers (warpgroup.cuh): kTurn + w, computing warpgroup w's turn to issue its products; kSplit:
+// kFull + b / kEmpty + b, tile buffer b landed (producer arrives, consumers wait) / free again (consumers
+// arrive, producer waits), kProd the producer's own, kFix the consumers' own (fix_values).
+constexpr u32 kTurn = 1;
+constexpr u32 kFull = 3, kEmpty = kFull + kS, kProd = kEmpty + kS, kFix = kProd + 1;
+static_assert(!kSplit || kFix <= 15, "named barriers 1 .. 15");
 static_assert(kD == 64 || kD == 128 || kD == 256, "HEAD_DIM: 64, 128 or 256");
 static_assert(kThreads == 2 * 128 && kRows == 128, "two warpgroups of 64 rows");
 static_assert(kN == 64, "S [64 x 64] per warpgroup: tiles of 64 tokens (tc::tile_vis masks)");
 static_assert(kAlign == 8 * 128, "a 128-byte swizzle atom: 8 rows of 128 B");
 static_assert(kN % kCopyStep == 0, "whole rows per copy pass");
+static_assert(!kSplit || kLag >= 1, "the producer keeps a tile in flight past the one it signals");
 static_assert((kN * kChunks) % kThreads == 0, "whole decode steps per thread");
 static_assert(sizeof(scalar_t) == 2 && (kFp8 || sizeof(kv_t) == 2), "f16 / bf16 q; f16 / bf16 / fp8 caches");
 static_assert(kRawStage % kAlign == 0, "the tiles stay on swizzle atom boundaries");
 
-// tc::run_ring with the buffer of the tile before the one computing kept (its V tile read by the deferred P V):
-// iteration j stages and issues tile j + kS - 2 into the buffer of tile j - 2, waits for tile j (kS - 3 tiles
-// after it in flight), one barrier a tile, compute(buf, t0, First{} / Later{}) as run_ring's compute (issue(sb,
-// buf) and on_stage(sb, t, page, slot) too), the copies fenced to the async proxy (wgmma reads the tiles),
-// finish() after the last tile. Every thread of the block calls it with the same lo, hi.
-struct First {  // compute's third argument: the pass's first tile (no deferred tile before it) ...
+// compute's third argument: the pass's first tile (no deferred tile before it) or a later one.
+struct First {
     static constexpr bool kFirst = true;
 };
-struct Later {  // ... or a later one
+struct Later {
     static constexpr bool kFirst = false;
 };
-// The page walk has no division in the loop: thread tid < kN keeps the page-table column and slot of its token
-// of the next tile to fetch and advances them by kN tokens a tile (the pass's one division is its first token's).
-template <u32 kN, u32 kS, typename Issue, typename Compute, typename Finish, typename OnStage>
-__device__ __forceinline__ void ring_keep(tc::Ring<kN, kS>& st, const u32* __restrict__ table, u32 lo, u32 hi,
-                                          u32 page_size, u32 num_pages, Issue&& issue, Compute&& compute,
-                                          Finish&& finish, OnStage&& on_stage) {
-    static_assert(kS >= 3 && kS <= 4, "3 or 4 buffers: one kept, one computing, at least one in flight");
-    constexpr u32 kWords = tc::Ring<kN, kS>::kWords, kAhead = kS - 2;  // tiles issued ahead of the computing one
-    const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-    u32 raw = tc::kNone, slot = 0;  // token tid of a later tile: page-table word (kNone past hi) and slot
-    const u32 step_j = kN / page_size, step_s = kN - step_j * page_size;
-    u32 tok = lo + tid, pj = tok / page_size, psl = tok - pj * page_size;  // the next token to fetch
-    auto fetch = [&] {
-        raw = (tid < kN && tok < hi) ? table[pj] : tc::kNone;
-        slot = psl;
-        tok += kN;
-        pj += step_j;
-        psl += step_s;
-        if (psl >= page_size) {
-            psl -= page_size;
-            ++pj;
-        }
-    };
-    auto stage = [&](u32 sb) -> bool {
-        const bool ok = raw < num_pages;
-        if (tid < kN) {
-            st.row[sb][tid] = make_uint2(ok ? raw : tc::kNone, slot);
-            on_stage(sb, tid, ok ? raw : tc::kNone, slot);
-        }
-        return ok;
-    };
-    auto publish = [&](u32 b, bool ok) {  // valid bits of tile buffer b
-        if (warp < kWords) {
-            const u32 bits = __ballot_sync(CP_FULL_MASK, ok && tid < kN);
-            if (lane == 0) st.valid[b][warp] = bits;
-        }
-    };
-    const u32 ntiles = (hi - lo + kN - 1) / kN;
-    __syncthreads();  // the previous pass is done with every buffer and the staging arrays
-    fetch();
-#pragma unroll
-    for (u32 i = 0; i < kAhead; ++i) {
-        const bool ok = stage(i & 1u);
-        fetch();
-        __syncthreads();
-        if (i < ntiles) {
-            publish(i, ok);
-            issue(i & 1u, i);
-        }
-        ptx::cp_async_commit();  // possibly empty: one group per tile
+// What a consumer knows of a tile when it has landed: the visible tokens of this thread's rows (bit dt of
+// vis[h]: row h sees token t0 + dt, its share and a valid page) and whether the tile's value rows need
+// fix_values (bad: block-uniform).
+struct TileState {
+    u64 vis[2];
+    bool bad;
+};
+template <u32 N>
+struct Count {  // a compile-time count (cp.async wait depths, thread counts)
+    static constexpr u32 value = N;
+};
+// f(Count<I>{}) for I = 0 .. N - 1.
+template <u32 I, u32 N, typename F>
+__device__ __forceinline__ void static_for(F&& f) {
+    if constexpr (I < N) {
+        f(Count<I>{});
+        static_for<I + 1, N>(f);
     }
-    auto tile = [&](u32 j, auto first) {
-        const u32 n = j + kAhead;
-        const u32 b = j % kS, nb = n % kS;  // nb: the buffer of tile j - 2, done with
-        const bool ok = stage(n & 1u);
-        fetch();
-        ptx::cp_async_wait<kAhead - 1>();  // tile j has landed
-        ptx::fence_proxy_async_shared();
-        __syncthreads();  // tile j visible; every warp is past tile j - 1's S and tile j - 2's P V
-        if (n < ntiles) {
-            publish(nb, ok);
-            issue(n & 1u, nb);
-        }
-        ptx::cp_async_commit();
-        compute(b, lo + j * kN, first);
-    };
-    if (ntiles == 0) return;
-    tile(0, First{});  // peeled: compute's deferred work is unconditional (no wgmma on a divergent path)
-    // Two tiles a trip: the page-table word loaded in one stays in its register for the next (one trip would
-    // copy it at the back edge, waiting for the load in the iteration that issued it).
-#pragma unroll 2
-    for (u32 j = 1; j < ntiles; ++j) tile(j, Later{});
-    finish();  // the last tile's deferred work
 }
 
 // Byte offset of 16-byte chunk c (0 .. 7) of row r in a 128-byte-swizzled column block.
@@ -227,7 +198,7 @@ __device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7
 __device__ __forceinline__ u32 chunk_at(u32 r, u32 ch, u32 col) { return (ch >> 3) * col + swz(r, ch & 7u); }
 }  // namespace pwg
 
-extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
+extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks)
     paged_prefill_wgmma(const AttentionParams p) {
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
     using namespace pwg;
@@ -250,8 +221,11 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
         const kv_t* v;
     };
     __shared__ RowSrc src[2][kN];
+    __shared__ u32 st_bad[kS];  // kSplit: tile buffer b's value rows need fix_values (the producer's check)
 
     const u32 tid = threadIdx.x, wg = tid >> 7, warp4 = (tid >> 5) & 3u, lane = tid & 31u;
+    // The computing warpgroup cw (0, 1) and its thread ctid (kSplit: warpgroups 1, 2; meaningless in the producer).
+    const u32 cw = wg - (kSplit ? 1u : 0u), ctid = tid - kProducer;
     const u32 g = lane >> 2, tq = lane & 3u;  // fragment coordinates
     const u32 q_heads = p.q_heads;
     const tc::Place<kRows> place(p);  // this block's heads and queries
@@ -265,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
     };
 
     // ---- Q rows into sQ, swizzled (zero rows for slots without a query or head) ----
-    for (u32 c = tid; c < kRows * kChunks; c += kThreads) {
+    for (u32 c = tid; c < kRows * kChunks; c += kBlockThreads) {
         const u32 r = c / kChunks, ch = c - r * kChunks;
         u32 slot, hl;
         const bool ok = row_ok(r, slot, hl);
@@ -281,16 +255,16 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         u32 slot, hl;
-        my_slot[h] = row_ok(wg * kWgRows + 16 * warp4 + g + 8 * h, slot, hl) ? slot : kNone;
+        my_slot[h] = row_ok(cw * kWgRows + 16 * warp4 + g + 8 * h, slot, hl) ? slot : kNone;
     }
     ptx::cp_async_wait<0>();
     ptx::fence_proxy_async_shared();  // Q is read by wgmma
     __syncthreads();
     // The warpgroups take turns issuing their products (S, then P V, of each tile): warpgroup w waits on
     // barrier kTurn + w until the other has issued its own and arrived there; warpgroup 0 goes first.
-    auto take_turn = [&] { wgb::sync(kTurn + wg, kThreads); };
-    auto pass_turn = [&] { wgb::arrive(kTurn + (wg ^ 1u), kThreads); };
-    if (wg == 1) pass_turn();
+    auto take_turn = [&] { wgb::sync(kTurn + cw, kThreads); };
+    auto pass_turn = [&] { wgb::arrive(kTurn + (cw ^ 1u), kThreads); };
+    if (cw == 1) pass_turn();
 
     // An fp8 cache's K scale folds into the score scale, its V scale into the
     // output (every row of the block reads KV head kvh).
@@ -307,17 +281,166 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
     const u32* const tables = words + pw::page_table(p.queries, p.sequences);
     constexpr u32 kSw = ptx::kSwizzle128B;
     const u64 kh = (u64)kvh * p.k_stride_head, vh = (u64)kvh * p.v_stride_head;
+    // Staging thread t < kN: the K and V rows of its token of the tile staged in staging buffer sb.
+    auto on_stage = [&](u32 sb, u32 t, u32 page, u32 slot) {
+        const bool ok = page != kNone;
+        const u64 koff = (u64)page * p.k_stride_page + ((u64)slot * p.k_stride_slot + kh);
+        const u64 voff = (u64)page * p.v_stride_page + ((u64)slot * p.v_stride_slot + vh);
+        src[sb][t] = RowSrc{ok ? k_cache + koff : k_cache, ok ? v_cache + voff : v_cache};
+    };
+    // ... the producer's: thread t stages token t % kN's K row (t < kN) or V row (t >= kN), so every producer
+    // warp takes part.
+    static_assert(!kSplit || kProducer == 2 * kN, "a producer thread for each token's K and V rows");
+    auto stage_half = [&](u32 sb, u32 t, u32 page, u32 slot) {
+        const bool ok = page != kNone, v = t >= kN;
+        const u64 off = (u64)page * (v ? p.v_stride_page : p.k_stride_page) +
+                        ((u64)slot * (v ? p.v_stride_slot : p.k_stride_slot) + (v ? vh : kh));
+        const kv_t* const base = v ? v_cache : k_cache;
+        const kv_t** const dst = v ? &src[sb][t - kN].v : &src[sb][t].k;
+        *dst = ok ? base + off : base;
+    };
+    // Copying thread t (of kCopiers) copies chunk t % kCopyChunks of rows t / kCopyChunks + i * kCopyStep of K
+    // and V of the tile staged in sb into tile buffer b (the same swizzle row r % 8 for every i: kCopyStep is a
+    // multiple of 8, so row i's chunk is row 0's + i kCopyStep rows).
+    static_assert(kFp8 || kCopyStep % 8 == 0, "one swizzle pattern for a thread's rows");
+    auto copy_tile = [&](u32 t, u32 sb, u32 b) {
+        const u32 cch = t % kCopyChunks, cr0 = t / kCopyChunks;
+        const u32 cdst = kFp8 ? cr0 * kD + cch * 16 : chunk_at(cr0, cch, kTCol);
+#pragma unroll
+        for (u32 i = 0; i < kN / kCopyStep; ++i) {
+            const u32 r = cr0 + i * kCopyStep;
+            const RowSrc rs = src[sb][r];
+            const bool ok = st.row[sb][r].x != kNone;
+            const kv_t* const ks = rs.k + cch * kCopyElems;
+            const kv_t* const vs = rs.v + cch * kCopyElems;
+            if constexpr (kFp8) {
+                unsigned char* const dst = sRaw + b * kRawStage + cdst + i * kCopyStep * kD;
+                ptx::cp_async_16(dst, ks, ok);
+                ptx::cp_async_16(dst + kN * kD, vs, ok);
+            } else {
+                const u32 dst = b * kTileBytes + cdst + i * kCopyStep * 128;
+                ptx::cp_async_16(sK + dst, ks, ok);
+                ptx::cp_async_16(sV + dst, vs, ok);
+            }
+        }
+    };
+    // Whether thread t of n holds an Inf or a NaN in its share of the V tile in buffer b (cold: after a miss).
+    auto check = [&](u32 b, u32 t, u32 n) {
+        const unsigned char* const vt = sV + (kFp8 ? 0u : b) * kTileBytes;
+        bool any = false;
+#pragma unroll 1
+        for (u32 c = t; c < kTileBytes / 16; c += n) {  // every 16-byte chunk of the values
+            ptx::cold_path();
+            const uint4 x = *reinterpret_cast<const uint4*>(vt + c * 16);
+            any |= tc::nonfinite2<v16_t>(x.x) | tc::nonfinite2<v16_t>(x.y) | tc::nonfinite2<v16_t>(x.z) |
+                   tc::nonfinite2<v16_t>(x.w);
+        }
+        return any;
+    };
+    // A barrier of the computing threads only (kSplit: the producer is elsewhere).
+    auto csync = [&] {
+        if constexpr (kSplit)
+            wgb::sync(kFix, kThreads);
+        else
+            __syncthreads();
+    };
+
+    if constexpr (kSplit) {
+        if (wg == 0) {
+            // ---- the producer: every tile of every pass, in the consumers' order (buffer n % kS of the
+            // block's n-th tile), through the page walk of threads tid < kN; tile n's copies issued once
+            // buffer n % kS is free (kEmpty), signalled (kFull) kLag tiles later, once they have landed ----
+            wgb::regs_dec<kProducerRegs>();
+            u32 gp = 0, missbits = 0;  // tiles issued; bit n % 32: tile n needs the value check
+            auto signal = [&](u32 n, auto keep) {  // tile n, with keep.value later tiles still in flight
+                ptx::cp_async_wait<decltype(keep)::value>();
+                ptx::fence_proxy_async_shared();  // wgmma reads the tiles
+                const u32 b = n % kS;
+                if ((missbits >> (n & 31u)) & 1u) {
+                    ptx::cold_path();
+                    wgb::sync(kProd, kProducer);  // every producer thread's copies of tile n have landed
+                    const bool any = __any_sync(CP_FULL_MASK, check(b, tid, kProducer));
+                    if (any && lane == 0) atomicOr(&st_bad[b], 1u);
+                }
+                wgb::arrive(kFull + b, kBlockThreads);
+            };
+            tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
+                // The stored rows' positions in this pass: a tile where one of them may miss a valid token
+                // (the latest first position, the earliest end; rows of other sequences or none) is checked.
+                u32 elo = 0, ehi = kNone;
+                bool others = false;
+                for (u32 s = 0; s < qt && q0 + s < q_end; ++s) {
+                    if (s >= slot_lo && s < slot_hi && rows.lo[s] < rows.hi[s]) {
+                        elo = rows.lo[s] > elo ? rows.lo[s] : elo;
+                        ehi = rows.hi[s] < ehi ? rows.hi[s] : ehi;
+                    } else {
+                        others = true;
+                    }
+                }
+                // The page walk: thread tid < kN keeps the page-table column and slot of its token of the next
+                // tile and advances them by kN tokens a tile (no division in the loop).
+                const u32* __restrict__ const table = tables + (u64)seq * p.table_width;
+                const u32 page_size = p.page_size;
+                const u32 step_j = kN / page_size, step_s = kN - step_j * page_size;
+                u32 tok = lo + tid % kN, pj = tok / page_size, psl = tok - pj * page_size;
+                u32 raw = kNone, slot = 0;
+                auto fetch = [&] {  // threads t and t + kN: token t's word
+                    raw = tok < hi ? table[pj] : kNone;
+                    slot = psl;
+                    tok += kN;
+                    pj += step_j;
+                    psl += step_s;
+                    if (psl >= page_size) {
+                        psl -= page_size;
+                        ++pj;
+                    }
+                };
+                const u32 ntiles = (hi - lo + kN - 1) / kN;
+                fetch();
+                for (u32 j = 0; j < ntiles; ++j) {
+                    const u32 b = gp % kS, sb = gp & 1u, t0 = lo + j * kN;
+                    if (gp >= kS) wgb::sync(kEmpty + b, kBlockThreads);  // the consumers are done with buffer b
+                    const bool ok = raw < p.num_pages;
+                    if (tid < kN) st.row[sb][tid] = make_uint2(ok ? raw : kNone, slot);
+                    stage_half(sb, tid, ok ? raw : kNone, slot);
+                    fetch();
+                    if (tid < kN) {  // the tile's valid bits (warps 0, 1)
+                        const u32 bits = __ballot_sync(CP_FULL_MASK, ok);
+                        if (lane == 0) st.valid[b][tid >> 5] = bits;
+                    }
+                    if (tid == 0) st_bad[b] = 0;
+                    wgb::sync(kProd, kProducer);  // the staged rows are visible to every producer thread
+                    copy_tile(tid, sb, b);
+                    ptx::cp_async_commit();
+                    const u32 te = t0 + kN < hi ? t0 + kN : hi;
+                    const bool miss = others || elo > (t0 > lo ? t0 : lo) || ehi < te;
+                    missbits = (missbits & ~(1u << (gp & 31u))) | (u32)miss << (gp & 31u);
+                    ++gp;
+                    if (gp > kLag) signal(gp - 1 - kLag, Count<kLag>{});
+                }
+            });
+            static_for<0, kLag>([&](auto i) {  // the last tiles
+                constexpr u32 kI = decltype(i)::value;
+                if (gp + kI >= kLag) signal(gp + kI - kLag, Count<kLag - 1 - kI>{});
+            });
+            // The consumers' last releases, so that every named barrier ends complete.
+            for (u32 n = gp > kS ? gp - kS : 0u; n < gp; ++n) wgb::sync(kEmpty + n % kS, kBlockThreads);
+            return;
+        }
+        wgb::regs_inc<kConsumerRegs>();
+    }
     // The operand descriptors of Q (this warpgroup's rows), the first K and V tiles (K-major / N-major); a
     // tile's own adds its byte offset >> 4 (the start address field), as the k-steps do.
     // The warpgroup broadcast from lane 0, so that the compiler keeps the descriptors built from it in uniform
     // registers (and they move by 32-bit adds: ptx::wgmma_desc_at).
-    const u32 wgu = __shfl_sync(CP_FULL_MASK, wg, 0);
+    const u32 wgu = __shfl_sync(CP_FULL_MASK, cw, 0);
     const u64 dq = ptx::wgmma_desc(sQ + wgu * kWgRows * 128, 16, 1024, kSw);
     const u64 dk0 = ptx::wgmma_desc(sK, 16, 1024, kSw), dv0 = ptx::wgmma_desc(sV, kTCol, 1024, kSw);
     u64 dqs[kKSteps];  // Q's descriptor of each k-step of S (the same every tile)
 #pragma unroll
     for (u32 ks = 0; ks < kKSteps; ++ks) dqs[ks] = ptx::wgmma_desc_at(dq, ((ks >> 2) * kQCol + (ks & 3u) * 32) >> 4);
 
+    u32 gc = 0;  // kSplit: the block's tiles computed (tile n is in buffer n % kS)
     tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
         u32 rlo[2], rhi[2];  // this thread's rows' positions in this pass
         variant::ScoreRow srow[2];  // for a score variant: the rows' query position, head, slope
@@ -328,38 +451,19 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
             rlo[h] = in ? rows.lo[s] : 0u;
             rhi[h] = in ? rows.hi[s] : 0u;
             if constexpr (!variant::kPlainScore)
-                srow[h] = tc::score_row(rows, s, wg * kWgRows + 16 * warp4 + g + 8 * h, ht, head0, qt);
+                srow[h] = tc::score_row(rows, s, cw * kWgRows + 16 * warp4 + g + 8 * h, ht, head0, qt);
         }
-        auto on_stage = [&](u32 sb, u32 t, u32 page, u32 slot) {
-            const bool ok = page != kNone;
-            const u64 koff = (u64)page * p.k_stride_page + ((u64)slot * p.k_stride_slot + kh);
-            const u64 voff = (u64)page * p.v_stride_page + ((u64)slot * p.v_stride_slot + vh);
-            src[sb][t] = RowSrc{ok ? k_cache + koff : k_cache, ok ? v_cache + voff : v_cache};
-        };
-        // Thread tid copies chunk tid % kCopyChunks of rows tid / kCopyChunks + i * kCopyStep of K and V (the
-        // same swizzle row r % 8 for every i: kCopyStep is a multiple of 8, so row i's chunk is row 0's + i
-        // kCopyStep rows).
-        const u32 cch = tid % kCopyChunks, cr0 = tid / kCopyChunks;
-        const u32 cdst = kFp8 ? cr0 * kD + cch * 16 : chunk_at(cr0, cch, kTCol);
-        static_assert(kFp8 || kCopyStep % 8 == 0, "one swizzle pattern for a thread's rows");
-        auto issue = [&](u32 sb, u32 b) {
+        // This thread's rows' visible tokens of the tile in buffer b at t0 .. (ts.vis), and whether a stored
+        // one misses a valid token.
+        auto tile_miss = [&](u32 b, u32 t0, TileState& ts) {
+            const u64 vbits = (u64)st.valid[b][0] | (u64)st.valid[b][1] << 32;
+            bool m = false;
 #pragma unroll
-            for (u32 i = 0; i < kN / kCopyStep; ++i) {
-                const u32 r = cr0 + i * kCopyStep;
-                const RowSrc rs = src[sb][r];
-                const bool ok = st.row[sb][r].x != kNone;
-                const kv_t* const ks = rs.k + cch * kCopyElems;
-                const kv_t* const vs = rs.v + cch * kCopyElems;
-                if constexpr (kFp8) {
-                    unsigned char* const dst = sRaw + b * kRawStage + cdst + i * kCopyStep * kD;
-                    ptx::cp_async_16(dst, ks, ok);
-                    ptx::cp_async_16(dst + kN * kD, vs, ok);
-                } else {
-                    const u32 dst = b * kTileBytes + cdst + i * kCopyStep * 128;
-                    ptx::cp_async_16(sK + dst, ks, ok);
-                    ptx::cp_async_16(sV + dst, vs, ok);
-                }
+            for (u32 h = 0; h < 2; ++h) {
+                ts.vis[h] = tc::tile_vis<kN>(vbits, rlo[h], rhi[h], t0);
+                m |= my_slot[h] != kNone && ts.vis[h] != vbits;
             }
+            return m;
         };
         // A V tile holding a non-finite element some row of the block must not see (bad: block-uniform,
         // every thread calls this): each lane adds p * v itself for every non-finite element of its columns
@@ -397,9 +501,9 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
                     }
                 }
             }
-            __syncthreads();  // every lane has read the tile's non-finite values
+            csync();  // every lane has read the tile's non-finite values
 #pragma unroll 1
-            for (u32 c = tid; c < kTileBytes / 4; c += kThreads) {  // every 32-bit pair
+            for (u32 c = ctid; c < kTileBytes / 4; c += kThreads) {  // every 32-bit pair
                 ptx::cold_path();
                 u32* const w = reinterpret_cast<u32*>(vt_) + c;
                 const u32 x = *w;
@@ -408,7 +512,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
                 *w = xlo | xhi;
             }
             ptx::fence_proxy_async_shared();  // the tile is read by wgmma
-            __syncthreads();
+            csync();
         };
         // O [64 x D] += P V of a tile: P from registers, V N-major from the tile vt_ (issued, not committed).
         auto issue_pv = [&](const u32(&pa_)[kPSteps][4], const unsigned char* vt_) {
@@ -421,8 +525,9 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
         u32 pa_prev[kPSteps][4];
         u64 vis_prev[2] = {0, 0};
         unsigned char* vt_prev = sV;
+        u32 b_prev = 0;  // its buffer (kSplit: released once its P V is done)
         bool bad_prev = false;
-        auto compute = [&](u32 b, u32 t0, auto first) {
+        auto compute = [&](u32 b, u32 t0, auto first, const TileState tin) {
             constexpr bool kPrev = kDefer && !decltype(first)::kFirst;  // a deferred tile before this one
             if constexpr (kFp8) {
                 // Every warp is past tile j - 1's products (the ring's barrier): the block decodes tile j's
@@ -446,33 +551,21 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
             }
             unsigned char* const kt = sK + (kFp8 ? 0u : b) * kTileBytes;
             unsigned char* const vt = sV + (kFp8 ? 0u : b) * kTileBytes;
-            // Bit dt of vis[h]: row h sees token t0 + dt (its share, and a valid page).
-            const u64 vbits = (u64)st.valid[b][0] | (u64)st.valid[b][1] << 32;
-            u64 vis[2];
-            bool miss = false;
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h) {
-                vis[h] = tc::tile_vis<kN>(vbits, rlo[h], rhi[h], t0);
-                miss |= my_slot[h] != kNone && vis[h] != vbits;
-            }
-
             // A tile where some stored row of the block misses a valid token (the causal diagonal, split
             // edges, another sequence's rows): its value rows' Inf / NaN must reach only the rows that see
-            // them (0 x Inf is NaN in the tensor cores). The block checks the V tile here, before either
-            // warpgroup's turn (bad: block-uniform); the rows that see such an element add it below.
-            bool bad = false;
-            if (__syncthreads_or(miss)) {
-                ptx::cold_path();
-                bool any = false;
-#pragma unroll 1
-                for (u32 c = tid; c < kTileBytes / 16; c += kThreads) {  // every 16-byte chunk of the values
+            // them (0 x Inf is NaN in the tensor cores). The block knows before either warpgroup's turn
+            // whether its V tile holds one (bad: block-uniform; kSplit: the producer checked, tin); the rows
+            // that see such an element add it in fix_values.
+            TileState ts = tin;
+            if constexpr (!kSplit) {
+                ts.bad = false;
+                if (__syncthreads_or(tile_miss(b, t0, ts))) {
                     ptx::cold_path();
-                    const uint4 x = *reinterpret_cast<const uint4*>(vt + c * 16);
-                    any |= tc::nonfinite2<v16_t>(x.x) | tc::nonfinite2<v16_t>(x.y) | tc::nonfinite2<v16_t>(x.z) |
-                           tc::nonfinite2<v16_t>(x.w);
+                    ts.bad = __syncthreads_or(check(b, tid, kThreads));
                 }
-                bad = __syncthreads_or(any);
             }
+            const u64(&vis)[2] = ts.vis;
+            const bool bad = ts.bad;
 
             // ---- S [64 x 64] = Q K^T of this warpgroup's rows, in its turn ----
             float s[kN / 2];
@@ -553,15 +646,18 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
                 if (bad) fix_values(pa, vis, vt);
             }
             if constexpr (kDefer) {
-                // P V of the previous tile is done: rescale O for this tile, keep this tile's P for the next.
+                // P V of the previous tile is done (its buffer goes back to the producer): rescale O for this
+                // tile, keep this tile's P for the next.
                 ptx::wgmma_wait<0>();
                 ptx::wgmma_fence_operand(o);
+                if constexpr (kPrev) wgb::arrive(kEmpty + b_prev, kBlockThreads);
 #pragma unroll
                 for (u32 i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1u];
                 pack(pa_prev);
                 vis_prev[0] = vis[0];
                 vis_prev[1] = vis[1];
                 vt_prev = vt;
+                b_prev = b;
                 bad_prev = bad;
             } else {
                 // ---- O [64 x D] += P V in this warpgroup's turn ----
@@ -587,17 +683,33 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
                 pass_turn();
                 ptx::wgmma_wait<0>();
                 ptx::wgmma_fence_operand(o);
+                wgb::arrive(kEmpty + b_prev, kBlockThreads);
             }
         };
         // 16-bit tiles are read by wgmma as cp.async left them: fenced to the async proxy (fp8: compute
         // fences its decoded tiles).
-        if constexpr (kDefer) {
-            ring_keep<kN, kS>(st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue, compute,
-                              finish, on_stage);
+        if constexpr (kSplit) {
+            // The consumers: the block's tiles in order, tile n in buffer n % kS once the producer signals it.
+            const u32 ntiles = (hi - lo + kN - 1) / kN;
+            auto tile = [&](u32 j, auto first) {
+                const u32 b = gc % kS, t0 = lo + j * kN;
+                wgb::sync(kFull + b, kBlockThreads);  // landed; its valid bits and check published
+                TileState ts;
+                tile_miss(b, t0, ts);
+                ts.bad = st_bad[b] != 0;
+                compute(b, t0, first, ts);
+                ++gc;
+            };
+            if (ntiles == 0) return;
+            tile(0, First{});  // peeled: compute's deferred work is unconditional (no wgmma on a divergent path)
+#pragma unroll 2
+            for (u32 j = 1; j < ntiles; ++j) tile(j, Later{});
+            finish();  // the last tile's deferred work
         } else {
             tc::run_ring<kN, kS, !kFp8>(
-                st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages, issue,
-                [&](u32 b, u32 t0) { compute(b, t0, Later{}); }, on_stage);
+                st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages,
+                [&](u32 sb, u32 b) { copy_tile(tid, sb, b); },
+                [&](u32 b, u32 t0) { compute(b, t0, Later{}, TileState{}); }, on_stage);
         }
     });
 
@@ -612,7 +724,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kThreads, pwg::kMinBlocks)
         sm[h].l = l;
         const u32 slot = my_slot[h];
         if (slot == kNone) continue;
-        const u32 r = wg * kWgRows + 16 * warp4 + g + 8 * h;
+        const u32 r = cw * kWgRows + 16 * warp4 + g + 8 * h;
         const u32 head = head0 + (r - slot * ht);
         const epi::Row er = epi::row_of(p, (q0 + slot) * q_heads + head, split);
         const float inv = epi::finish(sm[h], sc, head, split, vscale);

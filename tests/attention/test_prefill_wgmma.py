@@ -295,7 +295,8 @@ def test_selection_per_arch():
         for dt in TC_DTYPES:
             (L,) = plan_launches(host, dt, 32, 8, 128, 128, 0, True, True, arch="sm_90")
             assert L.kernel == PREFILL_WGMMA and L.defines["CP_TARGET"] == "sm_90a"
-            assert L.threads == prefill_wgmma.THREADS and L.smem == prefill_wgmma.smem_bytes(128)
+            assert L.threads == prefill_wgmma.THREADS + prefill_wgmma.PRODUCER_THREADS
+            assert L.smem == prefill_wgmma.smem_bytes(128)
             assert L.blocks == -(-sum(q_lens) * 4 // 128) and L.grid(8, 1) == (L.blocks, 8, 1)
             assert [x.kernel for x in plan_launches(host, dt, 32, 8, 128, 128, 0, True, True, arch="sm_80")] == [
                 "paged_prefill_tc"

@@ -716,16 +716,20 @@ def test_non_causal_only_plans():
 
 def test_gate_builds_each_feature_on_each_family():
     """VARIANTS (the NVRTC gate) holds, for every kernel family, dtype and
-    fast dim, each feature alone and all four; the defaults carry no
-    feature define."""
+    fast dim, each feature alone and all four (fp8 caches: none and all
+    four, FP8_GATE_FEATURES); the defaults carry no feature define."""
     fast = {
-        (v.kernel, v.dtype, v.head_dim, v.latent_dim, v.tile, v.target)
+        (v.kernel, v.dtype, v.kv_dtype, v.head_dim, v.latent_dim, v.tile, v.target)
         for v in variants.VARIANTS
         if v.kernel != "paged_attention" or v.head_dim
     }
-    built = {(v.kernel, v.dtype, v.head_dim, v.latent_dim, v.tile, v.target, v.features) for v in variants.VARIANTS}
+    built = {
+        (v.kernel, v.dtype, v.kv_dtype, v.head_dim, v.latent_dim, v.tile, v.target, v.features)
+        for v in variants.VARIANTS
+    }
     for key in fast:
-        for fs in variants.GATE_FEATURES:
+        sets = variants.FP8_GATE_FEATURES if key[2] in ("e4m3", "e5m2") else variants.GATE_FEATURES
+        for fs in sets:
             assert key + (fs,) in built, (key, fs)
     for v in variants.VARIANTS:
         if not v.features:

@@ -512,3 +512,79 @@ def test_a_dependent_load_waits_only_for_what_the_issue_before_its_use_leaves():
     assert waits[0] == pytest.approx(pt.dep_load_s)
     assert waits[40] == pytest.approx(pt.dep_load_s - 40 * t_own) and 0 < waits[40] < pt.dep_load_s
     assert waits[4000] == 0
+
+
+def specialized(consumer, producer):
+    """An nvdisasm-style function ``k`` of a warp-specialized block: warpgroup 0 branches to a producer loop
+    of ``producer`` lines, the others run a consumer loop of ``consumer`` lines (each loop's back edge at its
+    end, both to one EXIT)."""
+    out = [".text.k:"]
+    off = 0
+
+    def emit(text):
+        nonlocal off
+        out.append(f"        /*{off:04x}*/                   {text} ;")
+        off += 0x10
+
+    emit("S2R R0, SR_TID.X")
+    emit("ISETP.GE.U32.AND P0, PT, R0, 0x80, PT")
+    emit("@!P0 BRA `(.L_x_5)")
+    out.append(".L_x_0:")
+    for line in consumer:
+        emit(line)
+    emit("ISETP.NE.AND P2, PT, R0, R1, PT")
+    emit("@P2 BRA `(.L_x_0)")
+    emit("BRA `(.L_x_7)")
+    out.append(".L_x_5:")
+    for line in producer:
+        emit(line)
+    emit("ISETP.NE.AND P3, PT, R0, R2, PT")
+    emit("@P3 BRA `(.L_x_5)")
+    out.append(".L_x_7:")
+    emit("EXIT")
+    out.append(".L_x_1:")
+    emit("BRA `(.L_x_1)")
+    return "\n".join(out)
+
+
+def test_a_producer_warpgroup_beside_its_consumers_is_its_own_loop():
+    """FlashAttention-3's warp specialization: a producer warpgroup copies the tiles and signals them
+    (``bar.arrive`` on block-wide named barriers), two consumer warpgroups wait for them and compute, taking
+    turns (256-thread barriers). The consumers' tensor loop is the hot loop and the copy loop its producer;
+    the consumers are the warps of their own barriers (8 of 12) and take turns as two warpgroups; the
+    iteration is the longer of the consumers' chain and the producer's for the same tokens, the issue bound
+    counts both, the bytes in flight are the producer's."""
+    pt = SM90.point("pess")
+    consumer = (
+        ["BAR.SYNC.DEFER_BLOCKING R6, 0x180", "BAR.SYNC.DEFER_BLOCKING R4, 0x100", "WARPGROUP.ARRIVE"]
+        + S_GROUP
+        + PV_GROUP
+        + ["BAR.ARV R5, 0x100", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "BAR.ARV R7, 0x180"]
+        + ["FFMA R8, R8, R9, R10"] * 200
+    )
+
+    def producer(extra):
+        return (
+            ["BAR.SYNC.DEFER_BLOCKING R6, 0x180"]
+            + [COPY] * 16
+            + ["LDGDEPBAR", "DEPBAR.LE SB0, 0x2"]
+            + ["IMAD R8, R8, R9, R10"] * extra
+            + ["BAR.ARV R7, 0x180"]
+        )
+
+    kw = dict(threads=384, grid=SM90.sms, tokens=1024, bpt=8 * 2 * 256, registers=168)
+    light, heavy = hot_of(specialized(consumer, producer(20))), hot_of(specialized(consumer, producer(3000)))
+    for hot in (light, heavy):
+        assert hot.producer is not None and hot.regions[0].hmma == 12 and hot.regions[0].ldgsts == 0
+        assert hot.producer.regions[0].ldgsts == 16 and hot.producer.cover == 2
+        assert hot.consumer_warps(12) == 8 and hot.pingpong(8) == 2
+    lo, hi = launch(light, **kw), launch(heavy, **kw)
+    # one consumer iteration per tile: the 16 copies of 512 bytes per producer warp are the tile's bytes
+    assert lo.iteration["iteration"] == pytest.approx(lo.iteration["total"], rel=1e-9)  # the consumers bind
+    assert lo.iteration["producer"] < lo.iteration["total"]
+    t1 = max(1 / pt.warp_ipc, 1 / pt.sched_ipc) / pt.clock_hz
+    p_issue = len(producer(3000)) * t1
+    assert hi.iteration["iteration"] == pytest.approx(hi.iteration["producer"], rel=1e-9)
+    assert hi.iteration["producer"] >= p_issue  # the producer's own chain binds
+    assert hi.bounds_s["issue"] > lo.bounds_s["issue"] * 3  # the producer's instructions are issued
+    assert lo.in_flight_per_sm == pytest.approx(16 * 512 * 4 * 2, rel=1e-9)  # its copies, two tiles in flight
