@@ -46,6 +46,18 @@
 
 namespace ptx {
 
+// x << s for 0 <= s <= 64, 0 at 64 (PTX shl.b64 clamps the shift at the register's width; C++ leaves a
+// shift by 64 undefined, so the CPU version says so itself).
+#ifdef CUPAGED_CPU
+__device__ __forceinline__ u64 shl64(u64 x, u32 s) { return s >= 64 ? 0ull : x << s; }
+#else
+__device__ __forceinline__ u64 shl64(u64 x, u32 s) {
+    u64 r;
+    asm("shl.b64 %0, %1, %2;" : "=l"(r) : "l"(x), "r"(s));
+    return r;
+}
+#endif
+
 // Two floats as one register of two 16-bit T (f16 or bf16), lo in the low half.
 template <typename T>
 __device__ __forceinline__ u32 pack2(float lo, float hi);

@@ -44,10 +44,11 @@
 //   as f16: P V runs in f16, tc::v16_t); k_scale folds into the score scale,
 //   v_scale into the output.
 //   The ring, kS tile buffers of kN = 64 tokens:
-//     kSplit: the block's n-th tile (every pass's, in order) goes into buffer n % kS. The producer walks the
-//        page table (thread t < kN: its token's page word, fetched a tile ahead, no division in the loop),
-//        stages each token's K / V row addresses, waits until the consumers have released the buffer
-//        (named barrier kEmpty + b; not for the first kS tiles), copies the tile (16 cp.async a thread) and,
+//     kSplit: the block's n-th tile (every pass's, in order) goes into buffer n % kS. The producer's threads
+//        2 t and 2 t + 1 take row t of every tile: they walk the page table for its token (its page word
+//        fetched a tile ahead, no division in the loop), wait until the consumers have released the buffer
+//        (named barrier kEmpty + b; not for the first kS tiles), copy the even and the odd 16-byte chunks of
+//        the row's K and V (16 cp.async a thread at D 128; a pair is one 32-byte sector) and,
 //        kLag = kS - 3 tiles later, once its copies have landed, fences them to the async proxy and arrives
 //        at kFull + b (with the tile's valid bits and whether its value rows need fix_values: st_bad). The
 //        consumers wait at kFull + b and release the buffer (arrive at kEmpty + b) once its P V is done:
@@ -147,8 +148,7 @@ constexpr u32 kPSteps = kN / 16;  // k-steps of O += P V
 constexpr u32 kChunks = kD / 8;  // 16-byte chunks of a 16-bit row
 constexpr u32 kCopyChunks = kD * sizeof(kv_t) / geom::kVectorBytes;  // 16-byte copies per cache row
 constexpr u32 kCopyElems = geom::kVectorBytes / sizeof(kv_t);  // cache elements per copy
-constexpr u32 kCopiers = kSplit ? kProducer : kThreads;  // threads that copy the tiles
-constexpr u32 kCopyStep = kCopiers / kCopyChunks;  // rows one pass of the copying threads copies
+constexpr u32 kCopyStep = kThreads / kCopyChunks;  // rows one pass of the copying threads copies (not kSplit)
 // Named barriers (warpgroup.cuh): kTurn + w, computing warpgroup w's turn to issue its products; kSplit:
 // kFull + b / kEmpty + b, tile buffer b landed (producer arrives, consumers wait) / free again (consumers
 // arrive, producer waits), kProd the producer's own, kFix the consumers' own (fix_values).
@@ -288,18 +288,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
         const u64 voff = (u64)page * p.v_stride_page + ((u64)slot * p.v_stride_slot + vh);
         src[sb][t] = RowSrc{ok ? k_cache + koff : k_cache, ok ? v_cache + voff : v_cache};
     };
-    // ... the producer's: thread t stages token t % kN's K row (t < kN) or V row (t >= kN), so every producer
-    // warp takes part.
-    static_assert(!kSplit || kProducer == 2 * kN, "a producer thread for each token's K and V rows");
-    auto stage_half = [&](u32 sb, u32 t, u32 page, u32 slot) {
-        const bool ok = page != kNone, v = t >= kN;
-        const u64 off = (u64)page * (v ? p.v_stride_page : p.k_stride_page) +
-                        ((u64)slot * (v ? p.v_stride_slot : p.k_stride_slot) + (v ? vh : kh));
-        const kv_t* const base = v ? v_cache : k_cache;
-        const kv_t** const dst = v ? &src[sb][t - kN].v : &src[sb][t].k;
-        *dst = ok ? base + off : base;
-    };
-    // Copying thread t (of kCopiers) copies chunk t % kCopyChunks of rows t / kCopyChunks + i * kCopyStep of K
+    // Copying thread t (of kThreads; not kSplit) copies chunk t % kCopyChunks of rows t / kCopyChunks + i * kCopyStep of K
     // and V of the tile staged in sb into tile buffer b (the same swizzle row r % 8 for every i: kCopyStep is a
     // multiple of 8, so row i's chunk is row 0's + i kCopyStep rows).
     static_assert(kFp8 || kCopyStep % 8 == 0, "one swizzle pattern for a thread's rows");
@@ -351,6 +340,14 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             // block's n-th tile), through the page walk of threads tid < kN; tile n's copies issued once
             // buffer n % kS is free (kEmpty), signalled (kFull) kLag tiles later, once they have landed ----
             wgb::regs_dec<kProducerRegs>();
+            // Threads 2 t and 2 t + 1 copy row t of each tile, the even and the odd 16-byte chunks (a pair is
+            // one 32-byte sector; a warp instruction, 16 rows' sectors): chunk 2 c + half of the row goes to
+            // column block c / 4, swizzled chunk (2 c % 8 + half) ^ (t % 8) = 2 (c % 4) ^ y of row t.
+            static_assert(!kSplit || (kProducer == 2 * kN && kCopyChunks % 8 == 0), "two producer threads a row");
+            const u32 ptok = tid >> 1, half = tid & 1u, y = half ^ (ptok & 7u);
+            u32 coff[4];
+#pragma unroll
+            for (u32 c = 0; c < 4; ++c) coff[c] = ptok * 128 + (((2 * c) ^ y) << 4);
             u32 gp = 0, missbits = 0;  // tiles issued; bit n % 32: tile n needs the value check
             auto signal = [&](u32 n, auto keep) {  // tile n, with keep.value later tiles still in flight
                 ptx::cp_async_wait<decltype(keep)::value>();
@@ -377,14 +374,14 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                         others = true;
                     }
                 }
-                // The page walk: thread tid < kN keeps the page-table column and slot of its token of the next
-                // tile and advances them by kN tokens a tile (no division in the loop).
+                // The page walk: threads 2 t and 2 t + 1 keep the page-table column and slot of token t of the
+                // next tile and advance them by kN tokens a tile (no division in the loop).
                 const u32* __restrict__ const table = tables + (u64)seq * p.table_width;
                 const u32 page_size = p.page_size;
                 const u32 step_j = kN / page_size, step_s = kN - step_j * page_size;
-                u32 tok = lo + tid % kN, pj = tok / page_size, psl = tok - pj * page_size;
+                u32 tok = lo + ptok, pj = tok / page_size, psl = tok - pj * page_size;
                 u32 raw = kNone, slot = 0;
-                auto fetch = [&] {  // threads t and t + kN: token t's word
+                auto fetch = [&] {
                     raw = tok < hi ? table[pj] : kNone;
                     slot = psl;
                     tok += kN;
@@ -401,16 +398,32 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                     const u32 b = gp % kS, sb = gp & 1u, t0 = lo + j * kN;
                     if (gp >= kS) wgb::sync(kEmpty + b, kBlockThreads);  // the consumers are done with buffer b
                     const bool ok = raw < p.num_pages;
-                    if (tid < kN) st.row[sb][tid] = make_uint2(ok ? raw : kNone, slot);
-                    stage_half(sb, tid, ok ? raw : kNone, slot);
+                    // This thread's K / V row of token ptok (the caches' first element, never read, without
+                    // a page: the copies zero-fill), at its chunk of each pair.
+                    const u64 koff = (u64)raw * p.k_stride_page + ((u64)slot * p.k_stride_slot + kh);
+                    const u64 voff = (u64)raw * p.v_stride_page + ((u64)slot * p.v_stride_slot + vh);
+                    const kv_t* const ks = (ok ? k_cache + koff : k_cache) + half * kCopyElems;
+                    const kv_t* const vs = (ok ? v_cache + voff : v_cache) + half * kCopyElems;
                     fetch();
-                    if (tid < kN) {  // the tile's valid bits (warps 0, 1)
-                        const u32 bits = __ballot_sync(CP_FULL_MASK, ok);
-                        if (lane == 0) st.valid[b][tid >> 5] = bits;
+                    {  // the tile's valid bits: warp w's 16 tokens (a bit a token: the even lanes' votes)
+                        u32 x = __ballot_sync(CP_FULL_MASK, ok) & 0x55555555u;
+                        x = (x | (x >> 1)) & 0x33333333u;
+                        x = (x | (x >> 2)) & 0x0f0f0f0fu;
+                        x = (x | (x >> 4)) & 0x00ff00ffu;
+                        x = (x | (x >> 8)) & 0x0000ffffu;
+                        if (lane == 0) reinterpret_cast<unsigned short*>(st.valid[b])[tid >> 5] = (unsigned short)x;
                     }
                     if (tid == 0) st_bad[b] = 0;
-                    wgb::sync(kProd, kProducer);  // the staged rows are visible to every producer thread
-                    copy_tile(tid, sb, b);
+                    unsigned char* dk[4];  // this thread's chunk of each pair in the first column block of K
+#pragma unroll
+                    for (u32 i = 0; i < 4; ++i) dk[i] = sK + b * kTileBytes + coff[i];
+                    constexpr u32 kToV = kTileBufs * kTileBytes;  // sV - sK
+#pragma unroll
+                    for (u32 c = 0; c < kCopyChunks / 2; ++c) {  // chunk 2 c + half of the row, K and V
+                        unsigned char* const dst = dk[c & 3u] + (c >> 2) * kTCol;
+                        ptx::cp_async_16(dst, ks + 2 * c * kCopyElems, ok);
+                        ptx::cp_async_16(dst + kToV, vs + 2 * c * kCopyElems, ok);
+                    }
                     ptx::cp_async_commit();
                     const u32 te = t0 + kN < hi ? t0 + kN : hi;
                     const bool miss = others || elo > (t0 > lo ? t0 : lo) || ehi < te;

@@ -46,11 +46,7 @@ struct Place {
 };
 
 // Bits a .. e-1 of a tile's token mask (0 <= a, e <= 64; none when e <= a).
-__device__ __forceinline__ u64 span_bits(u32 a, u32 e) {
-    const u64 upto_e = e >= 64 ? ~0ull : ((1ull << e) - 1);
-    const u64 upto_a = a >= 64 ? ~0ull : ((1ull << a) - 1);
-    return upto_e & ~upto_a;
-}
+__device__ __forceinline__ u64 span_bits(u32 a, u32 e) { return ptx::shl64(~0ull, a) & ~ptx::shl64(~0ull, e); }
 
 // Tokens t0 .. t0 + n - 1 (n <= 64) a row with positions [rlo, rhi) sees, as bits.
 __device__ __forceinline__ u64 row_bits(u32 rlo, u32 rhi, u32 t0, u32 n) {
