@@ -15,11 +15,9 @@ from cupaged.tools import archs, kernels, model, sass
 SM90 = archs.get("sm_90")
 
 
-def listing(body, pre=(), post=(), slow=()):
-    """An nvdisasm-style function ``k``: ``pre`` lines, then a loop of
-    ``body`` lines (back edge at its end), ``post`` lines, EXIT, and the
-    ``slow`` lines as a BRA.DIV slow path after the EXIT (taken from the
-    loop's top, rejoining it)."""
+def function_k():
+    """The lines of an nvdisasm-style function ``k`` that reads its thread index, and the function that
+    appends an instruction to them at the next offset."""
     out = [".text.k:"]
     off = 0
 
@@ -29,6 +27,15 @@ def listing(body, pre=(), post=(), slow=()):
         off += 0x10
 
     emit("S2R R0, SR_TID.X")
+    return out, emit
+
+
+def listing(body, pre=(), post=(), slow=()):
+    """An nvdisasm-style function ``k``: ``pre`` lines, then a loop of
+    ``body`` lines (back edge at its end), ``post`` lines, EXIT, and the
+    ``slow`` lines as a BRA.DIV slow path after the EXIT (taken from the
+    loop's top, rejoining it)."""
+    out, emit = function_k()
     for line in pre:
         emit(line)
     out.append(".L_x_0:")
@@ -518,15 +525,7 @@ def specialized(consumer, producer):
     """An nvdisasm-style function ``k`` of a warp-specialized block: warpgroup 0 branches to a producer loop
     of ``producer`` lines, the others run a consumer loop of ``consumer`` lines (each loop's back edge at its
     end, both to one EXIT)."""
-    out = [".text.k:"]
-    off = 0
-
-    def emit(text):
-        nonlocal off
-        out.append(f"        /*{off:04x}*/                   {text} ;")
-        off += 0x10
-
-    emit("S2R R0, SR_TID.X")
+    out, emit = function_k()
     emit("ISETP.GE.U32.AND P0, PT, R0, 0x80, PT")
     emit("@!P0 BRA `(.L_x_5)")
     out.append(".L_x_0:")
