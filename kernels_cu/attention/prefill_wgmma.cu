@@ -213,14 +213,15 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
     unsigned char* const sRaw = sV + kTileBufs * kTileBytes;  // fp8: [kS][2][kN][kD] codes
     __shared__ tc::RowSet<kRows> rows;
     __shared__ tc::Ring<kN, kS> st;
-    // The K and V rows of each staged token (staging buffer, token): their first element, or the cache's
-    // first (never read: the copy zero-fills) where the ring staged no page. Thread t < kN computes token
-    // t's as it stages it, once for the 256 / kCopyChunks threads that copy its chunks.
+    // The K and V rows of each staged token (staging buffer, token) of tc::run_ring's tiles (not kSplit: the
+    // producer's threads compute their own rows): their first element, or the cache's first (never read: the
+    // copy zero-fills) where the ring staged no page. Thread t < kN computes token t's as it stages it, once
+    // for the 256 / kCopyChunks threads that copy its chunks.
     struct alignas(16) RowSrc {  // one 16-byte load
         const kv_t* k;
         const kv_t* v;
     };
-    __shared__ RowSrc src[2][kN];
+    __shared__ RowSrc src[kSplit ? 1 : 2][kN];
     __shared__ u32 st_bad[kS];  // kSplit: tile buffer b's value rows need fix_values (the producer's check)
 
     const u32 tid = threadIdx.x, wg = tid >> 7, warp4 = (tid >> 5) & 3u, lane = tid & 31u;
