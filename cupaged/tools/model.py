@@ -907,9 +907,9 @@ def model_launch(
         demands["chain"] = np.where(
             tokens > 0, iters * t_iter + (hot.prologue + hot.epilogue) * iteration["per_instruction"], 0.0
         )
-        startup = np.where(tokens > 0, hot.startup_levels * lat, 0.0)
+        # a warp-specialized kernel's first tile waits for the producer's round trips, its bytes are its copies
+        startup = np.where(tokens > 0, (prod or hot).startup_levels * lat, 0.0)
         if prod is not None and rates_p is not None:
-            startup = np.where(tokens > 0, prod.startup_levels * lat, 0.0)
             in_flight_block = rates_p.iter_bytes * wp * max(1, cover)
         else:
             in_flight_block = rates.iter_bytes * warps * max(1, cover)
