@@ -711,29 +711,37 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const u32 (&a)[4], 
 #endif
 
 // ============================================================================
-// Cold-path marker. ptx::cold_path() sits in the body of code that runs only
+// Path markers. ptx::cold_path() sits in the body of code that runs only
 // on rare inputs (the careful paths that keep masked Inf / NaN values out of
-// the tensor-core products), executed by whole warps. On a GPU it is
-// `pmevent 7` (SASS PMTRIG, a performance-monitor trigger with no effect
-// outside profiling); on the CPU it counts once per warp (lane 0), readable
-// through cupaged_marker_counters(), so the performance model
-// (cupaged/tools/model.py) learns how often the SASS regions holding a PMTRIG
-// run instead of assuming once per iteration of the loop around them.
+// the tensor-core products), ptx::edge_tile() in the body of a tile loop's
+// branch for the tiles some row sees only part of (the causal diagonal, a
+// window's or a split's edge: the masked softmax), each executed by whole
+// warps. On a GPU they are `pmevent 7` / `pmevent 6` (SASS PMTRIG 0x80 /
+// 0x40, performance-monitor triggers with no effect outside profiling); on
+// the CPU each counts once per warp (lane 0), readable through
+// cupaged_marker_counters(), so the performance model
+// (cupaged/tools/model.py) learns how often the SASS regions holding them
+// run (per token and per block) instead of assuming once per iteration of
+// the loop around them.
 #ifdef CUPAGED_CPU
 namespace cpu {
-inline unsigned long long marker_counters[1];
+inline unsigned long long marker_counters[2];
 }  // namespace cpu
 extern "C" __attribute__((visibility("default"), used)) inline unsigned long long* cupaged_marker_counters() {
     return cpu::marker_counters;
 }
 extern "C" __attribute__((visibility("default"), used)) inline const char* cupaged_marker_counter_names() {
-    return "cold_path";
+    return "cold_path,edge_tile";
 }
 __device__ __forceinline__ void cold_path() {
     if ((threadIdx.x & 31u) == 0) __atomic_fetch_add(&cpu::marker_counters[0], 1ull, __ATOMIC_RELAXED);
 }
+__device__ __forceinline__ void edge_tile() {
+    if ((threadIdx.x & 31u) == 0) __atomic_fetch_add(&cpu::marker_counters[1], 1ull, __ATOMIC_RELAXED);
+}
 #else
 __device__ __forceinline__ void cold_path() { asm volatile("pmevent 7;"); }
+__device__ __forceinline__ void edge_tile() { asm volatile("pmevent 6;"); }
 #endif
 
 }  // namespace ptx

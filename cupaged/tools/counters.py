@@ -169,7 +169,7 @@ def _launches(
     return plan_launches(host, dtype, hq, hkv, d, dv, rot, True, True, arch=arch, kv_dtype=kv_dtype)
 
 
-def _run(host, np_dtype, hq, hkv, d, dv, rot, seed=0, kv_dtype: str | None = None) -> None:
+def _run(host, np_dtype, hq, hkv, d, dv, rot, seed=0, kv_dtype: str | None = None, causal: bool = True) -> None:
     """One probe launch; ``kv_dtype``: an fp8 cache format (random codes of
     standard normal values, scales 1), else the caches have q's dtype."""
     rng = np.random.default_rng(seed)
@@ -179,7 +179,7 @@ def _run(host, np_dtype, hq, hkv, d, dv, rot, seed=0, kv_dtype: str | None = Non
     if rot:
         latent = _rand(rng, (pages, ps, 1, d), np_dtype)
         k_pos = _rand(rng, (pages, ps, 1, rot), np_dtype)
-        plan.mla(_rand(rng, (q, hq, d), np_dtype), _rand(rng, (q, hq, rot), np_dtype), latent, k_pos, d**-0.5, False)
+        plan.mla(_rand(rng, (q, hq, d), np_dtype), _rand(rng, (q, hq, rot), np_dtype), latent, k_pos, d**-0.5, causal)
     else:
         k = _rand(rng, (pages, ps, hkv, d), kv_np)
         v = _rand(rng, (pages, ps, hkv, dv), kv_np)
@@ -188,7 +188,7 @@ def _run(host, np_dtype, hq, hkv, d, dv, rot, seed=0, kv_dtype: str | None = Non
             k,
             v,
             d**-0.5,
-            False,
+            causal,
             **({} if kv_dtype is None else {"kv_dtype": kv_dtype}),
         )
 
@@ -207,11 +207,14 @@ def probe(
     use_cache: bool = True,
     arch: str | None = None,
     kv_dtype: str | None = None,
+    causal: bool = True,
 ) -> Probe:
     """Counts per block of ``launch`` (a ``plan_launches`` record of the
     modeled shape, for ``arch``): one sequence with the launch's queries per
-    block, one KV head with its whole group (``hq // hkv`` query heads),
-    non-causal, at each of ``lengths`` tokens (caches of ``kv_dtype``, an
+    block (its last positions), one KV head with its whole group (``hq //
+    hkv`` query heads), ``causal`` as the modeled shapes are (so the edge
+    tiles of the causal diagonal are counted, per block: the intercept), at
+    each of ``lengths`` tokens (caches of ``kv_dtype``, an
     fp8 format, when given, else of ``dtype``), on the CPU backend standing
     in for ``arch`` (so it runs the build that arch selects; None: the arch
     the CPU backend stands in for, ``cpu_arch()``); cached on disk by the
@@ -223,8 +226,8 @@ def probe(
     text = _source.assemble(launch.source, launch.defines)
     key = _source.digest(
         text,
-        json.dumps([launch.kernel, dtype, kv_dtype, group, d, dv, rot, page_size, qpb, list(lengths)]),
-        "counters-v2",
+        json.dumps([launch.kernel, dtype, kv_dtype, group, d, dv, rot, page_size, qpb, list(lengths), causal]),
+        "counters-v3",
     )
     path = _cache_dir() / f"counters-{key}.json"
     if use_cache:
@@ -260,7 +263,7 @@ def probe(
             break
         reset(mod)
         with cpu_arch_override(arch):
-            _run(host, np_dtype, group, 1, d, dv, rot, kv_dtype=kv_dtype)
+            _run(host, np_dtype, group, 1, d, dv, rot, kv_dtype=kv_dtype, causal=causal)
         found = read_all(mod)
         assert found is not None  # read(mod) found its counters
         counts.append(found)

@@ -217,18 +217,22 @@ def solve_rates(
     ldsm_per_token: float | None,
     cold_per_token: float | None = None,
     trips: float | None = None,
+    edge_per_token: float | None = None,
 ) -> Rates:
     """Executions per token (per warp) of each region of the hot loop.
 
     Unknowns: ``y[j]`` for the hot loop's own region and each nested loop
     that holds a counted instruction (16-byte loads, HMMA / HGMMA, LDSM, the
-    cold-path marker PMTRIG); a nested loop with none runs once per
+    path markers PMTRIG); a nested loop with none runs once per
     iteration of its parent. Equations, per token per warp: K/V bytes
     loaded = ``bytes_per_token``; HMMA = the counters' mma (and wgmma);
-    LDSM = the counters' ldmatrix; PMTRIG = the counters' cold-path marks
-    (``ptx::cold_path``: rare paths, never run by the probe); ``trips``: the
-    loop's own iterations per token where nothing else tells (a consumer
-    loop without counters: its producer's). Least squares;
+    LDSM = the counters' ldmatrix; PMTRIG 0x80 = the counters' cold-path
+    marks (``ptx::cold_path``: rare paths, never run by the probe); PMTRIG
+    0x40 = the counters' per-token edge-tile marks (``ptx::edge_tile``: the
+    tiles some row sees only part of, a number per block rather than per
+    token: ``model_launch`` charges the counters' intercept per block);
+    ``trips``: the loop's own iterations per token where nothing else tells
+    (a consumer loop without counters: its producer's). Least squares;
     when the equations cannot tell two unknowns apart, the deeper one runs
     once per parent iteration."""
     R = hot.regions
@@ -242,22 +246,26 @@ def solve_rates(
         eqs.append(([r.hmma for r in R], mma_per_token))
     if ldsm_per_token is not None and any(r.ldsm for r in R):
         eqs.append(([r.ldsm for r in R], ldsm_per_token))
-    # Cold paths the probe never ran (no mark counted): their regions, and the loops nested in them,
-    # run 0 times (non-negative trip counts summing to 0); otherwise the marks are one more equation.
+    # Marked paths (cold, edge tiles) the probe never ran per token (no mark counted): their regions, and
+    # the loops nested in them, run 0 times per token (non-negative trip counts summing to 0); otherwise the
+    # marks are one more equation.
     cold = set()
-    if cold_per_token is not None and cold_per_token <= 0:
-        cold = {j for j in range(len(R)) if R[j].pmtrig and j != 0}
-        grew = True
-        while grew:
-            new = {j for j in range(len(R)) if R[j].parent in cold and R[j].parent >= 0} - cold
-            grew = bool(new)
-            cold |= new
-    elif cold_per_token is not None and any(r.pmtrig for r in R):
-        eqs.append(([r.pmtrig for r in R], cold_per_token))
+    marked = [(cold_per_token, [r.pmtrig for r in R]), (edge_per_token, [r.edges for r in R])]
+    for per_tok, marks in marked:
+        if per_tok is not None and per_tok <= 0:
+            cold |= {j for j in range(len(R)) if marks[j] and j != 0}
+        elif per_tok is not None and any(marks):
+            eqs.append((marks, per_tok))
+    grew = True
+    while grew:
+        new = {j for j in range(len(R)) if R[j].parent in cold and R[j].parent >= 0} - cold
+        grew = bool(new)
+        cold |= new
     counted = [
         j
         for j in range(len(R))
-        if j not in cold and (j == 0 or load[j] or R[j].hmma or R[j].ldsm or (cold_per_token and R[j].pmtrig))
+        if j not in cold
+        and (j == 0 or load[j] or R[j].hmma or R[j].ldsm or any(per and marks[j] for per, marks in marked))
     ]
 
     def owner(j: int, free: list) -> int:
@@ -837,6 +845,8 @@ def model_launch(
         ldsm_t = (probe.slope.get("ldmatrix_x4", 0) + probe.slope.get("ldmatrix_x4_trans", 0)) / wc if probe else None
         # cold-path marks per warp of the block (a split kernel's consumers and producer share the counter)
         cold_t = probe.slope.get("cold_path", 0.0) / warps if probe else None
+        # edge-tile marks per consumer warp (the warps that mask scores) and token; per block: edge_fixed below
+        edge_t = probe.slope.get("edge_tile", 0.0) / wc if probe else None
         if prod is not None:
             rates_p = solve_rates(prod, kv_bytes_per_token / wp, None, None, cold_t)
             if rates_p.note:
@@ -844,7 +854,7 @@ def model_launch(
             if mma_t is None:
                 notes.append(f"{facts.kernel}: no counters: one consumer iteration per producer iteration")
         trips = rates_p.y[0] if rates_p is not None else None
-        rates = solve_rates(hot, kv_bytes_per_token / wc, mma_t, ldsm_t, cold_t, trips)
+        rates = solve_rates(hot, kv_bytes_per_token / wc, mma_t, ldsm_t, cold_t, trips, edge_t)
         if rates.note:
             notes.append(rates.note)
     else:
@@ -857,7 +867,15 @@ def model_launch(
     in_flight_block = None
     if rates is not None and hot is not None:
         per_tok = wc * tokens
-        fixed = wc * (hot.prologue + hot.epilogue)
+        # The edge tiles of a block (the causal diagonal, a window's or split's edge: the counters' per-block
+        # marks, per consumer warp) run their branch region (the largest, where the loop is unrolled) on top
+        # of the loop's own iteration, whose unmasked branch they skip: counted anyway (pessimistic).
+        edge_regions = [r.instructions for r in hot.regions if r.edges]
+        edge_marks = max(0.0, probe.intercept.get("edge_tile", 0.0)) / wc if probe is not None else 0.0
+        edge_fixed = edge_marks * max(edge_regions, default=0)
+        if edge_fixed:
+            notes.append(f"{edge_marks:.2g} edge tiles a block: {edge_fixed:.0f} instructions a consumer warp")
+        fixed = wc * (hot.prologue + hot.epilogue + edge_fixed)
         instr_tok = wc * rates.instr + (wp * rates_p.instr if rates_p is not None else 0.0)
         if prod is not None:
             fixed = fixed + wp * (prod.prologue + prod.epilogue)
@@ -905,7 +923,7 @@ def model_launch(
         iteration["iteration"] = t_iter
         iters = rates.y[0] * tokens
         demands["chain"] = np.where(
-            tokens > 0, iters * t_iter + (hot.prologue + hot.epilogue) * iteration["per_instruction"], 0.0
+            tokens > 0, iters * t_iter + (hot.prologue + hot.epilogue + edge_fixed) * iteration["per_instruction"], 0.0
         )
         # a warp-specialized kernel's first tile waits for the producer's round trips, its bytes are its copies
         startup = np.where(tokens > 0, (prod or hot).startup_levels * lat, 0.0)

@@ -582,7 +582,7 @@ class Region:
     hmma: int  # HMMA and HGMMA (mma.sync, wgmma)
     ldsm: int
     ldgsts: int
-    pmtrig: int = 0  # cold-path markers (ptx::cold_path: pmevent)
+    pmtrig: int = 0  # cold-path markers (ptx::cold_path: pmevent 7, PMTRIG 0x80)
     segments: list = field(default_factory=list)  # see ``segments``
     bars: int = 0  # block barriers that wait (BAR.SYNC, BAR.RED)
     waits: list = field(default_factory=list)  # per segment: N of its WARPGROUP.DEPBAR.LE gsb0, N (0: none)
@@ -596,9 +596,16 @@ class Region:
     ring_wait: int = -1  # N of the cp.async wait (DEPBAR.LE SB0, N) in the region, -1: none
     commit_after_wait: bool = False  # the region's cp.async commit (LDGDEPBAR) follows that wait
     skipped: int = 0  # instructions on skipped paths (BRA.DIV slow paths) left out
+    edges: int = 0  # edge-tile markers (ptx::edge_tile: pmevent 6, PMTRIG 0x40)
 
     def count(self, what: str) -> int:
-        return {"hmma": self.hmma, "ldsm": self.ldsm, "ldgsts": self.ldgsts, "pmtrig": self.pmtrig}[what]
+        return {
+            "hmma": self.hmma,
+            "ldsm": self.ldsm,
+            "ldgsts": self.ldgsts,
+            "pmtrig": self.pmtrig,
+            "edges": self.edges,
+        }[what]
 
 
 @dataclass
@@ -695,6 +702,7 @@ class HotLoop:
             sum(r.pmtrig for r in self.regions),
             bars=sum(r.bars for r in self.regions),
             skipped=sum(r.skipped for r in self.regions),
+            edges=sum(r.edges for r in self.regions),
         )
 
     def as_dict(self) -> dict:
@@ -1022,7 +1030,7 @@ def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int, warm: set |
         sum(1 for i in ins if i.base in ("HMMA", "HGMMA")),
         sum(1 for i in ins if i.base == "LDSM"),
         sum(1 for i in ins if i.base == "LDGSTS"),
-        sum(1 for i in ins if i.base == "PMTRIG"),
+        sum(1 for i in ins if i.base == "PMTRIG" and not is_edge_marker(i)),
         segments=segments(ins),
         bars=sum(1 for i in ins if _is_bar_wait(i)),
         waits=segment_groups(ins)[0],
@@ -1036,7 +1044,14 @@ def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int, warm: set |
         ring_wait=wait,
         commit_after_wait=commit_after,
         skipped=skipped,
+        edges=sum(1 for i in ins if is_edge_marker(i)),
     )
+
+
+def is_edge_marker(ins: Instr) -> bool:
+    """An edge-tile marker (``ptx::edge_tile``: ``pmevent 6``, SASS ``PMTRIG 0x40``); any other PMTRIG is
+    a cold-path marker (``ptx::cold_path``: ``pmevent 7``, ``PMTRIG 0x80``)."""
+    return ins.base == "PMTRIG" and ins.operands.strip().lower() == "0x40"
 
 
 def _all_inside(loop: Loop):
@@ -1121,7 +1136,8 @@ def _paths(fn: Function, cfg: Cfg, dom: list, allowed: set, starts: list, stop: 
 
 
 def _marked_cold(fn: Function, cfg: Cfg, b: int) -> bool:
-    """Block ``b`` holds a cold-path marker (PMTRIG: ``ptx::cold_path``)."""
+    """Block ``b`` holds a path marker (PMTRIG: ``ptx::cold_path`` or ``ptx::edge_tile``), the start of a
+    branch region of its own."""
     return any(fn.instrs[i].base == "PMTRIG" for i in range(cfg.blocks[b].start, cfg.blocks[b].end))
 
 

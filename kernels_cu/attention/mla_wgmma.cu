@@ -301,14 +301,15 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
                 __syncthreads();
             }
             unsigned char* const kt = sK + (kKvScaled ? 0u : b) * kKBytes;
+            // Whether every stored row of this warp sees every token of the tile (warp-uniform; a row of no query
+            // is never written): then nothing is masked (FlashAttention-3 masks only the edge tiles).
             const u64 vbits = (u64)s_valid[b][0] | (u64)s_valid[b][1] << 32;
-            u64 vis[2];
-            bool miss = false;
+            bool mine = vbits == ~0ull;
 #pragma unroll
-            for (u32 h = 0; h < 2; ++h) {
-                vis[h] = tc::tile_vis<kN>(vbits, rlo[h], rhi[h], t0);
-                miss |= my_slot[h] != kNone && vis[h] != vbits;
-            }
+            for (u32 h = 0; h < 2; ++h) mine &= my_slot[h] == kNone || (rlo[h] <= t0 && t0 + kN <= rhi[h]);
+            const bool full = __all_sync(CP_FULL_MASK, mine);
+            u64 vis[2] = {~0ull, ~0ull};  // this thread's rows' visible tokens (an edge tile's: below)
+            bool miss = false;  // a stored row of this thread misses a valid token
 
             // ---- S [64 x 32] of this warpgroup's tokens 32 wg .. + 31 ----
             float s[16];
@@ -336,15 +337,31 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
             constexpr bool kLate = variant::kPlainScore;
             const float late = kLate ? qscale : 1.0f;
             float mx[2] = {neg_inf(), neg_inf()};
-            // This lane's visible bits from its first column 32 wg + 2 tq: column c of the tile at bit c - that.
-            const u32 vlane[2] = {(u32)(vis[0] >> (32 * wg + 2 * tq)), (u32)(vis[1] >> (32 * wg + 2 * tq))};
+            // The score hook and, masked (an edge tile), each element by its row's visibility (vlane: this lane's
+            // visible bits from its first column 32 wg + 2 tq, column c of the tile at bit c - that).
+            auto scores = [&](auto masked, const u32(&vlane)[2]) {
 #pragma unroll
-            for (u32 i = 0; i < 16; ++i) {
-                const u32 h = (i >> 1) & 1u, dc = 8 * (i >> 2) + (i & 1u), col = 32 * wg + 2 * tq + dc;
-                float v = s[i];
-                if constexpr (!kLate) v = variant::score(sc, srow[h], v * qscale, t0 + col);
-                s[i] = ((vlane[h] >> dc) & 1u) ? v : neg_inf();
-                mx[h] = fmaxf(mx[h], s[i]);
+                for (u32 i = 0; i < 16; ++i) {
+                    const u32 h = (i >> 1) & 1u, dc = 8 * (i >> 2) + (i & 1u), col = 32 * wg + 2 * tq + dc;
+                    float v = s[i];
+                    if constexpr (!kLate) v = variant::score(sc, srow[h], v * qscale, t0 + col);
+                    if constexpr (decltype(masked)::value) v = ((vlane[h] >> dc) & 1u) ? v : neg_inf();
+                    s[i] = v;
+                    mx[h] = fmaxf(mx[h], v);
+                }
+            };
+            if (full) {
+                const u32 all[2] = {~0u, ~0u};
+                scores(tc::Flag<false>{}, all);
+            } else {
+                ptx::edge_tile();
+#pragma unroll
+                for (u32 h = 0; h < 2; ++h) {
+                    vis[h] = tc::tile_vis<kN>(vbits, rlo[h], rhi[h], t0);
+                    miss |= my_slot[h] != kNone && vis[h] != vbits;
+                }
+                const u32 vlane[2] = {(u32)(vis[0] >> (32 * wg + 2 * tq)), (u32)(vis[1] >> (32 * wg + 2 * tq))};
+                scores(tc::Flag<true>{}, vlane);
             }
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) {

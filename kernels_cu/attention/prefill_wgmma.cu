@@ -172,11 +172,15 @@ struct First {
 struct Later {
     static constexpr bool kFirst = false;
 };
-// What a consumer knows of a tile when it has landed: the visible tokens of this thread's rows (bit dt of
-// vis[h]: row h sees token t0 + dt, its share and a valid page) and whether the tile's value rows need
-// fix_values (bad: block-uniform).
+// What a consumer knows of a tile when it has landed: its valid tokens (bit dt of valid: token t0 + dt is
+// below the pass's end in a page < num_pages), whether every stored row of this warp sees all of them (full:
+// warp-uniform; the softmax then masks nothing), the visible tokens of this thread's rows (bit dt of vis[h]:
+// row h sees token t0 + dt, its share and a valid page; kSplit: filled by compute, on edge tiles only) and
+// whether the tile's value rows need fix_values (bad: block-uniform).
 struct TileState {
+    u64 valid;
     u64 vis[2];
+    bool full;
     bool bad;
 };
 template <u32 N>
@@ -467,15 +471,23 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             if constexpr (!variant::kPlainScore)
                 srow[h] = tc::score_row(rows, s, cw * kWgRows + 16 * warp4 + g + 8 * h, ht, head0, qt);
         }
-        // This thread's rows' visible tokens of the tile in buffer b at t0 .. (ts.vis), and whether a stored
-        // one misses a valid token.
-        auto tile_miss = [&](u32 b, u32 t0, TileState& ts) {
-            const u64 vbits = (u64)st.valid[b][0] | (u64)st.valid[b][1] << 32;
+        // The tile in buffer b at t0 ..: its valid tokens and whether it is full for this warp (ts.valid,
+        // ts.full; a row of no query is never written: it sees what the others see).
+        auto tile_full = [&](u32 b, u32 t0, TileState& ts) {
+            ts.valid = (u64)st.valid[b][0] | (u64)st.valid[b][1] << 32;
+            bool mine = ts.valid == ~0ull;
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) mine &= my_slot[h] == kNone || (rlo[h] <= t0 && t0 + kN <= rhi[h]);
+            ts.full = __all_sync(CP_FULL_MASK, mine);
+        };
+        // This thread's rows' visible tokens of the tile at t0 (ts.vis), and whether a stored one misses a
+        // valid token.
+        auto tile_miss = [&](u32 t0, TileState& ts) {
             bool m = false;
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) {
-                ts.vis[h] = tc::tile_vis<kN>(vbits, rlo[h], rhi[h], t0);
-                m |= my_slot[h] != kNone && ts.vis[h] != vbits;
+                ts.vis[h] = tc::tile_vis<kN>(ts.valid, rlo[h], rhi[h], t0);
+                m |= my_slot[h] != kNone && ts.vis[h] != ts.valid;
             }
             return m;
         };
@@ -573,12 +585,13 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             TileState ts = tin;
             if constexpr (!kSplit) {
                 ts.bad = false;
-                if (__syncthreads_or(tile_miss(b, t0, ts))) {
+                tile_full(b, t0, ts);
+                if (__syncthreads_or(tile_miss(t0, ts))) {
                     ptx::cold_path();
                     ts.bad = __syncthreads_or(check(b, tid, kThreads));
                 }
             }
-            const u64(&vis)[2] = ts.vis;
+            u64(&vis)[2] = ts.vis;
             const bool bad = ts.bad;
 
             // ---- S [64 x 64] = Q K^T of this warpgroup's rows, in its turn ----
@@ -612,16 +625,28 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             // score keeps S unscaled up to exp2(S qscale - m) (one FFMA; qscale > 0 keeps the max).
             constexpr bool kLate = variant::kPlainScore;
             const float late = kLate ? qscale : 1.0f;
-            // The rows' visible tokens from this lane's first column 2 tq on: element i tests a constant bit.
-            const u64 vq[2] = {vis[0] >> (2 * tq), vis[1] >> (2 * tq)};
             float mx[2] = {neg_inf(), neg_inf()};
+            // The score hook and, masked (an edge tile), each element by its row's visibility from this lane's
+            // first column 2 tq on (vq: element i tests a constant bit).
+            auto scores = [&](auto masked, const u64(&vq)[2]) {
 #pragma unroll
-            for (u32 i = 0; i < kN / 2; ++i) {
-                const u32 h = (i >> 1) & 1u, dc = 8 * (i >> 2) + (i & 1u), col = dc + 2 * tq;
-                float v = s[i];
-                if constexpr (!kLate) v = variant::score(sc, srow[h], v * qscale, t0 + col);
-                s[i] = ((vq[h] >> dc) & 1u) ? v : neg_inf();
-                mx[h] = fmaxf(mx[h], s[i]);
+                for (u32 i = 0; i < kN / 2; ++i) {
+                    const u32 h = (i >> 1) & 1u, dc = 8 * (i >> 2) + (i & 1u), col = dc + 2 * tq;
+                    float v = s[i];
+                    if constexpr (!kLate) v = variant::score(sc, srow[h], v * qscale, t0 + col);
+                    if constexpr (decltype(masked)::value) v = ((vq[h] >> dc) & 1u) ? v : neg_inf();
+                    s[i] = v;
+                    mx[h] = fmaxf(mx[h], v);
+                }
+            };
+            if (ts.full) {  // every row of the warp sees every token (FlashAttention-3 masks only edge tiles)
+                vis[0] = vis[1] = ~0ull;
+                scores(tc::Flag<false>{}, vis);
+            } else {
+                ptx::edge_tile();
+                if constexpr (kSplit) tile_miss(t0, ts);  // (the producer checked the values)
+                const u64 vq[2] = {vis[0] >> (2 * tq), vis[1] >> (2 * tq)};
+                scores(tc::Flag<true>{}, vq);
             }
             float alpha[2];
 #pragma unroll
@@ -709,7 +734,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                 const u32 b = gc % kS, t0 = lo + j * kN;
                 wgb::sync(kFull + b, kBlockThreads);  // landed; its valid bits and check published
                 TileState ts;
-                tile_miss(b, t0, ts);
+                tile_full(b, t0, ts);
                 ts.bad = st_bad[b] != 0;
                 compute(b, t0, first, ts);
                 ++gc;

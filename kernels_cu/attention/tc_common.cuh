@@ -55,6 +55,12 @@ __device__ __forceinline__ u64 row_bits(u32 rlo, u32 rhi, u32 t0, u32 n) {
     return span_bits(a, e);
 }
 
+// A compile-time flag as a type (a lambda's `auto` argument: `decltype(f)::value`).
+template <bool V>
+struct Flag {
+    static constexpr bool value = V;
+};
+
 // A or B by a compile-time condition (no <type_traits> under NVRTC).
 template <bool C, typename A, typename B>
 struct Pick {

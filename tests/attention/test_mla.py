@@ -361,3 +361,48 @@ def test_zero_width_with_a_real_rotary_part_is_refused(kernels_used):
     with pytest.raises(cupaged.PagedAttentionError, match="k_rot: expected a NumPy or CuPy array, got builtins.list"):
         plan.mla(case.q, case.q_pos, case.latent, [0.0], case.scale, out=out)
     assert kernels_used == [] and (out == 7).all()
+
+
+def test_wgmma_mla_masks_only_edge_tiles(xp_backend, kernels_used):
+    """paged_mla_wgmma's warps take the unmasked softmax on a tile whose 64 tokens all their rows see, and
+    mask only the others (FlashAttention-3's split): decode at 256, 250 and 64 tokens, 64 heads (one query a
+    block of 8 warps): on the CPU the edge-tile marker counts the 250-token sequence's last tile once a warp,
+    causal or not; the outputs match the reference."""
+    if xp_backend.name != "cpu":
+        pytest.skip("the edge-tile marker counts on the CPU backend")
+    from cupaged._runtime import archs, get_kernel
+    from cupaged.tools import counters
+
+    rng = np.random.default_rng(5)
+    case = make_mla_case(
+        rng,
+        kv_lens=np.array([256, 250, 64], np.int32),
+        q_lens=np.array([1, 1, 1]),
+        page_size=16,
+        num_heads=64,
+        latent_dim=512,
+        pos_dim=64,
+        dtype="bf16",
+    )
+    with archs.cpu_arch_override("sm_90"):
+        plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
+        for causal in (True, False):
+            calls = []
+            real = launch.get_kernel
+
+            def spy(like, source, kernel, defines=None):
+                calls.append((source, kernel, defines))
+                return real(like, source, kernel, defines)
+
+            launch.get_kernel = spy
+            try:
+                o, lse = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, causal, return_lse=True)
+            finally:
+                launch.get_kernel = real
+            ((source, kernel, defines),) = calls
+            assert kernel == "paged_mla_wgmma"
+            module = get_kernel(case.q, source, kernel, defines).module
+            counters.reset(module)
+            o, lse = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, causal, return_lse=True)
+            check(case, o, lse, causal, "bf16", f"wgmma mla causal={causal}")
+            assert counters.read_all(module)["edge_tile"] == 8, causal

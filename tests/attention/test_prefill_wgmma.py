@@ -311,3 +311,76 @@ def test_selection_per_arch():
                 assert variants.select_tensor_core(dt, d, d, True, True, kv_dtype=kv, arch="sm_80").kernel == (
                     "paged_prefill_tc"
                 )
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_only_edge_tiles_mask(xp_backend, kernels_used, window):
+    """A tile every row of a warp sees whole takes the unmasked softmax; only the tiles some row sees in part
+    (the causal diagonal, a window's start, a sequence's end) mask (FlashAttention-3's split). One sequence
+    prefilled from 0, 256 tokens, GQA 4 (32 queries of 4 heads a block of 128 rows, 4 queries a warp): on
+    the CPU, the edge-tile marker counts one tile per consumer warp and block for the diagonal, none
+    non-causal, and with a window those where the warp's rows start too; the outputs match the reference."""
+    rng = np.random.default_rng(11)
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([256], np.int32),
+        q_lens=np.array([256], np.int32),
+        page_size=16,
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=128,
+        dtype="bf16",
+    )
+    from cupaged._runtime import get_kernel
+    from cupaged.ops.attention import inputs
+    from cupaged.tools import counters
+
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages)
+    dplan = plan.upload(case.q)
+    opts = {} if window is None else {"window": window}
+    marks = {}
+    for causal in (True, False):
+        if xp_backend.name == "cpu":
+            (la,) = inputs.attention_call(dplan, case.q, case.k_cache, case.v_cache, case.scale, causal, **opts).launches
+            assert la.kernel == PREFILL_WGMMA
+            module = get_kernel(case.q, la.source, la.kernel, la.defines).module
+            counters.reset(module)
+        q, k, v = (xp_backend.xp.asarray(a) for a in (case.q, case.k_cache, case.v_cache))
+        dev = plan.upload(q)
+        o, lse = dev.attention(q, k, v, case.scale, causal, return_lse=True, **opts)
+        ref_out, ref_lse = reference.scored_attention(
+            case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens, case.scale, causal,
+            **opts,
+        )  # fmt: skip
+        assert_close(xp_backend.to_numpy(o), ref_out, "bf16", f"causal={causal} window={window} out")
+        assert_close(xp_backend.to_numpy(lse), ref_lse, "bf16", f"causal={causal} window={window} lse")
+        if xp_backend.name == "cpu":
+            marks[causal] = counters.read_all(module)["edge_tile"]
+    assert PREFILL_WGMMA in kernels_used
+    if xp_backend.name != "cpu":
+        return
+    blocks, consumer_warps = 256 // 32, 8
+    # Warp w of block k holds queries 32 k + 4 w .. + 3: the diagonal is in one tile of 64 (never at its end).
+    diagonal = blocks * consumer_warps
+    if window is None:
+        assert marks == {True: diagonal, False: 0}, marks
+    else:
+        # A window of 100: query q sees [q - 99, q] (causal) or [q - 99, 256). A block reads its tiles of 64
+        # from its rows' first position on (32 queries: block k from 32 k - 99); a warp's tile is whole for
+        # it when every one of its 4 queries sees all 64 tokens: count the tiles that are not.
+        def edges(causal):
+            def span(q):
+                return max(0, q - window + 1), (q + 1 if causal else 256)
+
+            n = 0
+            for b0 in range(0, 256, 32):
+                lo_b = min(span(q)[0] for q in range(b0, b0 + 32))
+                hi_b = max(span(q)[1] for q in range(b0, b0 + 32))
+                for q0 in range(b0, b0 + 32, 4):
+                    rows = [span(q) for q in range(q0, q0 + 4)]
+                    n += sum(
+                        not all(a <= t0 and t0 + 64 <= b for a, b in rows) for t0 in range(lo_b, hi_b, 64)
+                    )
+            return n
+
+        assert marks == {True: edges(True), False: edges(False)}, marks

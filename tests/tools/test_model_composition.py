@@ -494,6 +494,63 @@ def test_a_cold_branch_is_a_region_of_its_own_that_the_probe_rates():
     assert often.y[1] == pytest.approx(0.25) and often.y[0] == pytest.approx(1.0)
 
 
+def test_an_edge_tile_branch_is_charged_per_block_from_the_probes_intercept():
+    """The masked softmax of the tiles some row sees only part of (ptx::edge_tile at its top: PMTRIG 0x40)
+    is a region of its own, apart from the cold paths (PMTRIG 0x80): its per-token rate comes from the
+    counters' edge marks per token (0 on a causal probe: the diagonal's tiles are a number per block), and
+    model_launch charges the counters' per-block intercept of those marks, per consumer warp, as that many
+    runs of the region on top of the loop's iterations (chain and issue)."""
+    out, emit = function_k()
+    out.append(".L_x_0:")
+    for line in ("LDG.E.128 R4, desc[UR4][R2.64]", "FFMA R8, R4, R5, R8", "ISETP.NE.AND P3, PT, R7, RZ, PT"):
+        emit(line)
+    emit("@!P3 BRA `(.L_x_5)")
+    emit("PMTRIG 0x40")
+    for _ in range(30):
+        emit("FSEL R6, R6, -INF , P0")
+    emit("BRA `(.L_x_5)")
+    out.append(".L_x_5:")
+    for line in ("FADD R8, R8, R9", "ISETP.NE.AND P2, PT, R0, R1, PT", "@P2 BRA `(.L_x_0)", "EXIT"):
+        emit(line)
+    out.append(".L_x_1:")
+    emit("BRA `(.L_x_1)")
+    hot = hot_of("\n".join(out))
+    own, edge = hot.regions
+    assert (edge.edges, edge.pmtrig, edge.instructions, edge.parent) == (1, 0, 1 + 30 + 1, 0)
+    assert own.edges == 0 and own.pmtrig == 0
+    # a cold-path rate says nothing of the edge branch: counted once per iteration unless its own marks rate it
+    assert model.solve_rates(hot, 512.0, None, None, cold_per_token=0.0).y[1] == pytest.approx(1.0)
+    never = model.solve_rates(hot, 512.0, None, None, cold_per_token=0.0, edge_per_token=0.0)
+    assert never.y[1] == 0 and never.iter_instr == own.instructions
+
+    warps, tokens = 4, 4096
+    facts = model.KernelFacts("k", "k", "sm_90", True, registers=64, hot=hot)
+
+    def chain(per_block_marks):
+        from cupaged.tools.counters import Probe
+
+        marks = {"cold_path": 0.0, "edge_tile": per_block_marks * warps}
+        probe = Probe("k", {}, 1, 1, (256, 512), marks, {"cold_path": 0.0, "edge_tile": 0.0})
+        lm = model.model_launch(
+            SM90,
+            facts,
+            kernels.KernelDesc(),
+            grid=(1, 1, 1),
+            threads=32 * warps,
+            dynamic_smem=0,
+            blocks=[model.Block([(("s", 0), tokens)], tokens, 1, 0, 0)],
+            kv_bytes_per_token=512.0 * warps,
+            probe=probe,
+            fits_l2=False,
+        )
+        return lm.bounds_s["chain"], lm.bounds_s["issue"], lm.iteration["per_instruction"]
+
+    c0, i0, per = chain(0.0)
+    c2, i2, _ = chain(2.0)  # two edge tiles a block
+    assert c2 - c0 == pytest.approx(2 * edge.instructions * per, rel=1e-6)
+    assert i2 > i0
+
+
 def test_a_dependent_load_waits_only_for_what_the_issue_before_its_use_leaves():
     """Defect 3, refined: a word loaded inside an iteration stalls the warp
     by its latency less the issue of the instructions between the load and
