@@ -11,8 +11,9 @@
 // cupaged.tools.perf_model, pessimistic end, H200, D 128): docs/performance.md. The 16-bit builds at D <= 128
 // follow FlashAttention-3's schedule (warp specialization: a producer warpgroup, two consumer warpgroups
 // taking turns, setmaxnreg for the register split), with cp.async copies instead of TMA (pages of any size
-// and stride) and named barriers instead of mbarriers; what is left of it: intra-warpgroup overlap (the next
-// tile's S issued before this tile's softmax), 128-token tiles.
+// and stride) and named barriers instead of mbarriers, its intra-warpgroup overlap one tile deeper (tile j's
+// softmax runs while the tensor cores compute tile j + 1's S and tile j - 1's P V) and its masking of the edge
+// tiles only; what is left of it: 128-token tiles.
 //
 // paged_prefill_wgmma: f16 / bf16 q, D == Dv == HEAD_DIM (64, 128, 256),
 //   caches of q's type or fp8 codes (e4m3 / e5m2, k_scale / v_scale per
@@ -52,9 +53,9 @@
 //        kLag = kS - 3 tiles later, once its copies have landed, fences them to the async proxy and arrives
 //        at kFull + b (with the tile's valid bits and whether its value rows need fix_values: st_bad). The
 //        consumers wait at kFull + b and release the buffer (arrive at kEmpty + b) once its P V is done:
-//        they hold two buffers (the tile computing and the one whose P V is deferred), the producer up to
-//        three, and no barrier of the whole block is met in the loop (the consumers never wait for each
-//        other except for their turns).
+//        they hold three buffers (tile j - 1's, whose P V runs; tile j's, whose V the next turn reads; tile
+//        j + 1's, whose S runs), the producer up to two, and no barrier of the whole block is met in the
+//        loop (the consumers never wait for each other except for their turns).
 //     fp8 and D 256: the two warpgroups copy and compute through tc::run_ring, kS - 1 tiles in flight, one
 //        block barrier a tile.
 //   Per tile:
@@ -62,12 +63,15 @@
 //        warpgroup.cuh; warpgroup 0 first), so one's products run while the other's softmax issues;
 //     S: each warpgroup computes S [64 x 64] of its rows: D / 16 wgmma
 //        m64n64k16 with Q and K from shared memory;
-//     kDefer (= kSplit): in the same turn O += P V of the previous tile, waited for after the softmax
-//        (wait_group 1 for S, then 0), then O is rescaled for this tile; otherwise P V in a second turn
-//        after the softmax;
+//     kSplit: the turn of tile j issues S of tile j + 1 (past a pass's last tile, of tile j again, and
+//        discarded: no product on a branch) and O += P V of tile j - 1; tile j's softmax (on its S, waited
+//        for at the end of the turn before) runs while they do; then wait_group 0, O is rescaled for tile
+//        j, tile j's P kept for the next turn. Otherwise S is waited for in its turn and P V issued in a
+//        second turn after the softmax;
 //     softmax: f32, log2 domain, on the S fragments (softmax_state.cuh;
 //        a row's max and sum live in the 4 lanes of a quad); the score hook
-//        (variant.cuh) and the visibility of each row (span.cuh);
+//        (variant.cuh) and, on a tile some row of the warp sees only in part (an edge tile: the causal
+//        diagonal, a window's or a split's edge, a pass's end), the visibility of each row (span.cuh);
 //     O += P V: P as wgmma A fragments from registers (the S fragments
 //        converted), V read N-major from the tile: kN / 16 wgmma m64nDk16,
 //        O [64 x D] f32 in registers (D / 2 a thread).
@@ -85,8 +89,8 @@
 //   the producer, from the rows' positions, before it signals the tile); if it
 //   holds a non-finite element, each lane adds p * v for those elements of its
 //   columns and the tokens its rows see, then they become 0 in the tile and
-//   the tensor cores add the finite rest (masked P is 0); kDefer: before the
-//   tile's deferred P V (the consumers meet on kFix).
+//   the tensor cores add the finite rest (masked P is 0); kSplit: before the
+//   tile's P V, in the next tile's turn (the consumers meet on kFix).
 //
 // Memory traffic: K/V are read once per block, about ceil(q_len * G / 128) *
 // L * 2 * D * sizeof(kv_t) bytes per sequence and KV head; q and the outputs
@@ -129,11 +133,10 @@ constexpr u32 kTileBytes = kBlocks * kTCol;  // one 16-bit K (or V) tile
 constexpr bool kFp8 = kKvScaled;
 constexpr u32 kTileBufs = kFp8 ? 1 : kS;  // 16-bit tiles of each of K and V
 // Warp-specialized (16-bit caches with 4 or more buffers: D <= 128): a producer warpgroup (warpgroup 0)
-// fills the ring and signals each tile on named barriers, the two consumer warpgroups (1, 2) compute, P V of
-// tile j in iteration j + 1 beside S of tile j + 1 (kDefer). fp8 (decoded into one tile) and D 256 (2
+// fills the ring and signals each tile on named barriers, the two consumer warpgroups (1, 2) compute, tile
+// j's softmax beside S of tile j + 1 and P V of tile j - 1. fp8 (decoded into one tile) and D 256 (2
 // buffers): the two warpgroups copy and compute through tc::run_ring, one block barrier a tile.
 constexpr bool kSplit = !kFp8 && kS >= 4;
-constexpr bool kDefer = kSplit;
 constexpr u32 kProducer = kSplit ? geom::prefill_wgmma::kProducerThreads : 0u;  // producer threads
 constexpr u32 kBlockThreads = kThreads + kProducer;  // the block (kThreads: the computing warpgroups)
 // setmaxnreg, kSplit: registers per thread of the producer and of the computing warpgroups (launched at 168).
@@ -165,7 +168,8 @@ static_assert((kN * kChunks) % kThreads == 0, "whole decode steps per thread");
 static_assert(sizeof(scalar_t) == 2 && (kFp8 || sizeof(kv_t) == 2), "f16 / bf16 q; f16 / bf16 / fp8 caches");
 static_assert(kRawStage % kAlign == 0, "the tiles stay on swizzle atom boundaries");
 
-// compute's third argument: the pass's first tile (no deferred tile before it) or a later one.
+// The consumers' step's last argument: the pass's first tile (no tile before it whose P V is to issue) or a
+// later one.
 struct First {
     static constexpr bool kFirst = true;
 };
@@ -227,6 +231,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
     };
     __shared__ RowSrc src[kSplit ? 1 : 2][kN];
     __shared__ u32 st_bad[kS];  // kSplit: tile buffer b's value rows need fix_values (the producer's check)
+    __shared__ volatile float s_issued[kBlockThreads / 32];  // kSplit: never read (the consumers' wait order)
 
     const u32 tid = threadIdx.x, wg = tid >> 7, warp4 = (tid >> 5) & 3u, lane = tid & 31u;
     // The computing warpgroup cw (0, 1) and its thread ctid (kSplit: warpgroups 1, 2; meaningless in the producer).
@@ -547,84 +552,24 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             for (u32 kk = 0; kk < kPSteps; ++kk)
                 ptx::wgmma_rs<v16_t, kD, 1>(o, pa_[kk], ptx::wgmma_desc_at(dv, (16 * kk * 128) >> 4), true);
         };
-        // The deferred tile (kDefer): its P, visible tokens, V tile, whether its V tile needs fix_values.
-        u32 pa_prev[kPSteps][4];
-        u64 vis_prev[2] = {0, 0};
-        unsigned char* vt_prev = sV;
-        u32 b_prev = 0;  // its buffer (kSplit: released once its P V is done)
-        bool bad_prev = false;
-        auto compute = [&](u32 b, u32 t0, auto first, const TileState tin) {
-            constexpr bool kPrev = kDefer && !decltype(first)::kFirst;  // a deferred tile before this one
-            if constexpr (kFp8) {
-                // Every warp is past tile j - 1's products (the ring's barrier): the block decodes tile j's
-                // codes into the swizzled 16-bit tiles, exactly (8 codes make a 16-byte chunk), then meets.
-                const unsigned char* const raw = sRaw + b * kRawStage;
-#pragma unroll
-                for (u32 i = 0; i < kN * kChunks / kThreads; ++i) {
-                    const u32 c = tid + i * kThreads, r = c / kChunks, ch = c - r * kChunks;
-                    const uint2 xk = *reinterpret_cast<const uint2*>(raw + r * kD + ch * 8);
-                    const uint2 xv = *reinterpret_cast<const uint2*>(raw + kN * kD + r * kD + ch * 8);
-                    uint4 yk, yv;
-                    fp8::x4_to<scalar_t, kv_t>(xk.x, yk.x, yk.y);
-                    fp8::x4_to<scalar_t, kv_t>(xk.y, yk.z, yk.w);
-                    fp8::x4_to<v16_t, kv_t>(xv.x, yv.x, yv.y);
-                    fp8::x4_to<v16_t, kv_t>(xv.y, yv.z, yv.w);
-                    *reinterpret_cast<uint4*>(sK + chunk_at(r, ch, kTCol)) = yk;
-                    *reinterpret_cast<uint4*>(sV + chunk_at(r, ch, kTCol)) = yv;
-                }
-                ptx::fence_proxy_async_shared();  // the tiles are read by wgmma
-                __syncthreads();
-            }
-            unsigned char* const kt = sK + (kFp8 ? 0u : b) * kTileBytes;
-            unsigned char* const vt = sV + (kFp8 ? 0u : b) * kTileBytes;
-            // A tile where some stored row of the block misses a valid token (the causal diagonal, split
-            // edges, another sequence's rows): its value rows' Inf / NaN must reach only the rows that see
-            // them (0 x Inf is NaN in the tensor cores). The block knows before either warpgroup's turn
-            // whether its V tile holds one (bad: block-uniform; kSplit: the producer checked, tin); the rows
-            // that see such an element add it in fix_values.
-            TileState ts = tin;
-            if constexpr (!kSplit) {
-                ts.bad = false;
-                tile_full(b, t0, ts);
-                if (__syncthreads_or(tile_miss(t0, ts))) {
-                    ptx::cold_path();
-                    ts.bad = __syncthreads_or(check(b, tid, kThreads));
-                }
-            }
-            u64(&vis)[2] = ts.vis;
-            const bool bad = ts.bad;
-
-            // ---- S [64 x 64] = Q K^T of this warpgroup's rows, in its turn ----
-            float s[kN / 2];
-            // Descriptors move along K by adding the byte offset >> 4 to the start address field.
-            const u64 dk = ptx::wgmma_desc_at(dk0, (u32)(kt - sK) >> 4);
-            if constexpr (kPrev)
-                if (bad_prev) fix_values(pa_prev, vis_prev, vt_prev);  // block-uniform
-            take_turn();
-            ptx::wgmma_fence();
+        // S [64 x 64] = Q K^T of this warpgroup's rows and the K tile kt_ (issued, not committed). Descriptors
+        // move along K by adding the byte offset >> 4 to the start address field.
+        auto issue_s = [&](float(&d)[kN / 2], const unsigned char* kt_) {
+            const u64 dk = ptx::wgmma_desc_at(dk0, (u32)(kt_ - sK) >> 4);
 #pragma unroll
             for (u32 ks = 0; ks < kKSteps; ++ks)
                 ptx::wgmma_ss<scalar_t, kN, 0, 0>(
-                    s, dqs[ks], ptx::wgmma_desc_at(dk, ((ks >> 2) * kTCol + (ks & 3u) * 32) >> 4), ks > 0);
-            ptx::wgmma_commit();
-            if constexpr (kDefer) {
-                // In the same turn, the previous tile's P V (its V tile kept by the ring): it runs on the tensor
-                // cores while this warpgroup's softmax below issues (wait_group 1 waits for S only).
-                if constexpr (kPrev) issue_pv(pa_prev, vt_prev);
-                ptx::wgmma_commit();  // possibly empty
-            }
-            pass_turn();  // the other warpgroup's products queue behind these while this one waits
-            if constexpr (kDefer)
-                ptx::wgmma_wait<1>();
-            else
-                ptx::wgmma_wait<0>();
-            ptx::wgmma_fence_operand(s);
-
-            // Scale into the log2 domain, the score hook, mask; online softmax per row. Element i of
-            // the fragment: row g (+ 8 for i & 2), token 8 (i / 4) + 2 tq (+ 1 for i & 1). The plain
-            // score keeps S unscaled up to exp2(S qscale - m) (one FFMA; qscale > 0 keeps the max).
+                    d, dqs[ks], ptx::wgmma_desc_at(dk, ((ks >> 2) * kTCol + (ks & 3u) * 32) >> 4), ks > 0);
+        };
+        // The softmax of a tile's S (in place: P in f32) at t0 ..: scale into the log2 domain, the score hook,
+        // the mask (edge tiles only: vis filled here for kSplit), the online softmax per row; returns each
+        // row's rescale factor of O. Element i of the fragment: row g (+ 8 for i & 2), token 8 (i / 4) + 2 tq
+        // (+ 1 for i & 1). The plain score keeps S unscaled up to exp2(S qscale - m) (one FFMA; qscale > 0
+        // keeps the max).
+        auto softmax_tile = [&](float(&s)[kN / 2], TileState& ts, u32 t0, float(&alpha)[2]) {
             constexpr bool kLate = variant::kPlainScore;
             const float late = kLate ? qscale : 1.0f;
+            u64(&vis)[2] = ts.vis;
             float mx[2] = {neg_inf(), neg_inf()};
             // The score hook and, masked (an edge tile), each element by its row's visibility from this lane's
             // first column 2 tq on (vq: element i tests a constant bit).
@@ -648,7 +593,6 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                 const u64 vq[2] = {vis[0] >> (2 * tq), vis[1] >> (2 * tq)};
                 scores(tc::Flag<true>{}, vq);
             }
-            float alpha[2];
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) {
                 mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 1));
@@ -664,41 +608,151 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                     }
                 sm[h].add(alpha[h], ps);  // this lane's part of the row sum
             }
-            if constexpr (!kDefer) {  // deferred: O is in flight (the previous tile's P V) until the wait below
+        };
+        auto rescale = [&](const float(&alpha)[2]) {
 #pragma unroll
-                for (u32 i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1u];
-            }
-            // P as A fragments of k-step kk (tokens 16 kk ..): S n-tiles 2 kk (a[0], a[1]) and 2 kk + 1.
-            // Deferred: packed after the wait below, into pa_prev (registers the P V in flight reads stay as
-            // they are until it is done).
-            u32 pa[kPSteps][4];
-            auto pack = [&](u32(&dst)[kPSteps][4]) {
+            for (u32 i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1u];
+        };
+        // P as A fragments of k-step kk (tokens 16 kk ..): S n-tiles 2 kk (a[0], a[1]) and 2 kk + 1.
+        auto pack = [&](const float(&s)[kN / 2], u32(&dst)[kPSteps][4]) {
 #pragma unroll
-                for (u32 kk = 0; kk < kPSteps; ++kk)
+            for (u32 kk = 0; kk < kPSteps; ++kk)
 #pragma unroll
-                    for (u32 i = 0; i < 4; ++i)
-                        dst[kk][i] = ptx::pack2<v16_t>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-            };
-            if constexpr (!kDefer) pack(pa);
-
-            if constexpr (!kDefer) {
-                if (bad) fix_values(pa, vis, vt);
-            }
-            if constexpr (kDefer) {
-                // P V of the previous tile is done (its buffer goes back to the producer): rescale O for this
-                // tile, keep this tile's P for the next.
+                for (u32 i = 0; i < 4; ++i)
+                    dst[kk][i] = ptx::pack2<v16_t>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+        };
+        if constexpr (kSplit) {
+            // The consumers (FlashAttention-3's intra-warpgroup overlap, one tile deeper): the block's tiles in
+            // order, tile n in buffer n % kS once the producer signals it. In the turn of tile j a warpgroup
+            // issues S of tile j + 1 (or, past the pass's last tile, of tile j again: discarded, so that no
+            // product sits on a branch) and O += P V of tile j - 1, then runs tile j's softmax on the S it
+            // waited for in the turn before, while the tensor cores run both; then it waits for them,
+            // releases tile j - 1's buffer, rescales O for tile j and keeps tile j's P for the next turn.
+            // Buffers held: tile j - 1's (P V in flight), j's (its V), j + 1's (its S).
+            const u32 ntiles = (hi - lo + kN - 1) / kN;
+            if (ntiles == 0) return;
+            u32 pa_prev[kPSteps][4];  // tile j - 1: P, visible tokens, V tile, buffer, whether its V needs fixing
+            u64 vis_prev[2] = {0, 0};
+            unsigned char* vt_prev = sV;
+            u32 b_prev = 0;
+            bool bad_prev = false;
+            float sa[kN / 2], sb[kN / 2];  // S of tiles j (cur) and j + 1 (nxt), by the tile's parity
+            auto step = [&](u32 j, float(&cur)[kN / 2], float(&nxt)[kN / 2], auto first) {
+                constexpr bool kPrev = !decltype(first)::kFirst;  // a tile before this one (its P V to issue)
+                const u32 b = gc % kS, t0 = lo + j * kN;
+                const bool more = j + 1 < ntiles;
+                const u32 nb = more ? (gc + 1) % kS : b;
+                if (more) wgb::sync(kFull + nb, kBlockThreads);  // tile j + 1 landed
+                TileState ts;
+                tile_full(b, t0, ts);
+                ts.bad = st_bad[b] != 0;
+                if constexpr (kPrev)
+                    if (bad_prev) fix_values(pa_prev, vis_prev, vt_prev);  // block-uniform
+                take_turn();
+                ptx::wgmma_fence();
+                issue_s(nxt, sK + nb * kTileBytes);
+                ptx::wgmma_commit();
+                if constexpr (kPrev) issue_pv(pa_prev, vt_prev);
+                ptx::wgmma_commit();  // possibly empty
+                pass_turn();  // the other warpgroup's products queue behind these while this one's softmax issues
+                float alpha[2];
+                softmax_tile(cur, ts, t0, alpha);
+                // The row sums (every exponential of the tile) stored before the wait: ptxas keeps a shared store
+                // ahead of a later wgmma.wait_group, so the softmax issues while the products run (without it
+                // ptxas hoists the wait above the exponentials and the warp first stalls for the products).
+                s_issued[tid >> 5] = sm[0].l + sm[1].l;
                 ptx::wgmma_wait<0>();
                 ptx::wgmma_fence_operand(o);
-                if constexpr (kPrev) wgb::arrive(kEmpty + b_prev, kBlockThreads);
-#pragma unroll
-                for (u32 i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1u];
-                pack(pa_prev);
-                vis_prev[0] = vis[0];
-                vis_prev[1] = vis[1];
-                vt_prev = vt;
+                ptx::wgmma_fence_operand(nxt);
+                if constexpr (kPrev) wgb::arrive(kEmpty + b_prev, kBlockThreads);  // tile j - 1's buffer is free
+                rescale(alpha);
+                pack(cur, pa_prev);
+                vis_prev[0] = ts.vis[0];
+                vis_prev[1] = ts.vis[1];
+                vt_prev = sV + b * kTileBytes;
                 b_prev = b;
-                bad_prev = bad;
-            } else {
+                bad_prev = ts.bad;
+                ++gc;
+            };
+            // Tile 0's S, waited for (once a pass); then the tiles, S of tile j in sa (j even) or sb (j odd).
+            wgb::sync(kFull + gc % kS, kBlockThreads);
+            take_turn();
+            ptx::wgmma_fence();
+            issue_s(sa, sK + (gc % kS) * kTileBytes);
+            ptx::wgmma_commit();
+            pass_turn();
+            ptx::wgmma_wait<0>();
+            ptx::wgmma_fence_operand(sa);
+            step(0, sa, sb, First{});
+            u32 j = 1;
+#pragma unroll 1
+            for (; j + 1 < ntiles; j += 2) {
+                step(j, sb, sa, Later{});
+                step(j + 1, sa, sb, Later{});
+            }
+            if (j < ntiles) step(j, sb, sa, Later{});
+            // The last tile's P V, before the pass ends (the next pass's ring reuses its buffer).
+            if (bad_prev) fix_values(pa_prev, vis_prev, vt_prev);
+            ptx::wgmma_fence_operand(o);
+            take_turn();
+            ptx::wgmma_fence();
+            issue_pv(pa_prev, vt_prev);
+            ptx::wgmma_commit();
+            pass_turn();
+            ptx::wgmma_wait<0>();
+            ptx::wgmma_fence_operand(o);
+            wgb::arrive(kEmpty + b_prev, kBlockThreads);
+        } else {
+            // fp8 and D 256: the ring's tiles, S then (after the softmax) P V in two turns of each tile.
+            auto compute = [&](u32 b, u32 t0) {
+                if constexpr (kFp8) {
+                    // Every warp is past tile j - 1's products (the ring's barrier): the block decodes tile j's
+                    // codes into the swizzled 16-bit tiles, exactly (8 codes make a 16-byte chunk), then meets.
+                    const unsigned char* const raw = sRaw + b * kRawStage;
+#pragma unroll
+                    for (u32 i = 0; i < kN * kChunks / kThreads; ++i) {
+                        const u32 c = tid + i * kThreads, r = c / kChunks, ch = c - r * kChunks;
+                        const uint2 xk = *reinterpret_cast<const uint2*>(raw + r * kD + ch * 8);
+                        const uint2 xv = *reinterpret_cast<const uint2*>(raw + kN * kD + r * kD + ch * 8);
+                        uint4 yk, yv;
+                        fp8::x4_to<scalar_t, kv_t>(xk.x, yk.x, yk.y);
+                        fp8::x4_to<scalar_t, kv_t>(xk.y, yk.z, yk.w);
+                        fp8::x4_to<v16_t, kv_t>(xv.x, yv.x, yv.y);
+                        fp8::x4_to<v16_t, kv_t>(xv.y, yv.z, yv.w);
+                        *reinterpret_cast<uint4*>(sK + chunk_at(r, ch, kTCol)) = yk;
+                        *reinterpret_cast<uint4*>(sV + chunk_at(r, ch, kTCol)) = yv;
+                    }
+                    ptx::fence_proxy_async_shared();  // the tiles are read by wgmma
+                    __syncthreads();
+                }
+                unsigned char* const kt = sK + (kFp8 ? 0u : b) * kTileBytes;
+                unsigned char* const vt = sV + (kFp8 ? 0u : b) * kTileBytes;
+                // A tile where some stored row of the block misses a valid token (the causal diagonal, split
+                // edges, another sequence's rows): its value rows' Inf / NaN must reach only the rows that see
+                // them (0 x Inf is NaN in the tensor cores). The block knows before either warpgroup's turn
+                // whether its V tile holds one (bad: block-uniform); the rows that see such an element add it
+                // in fix_values.
+                TileState ts;
+                ts.bad = false;
+                tile_full(b, t0, ts);
+                if (__syncthreads_or(tile_miss(t0, ts))) {
+                    ptx::cold_path();
+                    ts.bad = __syncthreads_or(check(b, tid, kThreads));
+                }
+                float s[kN / 2];
+                take_turn();
+                ptx::wgmma_fence();
+                issue_s(s, kt);
+                ptx::wgmma_commit();
+                pass_turn();  // the other warpgroup's products queue behind these while this one waits
+                ptx::wgmma_wait<0>();
+                ptx::wgmma_fence_operand(s);
+                float alpha[2];
+                softmax_tile(s, ts, t0, alpha);
+                rescale(alpha);
+                u32 pa[kPSteps][4];
+                pack(s, pa);
+                if (ts.bad) fix_values(pa, ts.vis, vt);
                 // ---- O [64 x D] += P V in this warpgroup's turn ----
                 ptx::wgmma_fence_operand(o);
                 take_turn();
@@ -708,47 +762,12 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                 pass_turn();
                 ptx::wgmma_wait<0>();
                 ptx::wgmma_fence_operand(o);
-            }
-        };
-        // The last tile's deferred P V (kDefer), before the pass ends (the next pass's ring reuses its buffer).
-        auto finish = [&] {
-            if constexpr (kDefer) {
-                if (bad_prev) fix_values(pa_prev, vis_prev, vt_prev);
-                ptx::wgmma_fence_operand(o);
-                take_turn();
-                ptx::wgmma_fence();
-                issue_pv(pa_prev, vt_prev);
-                ptx::wgmma_commit();
-                pass_turn();
-                ptx::wgmma_wait<0>();
-                ptx::wgmma_fence_operand(o);
-                wgb::arrive(kEmpty + b_prev, kBlockThreads);
-            }
-        };
-        // 16-bit tiles are read by wgmma as cp.async left them: fenced to the async proxy (fp8: compute
-        // fences its decoded tiles).
-        if constexpr (kSplit) {
-            // The consumers: the block's tiles in order, tile n in buffer n % kS once the producer signals it.
-            const u32 ntiles = (hi - lo + kN - 1) / kN;
-            auto tile = [&](u32 j, auto first) {
-                const u32 b = gc % kS, t0 = lo + j * kN;
-                wgb::sync(kFull + b, kBlockThreads);  // landed; its valid bits and check published
-                TileState ts;
-                tile_full(b, t0, ts);
-                ts.bad = st_bad[b] != 0;
-                compute(b, t0, first, ts);
-                ++gc;
             };
-            if (ntiles == 0) return;
-            tile(0, First{});  // peeled: compute's deferred work is unconditional (no wgmma on a divergent path)
-#pragma unroll 2
-            for (u32 j = 1; j < ntiles; ++j) tile(j, Later{});
-            finish();  // the last tile's deferred work
-        } else {
+            // 16-bit tiles are read by wgmma as cp.async left them: fenced to the async proxy (fp8: compute
+            // fences its decoded tiles).
             tc::run_ring<kN, kS, !kFp8>(
                 st, tables + (u64)seq * p.table_width, lo, hi, p.page_size, p.num_pages,
-                [&](u32 sb, u32 b) { copy_tile(tid, sb, b); },
-                [&](u32 b, u32 t0) { compute(b, t0, Later{}, TileState{}); }, on_stage);
+                [&](u32 sb, u32 b) { copy_tile(tid, sb, b); }, [&](u32 b, u32 t0) { compute(b, t0); }, on_stage);
         }
     });
 

@@ -98,3 +98,32 @@ def test_missing_tools_are_reported(monkeypatch):
     assert not sass.available()
     with pytest.raises(sass.SassToolMissing, match="nvidia-cuda-nvdisasm"):
         sass.disassemble(b"\x7fELF")
+
+
+def test_split_prefill_consumers_issue_the_softmax_beside_their_products():
+    """paged_prefill_wgmma's warp-specialized build (sm_90a, bf16, D 128), as NVRTC compiles it: in each of
+    the consumers' (unrolled) tiles, tile j + 1's S and tile j - 1's P V are issued, then tile j's softmax
+    (its 32 exponentials at least) before the one wgmma wait; the masked softmax is a branch of its own
+    (PMTRIG 0x40, ptx::edge_tile); the loader loop is the producer's."""
+    import numpy as np
+
+    from cupaged import HostPlan
+    from cupaged.ops.attention import plan_launches
+    from cupaged.tools import model
+
+    _nvrtc_or_skip()
+    if not sass.available():
+        pytest.skip("nvdisasm / cuobjdump not installed: " + sass.INSTALL_HINT)
+    kv = 4096
+    host = HostPlan.build(np.arange(kv // 16).reshape(1, -1), [kv], [kv], 16, kv // 16)
+    (la,) = plan_launches(host, "bf16", 32, 8, 128, 128, 0, True, True, arch="sm_90")
+    assert la.kernel == "paged_prefill_wgmma"
+    hot = model.kernel_facts(la.source, la.defines, la.kernel, "sm_90a").hot
+    assert hot is not None and hot.producer is not None
+    own = hot.regions[0]
+    tiles = [seg for seg in own.segments if seg[3] > 0]  # segments with wgmma work
+    assert len(tiles) == 2 and own.hmma == 24, own.segments
+    for pre, post, _, flop, _, _, closed in tiles:
+        assert closed and flop == 2 * 2 * 64 * 64 * 128 / 4  # S and P V of one tile, per warp
+        assert post - 12 >= 32 + 32 + 32, (pre, post)  # beside the products: the max, exponentials, sums
+    assert sum(r.edges for r in hot.regions) == 2 and own.edges == 0
