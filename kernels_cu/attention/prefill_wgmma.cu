@@ -200,6 +200,8 @@ __device__ __forceinline__ void static_for(F&& f) {
     }
 }
 
+// The tile buffer after buffer b (tile n + 1's after tile n's: n % kS kept by wrapping, no division).
+__device__ __forceinline__ u32 next_buf(u32 b) { return b + 1 == kS ? 0u : b + 1; }
 // Byte offset of 16-byte chunk c (0 .. 7) of row r in a 128-byte-swizzled column block.
 __device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7u)) << 4); }
 // Byte offset of 16-byte chunk ch (0 .. kChunks - 1) of row r in a swizzled array of column blocks of col bytes.
@@ -359,10 +361,12 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
 #pragma unroll
             for (u32 c = 0; c < 4; ++c) coff[c] = ptok * 128 + (((2 * c) ^ y) << 4);
             u32 gp = 0, missbits = 0;  // tiles issued; bit n % 32: tile n needs the value check
+            u32 pb = 0, sig_b = 0;  // the buffers of tile gp (next to issue) and of the next tile to signal
             auto signal = [&](u32 n, auto keep) {  // tile n, with keep.value later tiles still in flight
                 ptx::cp_async_wait<decltype(keep)::value>();
                 ptx::fence_proxy_async_shared();  // wgmma reads the tiles
-                const u32 b = n % kS;
+                const u32 b = sig_b;  // n % kS: tiles are signalled in order
+                sig_b = next_buf(sig_b);
                 if ((missbits >> (n & 31u)) & 1u) {
                     ptx::cold_path();
                     wgb::sync(kProd, kProducer);  // every producer thread's copies of tile n have landed
@@ -405,7 +409,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                 const u32 ntiles = (hi - lo + kN - 1) / kN;
                 fetch();
                 for (u32 j = 0; j < ntiles; ++j) {
-                    const u32 b = gp % kS, sb = gp & 1u, t0 = lo + j * kN;
+                    const u32 b = pb, sb = gp & 1u, t0 = lo + j * kN;
                     if (gp >= kS) wgb::sync(kEmpty + b, kBlockThreads);  // the consumers are done with buffer b
                     const bool ok = raw < p.num_pages;
                     // This thread's K / V row of token ptok (the caches' first element, never read, without
@@ -439,6 +443,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                     const bool miss = others || elo > (t0 > lo ? t0 : lo) || ehi < te;
                     missbits = (missbits & ~(1u << (gp & 31u))) | (u32)miss << (gp & 31u);
                     ++gp;
+                    pb = next_buf(pb);
                     if (gp > kLag) signal(gp - 1 - kLag, Count<kLag>{});
                 }
             });
@@ -463,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
 #pragma unroll
     for (u32 ks = 0; ks < kKSteps; ++ks) dqs[ks] = ptx::wgmma_desc_at(dq, ((ks >> 2) * kQCol + (ks & 3u) * 32) >> 4);
 
-    u32 gc = 0;  // kSplit: the block's tiles computed (tile n is in buffer n % kS)
+    u32 cb = 0;  // kSplit: the buffer of the block's next tile to compute (tile n's is n % kS)
     tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
         u32 rlo[2], rhi[2];  // this thread's rows' positions in this pass
         variant::ScoreRow srow[2];  // for a score variant: the rows' query position, head, slope
@@ -639,9 +644,9 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             float sa[kN / 2], sb[kN / 2];  // S of tiles j (cur) and j + 1 (nxt), by the tile's parity
             auto step = [&](u32 j, float(&cur)[kN / 2], float(&nxt)[kN / 2], auto first) {
                 constexpr bool kPrev = !decltype(first)::kFirst;  // a tile before this one (its P V to issue)
-                const u32 b = gc % kS, t0 = lo + j * kN;
+                const u32 b = cb, t0 = lo + j * kN;
                 const bool more = j + 1 < ntiles;
-                const u32 nb = more ? (gc + 1) % kS : b;
+                const u32 nb = more ? next_buf(cb) : b;
                 if (more) wgb::sync(kFull + nb, kBlockThreads);  // tile j + 1 landed
                 TileState ts;
                 tile_full(b, t0, ts);
@@ -672,13 +677,13 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                 vt_prev = sV + b * kTileBytes;
                 b_prev = b;
                 bad_prev = ts.bad;
-                ++gc;
+                cb = next_buf(cb);
             };
             // Tile 0's S, waited for (once a pass); then the tiles, S of tile j in sa (j even) or sb (j odd).
-            wgb::sync(kFull + gc % kS, kBlockThreads);
+            wgb::sync(kFull + cb, kBlockThreads);
             take_turn();
             ptx::wgmma_fence();
-            issue_s(sa, sK + (gc % kS) * kTileBytes);
+            issue_s(sa, sK + cb * kTileBytes);
             ptx::wgmma_commit();
             pass_turn();
             ptx::wgmma_wait<0>();
