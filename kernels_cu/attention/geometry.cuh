@@ -56,8 +56,8 @@ constexpr u32 kS = 2;
 constexpr u32 kAlignBytes = 1024;
 }  // namespace mla_wgmma
 namespace merge {   // cupaged/ops/attention/kernels/merge.py
-constexpr u32 kThreads = 128;
-constexpr u32 kMinBlocks = 8;
+constexpr u32 kThreads = 256;
+constexpr u32 kMinBlocks = 4;
 constexpr u32 kHeadsPerBlock = 1;
 }  // namespace merge
 namespace prefill_simt {   // cupaged/ops/attention/kernels/prefill_simt.py

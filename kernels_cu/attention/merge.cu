@@ -6,7 +6,7 @@
 // kMinBlocks) and heads per block are defined once in merge.py (GEOMETRY)
 // and read here through geometry.cuh (geom::merge).
 //
-// One block of kThreads (128) threads per (query, head): grid (queries, Hq).
+// One block of kThreads (256) threads per (query, head): grid (queries, Hq).
 // part_out [splits, queries, Hq, Dv] f32, part_lse [splits, queries, Hq] f32
 //   -> out [queries, Hq, Dv] scalar_t, lse [queries, Hq] f32 (when write_lse).
 // lse = log(sum_z exp(lse_z)), out = sum_z exp(lse_z - lse) * out_z; a split
@@ -23,8 +23,8 @@
 // g takes splits g, g + G, ..., eight at a time: eight partial chunks and
 // their LSEs are loaded before any is used, and summed as an online softmax
 // (softmax_state.cuh). The groups' states then meet in shared memory. At Dv =
-// 128 and 64 splits: 4 groups of 32 threads, 16 splits each, two rounds of
-// eight loads per thread.
+// 128 and 64 splits: 8 groups of 32 threads, 8 splits each, one round of
+// eight loads per thread (the whole merge one L2 round trip deep).
 // (Its few arguments stay positional: as fields of AttentionParams, loaded
 // where used, they cost ptxas 8 more registers on sm_90.)
 #include "../common.cuh"
@@ -142,9 +142,9 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
 }
 }  // namespace merge
 
-// kMinBlocks (8, merge.py MIN_BLOCKS) resident blocks by design: 64 registers, no spill on sm_80 / sm_86 /
-// sm_89 / sm_90 (with the block size alone ptxas gave sm_86 / sm_89 72 registers and a 4-byte spill), and
-// more of its loads in flight per SM.
+// kMinBlocks (4, merge.py MIN_BLOCKS) resident blocks of 256 threads by design: 64 registers, no spill on
+// sm_80 / sm_86 / sm_89 / sm_90 (with the block size alone ptxas gave sm_86 / sm_89 72 registers and a 4-byte
+// spill), and more of its loads in flight per SM.
 extern "C" __global__ void __launch_bounds__(merge::kThreads, merge::kMinBlocks)
     attention_split_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                           scalar_t* __restrict__ out, float* __restrict__ lse, u32 queries, u32 q_heads, u32 value_dim,

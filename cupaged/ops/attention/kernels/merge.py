@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 #: Threads per block (merge::kThreads, the first ``__launch_bounds__`` argument).
-THREADS = 128
+THREADS = 256
 #: Resident blocks per SM by design (the second ``__launch_bounds__`` argument).
-MIN_BLOCKS = 8
+MIN_BLOCKS = 4
 #: Query heads the merge serves per block: one (query, head) per block of
 #: THREADS threads, every split's loads in flight.
 MERGE_HEADS_PER_BLOCK = 1
