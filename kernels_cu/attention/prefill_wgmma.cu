@@ -360,14 +360,16 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             u32 coff[4];
 #pragma unroll
             for (u32 c = 0; c < 4; ++c) coff[c] = ptok * 128 + (((2 * c) ^ y) << 4);
-            u32 gp = 0, missbits = 0;  // tiles issued; bit n % 32: tile n needs the value check
+            // Tiles issued; bit k of missbits: tile gp - 1 - k needs the value check (a shift register: the tile
+            // signalled with keep.value later tiles in flight is bit keep.value).
+            u32 gp = 0, missbits = 0;
             u32 pb = 0, sig_b = 0;  // the buffers of tile gp (next to issue) and of the next tile to signal
             auto signal = [&](u32 n, auto keep) {  // tile n, with keep.value later tiles still in flight
                 ptx::cp_async_wait<decltype(keep)::value>();
                 ptx::fence_proxy_async_shared();  // wgmma reads the tiles
                 const u32 b = sig_b;  // n % kS: tiles are signalled in order
                 sig_b = next_buf(sig_b);
-                if ((missbits >> (n & 31u)) & 1u) {
+                if ((missbits >> decltype(keep)::value) & 1u) {
                     ptx::cold_path();
                     wgb::sync(kProd, kProducer);  // every producer thread's copies of tile n have landed
                     const bool any = __any_sync(CP_FULL_MASK, check(b, tid, kProducer));
@@ -412,22 +414,21 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                     const u32 b = pb, sb = gp & 1u, t0 = lo + j * kN;
                     if (gp >= kS) wgb::sync(kEmpty + b, kBlockThreads);  // the consumers are done with buffer b
                     const bool ok = raw < p.num_pages;
-                    // This thread's K / V row of token ptok (the caches' first element, never read, without
-                    // a page: the copies zero-fill), at its chunk of each pair.
-                    const u64 koff = (u64)raw * p.k_stride_page + ((u64)slot * p.k_stride_slot + kh);
-                    const u64 voff = (u64)raw * p.v_stride_page + ((u64)slot * p.v_stride_slot + vh);
-                    const kv_t* const ks = (ok ? k_cache + koff : k_cache) + half * kCopyElems;
-                    const kv_t* const vs = (ok ? v_cache + voff : v_cache) + half * kCopyElems;
+                    // This thread's K / V row of token ptok (without a page: the row of page 0 at its slot,
+                    // inside the caches and never read: the copies zero-fill), at its chunk of each pair.
+                    const u32 page = ok ? raw : 0u;
+                    const u64 koff = (u64)page * p.k_stride_page + ((u64)slot * p.k_stride_slot + kh);
+                    const u64 voff = (u64)page * p.v_stride_page + ((u64)slot * p.v_stride_slot + vh);
+                    const kv_t* const ks = k_cache + koff + half * kCopyElems;
+                    const kv_t* const vs = v_cache + voff + half * kCopyElems;
                     fetch();
-                    {  // the tile's valid bits: warp w's 16 tokens (a bit a token: the even lanes' votes)
-                        u32 x = __ballot_sync(CP_FULL_MASK, ok) & 0x55555555u;
-                        x = (x | (x >> 1)) & 0x33333333u;
-                        x = (x | (x >> 2)) & 0x0f0f0f0fu;
-                        x = (x | (x >> 4)) & 0x00ff00ffu;
-                        x = (x | (x >> 8)) & 0x0000ffffu;
-                        if (lane == 0) reinterpret_cast<unsigned short*>(st.valid[b])[tid >> 5] = (unsigned short)x;
+                    {  // the tile's valid bits: warp w's 16 tokens, lane l's vote for token l % 16 (lane 2 l's ok)
+                        const bool okl = __shfl_sync(CP_FULL_MASK, (u32)ok, 2 * (lane & 15u)) != 0;
+                        const u32 x = __ballot_sync(CP_FULL_MASK, okl) & 0xffffu;
+                        // every lane stores the same half word (no branch: one shared-memory write)
+                        reinterpret_cast<unsigned short*>(st.valid[b])[tid >> 5] = (unsigned short)x;
                     }
-                    if (tid == 0) st_bad[b] = 0;
+                    st_bad[b] = 0;  // (by every producer thread: no branch)
                     unsigned char* dk[4];  // this thread's chunk of each pair in the first column block of K
 #pragma unroll
                     for (u32 i = 0; i < 4; ++i) dk[i] = sK + b * kTileBytes + coff[i];
@@ -441,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                     ptx::cp_async_commit();
                     const u32 te = t0 + kN < hi ? t0 + kN : hi;
                     const bool miss = others || elo > (t0 > lo ? t0 : lo) || ehi < te;
-                    missbits = (missbits & ~(1u << (gp & 31u))) | (u32)miss << (gp & 31u);
+                    missbits = missbits << 1 | (u32)miss;
                     ++gp;
                     pb = next_buf(pb);
                     if (gp > kLag) signal(gp - 1 - kLag, Count<kLag>{});
@@ -481,14 +482,20 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             if constexpr (!variant::kPlainScore)
                 srow[h] = tc::score_row(rows, s, cw * kWgRows + 16 * warp4 + g + 8 * h, ht, head0, qt);
         }
+        // This thread's stored rows' common positions [flo, fhi): a tile inside them is whole for both (a row
+        // of no query is never written: it sees what the others see).
+        u32 flo = 0, fhi = ~0u;
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h)
+            if (my_slot[h] != kNone) {
+                flo = rlo[h] > flo ? rlo[h] : flo;
+                fhi = rhi[h] < fhi ? rhi[h] : fhi;
+            }
         // The tile in buffer b at t0 ..: its valid tokens and whether it is full for this warp (ts.valid,
-        // ts.full; a row of no query is never written: it sees what the others see).
+        // ts.full).
         auto tile_full = [&](u32 b, u32 t0, TileState& ts) {
             ts.valid = (u64)st.valid[b][0] | (u64)st.valid[b][1] << 32;
-            bool mine = ts.valid == ~0ull;
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h) mine &= my_slot[h] == kNone || (rlo[h] <= t0 && t0 + kN <= rhi[h]);
-            ts.full = __all_sync(CP_FULL_MASK, mine);
+            ts.full = __all_sync(CP_FULL_MASK, ts.valid == ~0ull && flo <= t0 && t0 + kN <= fhi);
         };
         // This thread's rows' visible tokens of the tile at t0 (ts.vis), and whether a stored one misses a
         // valid token.
@@ -550,17 +557,18 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             ptx::fence_proxy_async_shared();  // the tile is read by wgmma
             csync();
         };
-        // O [64 x D] += P V of a tile: P from registers, V N-major from the tile vt_ (issued, not committed).
-        auto issue_pv = [&](const u32(&pa_)[kPSteps][4], const unsigned char* vt_) {
-            const u64 dv = ptx::wgmma_desc_at(dv0, (u32)(vt_ - sV) >> 4);
+        // O [64 x D] += P V of a tile: P from registers, V N-major from the V tile of buffer vb (issued, not
+        // committed). Descriptors move by the byte offset >> 4 (from the buffer index: integer math).
+        auto issue_pv = [&](const u32(&pa_)[kPSteps][4], u32 vb) {
+            const u64 dv = ptx::wgmma_desc_at(dv0, vb * (kTileBytes >> 4));
 #pragma unroll
             for (u32 kk = 0; kk < kPSteps; ++kk)
                 ptx::wgmma_rs<v16_t, kD, 1>(o, pa_[kk], ptx::wgmma_desc_at(dv, (16 * kk * 128) >> 4), true);
         };
-        // S [64 x 64] = Q K^T of this warpgroup's rows and the K tile kt_ (issued, not committed). Descriptors
-        // move along K by adding the byte offset >> 4 to the start address field.
-        auto issue_s = [&](float(&d)[kN / 2], const unsigned char* kt_) {
-            const u64 dk = ptx::wgmma_desc_at(dk0, (u32)(kt_ - sK) >> 4);
+        // S [64 x 64] = Q K^T of this warpgroup's rows and the K tile of buffer kb (issued, not committed).
+        // Descriptors move along K by adding the byte offset >> 4 to the start address field.
+        auto issue_s = [&](float(&d)[kN / 2], u32 kb) {
+            const u64 dk = ptx::wgmma_desc_at(dk0, kb * (kTileBytes >> 4));
 #pragma unroll
             for (u32 ks = 0; ks < kKSteps; ++ks)
                 ptx::wgmma_ss<scalar_t, kN, 0, 0>(
@@ -655,9 +663,9 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                     if (bad_prev) fix_values(pa_prev, vis_prev, vt_prev);  // block-uniform
                 take_turn();
                 ptx::wgmma_fence();
-                issue_s(nxt, sK + nb * kTileBytes);
+                issue_s(nxt, nb);
                 ptx::wgmma_commit();
-                if constexpr (kPrev) issue_pv(pa_prev, vt_prev);
+                if constexpr (kPrev) issue_pv(pa_prev, b_prev);
                 ptx::wgmma_commit();  // possibly empty
                 pass_turn();  // the other warpgroup's products queue behind these while this one's softmax issues
                 float alpha[2];
@@ -683,7 +691,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             wgb::sync(kFull + cb, kBlockThreads);
             take_turn();
             ptx::wgmma_fence();
-            issue_s(sa, sK + cb * kTileBytes);
+            issue_s(sa, cb);
             ptx::wgmma_commit();
             pass_turn();
             ptx::wgmma_wait<0>();
@@ -701,7 +709,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             ptx::wgmma_fence_operand(o);
             take_turn();
             ptx::wgmma_fence();
-            issue_pv(pa_prev, vt_prev);
+            issue_pv(pa_prev, b_prev);
             ptx::wgmma_commit();
             pass_turn();
             ptx::wgmma_wait<0>();
@@ -730,7 +738,6 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                     ptx::fence_proxy_async_shared();  // the tiles are read by wgmma
                     __syncthreads();
                 }
-                unsigned char* const kt = sK + (kFp8 ? 0u : b) * kTileBytes;
                 unsigned char* const vt = sV + (kFp8 ? 0u : b) * kTileBytes;
                 // A tile where some stored row of the block misses a valid token (the causal diagonal, split
                 // edges, another sequence's rows): its value rows' Inf / NaN must reach only the rows that see
@@ -747,7 +754,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                 float s[kN / 2];
                 take_turn();
                 ptx::wgmma_fence();
-                issue_s(s, kt);
+                issue_s(s, kFp8 ? 0u : b);
                 ptx::wgmma_commit();
                 pass_turn();  // the other warpgroup's products queue behind these while this one waits
                 ptx::wgmma_wait<0>();
@@ -762,7 +769,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                 ptx::wgmma_fence_operand(o);
                 take_turn();
                 ptx::wgmma_fence();
-                issue_pv(pa, vt);
+                issue_pv(pa, kFp8 ? 0u : b);
                 ptx::wgmma_commit();
                 pass_turn();
                 ptx::wgmma_wait<0>();
