@@ -342,9 +342,9 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
             auto scores = [&](auto masked, const u32(&vlane)[2]) {
 #pragma unroll
                 for (u32 i = 0; i < 16; ++i) {
-                    const u32 h = (i >> 1) & 1u, dc = 8 * (i >> 2) + (i & 1u), col = 32 * wg + 2 * tq + dc;
+                    const u32 h = (i >> 1) & 1u, dc = 8 * (i >> 2) + (i & 1u);
                     float v = s[i];
-                    if constexpr (!kLate) v = variant::score(sc, srow[h], v * qscale, t0 + col);
+                    if constexpr (!kLate) v = variant::score(sc, srow[h], v * qscale, t0 + 32 * wg + 2 * tq + dc);
                     if constexpr (decltype(masked)::value) v = ((vlane[h] >> dc) & 1u) ? v : neg_inf();
                     s[i] = v;
                     mx[h] = fmaxf(mx[h], v);

@@ -567,7 +567,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
         };
         // S [64 x 64] = Q K^T of this warpgroup's rows and the K tile of buffer kb (issued, not committed).
         // Descriptors move along K by adding the byte offset >> 4 to the start address field.
-        auto issue_s = [&](float(&d)[kN / 2], u32 kb) {
+        auto issue_s = [&](float (&d)[kN / 2], u32 kb) {
             const u64 dk = ptx::wgmma_desc_at(dk0, kb * (kTileBytes >> 4));
 #pragma unroll
             for (u32 ks = 0; ks < kKSteps; ++ks)
@@ -579,7 +579,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
         // row's rescale factor of O. Element i of the fragment: row g (+ 8 for i & 2), token 8 (i / 4) + 2 tq
         // (+ 1 for i & 1). The plain score keeps S unscaled up to exp2(S qscale - m) (one FFMA; qscale > 0
         // keeps the max).
-        auto softmax_tile = [&](float(&s)[kN / 2], TileState& ts, u32 t0, float(&alpha)[2]) {
+        auto softmax_tile = [&](float (&s)[kN / 2], TileState& ts, u32 t0, float (&alpha)[2]) {
             constexpr bool kLate = variant::kPlainScore;
             const float late = kLate ? qscale : 1.0f;
             u64(&vis)[2] = ts.vis;
@@ -589,9 +589,9 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             auto scores = [&](auto masked, const u64(&vq)[2]) {
 #pragma unroll
                 for (u32 i = 0; i < kN / 2; ++i) {
-                    const u32 h = (i >> 1) & 1u, dc = 8 * (i >> 2) + (i & 1u), col = dc + 2 * tq;
+                    const u32 h = (i >> 1) & 1u, dc = 8 * (i >> 2) + (i & 1u);  // column 2 tq + dc
                     float v = s[i];
-                    if constexpr (!kLate) v = variant::score(sc, srow[h], v * qscale, t0 + col);
+                    if constexpr (!kLate) v = variant::score(sc, srow[h], v * qscale, t0 + dc + 2 * tq);
                     if constexpr (decltype(masked)::value) v = ((vq[h] >> dc) & 1u) ? v : neg_inf();
                     s[i] = v;
                     mx[h] = fmaxf(mx[h], v);
@@ -622,17 +622,16 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                 sm[h].add(alpha[h], ps);  // this lane's part of the row sum
             }
         };
-        auto rescale = [&](const float(&alpha)[2]) {
+        auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
             for (u32 i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1u];
         };
         // P as A fragments of k-step kk (tokens 16 kk ..): S n-tiles 2 kk (a[0], a[1]) and 2 kk + 1.
-        auto pack = [&](const float(&s)[kN / 2], u32(&dst)[kPSteps][4]) {
+        auto pack = [&](const float (&s)[kN / 2], u32(&dst)[kPSteps][4]) {
 #pragma unroll
             for (u32 kk = 0; kk < kPSteps; ++kk)
 #pragma unroll
-                for (u32 i = 0; i < 4; ++i)
-                    dst[kk][i] = ptx::pack2<v16_t>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+                for (u32 i = 0; i < 4; ++i) dst[kk][i] = ptx::pack2<v16_t>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
         };
         if constexpr (kSplit) {
             // The consumers (FlashAttention-3's intra-warpgroup overlap, one tile deeper): the block's tiles in
@@ -650,7 +649,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             u32 b_prev = 0;
             bool bad_prev = false;
             float sa[kN / 2], sb[kN / 2];  // S of tiles j (cur) and j + 1 (nxt), by the tile's parity
-            auto step = [&](u32 j, float(&cur)[kN / 2], float(&nxt)[kN / 2], auto first) {
+            auto step = [&](u32 j, float (&cur)[kN / 2], float (&nxt)[kN / 2], auto first) {
                 constexpr bool kPrev = !decltype(first)::kFirst;  // a tile before this one (its P V to issue)
                 const u32 b = cb, t0 = lo + j * kN;
                 const bool more = j + 1 < ntiles;
