@@ -341,7 +341,9 @@ def test_only_edge_tiles_mask(xp_backend, kernels_used, window):
     marks = {}
     for causal in (True, False):
         if xp_backend.name == "cpu":
-            (la,) = inputs.attention_call(dplan, case.q, case.k_cache, case.v_cache, case.scale, causal, **opts).launches
+            (la,) = inputs.attention_call(
+                dplan, case.q, case.k_cache, case.v_cache, case.scale, causal, **opts
+            ).launches
             assert la.kernel == PREFILL_WGMMA
             module = get_kernel(case.q, la.source, la.kernel, la.defines).module
             counters.reset(module)
@@ -378,9 +380,7 @@ def test_only_edge_tiles_mask(xp_backend, kernels_used, window):
                 hi_b = max(span(q)[1] for q in range(b0, b0 + 32))
                 for q0 in range(b0, b0 + 32, 4):
                     rows = [span(q) for q in range(q0, q0 + 4)]
-                    n += sum(
-                        not all(a <= t0 and t0 + 64 <= b for a, b in rows) for t0 in range(lo_b, hi_b, 64)
-                    )
+                    n += sum(not all(a <= t0 and t0 + 64 <= b for a, b in rows) for t0 in range(lo_b, hi_b, 64))
             return n
 
         assert marks == {True: edges(True), False: edges(False)}, marks
