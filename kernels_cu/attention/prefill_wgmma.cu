@@ -276,6 +276,13 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
     // barrier kTurn + w until the other has issued its own and arrived there; warpgroup 0 goes first.
     auto take_turn = [&] { wgb::sync(kTurn + cw, kThreads); };
     auto pass_turn = [&] { wgb::arrive(kTurn + (cw ^ 1u), kThreads); };
+    // One turn: this warpgroup's products (issue() issues and commits them) while the other one waits.
+    auto in_turn = [&](auto&& issue) {
+        take_turn();
+        ptx::wgmma_fence();
+        issue();
+        pass_turn();  // the other warpgroup's products queue behind these
+    };
     if (cw == 1) pass_turn();
 
     // An fp8 cache's K scale folds into the score scale, its V scale into the
@@ -643,9 +650,8 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             // Buffers held: tile j - 1's (P V in flight), j's (its V), j + 1's (its S).
             const u32 ntiles = (hi - lo + kN - 1) / kN;
             if (ntiles == 0) return;
-            u32 pa_prev[kPSteps][4];  // tile j - 1: P, visible tokens, V tile, buffer, whether its V needs fixing
+            u32 pa_prev[kPSteps][4];  // tile j - 1: P, visible tokens, buffer, whether its V needs fixing
             u64 vis_prev[2] = {0, 0};
-            unsigned char* vt_prev = sV;
             u32 b_prev = 0;
             bool bad_prev = false;
             float sa[kN / 2], sb[kN / 2];  // S of tiles j (cur) and j + 1 (nxt), by the tile's parity
@@ -659,14 +665,13 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                 tile_full(b, t0, ts);
                 ts.bad = st_bad[b] != 0;
                 if constexpr (kPrev)
-                    if (bad_prev) fix_values(pa_prev, vis_prev, vt_prev);  // block-uniform
-                take_turn();
-                ptx::wgmma_fence();
-                issue_s(nxt, nb);
-                ptx::wgmma_commit();
-                if constexpr (kPrev) issue_pv(pa_prev, b_prev);
-                ptx::wgmma_commit();  // possibly empty
-                pass_turn();  // the other warpgroup's products queue behind these while this one's softmax issues
+                    if (bad_prev) fix_values(pa_prev, vis_prev, sV + b_prev * kTileBytes);  // block-uniform
+                in_turn([&] {  // (this warpgroup's softmax below issues while they run)
+                    issue_s(nxt, nb);
+                    ptx::wgmma_commit();
+                    if constexpr (kPrev) issue_pv(pa_prev, b_prev);
+                    ptx::wgmma_commit();  // possibly empty
+                });
                 float alpha[2];
                 softmax_tile(cur, ts, t0, alpha);
                 // The row sums (every exponential of the tile) stored before the wait: ptxas keeps a shared store
@@ -681,18 +686,16 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                 pack(cur, pa_prev);
                 vis_prev[0] = ts.vis[0];
                 vis_prev[1] = ts.vis[1];
-                vt_prev = sV + b * kTileBytes;
                 b_prev = b;
                 bad_prev = ts.bad;
                 cb = next_buf(cb);
             };
             // Tile 0's S, waited for (once a pass); then the tiles, S of tile j in sa (j even) or sb (j odd).
             wgb::sync(kFull + cb, kBlockThreads);
-            take_turn();
-            ptx::wgmma_fence();
-            issue_s(sa, cb);
-            ptx::wgmma_commit();
-            pass_turn();
+            in_turn([&] {
+                issue_s(sa, cb);
+                ptx::wgmma_commit();
+            });
             ptx::wgmma_wait<0>();
             ptx::wgmma_fence_operand(sa);
             step(0, sa, sb, First{});
@@ -704,13 +707,12 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
             }
             if (j < ntiles) step(j, sb, sa, Later{});
             // The last tile's P V, before the pass ends (the next pass's ring reuses its buffer).
-            if (bad_prev) fix_values(pa_prev, vis_prev, vt_prev);
+            if (bad_prev) fix_values(pa_prev, vis_prev, sV + b_prev * kTileBytes);
             ptx::wgmma_fence_operand(o);
-            take_turn();
-            ptx::wgmma_fence();
-            issue_pv(pa_prev, b_prev);
-            ptx::wgmma_commit();
-            pass_turn();
+            in_turn([&] {
+                issue_pv(pa_prev, b_prev);
+                ptx::wgmma_commit();
+            });
             ptx::wgmma_wait<0>();
             ptx::wgmma_fence_operand(o);
             wgb::arrive(kEmpty + b_prev, kBlockThreads);
@@ -751,11 +753,10 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                     ts.bad = __syncthreads_or(check(b, tid, kThreads));
                 }
                 float s[kN / 2];
-                take_turn();
-                ptx::wgmma_fence();
-                issue_s(s, kFp8 ? 0u : b);
-                ptx::wgmma_commit();
-                pass_turn();  // the other warpgroup's products queue behind these while this one waits
+                in_turn([&] {
+                    issue_s(s, kFp8 ? 0u : b);
+                    ptx::wgmma_commit();
+                });
                 ptx::wgmma_wait<0>();
                 ptx::wgmma_fence_operand(s);
                 float alpha[2];
@@ -766,11 +767,10 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                 if (ts.bad) fix_values(pa, ts.vis, vt);
                 // ---- O [64 x D] += P V in this warpgroup's turn ----
                 ptx::wgmma_fence_operand(o);
-                take_turn();
-                ptx::wgmma_fence();
-                issue_pv(pa, kFp8 ? 0u : b);
-                ptx::wgmma_commit();
-                pass_turn();
+                in_turn([&] {
+                    issue_pv(pa, kFp8 ? 0u : b);
+                    ptx::wgmma_commit();
+                });
                 ptx::wgmma_wait<0>();
                 ptx::wgmma_fence_operand(o);
             };
