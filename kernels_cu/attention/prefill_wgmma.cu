@@ -179,7 +179,7 @@ struct Later {
 // What a consumer knows of a tile when it has landed: its valid tokens (bit dt of valid: token t0 + dt is
 // below the pass's end in a page < num_pages), whether every stored row of this warp sees all of them (full:
 // warp-uniform; the softmax then masks nothing), the visible tokens of this thread's rows (bit dt of vis[h]:
-// row h sees token t0 + dt, its share and a valid page; kSplit: filled by compute, on edge tiles only) and
+// row h sees token t0 + dt, its share and a valid page; kSplit: filled by softmax_tile, on edge tiles only) and
 // whether the tile's value rows need fix_values (bad: block-uniform).
 struct TileState {
     u64 valid;

@@ -371,6 +371,7 @@ def test_wgmma_mla_masks_only_edge_tiles(xp_backend, kernels_used):
     if xp_backend.name != "cpu":
         pytest.skip("the edge-tile marker counts on the CPU backend")
     from cupaged._runtime import archs, get_kernel
+    from cupaged.ops.attention import inputs
     from cupaged.tools import counters
 
     rng = np.random.default_rng(5)
@@ -387,22 +388,11 @@ def test_wgmma_mla_masks_only_edge_tiles(xp_backend, kernels_used):
     with archs.cpu_arch_override("sm_90"):
         plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
         for causal in (True, False):
-            calls = []
-            real = launch.get_kernel
-
-            def spy(like, source, kernel, defines=None):
-                calls.append((source, kernel, defines))
-                return real(like, source, kernel, defines)
-
-            launch.get_kernel = spy
-            try:
-                o, lse = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, causal, return_lse=True)
-            finally:
-                launch.get_kernel = real
-            ((source, kernel, defines),) = calls
-            assert kernel == "paged_mla_wgmma"
-            module = get_kernel(case.q, source, kernel, defines).module
+            (la,) = inputs.mla_call(plan, case.q, case.q_pos, case.latent, case.k_pos, case.scale, causal).launches
+            assert la.kernel == "paged_mla_wgmma"
+            module = get_kernel(case.q, la.source, la.kernel, la.defines).module
             counters.reset(module)
             o, lse = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, causal, return_lse=True)
             check(case, o, lse, causal, "bf16", f"wgmma mla causal={causal}")
             assert counters.read_all(module)["edge_tile"] == 8, causal
+    assert set(kernels_used) == {"paged_mla_wgmma"}
