@@ -44,6 +44,7 @@ KERNELS: dict[str, KernelDesc] = {
     "paged_prefill_simt": KernelDesc(loads="ring", ahead=1, x_reversed=True),
     "paged_mla_tc": KernelDesc(loads="ring", ahead=1, x_reversed=True),
     "paged_mla_wgmma": KernelDesc(loads="ring", ahead=1, x_reversed=True),
+    "paged_mla_seesaw": KernelDesc(loads="ring", ahead=1, x_reversed=True),
     # Each warp's own two-stage ring: one 16-token tile in flight while one computes.
     "paged_decode_tc": KernelDesc(loads="ring", ahead=1),
     MERGE.name: KernelDesc(role="merge", loads="ldg"),

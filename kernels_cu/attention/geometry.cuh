@@ -55,6 +55,14 @@ constexpr u32 kN = 64;
 constexpr u32 kS = 2;
 constexpr u32 kAlignBytes = 1024;
 }  // namespace mla_wgmma
+namespace mla_seesaw {   // cupaged/ops/attention/kernels/mla_seesaw.py
+constexpr u32 kThreads = 256;
+constexpr u32 kProducerThreads = 128;
+constexpr u32 kMinBlocks = 1;
+constexpr u32 kN = 32;
+constexpr u32 kS = 4;
+constexpr u32 kAlignBytes = 1024;
+}  // namespace mla_seesaw
 namespace merge {   // cupaged/ops/attention/kernels/merge.py
 constexpr u32 kThreads = 256;
 constexpr u32 kMinBlocks = 4;

@@ -119,3 +119,11 @@ TC_PREFILL = tc_prefill_kernel()
 #: (decode segments on the per-query kernel, chunks on the tensor-core prefill kernel).
 Q_MIXED = [1] * 6 + [40] + [1] * 6 + [33]
 MIXED_TC = [(DECODE_TC, 0, 6), (TC_PREFILL, 6, 40), (DECODE_TC, 46, 6), (TC_PREFILL, 52, 33)]
+
+
+def mla_kernel(kernel16: str, fmt: str | None) -> str:
+    """The MLA kernel of a cache format on the arch whose 16-bit MLA kernel is
+    ``kernel16`` (the ``mla_arch`` fixture's): sm_90 serves fp8 caches with
+    paged_mla_wgmma, 16-bit ones with paged_mla_seesaw; below, paged_mla_tc
+    serves both."""
+    return "paged_mla_wgmma" if fmt is not None and kernel16 == "paged_mla_seesaw" else kernel16

@@ -61,7 +61,7 @@ def mla_arch(request, xp_backend):
     name the step should launch."""
     from cupaged._runtime import archs
 
-    kernel = {"sm_90": "paged_mla_wgmma", "sm_80": "paged_mla_tc"}[request.param]
+    kernel = {"sm_90": "paged_mla_seesaw", "sm_80": "paged_mla_tc"}[request.param]
     if xp_backend.name == "gpu":
         import cupy
 

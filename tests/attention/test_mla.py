@@ -363,11 +363,12 @@ def test_zero_width_with_a_real_rotary_part_is_refused(kernels_used):
     assert kernels_used == [] and (out == 7).all()
 
 
-def test_wgmma_mla_masks_only_edge_tiles(xp_backend, kernels_used):
-    """paged_mla_wgmma's warps take the unmasked softmax on a tile whose 64 tokens all their rows see, and
-    mask only the others (FlashAttention-3's split): decode at 256, 250 and 64 tokens, 64 heads (one query a
-    block of 8 warps): on the CPU the edge-tile marker counts the 250-token sequence's last tile once a warp,
-    causal or not; the outputs match the reference."""
+def test_seesaw_mla_masks_only_edge_tiles(xp_backend, kernels_used):
+    """paged_mla_seesaw's owner warps take the unmasked softmax on a tile whose 32 tokens all their rows see,
+    and mask only the others (FlashAttention-3's split): decode at 256, 250, 96 and 64 tokens, 64 heads (one
+    query a block; a tile's softmax runs in its owner's 4 warps): on the CPU the edge-tile marker counts the
+    250-token sequence's last tile and the empty tile that pads the 96-token sequence's three to an even count,
+    4 marks each, causal or not; the outputs match the reference."""
     if xp_backend.name != "cpu":
         pytest.skip("the edge-tile marker counts on the CPU backend")
     from cupaged._runtime import archs, get_kernel
@@ -377,8 +378,8 @@ def test_wgmma_mla_masks_only_edge_tiles(xp_backend, kernels_used):
     rng = np.random.default_rng(5)
     case = make_mla_case(
         rng,
-        kv_lens=np.array([256, 250, 64], np.int32),
-        q_lens=np.array([1, 1, 1]),
+        kv_lens=np.array([256, 250, 96, 64], np.int32),
+        q_lens=np.array([1, 1, 1, 1]),
         page_size=16,
         num_heads=64,
         latent_dim=512,
@@ -389,10 +390,10 @@ def test_wgmma_mla_masks_only_edge_tiles(xp_backend, kernels_used):
         plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, 16, case.num_pages).upload(case.q)
         for causal in (True, False):
             (la,) = inputs.mla_call(plan, case.q, case.q_pos, case.latent, case.k_pos, case.scale, causal).launches
-            assert la.kernel == "paged_mla_wgmma"
+            assert la.kernel == "paged_mla_seesaw"
             module = get_kernel(case.q, la.source, la.kernel, la.defines).module
             counters.reset(module)
             o, lse = plan.mla(case.q, case.q_pos, case.latent, case.k_pos, case.scale, causal, return_lse=True)
-            check(case, o, lse, causal, "bf16", f"wgmma mla causal={causal}")
+            check(case, o, lse, causal, "bf16", f"seesaw mla causal={causal}")
             assert counters.read_all(module)["edge_tile"] == 8, causal
-    assert set(kernels_used) == {"paged_mla_wgmma"}
+    assert set(kernels_used) == {"paged_mla_seesaw"}

@@ -3,7 +3,8 @@
 k_pos = c[..., 512:], no copy), MLA without a rotary part (P = 0), and fp8
 latent caches (e4m3 / e5m2 codes of the latent with k_scale and of k_pos
 with v_scale, as append writes them; f16 / bf16 q), on each build
-(``mla_arch``: paged_mla_wgmma on sm_90, paged_mla_tc on sm_80), against the
+(``mla_arch``: on sm_90 paged_mla_seesaw, or paged_mla_wgmma for an fp8
+cache; paged_mla_tc on sm_80), against the
 float64 reference on the DEQUANTIZED caches (codes times their scale).
 
 Tolerance: q's dtype (cupaged.testing.tolerance: f16 2e-3, bf16 as listed
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attention_helpers import _to_device
+from attention_helpers import _to_device, mla_kernel
 
 import cupaged
 from cupaged.testing import as_dtype, assert_close, make_mla_case, reference
@@ -152,7 +153,7 @@ def test_no_rotary_part(xp_backend, mla_arch, kernels_used, fmt, heads):
     rotary part)."""
     st = Stored(xp_backend, np.random.default_rng([heads, fmt is None]), fmt, "bf16", rope=False, heads=heads)
     _check_all(xp_backend, st, f"P=0 {fmt} h={heads}")
-    assert set(kernels_used) == {mla_arch, "attention_split_merge"}
+    assert set(kernels_used) == {mla_kernel(mla_arch, fmt), "attention_split_merge"}
 
 
 @pytest.mark.parametrize(
@@ -174,7 +175,7 @@ def test_fp8_latent_cache(xp_backend, mla_arch, kernels_used, case):
         page_size=page_size,
     )
     _check_all(xp_backend, st, f"{fmt} {dtype} joint={joint} page_size={page_size}")
-    assert set(kernels_used) == {mla_arch, "attention_split_merge"}
+    assert set(kernels_used) == {mla_kernel(mla_arch, fmt), "attention_split_merge"}
 
 
 def test_fp8_without_scales(xp_backend, mla_arch, kernels_used):
@@ -183,7 +184,7 @@ def test_fp8_without_scales(xp_backend, mla_arch, kernels_used):
     st = Stored(xp_backend, np.random.default_rng(3), "e4m3", "bf16", scales=False)
     assert "k_scale" not in st.kv_args
     _check_all(xp_backend, st, "e4m3 unscaled")
-    assert set(kernels_used) == {mla_arch, "attention_split_merge"}
+    assert set(kernels_used) == {mla_kernel(mla_arch, "e4m3"), "attention_split_merge"}
 
 
 @pytest.mark.parametrize("fmt", ["e5m2", "e4m3"])
@@ -218,7 +219,7 @@ def test_fp8_masked_nonfinite_codes(xp_backend, mla_arch, kernels_used, fmt):
         assert_close(lse[~sees], ref_lse[~sees], dtype, f"{what} clean lse")
         assert not np.isfinite(ref_o[sees]).all()
         assert_close(o[sees], ref_o[sees], dtype, f"{what} rows that see a poisoned token")
-    assert set(kernels_used) == {mla_arch, "attention_split_merge"}
+    assert set(kernels_used) == {mla_kernel(mla_arch, fmt), "attention_split_merge"}
 
 
 def test_fp8_with_score_features(xp_backend, mla_arch, kernels_used):
@@ -246,7 +247,7 @@ def test_fp8_with_score_features(xp_backend, mla_arch, kernels_used):
             what = f"features causal={causal} splits={splits}"
             assert_close(xp_backend.to_numpy(o), ref_o, c.q.dtype, f"{what} out")
             assert_close(xp_backend.to_numpy(lse), ref_lse, c.q.dtype, f"{what} lse")
-    assert set(kernels_used) == {mla_arch, "attention_split_merge"}
+    assert set(kernels_used) == {mla_kernel(mla_arch, "e4m3"), "attention_split_merge"}
 
 
 def test_fp8_tiles_copy_half_the_bytes(xp_backend, mla_arch, monkeypatch):
@@ -264,7 +265,7 @@ def test_fp8_tiles_copy_half_the_bytes(xp_backend, mla_arch, monkeypatch):
 
     def spy(like, source, kernel, defines=None):
         k = real(like, source, kernel, defines)
-        if kernel == mla_arch:
+        if kernel in (mla_arch, mla_kernel(mla_arch, "e4m3")):
             modules[kernel] = k.module
         return k
 
@@ -283,9 +284,10 @@ def test_fp8_tiles_copy_half_the_bytes(xp_backend, mla_arch, monkeypatch):
             q_rot = rng.standard_normal((1, 16, P)).astype(bf16)
             plan = cupaged.HostPlan.build(np.arange(pages, dtype=np.int32)[None], [n], [1], 16, pages).upload(q)
             plan.mla(q, q_rot, c[..., :R], c[..., R:], 0.05, True, **args)  # compiles, loads the module
-            counters.reset(modules[mla_arch])
+            kernel = mla_kernel(mla_arch, fmt)
+            counters.reset(modules[kernel])
             plan.mla(q, q_rot, c[..., :R], c[..., R:], 0.05, True, **args)
-            got = counters.read(modules[mla_arch])
+            got = counters.read(modules[kernel])
             copies.append(got["cp_async_16"] + got["cp_async_16_zero"])
         per_token[fmt] = (copies[1] - copies[0]) / 256
     assert per_token == {None: (R + P) * 2 / 16, "e4m3": (R + P) / 16}, per_token
@@ -302,7 +304,8 @@ def test_selection():
     tc = variants.select_tensor_core
     for kv in ("bf16", "e4m3", "e5m2"):
         for p in (64, 0):
-            for arch, kernel in ((None, "paged_mla_tc"), ("sm_80", "paged_mla_tc"), ("sm_90", "paged_mla_wgmma")):
+            wgmma = "paged_mla_wgmma" if kv != "bf16" else "paged_mla_seesaw"
+            for arch, kernel in ((None, "paged_mla_tc"), ("sm_80", "paged_mla_tc"), ("sm_90", wgmma)):
                 v = tc("bf16", R, R, True, True, p, kv_dtype=kv, arch=arch, latent=True, strided=True)
                 assert (v.kernel, v.kv_dtype, v.latent_dim, v.rope_dim) == (kernel, kv, R, p)
                 assert tuple(sorted(v.defines().items())) in registered

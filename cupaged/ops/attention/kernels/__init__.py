@@ -10,6 +10,7 @@ from __future__ import annotations
 from .decode import DECODE
 from .decode_tc import DECODE_TC
 from .merge import MERGE
+from .mla_seesaw import MLA_SEESAW
 from .mla_tc import MLA_TC
 from .mla_wgmma import MLA_WGMMA
 from .prefill_simt import PREFILL_SIMT
@@ -18,12 +19,22 @@ from .prefill_wgmma import PREFILL_WGMMA
 from .spec import KernelSpec
 
 #: The attention kernels (the split merge, MERGE, is a module of its own).
-SPECS: tuple[KernelSpec, ...] = (DECODE, DECODE_TC, PREFILL_TC, PREFILL_WGMMA, PREFILL_SIMT, MLA_TC, MLA_WGMMA)
+SPECS: tuple[KernelSpec, ...] = (
+    DECODE,
+    DECODE_TC,
+    PREFILL_TC,
+    PREFILL_WGMMA,
+    PREFILL_SIMT,
+    MLA_TC,
+    MLA_WGMMA,
+    MLA_SEESAW,
+)
 
 __all__ = [
     "DECODE",
     "DECODE_TC",
     "MERGE",
+    "MLA_SEESAW",
     "MLA_TC",
     "MLA_WGMMA",
     "PREFILL_SIMT",

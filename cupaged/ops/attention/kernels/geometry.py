@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import decode, decode_tc, merge, mla_tc, mla_wgmma, prefill_simt, prefill_tc, prefill_wgmma, spec
+from . import decode, decode_tc, merge, mla_seesaw, mla_tc, mla_wgmma, prefill_simt, prefill_tc, prefill_wgmma, spec
 
 HEADER_PATH = "attention/geometry.cuh"
 #: The spec modules by stem (kernels_cu/attention/<stem>.cu).
 MODULES: dict[str, ModuleType] = {
     m.__name__.rsplit(".", 1)[1]: m
-    for m in (decode, decode_tc, prefill_tc, prefill_wgmma, mla_tc, mla_wgmma, merge, prefill_simt)
+    for m in (decode, decode_tc, prefill_tc, prefill_wgmma, mla_tc, mla_wgmma, mla_seesaw, merge, prefill_simt)
 }
 #: The constants several kernels share (spec.py): the row-packed blocks' rows (tc_common.cuh tc::kRows), the
 #: shared-memory row pad of the tensor-core kernels, the bytes of a vector load / cp.async copy.

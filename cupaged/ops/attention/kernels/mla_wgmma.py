@@ -6,7 +6,8 @@ is TARGET's."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from .mla_tc import MlaTc
 from .spec import TC_ROWS, is_fp8
@@ -48,8 +49,8 @@ def smem_bytes(latent_dim: int, rope_dim: int, kv_dtype: str | None = None) -> i
 
 
 class MlaWgmma(MlaTc):
-    """paged_mla_tc's defines and shapes, its own block and layout, built
-    for TARGET."""
+    """paged_mla_tc's defines and shapes over fp8 caches (16-bit caches:
+    paged_mla_seesaw), its own block and layout, built for TARGET."""
 
     name = "paged_mla_wgmma"
     source = "attention/mla_wgmma"
@@ -57,6 +58,10 @@ class MlaWgmma(MlaTc):
     min_blocks = MIN_BLOCKS
     target = TARGET
     dims = DIMS
+
+    def builds(self, dtype: str, kv_dtype: str) -> Iterator[dict[str, Any]]:
+        if is_fp8(kv_dtype):
+            yield from super().builds(dtype, kv_dtype)
 
     def smem(self, v: Variant) -> int:
         return smem_bytes(v.latent_dim, v.rope_dim, v.kv_dtype)

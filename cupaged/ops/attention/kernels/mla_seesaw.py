@@ -1,0 +1,76 @@
+"""paged_mla_seesaw (``kernels_cu/attention/mla_seesaw.cu``): MLA on
+wgmma.mma_async, sm_90a only, FlashMLA's "seesaw" schedule: a producer
+warpgroup fills a ring of STAGES tiles of TILE_TOKENS tokens, two consumer
+warpgroups each own half of the output's value columns and take the tiles in
+turn (S and the softmax of its own tiles, P V of every tile on its half).
+Serves 16-bit caches (kv dtype q's); an fp8 cache stays with
+paged_mla_wgmma."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from .mla_tc import MlaTc
+from .spec import TC_ROWS, is_fp8
+
+if TYPE_CHECKING:
+    from ..variants import Variant
+
+#: Threads of the two consumer warpgroups (mss::kThreads).
+THREADS = 256
+#: Threads of the producer warpgroup before them (mss::kProducer).
+PRODUCER_THREADS = 128
+#: Resident blocks per SM by design (the second ``__launch_bounds__`` argument).
+MIN_BLOCKS = 1
+#: Tokens per tile (mss::kN): a warpgroup's S is [64 x TILE_TOKENS].
+TILE_TOKENS = 32
+#: Tile buffers of the ring (mss::kS).
+STAGES = 4
+#: Bytes of alignment slack before the layout (1024-byte swizzle atoms).
+ALIGN_BYTES = 1024
+#: The compile target of every build (CP_TARGET).
+TARGET = "sm_90a"
+#: (R, P) latent and rotary dims.
+DIMS = ((512, 64), (512, 0))
+#: The constants mla_seesaw.cu shares with this spec (geometry.header: geom::mla_seesaw).
+GEOMETRY = {
+    "kThreads": THREADS,
+    "kProducerThreads": PRODUCER_THREADS,
+    "kMinBlocks": MIN_BLOCKS,
+    "kN": TILE_TOKENS,
+    "kS": STAGES,
+    "kAlignBytes": ALIGN_BYTES,
+}
+
+
+def smem_bytes(latent_dim: int, rope_dim: int) -> int:
+    """Dynamic shared memory (mss::kSmemBytes): ALIGN_BYTES of alignment, Q's
+    latent part [TC_ROWS][R], STAGES tiles [TILE_TOKENS][R + P], each
+    consumer warpgroup's P [TC_ROWS][TILE_TOKENS], 16-bit, and each one's
+    published row maxima [2][TC_ROWS] f32."""
+    tile = TILE_TOKENS * (latent_dim + rope_dim) * 2
+    return ALIGN_BYTES + TC_ROWS * latent_dim * 2 + STAGES * tile + 2 * TC_ROWS * TILE_TOKENS * 2 + 2 * TC_ROWS * 4
+
+
+class MlaSeesaw(MlaTc):
+    """paged_mla_tc's defines and shapes over 16-bit caches, its own block
+    and layout, built for TARGET."""
+
+    name = "paged_mla_seesaw"
+    source = "attention/mla_seesaw"
+    threads = THREADS + PRODUCER_THREADS
+    min_blocks = MIN_BLOCKS
+    target = TARGET
+    dims = DIMS
+    fp8 = False
+
+    def builds(self, dtype: str, kv_dtype: str) -> Iterator[dict[str, Any]]:
+        if kv_dtype == dtype and not is_fp8(kv_dtype):
+            yield from super().builds(dtype, kv_dtype)
+
+    def smem(self, v: Variant) -> int:
+        return smem_bytes(v.latent_dim, v.rope_dim)
+
+
+MLA_SEESAW = MlaSeesaw()
