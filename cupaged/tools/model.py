@@ -30,9 +30,11 @@ Per block, from the launch and the shape:
   iteration the SASS segments (issue up to an HGMMA group, then the longer
   of the issue after it and the tensor time its ``WARPGROUP.DEPBAR``
   waits for), block barriers and the dependent word loads, all added;
-  with a cp.async ring covering ``cover`` iterations (``HotLoop.cover``,
-  from the SASS wait) an iteration takes the longer of that and latency /
-  cover; without one (loads used where issued) latency + that;
+  with a cp.async ring (from the SASS wait: ``HotLoop.latency_time``) an
+  iteration takes the longer of that and latency / (N + 1), N + 1 tiles in
+  flight during the wait, or (latency + that) / (N + 1) when the loop
+  issues its next copies before the wait (they wait for the work after
+  it); without one (loads used where issued) latency + that;
 * its startup: the dependent round trips before its first tile is in hand
   (``HotLoop.startup_levels`` x the latency), during which it holds its
   slot and does nothing else.
@@ -900,10 +902,7 @@ def model_launch(
         if prod is None:
             iteration = iteration_parts(hot, rates, pt, warps, wgmma_rate=wg_rate)
             cover = hot.cover
-            if cover > 0:
-                t_iter = max(iteration["total"], lat / cover)
-            else:
-                t_iter = lat + iteration["total"]
+            t_iter = hot.latency_time(lat, iteration["total"])
             iteration["memory wait"] = t_iter - iteration["total"]
         else:
             # Warp-specialized: the consumers wait for memory only through the producer, which waits for
@@ -914,7 +913,7 @@ def model_launch(
             p_iters = rates_p.y[0] * per_c  # producer iterations per consumer iteration
             p_parts = iteration_parts(prod, rates_p, pt, warps, runners=wp)
             cover = prod.cover
-            t_p = max(p_parts["total"], lat / cover) if cover > 0 else lat + p_parts["total"]
+            t_p = prod.latency_time(lat, p_parts["total"])
             beside = p_iters * rates_p.iter_instr * -(-wp // pt.sub_partitions) / pt.sched_ipc / clk
             iteration = iteration_parts(hot, rates, pt, warps, wgmma_rate=wg_rate, runners=wc, beside=beside)
             t_iter = max(iteration["total"], p_iters * t_p)

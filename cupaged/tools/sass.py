@@ -659,6 +659,21 @@ class HotLoop:
             return 0
         return r.ring_wait + (1 if r.commit_after_wait else 0)
 
+    def latency_time(self, latency: float, work: float) -> float:
+        """The least time of one iteration whose own work takes ``work``
+        seconds, when its copies take ``latency`` to land: N + 1 tiles are in
+        flight while the wait (``DEPBAR.LE SB0, N``) stalls. A loop that
+        commits its next copies after the wait covers N + 1 whole iterations
+        with them: latency / (N + 1). One that commits them before the wait
+        (issue, wait for the tile N back, then its work) issues the next ones
+        only after that work: (latency + work) / (N + 1) (N = 0: the copies
+        used where they are issued, latency + work). No ring: latency + work."""
+        r = self.regions[0]
+        if r.ring_wait < 0:
+            return latency + work
+        n = r.ring_wait + 1
+        return max(work, (latency if r.commit_after_wait else latency + work) / n)
+
     def consumer_warps(self, warps: int) -> int:
         """The warps of a block of ``warps`` that run this loop: all of them, or for a warp-specialized
         kernel (``producer``) the largest constant thread count of the loop's named barriers below the
