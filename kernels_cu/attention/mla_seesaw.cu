@@ -130,7 +130,7 @@ constexpr u32 kProducerRegs = 40, kConsumerRegs = 232;
 static_assert(kProducer * kProducerRegs + kThreads * kConsumerRegs <= 65536, "the block's register file");
 constexpr u32 kLag = 1;  // tiles the producer keeps in flight past the one it signals
 // Named barriers (warpgroup.cuh; 0 is __syncthreads').
-constexpr u32 kFull = 1, kEmpty = kFull + kS, kReady = kEmpty + kS, kSpFree = kReady + 2, kProd = kSpFree + 2;
+constexpr u32 kFull = 1, kEmpty = kFull + kS, kMax = kEmpty + kS, kReady = kMax + 2, kProd = kReady + 2;
 constexpr u32 kFix = kProd + 1;  // kFix + w: consumer w's own
 constexpr u32 kOwnerFull = kProducer + 128;  // kFull + b: the producer and the tile's owner (consumer b % 2)
 constexpr u32 kEnd = kReady;  // the consumers' end (every kReady instance has completed by then)
@@ -433,180 +433,223 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
                 srow[h] = sc.row(in ? rows.position(s0) : 0u, head0 + (16 * warp4 + g + 8 * h - (in ? s0 : 0u) * ht));
         }
     };
+    // The softmax of an own tile in buffer b (its S in s): scores, the score hook and masks; m_n = max(m_{n-1},
+    // the tile's) (m_{n-1}: sm's); s = P = exp2(S - m_n), this lane's part of the row sums added; returns the
+    // factor O (and the sums) move by (alpha) and the rows' visible tokens (vis: every valid token on a tile
+    // the warp's rows all see).
+    auto softmax_tile = [&](u32 b, float (&alpha)[2], u64 (&vis)[2]) {
+        u32 t0, rlo[2], rhi[2];
+        variant::ScoreRow srow[2] = {{0u, 0u, 0.0f}, {0u, 0u, 0.0f}};
+        tile_rows(b, t0, rlo, rhi, srow);
+        const u64 vbits = st_valid[b];
+        // Whether every stored row of this warp sees every token of the tile (warp-uniform; a row of no query is
+        // never written): then nothing is masked (FlashAttention-3 masks only the edge tiles).
+        bool mine = vbits == 0xffffffffull;
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) mine &= my_slot[h] == kNone || (rlo[h] <= t0 && t0 + kN <= rhi[h]);
+        const bool full = __all_sync(CP_FULL_MASK, mine);
+        vis[0] = vis[1] = vbits;
+        // Scale into the log2 domain, the score hook, mask; the tile's row maxima. The plain score keeps S
+        // unscaled up to exp2(S qscale - m) (one FFMA; qscale > 0 keeps the max), as paged_mla_wgmma.
+        constexpr bool kLate = variant::kPlainScore;
+        const float late = kLate ? qscale : 1.0f;
+        float mx[2] = {neg_inf(), neg_inf()};
+        auto scores = [&](auto masked, const u32(&vlane)[2]) {
+#pragma unroll
+            for (u32 i = 0; i < 16; ++i) {
+                const u32 h = (i >> 1) & 1u, dc = 8 * (i >> 2) + (i & 1u);
+                float v = s[i];
+                if constexpr (!kLate) v = variant::score(sc, srow[h], v * qscale, t0 + 2 * tq + dc);
+                if constexpr (decltype(masked)::value) v = ((vlane[h] >> dc) & 1u) ? v : neg_inf();
+                s[i] = v;
+                mx[h] = fmaxf(mx[h], v);
+            }
+        };
+        if (full) {
+            const u32 all[2] = {~0u, ~0u};
+            scores(tc::Flag<false>{}, all);
+        } else {
+            ptx::edge_tile();
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) vis[h] = tc::tile_vis<kN>(vbits, rlo[h], rhi[h], t0);
+            const u32 vlane[2] = {(u32)vis[0] >> (2 * tq), (u32)vis[1] >> (2 * tq)};
+            scores(tc::Flag<true>{}, vlane);
+        }
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 2));
+            alpha[h] = sm[h].raise(mx[h] * late);
+            const float mu = sm[h].offset();
+            float ps = 0.0f;
+#pragma unroll
+            for (u32 i = 0; i < 16; ++i)
+                if (((i >> 1) & 1u) == h) {
+                    s[i] = exp2f(fmaf(s[i], late, -mu));
+                    ps += s[i];
+                }
+            sm[h].add(alpha[h], ps);  // this lane's part of this consumer's share of the row sum
+        }
+    };
+    // P (s) times the rows' factors f into sP array dst (the A operand of the other's P V), and as this
+    // consumer's own A fragments pa (f = 1).
+    auto store_p = [&](unsigned char* dst, const float (&f)[2]) {
+#pragma unroll
+        for (u32 i = 0; i < 16; i += 2) {  // s[i], s[i + 1]: row g (+ 8 for i & 2), tokens 8 (i / 4) + 2 tq (+ 1)
+            const u32 h = (i >> 1) & 1u, r = 16 * warp4 + g + 8 * h, t = 8 * (i >> 2) + 2 * tq;
+            *reinterpret_cast<u32*>(dst + p_at(r, t)) = ptx::pack2<scalar_t>(s[i] * f[h], s[i + 1] * f[h]);
+        }
+        ptx::fence_proxy_async_shared();  // dst is read by wgmma
+    };
+    auto pack_p = [&](u32 (&pa)[2][4]) {  // k-step kk, tokens 16 kk .. 16 kk + 15
+#pragma unroll
+        for (u32 kk = 0; kk < 2; ++kk)
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) pa[kk][i] = ptx::pack2<scalar_t>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+    };
+    // O += P V of this consumer's half of the tile in buffer b: P from registers (its own tile) or from an sP
+    // array (the other's).
+    auto pv_own = [&](u32 b, const u32 (&pa)[2][4]) {
+        const u64 dv = v_desc(b);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (u32 kk = 0; kk < 2; ++kk)
+            ptx::wgmma_rs<scalar_t, kHalf, 1>(o, pa[kk], ptx::wgmma_desc_at(dv, (16 * kk * 128) >> 4), true);
+        ptx::wgmma_commit();
+    };
+    auto pv_other = [&](u32 b, const unsigned char* src) {
+        const u64 dv = v_desc(b);
+        const u64 dp = ptx::wgmma_desc(src, 16, 512, ptx::kSwizzle64B);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (u32 kk = 0; kk < 2; ++kk)
+            ptx::wgmma_ss<scalar_t, kHalf, 0, 1>(o, ptx::wgmma_desc_at(dp, (32 * kk) >> 4),
+                                                 ptx::wgmma_desc_at(dv, (16 * kk * 128) >> 4), true);
+        ptx::wgmma_commit();
+    };
+    auto rescale_o = [&](const float (&f)[2]) {
+#pragma unroll
+        for (u32 i = 0; i < kHalf / 2; ++i) o[i] *= f[(i >> 1) & 1u];
+    };
+    // The cold fix of the tile in buffer b for this consumer's half from the P in src (the reference of o).
+    auto fix_tile = [&](u32 b, const unsigned char* src) {
+        u32 t0, rlo[2], rhi[2];
+        variant::ScoreRow srow[2] = {{0u, 0u, 0.0f}, {0u, 0u, 0.0f}};
+        tile_rows(b, t0, rlo, rhi, srow);
+        const u64 vbits = st_valid[b];
+        u64 vis[2];
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) vis[h] = tc::tile_vis<kN>(vbits, rlo[h], rhi[h], t0);
+        fix(b, src, vis);
+    };
+    auto release = [&](u32 b) { wgb::arrive(kEmpty + b, kBlockThreads); };
+    // ---- the tiles: consumer kC's loop (one per consumer, so that every wgmma group of an iteration is where
+    // ptxas sees it), a pair of tiles an iteration, FlashMLA's seesaw: tile A = 2 k is consumer 0's, tile B =
+    // 2 k + 1 consumer 1's, their S computed at the end of the iteration before.
+    //   0: softmax of A (m_A; kMax + 0), O *= alpha_A, O += P_A V_A; once m_B is known (kMax + 1), P_A scaled
+    //      to it into sP[0] (kReady + 0); O *= beta = exp2(m_A - m_B), O += P_B V_B (sP[1], kReady + 1).
+    //   1: softmax of B from m_A (kMax + 0): m_B (kMax + 1), P_B into sP[1] (kReady + 1), O *= alpha_B (both
+    //      tiles' factor: O's reference is m_B after it), O += P_B V_B; O += (P_A beta) V_A (sP[0], kReady + 0).
+    // So consumer 0 rescales O twice a pair, consumer 1 once. Then S of the next own tile (past the block's
+    // last, of this one again, discarded: no product on a branch) and wait_group 0, so that no product is in
+    // flight across the loop's back edge (where ptxas would serialize them all). The sP arrays are free again
+    // by the barriers' order: consumer c writes sP[c] after the other's kMax of the next pair, which it
+    // arrives at after its wait_group 0 of this one.
     auto consume = [&](auto kc) {
-        constexpr u32 kC = decltype(kc)::value, kO = kC ^ 1u;
-        unsigned char* const myp = sP + kC * kPBytes;
-        const unsigned char* const op = sP + kO * kPBytes;
-        // This consumer's P V of its own tile in buffer pb is done: its release of the buffer; of the other's:
-        // the buffer and sP[kO], which it read.
-        auto released = [&](u32 pb) { wgb::arrive(kEmpty + pb, kBlockThreads); };
-        auto released_other = [&](u32 pb) {
-            wgb::arrive(kEmpty + pb, kBlockThreads);
-            wgb::arrive(kSpFree + kO, kThreads);
-        };
-        // Consumer kC's own tile n in buffer b (its S done): softmax, P into sP[kC] (kReady), O rescaled once
-        // the P V before is done (consumer 1: the other's tile n - 1, issued this iteration), O += P V of its
-        // half.
-        auto own = [&](u32 n, u32 b) {
-            u32 t0, rlo[2], rhi[2];
-            variant::ScoreRow srow[2] = {{0u, 0u, 0.0f}, {0u, 0u, 0.0f}};
-            tile_rows(b, t0, rlo, rhi, srow);
-            const u64 vbits = st_valid[b];
-            // Whether every stored row of this warp sees every token of the tile (warp-uniform; a row of no
-            // query is never written): then nothing is masked (FlashAttention-3 masks only the edge tiles).
-            bool mine = vbits == 0xffffffffull;
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h) mine &= my_slot[h] == kNone || (rlo[h] <= t0 && t0 + kN <= rhi[h]);
-            const bool full = __all_sync(CP_FULL_MASK, mine);
-            u64 vis[2] = {vbits, vbits};  // this thread's rows' visible tokens (an edge tile's: below)
-            // Scale into the log2 domain, the score hook, mask; the tile's row maxima. The plain score keeps S
-            // unscaled up to exp2(S qscale - m) (one FFMA; qscale > 0 keeps the max), as paged_mla_wgmma.
-            constexpr bool kLate = variant::kPlainScore;
-            const float late = kLate ? qscale : 1.0f;
-            float mx[2] = {neg_inf(), neg_inf()};
-            auto scores = [&](auto masked, const u32(&vlane)[2]) {
-#pragma unroll
-                for (u32 i = 0; i < 16; ++i) {
-                    const u32 h = (i >> 1) & 1u, dc = 8 * (i >> 2) + (i & 1u);
-                    float v = s[i];
-                    if constexpr (!kLate) v = variant::score(sc, srow[h], v * qscale, t0 + 2 * tq + dc);
-                    if constexpr (decltype(masked)::value) v = ((vlane[h] >> dc) & 1u) ? v : neg_inf();
-                    s[i] = v;
-                    mx[h] = fmaxf(mx[h], v);
-                }
-            };
-            if (full) {
-                const u32 all[2] = {~0u, ~0u};
-                scores(tc::Flag<false>{}, all);
-            } else {
-                ptx::edge_tile();
-#pragma unroll
-                for (u32 h = 0; h < 2; ++h) vis[h] = tc::tile_vis<kN>(vbits, rlo[h], rhi[h], t0);
-                const u32 vlane[2] = {(u32)vis[0] >> (2 * tq), (u32)vis[1] >> (2 * tq)};
-                scores(tc::Flag<true>{}, vlane);
-            }
-            // P = exp2(S - m_n), m_n = max(m_{n-1}, the tile's): A fragments and sP[kC].
-            float alpha[2];
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h) {
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 1));
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(CP_FULL_MASK, mx[h], 2));
-                alpha[h] = sm[h].raise(mx[h] * late);
-                const float mu = sm[h].offset();
-                float ps = 0.0f;
-#pragma unroll
-                for (u32 i = 0; i < 16; ++i)
-                    if (((i >> 1) & 1u) == h) {
-                        s[i] = exp2f(fmaf(s[i], late, -mu));
-                        ps += s[i];
-                    }
-                sm[h].add(alpha[h], ps);  // this lane's part of this consumer's share of the row sum
-            }
-            u32 pa[2][4];  // P as the A fragments of O += P V: k-step kk, tokens 16 kk .. 16 kk + 15
-#pragma unroll
-            for (u32 kk = 0; kk < 2; ++kk)
-#pragma unroll
-                for (u32 i = 0; i < 4; ++i) pa[kk][i] = ptx::pack2<scalar_t>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-            if (n >= 2) wgb::sync(kSpFree + kC, kThreads);  // the other's P V of tile n - 2 (it read sP[kC]) is done
-#pragma unroll
-            for (u32 kk = 0; kk < 2; ++kk)
-#pragma unroll
-                for (u32 i = 0; i < 4; ++i) {  // pa[kk][i]: row g (+ 8 for i & 1), tokens 16 kk + 8 (i / 2) + 2 tq
-                    const u32 r = 16 * warp4 + g + 8 * (i & 1u), t = 16 * kk + 8 * (i >> 1) + 2 * tq;
-                    *reinterpret_cast<u32*>(myp + p_at(r, t)) = pa[kk][i];
-                }
-            if (tq == 0) {
-                s_m[kC * kRows + 16 * warp4 + g] = sm[0].m;
-                s_m[kC * kRows + 16 * warp4 + g + 8] = sm[1].m;
-            }
-            ptx::fence_proxy_async_shared();  // sP[kC] is read by the other's wgmma
-            wgb::arrive(kReady + kC, kThreads);
-            if constexpr (kC == 1) {
-                ptx::wgmma_wait<0>();  // this consumer's P V of tile n - 1 (the other's)
-                ptx::wgmma_fence_operand(o);
-                released_other(b == 0 ? kS - 1 : b - 1);
-            }
-#pragma unroll
-            for (u32 i = 0; i < kHalf / 2; ++i) o[i] *= alpha[(i >> 1) & 1u];
-            if (st_bad[b]) fix(b, myp, vis);
-            // O += P V of this consumer's half, P from registers.
-            const u64 dv = v_desc(b);
-            ptx::wgmma_fence();
-#pragma unroll
-            for (u32 kk = 0; kk < 2; ++kk)
-                ptx::wgmma_rs<scalar_t, kHalf, 1>(o, pa[kk], ptx::wgmma_desc_at(dv, (16 * kk * 128) >> 4), true);
-            ptx::wgmma_commit();
-        };
-        // The other's tile n in buffer b: once kReady says its P is in sP[kO] (and the maxima in s_m[kO]), O
-        // rescaled to them once the P V before is done (consumer 0: its own tile n - 1's, issued this
-        // iteration) and O += P V of this consumer's half.
-        auto other = [&](u32 n, u32 b) {
-            wgb::sync(kReady + kO, kThreads);
-            float alpha[2];
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h) {
-                alpha[h] = sm[h].move_to(s_m[kO * kRows + 16 * warp4 + g + 8 * h]);
-                sm[h].add(alpha[h], 0.0f);
-            }
-            if constexpr (kC == 0) {
-                ptx::wgmma_wait<0>();  // this consumer's P V of tile n - 1 (its own)
-                ptx::wgmma_fence_operand(o);
-                released(b == 0 ? kS - 1 : b - 1);
-            }
-#pragma unroll
-            for (u32 i = 0; i < kHalf / 2; ++i) o[i] *= alpha[(i >> 1) & 1u];
-            if (st_bad[b]) {  // (the owner waited for the tile before it arrived at kReady)
-                u32 t0, rlo[2], rhi[2];
-                variant::ScoreRow srow[2] = {{0u, 0u, 0.0f}, {0u, 0u, 0.0f}};
-                tile_rows(b, t0, rlo, rhi, srow);
-                const u64 vbits = st_valid[b];
-                u64 vis[2];
-#pragma unroll
-                for (u32 h = 0; h < 2; ++h) vis[h] = tc::tile_vis<kN>(vbits, rlo[h], rhi[h], t0);
-                fix(b, op, vis);
-            }
-            const u64 dv = v_desc(b);
-            const u64 dp = ptx::wgmma_desc(op, 16, 512, ptx::kSwizzle64B);
-            ptx::wgmma_fence();
-#pragma unroll
-            for (u32 kk = 0; kk < 2; ++kk)
-                ptx::wgmma_ss<scalar_t, kHalf, 0, 1>(o, ptx::wgmma_desc_at(dp, (32 * kk) >> 4),
-                                                     ptx::wgmma_desc_at(dv, (16 * kk * 128) >> 4), true);
-            ptx::wgmma_commit();
-        };
+        constexpr u32 kC = decltype(kc)::value;
         if (total == 0) return;
-        // S of this consumer's first tile.
-        wgb::sync(kFull + kC, kOwnerFull);
+        wgb::sync(kFull + kC, kOwnerFull);  // S of this consumer's first tile
         issue_s(kC);
         ptx::wgmma_wait<0>();
         ptx::wgmma_fence_operand(s);
-        // Iteration k: tiles 2 k, 2 k + 1 (buffers b, b + 1), then S of this consumer's next own tile (past the
-        // block's last tile, of its last again, discarded: no product on a branch) and wait_group 0, so that no
-        // product is in flight across the loop's back edge (where ptxas would serialize them all).
-        u32 b = 0;
+        u32 b = 0;  // tile A's buffer
         for (u32 n = 0; n < total; n += 2) {
-            const u32 b1 = next_buf(b), b2 = next_buf(b1);
+            const u32 b1 = next_buf(b), b2 = next_buf(b1), mine = kC ? b1 : b;
+            float alpha[2];
+            u64 vis[2];
+            u32 pa[2][4];
             if constexpr (kC == 0) {
-                own(n, b);
-                other(n + 1, b1);
+                softmax_tile(b, alpha, vis);
+#pragma unroll
+                for (u32 h = 0; h < 2; ++h)
+                    if (tq == 0) s_m[16 * warp4 + g + 8 * h] = sm[h].m;
+                wgb::arrive(kMax + 0, kThreads);
+                pack_p(pa);
+                rescale_o(alpha);
+                const bool bad = st_bad[b] != 0;  // (block-uniform)
+                if (bad) {  // the fix needs the unscaled P in sP[0]: free once consumer 1 is at kMax + 1
+                    wgb::sync(kMax + 1, kThreads);
+                    const float one[2] = {1.0f, 1.0f};
+                    store_p(sP, one);
+                    fix(b, sP, vis);
+                }
+                pv_own(b, pa);
+                if (!bad) wgb::sync(kMax + 1, kThreads);
+                float beta[2];
+#pragma unroll
+                for (u32 h = 0; h < 2; ++h) {
+                    beta[h] = sm[h].move_to(s_m[kRows + 16 * warp4 + g + 8 * h]);
+                    sm[h].add(beta[h], 0.0f);
+                }
+                store_p(sP, beta);  // (after the fix: its last barrier saw every lane done with the unscaled P)
+                wgb::arrive(kReady + 0, kThreads);
+                wgb::sync(kReady + 1, kThreads);  // P_B in sP[1]
+                ptx::wgmma_wait<0>();  // P_A V_A
+                ptx::wgmma_fence_operand(o);
+                release(b);
+                rescale_o(beta);
+                if (st_bad[b1]) fix_tile(b1, sP + kPBytes);
+                pv_other(b1, sP + kPBytes);
             } else {
-                other(n, b);
-                own(n + 1, b1);
+                wgb::sync(kMax + 0, kThreads);  // m_A
+#pragma unroll
+                for (u32 h = 0; h < 2; ++h) {  // consumer 0's maxima after tile A: the reference B's softmax raises
+                    const float m_a = s_m[16 * warp4 + g + 8 * h];
+                    alpha[h] = sm[h].move_to(m_a);
+                    sm[h].add(alpha[h], 0.0f);
+                }
+                float a_b[2];
+                softmax_tile(b1, a_b, vis);
+#pragma unroll
+                for (u32 h = 0; h < 2; ++h) {
+                    alpha[h] *= a_b[h];
+                    if (tq == 0) s_m[kRows + 16 * warp4 + g + 8 * h] = sm[h].m;
+                }
+                wgb::arrive(kMax + 1, kThreads);
+                const float one[2] = {1.0f, 1.0f};
+                store_p(sP + kPBytes, one);
+                wgb::arrive(kReady + 1, kThreads);
+                pack_p(pa);
+                rescale_o(alpha);
+                // (the fixes before the products: none of them may run while o is being written)
+                const bool bad_a = st_bad[b] != 0;  // (visible: consumer 0 waited for tile A before kMax + 0)
+                if (st_bad[b1]) fix(b1, sP + kPBytes, vis);
+                if (bad_a) {
+                    wgb::sync(kReady + 0, kThreads);  // P_A (scaled to m_B) in sP[0]
+                    fix_tile(b, sP);
+                }
+                pv_own(b1, pa);
+                if (!bad_a) wgb::sync(kReady + 0, kThreads);
+                pv_other(b, sP);
+            }
+            // Consumer 1 releases both tiles first: the producer signals its next tile (B's successor) only
+            // after issuing the one after it, into tile A's buffer.
+            if constexpr (kC == 1) {
+                ptx::wgmma_wait<0>();
+                ptx::wgmma_fence_operand(o);
+                release(b1);
+                release(b);
             }
             const bool more = n + 2 < total;
             const u32 nb = kC ? next_buf(b2) : b2;  // this consumer's next own tile's buffer
             if (more) wgb::sync(kFull + nb, kOwnerFull);
-            issue_s(more ? nb : (kC ? b1 : b));
+            issue_s(more ? nb : mine);
             ptx::wgmma_wait<0>();
             ptx::wgmma_fence_operand(o);
             ptx::wgmma_fence_operand(s);
-            if constexpr (kC == 0)
-                released_other(b1);  // its P V of tile 2 k + 1
-            else
-                released(b1);  // its own P V of tile 2 k + 1
+            if constexpr (kC == 0) release(b1);
             b = b2;
         }
-        wgb::sync(kSpFree + kC, kThreads);  // the other's release of sP[kC] after this consumer's last own tile
     };
     if (c == 0)
         consume(Count<0>{});
