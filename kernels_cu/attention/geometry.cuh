@@ -56,7 +56,7 @@ constexpr u32 kS = 2;
 constexpr u32 kAlignBytes = 1024;
 }  // namespace mla_wgmma
 namespace mla_seesaw {   // cupaged/ops/attention/kernels/mla_seesaw.py
-constexpr u32 kThreads = 256;
+constexpr u32 kConsumerThreads = 256;
 constexpr u32 kProducerThreads = 128;
 constexpr u32 kMinBlocks = 1;
 constexpr u32 kN = 32;

@@ -25,49 +25,59 @@
 //   Shared memory, in the K-major layouts of wgmma (ptx.cuh; 128-byte
 //   swizzle: rows of 128 bytes = 64 elements, 16-byte chunk c of row r at
 //   chunk c ^ (r % 8), column blocks of 64 elements one after the other):
-//     sQ  [8 column blocks][64 rows][128 B]        the latent part of Q (64 KiB)
+//     sQ  [9 column blocks][64 rows][128 B]        Q: latent | rotary (72 KiB)
 //     sK  [kS][9 column blocks][32 tokens][128 B]  latent | rotary rows of a tile
 //     sP  [2][64 rows][32 tokens]                  consumer w's P of its last tile
 //                                                  (64-byte swizzle: rows of 64 B)
 //     s_m [2][64]                                  consumer w's row maxima after it
-//   The rotary part of Q lives in registers as wgmma A fragments (16 a thread).
 //
 // The seesaw (FlashMLA's deep dive, 2025-04-22, with 32-token tiles and a
-// producer instead of TMA). The output's value columns are split: consumer w
-// owns O [64 x 256] of columns 256 w .. 256 w + 255 (128 f32 registers a
-// thread). The block's n-th tile (every pass's, in order, padded to an even
-// count with one empty tile) is consumer n % 2's own:
-//   own tile n: S [64 x 32] = Q K^T (32 wgmma m64n32k16 from shared memory and
-//     4 with Q's rotary fragments, issued two tiles ahead: they run while the
-//     consumer's previous work and the other consumer's softmax issue); the
-//     score hook and masks; the running max m_n = max(m_{n-1}, the tile's)
-//     (m_{n-1} published by the other consumer); P = exp2(S - m_n) into sP[w]
-//     with m_n into s_m[w], signalled on kReady + w; O rescaled; O += P V of
-//     its half, P from registers (2 wgmma m64n256k16, V N-major from the
-//     tile); then S of tile n + 2 issues.
-//   the other's tile n: once kReady says P_n is in sP, O rescaled to m_n and O
-//     += P_n V of its own half (2 wgmma m64n256k16, P from sP).
-// So one consumer's softmax runs while the tensor cores compute the other's
-// products and its own next S; each P V reads half of V (one tile, two
-// warpgroups: every column once). Each consumer keeps its own share of the
-// row sums (its tiles'), rescaled with every tile; at the end the shares add.
+// producer warpgroup instead of TMA). The output's value columns are split:
+// consumer w owns O [64 x 256] of columns 256 w .. 256 w + 255 (128 f32
+// registers a thread). The block's n-th tile (every pass's, in order, padded
+// to an even count with one empty tile) is consumer n % 2's own: its S [64 x
+// 32] = Q K^T (36 wgmma m64n32k16, Q and K from shared memory), its softmax
+// (the score hook, masks, the running max m_n = max(m_{n-1}, the tile's)).
+// Each consumer adds P V of every tile to its half (2 wgmma m64n256k16, V
+// N-major from the tile; its own tile's P from registers, the other's from
+// sP). A loop iteration takes the pair A = 2 k (consumer 0's), B = 2 k + 1
+// (consumer 1's), both S computed at the end of the iteration before:
+//   0: softmax of A, m_A into s_m[0] (kMax + 0); O *= exp2(m_{B-2} - m_A),
+//      O += P_A V_A; once m_B is known (kMax + 1), P_A exp2(m_A - m_B) into
+//      sP[0] (kReady + 0); O *= exp2(m_A - m_B); O += P_B V_B (sP[1],
+//      kReady + 1);
+//   1: softmax of B from m_A (kMax + 0), m_B into s_m[1] (kMax + 1), P_B into
+//      sP[1] (kReady + 1); O *= exp2(m_{B-2} - m_B) (both tiles' factor at
+//      once: P_A comes scaled to m_B); O += P_B V_B; O += (P_A scaled) V_A
+//      (sP[0], kReady + 0).
+//   Then S of the consumer's next own tile (past the block's last tile, of
+//   its last again, discarded: no product on a branch) and wait_group 0: no
+//   product is in flight across the loop's back edge (ptxas would serialize
+//   every wgmma of the kernel), so the overlap is the seesaw's: one
+//   consumer's softmax issues while the tensor cores run the other's
+//   products. Consumer 0 rescales O twice a pair, consumer 1 once. Each
+//   keeps its own share of the row sums (its tiles'), rescaled with O; at
+//   the end the shares add. sP[w] is free for the next pair by the barriers'
+//   order (consumer w writes it after the other's next kMax, which the other
+//   arrives at after its wait_group 0 of this pair).
 //
 // The ring, kS tile buffers of kN = 32 tokens: the producer's threads 4 t ..
 // 4 t + 3 take row t of every tile, walk the page table for its token (its
 // page word fetched a tile ahead, no division in the loop), wait until both
-// consumers have released the buffer (named barrier kEmpty + b: the owner
-// after its P V, the other after its P V; not for the first kS tiles), copy
-// 18 16-byte chunks of the row each (latent chunks q, q + 4, ..., rotary q, q
-// + 4: one warp instruction reads 8 rows x 64 bytes) and, kLag tiles later,
-// once they have landed, fence them to the async proxy and arrive at kFull +
-// b (with the tile's valid bits and whether its value rows need the fix).
-// The owner of buffer b (consumer b % 2: kS is even) waits at kFull + b
-// before its S; the other reads the tile after the owner's kReady (the
-// barriers order the producer's copies before its reads). Barriers: kFull +
-// b (the producer and the owner, 256 threads), kEmpty + b (384), kReady + w and
-// kSpFree + w (256: consumer w's P is in sP[w] / sP[w] is free again, the
-// other's P V that read it done), kProd (the producer's own), kFix + w
-// (consumer w's own).
+// consumers have released the buffer (named barrier kEmpty + b: each after
+// its P V of the tile; not for the first kS tiles), copy 18 16-byte chunks
+// of the row each (latent chunks q, q + 4, ..., rotary q, q + 4: one warp
+// instruction reads 8 rows x 64 bytes) and, kLag tiles later, once they have
+// landed, fence them to the async proxy and arrive at kFull + b (with the
+// tile's first position, pass, valid bits and whether its value rows need
+// the fix). The owner of buffer b (consumer b % 2: kS is even) waits at kFull
+// + b before its S; the other reads the tile after the owner's kMax (the
+// barriers order the producer's copies before its reads). Consumer 1 releases
+// a pair's tiles before it waits for its next tile: the producer signals that
+// one only after issuing the next, into tile A's buffer. Barriers: kFull + b
+// (the producer and the owner, 256 threads), kEmpty + b (384), kMax + w and
+// kReady + w (256: consumer w's maxima in s_m[w] / its P in sP[w]), kProd
+// (the producer's own), kFix + w (consumer w's own).
 //
 // Masks, as paged_mla_wgmma: a warp whose stored rows all see a tile's valid
 // tokens (all 32 valid) takes the unmasked softmax; the other branch
@@ -79,9 +89,9 @@
 // of its columns and the tokens its rows see, then zeroes them in its half of
 // the tile (masked P is 0, and 0 x a finite value is 0).
 //
-// Per 32-token tile and block: 4.5 MFLOP in 8 (32 + 4 + 2 + 2) wgmma
-// warp-parts a warp; shared-memory operand reads 64 x 32 B of Q and 32 x 32
-// B of K per S k-step, 32 x 512 B of V and (the other's) 64 x 32 B of P per
+// Per 32-token tile and block: 4.5 MFLOP in 40 wgmma a warpgroup (36 for
+// S, 2 + 2 for P V); shared-memory operand reads 64 x 32 B of Q and 32 x 32
+// B of K per S k-step, 16 x 512 B of V and (the other's) 64 x 32 B of P per
 // P V k-step.
 //
 // Memory traffic: L * (R + P) * 2 bytes per block (each latent row serving up
@@ -109,7 +119,7 @@ namespace mss {
 constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM, kK = kR + kP;
 constexpr u32 kN = geom::mla_seesaw::kN;  // tokens per tile
 constexpr u32 kS = geom::mla_seesaw::kS;  // tile buffers
-constexpr u32 kThreads = geom::mla_seesaw::kThreads;  // the two consumer warpgroups
+constexpr u32 kThreads = geom::mla_seesaw::kConsumerThreads;  // the two consumer warpgroups
 constexpr u32 kProducer = geom::mla_seesaw::kProducerThreads;  // the producer warpgroup
 constexpr u32 kBlockThreads = kThreads + kProducer;
 constexpr u32 kMinBlocks = geom::mla_seesaw::kMinBlocks;  // the __launch_bounds__ minimum

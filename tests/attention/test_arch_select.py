@@ -25,7 +25,7 @@ from cupaged.ops.attention.kernels import MERGE, SPECS, decode, geometry, prefil
 from cupaged.testing import assert_close, make_mla_case, make_paged_case
 
 #: The tensor-core kernels whose builds the gate holds to the arch limits (the mma.sync ones and the wgmma ones).
-TC_KERNELS = ("paged_prefill_tc", "paged_prefill_wgmma", "paged_mla_tc", "paged_mla_wgmma")
+TC_KERNELS = ("paged_prefill_tc", "paged_prefill_wgmma", "paged_mla_tc", "paged_mla_wgmma", "paged_mla_seesaw")
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 
@@ -58,8 +58,11 @@ def test_selected_builds_fit_the_arch(arch):
                 else prefill_tc.PREFILL_TILES[d][0]
             )
         mla = variants.select_tensor_core(dt, 512, 512, True, True, rot_dim=64, arch=arch)
-        want = {"sm_80": "paged_mla_tc", "sm_86": None, "sm_89": None, "sm_90": "paged_mla_wgmma"}[arch]
+        want = {"sm_80": "paged_mla_tc", "sm_86": None, "sm_89": None, "sm_90": "paged_mla_seesaw"}[arch]
         assert (mla.kernel if mla else None) == want
+        fp8 = variants.select_tensor_core(dt, 512, 512, True, True, rot_dim=64, kv_dtype="e4m3", arch=arch)
+        want = {"sm_80": "paged_mla_tc", "sm_86": None, "sm_89": None, "sm_90": "paged_mla_wgmma"}[arch]
+        assert (fp8.kernel if fp8 else None) == want
     # sm_90a names the same device arch as sm_90; without an arch no arch-specific build runs.
     assert variants.select_tensor_core("bf16", 512, 512, True, True, rot_dim=64, arch="sm_90a").target == "sm_90a"
     assert variants.select_tensor_core("bf16", 512, 512, True, True, rot_dim=64).kernel == "paged_mla_tc"
@@ -72,7 +75,7 @@ def test_plan_launches_per_arch():
     and the per-query kernel on sm_86; the cache keeps arches apart."""
     host = _host([1] * 4, [300] * 4, page=64)
     by = {a: plan_launches(host, "bf16", 128, 1, 512, 512, 64, True, True, arch=a) for a in ("sm_90", "sm_80", "sm_86")}
-    assert [L.kernel for L in by["sm_90"]] == ["paged_mla_wgmma"]
+    assert [L.kernel for L in by["sm_90"]] == ["paged_mla_seesaw"]
     assert [L.kernel for L in by["sm_80"]] == ["paged_mla_tc"]
     assert [L.kernel for L in by["sm_86"]] == ["paged_attention"]
     for a in ("sm_90", "sm_80"):
@@ -202,12 +205,12 @@ def test_gate_finds_no_launch_problem_on_any_arch():
         if not r.ok and (r.kernel in TC_KERNELS or any("cannot launch" in p for p in r.problems))
     ]
     assert not bad, bad
-    for wgmma in ("paged_prefill_wgmma", "paged_mla_wgmma"):
+    for wgmma in ("paged_prefill_wgmma", "paged_mla_wgmma", "paged_mla_seesaw"):
         assert {r.arch for r in results if r.kernel == wgmma} == {"sm_90a"}, wgmma
     assert launchcheck.arch_warnings(results, ("sm_80", "sm_86", "sm_90")) == []
     for r in results:
         if r.kernel in TC_KERNELS:
-            assert r.smem <= spec.TC_STATIC_SMEM_BUDGET, (r.variant, r.arch, r.smem)
+            assert r.smem <= variants.KERNELS[r.kernel].static_smem_budget, (r.variant, r.arch, r.smem)
 
 
 # ----------------------------------------------------------------- the kernels' specs
@@ -296,6 +299,13 @@ KERNEL_FACTS = {
         "mwg::kS == geom::mla_wgmma::kS",
         "mwg::kRows == geom::kTcRows",
         f"mwg::kSmemBytes == {v.smem}",
+    ],
+    "paged_mla_seesaw": lambda v: [
+        "mss::kBlockThreads == geom::mla_seesaw::kConsumerThreads + geom::mla_seesaw::kProducerThreads",
+        "mss::kN == geom::mla_seesaw::kN",
+        "mss::kS == geom::mla_seesaw::kS",
+        "mss::kRows == geom::kTcRows",
+        f"mss::kSmemBytes == {v.smem}",
     ],
     "paged_prefill_simt": lambda v: [
         "simt::kThreads == geom::prefill_simt::kThreads",
@@ -452,5 +462,6 @@ def test_each_spec_is_beside_its_kernel():
         "paged_prefill_simt": 2,
         "paged_mla_tc": 1,
         "paged_mla_wgmma": 1,
+        "paged_mla_seesaw": 1,
     }
     assert geometry.header().startswith("// geometry.cuh: GENERATED")

@@ -1,5 +1,5 @@
 """Every tensor-core kernel (paged_decode_tc, paged_prefill_tc,
-paged_prefill_wgmma, paged_mla_tc, paged_mla_wgmma)
+paged_prefill_wgmma, paged_mla_tc, paged_mla_seesaw)
 with cp.async copies landing at issue (CUPAGED_CPU_CP_ASYNC=eager), the
 earliest point a GPU allows, against the float64 reference. The rest of the
 suite runs them with copies landing at the wait that covers them, the
@@ -91,7 +91,7 @@ def test_prefill_tc_eager(eager, d, arch, kernel):
     assert kernel in eager
 
 
-@pytest.mark.parametrize("arch, kernel", [("sm_80", "paged_mla_tc"), ("sm_90", "paged_mla_wgmma")])
+@pytest.mark.parametrize("arch, kernel", [("sm_80", "paged_mla_tc"), ("sm_90", "paged_mla_seesaw")])
 def test_mla_tc_eager(eager, arch, kernel):
     rng = np.random.default_rng(5)
     case = make_mla_case(

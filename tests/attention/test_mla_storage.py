@@ -309,6 +309,7 @@ def test_selection():
                 v = tc("bf16", R, R, True, True, p, kv_dtype=kv, arch=arch, latent=True, strided=True)
                 assert (v.kernel, v.kv_dtype, v.latent_dim, v.rope_dim) == (kernel, kv, R, p)
                 assert tuple(sorted(v.defines().items())) in registered
-                assert variants.resident_blocks(v) == 1 and v.smem + variants.TC_STATIC_SMEM_BUDGET <= 227 * 1024
+                budget = variants.KERNELS[v.kernel].static_smem_budget
+                assert variants.resident_blocks(v) == 1 and v.smem + budget <= 227 * 1024
             assert tc("bf16", R, R, False, True, p, kv_dtype=kv, latent=True) is None  # misaligned
         assert tc("bf16", R, R, True, True, 0, kv_dtype=kv, arch="sm_90") is None  # not an MLA call

@@ -189,7 +189,7 @@ def test_soft_cap_accurate_at_every_cap(used, what, dtype, d, page, kernel):
 @pytest.mark.parametrize(
     "dtype, r, p, kernel, arch",
     [
-        ("bf16", 512, 64, "paged_mla_wgmma", "sm_90"),
+        ("bf16", 512, 64, "paged_mla_seesaw", "sm_90"),
         ("f16", 512, 64, "paged_mla_tc", "sm_80"),
         ("f32", 64, 16, "paged_attention", "sm_90"),
     ],
@@ -352,7 +352,7 @@ def test_window_follows_device_positions():
 @pytest.mark.parametrize(
     "dtype, r, p, kernel, arch",
     [
-        ("bf16", 512, 64, "paged_mla_wgmma", "sm_90"),
+        ("bf16", 512, 64, "paged_mla_seesaw", "sm_90"),
         ("f16", 512, 64, "paged_mla_tc", "sm_80"),
         ("f32", 64, 16, "paged_attention", "sm_90"),  # the CUDA-core kernel's rotary part
     ],
@@ -592,7 +592,7 @@ def test_pages_outside_the_window_are_never_read():
         "paged_prefill_wgmma",
         "paged_prefill_simt",
         "paged_mla_tc",
-        "paged_mla_wgmma",
+        "paged_mla_seesaw",
     }
 
 

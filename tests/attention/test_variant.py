@@ -144,7 +144,7 @@ def test_toy_score_variant(toy_score, what, dtype, d, kernel, causal, splits):
     [
         ("f32", 64, 16, 4, "paged_attention", "sm_90"),  # the CUDA-core kernel's rotary part (ROT_CAP)
         ("bf16", 512, 64, 16, "paged_mla_tc", "sm_80"),  # mma.sync
-        ("bf16", 512, 64, 16, "paged_mla_wgmma", "sm_90"),  # wgmma (sm_90a), emulated on the CPU
+        ("bf16", 512, 64, 16, "paged_mla_seesaw", "sm_90"),  # wgmma (sm_90a), emulated on the CPU
     ],
 )
 def test_toy_score_variant_mla(toy_score, dtype, r, p, heads, kernel, arch):
@@ -318,7 +318,7 @@ def test_head_bias_score(head_bias_row, what, dtype, d, kernel, causal, splits, 
     [
         ("f32", 64, 16, 4, "paged_attention", "sm_90"),
         ("bf16", 512, 64, 16, "paged_mla_tc", "sm_80"),
-        ("bf16", 512, 64, 16, "paged_mla_wgmma", "sm_90"),
+        ("bf16", 512, 64, 16, "paged_mla_seesaw", "sm_90"),
     ],
 )
 def test_head_bias_score_mla(head_bias_row, dtype, r, p, heads, kernel, arch):

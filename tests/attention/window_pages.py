@@ -149,7 +149,7 @@ for args in [
 ]:
     attention(*args)
 for args in [
-    ("paged_mla_wgmma bf16 (the CPU as sm_90) 1k of 8k", "bf16", 512, 64, 16, 8192, 1024, 32, 2, "sm_90"),
+    ("paged_mla_seesaw bf16 (the CPU as sm_90) 1k of 8k", "bf16", 512, 64, 16, 8192, 1024, 32, 2, "sm_90"),
     ("paged_mla_tc f16 (the CPU as sm_80) 1k of 8k", "f16", 512, 64, 16, 8192, 1024, 32, 2, "sm_80"),
     ("paged_attention MLA f32 (rotary part) 1k of 8k", "f32", 64, 16, 4, 8192, 1024, 64, 1, "sm_90"),
 ]:

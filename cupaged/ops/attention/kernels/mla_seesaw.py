@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..variants import Variant
 
 #: Threads of the two consumer warpgroups (mss::kThreads).
-THREADS = 256
+CONSUMER_THREADS = 256
 #: Threads of the producer warpgroup before them (mss::kProducer).
 PRODUCER_THREADS = 128
 #: Resident blocks per SM by design (the second ``__launch_bounds__`` argument).
@@ -29,13 +29,17 @@ TILE_TOKENS = 32
 STAGES = 4
 #: Bytes of alignment slack before the layout (1024-byte swizzle atoms).
 ALIGN_BYTES = 1024
+#: Static shared memory selection counts for it (its rows' spans and the ring's per-tile words: 1344
+#: bytes with every score feature), below the tensor-core kernels' TC_STATIC_SMEM_BUDGET: with the
+#: 230,912 dynamic bytes of R 512 / P 64 it is the 227 KiB a block may hold on sm_90.
+STATIC_SMEM_BUDGET = 1536
 #: The compile target of every build (CP_TARGET).
 TARGET = "sm_90a"
 #: (R, P) latent and rotary dims.
 DIMS = ((512, 64), (512, 0))
 #: The constants mla_seesaw.cu shares with this spec (geometry.header: geom::mla_seesaw).
 GEOMETRY = {
-    "kThreads": THREADS,
+    "kConsumerThreads": CONSUMER_THREADS,
     "kProducerThreads": PRODUCER_THREADS,
     "kMinBlocks": MIN_BLOCKS,
     "kN": TILE_TOKENS,
@@ -45,12 +49,12 @@ GEOMETRY = {
 
 
 def smem_bytes(latent_dim: int, rope_dim: int) -> int:
-    """Dynamic shared memory (mss::kSmemBytes): ALIGN_BYTES of alignment, Q's
-    latent part [TC_ROWS][R], STAGES tiles [TILE_TOKENS][R + P], each
-    consumer warpgroup's P [TC_ROWS][TILE_TOKENS], 16-bit, and each one's
-    published row maxima [2][TC_ROWS] f32."""
-    tile = TILE_TOKENS * (latent_dim + rope_dim) * 2
-    return ALIGN_BYTES + TC_ROWS * latent_dim * 2 + STAGES * tile + 2 * TC_ROWS * TILE_TOKENS * 2 + 2 * TC_ROWS * 4
+    """Dynamic shared memory (mss::kSmemBytes): ALIGN_BYTES of alignment, Q
+    [TC_ROWS][R + P], STAGES tiles [TILE_TOKENS][R + P], each consumer
+    warpgroup's P [TC_ROWS][TILE_TOKENS], 16-bit, and each one's published
+    row maxima [2][TC_ROWS] f32."""
+    row = (latent_dim + rope_dim) * 2
+    return ALIGN_BYTES + TC_ROWS * row + STAGES * TILE_TOKENS * row + 2 * TC_ROWS * TILE_TOKENS * 2 + 2 * TC_ROWS * 4
 
 
 class MlaSeesaw(MlaTc):
@@ -59,11 +63,12 @@ class MlaSeesaw(MlaTc):
 
     name = "paged_mla_seesaw"
     source = "attention/mla_seesaw"
-    threads = THREADS + PRODUCER_THREADS
+    threads = CONSUMER_THREADS + PRODUCER_THREADS
     min_blocks = MIN_BLOCKS
     target = TARGET
     dims = DIMS
     fp8 = False
+    static_smem_budget = STATIC_SMEM_BUDGET
 
     def builds(self, dtype: str, kv_dtype: str) -> Iterator[dict[str, Any]]:
         if kv_dtype == dtype and not is_fp8(kv_dtype):
