@@ -371,6 +371,9 @@ class FunctionReport:
     smem: int = 0  # static shared memory, bytes
     cmem: int = 0  # constant bank 0, bytes
     cumulative_stack: int = 0
+    # ptxas serialized its wgmma.mma_async instructions (a wait after each: "Potential Performance Loss",
+    # C7510 - C7520), for a reason the log names
+    wgmma_serialized: str = ""
 
 
 _RE_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")
@@ -381,6 +384,10 @@ _RE_BARRIERS = re.compile(r"used (\d+) barriers")
 _RE_SMEM = re.compile(r"(\d+) bytes smem")
 _RE_CMEM = re.compile(r"(\d+) bytes cmem\[0\]")
 _RE_CUMSTACK = re.compile(r"(\d+) bytes cumulative stack size")
+_RE_WGMMA_SERIAL = re.compile(
+    r"\((C75\d\d)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized due to (.*?)"
+    r" in the function '([\w$]+)'"
+)
 
 
 def parse_ptxas(log: str) -> dict[str, FunctionReport]:
@@ -406,6 +413,10 @@ def parse_ptxas(log: str) -> dict[str, FunctionReport]:
         return out[name]
 
     for line in log.splitlines():
+        m = _RE_WGMMA_SERIAL.search(line)
+        if m:
+            get(m.group(3)).wgmma_serialized = f"{m.group(1)}: {' '.join(m.group(2).split())}"
+            continue
         m = _RE_ENTRY.search(line)
         if m:
             entry = m.group(1)

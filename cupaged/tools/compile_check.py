@@ -29,7 +29,8 @@ sm_89, when not compiled, the same check is reported as a warning list
 
 Exit status: 0 when everything compiled with no spills (also when no variant
 is registered yet: a warning says so); 1 on a compile error, a spill, a
-``--require-v4`` kernel without 128-bit global loads, a ``--require-v4``
+kernel whose wgmma ptxas serialized (its log's "Potential Performance
+Loss"), a ``--require-v4`` kernel without 128-bit global loads, a ``--require-v4``
 pattern that matches no kernel, a stack frame over ``--max-stack``, or a
 selected variant that cannot launch on a compiled arch; 2 on a usage error.
 
@@ -315,6 +316,8 @@ def check(
             )
             if rep.spill_stores or rep.spill_loads:
                 r.problems.append(f"spills {rep.spill_stores}/{rep.spill_loads} bytes (stores/loads)")
+            if rep.wgmma_serialized:
+                r.problems.append(f"ptxas serialized its wgmma ({rep.wgmma_serialized})")
             if max_stack is not None and rep.stack_frame > max_stack:
                 r.problems.append(f"stack frame {rep.stack_frame} > {max_stack} bytes")
             if rep.is_entry and any(s in fn for s in req) and not r.v4:

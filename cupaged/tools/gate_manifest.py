@@ -82,12 +82,14 @@ def toolchain(include_dir: str | None = None) -> dict:
 
 
 def _report_row(rep) -> list:
-    return [int(rep.is_entry), rep.registers, rep.spill_stores, rep.spill_loads, rep.stack_frame, rep.smem]
+    row = [int(rep.is_entry), rep.registers, rep.spill_stores, rep.spill_loads, rep.stack_frame, rep.smem]
+    return row + [rep.wgmma_serialized] if rep.wgmma_serialized else row
 
 
 def unit_row(variant: str, arch: str, ok: bool, reports: dict, wide: dict) -> dict:
     """One manifest row: ``reports`` (function -> ``nvrtc.FunctionReport``)
-    as [entry, registers, spill stores, spill loads, stack, smem] lists."""
+    as [entry, registers, spill stores, spill loads, stack, smem] lists (and, where ptxas serialized its
+    wgmma, why)."""
     return {
         "variant": variant,
         "arch": arch,
@@ -100,9 +102,16 @@ def unit_row(variant: str, arch: str, ok: bool, reports: dict, wide: dict) -> di
 def row_reports(row: dict) -> dict:
     """``nvrtc.FunctionReport`` per function, from a row."""
     out = {}
-    for fn, (entry, regs, st, ld, stack, smem) in row["functions"].items():
+    for fn, (entry, regs, st, ld, stack, smem, *serial) in row["functions"].items():
         out[fn] = _nvrtc.FunctionReport(
-            fn, is_entry=bool(entry), registers=regs, spill_stores=st, spill_loads=ld, stack_frame=stack, smem=smem
+            fn,
+            is_entry=bool(entry),
+            registers=regs,
+            spill_stores=st,
+            spill_loads=ld,
+            stack_frame=stack,
+            smem=smem,
+            wgmma_serialized=serial[0] if serial else "",
         )
     return out
 

@@ -148,7 +148,8 @@ static_assert(kFix + 1 <= 15, "named barriers 1 .. 15");
 static_assert(kR == 512 && (kP == 64 || kP == 0), "LATENT_DIM 512, ROPE_DIM 64 or 0");
 static_assert(kThreads == 2 * 128 && kProducer == 128, "a producer and two consumer warpgroups");
 static_assert(kRows == 64 && kN == 32, "m64 wgmma rows; S [64 x 32] per tile, P V in two k-steps");
-static_assert(kS == 4 && kS % 2 == 0, "four tile buffers: the consumers hold three (tiles n - 1, n, n + 1), the producer one");
+static_assert(kS == 4 && kS % 2 == 0,
+              "four tile buffers: the consumers hold three (tiles n - 1, n, n + 1), the producer one");
 static_assert(kAlign == 8 * 128, "a 128-byte swizzle atom: 8 rows of 128 B");
 static_assert(kProducer == 4 * kN && kR / 8 == 4 * 16 && kP / 8 <= 4 * 2, "the copy map: four threads a row");
 static_assert(sizeof(scalar_t) == 2 && sizeof(kv_t) == sizeof(scalar_t), "f16 / bf16 q and caches");
@@ -163,7 +164,9 @@ __device__ __forceinline__ u32 next_buf(u32 b) { return b + 1 == kS ? 0u : b + 1
 __device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7u)) << 4); }
 // Byte offset of element c (0 .. 31) of row r of a P array ([64][32] 16-bit, 64-byte swizzle: chunk
 // c / 8 ^ (r / 2) % 4).
-__device__ __forceinline__ u32 p_at(u32 r, u32 c) { return r * 64 + ((((c >> 3) ^ (r >> 1)) & 3u) << 4) + (c & 7u) * 2; }
+__device__ __forceinline__ u32 p_at(u32 r, u32 c) {
+    return r * 64 + ((((c >> 3) ^ (r >> 1)) & 3u) << 4) + (c & 7u) * 2;
+}
 }  // namespace mss
 
 extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks)
@@ -382,7 +385,7 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
     // The fix of a tile whose value rows hold Inf / NaN (cold): this consumer adds p * v itself for every
     // non-finite element of its columns and a token its rows see (P of the tile from sp), then zeroes those
     // elements of its half of the tile; o is the tile's reference already.
-    auto fix = [&](u32 b, const unsigned char* sp, const u64 (&vis)[2]) {
+    auto fix = [&](u32 b, const unsigned char* sp, const u64(&vis)[2]) {
         ptx::cold_path();
         wgb::sync(kFix + c, 128);  // the tile's P is in sp (the owner's own stores included)
         const unsigned char* const kt = sK + b * kTileBytes;
@@ -399,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
                 const u32 col = kHalf * c + 8 * j + 2 * tq;  // value columns col, col + 1
                 // volatile: one value at a time (no register pressure from early loads)
                 const u32 vb = *reinterpret_cast<const volatile u32*>(kt + (col >> 6) * kTCol +
-                                                                       swz(tok, (col >> 3) & 7u) + (col & 7u) * 2);
+                                                                      swz(tok, (col >> 3) & 7u) + (col & 7u) * 2);
                 if (!tc::nonfinite2<scalar_t>(vb)) continue;
 #pragma unroll
                 for (u32 e = 0; e < 2; ++e)
@@ -430,7 +433,7 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
     // 2 k + 1 - kC the other's; the groups in flight at its top: S of its own tile, and the P V before ----
     // What the producer published with tile buffer b: this thread's rows' share of the tile's pass and the
     // score rows (t0: the tile's first position).
-    auto tile_rows = [&](u32 b, u32& t0, u32 (&rlo)[2], u32 (&rhi)[2], variant::ScoreRow (&srow)[2]) {
+    auto tile_rows = [&](u32 b, u32& t0, u32(&rlo)[2], u32(&rhi)[2], variant::ScoreRow(&srow)[2]) {
         t0 = st_t0[b];
         const u32 slots = st_slots[b], slot_lo = slots & 0xffffu, slot_hi = slots >> 16;
 #pragma unroll
@@ -447,7 +450,7 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
     // the tile's) (m_{n-1}: sm's); s = P = exp2(S - m_n), this lane's part of the row sums added; returns the
     // factor O (and the sums) move by (alpha) and the rows' visible tokens (vis: every valid token on a tile
     // the warp's rows all see).
-    auto softmax_tile = [&](u32 b, float (&alpha)[2], u64 (&vis)[2]) {
+    auto softmax_tile = [&](u32 b, float (&alpha)[2], u64(&vis)[2]) {
         u32 t0, rlo[2], rhi[2];
         variant::ScoreRow srow[2] = {{0u, 0u, 0.0f}, {0u, 0u, 0.0f}};
         tile_rows(b, t0, rlo, rhi, srow);
@@ -511,7 +514,7 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
         }
         ptx::fence_proxy_async_shared();  // dst is read by wgmma
     };
-    auto pack_p = [&](u32 (&pa)[2][4]) {  // k-step kk, tokens 16 kk .. 16 kk + 15
+    auto pack_p = [&](u32(&pa)[2][4]) {  // k-step kk, tokens 16 kk .. 16 kk + 15
 #pragma unroll
         for (u32 kk = 0; kk < 2; ++kk)
 #pragma unroll
@@ -519,7 +522,7 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
     };
     // O += P V of this consumer's half of the tile in buffer b: P from registers (its own tile) or from an sP
     // array (the other's).
-    auto pv_own = [&](u32 b, const u32 (&pa)[2][4]) {
+    auto pv_own = [&](u32 b, const u32(&pa)[2][4]) {
         const u64 dv = v_desc(b);
         ptx::wgmma_fence();
 #pragma unroll

@@ -348,6 +348,7 @@ ptxas         .     1208 bytes stack frame, 1276 bytes spill stores, 2440 bytes 
 ptxas info    : Used 32 registers, used 0 barriers, 1208 bytes cumulative stack size, 372 bytes cmem[0]
 ptxas info    : Compile time = 78.112 ms
 ptxas info    : Compiling entry function 'a' for 'sm_80'
+ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline stage in the function 'a'
 ptxas info    : Function properties for a
 ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem, 368 bytes cmem[0]
@@ -374,6 +375,12 @@ def test_parse_ptxas():
     assert (a.registers, a.barriers, a.smem, a.spill_stores) == (40, 1, 1024, 0)
     assert (old.registers, old.smem) == (12, 2048)  # an older ptxas line format
     assert not h.is_entry and (h.stack_frame, h.spill_stores, h.spill_loads) == (16, 8, 4)
+    # ptxas serializing a kernel's wgmma is a gate failure (recorded in its manifest row too)
+    assert a.wgmma_serialized.startswith("C7515: non wgmma instructions defining accumulator registers")
+    assert not (b.wgmma_serialized or old.wgmma_serialized)
+    row = gate_manifest.unit_row("v", "sm_80", True, rep, {})
+    assert gate_manifest.row_reports(row)["a"].wgmma_serialized == a.wgmma_serialized
+    assert len(row["functions"]["b"]) == 6  # rows of kernels ptxas did not serialize keep their six figures
 
 
 PTX = """\

@@ -644,3 +644,30 @@ def test_a_producer_warpgroup_beside_its_consumers_is_its_own_loop():
     assert hi.iteration["producer"] >= p_issue  # the producer's own chain binds
     assert hi.bounds_s["issue"] > lo.bounds_s["issue"] * 3  # the producer's instructions are issued
     assert lo.in_flight_per_sm == pytest.approx(16 * 512 * 4 * 2, rel=1e-9)  # its copies, two tiles in flight
+
+
+def test_a_ring_that_issues_before_its_wait_has_one_more_tile_in_flight_during_it():
+    """A cp.async ring whose loop issues the next tile's copies, then waits with ``DEPBAR.LE SB0, N`` for the
+    tile N back and does its work: N + 1 tiles are in flight while it stalls, and the next copies issue only
+    after the work, so an iteration takes the longer of its work and (latency + work) / (N + 1); N = 0 is a
+    load used where it is issued (latency + work). A loop that waits first and issues after covers N + 1
+    whole iterations: latency / (N + 1). (The model charged latency / N for the first: a latency-bound
+    producer warpgroup at twice its time.)"""
+    pt = SM90.point("pess")
+    lat = pt.latency_s
+
+    def ring(n, before, work=400):
+        copies = [COPY] * 8 + ["LDGDEPBAR"]
+        wait = [f"DEPBAR.LE SB0, {hex(n)}"]
+        return hot_of(listing((copies + wait if before else wait + copies) + ["FFMA R8, R8, R9, R10"] * work))
+
+    kw = dict(threads=128, grid=SM90.sms, tokens=4096, bpt=2 * 256)
+    for n in (0, 1, 2):
+        hot = ring(n, True)
+        assert (hot.regions[0].ring_wait, hot.regions[0].commit_after_wait) == (n, False)
+        assert hot.latency_time(lat, 1e-7) == pytest.approx(max(1e-7, (lat + 1e-7) / (n + 1)))
+        one = launch(hot, **kw)
+        w = one.iteration["total"]
+        assert one.iteration["iteration"] == pytest.approx(max(w, (lat + w) / (n + 1)), rel=1e-9)
+    after = ring(1, False)
+    assert after.regions[0].commit_after_wait and after.latency_time(lat, 1e-7) == pytest.approx(max(1e-7, lat / 2))

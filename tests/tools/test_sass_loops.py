@@ -127,3 +127,32 @@ def test_split_prefill_consumers_issue_the_softmax_beside_their_products():
         assert closed and flop == 2 * 2 * 64 * 64 * 128 / 4  # S and P V of one tile, per warp
         assert post - 12 >= 32 + 32 + 32, (pre, post)  # beside the products: the max, exponentials, sums
     assert sum(r.edges for r in hot.regions) == 2 and own.edges == 0
+
+
+def test_seesaw_mla_consumers_keep_their_products_asynchronous():
+    """paged_mla_seesaw (sm_90a, bf16, R 512 / P 64), as NVRTC compiles it: ptxas serializes none of its
+    wgmma (no "Potential Performance Loss" in its log), a producer loop copies the tiles, and a consumer's
+    iteration (a pair of 32-token tiles) issues its 40 wgmma in two groups: its own tile's P V (2), then the
+    other's P V (2) with its next S (36), waited for once each."""
+    import numpy as np
+
+    from cupaged import HostPlan
+    from cupaged.ops.attention import plan_launches
+    from cupaged.tools import model
+
+    nvrtc = _nvrtc_or_skip()
+    if not sass.available():
+        pytest.skip("nvdisasm / cuobjdump not installed: " + sass.INSTALL_HINT)
+    kv = 4096
+    host = HostPlan.build(np.arange(kv // 64).reshape(1, -1), [kv], [1], 64, kv // 64)
+    (la,) = plan_launches(host, "bf16", 128, 1, 512, 512, 64, True, True, arch="sm_90", latent=True)
+    assert la.kernel == "paged_mla_seesaw"
+    facts = model.kernel_facts(la.source, la.defines, la.kernel, "sm_90a")
+    assert not nvrtc.parse_ptxas(facts.log)[la.kernel].wgmma_serialized, facts.log
+    hot = facts.hot
+    assert hot is not None and hot.producer is not None and hot.pingpong(hot.consumer_warps(12)) == 2
+    own = hot.regions[0]
+    groups = [seg for seg in own.segments if seg[3] > 0]
+    assert own.hmma == 40 and len(groups) == 2, own.segments
+    pv = 2 * 2 * 64 * 256 * 16 / 4  # two m64n256k16 per warp
+    assert [seg[3] for seg in groups] == [pv, pv + 36 * 2 * 64 * 32 * 16 / 4]
