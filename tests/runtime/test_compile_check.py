@@ -348,7 +348,9 @@ ptxas         .     1208 bytes stack frame, 1276 bytes spill stores, 2440 bytes 
 ptxas info    : Used 32 registers, used 0 barriers, 1208 bytes cumulative stack size, 372 bytes cmem[0]
 ptxas info    : Compile time = 78.112 ms
 ptxas info    : Compiling entry function 'a' for 'sm_80'
-ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline stage in the function 'a'
+ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to \
+non wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline \
+stage in the function 'a'
 ptxas info    : Function properties for a
 ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem, 368 bytes cmem[0]
