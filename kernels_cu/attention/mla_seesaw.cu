@@ -190,14 +190,26 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
     const u32 tid = threadIdx.x, wg = tid >> 7, warp4 = (tid >> 5) & 3u, lane = tid & 31u;
     const u32 g = lane >> 2, tq = lane & 3u;
     const u32 q_heads = p.q_heads;
-    const u32 ht = q_heads < kRows ? q_heads : kRows;
-    const u32 qt = kRows / ht;
-    const u32 tiles = (q_heads + ht - 1) / ht;
-    const u32 qblk = blockIdx.x / tiles;  // head tile fastest: blocks x, x+1 share a query block
-    const u32 head0 = (blockIdx.x - qblk * tiles) * ht;
+    // Block x's rows: ht = min(H, 64) heads head0 .. of qt queries q0 .. (the head tile fastest: blocks x, x + 1
+    // share a query block; the last queries first).
+    struct Place {
+        u32 ht, qt, head0;
+        u64 q0;
+    };
+    auto place_of = [&](u32 bx) {
+        Place pl;
+        pl.ht = q_heads < kRows ? q_heads : kRows;
+        pl.qt = kRows / pl.ht;
+        const u32 tiles = (q_heads + pl.ht - 1) / pl.ht, qblk = bx / tiles;
+        pl.head0 = (bx - qblk * tiles) * pl.ht;
+        pl.q0 = (u64)p.q_begin + (u64)(gridDim.x / tiles - 1 - qblk) * pl.qt;
+        return pl;
+    };
+    const Place pl = place_of(blockIdx.x);
+    const u32 ht = pl.ht, qt = pl.qt, head0 = pl.head0;
+    const u64 q0 = pl.q0;
     const u32 heads = tc::min_u32(ht, q_heads - head0);
     const u32 q_end = att::range_end(p.queries, p.q_begin, p.q_count);
-    const u64 q0 = (u64)p.q_begin + (u64)(gridDim.x / tiles - 1 - qblk) * qt;  // last queries first
     auto row_ok = [&](u32 r, u32& slot, u32& hl) {
         slot = r / ht;
         hl = r - slot * ht;
@@ -266,13 +278,17 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
                 reinterpret_cast<unsigned char*>(&st_valid[b])[tid >> 5] = (unsigned char)x;
             }
             st_bad[b] = 0;  // (by every producer thread: no branch)
-            unsigned char* const dst = sK + b * kTileBytes;
+            // (one base address each, the chunks at immediate offsets from it)
+            unsigned char* const dst0 = sK + b * kTileBytes + d0;
+            unsigned char* const dst1 = sK + b * kTileBytes + d1;
+            const kv_t* const lq = lat + qq * 8;
+            const kv_t* const rq = rot + qq * 8;
 #pragma unroll
             for (u32 i = 0; i < kR / 32; ++i)  // latent chunk qq + 4 i
-                ptx::cp_async_16(dst + (i >> 1) * kTCol + ((i & 1u) ? d1 : d0), lat + (qq + 4 * i) * 8, ok);
+                ptx::cp_async_16(((i & 1u) ? dst1 : dst0) + (i >> 1) * kTCol, lq + 32 * i, ok);
 #pragma unroll
             for (u32 i = 0; i < kP / 32; ++i)  // rotary chunk qq + 4 i
-                ptx::cp_async_16(dst + kRBlocks * kTCol + ((i & 1u) ? d1 : d0), rot + (qq + 4 * i) * 8, ok);
+                ptx::cp_async_16(((i & 1u) ? dst1 : dst0) + kRBlocks * kTCol, rq + 32 * i, ok);
             ptx::cp_async_commit();
             missbits = missbits << 1 | (u32)miss;
             ++gp;
@@ -448,9 +464,8 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
     };
     // The softmax of an own tile in buffer b (its S in s): scores, the score hook and masks; m_n = max(m_{n-1},
     // the tile's) (m_{n-1}: sm's); s = P = exp2(S - m_n), this lane's part of the row sums added; returns the
-    // factor O (and the sums) move by (alpha) and the rows' visible tokens (vis: every valid token on a tile
-    // the warp's rows all see).
-    auto softmax_tile = [&](u32 b, float (&alpha)[2], u64(&vis)[2]) {
+    // factor O (and the sums) move by (alpha).
+    auto softmax_tile = [&](u32 b, float (&alpha)[2]) {
         u32 t0, rlo[2], rhi[2];
         variant::ScoreRow srow[2] = {{0u, 0u, 0.0f}, {0u, 0u, 0.0f}};
         tile_rows(b, t0, rlo, rhi, srow);
@@ -461,7 +476,6 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) mine &= my_slot[h] == kNone || (rlo[h] <= t0 && t0 + kN <= rhi[h]);
         const bool full = __all_sync(CP_FULL_MASK, mine);
-        vis[0] = vis[1] = vbits;
         // Scale into the log2 domain, the score hook, mask; the tile's row maxima. The plain score keeps S
         // unscaled up to exp2(S qscale - m) (one FFMA; qscale > 0 keeps the max), as paged_mla_wgmma.
         constexpr bool kLate = variant::kPlainScore;
@@ -483,9 +497,9 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
             scores(tc::Flag<false>{}, all);
         } else {
             ptx::edge_tile();
+            u32 vlane[2];  // this lane's visible tokens from its first column 2 tq
 #pragma unroll
-            for (u32 h = 0; h < 2; ++h) vis[h] = tc::tile_vis<kN>(vbits, rlo[h], rhi[h], t0);
-            const u32 vlane[2] = {(u32)vis[0] >> (2 * tq), (u32)vis[1] >> (2 * tq)};
+            for (u32 h = 0; h < 2; ++h) vlane[h] = (u32)tc::tile_vis<kN>(vbits, rlo[h], rhi[h], t0) >> (2 * tq);
             scores(tc::Flag<true>{}, vlane);
         }
 #pragma unroll
@@ -504,14 +518,18 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
             sm[h].add(alpha[h], ps);  // this lane's part of this consumer's share of the row sum
         }
     };
-    // P (s) times the rows' factors f into sP array dst (the A operand of the other's P V), and as this
-    // consumer's own A fragments pa (f = 1).
-    auto store_p = [&](unsigned char* dst, const float (&f)[2]) {
+    // P (as its A fragments pa) times the rows' factors f into sP array dst (the A operand of the other's
+    // P V): pa[kk][i] holds row g (+ 8 for i & 1), tokens 16 kk + 8 (i / 2) + 2 tq (+ 1).
+    auto store_p = [&](unsigned char* dst, const u32(&pa)[2][4], const float (&f)[2]) {
 #pragma unroll
-        for (u32 i = 0; i < 16; i += 2) {  // s[i], s[i + 1]: row g (+ 8 for i & 2), tokens 8 (i / 4) + 2 tq (+ 1)
-            const u32 h = (i >> 1) & 1u, r = 16 * warp4 + g + 8 * h, t = 8 * (i >> 2) + 2 * tq;
-            *reinterpret_cast<u32*>(dst + p_at(r, t)) = ptx::pack2<scalar_t>(s[i] * f[h], s[i + 1] * f[h]);
-        }
+        for (u32 kk = 0; kk < 2; ++kk)
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u32 h = i & 1u, r = 16 * warp4 + g + 8 * h, t = 16 * kk + 8 * (i >> 1) + 2 * tq;
+                const u32 x = pa[kk][i];
+                *reinterpret_cast<u32*>(dst + p_at(r, t)) =
+                    ptx::pack2<scalar_t>(tc::half_of<scalar_t>(x, 0) * f[h], tc::half_of<scalar_t>(x, 1) * f[h]);
+            }
         ptx::fence_proxy_async_shared();  // dst is read by wgmma
     };
     auto pack_p = [&](u32(&pa)[2][4]) {  // k-step kk, tokens 16 kk .. 16 kk + 15
@@ -556,112 +574,117 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
         fix(b, src, vis);
     };
     auto release = [&](u32 b) { wgb::arrive(kEmpty + b, kBlockThreads); };
-    // ---- the tiles: consumer kC's loop (one per consumer, so that every wgmma group of an iteration is where
-    // ptxas sees it), a pair of tiles an iteration, FlashMLA's seesaw: tile A = 2 k is consumer 0's, tile B =
-    // 2 k + 1 consumer 1's, their S computed at the end of the iteration before.
-    //   0: softmax of A (m_A; kMax + 0), O *= alpha_A, O += P_A V_A; once m_B is known (kMax + 1), P_A scaled
-    //      to it into sP[0] (kReady + 0); O *= beta = exp2(m_A - m_B), O += P_B V_B (sP[1], kReady + 1).
-    //   1: softmax of B from m_A (kMax + 0): m_B (kMax + 1), P_B into sP[1] (kReady + 1), O *= alpha_B (both
-    //      tiles' factor: O's reference is m_B after it), O += P_B V_B; O += (P_A beta) V_A (sP[0], kReady + 0).
-    // So consumer 0 rescales O twice a pair, consumer 1 once. Then S of the next own tile (past the block's
-    // last, of this one again, discarded: no product on a branch) and wait_group 0, so that no product is in
-    // flight across the loop's back edge (where ptxas would serialize them all). The sP arrays are free again
-    // by the barriers' order: consumer c writes sP[c] after the other's kMax of the next pair, which it
-    // arrives at after its wait_group 0 of this one.
+    // ---- the tiles: consumer kC's loop (one per consumer, so that every wgmma group is where ptxas sees
+    // it), one own tile n = 2 k + kC a step, and the other's tile n - 1 after it:
+    //   softmax of n from m_{n-1} (the other's, known since the step before), m_n into s_m[kC] (kMax + kC);
+    //   O *= exp2(m_{n-2} - m_n) (O's reference was this consumer's last max); O += P_n V_n (P from
+    //   registers); O += P_{n-1} V_{n-1} (sP[kO], already scaled to m_n by its owner: kReady + kO); once both
+    //   products are done, the tiles released and m_{n+1} known (kMax + kO), P_n exp2(m_n - m_{n+1}) into
+    //   sP[kC] (kReady + kC: for the other's next step); then S of tile n + 2 and wait_group 0 (no product in
+    //   flight across the loop's back edge, where ptxas would serialize them all).
+    // So each consumer rescales O once a step (a pair of tiles), and consumer 0 adds consumer 1's last tile
+    // after its loop. sP[c] is free when its owner writes it: the other read it in its step before, whose
+    // products it waited for before it arrived at kReady. The maxima: s_m[c] is rewritten after the other's
+    // kMax of its next step, which follows its reads.
     auto consume = [&](auto kc) {
-        constexpr u32 kC = decltype(kc)::value;
+        constexpr u32 kC = decltype(kc)::value, kO = kC ^ 1u;
+        unsigned char* const myp = sP + kC * kPBytes;
+        const unsigned char* const op = sP + kO * kPBytes;
         if (total == 0) return;
         wgb::sync(kFull + kC, kOwnerFull);  // S of this consumer's first tile
         issue_s(kC);
         ptx::wgmma_wait<0>();
         ptx::wgmma_fence_operand(s);
-        u32 b = 0;  // tile A's buffer
-        for (u32 n = 0; n < total; n += 2) {
-            const u32 b1 = next_buf(b), b2 = next_buf(b1), mine = kC ? b1 : b;
-            float alpha[2];
-            u64 vis[2];
+        if constexpr (kC == 1) wgb::sync(kMax + 0, kThreads);  // consumer 0's first max
+        // Own tile n in buffer b, the other's tile n - 1 in buffer pb (first: none, consumer 0's tile 0).
+        auto step = [&](u32 n, u32 b, u32 pb, auto first) {
+            constexpr bool kFirst = decltype(first)::value;
+            float alpha[2], a_n[2];
             u32 pa[2][4];
-            if constexpr (kC == 0) {
-                softmax_tile(b, alpha, vis);
+            // m_{n-1}, the other's max before this tile (s_m[kO], seen at its kMax: consumer 0's first tile, none)
 #pragma unroll
-                for (u32 h = 0; h < 2; ++h)
-                    if (tq == 0) s_m[16 * warp4 + g + 8 * h] = sm[h].m;
-                wgb::arrive(kMax + 0, kThreads);
-                pack_p(pa);
-                rescale_o(alpha);
-                const bool bad = st_bad[b] != 0;  // (block-uniform)
-                if (bad) {  // the fix needs the unscaled P in sP[0]: free once consumer 1 is at kMax + 1
-                    wgb::sync(kMax + 1, kThreads);
+            for (u32 h = 0; h < 2; ++h) {
+                const float m_prev = kFirst ? neg_inf() : s_m[kO * kRows + 16 * warp4 + g + 8 * h];
+                alpha[h] = sm[h].move_to(m_prev);  // to m_{n-1}, then the tile raises it to m_n
+                sm[h].add(alpha[h], 0.0f);
+            }
+            softmax_tile(b, a_n);
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                alpha[h] *= a_n[h];
+                if (tq == 0) s_m[kC * kRows + 16 * warp4 + g + 8 * h] = sm[h].m;
+            }
+            wgb::arrive(kMax + kC, kThreads);
+            rescale_o(alpha);
+            // The cold fixes before the products (none may run while o is being written): the other's tile
+            // first (its P, scaled to m_n, in sP[kO]; and sP[kC] is free once the other's kReady is seen),
+            // then this one's from its unscaled P in sP[kC].
+            const bool bad = st_bad[b] != 0 || (!kFirst && st_bad[pb] != 0);  // (block-uniform)
+            if (bad) {
+                if constexpr (!kFirst) {
+                    wgb::sync(kReady + kO, kThreads);
+                    if (st_bad[pb]) fix_tile(pb, op);
+                }
+                if (st_bad[b]) {
                     const float one[2] = {1.0f, 1.0f};
-                    store_p(sP, one);
-                    fix(b, sP, vis);
+                    u32 unscaled[2][4];
+                    pack_p(unscaled);
+                    store_p(myp, unscaled, one);
+                    fix_tile(b, myp);
                 }
-                pv_own(b, pa);
-                if (!bad) wgb::sync(kMax + 1, kThreads);
-                float beta[2];
-#pragma unroll
-                for (u32 h = 0; h < 2; ++h) {
-                    beta[h] = sm[h].move_to(s_m[kRows + 16 * warp4 + g + 8 * h]);
-                    sm[h].add(beta[h], 0.0f);
-                }
-                store_p(sP, beta);  // (after the fix: its last barrier saw every lane done with the unscaled P)
-                wgb::arrive(kReady + 0, kThreads);
-                wgb::sync(kReady + 1, kThreads);  // P_B in sP[1]
-                ptx::wgmma_wait<0>();  // P_A V_A
-                ptx::wgmma_fence_operand(o);
-                release(b);
-                rescale_o(beta);
-                if (st_bad[b1]) fix_tile(b1, sP + kPBytes);
-                pv_other(b1, sP + kPBytes);
-            } else {
-                wgb::sync(kMax + 0, kThreads);  // m_A
-#pragma unroll
-                for (u32 h = 0; h < 2; ++h) {  // consumer 0's maxima after tile A: the reference B's softmax raises
-                    const float m_a = s_m[16 * warp4 + g + 8 * h];
-                    alpha[h] = sm[h].move_to(m_a);
-                    sm[h].add(alpha[h], 0.0f);
-                }
-                float a_b[2];
-                softmax_tile(b1, a_b, vis);
-#pragma unroll
-                for (u32 h = 0; h < 2; ++h) {
-                    alpha[h] *= a_b[h];
-                    if (tq == 0) s_m[kRows + 16 * warp4 + g + 8 * h] = sm[h].m;
-                }
-                wgb::arrive(kMax + 1, kThreads);
-                const float one[2] = {1.0f, 1.0f};
-                store_p(sP + kPBytes, one);
-                wgb::arrive(kReady + 1, kThreads);
-                pack_p(pa);
-                rescale_o(alpha);
-                // (the fixes before the products: none of them may run while o is being written)
-                const bool bad_a = st_bad[b] != 0;  // (visible: consumer 0 waited for tile A before kMax + 0)
-                if (st_bad[b1]) fix(b1, sP + kPBytes, vis);
-                if (bad_a) {
-                    wgb::sync(kReady + 0, kThreads);  // P_A (scaled to m_B) in sP[0]
-                    fix_tile(b, sP);
-                }
-                pv_own(b1, pa);
-                if (!bad_a) wgb::sync(kReady + 0, kThreads);
-                pv_other(b, sP);
             }
-            // Consumer 1 releases both tiles first: the producer signals its next tile (B's successor) only
-            // after issuing the one after it, into tile A's buffer.
-            if constexpr (kC == 1) {
-                ptx::wgmma_wait<0>();
-                ptx::wgmma_fence_operand(o);
-                release(b1);
-                release(b);
+            pack_p(pa);  // (after the fixes: no fragments held across them)
+            pv_own(b, pa);
+            if constexpr (!kFirst) {
+                if (!bad) wgb::sync(kReady + kO, kThreads);
+                pv_other(pb, op);
             }
-            const bool more = n + 2 < total;
-            const u32 nb = kC ? next_buf(b2) : b2;  // this consumer's next own tile's buffer
-            if (more) wgb::sync(kFull + nb, kOwnerFull);
-            issue_s(more ? nb : mine);
             ptx::wgmma_wait<0>();
             ptx::wgmma_fence_operand(o);
+            release(b);
+            if constexpr (!kFirst) release(pb);
+            // P_n scaled to m_{n+1} for the other (the block's last tile: to m_n itself).
+            float beta[2] = {1.0f, 1.0f};
+            if (n + 1 < total) {
+                wgb::sync(kMax + kO, kThreads);
+#pragma unroll
+                for (u32 h = 0; h < 2; ++h)
+                    beta[h] = softmax::rescale(sm[h].m, s_m[kO * kRows + 16 * warp4 + g + 8 * h]);
+            }
+            store_p(myp, pa, beta);  // (after a fix: its last barrier saw every lane done with the unscaled P)
+            wgb::arrive(kReady + kC, kThreads);
+            const bool more = n + 2 < total;
+            const u32 nb = next_buf(next_buf(b));  // tile n + 2's buffer
+            if (more) wgb::sync(kFull + nb, kOwnerFull);
+            issue_s(more ? nb : b);
+            ptx::wgmma_wait<0>();
             ptx::wgmma_fence_operand(s);
-            if constexpr (kC == 0) release(b1);
-            b = b2;
+        };
+        u32 n = kC, b = kC;  // this consumer's next own tile and its buffer
+        if constexpr (kC == 0) {
+            step(0u, 0u, 0u, tc::Flag<true>{});
+            n = 2;
+            b = 2;
+        }
+        for (; n < total; n += 2) {
+            step(n, b, b == 0 ? kS - 1 : b - 1, tc::Flag<false>{});
+            b = next_buf(next_buf(b));
+        }
+        if constexpr (kC == 0) {  // consumer 1's last tile (total - 1, in the buffer before b), at its own max
+            const u32 pb = b == 0 ? kS - 1 : b - 1;
+            float alpha[2];
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                alpha[h] = sm[h].move_to(s_m[kRows + 16 * warp4 + g + 8 * h]);
+                sm[h].add(alpha[h], 0.0f);
+            }
+            rescale_o(alpha);
+            wgb::sync(kReady + 1, kThreads);
+            if (st_bad[pb]) fix_tile(pb, op);
+            pv_other(pb, op);
+            ptx::wgmma_wait<0>();
+            ptx::wgmma_fence_operand(o);
+            release(pb);
         }
     };
     if (c == 0)
@@ -682,6 +705,11 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
     }
     wgb::sync(kEnd, kThreads);
     const bool split = p.splits > 1;
+    // The block's place again, from an opaque copy of its index: recomputed here rather than held in
+    // registers through the tile loop.
+    u32 bx = blockIdx.x;
+    asm volatile("" : "+r"(bx));
+    const Place pe = place_of(bx);
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         const u32 r = 16 * warp4 + g + 8 * h;
@@ -690,12 +718,12 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
         if (slot == kNone) continue;
         // The row writer inline, as paged_mla_wgmma's (through epi::finish / row_of / store_lse ptxas spills
         // the all-features builds at the register cap).
-        const u64 row = (q0 + slot) * q_heads + head0 + (r - slot * ht);
+        const u64 row = (pe.q0 + slot) * q_heads + pe.head0 + (r - slot * pe.ht);
         const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
         float inv = sm[h].inv_sum();
         if constexpr (variant::kSinks) {
             if (!split) {  // the head's sink, once (split partials leave it to the merge)
-                const float a = variant::fold_sink(sm[h], sc.sink2(head0 + (r - slot * ht)));
+                const float a = variant::fold_sink(sm[h], sc.sink2(pe.head0 + (r - slot * pe.ht)));
                 inv = sm[h].inv_sum() * a;
             }
         }
