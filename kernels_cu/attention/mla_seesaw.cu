@@ -36,30 +36,29 @@
 // consumer w owns O [64 x 256] of columns 256 w .. 256 w + 255 (128 f32
 // registers a thread). The block's n-th tile (every pass's, in order, padded
 // to an even count with one empty tile) is consumer n % 2's own: its S [64 x
-// 32] = Q K^T (36 wgmma m64n32k16, Q and K from shared memory), its softmax
-// (the score hook, masks, the running max m_n = max(m_{n-1}, the tile's)).
-// Each consumer adds P V of every tile to its half (2 wgmma m64n256k16, V
-// N-major from the tile; its own tile's P from registers, the other's from
-// sP). A loop iteration takes the pair A = 2 k (consumer 0's), B = 2 k + 1
-// (consumer 1's), both S computed at the end of the iteration before:
-//   0: softmax of A, m_A into s_m[0] (kMax + 0); O *= exp2(m_{B-2} - m_A),
-//      O += P_A V_A; once m_B is known (kMax + 1), P_A exp2(m_A - m_B) into
-//      sP[0] (kReady + 0); O *= exp2(m_A - m_B); O += P_B V_B (sP[1],
-//      kReady + 1);
-//   1: softmax of B from m_A (kMax + 0), m_B into s_m[1] (kMax + 1), P_B into
-//      sP[1] (kReady + 1); O *= exp2(m_{B-2} - m_B) (both tiles' factor at
-//      once: P_A comes scaled to m_B); O += P_B V_B; O += (P_A scaled) V_A
-//      (sP[0], kReady + 0).
-//   Then S of the consumer's next own tile (past the block's last tile, of
-//   its last again, discarded: no product on a branch) and wait_group 0: no
+// 32] = Q K^T (36 wgmma m64n32k16, Q and K from shared memory) and its
+// softmax (the score hook, masks, the running max m_n = max(m_{n-1}, the
+// tile's)). Each consumer adds P V of every tile to its half (2 wgmma
+// m64n256k16, V N-major from the tile; its own tile's P from registers, the
+// other's from sP). A step of consumer w: its own tile n and the other's
+// tile n - 1:
+//   softmax of n from m_{n-1} (the other's, published at its kMax), m_n into
+//   s_m[w] (kMax + w); O *= exp2(m_{n-2} - m_n) (O's reference was w's last
+//   max: both tiles' factor at once), O += P_n V_n, O += P_{n-1} V_{n-1}
+//   (sP[other], which its owner scaled to m_n: kReady + other); once both
+//   products are done and m_{n+1} is known (kMax + other), P_n exp2(m_n -
+//   m_{n+1}) into sP[w] (kReady + w, for the other's next step: the block's
+//   last tile unscaled); then S of tile n + 2 (past the block's last tile, of
+//   this one again, discarded: no product on a branch) and wait_group 0: no
 //   product is in flight across the loop's back edge (ptxas would serialize
 //   every wgmma of the kernel), so the overlap is the seesaw's: one
 //   consumer's softmax issues while the tensor cores run the other's
-//   products. Consumer 0 rescales O twice a pair, consumer 1 once. Each
-//   keeps its own share of the row sums (its tiles'), rescaled with O; at
-//   the end the shares add. sP[w] is free for the next pair by the barriers'
-//   order (consumer w writes it after the other's next kMax, which the other
-//   arrives at after its wait_group 0 of this pair).
+//   products. Each consumer rescales O once a step (two tiles); consumer 0
+//   adds consumer 1's last tile after its loop. Each keeps its own share of
+//   the row sums (its tiles'), rescaled with O; at the end the shares add.
+//   sP[w] is free when w writes it (the other read it in its step before and
+//   waited for those products before it arrived at kReady); s_m[w] when w
+//   rewrites it (the other read it before its next kMax, which w waits for).
 //
 // The ring, kS tile buffers of kN = 32 tokens: the producer's threads 4 t ..
 // 4 t + 3 take row t of every tile, walk the page table for its token (its
@@ -72,9 +71,9 @@
 // tile's first position, pass, valid bits and whether its value rows need
 // the fix). The owner of buffer b (consumer b % 2: kS is even) waits at kFull
 // + b before its S; the other reads the tile after the owner's kMax (the
-// barriers order the producer's copies before its reads). Consumer 1 releases
-// a pair's tiles before it waits for its next tile: the producer signals that
-// one only after issuing the next, into tile A's buffer. Barriers: kFull + b
+// barriers order the producer's copies before its reads). A consumer releases
+// its step's two tiles before it waits for its next one: the producer signals
+// a tile only after issuing the next. Barriers: kFull + b
 // (the producer and the owner, 256 threads), kEmpty + b (384), kMax + w and
 // kReady + w (256: consumer w's maxima in s_m[w] / its P in sP[w]), kProd
 // (the producer's own), kFix + w (consumer w's own).
@@ -444,9 +443,7 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
         wgb::sync(kFix + c, 128);
     };
 
-    // ---- the tiles: consumer kC's loop (one per consumer, so that every wgmma group of an iteration is
-    // where ptxas sees it: no product on a branch), a pair of tiles an iteration: tile 2 k + kC its own, tile
-    // 2 k + 1 - kC the other's; the groups in flight at its top: S of its own tile, and the P V before ----
+    // ---- the consumers' pieces of a step (the loop: consume, below) ----
     // What the producer published with tile buffer b: this thread's rows' share of the tile's pass and the
     // score rows (t0: the tile's first position).
     auto tile_rows = [&](u32 b, u32& t0, u32(&rlo)[2], u32(&rhi)[2], variant::ScoreRow(&srow)[2]) {

@@ -10,12 +10,14 @@
 // docs/layout.md.
 //
 // paged_mla_wgmma: f16 / bf16 q, R = LATENT_DIM = 512, P = ROPE_DIM = 64 or
-// 0 (no rotary part). Caches of q's type, or fp8 codes (e4m3 / e5m2) with
-// k_scale (latent) and v_scale (k_rot), as paged_mla_tc: the ring holds a
-// tile's raw codes ([2][64 tokens][R + P] bytes, cp.async, half the bytes),
-// converted exactly into the one swizzled 16-bit tile below as each tile is
-// used (the same shared memory as two 16-bit tiles); k_scale folds into the
-// score scale and the output, v_scale / k_scale into Q's rotary fragments.
+// 0 (no rotary part), over an fp8 cache (16-bit caches: paged_mla_seesaw,
+// mla_seesaw.cu, FlashMLA's seesaw schedule; this kernel's S is split by
+// tokens and its warpgroups run in lockstep, fine at half the bytes a tile).
+// fp8 codes (e4m3 / e5m2) with k_scale (latent) and v_scale (k_rot), as
+// paged_mla_tc: the ring holds two tiles' raw codes ([2][64 tokens][R + P]
+// bytes, cp.async), converted exactly into the one swizzled 16-bit tile below
+// as each tile is used; k_scale folds into the score scale and the output,
+// v_scale / k_scale into Q's rotary fragments.
 //   grid (head_tiles * ceil(q_count / qt), 1, splits): the head tile is the
 //   fastest block index, so the blocks of one query's head tiles run side by
 //   side and its latent rows come from HBM once (the second read hits L2).
@@ -28,10 +30,11 @@
 //   (ptx.cuh; rows of 128 bytes = 64 elements, 16-byte chunk c of row r at
 //   chunk c ^ (r % 8), column blocks of 64 elements one after the other):
 //     sQ  [8 column blocks][64 rows][128 B]       the latent part of Q (64 KiB)
-//     sK  [2][9 column blocks][64 tokens][128 B]  latent | rotary rows of a tile
+//     sK  [9 column blocks][64 tokens][128 B]     latent | rotary rows of the tile in use
+//     sRaw [2][64 tokens][R + P]                  the ring's codes
 //     sP  [64 rows][64 tokens]                    P of the tile (8 KiB)
 //   The rotary part of Q lives in registers as wgmma A fragments (16 a thread).
-//   Per tile of kN = 64 tokens, two tile buffers (tile j + 1's cp.async
+//   Per tile of kN = 64 tokens, two raw buffers (tile j + 1's cp.async
 //   copies in flight while tile j computes). The page walk: threads 0 .. 63
 //   keep their token's page-table column and slot and advance them by 64
 //   tokens a tile (no division in the loop); each stages its row's element
@@ -106,20 +109,18 @@ constexpr u32 kColBytes = 64 * 128;  // one column block of 64 rows (or tokens)
 constexpr u32 kQBytes = kRBlocks * kColBytes;
 constexpr u32 kKBytes = kBlocks * kColBytes;
 constexpr u32 kPBytes = kColBytes;
-// 16-bit tiles: the ring of kS, or one for fp8 codes, whose ring is kS raw tiles [kN][kK] bytes.
-constexpr u32 kTileBufs = kKvScaled ? 1 : kS;
-constexpr u32 kRawBytes = kKvScaled ? kN * kK : 0;
+// One 16-bit tile, the codes are converted into; the ring is kS raw tiles [kN][kK] bytes.
+constexpr u32 kRawBytes = kN * kK;
 // Dynamic shared memory: the layout above and the row maxima, after up to kAlign - 1 bytes of alignment
 // (mla_wgmma.smem_bytes).
-constexpr u32 kSmemBytes = kAlign + kQBytes + kTileBufs * kKBytes + kS * kRawBytes + kPBytes + 2 * kRows * 4;
+constexpr u32 kSmemBytes = kAlign + kQBytes + kKBytes + kS * kRawBytes + kPBytes + 2 * kRows * 4;
 static_assert(kR == 512 && (kP == 64 || kP == 0), "LATENT_DIM 512, ROPE_DIM 64 or 0");
 static_assert(kThreads == 2 * 128, "two warpgroups");
 static_assert(kRows == 64 && kN == 64, "m64 wgmma rows; S [64 x 32] per warpgroup over a tile of 64 tokens");
 static_assert(kAlign == 8 * 128, "a 128-byte swizzle atom: 8 rows of 128 B");
 static_assert(kWarps == 8 && kR / 8 == 2 * 32 && kRotChunks <= 32 && kP / 16 <= 32,
               "the copy map: a warp's rows share r % 8; two latent chunks a lane");
-static_assert(sizeof(scalar_t) == 2 && (sizeof(kv_t) == sizeof(scalar_t) || kKvScaled),
-              "f16 / bf16 q; caches of q's type or fp8");
+static_assert(sizeof(scalar_t) == 2 && kKvScaled, "f16 / bf16 q over fp8 caches (16-bit caches: mla_seesaw.cu)");
 static_assert(kRawBytes % kAlign == 0, "P stays on a swizzle atom boundary");
 
 // Byte offset of 16-byte chunk c (0 .. 7) of row r in a 128-byte-swizzled column block.
@@ -135,8 +136,8 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
     // The swizzle patterns start on kAlign-byte boundaries (descriptor base offset 0). The offset is
     // added to the shared array itself, so the compiler keeps shared-memory accesses (LDS / STS).
     unsigned char* const sQ = smem_raw + ((0u - (u32) reinterpret_cast<u64>(smem_raw)) & (kAlign - 1u));
-    unsigned char* const sK = sQ + kQBytes;  // [kTileBufs][kBlocks][64][128 B]
-    unsigned char* const sRaw = sK + kTileBufs * kKBytes;  // fp8: [kS][64][kK] codes
+    unsigned char* const sK = sQ + kQBytes;  // [kBlocks][64][128 B]: the converted tile
+    unsigned char* const sRaw = sK + kKBytes;  // [kS][64][kK] codes
     unsigned char* const sP = sRaw + kS * kRawBytes;  // [64][128 B]
     float* const s_max = reinterpret_cast<float*>(sP + kPBytes);  // [2][kRows]: each warpgroup's row maxima
     __shared__ tc::RowSet<kRows> rows;
@@ -193,25 +194,22 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
                 qr[kr][h + 2 * c] = ok ? *reinterpret_cast<const u32*>(src + 16 * kr + 8 * c + 2 * tq) : 0u;
     }
     // fp8: score = scale * k_scale * (q.latent + q_rot.k_pos * v_scale / k_scale) over the codes.
-    float ks = 1.0f;
-    if constexpr (kKvScaled) {
-        ks = p.k_scale ? p.k_scale[0] : 1.0f;
-        if constexpr (kRotSteps > 0) {
-            const float ratio = (p.v_scale ? p.v_scale[0] : 1.0f) / ks;
+    const float ks = p.k_scale ? p.k_scale[0] : 1.0f;
+    if constexpr (kRotSteps > 0) {
+        const float ratio = (p.v_scale ? p.v_scale[0] : 1.0f) / ks;
 #pragma unroll
-            for (u32 kr = 0; kr != kRotSteps; ++kr)
+        for (u32 kr = 0; kr != kRotSteps; ++kr)
 #pragma unroll
-                for (u32 i = 0; i < 4; ++i)
-                    qr[kr][i] = ptx::pack2<scalar_t>(tc::half_of<scalar_t>(qr[kr][i], 0) * ratio,
-                                                     tc::half_of<scalar_t>(qr[kr][i], 1) * ratio);
-        }
+            for (u32 i = 0; i < 4; ++i)
+                qr[kr][i] = ptx::pack2<scalar_t>(tc::half_of<scalar_t>(qr[kr][i], 0) * ratio,
+                                                 tc::half_of<scalar_t>(qr[kr][i], 1) * ratio);
     }
     tc::setup_row_set(rows, p, q0, qt, q_end);
     ptx::cp_async_wait<0>();
     ptx::fence_proxy_async_shared();  // Q is read by wgmma
     __syncthreads();
 
-    const float qscale = kKvScaled ? p.scale * ks * softmax::kLog2e : p.scale * softmax::kLog2e;
+    const float qscale = p.scale * ks * softmax::kLog2e;
     softmax::State sm[2];  // rows g, g + 8: the max (shared by both warpgroups) and this lane's part of its half's sum
     float o[128];  // O [64 x 256]: value columns 256 wg + 8 j + 2 tq (+ 1), rows as above
 #pragma unroll
@@ -246,61 +244,43 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
         // offset is 0 (a row of page 0, never read: zero fill).
         auto issue = [&](u32 sb, u32 b) {
             const u64 vw = ((u64)s_sval[sb][0] | (u64)s_sval[sb][1] << 32) >> cw;  // row cw + 8 i: bit 8 i
-            if constexpr (kKvScaled) {
-                // Raw codes, [kN][kK] bytes a tile: lane l copies codes 16 l .. 16 l + 15 of the latent part
-                // and, l < kP / 16, of the rotary part.
-                unsigned char* const raw = sRaw + b * kRawBytes + cw * kK + lane * 16;
+            // Raw codes, [kN][kK] bytes a tile: lane l copies codes 16 l .. 16 l + 15 of the latent part and,
+            // l < kP / 16, of the rotary part.
+            unsigned char* const raw = sRaw + b * kRawBytes + cw * kK + lane * 16;
 #pragma unroll
-                for (u32 i = 0; i < kRowsPerWarp; ++i) {
-                    const u32 r = cw + kWarps * i;
-                    const bool ok = (vw >> (kWarps * i)) & 1u;
-                    ptx::cp_async_16(raw + kWarps * i * kK, k_cache + s_koff[sb][r] + lane * 16, ok);
-                    if constexpr (kRotSteps > 0)
-                        if (lane < kP / 16)
-                            ptx::cp_async_16(raw + kWarps * i * kK + kR, k_rot + s_roff[sb][r] + lane * 16, ok);
-                }
-            } else {
-                unsigned char* const dst = cdst + b * kKBytes;
-#pragma unroll
-                for (u32 i = 0; i < kRowsPerWarp; ++i) {
-                    const u32 r = cw + kWarps * i;
-                    const bool ok = (vw >> (kWarps * i)) & 1u;
-                    const kv_t* const src = k_cache + s_koff[sb][r] + lane * 8;
-                    ptx::cp_async_16(dst + kWarps * i * 128, src, ok);
-                    ptx::cp_async_16(dst + kWarps * i * 128 + kHalfBlocks * kColBytes, src + kHalfBlocks * 64, ok);
-                    if constexpr (kRotSteps > 0)
-                        if (lane < kRotChunks)  // lane >> 3 == 0: cdst is in column block 0
-                            ptx::cp_async_16(dst + kWarps * i * 128 + kRBlocks * kColBytes,
-                                             k_rot + s_roff[sb][r] + lane * 8, ok);
-                }
+            for (u32 i = 0; i < kRowsPerWarp; ++i) {
+                const u32 r = cw + kWarps * i;
+                const bool ok = (vw >> (kWarps * i)) & 1u;
+                ptx::cp_async_16(raw + kWarps * i * kK, k_cache + s_koff[sb][r] + lane * 16, ok);
+                if constexpr (kRotSteps > 0)
+                    if (lane < kP / 16)
+                        ptx::cp_async_16(raw + kWarps * i * kK + kR, k_rot + s_roff[sb][r] + lane * 16, ok);
             }
         };
         auto compute = [&](u32 b, u32 t0, auto&& next_copies) {
-            if constexpr (kKvScaled) {
-                // The tile's codes into the swizzled 16-bit tile (exactly), on the copy map: 8 codes make a
-                // 16-byte chunk; lane l converts latent chunks l and l + 32 and rotary chunk l (l < kRotChunks)
-                // of rows cw + 8 i.
-                const unsigned char* const raw = sRaw + b * kRawBytes + cw * kK + lane * 8;
-                auto convert = [&](const unsigned char* from, unsigned char* to) {
-                    const uint2 x = *reinterpret_cast<const uint2*>(from);
-                    uint4 y;
-                    fp8::x4_to<scalar_t, kv_t>(x.x, y.x, y.y);
-                    fp8::x4_to<scalar_t, kv_t>(x.y, y.z, y.w);
-                    *reinterpret_cast<uint4*>(to) = y;
-                };
+            // The tile's codes into the swizzled 16-bit tile (exactly), on the copy map: 8 codes make a
+            // 16-byte chunk; lane l converts latent chunks l and l + 32 and rotary chunk l (l < kRotChunks)
+            // of rows cw + 8 i.
+            const unsigned char* const raw = sRaw + b * kRawBytes + cw * kK + lane * 8;
+            auto convert = [&](const unsigned char* from, unsigned char* to) {
+                const uint2 x = *reinterpret_cast<const uint2*>(from);
+                uint4 y;
+                fp8::x4_to<scalar_t, kv_t>(x.x, y.x, y.y);
+                fp8::x4_to<scalar_t, kv_t>(x.y, y.z, y.w);
+                *reinterpret_cast<uint4*>(to) = y;
+            };
 #pragma unroll 4
-                for (u32 i = 0; i < kRowsPerWarp; ++i) {
-                    const unsigned char* const from = raw + kWarps * i * kK;
-                    unsigned char* const to = cdst + kWarps * i * 128;
-                    convert(from, to);
-                    convert(from + kHalfBlocks * 64, to + kHalfBlocks * kColBytes);
-                    if constexpr (kRotSteps > 0)
-                        if (lane < kRotChunks) convert(from + kR, to + kRBlocks * kColBytes);
-                }
-                ptx::fence_proxy_async_shared();
-                __syncthreads();
+            for (u32 i = 0; i < kRowsPerWarp; ++i) {
+                const unsigned char* const from = raw + kWarps * i * kK;
+                unsigned char* const to = cdst + kWarps * i * 128;
+                convert(from, to);
+                convert(from + kHalfBlocks * 64, to + kHalfBlocks * kColBytes);
+                if constexpr (kRotSteps > 0)
+                    if (lane < kRotChunks) convert(from + kR, to + kRBlocks * kColBytes);
             }
-            unsigned char* const kt = sK + (kKvScaled ? 0u : b) * kKBytes;
+            ptx::fence_proxy_async_shared();
+            __syncthreads();
+            unsigned char* const kt = sK;
             // Whether every stored row of this warp sees every token of the tile (warp-uniform; a row of no query
             // is never written): then nothing is masked (FlashAttention-3 masks only the edge tiles).
             const u64 vbits = (u64)s_valid[b][0] | (u64)s_valid[b][1] << 32;
@@ -527,10 +507,7 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
             fetch();
             ptx::wgmma_wait<0>();  // P V of tile j - 1
             ptx::wgmma_fence_operand(o);
-            ptx::cp_async_wait<0>();  // tile j has landed
-            // 16-bit tiles are read by wgmma as cp.async left them: fenced to the async proxy (fp8: compute
-            // fences its converted tiles)
-            if constexpr (!kKvScaled) ptx::fence_proxy_async_shared();
+            ptx::cp_async_wait<0>();  // tile j has landed (compute fences its converted tile to the async proxy)
             __syncthreads();
             compute(b, lo + j * kN, [&] {
                 if (j + 1 < ntiles) {
@@ -574,7 +551,7 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
                 inv = sm[h].inv_sum() * a;
             }
         }
-        if constexpr (kKvScaled) inv *= ks;  // V is the latent: its codes times k_scale
+        inv *= ks;  // V is the latent: its codes times k_scale
 #pragma unroll
         for (u32 j = 0; j < 32; ++j)
             epi::store_pair(out, part_out, row_out * kR + 256 * wg + 8 * j + 2 * tq, split, o[4 * j + 2 * h] * inv,

@@ -213,7 +213,7 @@ def test_worked_example_in_docs():
     assert rows[2] in (REPO / "cupaged/ops/attention/params.py").read_text()
     # One call site of each hook per kernel (visible: through att::query_span, shared by all four).
     att = kernel_dir() / "attention"
-    for name in ("decode.cu", "decode_tc.cu", "prefill_tc.cu", "mla_tc.cu", "mla_wgmma.cu"):
+    for name in ("decode.cu", "decode_tc.cu", "prefill_tc.cu", "mla_tc.cu", "mla_wgmma.cu", "mla_seesaw.cu"):
         text = (att / name).read_text()
         assert text.count("variant::score(") == 1, name
         assert text.count("softmax::State") >= 1, name

@@ -1,8 +1,8 @@
 """paged_mla_wgmma (``kernels_cu/attention/mla_wgmma.cu``): MLA on
-wgmma.mma_async, sm_90a only: two warpgroups per block of TC_ROWS (query,
-head) rows, K tiles of TILE_TOKENS tokens in 128-byte-swizzled column
-blocks; what paged_mla_tc serves, preferred to it where the device's arch
-is TARGET's."""
+wgmma.mma_async over fp8 caches, sm_90a only (16-bit caches:
+paged_mla_seesaw): two warpgroups per block of TC_ROWS (query, head) rows,
+K tiles of TILE_TOKENS tokens in 128-byte-swizzled column blocks; what
+paged_mla_tc serves, preferred to it where the device's arch is TARGET's."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ THREADS = 256
 MIN_BLOCKS = 1
 #: Tokens per K tile (mwg::kN).
 TILE_TOKENS = 64
-#: Tile buffers of the ring (mwg::kS).
+#: Raw tiles of the ring (mwg::kS).
 STAGES = 2
 #: Bytes of alignment slack before the layout (1024-byte swizzle atoms).
 ALIGN_BYTES = 1024
@@ -34,18 +34,15 @@ DIMS = ((512, 64), (512, 0))
 GEOMETRY = {"kThreads": THREADS, "kMinBlocks": MIN_BLOCKS, "kN": TILE_TOKENS, "kS": STAGES, "kAlignBytes": ALIGN_BYTES}
 
 
-def smem_bytes(latent_dim: int, rope_dim: int, kv_dtype: str | None = None) -> int:
-    """Dynamic shared memory (mwg::kSmemBytes): ALIGN_BYTES of alignment,
-    Q's latent part [TC_ROWS][R], STAGES tiles of [TILE_TOKENS][R + P] and P
-    [TC_ROWS][TILE_TOKENS], 16-bit, and the row maxima [2][TC_ROWS] f32. An
-    fp8 cache (``kv_dtype`` e4m3 / e5m2): one 16-bit tile and STAGES raw
-    tiles of codes [TILE_TOKENS][R + P] in place of the tiles (the same bytes
-    at two stages)."""
-    tile = TILE_TOKENS * (latent_dim + rope_dim) * 2
-    tiles = STAGES * tile
-    if is_fp8(kv_dtype):
-        tiles = tile + STAGES * TILE_TOKENS * (latent_dim + rope_dim)
-    return ALIGN_BYTES + TC_ROWS * latent_dim * 2 + tiles + TC_ROWS * TILE_TOKENS * 2 + 2 * TC_ROWS * 4
+def smem_bytes(latent_dim: int, rope_dim: int) -> int:
+    """Dynamic shared memory (mwg::kSmemBytes): ALIGN_BYTES of alignment, Q's
+    latent part [TC_ROWS][R] and the one 16-bit tile [TILE_TOKENS][R + P] the
+    codes are converted into, 16-bit, STAGES raw tiles of codes
+    [TILE_TOKENS][R + P], P [TC_ROWS][TILE_TOKENS] (16-bit) and the row maxima
+    [2][TC_ROWS] f32."""
+    tile = TILE_TOKENS * (latent_dim + rope_dim)  # codes
+    p_and_maxima = TC_ROWS * TILE_TOKENS * 2 + 2 * TC_ROWS * 4
+    return ALIGN_BYTES + TC_ROWS * latent_dim * 2 + 2 * tile + STAGES * tile + p_and_maxima
 
 
 class MlaWgmma(MlaTc):
@@ -64,7 +61,7 @@ class MlaWgmma(MlaTc):
             yield from super().builds(dtype, kv_dtype)
 
     def smem(self, v: Variant) -> int:
-        return smem_bytes(v.latent_dim, v.rope_dim, v.kv_dtype)
+        return smem_bytes(v.latent_dim, v.rope_dim)
 
 
 MLA_WGMMA = MlaWgmma()
