@@ -1,6 +1,6 @@
 // decode.cu: paged_attention, the CUDA-core attention kernel: decode, and the
 // fallback for every shape the tensor-core kernels (decode_tc.cu,
-// prefill_tc.cu, mla_tc.cu, mla_wgmma.cu) do not take. The split merge is its own module (merge.cu). Layout, positions,
+// prefill_tc.cu, mla_tc.cu, mla_wgmma.cu, mla_seesaw.cu) do not take. The split merge is its own module (merge.cu). Layout, positions,
 // metadata words, LSE and the split workspace are defined in docs/layout.md;
 // this file follows it. The argument is one AttentionParams (params.cuh).
 //

@@ -42,7 +42,8 @@
 //   latent row holds Inf or NaN: a tile where some stored row misses a valid
 //   token runs its P V k-step by k-step (tc::pv_step: a 16-column slice with
 //   a non-finite value leaves the tensor cores for exact per-lane sums).
-//   On sm_90 devices paged_mla_wgmma (mla_wgmma.cu) serves the same shapes.
+//   On sm_90 devices paged_mla_seesaw (mla_seesaw.cu; 16-bit caches) and
+//   paged_mla_wgmma (mla_wgmma.cu; fp8 caches) serve the same shapes.
 //
 // Memory traffic: L * (R + P) * sizeof(kv_t) bytes per block, each latent row
 // serving up to 64 heads (the CUDA-core kernel reads it once per GROUP_TILE

@@ -1,6 +1,6 @@
 // tc_common.cuh: what the row-packed tensor-core attention kernels share
 // (paged_prefill_tc in prefill_tc.cu, paged_mla_tc in mla_tc.cu,
-// paged_mla_wgmma in mla_wgmma.cu): the rows of a block, the page-by-page
+// paged_mla_wgmma in mla_wgmma.cu, paged_mla_seesaw in mla_seesaw.cu): the rows of a block, the page-by-page
 // K/V tile ring (cp.async), the passes over the sequences a block touches,
 // token masks and the P V step that keeps masked Inf / NaN values out (the
 // output rows: epilogue.cuh). The inline PTX they use lives in ptx.cuh.
@@ -16,7 +16,7 @@
 namespace tc {
 using att::min_u32;
 
-// (query, head) rows per block of paged_mla_tc / paged_mla_wgmma, the M dimension, and the row unit of
+// (query, head) rows per block of paged_mla_tc / paged_mla_wgmma / paged_mla_seesaw, the M dimension, and the row unit of
 // the tensor-core segments: spec.TC_ROWS (cupaged/ops/attention/kernels/spec.py), through geometry.cuh.
 constexpr u32 kRows = geom::kTcRows;
 static_assert(geom::kVectorBytes == sizeof(uint4), "16-byte copies: ptx::cp_async_16, uint4 loads");

@@ -272,7 +272,7 @@ for i, (name, fn) in enumerate(
             "attention f16 d64 mixed step (segmented launches), splits 3",
             lambda: attention("f16", 64, [1] * 6 + [40] + [1] * 6 + [33], 8, 2, 3),
         ),
-        ("mla bf16 tensor-core, wgmma (the CPU as sm_90)", lambda: mla("bf16", 16, [1, 3])),
+        ("mla bf16 tensor-core, the wgmma seesaw (the CPU as sm_90)", lambda: mla("bf16", 16, [1, 3])),
         ("mla f16 tensor-core, mma.sync (the CPU as sm_80)", lambda: mla_on("sm_80", "f16", 16, [2, 3])),
         # Score variants (soft cap, window, sinks, ALiBi all on) on every family, garbled positions included;
         # a non-causal plan whose queries outnumber their keys, with a sequence without keys.

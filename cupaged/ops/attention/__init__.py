@@ -49,7 +49,7 @@ their own two-stage ``cp.async`` rings, and meet at the end. Memory
 traffic as ``paged_attention``'s, with 6 blocks per SM resident.
 
 Row-packed tensor-core kernels (f16 / bf16, ``select_tensor_core``; ``prefill_tc.cu``, ``mla_tc.cu``,
-``mla_wgmma.cu``), chosen per arch (``plan_launches(..., arch=)``: a build
+``mla_wgmma.cu``, ``mla_seesaw.cu``), chosen per arch (``plan_launches(..., arch=)``: a build
 that cannot launch on the device's arch, or targets another, is never
 chosen; ``Variant.runs_on``):
 
@@ -72,9 +72,12 @@ chosen; ``Variant.runs_on``):
   rows and split, the heads in the M dimension, so each latent row is read
   once per 64 heads (``L * (R + P) * itemsize`` bytes per block); the head
   tile is the fastest grid index, so the two head tiles of H = 128 share
-  their latent rows in L2. ``paged_mla_wgmma`` (sm_90a: ``wgmma.mma_async``,
-  two warpgroups) on sm_90, ``paged_mla_tc`` (``mma.sync``) elsewhere where
-  it fits; neither on sm_86 / sm_89 (99 KiB), where MLA runs per query.
+  their latent rows in L2. On sm_90 (sm_90a, ``wgmma.mma_async``)
+  ``paged_mla_seesaw`` over 16-bit caches (a producer warpgroup and two
+  consumer warpgroups in FlashMLA's seesaw schedule, 384 threads) and
+  ``paged_mla_wgmma`` over fp8 caches (two warpgroups in lockstep);
+  ``paged_mla_tc`` (``mma.sync``) elsewhere where it fits; none on sm_86 /
+  sm_89 (99 KiB), where MLA runs per query.
 
 All six take the one ``AttentionParams`` struct (``params.py``), call the
 one variant hook (``variant.cuh``: score and visibility) and keep the one

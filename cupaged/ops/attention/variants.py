@@ -114,8 +114,8 @@ class Variant:
     vec_loads: int = 0  # VEC_LOADS: 16-byte loads on the runtime-dim path
     group_tile: int = 0  # GROUP_TILE: query heads per block (paged_attention; paged_decode_tc's 16)
     rot_cap: int = 0  # ROT_CAP: MLA rotary capacity P (paged_attention)
-    latent_dim: int = 0  # LATENT_DIM: R (paged_mla_tc, paged_mla_wgmma)
-    rope_dim: int = 0  # ROPE_DIM: P (paged_mla_tc, paged_mla_wgmma)
+    latent_dim: int = 0  # LATENT_DIM: R (paged_mla_tc, paged_mla_wgmma, paged_mla_seesaw)
+    rope_dim: int = 0  # ROPE_DIM: P (paged_mla_tc, paged_mla_wgmma, paged_mla_seesaw)
     tile: TcTile | None = None  # TC_*: paged_prefill_tc's tile (PREFILL_TILES)
     target: str = ""  # CP_TARGET: the spec's arch-specific compile target, "" for any arch
     soft_cap: bool = False  # CP_SOFT_CAP (FEATURES)
@@ -432,7 +432,7 @@ def select_tensor_core(
     array copied by cp.async (q, caches, q_rot, k_rot) and out start on a
     16-byte boundary. ``arch``: the device's (``cupaged._runtime.device_arch``):
     only a build that launches there (``Variant.runs_on``) is chosen, an
-    arch-specific one first (paged_prefill_wgmma and paged_mla_wgmma on sm_90), then the first
+    arch-specific one first (paged_prefill_wgmma, paged_mla_seesaw and paged_mla_wgmma on sm_90), then the first
     prefill tile that fits (PREFILL_TILES); None without an arch: no
     arch-specific build, no limit checked. ``strided`` / ``latent``: as in
     ``select_variant``.

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 #: arrays that are multiples of it).
 VECTOR_BYTES = 16
 #: (query, head) rows per block of the row-packed tensor-core kernels
-#: (tc_common.cuh: tc::kRows; paged_mla_tc, paged_mla_wgmma) and the row unit
+#: (tc_common.cuh: tc::kRows; paged_mla_tc, paged_mla_wgmma, paged_mla_seesaw) and the row unit
 #: of the tensor-core segment rules (schedule.py); paged_prefill_tc's blocks
 #: have the rows of their tile (prefill_tc.PREFILL_TILES).
 TC_ROWS = 64
