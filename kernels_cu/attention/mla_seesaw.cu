@@ -125,7 +125,6 @@ constexpr u32 kMinBlocks = geom::mla_seesaw::kMinBlocks;  // the __launch_bounds
 constexpr u32 kAlign = geom::mla_seesaw::kAlignBytes;  // the layout's start: a swizzle atom boundary
 constexpr u32 kRows = tc::kRows;
 constexpr u32 kRBlocks = kR / 64, kBlocks = kK / 64;  // 128-byte column blocks (8 latent, 9 in all)
-constexpr u32 kRotSteps = kP / 16;  // k-steps of the rotary part
 constexpr u32 kQCol = kRows * 128;  // bytes of one column block of Q
 constexpr u32 kTCol = kN * 128;  // bytes of one column block of a tile
 constexpr u32 kQBytes = kBlocks * kQCol;  // Q, latent and rotary
@@ -148,7 +147,8 @@ static_assert(kR == 512 && (kP == 64 || kP == 0), "LATENT_DIM 512, ROPE_DIM 64 o
 static_assert(kThreads == 2 * 128 && kProducer == 128, "a producer and two consumer warpgroups");
 static_assert(kRows == 64 && kN == 32, "m64 wgmma rows; S [64 x 32] per tile, P V in two k-steps");
 static_assert(kS == 4 && kS % 2 == 0,
-              "four tile buffers: the consumers hold three (tiles n - 1, n, n + 1), the producer one");
+              "four tile buffers (an even count: buffer b's owner is consumer b % 2): a step's two tiles and the "
+              "next S's, the producer's copies");
 static_assert(kAlign == 8 * 128, "a 128-byte swizzle atom: 8 rows of 128 B");
 static_assert(kProducer == 4 * kN && kR / 8 == 4 * 16 && kP / 8 <= 4 * 2, "the copy map: four threads a row");
 static_assert(sizeof(scalar_t) == 2 && sizeof(kv_t) == sizeof(scalar_t), "f16 / bf16 q and caches");
