@@ -113,6 +113,7 @@
 #include "epilogue.cuh"
 #include "geometry.cuh"
 #include "warpgroup.cuh"
+#include "producer.cuh"
 
 namespace mss {
 constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM, kK = kR + kP;
@@ -295,38 +296,12 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
             if (gp > kLag) signal(Count<kLag>{});
         };
         tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
-            // The stored rows' positions in this pass: a tile where one of them may miss a valid token (the
-            // latest first position, the earliest end; rows of other sequences or none) is checked.
-            u32 elo = 0, ehi = kNone;
-            bool others = false;
-            for (u32 s = 0; s < qt && q0 + s < q_end; ++s) {
-                if (s >= slot_lo && s < slot_hi && rows.lo[s] < rows.hi[s]) {
-                    elo = rows.lo[s] > elo ? rows.lo[s] : elo;
-                    ehi = rows.hi[s] < ehi ? rows.hi[s] : ehi;
-                } else {
-                    others = true;
-                }
-            }
-            // The page walk: threads 4 t .. 4 t + 3 keep the page-table column and slot of token t of the next
-            // tile and advance them by kN tokens a tile (no division in the loop).
-            const u32* __restrict__ const table = tables + (u64)seq * p.table_width;
-            const u32 page_size = p.page_size;
-            const u32 step_j = kN / page_size, step_s = kN - step_j * page_size;
-            u32 tok = lo + ptok, pj = tok / page_size, psl = tok - pj * page_size;
+            const prod::PassSpan span = prod::pass_span(rows, qt, q0, q_end, slot_lo, slot_hi);
+            // The page walk: threads 4 t .. 4 t + 3 follow token t of each tile.
+            prod::TokenWalk<kN> walk(tables + (u64)seq * p.table_width, lo + ptok, hi, p.page_size);
             u32 raw = kNone, slot = 0;
-            auto fetch = [&] {
-                raw = tok < hi ? table[pj] : kNone;
-                slot = psl;
-                tok += kN;
-                pj += step_j;
-                psl += step_s;
-                if (psl >= page_size) {
-                    psl -= page_size;
-                    ++pj;
-                }
-            };
             const u32 ntiles = (hi - lo + kN - 1) / kN;
-            fetch();
+            walk.next(raw, slot);
             for (u32 j = 0; j < ntiles; ++j) {
                 const u32 t0 = lo + j * kN;
                 const bool ok = raw < p.num_pages;
@@ -334,9 +309,8 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
                 const kv_t* const lat = k_cache + ((u64)page * p.k_stride_page + (u64)slot * p.k_stride_slot);
                 const kv_t* const rot =
                     kP ? k_rot + ((u64)page * p.rot_stride_page + (u64)slot * p.rot_stride_slot) : k_rot;
-                fetch();
-                const u32 te = t0 + kN < hi ? t0 + kN : hi;
-                produce(lat, rot, ok, others || elo > t0 || ehi < te, t0, slot_lo | slot_hi << 16);
+                walk.next(raw, slot);
+                produce(lat, rot, ok, span.miss(t0, t0 + kN < hi ? t0 + kN : hi), t0, slot_lo | slot_hi << 16);
             }
         });
         if (gp & 1u) produce(k_cache, k_rot, false, false, 0u, 0u);  // the empty tile of an odd count: no rows

@@ -115,6 +115,7 @@
 #include "epilogue.cuh"
 #include "geometry.cuh"
 #include "warpgroup.cuh"
+#include "producer.cuh"
 
 namespace pwg {
 constexpr u32 kD = HEAD_DIM;
@@ -385,38 +386,12 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                 wgb::arrive(kFull + b, kBlockThreads);
             };
             tc::for_each_pass_of(rows, qt, [&](u32 seq, u32 slot_lo, u32 slot_hi, u32 lo, u32 hi) {
-                // The stored rows' positions in this pass: a tile where one of them may miss a valid token
-                // (the latest first position, the earliest end; rows of other sequences or none) is checked.
-                u32 elo = 0, ehi = kNone;
-                bool others = false;
-                for (u32 s = 0; s < qt && q0 + s < q_end; ++s) {
-                    if (s >= slot_lo && s < slot_hi && rows.lo[s] < rows.hi[s]) {
-                        elo = rows.lo[s] > elo ? rows.lo[s] : elo;
-                        ehi = rows.hi[s] < ehi ? rows.hi[s] : ehi;
-                    } else {
-                        others = true;
-                    }
-                }
-                // The page walk: threads 2 t and 2 t + 1 keep the page-table column and slot of token t of the
-                // next tile and advance them by kN tokens a tile (no division in the loop).
-                const u32* __restrict__ const table = tables + (u64)seq * p.table_width;
-                const u32 page_size = p.page_size;
-                const u32 step_j = kN / page_size, step_s = kN - step_j * page_size;
-                u32 tok = lo + ptok, pj = tok / page_size, psl = tok - pj * page_size;
+                const prod::PassSpan span = prod::pass_span(rows, qt, q0, q_end, slot_lo, slot_hi);
+                // The page walk: threads 2 t and 2 t + 1 follow token t of each tile.
+                prod::TokenWalk<kN> walk(tables + (u64)seq * p.table_width, lo + ptok, hi, p.page_size);
                 u32 raw = kNone, slot = 0;
-                auto fetch = [&] {
-                    raw = tok < hi ? table[pj] : kNone;
-                    slot = psl;
-                    tok += kN;
-                    pj += step_j;
-                    psl += step_s;
-                    if (psl >= page_size) {
-                        psl -= page_size;
-                        ++pj;
-                    }
-                };
                 const u32 ntiles = (hi - lo + kN - 1) / kN;
-                fetch();
+                walk.next(raw, slot);
                 for (u32 j = 0; j < ntiles; ++j) {
                     const u32 b = pb, sb = gp & 1u, t0 = lo + j * kN;
                     if (gp >= kS) wgb::sync(kEmpty + b, kBlockThreads);  // the consumers are done with buffer b
@@ -428,7 +403,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                     const u64 voff = (u64)page * p.v_stride_page + ((u64)slot * p.v_stride_slot + vh);
                     const kv_t* const ks = k_cache + koff + half * kCopyElems;
                     const kv_t* const vs = v_cache + voff + half * kCopyElems;
-                    fetch();
+                    walk.next(raw, slot);
                     {  // the tile's valid bits: warp w's 16 tokens, lane l's vote for token l % 16 (lane 2 l's ok)
                         const bool okl = __shfl_sync(CP_FULL_MASK, (u32)ok, 2 * (lane & 15u)) != 0;
                         const u32 x = __ballot_sync(CP_FULL_MASK, okl) & 0xffffu;
@@ -448,7 +423,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                     }
                     ptx::cp_async_commit();
                     const u32 te = t0 + kN < hi ? t0 + kN : hi;
-                    const bool miss = others || elo > (t0 > lo ? t0 : lo) || ehi < te;
+                    const bool miss = span.miss(t0, te);
                     missbits = missbits << 1 | (u32)miss;
                     ++gp;
                     pb = next_buf(pb);
