@@ -114,6 +114,7 @@
 #include "geometry.cuh"
 #include "warpgroup.cuh"
 #include "producer.cuh"
+#include "mla_rows.cuh"
 
 namespace mss {
 constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM, kK = kR + kP;
@@ -190,31 +191,10 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
     const u32 tid = threadIdx.x, wg = tid >> 7, warp4 = (tid >> 5) & 3u, lane = tid & 31u;
     const u32 g = lane >> 2, tq = lane & 3u;
     const u32 q_heads = p.q_heads;
-    // Block x's rows: ht = min(H, 64) heads head0 .. of qt queries q0 .. (the head tile fastest: blocks x, x + 1
-    // share a query block; the last queries first).
-    struct Place {
-        u32 ht, qt, head0;
-        u64 q0;
-    };
-    auto place_of = [&](u32 bx) {
-        Place pl;
-        pl.ht = q_heads < kRows ? q_heads : kRows;
-        pl.qt = kRows / pl.ht;
-        const u32 tiles = (q_heads + pl.ht - 1) / pl.ht, qblk = bx / tiles;
-        pl.head0 = (bx - qblk * tiles) * pl.ht;
-        pl.q0 = (u64)p.q_begin + (u64)(gridDim.x / tiles - 1 - qblk) * pl.qt;
-        return pl;
-    };
-    const Place pl = place_of(blockIdx.x);
-    const u32 ht = pl.ht, qt = pl.qt, head0 = pl.head0;
+    const mrows::Place pl(p, blockIdx.x);  // this block's heads and queries
+    const u32 ht = pl.ht, qt = pl.qt, head0 = pl.head0, q_end = pl.q_end;
     const u64 q0 = pl.q0;
-    const u32 heads = tc::min_u32(ht, q_heads - head0);
-    const u32 q_end = att::range_end(p.queries, p.q_begin, p.q_count);
-    auto row_ok = [&](u32 r, u32& slot, u32& hl) {
-        slot = r / ht;
-        hl = r - slot * ht;
-        return slot < qt && q0 + slot < q_end && hl < heads;
-    };
+    auto row_ok = [&](u32 r, u32& slot, u32& hl) { return pl.row_ok(r, slot, hl); };
 
     // ---- Q into sQ, swizzled, the latent part then the rotary part (every thread of the block) ----
     for (u32 c = tid; c < kRows * kBlocks * 8; c += kBlockThreads) {
@@ -675,39 +655,15 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
         if (tq == 0) s_m[c * kRows + 16 * warp4 + g + 8 * h] = l;
     }
     wgb::sync(kEnd, kThreads);
-    const bool split = p.splits > 1;
-    // The block's place again, from an opaque copy of its index: recomputed here rather than held in
-    // registers through the tile loop.
-    u32 bx = blockIdx.x;
-    asm volatile("" : "+r"(bx));
-    const Place pe = place_of(bx);
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         const u32 r = 16 * warp4 + g + 8 * h;
         sm[h].l = s_m[r] + s_m[kRows + r];
-        const u32 slot = my_slot[h];
-        if (slot == kNone) continue;
-        // The row writer inline, as paged_mla_wgmma's (through epi::finish / row_of / store_lse ptxas spills
-        // the all-features builds at the register cap).
-        const u64 row = (pe.q0 + slot) * q_heads + pe.head0 + (r - slot * pe.ht);
-        const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
-        float inv = sm[h].inv_sum();
-        if constexpr (variant::kSinks) {
-            if (!split) {  // the head's sink, once (split partials leave it to the merge)
-                const float a = variant::fold_sink(sm[h], sc.sink2(pe.head0 + (r - slot * pe.ht)));
-                inv = sm[h].inv_sum() * a;
-            }
-        }
-#pragma unroll
-        for (u32 j = 0; j < 32; ++j)
-            epi::store_pair(out, part_out, row_out * kR + kHalf * c + 8 * j + 2 * tq, split, o[4 * j + 2 * h] * inv,
-                            o[4 * j + 2 * h + 1] * inv);
-        if (c == 0 && tq == 0) {
-            const float lse_v = sm[h].lse();
-            if (split)
-                part_lse[row_out] = lse_v;
-            else if (p.write_lse)
-                lse[row] = lse_v;
-        }
     }
+    // The block's place again, from an opaque copy of its index: recomputed here rather than held in
+    // registers through the tile loop.
+    u32 bx = blockIdx.x;
+    asm volatile("" : "+r"(bx));
+    const mrows::Place pe(p, bx);
+    mrows::write_rows<scalar_t, kR>(p, sc, pe, out, part_out, lse, part_lse, sm, my_slot, o, kHalf * c, 1.0f, c == 0);
 }

@@ -90,6 +90,7 @@
 #include "tc_common.cuh"
 #include "epilogue.cuh"
 #include "geometry.cuh"
+#include "mla_rows.cuh"
 
 namespace mwg {
 constexpr u32 kR = LATENT_DIM, kP = ROPE_DIM, kK = kR + kP;
@@ -154,19 +155,10 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
     // uniform registers.
     const u32 wgu = __shfl_sync(CP_FULL_MASK, wg, 0);
     const u32 q_heads = p.q_heads;
-    const u32 ht = q_heads < kRows ? q_heads : kRows;
-    const u32 qt = kRows / ht;
-    const u32 tiles = (q_heads + ht - 1) / ht;
-    const u32 qblk = blockIdx.x / tiles;  // head tile fastest: blocks x, x+1 share a query block
-    const u32 head0 = (blockIdx.x - qblk * tiles) * ht;
-    const u32 heads = tc::min_u32(ht, q_heads - head0);
-    const u32 q_end = att::range_end(p.queries, p.q_begin, p.q_count);
-    const u64 q0 = (u64)p.q_begin + (u64)(gridDim.x / tiles - 1 - qblk) * qt;  // last queries first
-    auto row_ok = [&](u32 r, u32& slot, u32& hl) {
-        slot = r / ht;
-        hl = r - slot * ht;
-        return slot < qt && q0 + slot < q_end && hl < heads;
-    };
+    const mrows::Place pl(p, blockIdx.x);  // this block's heads and queries
+    const u32 ht = pl.ht, qt = pl.qt, head0 = pl.head0, q_end = pl.q_end;
+    const u64 q0 = pl.q0;
+    auto row_ok = [&](u32 r, u32& slot, u32& hl) { return pl.row_ok(r, slot, hl); };
 
     // ---- Q: the latent part into sQ (swizzled), the rotary part as A fragments ----
     for (u32 c = tid; c < kRows * kRBlocks * 8; c += kThreads) {
@@ -533,35 +525,11 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
         if (tq == 0) s_max[wg * kRows + 16 * warp4 + g + 8 * h] = l;
     }
     __syncthreads();
-    const bool split = p.splits > 1;
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         const u32 r = 16 * warp4 + g + 8 * h;
         sm[h].l = s_max[r] + s_max[kRows + r];
-        const u32 slot = my_slot[h];
-        if (slot == kNone) continue;
-        // The row writer inline, not epilogue.cuh's (a documented hook: through epi::finish / row_of /
-        // store_lse ptxas spills the all-features builds at the 255-register cap).
-        const u64 row = (q0 + slot) * q_heads + head0 + (r - slot * ht);
-        const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
-        float inv = sm[h].inv_sum();
-        if constexpr (variant::kSinks) {
-            if (!split) {  // the head's sink, once (split partials leave it to the merge)
-                const float a = variant::fold_sink(sm[h], sc.sink2(head0 + (r - slot * ht)));
-                inv = sm[h].inv_sum() * a;
-            }
-        }
-        inv *= ks;  // V is the latent: its codes times k_scale
-#pragma unroll
-        for (u32 j = 0; j < 32; ++j)
-            epi::store_pair(out, part_out, row_out * kR + 256 * wg + 8 * j + 2 * tq, split, o[4 * j + 2 * h] * inv,
-                            o[4 * j + 2 * h + 1] * inv);
-        if (wg == 0 && tq == 0) {
-            const float lse_v = sm[h].lse();
-            if (split)
-                part_lse[row_out] = lse_v;
-            else if (p.write_lse)
-                lse[row] = lse_v;
-        }
     }
+    // V is the latent: its codes times k_scale
+    mrows::write_rows<scalar_t, kR>(p, sc, pl, out, part_out, lse, part_lse, sm, my_slot, o, 256 * wg, ks, wg == 0);
 }
