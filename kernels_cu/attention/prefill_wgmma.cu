@@ -394,16 +394,17 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
                 walk.next(raw, slot);
                 for (u32 j = 0; j < ntiles; ++j) {
                     const u32 b = pb, sb = gp & 1u, t0 = lo + j * kN;
+                    const u32 word = raw, wslot = slot;  // this tile's; the next tile's word loads now, a tile ahead
+                    walk.next(raw, slot);
                     if (gp >= kS) wgb::sync(kEmpty + b, kBlockThreads);  // the consumers are done with buffer b
-                    const bool ok = raw < p.num_pages;
+                    const bool ok = word < p.num_pages;
                     // This thread's K / V row of token ptok (without a page: the row of page 0 at its slot,
                     // inside the caches and never read: the copies zero-fill), at its chunk of each pair.
-                    const u32 page = ok ? raw : 0u;
-                    const u64 koff = (u64)page * p.k_stride_page + ((u64)slot * p.k_stride_slot + kh);
-                    const u64 voff = (u64)page * p.v_stride_page + ((u64)slot * p.v_stride_slot + vh);
+                    const u32 page = ok ? word : 0u;
+                    const u64 koff = (u64)page * p.k_stride_page + ((u64)wslot * p.k_stride_slot + kh);
+                    const u64 voff = (u64)page * p.v_stride_page + ((u64)wslot * p.v_stride_slot + vh);
                     const kv_t* const ks = k_cache + koff + half * kCopyElems;
                     const kv_t* const vs = v_cache + voff + half * kCopyElems;
-                    walk.next(raw, slot);
                     {  // the tile's valid bits: warp w's 16 tokens, lane l's vote for token l % 16 (lane 2 l's ok)
                         const bool okl = __shfl_sync(CP_FULL_MASK, (u32)ok, 2 * (lane & 15u)) != 0;
                         const u32 x = __ballot_sync(CP_FULL_MASK, okl) & 0xffffu;
