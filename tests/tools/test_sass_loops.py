@@ -132,8 +132,8 @@ def test_split_prefill_consumers_issue_the_softmax_beside_their_products():
 def test_seesaw_mla_consumers_keep_their_products_asynchronous():
     """paged_mla_seesaw (sm_90a, bf16, R 512 / P 64), as NVRTC compiles it: ptxas serializes none of its
     wgmma (no "Potential Performance Loss" in its log), a producer loop copies the tiles, and a consumer's
-    iteration (a pair of 32-token tiles) issues its 40 wgmma in two groups: its own tile's P V (2), then the
-    other's P V (2) with its next S (36), waited for once each."""
+    step (its own 32-token tile and the other's before it) issues its 40 wgmma in two groups: both tiles' P V
+    on its half of the value columns (2 + 2), then its next S (36), waited for once each."""
     import numpy as np
 
     from cupaged import HostPlan
@@ -155,4 +155,4 @@ def test_seesaw_mla_consumers_keep_their_products_asynchronous():
     groups = [seg for seg in own.segments if seg[3] > 0]
     assert own.hmma == 40 and len(groups) == 2, own.segments
     pv = 2 * 2 * 64 * 256 * 16 / 4  # two m64n256k16 per warp
-    assert [seg[3] for seg in groups] == [pv, pv + 36 * 2 * 64 * 32 * 16 / 4]
+    assert [seg[3] for seg in groups] == [2 * pv, 36 * 2 * 64 * 32 * 16 / 4]
