@@ -8,11 +8,10 @@ paged_mla_wgmma."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .mla_tc import MlaTc
-from .spec import TC_ROWS, is_fp8
+from .spec import TC_ROWS
 
 if TYPE_CHECKING:
     from ..variants import Variant
@@ -69,10 +68,6 @@ class MlaSeesaw(MlaTc):
     dims = DIMS
     fp8 = False
     static_smem_budget = STATIC_SMEM_BUDGET
-
-    def builds(self, dtype: str, kv_dtype: str) -> Iterator[dict[str, Any]]:
-        if kv_dtype == dtype and not is_fp8(kv_dtype):
-            yield from super().builds(dtype, kv_dtype)
 
     def smem(self, v: Variant) -> int:
         return smem_bytes(v.latent_dim, v.rope_dim)
