@@ -345,10 +345,12 @@ def attention_blocks(
     x_reversed: bool,
 ) -> list[Block]:
     """Every block of ``launch`` in launch order (x fastest, then y, then z =
-    split): x = query block and y = KV head x tiles + tile, or with
-    ``launch.tiles_in_x`` x = query block x tiles + tile and y = KV head (the
-    head tiles of one query block dispatched side by side)."""
+    split): x = query block and y = KV head pack x tiles + tile (a pack of
+    ``launch.pack`` KV heads: paged_decode_tc), or with ``launch.tiles_in_x``
+    x = query block x tiles + tile and y = KV head (the head tiles of one
+    query block dispatched side by side)."""
     X, tiles = launch.blocks, launch.tiles
+    pack = getattr(launch, "pack", 1)
     group = hq // hkv
     heads = -(-group // tiles)
     qpb = max(1, -(-launch.q_count // X))
@@ -365,7 +367,7 @@ def attention_blocks(
     if getattr(launch, "tiles_in_x", False):
         order = [(kvh, per_q) for kvh in range(hkv) for per_q in xs for _ in range(tiles)]
     else:
-        order = [(y // tiles, per_q) for y in range(hkv * tiles) for per_q in xs]
+        order = [(y // tiles * pack, per_q) for y in range(hkv // pack * tiles) for per_q in xs]
     for z in range(splits):
         for kvh, per_q in order:
             most: dict = {}
@@ -373,10 +375,10 @@ def attention_blocks(
                 c = split_chunk(vis, splits) if part else vis
                 t = max(0, min(vis, (z + 1) * c) - z * c) if part else vis
                 most[s] = max(most.get(s, 0), t)
-            rows = len(per_q) * heads
-            keys = [((s, kvh, z), t) for s, t in most.items()]
+            rows = len(per_q) * heads * pack
+            keys = [((s, kvh + j, z), t) for j in range(pack) for s, t in most.items()]
             ob = rows * (dv + 1) * 4 if part else rows * dv * itemsize
-            out.append(Block(keys, sum(most.values()), rows, rows * (d + rot) * itemsize, ob))
+            out.append(Block(keys, pack * sum(most.values()), rows, rows * (d + rot) * itemsize, ob))
     return out
 
 

@@ -319,12 +319,13 @@ def _kv_bpt(shape: Shape, itemsize: int) -> int:
     return (shape.d + shape.rot) * itemsize if shape.rot else (shape.d + shape.dv) * itemsize
 
 
-def _run_bytes(shape: Shape, itemsize: int) -> int:
-    """Contiguous bytes of one K (or latent) row run in the cache: a row of
-    one KV head (NHD), or with one KV head, the page's rows one after
+def _run_bytes(shape: Shape, itemsize: int, pack: int = 1) -> int:
+    """Contiguous bytes of one K (or latent) run in the cache that a block
+    reads at once: a token's rows of the ``pack`` KV heads it serves (NHD:
+    one after another), or with one KV head, the page's rows one after
     another."""
     row = shape.d * itemsize
-    return row * shape.page if shape.hkv == 1 else row
+    return row * shape.page if shape.hkv == 1 else row * pack
 
 
 @dataclass
@@ -423,7 +424,7 @@ def _launch_inputs(
             kv_bytes_per_token=kv_bpt,
             probe=probe,
             fits_l2=fits,
-            run_bytes=_run_bytes(shape, itemsize),
+            run_bytes=_run_bytes(shape, itemsize, L.pack),
             extra_notes=notes,
         )
         out.append(LaunchInput(facts, desc, kw))

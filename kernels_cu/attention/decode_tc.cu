@@ -8,32 +8,41 @@
 // with k_scale / v_scale), D == Dv == HEAD_DIM (64 or 128), 16-byte aligned
 // arrays and cache strides (any view whose rows are: HND, halves of a
 // combined KV tensor). It serves any query (decode, or a query of a short
-// chunk) exactly as paged_attention does, with the same grid:
-//   grid (q_count, kv_heads * head_tiles, splits), block kThreads (kWarps = 2 warps),
-//   dynamic shared memory decode_tc.smem_bytes(D, kv) (cupaged/ops/attention/kernels/decode_tc.py):
-//   18 / 14.5 KiB at D = 64, 34 / 26.5 KiB at D = 128 (16-bit / fp8); __launch_bounds__(kThreads,
-//   kMinBlocks): six blocks per SM (the resident slots choose_splits fills, variants.RESIDENT_BLOCKS).
-//   The block geometry (warps, minimum, rows, tile, stages, row pads) is defined once in decode_tc.py
-//   (GEOMETRY) and read here through geometry.cuh (geom::decode_tc).
-//   Block x serves query q_begin + x; block y the KV head y / tiles and its
-//   query heads (y % tiles) * 16 .. + 15 (a tile of up to 16 heads of the
-//   GQA group).
+// chunk) exactly as paged_attention does, with a block for a pack of KV heads:
+//   grid (q_count, kv_heads / pack * head_tiles, splits), block pack * kThreads (kWarps = 2 warps
+//   per KV head), pack (1, 2 or up to kHeadPack = 4 heads: the launch's, schedule.py) read from
+//   blockDim; dynamic shared memory pack * decode_tc.smem_bytes(D, kv)
+//   (cupaged/ops/attention/kernels/decode_tc.py): 18 / 14.5 KiB at D = 64, 34 / 26.5 KiB at D = 128
+//   (16-bit / fp8) a KV head; __launch_bounds__(kThreads * kMinBlocks, 1): registers capped so that
+//   six one-head blocks fit an SM (the resident slots choose_splits fills: six / pack blocks).
+//   The block geometry (warps, minimum, pack, rows, tile, stages, row pads) is defined once in
+//   decode_tc.py (GEOMETRY) and read here through geometry.cuh (geom::decode_tc).
+//   Block x serves query q_begin + x; block y the KV heads (y / tiles) * pack .. + pack - 1 and,
+//   of each, the query heads (y % tiles) * 16 .. + 15 (a tile of up to 16 heads of the GQA
+//   group). Warp w = c * pack + j computes KV head j of the pack in column c.
 //
 // Tiling. The tile's heads are the M dimension of mma.sync m16n8k16: 16 rows
 // (rows past the tile's heads are zero queries, never written). Q is staged
 // once (cp.async) and held as A fragments in registers. The query's visible
-// positions [lo, hi) of its split are cut into tiles of 16 tokens; warp w
-// takes tiles w, w + 2, w + 4, ... and runs its own pipeline, with no block
-// barrier inside the loop:
-//   * a cp.async ring of kStages stages per warp in shared memory (STAGES in
-//     decode_tc.py, 2): while the warp computes tile k from one stage, tiles
-//     k + 1 .. k + kStages - 1 (their K and V rows, 16 x D each, rows padded
-//     by 8 elements for conflict-free ldmatrix) are in flight into the
-//     others; each copy instruction moves two (D = 128) or four (D = 64)
-//     whole 256 / 128-byte rows; no static shared memory;
+// positions [lo, hi) of its split are cut into tiles of 16 tokens; column c
+// (the pack's warps c * pack .. + pack - 1, one a KV head) takes tiles c,
+// c + 2, c + 4, ... and runs its own pipeline, with one named barrier of its
+// warps a tile and no block barrier inside the loop:
+//   * a cp.async ring of kStages stages per column in shared memory (STAGES
+//     in decode_tc.py, 2), a stage holding each head's K and V tile (16 x D
+//     rows, padded by 8 elements for conflict-free ldmatrix): while the
+//     column computes tile k from one stage, tiles k + 1 .. k + kStages - 1
+//     are in flight into the others. The column's lanes copy the tile
+//     together, token by token: a copy instruction moves 512 contiguous
+//     bytes of a token's rows of the pack's heads (an NHD cache: one run of
+//     pack x D elements), the pack's warps a whole run; each warp waits for
+//     its own copies, then the column's barrier says every copy of tile k
+//     has landed and every warp is done with tile k - 1's stage, which the
+//     copies of tile k + kStages - 1 then refill; no static shared memory;
 //   * the page walk (no division in the loop: the one division is at the
 //     start) advances a page column and slot by 32 tokens a tile, and the
-//     page-table word of tile k + kStages loads while tile k computes. When
+//     page-table word of tile k + kStages loads while tile k computes (each
+//     warp of a column walks its tiles). When
 //     the page size is a multiple of 16 and the share starts on a tile
 //     boundary (no window, or one starting there; splits are cut in
 //     SPLIT_TILE multiples), a tile lies in one page: one page-table word a
@@ -51,7 +60,7 @@
 //     into one 16-bit V tile [16][D + 8] that ldmatrix.trans reads as above.
 //     Decoding is exact (fp8.cuh): K in q's type, V in f16 (P V is an f16
 //     mma). k_scale multiplies the score scale and v_scale the output (one
-//     KV head a block; a null scale is 1);
+//     KV head a warp; a null scale is 1);
 //   * S = Q K^T (8 / 16 mma a tile at D = 64 / 128), the online softmax
 //     (softmax_state.cuh) on the S fragments in f32, log2 domain, a row's max
 //     and sum in the 4 lanes of a quad; O += P V with P's fragments as the A
@@ -60,20 +69,22 @@
 //     >= num_pages are zero-filled, never read, and their scores are -inf,
 //     so P is 0 exactly where V is 0 (no unused slot, Inf or NaN reaches an
 //     output). A NaN query gives NaN rows, as the reference does.
-//   At the end the two warps' states and O tiles meet in shared memory (the
-//   ring, reused) and each (head, 8 values) is written once: out / lse, or
-//   with splits > 1 the FP32 partials attention_split_merge combines
-//   (epilogue.cuh's row writer: the sink, the V scale, the stores).
+//   At the end each KV head's two warps' states and O tiles meet in shared
+//   memory (the rings, reused) and each (head, 8 values) is written once:
+//   out / lse, or with splits > 1 the FP32 partials attention_split_merge
+//   combines (epilogue.cuh's row writer: the sink, the V scale, the stores).
 //
 // Memory traffic per block: the visible K and V rows of its split once,
-// L * 2 * D * sizeof(kv_t) bytes, for all its heads, and one 4-byte page-table
-// word per 16 tokens (a page size that is a multiple of 16) or per token (other
-// page sizes) from L1 / L2; q and the outputs are small beside them. In flight:
-// kStages - 1 16-token tiles per warp (8 KiB each at D = 128, 4 KiB fp8) while
-// one computes; at two stages six blocks per SM hold up to 96 KiB (48) in flight
-// against the ~23 KiB Little's law asks of an H200 SM (4.3 TB/s x 700 ns /
-// 132). The grid of a batch-64 decode with 8 KV heads (512 blocks) fits the
-// 792 resident slots of an H200 in one wave.
+// pack * L * 2 * D * sizeof(kv_t) bytes, for all its heads, and one 4-byte
+// page-table word per 16 tokens (a page size that is a multiple of 16) or per
+// token (other page sizes) and warp from L1 / L2; q and the outputs are small
+// beside them. In flight: kStages - 1 16-token tiles per warp (8 KiB each at
+// D = 128, 4 KiB fp8) while one computes; at two stages twelve warps per SM
+// (six one-head blocks, three of two heads; one of four: eight warps, its
+// 136 KiB of shared memory) hold up to 96 KiB (48) in flight against the
+// ~23 KiB Little's law asks of an H200 SM (4.3 TB/s x 700 ns / 132). The
+// grid of a batch-64 decode with 8 KV heads (128 blocks of four heads) fits
+// the 132 SMs of an H200 in one wave.
 //
 // Defines (cupaged/ops/attention/variants.py Variant):
 //   CP_DTYPE               f16 | bf16: q and out
@@ -92,14 +103,19 @@
 #include "tc_common.cuh"
 #include "epilogue.cuh"
 #include "geometry.cuh"
+#include "warpgroup.cuh"
 
 namespace dtc {
 constexpr u32 kD = HEAD_DIM;
 constexpr u32 kRows = geom::decode_tc::kRows;  // M: query heads of one block (one mma row tile)
 constexpr u32 kN = geom::decode_tc::kN;  // tokens per warp tile
+// Per KV head: kWarps warps (columns), kThreads threads; a block serves pack <= kHeadPack heads.
 constexpr u32 kWarps = geom::decode_tc::kWarps, kThreads = geom::decode_tc::kThreads;
-constexpr u32 kMinBlocks = geom::decode_tc::kMinBlocks;  // the __launch_bounds__ minimum
-constexpr u32 kStages = geom::decode_tc::kStages;  // stages of each warp's ring
+constexpr u32 kHeadPack = geom::decode_tc::kHeadPack;
+// One-head blocks resident per SM by design: the __launch_bounds__ block kThreads * kMinBlocks caps the registers.
+constexpr u32 kMinBlocks = geom::decode_tc::kMinBlocks;
+constexpr u32 kBoundThreads = kThreads * kMinBlocks;
+constexpr u32 kStages = geom::decode_tc::kStages;  // stages of each column's ring
 constexpr u32 kPitch = kD + geom::kPitchPad;  // shared row pitch (elements): conflict-free ldmatrix
 constexpr u32 kQChunks = kD / 8;  // 16-byte chunks of a q row
 constexpr u32 kKSteps = kD / 16;  // k-steps of S = Q K^T
@@ -113,7 +129,6 @@ constexpr bool kFp8 = kKvScaled;
 using tc::v16_t;  // P and V's type in O += P V
 constexpr u32 kChunkElems = geom::kVectorBytes / sizeof(kv_t);  // cache elements per 16-byte copy
 constexpr u32 kChunks = kD / kChunkElems;  // 16-byte copies per cache row
-constexpr u32 kTileElems = 2 * kN * kPitch;  // a 16-bit tile: K [kN][kPitch], then V [kN][kPitch]
 // fp8: K's B fragments are decoded in registers from the raw codes (8-byte
 // loads, Q's fragments in the matching order of dims), so only V goes
 // through a decoded 16-bit tile [kN][kPitch]. Raw K rows are kD + kRawKPad
@@ -127,44 +142,52 @@ constexpr u32 kVPitchB = kFp8 ? kD : 2 * kPitch;  // bytes between V rows of a s
 constexpr u32 kVOffB = kN * kKPitchB;  // V rows' offset in a stage
 constexpr u32 kStageBytes = kVOffB + kN * kVPitchB;
 constexpr u32 kDecodedBytes = kFp8 ? kN * kPitch * 2 : 0;  // fp8: the decoded V tile, before the stages
-// Per warp: kStages stages (16-bit), or the decoded V tile and then kStages raw stages (fp8).
+// Per warp (a KV head of a column): kStages stages (16-bit), or its decoded V tile and kStages raw stages (fp8).
+// A column of pack warps: their decoded tiles, then its ring, stage b holding head j's tile at (b * pack + j).
 constexpr u32 kWarpBytes = kDecodedBytes + kStages * kStageBytes;
-constexpr u32 kWarpElems = kWarpBytes / 2;  // in scalar_t elements
-constexpr u32 kRowsPerCopy = 32 / kChunks;  // rows one warp-wide copy instruction covers (2, 4 or 8)
+constexpr u32 kRowsPerCopy = 32 / kChunks;  // tokens one column-wide step of copies covers (2, 4 or 8)
 constexpr u32 kRowsPerLane = kN / kRowsPerCopy;  // K (and V) rows of a tile each lane copies a chunk of
 constexpr u32 kNone = CP_NO_PAGE;
 static_assert(kD == 64 || kD == 128, "HEAD_DIM: 64 or 128");
 static_assert(kThreads == 32 * kWarps, "whole warps");
+static_assert(kHeadPack * kThreads <= kBoundThreads, "the largest pack's block within the launch bounds");
+static_assert(kWarps + 1 <= 16, "a named barrier (1 .. kWarps) per column");
 static_assert(kRows == 16 && kN == 16, "one m16n8k16 row tile of heads; one k-step of 16 tokens in P V");
-static_assert(kStages >= 2, "a ring of at least two stages per warp");
+static_assert(kStages >= 2, "a ring of at least two stages per column");
 static_assert((kN * kChunks) % 32 == 0, "a tile's K rows are whole copy instructions");
 static_assert((kN * kD / 8) % 32 == 0, "a tile's K rows are whole 8-code decode steps");
 static_assert(kWarpBytes % 16 == 0 && kDecodedBytes % 16 == 0 && kVOffB % 16 == 0, "16-byte aligned rings");
 static_assert(kKSteps % 2 == 0, "fp8: K's codes are read two k-steps at a time");
 // The end-of-kernel merge reuses the ring: each warp's O [kRows][kD] f32 and its m, l.
 static_assert((kRows * kD + 2 * kRows) * 4 <= kWarpBytes, "merge area fits a warp's ring");
+// Q is staged in the rings at the start: a KV head's 16-bit tile [kRows][kPitch] within its kWarps warps' share.
+static_assert(kRows * kPitch * 2 <= kWarps * kWarpBytes, "a head's Q tile fits its warps' share");
 static_assert(sizeof(scalar_t) == 2 && (kFp8 || sizeof(kv_t) == 2), "f16 / bf16 q; f16 / bf16 / fp8 caches");
 }  // namespace dtc
 
 // Reads p.q, p.k_cache, p.v_cache and the words; writes p.out and p.lse
 // (splits == 1) or the partials (splits > 1).
-extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) paged_decode_tc(const AttentionParams p) {
+extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode_tc(const AttentionParams p) {
     using namespace dtc;
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
-    CUPAGED_DYNAMIC_SHARED(scalar_t, smem);  // kWarps rings of kStages stages
+    CUPAGED_DYNAMIC_SHARED(scalar_t, smem);  // kWarps columns' rings (and fp8's decoded tiles)
 
     const u32 qi = p.q_begin + blockIdx.x;  // see paged_attention: the whole block leaves before any barrier
     if (blockIdx.x >= p.q_count || qi >= p.queries || qi < p.q_begin) return;
+    const u32 nthreads = blockDim.x, pack = nthreads / kThreads;  // KV heads of the block
     const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
+    const u32 col = warp / pack, hj = warp - col * pack;  // this warp's column and KV head of the pack
     const u32 g = lane >> 2, tq = lane & 3u;  // mma fragment coordinates
     const u32 r8 = lane & 7u, tile = lane >> 3;  // ldmatrix: row within a tile, tile of the x4
     const u32 q_heads = p.q_heads, kv_heads = p.kv_heads;
     const u32 group = q_heads / kv_heads;
     const u32 ht = group < kRows ? group : kRows;  // heads per tile
     const u32 tiles = (group + ht - 1) / ht;
-    const u32 kvh = blockIdx.y / tiles;
-    const u32 head0 = kvh * group + (blockIdx.y - kvh * tiles) * ht;
-    const u32 heads = att::min_u32(ht, (kvh + 1) * group - head0);  // real rows of the block
+    const u32 kvh0 = blockIdx.y / tiles * pack;  // the pack's first KV head
+    const u32 t_off = (blockIdx.y - blockIdx.y / tiles * tiles) * ht;  // the tile's first head in a group
+    const u32 kvh = kvh0 + hj;  // this warp's
+    const u32 head0 = kvh * group + t_off;
+    const u32 heads = att::min_u32(ht, group - t_off);  // real rows of each head's tile
 
     // ---- this split's share [lo, hi) of the query's visible positions ----
     const u32 seq = words[pw::q_seq(p.queries) + qi];
@@ -185,16 +208,18 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
         srow[1] = sc.row(q_pos, head0 + g + 8);
     }
 
-    // ---- Q: staged in the first ring, then A fragments in registers ----
-    for (u32 c = tid; c < kRows * kQChunks; c += kThreads) {
-        const u32 r = c / kQChunks, ch = c - r * kQChunks;
+    // ---- Q: each KV head's tile staged in the rings, then A fragments in registers ----
+    for (u32 c = tid; c < pack * kRows * kQChunks; c += nthreads) {
+        const u32 rr = c / kQChunks, ch = c - rr * kQChunks;  // row rr of the pack's tiles
+        const u32 j = rr / kRows, r = rr - j * kRows;
         const bool ok = r < heads;
-        const scalar_t* src = q + ((u64)qi * q_heads + head0 + r) * kD + ch * 8;
-        ptx::cp_async_16(smem + r * kPitch + ch * 8, ok ? src : q, ok);
+        const scalar_t* src = q + ((u64)qi * q_heads + (kvh0 + j) * group + t_off + r) * kD + ch * 8;
+        ptx::cp_async_16(smem + rr * kPitch + ch * 8, ok ? src : q, ok);
     }
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     __syncthreads();
+    const scalar_t* const qs = smem + hj * kRows * kPitch;  // this warp's head's tile
     u32 qf[kKSteps][4];
     if constexpr (kFp8) {
         // The k-dims of k-steps 2 kp, 2 kp + 1 in the order the codes are read (compute): lane
@@ -203,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
         for (u32 kp = 0; kp < kKSteps / 2; ++kp)
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) {
-                const uint4 x = *reinterpret_cast<const uint4*>(smem + (g + 8 * h) * kPitch + kp * 32 + 8 * tq);
+                const uint4 x = *reinterpret_cast<const uint4*>(qs + (g + 8 * h) * kPitch + kp * 32 + 8 * tq);
                 qf[2 * kp][h] = x.x;
                 qf[2 * kp][2 + h] = x.y;
                 qf[2 * kp + 1][h] = x.z;
@@ -212,12 +237,12 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     } else {
 #pragma unroll
         for (u32 ks = 0; ks < kKSteps; ++ks)
-            ptx::ldmatrix_x4(qf[ks], smem + (r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
+            ptx::ldmatrix_x4(qf[ks], qs + (r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
     }
     __syncthreads();  // every warp holds Q before the rings overwrite it
 
     // An fp8 cache's K scale folds into the score scale, its V scale into the
-    // output (every row of the block reads KV head kvh).
+    // output (every row of the warp reads KV head kvh).
     float qscale = p.scale * softmax::kLog2e;
     if constexpr (kFp8)
         if (p.k_scale) qscale *= p.k_scale[kvh * p.k_scale_stride];  // null: 1
@@ -230,25 +255,30 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
 #pragma unroll
         for (u32 i = 0; i < 4; ++i) o[n][i] = 0.0f;
 
-    // ---- this warp's tiles: w, w + kWarps, ... of the share ----
-    scalar_t* const ring = smem + warp * kWarpElems;
-    // The stages the copies land in (fp8: the raw codes, after the decoded tile).
-    char* const stages = reinterpret_cast<char*>(ring) + kDecodedBytes;
+    // ---- this column's tiles: c, c + kWarps, ... of the share ----
+    // The column's area: its warps' decoded V tiles (fp8), then its ring; stage b holds head j's tile at b * pack + j.
+    char* const area = reinterpret_cast<char*>(smem) + (u64)col * pack * kWarpBytes;
+    v16_t* const decoded = reinterpret_cast<v16_t*>(area + hj * kDecodedBytes);  // (fp8)
+    char* const stages = area + pack * kDecodedBytes;
     const u32 ntiles = (hi - lo + kN - 1) / kN;
-    const u32 nk = ntiles > warp ? (ntiles - warp + kWarps - 1) / kWarps : 0u;
+    const u32 nk = ntiles > col ? (ntiles - col + kWarps - 1) / kWarps : 0u;  // the same in every warp of the column
     const u32 ps = p.page_size, num_pages = p.num_pages;
-    // This lane's part of every copy: chunk ch of rows r0, r0 + kRowsPerCopy, ...
-    // of a tile (K and V), from its KV head's row (the views' element strides:
-    // a row of token (page, slot) is page * stride_page + slot * stride_slot).
-    const u32 ch = lane % kChunks, r0 = lane / kChunks;
-    const kv_t* const k_lane = k_cache + (u64)kvh * p.k_stride_head + ch * kChunkElems;
-    const kv_t* const v_lane = v_cache + (u64)kvh * p.v_stride_head + ch * kChunkElems;
-    char* const kdst_lane = stages + r0 * kKPitchB + ch * 16;
-    char* const vdst_lane = stages + kVOffB + r0 * kVPitchB + ch * 16;
+    // This lane's part of every copy: lane cl of the column copies chunk ch of head cj's rows r0, r0 +
+    // kRowsPerCopy, ... of a tile (K and V); a step of the column's copies covers kRowsPerCopy tokens' rows
+    // of all the pack's heads, 16 bytes a lane, so a warp-wide instruction reads 512 contiguous bytes of a
+    // token's rows where its heads are adjacent (NHD). A row of token (page, slot) is page * stride_page +
+    // slot * stride_slot (the views' element strides).
+    const u32 cl = hj * 32 + lane, run = pack * kChunks;
+    const u32 r0 = cl / run, cj = (cl - r0 * run) / kChunks, ch = cl % kChunks;
+    const kv_t* const k_lane = k_cache + (u64)(kvh0 + cj) * p.k_stride_head + ch * kChunkElems;
+    const kv_t* const v_lane = v_cache + (u64)(kvh0 + cj) * p.v_stride_head + ch * kChunkElems;
+    char* const kdst_lane = stages + cj * kStageBytes + r0 * kKPitchB + ch * 16;
+    char* const vdst_lane = stages + cj * kStageBytes + kVOffB + r0 * kVPitchB + ch * 16;
+    const u32 stage_b = pack * kStageBytes;  // bytes between stages
     // Page walk. When the page size is a multiple of kN and the share starts on
     // a tile boundary (no window, or one that starts there), every tile lies in
     // one page: the walk holds the tile's first token tok = lo + (k * kWarps +
-    // warp) * kN in every lane, one page-table word a tile, and each lane
+    // col) * kN in every lane, one page-table word a tile, and each lane
     // addresses its rows from that page and slot (whole). Otherwise lane l < kN
     // walks token tok + l, and a copying lane takes its rows' pages and slots
     // from their lanes (shuffles). Page column pj and slot psl advance by kStep
@@ -256,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     constexpr u32 kStep = kN * kWarps;
     const bool whole = ps % kN == 0 && lo % kN == 0;
     const u32 step_j = kStep / ps, step_s = kStep - step_j * ps;
-    u32 tok = lo + warp * kN + (whole ? 0u : lane);
+    u32 tok = lo + col * kN + (whole ? 0u : lane);
     u32 pj = tok / ps, psl = tok - pj * ps;
     u32 raw = kNone;  // page-table word of tok (kNone past hi), loaded one tile ahead
     auto fetch = [&] { raw = ((whole || lane < kN) && tok < hi) ? table[pj] : kNone; };
@@ -273,13 +303,13 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     // a page: a page's own offsets fit 32 bits).
     const u32 krow_b = kRowsPerCopy * p.k_stride_slot * (u32)sizeof(kv_t);
     const u32 vrow_b = kRowsPerCopy * p.v_stride_slot * (u32)sizeof(kv_t);
-    // The copies of the fetched tile into stage b; returns the tile's valid
-    // bits (bit r: token r is below hi in a page < num_pages). A warp-wide
-    // instruction moves kRowsPerCopy whole K (or V) rows; an invalid row is
-    // zero-filled from an address inside the cache (never read).
+    // This lane's copies of the fetched tile into stage b; returns the tile's
+    // valid bits (bit r: token r is below hi in a page < num_pages; the same in
+    // every warp of the column). An invalid row is zero-filled from an address
+    // inside the cache (never read).
     auto issue = [&](u32 b) -> u32 {
-        char* const kd = kdst_lane + b * kStageBytes;
-        char* const vd = vdst_lane + b * kStageBytes;
+        char* const kd = kdst_lane + b * stage_b;
+        char* const vd = vdst_lane + b * stage_b;
         if (whole) {
             // One page for the whole tile (raw and psl are the same in every lane).
             const bool ok = raw < num_pages;
@@ -316,16 +346,18 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
         }
         return valid;
     };
-    // fp8: decode raw stage b's V rows into the 16-bit V tile, as f16 (8
-    // codes a step: one 8-byte shared load, one 16-byte store). Zero-filled
-    // rows (invalid tokens) decode to 0.
+    // This warp's head's tile in stage b.
+    auto stage = [&](u32 b) { return stages + (b * pack + hj) * kStageBytes; };
+    // fp8: decode raw stage b's V rows of this warp's head into its 16-bit V
+    // tile, as f16 (8 codes a step: one 8-byte shared load, one 16-byte store).
+    // Zero-filled rows (invalid tokens) decode to 0.
     auto decode = [&](u32 b) {
-        const unsigned char* const src = reinterpret_cast<const unsigned char*>(stages + b * kStageBytes);
-        tc::decode_rows<v16_t, kD, kN, 32>(src + kVOffB, reinterpret_cast<v16_t*>(ring), kPitch, lane);
+        const unsigned char* const src = reinterpret_cast<const unsigned char*>(stage(b));
+        tc::decode_rows<v16_t, kD, kN, 32>(src + kVOffB, decoded, kPitch, lane);
     };
     auto compute = [&](u32 b, u32 valid, u32 t0) {
-        const scalar_t* const kt = ring + b * kTileElems;  // (16-bit caches)
-        const v16_t* const vt = reinterpret_cast<const v16_t*>(kFp8 ? ring : kt + kN * kPitch);
+        const scalar_t* const kt = reinterpret_cast<const scalar_t*>(stage(b));  // (16-bit caches)
+        const v16_t* const vt = kFp8 ? decoded : reinterpret_cast<const v16_t*>(kt + kN * kPitch);
         // S = Q K^T: [16 heads x 16 tokens].
         float s[2][4];
 #pragma unroll
@@ -337,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
             // tokens g and 8 + g; their pairs are k-steps 2 kp and 2 kp + 1 in the order Q's
             // fragments were loaded in (qf below).
             const unsigned char* const kraw =
-                reinterpret_cast<const unsigned char*>(stages + b * kStageBytes) + g * kRawKPitch + 8 * tq;
+                reinterpret_cast<const unsigned char*>(stage(b)) + g * kRawKPitch + 8 * tq;
 #pragma unroll
             for (u32 kp = 0; kp < kKSteps / 2; ++kp) {
                 const uint2 x0 = *reinterpret_cast<const uint2*>(kraw + kp * 32);
@@ -427,23 +459,24 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
         }
         u32 b = 0, nb = kStages - 1;  // the stage of tile k, and of tile k + kStages - 1
         for (u32 k = 0; k < nk; ++k) {
+            ptx::cp_async_wait<kStages - 2>();  // this warp's copies of tile k have landed
+            // The column's: tile k has landed, and every warp is done with tile k - 1's stage nb.
+            wgb::sync(1 + col, pack * 32);
             valid[kStages - 1] = 0u;
             if (k + kStages - 1 < nk) {
-                valid[kStages - 1] = issue(nb);  // stage nb was last read by tile k - 1's compute
+                valid[kStages - 1] = issue(nb);
                 advance();
                 fetch();  // the page word of the tile after loads while tile k computes
             }
             ptx::cp_async_commit();  // possibly empty: one group per tile
-            ptx::cp_async_wait<kStages - 1>();  // tile k has landed (the tiles after it may be in flight)
-            __syncwarp();
             if (valid[0]) {
                 if constexpr (kFp8) {
-                    decode(b);  // the decoded tile was last read by tile k - 1's compute
+                    decode(b);  // this warp's decoded tile was last read by its tile k - 1's compute
                     __syncwarp();
                 }
-                compute(b, valid[0], lo + (k * kWarps + warp) * kN);
+                compute(b, valid[0], lo + (k * kWarps + col) * kN);
             }
-            __syncwarp();  // every lane is done with stage b (and the decoded tile) before it is refilled
+            __syncwarp();  // (fp8) every lane is done with the decoded tile before it is refilled
 #pragma unroll
             for (u32 j = 0; j + 1 < kStages; ++j) valid[j] = valid[j + 1];
             nb = b;  // tile k's stage takes tile k + kStages
@@ -451,15 +484,17 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
         }
     }
     ptx::cp_async_wait<0>();
-    __syncthreads();  // both rings are free: the merge area reuses them
+    __syncthreads();  // every ring is free: the merge area reuses them
 
-    // ---- the warps' states and O tiles meet in shared memory ----
+    // ---- each head's warps' states and O tiles meet in shared memory ----
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         sm[h].l += __shfl_xor_sync(CP_FULL_MASK, sm[h].l, 1);
         sm[h].l += __shfl_xor_sync(CP_FULL_MASK, sm[h].l, 2);
     }
-    float* const mine = reinterpret_cast<float*>(smem + warp * kWarpElems);  // O [kRows][kD], m [kRows], l [kRows]
+    // Warp w's area (w = c * pack + j): O [kRows][kD], m [kRows], l [kRows] in f32.
+    constexpr u32 kAreaFloats = kWarpBytes / 4;
+    float* const mine = reinterpret_cast<float*>(smem) + warp * kAreaFloats;
 #pragma unroll
     for (u32 n = 0; n < kOTiles; ++n)
 #pragma unroll
@@ -479,29 +514,30 @@ extern "C" __global__ void __launch_bounds__(dtc::kThreads, dtc::kMinBlocks) pag
     __syncthreads();
 
     const bool split = p.splits > 1;
-    for (u32 idx = tid; idx < heads * kQChunks; idx += kThreads) {
-        const u32 r = idx / kQChunks, e0 = (idx - r * kQChunks) * 8;
-        const float* w0 = reinterpret_cast<const float*>(smem);
+    for (u32 idx = tid; idx < pack * heads * kQChunks; idx += nthreads) {
+        const u32 rr = idx / kQChunks, e0 = (idx - rr * kQChunks) * 8;  // row rr of the pack's heads
+        const u32 j = rr / heads, r = rr - j * heads;
+        const float* const w0 = reinterpret_cast<const float*>(smem) + j * kAreaFloats;  // column 0's warp of head j
         float mx = neg_inf(), wt[kWarps], total = 0.0f;
 #pragma unroll
-        for (u32 w = 0; w < kWarps; ++w) mx = fmaxf(mx, w0[w * kWarpElems / 2 + kRows * kD + r]);
+        for (u32 w = 0; w < kWarps; ++w) mx = fmaxf(mx, w0[w * pack * kAreaFloats + kRows * kD + r]);
 #pragma unroll
         for (u32 w = 0; w < kWarps; ++w) {
-            const float* ws = w0 + w * kWarpElems / 2 + kRows * kD;
+            const float* ws = w0 + w * pack * kAreaFloats + kRows * kD;
             wt[w] = softmax::rescale(ws[r], mx);
             total += ws[kRows + r] * wt[w];
         }
         softmax::State all = softmax::make_state(mx, total);
-        const u32 h = head0 + r;
+        const u32 h = (kvh0 + j) * group + t_off + r;
         // The head's sink (not in a split partial) and the cache's V scale (fp8).
-        const float inv = epi::finish(all, sc, h, split, epi::v_scale(p, kvh));
+        const float inv = epi::finish(all, sc, h, split, epi::v_scale(p, kvh0 + j));
         float v[8];
 #pragma unroll
         for (u32 i = 0; i < 8; ++i) v[i] = 0.0f;
 #pragma unroll
         for (u32 w = 0; w < kWarps; ++w)
 #pragma unroll
-            for (u32 i = 0; i < 8; ++i) v[i] = fmaf(w0[w * kWarpElems / 2 + r * kD + e0 + i], wt[w], v[i]);
+            for (u32 i = 0; i < 8; ++i) v[i] = fmaf(w0[w * pack * kAreaFloats + r * kD + e0 + i], wt[w], v[i]);
         const epi::Row row = epi::row_of(p, (u64)qi * q_heads + h, split);
         epi::store_values(out, part_out, row.dst * kD + e0, split, v, inv);
         // natural log; -inf when the query (or split) sees nothing

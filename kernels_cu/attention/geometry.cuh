@@ -25,6 +25,7 @@ constexpr u32 kRowLanes = 32;
 namespace decode_tc {   // cupaged/ops/attention/kernels/decode_tc.py
 constexpr u32 kWarps = 2;
 constexpr u32 kThreads = 64;
+constexpr u32 kHeadPack = 4;
 constexpr u32 kMinBlocks = 6;
 constexpr u32 kRows = 16;
 constexpr u32 kN = 16;

@@ -261,6 +261,7 @@ KERNEL_FACTS = {
         "dtc::kWarps == geom::decode_tc::kWarps",
         "dtc::kThreads == geom::decode_tc::kThreads",
         "dtc::kMinBlocks == geom::decode_tc::kMinBlocks",
+        "dtc::kHeadPack == geom::decode_tc::kHeadPack",
         "dtc::kRows == geom::decode_tc::kRows",
         "dtc::kN == geom::decode_tc::kN",
         "dtc::kPitch == dtc::kD + geom::kPitchPad",
@@ -333,6 +334,14 @@ def _decode_sample(v) -> bool:
     return v.kv_dtype == "e4m3" and (v.head_dim == 128 or (v.dim_cap == 64 and v.vec_loads == 1))
 
 
+def _bounds(v, threads):
+    """The ``__launch_bounds__`` the spec states for ``v`` built with a block of ``threads``: its block and
+    resident blocks unless the spec caps registers for another block (``KernelSpec.launch_bounds``)."""
+    k = variants.KERNELS[v.kernel]
+    a, b = k.launch_bounds(v)
+    return (threads, b) if (a, b) == (k.block_threads(v), k.resident_blocks(v)) else (a, b)
+
+
 def _spec_builds():
     """One build per distinct geometry of each tensor-core kernel (bf16 q,
     a bf16 or e4m3 cache) and of paged_prefill_simt (f32),
@@ -349,7 +358,7 @@ def _spec_builds():
         elif v.dtype == "bf16" and v.kv_dtype in ("bf16", "e4m3"):
             by_geometry.setdefault((v.kernel, v.head_dim, v.tile, v.latent_dim, v.rope_dim, v.kv_dtype), v)
     out = [
-        (v.kernel, v.source, v.defines(), v.cpu_threads, v.resident_blocks, KERNEL_FACTS[v.kernel](v))
+        (v.kernel, v.source, v.defines(), *_bounds(v, v.cpu_threads), KERNEL_FACTS[v.kernel](v))
         for v in by_geometry.values()
     ]
     # a kernel with a CPU geometry (decode.py CPU_GEOMETRY): its GPU block too, as CUPAGED_CPU_GEOMETRY=gpu builds it
@@ -358,8 +367,7 @@ def _spec_builds():
             v.kernel,
             v.source,
             {**v.defines(), "CUPAGED_GPU_GEOMETRY": 1},
-            v.threads,
-            v.resident_blocks,
+            *_bounds(v, v.threads),
             GPU_GEOMETRY_FACTS.get(v.kernel, lambda v: [])(v),
         )
         for v in by_geometry.values()

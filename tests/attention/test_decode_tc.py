@@ -363,7 +363,9 @@ def test_launch_bounds_match_the_table():
     # the values agree is test_arch_select's test_specs_state_what_the_kernels_compile.
     text = (kernel_dir() / "attention" / "decode_tc.cu").read_text()
     assert "constexpr u32 kMinBlocks = geom::decode_tc::kMinBlocks;" in text
-    assert "__launch_bounds__(dtc::kThreads, dtc::kMinBlocks)" in text
+    # a block of up to kHeadPack KV heads, its registers capped as for kMinBlocks one-head blocks
+    assert "__launch_bounds__(dtc::kBoundThreads, 1)" in text
+    assert "constexpr u32 kBoundThreads = kThreads * kMinBlocks;" in text
     assert decode_tc.GEOMETRY["kMinBlocks"] == decode_tc.MIN_BLOCKS == variants.RESIDENT_BLOCKS[DECODE_TC]
     text = (kernel_dir() / "attention" / "decode.cu").read_text()
     assert "__launch_bounds__(att::kThreads, att::kMinBlocks) paged_attention" in text

@@ -144,10 +144,11 @@ def test_segments_are_cached_and_sum_the_grids(monkeypatch):
     monkeypatch.setattr(schedule, "_segment", lambda host, group: calls.append(group) or real(host, group))
     host = _host(Q_MIXED)
     assert schedule.tc_segments(host, 4) is schedule.tc_segments(host, 4)
-    # bf16, D 128, 8 x 2 heads: 12 decode blocks (paged_decode_tc: one per query, its 4 heads in one tile)
-    # and ceil(40 / 16) + ceil(33 / 16) tensor-core prefill blocks per KV head.
+    # bf16, D 128, 8 x 2 heads: 12 decode blocks (paged_decode_tc: one per query for both KV heads, a pack of
+    # two, each with its 4 heads in one tile) and ceil(40 / 16) + ceil(33 / 16) tensor-core prefill blocks per
+    # KV head.
     qpb = _prefill_qpb(4, 128)  # queries of G = 4 in one block of the D = 128 prefill tile
-    assert schedule.unsplit_blocks(host, 8, 2, 128, 128, "bf16") == (12 + -(-40 // qpb) + -(-33 // qpb)) * 2
+    assert schedule.unsplit_blocks(host, 8, 2, 128, 128, "bf16") == 12 + (-(-40 // qpb) + -(-33 // qpb)) * 2
     # f32: the same segments, the chunks on paged_prefill_simt (64 rows a block: 16 queries of G = 4) and
     # the decodes on paged_attention; at D 96 (no row-packed build) one CUDA-core launch.
     simt_qpb = variants.tc_queries_per_block(4)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 import numpy as np
 
 from ... import dtypes
-from .variants import TC_ROWS, select_tensor_core, select_variant, tc_queries_per_block
+from .variants import KERNELS, TC_ROWS, select_tensor_core, select_variant, tc_queries_per_block
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
@@ -259,14 +259,17 @@ class Launch(NamedTuple):
     ``source`` (a ``kernels_cu`` stem: ``"attention/decode"``, ...) and
     ``kernel`` name it, ``defines`` its variant; ``threads`` per block (on the
     CPU backend ``cpu_threads``: ``KernelSpec.cpu_block_threads``) and
-    ``smem`` dynamic shared bytes; the grid is ``(blocks, kv_heads * tiles,
+    ``smem`` dynamic shared bytes; the grid is ``(blocks, kv_heads / pack * tiles,
     splits)``, or with ``tiles_in_x`` ``(blocks * tiles, kv_heads, splits)``
     (the head tile the fastest block index: the MLA kernels, whose head
     tiles of one query then run side by side and share its latent rows in
     L2); it serves packed queries ``[q_begin, q_begin + q_count)``.
     ``min_blocks``: resident blocks per SM the kernel is designed for (its
     ``__launch_bounds__`` minimum; ``variants.resident_blocks``), 0 when the
-    occupancy rules alone decide (paged_attention)."""
+    occupancy rules alone decide (paged_attention). ``pack``: KV heads per
+    block (``KernelSpec.head_pack``; paged_decode_tc's blocks serve
+    several): the grid's y is then ``kv_heads / pack * tiles``, and
+    ``threads``, ``smem`` and ``min_blocks`` are the packed block's."""
 
     source: str
     kernel: str
@@ -280,16 +283,21 @@ class Launch(NamedTuple):
     min_blocks: int = 0
     tiles_in_x: bool = False
     cpu_threads: int = 0
+    pack: int = 1
 
     def block(self, backend: str) -> int:
         """Threads per block on ``backend`` ("cpu" or "gpu")."""
         return (self.cpu_threads or self.threads) if backend == "cpu" else self.threads
 
+    def head_blocks(self, kv_heads: int) -> int:
+        """Blocks per query block of the unsplit grid: ``kv_heads / pack`` x ``tiles``."""
+        return kv_heads // self.pack * self.tiles
+
     def grid(self, kv_heads: int, splits: int) -> tuple[int, int, int]:
         """The launch grid for ``kv_heads`` KV heads and ``splits`` splits."""
         if self.tiles_in_x:
-            return (self.blocks * self.tiles, kv_heads, splits)
-        return (self.blocks, kv_heads * self.tiles, splits)
+            return (self.blocks * self.tiles, kv_heads // self.pack, splits)
+        return (self.blocks, self.head_blocks(kv_heads), splits)
 
 
 _launches_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -402,22 +410,24 @@ def _launches(
         else:
             v = select_variant(dtype, d, dv, aligned, group, rot_dim, score=score, features=features, **storage)
             tiles, blocks = -(-group // v.group_tile), count
+        pack = KERNELS[v.kernel].head_pack(v, hkv, arch)
         launches.append(
             Launch(
                 v.source,
                 v.kernel,
                 v.defines(),
-                v.threads,
-                v.smem,
+                pack * v.threads,
+                pack * v.smem,
                 blocks,
                 tiles,
                 begin,
                 count,
-                v.resident_blocks,
-                bool(on_tc and v.latent_dim),
-                v.cpu_threads,
+                max(1, v.resident_blocks // pack) if v.resident_blocks else 0,
+                bool(on_tc and v.latent_dim),  # MLA: head tiles in x
+                pack * v.cpu_threads,
+                pack,
             )
-        )  # MLA: head tiles in x
+        )
     return tuple(launches)
 
 
@@ -453,4 +463,4 @@ def unsplit_blocks(
         True,
         kv_dtype=None if kv_dtype is None else dtypes.token(kv_dtype),
     )
-    return sum(launch.blocks * kv_heads * launch.tiles for launch in launches)
+    return sum(launch.blocks * launch.head_blocks(kv_heads) for launch in launches)

@@ -164,7 +164,7 @@ def choose_splits(
             if host.queries
             else ()
         )
-        blocks = sum(launch.blocks * int(kv_heads) * launch.tiles for launch in launches)
+        blocks = sum(launch.blocks * launch.head_blocks(int(kv_heads)) for launch in launches)
         resident = min((launch.min_blocks or 1 for launch in launches), default=1)
     slots = max(1, int(resident)) * int(multiprocessors)
     seen = host.max_kv_len if window is None else min(host.max_kv_len, window)

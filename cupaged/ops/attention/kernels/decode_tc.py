@@ -1,22 +1,33 @@
 """paged_decode_tc (``kernels_cu/attention/decode_tc.cu``): mma.sync decode,
-one block per (query, KV head, 16-head tile, split) of WARPS warps, each
-with its own K/V ring of STAGES stages in shared memory; f16 / bf16 q over a cache
-of q's type or fp8, D == Dv in DIMS, 16-byte aligned arrays."""
+one block per (query, pack of KV heads, 16-head tile, split) of WARPS warps
+per KV head; the warps of one column (one per KV head of the pack) share a
+K/V ring of STAGES stages in shared memory, each copy instruction reading
+a token's rows of the pack's heads (one run of ``pack x D`` elements in an
+NHD cache); f16 / bf16 q over a cache of q's type or fp8, D == Dv in DIMS,
+16-byte aligned arrays."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ...._runtime.archs import launchable
 from .spec import PITCH_PAD, KernelSpec, is_fp8, tc_pair
 
 if TYPE_CHECKING:
     from ..variants import Shape, Variant
 
-#: Warps per block (dtc::kWarps), each with its own K/V ring.
+#: Warps per KV head of a block (dtc::kWarps): its columns, taking tiles w, w + WARPS, ...
 WARPS = 2
-#: Threads per block (dtc::kThreads; the first ``__launch_bounds__`` argument).
+#: Threads per KV head of a block (dtc::kThreads): a block of ``pack`` KV heads has ``pack x THREADS``.
 THREADS = 32 * WARPS
+#: The most KV heads one block serves (dtc::kHeadPack): a launch takes the largest power of two up to it that
+#: divides the KV heads and whose block launches on the device (``head_pack``). 4: a copy instruction of a 16-bit
+#: D = 128 cache reads 512 contiguous bytes, the column's four warps a token's 1 KiB run of the four heads (NHD),
+#: where one head's 256-byte rows at the cache's 2 KiB token stride (8 KV heads) are the pattern the model
+#: (perf_model, sm_90; modeled, pessimistic end) rates at 0.85 of copy bandwidth against 0.93 for runs >= 1 KiB.
+#: 8 would be a 512-thread block of 168-register threads: more registers than an SM holds.
+HEAD_PACK = 4
 #: Query heads per block: the 16 rows of one mma tile (dtc::kRows).
 HEADS = 16
 #: Tokens per warp tile (dtc::kN).
@@ -29,8 +40,9 @@ TILE_TOKENS = 16
 STAGES = 2
 #: Bytes added to a raw fp8 K row of a stage (dtc::kRawKPitch = D + RAW_K_PAD).
 RAW_K_PAD = 32
-#: Resident blocks per SM by design (dtc::kMinBlocks, the second
-#: ``__launch_bounds__`` argument): registers are capped so that six fit.
+#: Resident blocks of one KV head (THREADS) per SM by design (dtc::kMinBlocks): registers are capped so that six
+#: fit, ``__launch_bounds__(THREADS x MIN_BLOCKS, 1)`` (the cap of a 384-thread block: 168 registers), so a block of
+#: ``pack`` KV heads has MIN_BLOCKS // pack resident (``resident_blocks``).
 MIN_BLOCKS = 6
 #: Head dims (D == Dv).
 DIMS = (64, 128)
@@ -45,6 +57,7 @@ MIN_GROUP = 1
 GEOMETRY = {
     "kWarps": WARPS,
     "kThreads": THREADS,
+    "kHeadPack": HEAD_PACK,
     "kMinBlocks": MIN_BLOCKS,
     "kRows": HEADS,
     "kN": TILE_TOKENS,
@@ -66,7 +79,8 @@ def warp_bytes(head_dim: int, kv_dtype: str | None = None) -> int:
 
 
 def smem_bytes(head_dim: int, kv_dtype: str | None = None) -> int:
-    """Dynamic shared memory of a block: WARPS rings."""
+    """Dynamic shared memory of a block of one KV head: WARPS rings (a
+    block of ``pack`` KV heads: ``pack`` times this)."""
     return WARPS * warp_bytes(head_dim, kv_dtype)
 
 
@@ -92,6 +106,16 @@ class DecodeTc(KernelSpec):
 
     def smem(self, v: Variant) -> int:
         return smem_bytes(v.head_dim, v.kv_dtype)
+
+    def launch_bounds(self, v: Variant) -> tuple[int, int]:
+        # the register cap of MIN_BLOCKS one-head blocks, for a block of up to HEAD_PACK heads
+        return THREADS * MIN_BLOCKS, 1
+
+    def head_pack(self, v: Variant, kv_heads: int, arch: str | None) -> int:
+        p = HEAD_PACK
+        while p > 1 and (kv_heads % p or not launchable(arch, self.static_smem_budget, p * self.smem(v), p * THREADS)):
+            p //= 2
+        return p
 
 
 DECODE_TC = DecodeTc()

@@ -126,6 +126,19 @@ class KernelSpec:
         minimum; 0: not fixed by the kernel)."""
         return self.min_blocks
 
+    def launch_bounds(self, v: Variant) -> tuple[int, int]:
+        """The kernel's ``__launch_bounds__`` (threads, minimum blocks): its
+        block and resident blocks unless the kernel caps its registers for
+        another block (paged_decode_tc: a block of several KV heads)."""
+        return self.block_threads(v), self.resident_blocks(v)
+
+    def head_pack(self, v: Variant, kv_heads: int, arch: str | None) -> int:
+        """KV heads one block of a launch serves (1: one; paged_decode_tc
+        packs several): a divisor of ``kv_heads`` whose block (``pack x``
+        the threads and dynamic shared memory of ``v``) launches on
+        ``arch`` (None: no device limits known)."""
+        return 1
+
     def gate_fast(self, v: Variant) -> bool:
         """A build the NVRTC gate compiles with each of GATE_FEATURES (the
         fast dims of the kernel)."""
