@@ -220,7 +220,8 @@ def test_choose_splits_from_the_kernel_that_runs():
 
     b1 = HostPlan.build(np.arange(2048).reshape(1, 2048), [32768], [1], 16, 2048)
     split = cupaged.choose_splits(b1, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype=BF16)
-    assert split == min(cupaged.MAX_SPLITS, RESIDENT_BLOCKS["paged_decode_tc"] * 132 // 8) == 64
+    # paged_decode_tc: 2 blocks of four KV heads, one resident a SM (six one-head blocks' registers)
+    assert split == min(cupaged.MAX_SPLITS, RESIDENT_BLOCKS["paged_decode_tc"] // 4 * 132 // 2) == 64
     assert (
         cupaged.choose_splits(b1, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype=np.float32)
         == RESIDENT_BLOCKS["paged_attention"] * 132 // 8
@@ -231,8 +232,8 @@ def test_choose_splits_from_the_kernel_that_runs():
     b64 = HostPlan.build(np.arange(64 * 256).reshape(64, 256), [4096] * 64, [1] * 64, 16, 64 * 256)
     assert cupaged.choose_splits(b64, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype=BF16) == 1
     b16 = HostPlan.build(np.arange(16 * 256).reshape(16, 256), [4096] * 16, [1] * 16, 16, 16 * 256)
-    # 128 blocks, 792 slots: 6 splits (768 blocks, one wave)
-    assert cupaged.choose_splits(b16, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype=BF16) == 6
+    # 32 blocks of four KV heads, 132 slots (one a SM): 4 splits (128 blocks, one wave)
+    assert cupaged.choose_splits(b16, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype=BF16) == 4
 
 
 def test_choose_splits_counts_the_grid_of_the_kernel_that_runs():

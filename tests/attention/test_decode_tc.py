@@ -38,7 +38,9 @@ def per_query_only(monkeypatch):
 
 
 # (page_size, head_dim, q_heads, kv_heads): GQA 4 (the benchmark's 32/8),
-# 8, 1, 3, 12 and 20 (two head tiles, 16 + 4 heads), page sizes 1 / 3 / 5 / 16 / 64.
+# 8, 1, 3, 12 and 20 (two head tiles, 16 + 4 heads), page sizes 1 / 3 / 5 / 8 /
+# 16 / 64; blocks of 4 KV heads (8 and 4 KV heads), of 2 (2, and 6: three
+# packs; two head tiles of each head of a pack) and of 1.
 SHAPES = [
     (16, 128, 32, 8),
     (1, 64, 8, 1),
@@ -46,6 +48,8 @@ SHAPES = [
     (5, 64, 6, 2),
     (64, 64, 24, 2),
     (16, 128, 20, 1),
+    (16, 64, 40, 2),
+    (8, 128, 12, 6),
 ]
 
 
@@ -352,6 +356,53 @@ def test_selection_rule():
         for d in decode_tc.DIMS
     }
     assert variants.resident_blocks(sel("bf16", 128, 128, True, 4)) == variants.RESIDENT_BLOCKS[DECODE_TC] == 6
+
+
+def test_head_packs():
+    """A block serves the largest pack of KV heads (up to HEAD_PACK, a power
+    of two) that divides the KV heads and launches on the device: the grid's
+    y, the block, its shared memory and its resident blocks follow, and so do
+    the unsplit block count and the split count choose_splits takes."""
+    from cupaged.ops.attention import schedule, splits
+
+    host = cupaged.HostPlan.build(
+        np.arange(64 * 256, dtype=np.int32).reshape(64, 256),
+        np.full(64, 4096, np.int32),
+        np.ones(64, np.int32),
+        16,
+        64 * 256,
+    )
+    one = decode_tc.smem_bytes(128)
+    # (KV heads, arch, pack): sm_86 / sm_89 opt in to 99 KiB a block: 4 heads' rings (136 KiB) do not fit there.
+    for hkv, arch, pack in [
+        (8, "sm_90", 4),
+        (8, "sm_80", 4),
+        (8, "sm_86", 2),
+        (12, "sm_90", 4),
+        (6, "sm_90", 2),
+        (2, "sm_90", 2),
+        (3, "sm_90", 1),
+        (1, "sm_90", 1),
+    ]:
+        (L,) = schedule.plan_launches(host, "bf16", 4 * hkv, hkv, 128, 128, 0, True, True, arch=arch)
+        assert L.kernel == DECODE_TC and L.pack == pack, (hkv, arch, L)
+        assert (L.threads, L.smem) == (pack * decode_tc.THREADS, pack * one)
+        assert L.min_blocks == decode_tc.MIN_BLOCKS // pack and L.grid(hkv, 5) == (64, hkv // pack, 5)
+        if arch == "sm_90":  # (unsplit_blocks assumes no device limits: the largest pack that divides)
+            assert schedule.unsplit_blocks(host, 4 * hkv, hkv, 128, 128, "bf16") == 64 * hkv // pack
+    # At D = 64 four heads' rings fit sm_86's 99 KiB; an fp8 cache's at D = 128 do not (106 KiB)
+    (L,) = schedule.plan_launches(host, "bf16", 32, 8, 64, 64, 0, True, True, arch="sm_86")
+    assert L.pack == 4 and L.smem == 4 * decode_tc.smem_bytes(64) <= 99 * 1024
+    (L,) = schedule.plan_launches(host, "bf16", 32, 8, 128, 128, 0, True, True, arch="sm_86", kv_dtype="e4m3")
+    assert L.pack == 2 and 4 * decode_tc.smem_bytes(128, "e4m3") > 99 * 1024
+    # B1 ctx32k, 8 KV heads on 132 SMs: 2 blocks of four heads, one resident a SM, so 64 splits (MAX_SPLITS)
+    long = cupaged.HostPlan.build(np.arange(2048, dtype=np.int32)[None], [32768], [1], 16, 2048)
+    n = splits.choose_splits(long, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype="bf16", arch="sm_90")
+    assert n == min(splits.MAX_SPLITS, 132 // 2)
+    # B16: 32 blocks, 132 slots: 4 splits (six one-head blocks a SM would have given 792 // 128 = 6)
+    b16 = cupaged.HostPlan.build(np.arange(16 * 2048, dtype=np.int32).reshape(16, 2048), [32768] * 16, [1] * 16, 16,
+                                 16 * 2048)
+    assert splits.choose_splits(b16, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype="bf16", arch="sm_90") == 4
 
 
 def test_launch_bounds_match_the_table():

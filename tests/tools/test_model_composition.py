@@ -671,3 +671,30 @@ def test_a_ring_that_issues_before_its_wait_has_one_more_tile_in_flight_during_i
         assert one.iteration["iteration"] == pytest.approx(max(w, (lat + w) / (n + 1)), rel=1e-9)
     after = ring(1, False)
     assert after.regions[0].commit_after_wait and after.latency_time(lat, 1e-7) == pytest.approx(max(1e-7, lat / 2))
+
+
+def test_a_pack_of_kv_heads_is_one_block_reading_their_runs():
+    """A block serving a pack of KV heads (paged_decode_tc) is modeled as one
+    block: the pack's tokens, rows and data keys, none lost or counted twice;
+    its contiguous run in an NHD cache is a token's rows of the pack's heads
+    (1 KiB for four 256-byte rows), which the DRAM efficiency rates."""
+    from cupaged.plan import HostPlan
+    from cupaged.ops.attention.schedule import Launch
+    from cupaged.tools import perf_model
+
+    host = HostPlan.build(np.arange(16, dtype=np.int32).reshape(2, 8), [40, 100], [1, 1], 16, 16)
+
+    def blocks(pack):
+        launch = Launch("attention/decode_tc", "paged_decode_tc", {}, 64 * pack, 0, 2, 1, 0, 2, pack=pack)
+        kw = dict(hkv=8, hq=32, d=128, dv=128, rot=0, itemsize=2, splits=1, causal=True, x_reversed=False)
+        return model.attention_blocks(launch, host, **kw)
+
+    one, four = blocks(1), blocks(4)
+    assert (len(one), len(four)) == (16, 4)
+    assert sum(b.tokens for b in four) == sum(b.tokens for b in one) == 8 * (40 + 100)
+    assert sorted(k for b in four for k in b.keys) == sorted(k for b in one for k in b.keys)
+    assert [b.rows for b in four] == [4 * 4] * 4 and four[0].out_bytes == 4 * one[0].out_bytes
+    shape = next(s for s in perf_model.SHAPES if s.name == "gqa_g4")
+    assert perf_model._run_bytes(shape, 2) == 256 and perf_model._run_bytes(shape, 2, 4) == 1024
+    pt = SM90.point("pess")
+    assert pt.dram_eff(1024) == pt.dram_eff_long > pt.dram_eff(512) > pt.dram_eff(256) == pt.dram_eff_256
