@@ -1,9 +1,11 @@
 // mla_rows.cuh: what the two warpgroup MLA kernels (paged_mla_wgmma in
 // mla_wgmma.cu, paged_mla_seesaw in mla_seesaw.cu) share about their rows: a
-// block's place in its launch (its heads and queries) and the end, where each
-// warpgroup writes its half of the value columns of every row (the row writer
-// inline, not epilogue.cuh's: through epi::finish / row_of / store_lse ptxas
-// spills the all-features builds at the register cap).
+// block's place in its launch (its heads and queries), the staging of its Q
+// rows in shared memory (128-byte-swizzled column blocks of 64 rows, as
+// wgmma reads them), and the end, where each warpgroup writes its half of the
+// value columns of every row (the row writer inline, not epilogue.cuh's:
+// through epi::finish / row_of / store_lse ptxas spills the all-features
+// builds at the register cap).
 #pragma once
 #include "../common.cuh"
 #include "../softmax_state.cuh"
@@ -37,6 +39,28 @@ struct Place {
         return slot < qt && q0 + slot < q_end && hl < heads;
     }
 };
+
+// Byte offset of 16-byte chunk c (0 .. 7) of row r in a 128-byte-swizzled column block.
+__device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7u)) << 4); }
+
+// Every thread of the block (tid of nthreads) copies its share of the block's 64 Q rows into sq: 16-byte chunk
+// ch of row r (ch < kChunks; chunk 8 b + c at column block b, byte sq + b * 64 * 128 + swz(r, c)), the latent
+// part q [rows, kR] first, then (kChunks > kR / 8) the rotary part q_rot [rows, kP]; rows with no query or head
+// zero-filled from q (never read). One cp.async group, committed.
+template <typename T, u32 kChunks, u32 kR, u32 kP>
+__device__ __forceinline__ void stage_q(unsigned char* sq, const T* __restrict__ q, const T* __restrict__ q_rot,
+                                        const Place& pl, u32 q_heads, u32 tid, u32 nthreads) {
+    static_assert(kChunks == kR / 8 || kChunks == (kR + kP) / 8, "the latent part, or the latent and rotary parts");
+    for (u32 c = tid; c < tc::kRows * kChunks; c += nthreads) {
+        const u32 r = c / kChunks, ch = c - r * kChunks;  // chunk ch of row r
+        u32 slot, hl;
+        const bool ok = pl.row_ok(r, slot, hl);
+        const u64 row = (pl.q0 + slot) * q_heads + pl.head0 + hl;
+        const T* src = ch < kR / 8 ? q + row * kR + ch * 8 : q_rot + row * kP + (ch - kR / 8) * 8;
+        ptx::cp_async_16(sq + (ch >> 3) * (tc::kRows * 128) + swz(r, ch & 7u), ok ? src : q, ok);
+    }
+    ptx::cp_async_commit();
+}
 
 // This thread's two rows (16 warp4 + g + 8 h, query slots slot[h], kNone: none), whose states sm hold the
 // whole row sums, and its warpgroup's value columns col0 + 8 j + 2 tq (+ 1) of o [64 x 256] (o[4 j + 2 h]):

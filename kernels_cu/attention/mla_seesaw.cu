@@ -161,8 +161,7 @@ struct Count {  // a compile-time count (cp.async wait depths)
 };
 // The tile buffer after buffer b (n % kS kept by wrapping, no division).
 __device__ __forceinline__ u32 next_buf(u32 b) { return b + 1 == kS ? 0u : b + 1; }
-// Byte offset of 16-byte chunk c (0 .. 7) of row r in a 128-byte-swizzled column block.
-__device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7u)) << 4); }
+using mrows::swz;
 // Byte offset of element c (0 .. 31) of row r of a P array ([64][32] 16-bit, 64-byte swizzle: chunk
 // c / 8 ^ (r / 2) % 4).
 __device__ __forceinline__ u32 p_at(u32 r, u32 c) {
@@ -197,15 +196,8 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
     auto row_ok = [&](u32 r, u32& slot, u32& hl) { return pl.row_ok(r, slot, hl); };
 
     // ---- Q into sQ, swizzled, the latent part then the rotary part (every thread of the block) ----
-    for (u32 c = tid; c < kRows * kBlocks * 8; c += kBlockThreads) {
-        const u32 r = c / (kBlocks * 8), ch = c - r * (kBlocks * 8);  // chunk ch of row r
-        u32 slot, hl;
-        const bool ok = row_ok(r, slot, hl);
-        const u64 row = (q0 + slot) * q_heads + head0 + hl;
-        const scalar_t* src = ch < kR / 8 ? q + row * kR + ch * 8 : q_rot + row * kP + (ch - kR / 8) * 8;
-        ptx::cp_async_16(sQ + (ch >> 3) * kQCol + swz(r, ch & 7u), ok ? src : q, ok);
-    }
-    ptx::cp_async_commit();
+    static_assert(kQCol == kRows * 128, "mrows::stage_q's column blocks");
+    mrows::stage_q<scalar_t, kBlocks * 8, kR, kP>(sQ, q, q_rot, pl, q_heads, tid, kBlockThreads);
     tc::setup_row_set(rows, p, q0, qt, q_end);
     ptx::cp_async_wait<0>();
     ptx::fence_proxy_async_shared();  // Q is read by wgmma

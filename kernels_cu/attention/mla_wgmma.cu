@@ -124,8 +124,7 @@ static_assert(kWarps == 8 && kR / 8 == 2 * 32 && kRotChunks <= 32 && kP / 16 <= 
 static_assert(sizeof(scalar_t) == 2 && kKvScaled, "f16 / bf16 q over fp8 caches (16-bit caches: mla_seesaw.cu)");
 static_assert(kRawBytes % kAlign == 0, "P stays on a swizzle atom boundary");
 
-// Byte offset of 16-byte chunk c (0 .. 7) of row r in a 128-byte-swizzled column block.
-__device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7u)) << 4); }
+using mrows::swz;
 
 }  // namespace mwg
 
@@ -161,14 +160,8 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
     auto row_ok = [&](u32 r, u32& slot, u32& hl) { return pl.row_ok(r, slot, hl); };
 
     // ---- Q: the latent part into sQ (swizzled), the rotary part as A fragments ----
-    for (u32 c = tid; c < kRows * kRBlocks * 8; c += kThreads) {
-        const u32 r = c / (kRBlocks * 8), ch = c - r * (kRBlocks * 8);  // chunk ch of row r
-        u32 slot, hl;
-        const bool ok = row_ok(r, slot, hl);
-        const scalar_t* src = q + ((q0 + slot) * q_heads + head0 + hl) * kR + ch * 8;
-        ptx::cp_async_16(sQ + (ch >> 3) * kColBytes + swz(r, ch & 7u), ok ? src : q, ok);
-    }
-    ptx::cp_async_commit();
+    static_assert(kColBytes == kRows * 128, "mrows::stage_q's column blocks");
+    mrows::stage_q<scalar_t, kRBlocks * 8, kR, kP>(sQ, q, q_rot, pl, q_heads, tid, kThreads);
     // Rows 16 warp4 + g (+ 8) of this thread in every wgmma fragment (both warpgroups: the same rows).
     u32 my_slot[2];
     u32 qr[kRotSteps ? kRotSteps : 1][4];  // A fragments of Q's rotary part, k-steps of 16 dims
