@@ -41,12 +41,14 @@ bytes written and read again by the merge.
 
 Tensor-core decode kernel ``paged_decode_tc`` (``kernels_cu/attention/decode_tc.cu``; f16 /
 bf16, D == Dv in ``DECODE_TC_DIMS``, aligned arrays: ``select_variant``
-picks it over ``paged_attention`` by one rule): the same grid as
-``paged_attention`` (one 64-thread block per query, KV head, tile of up to
-16 query heads, split); the tile's heads are the M dimension of
-``mma.sync`` m16n8k16, two warps take alternate 16-token tiles through
-their own two-stage ``cp.async`` rings, and meet at the end. Memory
-traffic as ``paged_attention``'s, with 6 blocks per SM resident.
+picks it over ``paged_attention`` by one rule): one block per query, pack
+of KV heads (``Launch.pack``: up to 4, 64 threads a KV head), tile of up to
+16 query heads and split; the tile's heads are the M dimension of
+``mma.sync`` m16n8k16, two columns of warps (one warp a KV head) take
+alternate 16-token tiles through two-stage ``cp.async`` rings their warps
+fill together (a token's rows of the pack's heads at a time: one run of an
+NHD cache), and each head's warps meet at the end. Memory traffic as
+``paged_attention``'s, with registers for 6 one-head blocks per SM.
 
 Row-packed tensor-core kernels (f16 / bf16, ``select_tensor_core``; ``prefill_tc.cu``, ``mla_tc.cu``,
 ``mla_wgmma.cu``, ``mla_seesaw.cu``), chosen per arch (``plan_launches(..., arch=)``: a build
