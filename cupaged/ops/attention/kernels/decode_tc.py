@@ -32,11 +32,12 @@ HEAD_PACK = 4
 HEADS = 16
 #: Tokens per warp tile (dtc::kN).
 TILE_TOKENS = 16
-#: Stages of each warp's ring (dtc::kStages; the kernel takes any value >= 2).
-#: 2: at 3 the model (perf_model, sm_90; modeled, pessimistic end) has B64
-#: ctx4k decode HBM-bound as at 2 (bf16 299 us, fp8 160 us: no gain), while
-#: 51 KiB of shared memory a block at D = 128 (16-bit) leaves 4 resident
-#: blocks of the 6 and long_g4 (5.8 blocks placed per SM) slows (602 vs 595 us).
+#: Stages of each column's ring (dtc::kStages; the kernel takes any value >= 2).
+#: 2: at 3 the model (perf_model, sm_90; modeled, pessimistic end; 2026-12-07,
+#: blocks of four KV heads) has B64 ctx4k decode HBM-bound as at 2 (bf16
+#: 273 us, fp8 154 us: no gain) with 1.5 x the shared memory (204 KiB a
+#: block of four heads at D = 128, 16-bit, which sm_80 could hold only as
+#: packs of two).
 STAGES = 2
 #: Bytes added to a raw fp8 K row of a stage (dtc::kRawKPitch = D + RAW_K_PAD).
 RAW_K_PAD = 32
