@@ -400,8 +400,9 @@ def test_head_packs():
     n = splits.choose_splits(long, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype="bf16", arch="sm_90")
     assert n == min(splits.MAX_SPLITS, 132 // 2)
     # B16: 32 blocks, 132 slots: 4 splits (six one-head blocks a SM would have given 792 // 128 = 6)
-    b16 = cupaged.HostPlan.build(np.arange(16 * 2048, dtype=np.int32).reshape(16, 2048), [32768] * 16, [1] * 16, 16,
-                                 16 * 2048)
+    b16 = cupaged.HostPlan.build(
+        np.arange(16 * 2048, dtype=np.int32).reshape(16, 2048), [32768] * 16, [1] * 16, 16, 16 * 2048
+    )
     assert splits.choose_splits(b16, 8, multiprocessors=132, q_heads=32, head_dim=128, dtype="bf16", arch="sm_90") == 4
 
 

@@ -678,8 +678,8 @@ def test_a_pack_of_kv_heads_is_one_block_reading_their_runs():
     block: the pack's tokens, rows and data keys, none lost or counted twice;
     its contiguous run in an NHD cache is a token's rows of the pack's heads
     (1 KiB for four 256-byte rows), which the DRAM efficiency rates."""
-    from cupaged.plan import HostPlan
     from cupaged.ops.attention.schedule import Launch
+    from cupaged.plan import HostPlan
     from cupaged.tools import perf_model
 
     host = HostPlan.build(np.arange(16, dtype=np.int32).reshape(2, 8), [40, 100], [1, 1], 16, 16)
