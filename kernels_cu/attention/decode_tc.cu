@@ -425,10 +425,17 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
             }
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) sm[h].add(alpha[h], psum[h]);  // this lane's part of the row sum
+        // O *= alpha only where a row of the warp raised its max: elsewhere alpha is 1 in every lane and
+        // o * 1 is o, bit for bit (a warp-uniform branch). The running max settles within a few tiles of
+        // a long context, so for the model the rescale is marked as edge tiles are: a few a block,
+        // whatever its length (the probe's counts say how many).
+        if (__any_sync(CP_FULL_MASK, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+            ptx::edge_tile();
 #pragma unroll
-        for (u32 n = 0; n < kOTiles; ++n)
+            for (u32 n = 0; n < kOTiles; ++n)
 #pragma unroll
-            for (u32 i = 0; i < 4; ++i) o[n][i] *= alpha[i >> 1];
+                for (u32 i = 0; i < 4; ++i) o[n][i] *= alpha[i >> 1];
+        }
         // O += P V: P's S fragments are its A fragments (one k-step of 16 tokens).
         const u32 a[4] = {ptx::pack2<v16_t>(s[0][0], s[0][1]), ptx::pack2<v16_t>(s[0][2], s[0][3]),
                           ptx::pack2<v16_t>(s[1][0], s[1][1]), ptx::pack2<v16_t>(s[1][2], s[1][3])};

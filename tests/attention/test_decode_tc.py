@@ -118,6 +118,42 @@ def test_page_walks(xp_backend, kernels_used, page_size, general):
     assert (marks > 0) == general, marks
 
 
+def test_o_is_rescaled_only_where_a_max_rises(xp_backend, kernels_used):
+    """A warp rescales its O tile only on the tiles where a row's running
+    max rises (the edge-tile marker counts them on the CPU): scores that
+    rise with the position rescale on every tile; equal scores on the first
+    tile of each warp alone (the max leaves -inf there); both against the
+    reference."""
+    import dataclasses
+
+    from cupaged._runtime import get_kernel
+    from cupaged.ops.attention import inputs
+    from cupaged.testing import as_dtype
+    from cupaged.tools import counters
+
+    if xp_backend.name != "cpu":
+        pytest.skip("the markers count on the CPU backend")
+    rng = np.random.default_rng(21)
+    n = 160  # one query, one KV head: a block of two warps, five 16-token tiles each
+    case = make_paged_case(
+        rng, kv_lens=np.array([n], np.int32), page_size=16, num_q_heads=4, num_kv_heads=1, head_dim=64, dtype="bf16"
+    )
+    for rising, want in ((True, n // 16), (False, 2)):
+        k = np.zeros(np.asarray(case.k_cache).shape)
+        for t in range(n):  # token t's K row: a score rising with t, or the same for every token
+            k[case.page_table[0, t // 16], t % 16] = (t / n if rising else 0.5) / 64
+        bf16 = as_dtype("bf16")
+        case = dataclasses.replace(case, q=np.ones(case.q.shape).astype(bf16), k_cache=k.astype(bf16))
+        _, _, plan = run(xp_backend, case, True)
+        (la,) = inputs.attention_call(plan, case.q, case.k_cache, case.v_cache, case.scale, True).launches
+        assert la.kernel == DECODE_TC and la.pack == 1
+        module = get_kernel(case.q, la.source, la.kernel, la.defines).module
+        counters.reset(module)
+        o, lse, _ = run(xp_backend, case, True, plan=plan)
+        check(case, o, lse, True, "bf16", f"rising={rising}")
+        assert counters.read_all(module)["edge_tile"] == want, rising
+
+
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_every_split_count(xp_backend, kernels_used, dtype):
     """Split z of a query covers [z c, min(L, (z + 1) c)): counts 1 .. 12 and
