@@ -63,7 +63,8 @@
 //     KV head a warp; a null scale is 1);
 //   * S = Q K^T (8 / 16 mma a tile at D = 64 / 128), the online softmax
 //     (softmax_state.cuh) on the S fragments in f32, log2 domain, a row's max
-//     and sum in the 4 lanes of a quad; O += P V with P's fragments as the A
+//     and sum in the 4 lanes of a quad (O rescaled only on the tiles where a
+//     row of the warp raises its max); O += P V with P's fragments as the A
 //     operand (8 / 16 mma). Every row of a block belongs to one query, so a
 //     token is visible to all rows or to none: tokens past hi and page ids
 //     >= num_pages are zero-filled, never read, and their scores are -inf,
