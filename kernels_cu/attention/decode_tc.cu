@@ -468,7 +468,8 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
         u32 b = 0, nb = kStages - 1;  // the stage of tile k, and of tile k + kStages - 1
         for (u32 k = 0; k < nk; ++k) {
             ptx::cp_async_wait<kStages - 2>();  // this warp's copies of tile k have landed
-            // The column's: tile k has landed, and every warp is done with tile k - 1's stage nb.
+            // The column's: tile k has landed, and every warp is done with tile k - 1's stage nb (and,
+            // fp8, every lane with its decoded tile).
             wgb::sync(1 + col, pack * 32);
             valid[kStages - 1] = 0u;
             if (k + kStages - 1 < nk) {
@@ -484,7 +485,6 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
                 }
                 compute(b, valid[0], lo + (k * kWarps + col) * kN);
             }
-            __syncwarp();  // (fp8) every lane is done with the decoded tile before it is refilled
 #pragma unroll
             for (u32 j = 0; j + 1 < kStages; ++j) valid[j] = valid[j + 1];
             nb = b;  // tile k's stage takes tile k + kStages
