@@ -1083,17 +1083,24 @@ def _has_load(fn: Function, cfg: Cfg, loop: Loop, wide: bool) -> bool:
 
 
 def _join(flows: list) -> Flow:
-    """The state after whichever of several paths took longest: levels and
-    readiness the latest of them."""
+    """The state after whichever of several paths took longest: levels,
+    readiness and cp.async groups the latest of them."""
     if not flows:
         return Flow()
     base = max(flows, key=lambda f: f.level)
+    # cp.async groups: the open one and the committed ones (aligned from the
+    # newest) each complete at the latest any path leaves them, so a path that
+    # skips a loop of copies does not hide the copies of the path through it.
+    depth = max(len(f.groups) for f in flows)
+    groups = [
+        max(f.groups[k - depth + len(f.groups)] for f in flows if k - depth + len(f.groups) >= 0) for k in range(depth)
+    ]
     out = Flow(
         base.level,
         dict(base.ready),
         max(f.smem for f in flows),
-        base.group,
-        list(base.groups),
+        max(f.group for f in flows),
+        groups,
         max((f.first_wide for f in flows), default=-1),
         max((f.first_wait for f in flows), default=-1),
     )

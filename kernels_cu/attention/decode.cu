@@ -245,11 +245,12 @@ extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) pag
     // ---- this split's share [start, end) of the positions this query sees ----
     // Word offsets from the plan's static sizes (plan_words.cuh; the offsets
     // stored in words 6..10 are not trusted).
-    const u32 seq = words[pw::q_seq(p.queries) + qi];
+    const QueryWords qw = query_words(p, qi);  // one round trip for all in a decode step
+    const u32 seq = qw.seq;
     u32 start = 0, end = 0;
     const u32* table = words;  // this sequence's page-table row (valid when end > start)
     if (seq < p.sequences) {
-        const Span sp = query_span(p, qi, seq, blockIdx.z);
+        const Span sp = share(p, qw, blockIdx.z);
         start = sp.lo;
         end = sp.hi;
         table = words + pw::page_table(p.queries, p.sequences) + (u64)seq * p.table_width;
@@ -301,9 +302,8 @@ extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) pag
     const variant::Scorer sc(p);
     variant::ScoreRow srow[kHeads];
     if constexpr (!variant::kPlainScore) {
-        const u32 q_pos = words[pw::q_pos(p.queries) + qi];
 #pragma unroll
-        for (u32 g = 0; g < kHeads; ++g) srow[g] = sc.row(q_pos, head0 + g);
+        for (u32 g = 0; g < kHeads; ++g) srow[g] = sc.row(qw.pos, head0 + g);
     }
 
     // ---- online softmax over this split's tokens ----

@@ -161,8 +161,9 @@ static_assert(kWarpBytes % 16 == 0 && kDecodedBytes % 16 == 0 && kVOffB % 16 == 
 static_assert(kKSteps % 2 == 0, "fp8: K's codes are read two k-steps at a time");
 // The end-of-kernel merge reuses the ring: each warp's O [kRows][kD] f32 and its m, l.
 static_assert((kRows * kD + 2 * kRows) * 4 <= kWarpBytes, "merge area fits a warp's ring");
-// Q is staged in the rings at the start: a KV head's 16-bit tile [kRows][kPitch] within its kWarps warps' share.
-static_assert(kRows * kPitch * 2 <= kWarps * kWarpBytes, "a head's Q tile fits its warps' share");
+// Q is staged in the last stage of the last column's ring, which the prologue leaves empty: a KV head's
+// 16-bit tile [kRows][kPitch] within a head's part of a stage.
+static_assert(kRows * kPitch * 2 <= kStageBytes && kStageBytes % 16 == 0, "a head's Q tile fits a stage");
 static_assert(sizeof(scalar_t) == 2 && (kFp8 || sizeof(kv_t) == 2), "f16 / bf16 q; f16 / bf16 / fp8 caches");
 }  // namespace dtc
 
@@ -190,12 +191,27 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
     const u32 head0 = kvh * group + t_off;
     const u32 heads = att::min_u32(ht, group - t_off);  // real rows of each head's tile
 
+    // ---- Q: each KV head's tile copied first, into the last stage of the last column's ring ----
+    // (the prologue's copies fill stages 0 .. kStages - 2; Q goes to registers before the loop refills it)
+    scalar_t* const q_area = reinterpret_cast<scalar_t*>(reinterpret_cast<char*>(smem) +
+                                                         ((kWarps - 1) * pack * kWarpBytes + pack * kDecodedBytes +
+                                                          (kStages - 1) * pack * kStageBytes));
+    for (u32 c = tid; c < pack * kRows * kQChunks; c += nthreads) {
+        const u32 rr = c / kQChunks, ch = c - rr * kQChunks;  // row rr of the pack's tiles
+        const u32 j = rr / kRows, r = rr - j * kRows;
+        const bool ok = r < heads;
+        const scalar_t* src = q + ((u64)qi * q_heads + (kvh0 + j) * group + t_off + r) * kD + ch * 8;
+        ptx::cp_async_16(q_area + rr * kPitch + ch * 8, ok ? src : q, ok);
+    }
+    ptx::cp_async_commit();
+
     // ---- this split's share [lo, hi) of the query's visible positions ----
-    const u32 seq = words[pw::q_seq(p.queries) + qi];
+    const att::QueryWords qw = att::query_words(p, qi);  // one round trip for all in a decode step
+    const u32 seq = qw.seq;
     u32 lo = 0, hi = 0;
     const u32* table = words;
     if (seq < p.sequences) {
-        const att::Span sp = att::query_span(p, qi, seq, blockIdx.z);
+        const att::Span sp = att::share(p, qw, blockIdx.z);
         lo = sp.lo;
         hi = sp.hi;
         table = words + pw::page_table(p.queries, p.sequences) + (u64)seq * p.table_width;
@@ -204,49 +220,16 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
     const variant::Scorer sc(p);
     variant::ScoreRow srow[2];
     if constexpr (!variant::kPlainScore) {
-        const u32 q_pos = words[pw::q_pos(p.queries) + qi];
-        srow[0] = sc.row(q_pos, head0 + g);
-        srow[1] = sc.row(q_pos, head0 + g + 8);
+        srow[0] = sc.row(qw.pos, head0 + g);
+        srow[1] = sc.row(qw.pos, head0 + g + 8);
     }
-
-    // ---- Q: each KV head's tile staged in the rings, then A fragments in registers ----
-    for (u32 c = tid; c < pack * kRows * kQChunks; c += nthreads) {
-        const u32 rr = c / kQChunks, ch = c - rr * kQChunks;  // row rr of the pack's tiles
-        const u32 j = rr / kRows, r = rr - j * kRows;
-        const bool ok = r < heads;
-        const scalar_t* src = q + ((u64)qi * q_heads + (kvh0 + j) * group + t_off + r) * kD + ch * 8;
-        ptx::cp_async_16(smem + rr * kPitch + ch * 8, ok ? src : q, ok);
-    }
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<0>();
-    __syncthreads();
-    const scalar_t* const qs = smem + hj * kRows * kPitch;  // this warp's head's tile
-    u32 qf[kKSteps][4];
-    if constexpr (kFp8) {
-        // The k-dims of k-steps 2 kp, 2 kp + 1 in the order the codes are read (compute): lane
-        // (g, tq) holds dims 32 kp + 8 tq .. + 7 of rows g and g + 8; the products' sum is the same.
-#pragma unroll
-        for (u32 kp = 0; kp < kKSteps / 2; ++kp)
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h) {
-                const uint4 x = *reinterpret_cast<const uint4*>(qs + (g + 8 * h) * kPitch + kp * 32 + 8 * tq);
-                qf[2 * kp][h] = x.x;
-                qf[2 * kp][2 + h] = x.y;
-                qf[2 * kp + 1][h] = x.z;
-                qf[2 * kp + 1][2 + h] = x.w;
-            }
-    } else {
-#pragma unroll
-        for (u32 ks = 0; ks < kKSteps; ++ks)
-            ptx::ldmatrix_x4(qf[ks], qs + (r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
-    }
-    __syncthreads();  // every warp holds Q before the rings overwrite it
 
     // An fp8 cache's K scale folds into the score scale, its V scale into the
     // output (every row of the warp reads KV head kvh).
     float qscale = p.scale * softmax::kLog2e;
     if constexpr (kFp8)
         if (p.k_scale) qscale *= p.k_scale[kvh * p.k_scale_stride];  // null: 1
+    u32 qf[kKSteps][4];  // Q's A fragments (loaded after the prologue's copies are issued)
     softmax::State sm[2];  // rows g and g + 8
     float o[kOTiles][4];
 #pragma unroll
@@ -450,46 +433,67 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
         }
     };
 
-    if (nk > 0) {
-        // The ring: tile k in stage k % kStages; tiles k + 1 .. k + kStages - 1 in
-        // flight while tile k computes; valid[j] holds tile k + j's valid bits.
-        u32 valid[kStages];
-        fetch();
+    // The ring: tile k in stage k % kStages; tiles k + 1 .. k + kStages - 1 in
+    // flight while tile k computes; valid[j] holds tile k + j's valid bits.
+    u32 valid[kStages];
+    fetch();
 #pragma unroll
-        for (u32 j = 0; j + 1 < kStages; ++j) {
-            valid[j] = 0u;
-            if (j < nk) {
-                valid[j] = issue(j);
-                advance();
-                fetch();  // the next tile's page word loads while this one is in flight
-            }
-            ptx::cp_async_commit();  // possibly empty: one group per tile
+    for (u32 j = 0; j + 1 < kStages; ++j) {
+        valid[j] = 0u;
+        if (j < nk) {
+            valid[j] = issue(j);
+            advance();
+            fetch();  // the next tile's page word loads while this one is in flight
         }
-        u32 b = 0, nb = kStages - 1;  // the stage of tile k, and of tile k + kStages - 1
-        for (u32 k = 0; k < nk; ++k) {
-            ptx::cp_async_wait<kStages - 2>();  // this warp's copies of tile k have landed
-            // The column's: tile k has landed, and every warp is done with tile k - 1's stage nb (and,
-            // fp8, every lane with its decoded tile).
-            wgb::sync(1 + col, pack * 32);
-            valid[kStages - 1] = 0u;
-            if (k + kStages - 1 < nk) {
-                valid[kStages - 1] = issue(nb);
-                advance();
-                fetch();  // the page word of the tile after loads while tile k computes
-            }
-            ptx::cp_async_commit();  // possibly empty: one group per tile
-            if (valid[0]) {
-                if constexpr (kFp8) {
-                    decode(b);  // this warp's decoded tile was last read by its tile k - 1's compute
-                    __syncwarp();
-                }
-                compute(b, valid[0], lo + (k * kWarps + col) * kN);
-            }
+        ptx::cp_async_commit();  // possibly empty: one group per tile
+    }
+    // ---- Q's group has landed (the tiles' copies may be in flight): A fragments in registers ----
+    ptx::cp_async_wait<kStages - 1>();
+    __syncthreads();
+    const scalar_t* const qs = q_area + hj * kRows * kPitch;  // this warp's head's tile
+    if constexpr (kFp8) {
+        // The k-dims of k-steps 2 kp, 2 kp + 1 in the order the codes are read (compute): lane
+        // (g, tq) holds dims 32 kp + 8 tq .. + 7 of rows g and g + 8; the products' sum is the same.
 #pragma unroll
-            for (u32 j = 0; j + 1 < kStages; ++j) valid[j] = valid[j + 1];
-            nb = b;  // tile k's stage takes tile k + kStages
-            b = b + 1 == kStages ? 0u : b + 1;
+        for (u32 kp = 0; kp < kKSteps / 2; ++kp)
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                const uint4 x = *reinterpret_cast<const uint4*>(qs + (g + 8 * h) * kPitch + kp * 32 + 8 * tq);
+                qf[2 * kp][h] = x.x;
+                qf[2 * kp][2 + h] = x.y;
+                qf[2 * kp + 1][h] = x.z;
+                qf[2 * kp + 1][2 + h] = x.w;
+            }
+    } else {
+#pragma unroll
+        for (u32 ks = 0; ks < kKSteps; ++ks)
+            ptx::ldmatrix_x4(qf[ks], qs + (r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
+    }
+    __syncthreads();  // every warp holds Q before the loop refills the last stage
+    u32 b = 0, nb = kStages - 1;  // the stage of tile k, and of tile k + kStages - 1
+    for (u32 k = 0; k < nk; ++k) {
+        ptx::cp_async_wait<kStages - 2>();  // this warp's copies of tile k have landed
+        // The column's: tile k has landed, and every warp is done with tile k - 1's stage nb (and,
+        // fp8, every lane with its decoded tile).
+        wgb::sync(1 + col, pack * 32);
+        valid[kStages - 1] = 0u;
+        if (k + kStages - 1 < nk) {
+            valid[kStages - 1] = issue(nb);
+            advance();
+            fetch();  // the page word of the tile after loads while tile k computes
         }
+        ptx::cp_async_commit();  // possibly empty: one group per tile
+        if (valid[0]) {
+            if constexpr (kFp8) {
+                decode(b);  // this warp's decoded tile was last read by its tile k - 1's compute
+                __syncwarp();
+            }
+            compute(b, valid[0], lo + (k * kWarps + col) * kN);
+        }
+#pragma unroll
+        for (u32 j = 0; j + 1 < kStages; ++j) valid[j] = valid[j + 1];
+        nb = b;  // tile k's stage takes tile k + kStages
+        b = b + 1 == kStages ? 0u : b + 1;
     }
     ptx::cp_async_wait<0>();
     __syncthreads();  // every ring is free: the merge area reuses them

@@ -4,6 +4,7 @@
 #pragma once
 #include "../common.cuh"
 #include "../plan_words.cuh"
+#include "../ptx.cuh"
 #include "params.cuh"
 #include "variant.cuh"
 
@@ -24,18 +25,40 @@ struct Span {
     u32 lo, hi;
 };
 
-// The positions [lo, hi) split z covers of packed query qi of sequence seq
-// (seq < sequences): the positions the query sees (variant::visible, its
-// sequence's length clamped to the page table's capacity, hi to kMaxLen; lo
-// past 0 with a window, whose pages are then never read);
-// with splits > 1, split z takes [lo + z c, lo + (z + 1) c) of them, c the
-// visible count / splits rounded up to kSplitTile (an empty share past hi).
-__device__ __forceinline__ Span query_span(const AttentionParams& p, u32 qi, u32 seq, u32 z) {
+// The words a block of packed query qi starts from: its sequence, that
+// sequence's kv_len word and the query's position, loaded together. Where
+// queries map one to one onto sequences (a decode step: q_seq[qi] == qi) the
+// length word of sequence qi loads beside the others, one round trip for
+// all; where the guess is wrong (a chunk's queries, rows past the step's) the
+// length loads after the sequence word, on a path ptx::cold_path marks for
+// the performance model. seq >= sequences (a padding row): len 0.
+struct QueryWords {
+    u32 seq, len, pos;
+};
+__device__ __forceinline__ QueryWords query_words(const AttentionParams& p, u32 qi) {
     const u32* __restrict__ const words = p.words;
-    u64 L = words[pw::kv_len(p.queries) + seq];
+    QueryWords r;
+    r.seq = words[pw::q_seq(p.queries) + qi];
+    r.pos = words[pw::q_pos(p.queries) + qi];
+    r.len = qi < p.sequences ? words[pw::kv_len(p.queries) + qi] : 0u;
+    if (r.seq != qi) {
+        ptx::cold_path();
+        r.len = r.seq < p.sequences ? words[pw::kv_len(p.queries) + r.seq] : 0u;
+    }
+    return r;
+}
+
+// The positions [lo, hi) split z covers of a packed query whose sequence's
+// kv_len word is len and whose position word pos() returns: the positions the
+// query sees (variant::visible, the length clamped to the page table's
+// capacity, hi to kMaxLen; lo past 0 with a window, whose pages are then never
+// read); with splits > 1, split z takes [lo + z c, lo + (z + 1) c) of them, c
+// the visible count / splits rounded up to kSplitTile (an empty share past hi).
+template <class Pos>
+__device__ __forceinline__ Span share(const AttentionParams& p, u64 len, Pos pos, u32 z) {
     const u64 cap = (u64)p.table_width * p.page_size;
-    if (L > cap) L = cap;
-    const variant::Range v = variant::visible(L, p.causal, p.window, [&] { return words[pw::q_pos(p.queries) + qi]; });
+    const u64 L = len > cap ? cap : len;
+    const variant::Range v = variant::visible(L, p.causal, p.window, pos);
     const u32 hi = (u32)(v.hi < kMaxLen ? v.hi : kMaxLen);
     Span r;
     r.lo = (u32)(v.lo < hi ? v.lo : hi);
@@ -48,5 +71,17 @@ __device__ __forceinline__ Span query_span(const AttentionParams& p, u32 qi, u32
         r.hi = min_u32(hi, r.lo + c);
     }
     return r;
+}
+
+// share() of the words query_words read (seq < sequences).
+__device__ __forceinline__ Span share(const AttentionParams& p, const QueryWords& w, u32 z) {
+    return share(p, w.len, [&] { return w.pos; }, z);
+}
+
+// share() of query qi of sequence seq (seq < sequences), its length read
+// here and its position when the rule needs it.
+__device__ __forceinline__ Span query_span(const AttentionParams& p, u32 qi, u32 seq, u32 z) {
+    const u32* __restrict__ const words = p.words;
+    return share(p, words[pw::kv_len(p.queries) + seq], [&] { return words[pw::q_pos(p.queries) + qi]; }, z);
 }
 }  // namespace att

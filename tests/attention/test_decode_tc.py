@@ -154,6 +154,50 @@ def test_o_is_rescaled_only_where_a_max_rises(xp_backend, kernels_used):
         assert counters.read_all(module)["edge_tile"] == want, rising
 
 
+def test_a_decode_step_reads_its_words_in_one_round_trip(xp_backend, kernels_used):
+    """A block loads its query's sequence word, its position and the length
+    word of sequence qi together (att::query_words): in a decode step
+    (q_seq[qi] == qi) that guess holds and the slow path (which reloads the
+    length of the real sequence, marked cold) never runs; where a sequence
+    sits the step out or brings two queries, it runs once a warp in every
+    block of each query whose index is not its sequence's, and every output
+    is the reference's."""
+    from cupaged._runtime import get_kernel
+    from cupaged.ops.attention import inputs
+    from cupaged.tools import counters
+
+    if xp_backend.name != "cpu":
+        pytest.skip("the markers count on the CPU backend")
+    rng = np.random.default_rng(22)
+    kv_lens = np.array([40, 25, 33, 18], np.int32)
+    def case_q_seq(q_lens):
+        return np.repeat(np.arange(len(q_lens)), q_lens)
+
+    for q_lens, wrong in (([1, 1, 1, 1], 0), ([1, 0, 2, 1], 1)):  # q_seq [0, 2, 2, 3]: query 1's is 2
+        case = make_paged_case(
+            rng,
+            kv_lens=kv_lens,
+            q_lens=np.array(q_lens, np.int32),
+            page_size=16,
+            num_q_heads=8,
+            num_kv_heads=2,
+            head_dim=64,
+            dtype="f16",
+        )
+        for splits in (None, 2):
+            _, _, plan = run(xp_backend, case, True, splits=splits)
+            la = inputs.attention_call(plan, case.q, case.k_cache, case.v_cache, case.scale, True).launches[0]
+            assert la.kernel == DECODE_TC
+            module = get_kernel(case.q, la.source, la.kernel, la.defines).module
+            counters.reset(module)
+            o, lse, _ = run(xp_backend, case, True, splits=splits, plan=plan)
+            check(case, o, lse, True, "f16", f"q_lens={q_lens} splits={splits}")
+            per_query = la.head_blocks(2) * (splits or 1) * la.block("cpu") // 32  # a query's blocks' warps
+            mismatched = sum(int(s) != i for i, s in enumerate(case_q_seq(q_lens)))
+            assert mismatched == wrong
+            assert counters.read_all(module)["cold_path"] == mismatched * per_query, (q_lens, splits)
+
+
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_every_split_count(xp_backend, kernels_used, dtype):
     """Split z of a query covers [z c, min(L, (z + 1) c)): counts 1 .. 12 and

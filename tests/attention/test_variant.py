@@ -211,14 +211,16 @@ def test_worked_example_in_docs():
     assert hooks[2] in (kernel_dir() / "attention" / "params.cuh").read_text()
     assert rows[1] == HEAD_BIAS_SOURCE
     assert rows[2] in (REPO / "cupaged/ops/attention/params.py").read_text()
-    # One call site of each hook per kernel (visible: through att::query_span, shared by all four).
+    # One call site of each hook per kernel (visible: through span.cuh's share, by att::query_span or, from
+    # the words att::query_words loaded, att::share).
     att = kernel_dir() / "attention"
     for name in ("decode.cu", "decode_tc.cu", "prefill_tc.cu", "mla_tc.cu", "mla_wgmma.cu", "mla_seesaw.cu"):
         text = (att / name).read_text()
         assert text.count("variant::score(") == 1, name
         assert text.count("softmax::State") >= 1, name
     assert (att / "span.cuh").read_text().count("variant::visible(") == 1
-    assert sum((att / n).read_text().count("query_span(p") for n in ("decode.cu", "decode_tc.cu", "tc_common.cuh")) == 3
+    sites = ("query_span(p", "share(p, qw")
+    assert sum((att / n).read_text().count(c) for n in ("decode.cu", "decode_tc.cu", "tc_common.cuh") for c in sites) == 3
 
 
 # ----------------------------------------------------------------- a score with runtime data

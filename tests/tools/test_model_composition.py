@@ -698,3 +698,39 @@ def test_a_pack_of_kv_heads_is_one_block_reading_their_runs():
     assert perf_model._run_bytes(shape, 2) == 256 and perf_model._run_bytes(shape, 2, 4) == 1024
     pt = SM90.point("pess")
     assert pt.dram_eff(1024) == pt.dram_eff_long > pt.dram_eff(512) > pt.dram_eff(256) == pt.dram_eff_256
+
+
+def test_a_copy_loop_on_the_way_to_the_tile_loop_is_waited_for_on_every_path():
+    """The startup chain joins the paths into the tile loop by their latest
+    state: a prologue loop of copies (a query staged in shared memory) that
+    a guard may skip still leaves its cp.async group to the wait after it,
+    so the page word loaded after that wait is one round trip later, and
+    the tile after it another. (The join kept only one path's groups: the
+    skip's, none, and the query's wait cost nothing.)"""
+    out, emit = function_k()
+    emit("LDG.E R2, desc[UR4][R2.64]")  # the sequence word: there at level 1
+    emit("ISETP.GE.U32.AND P0, PT, R2, R3, PT")
+    emit("@P0 BRA `(.L_x_3)")
+    out.append(".L_x_2:")  # the query's copies, issued at level 1: landed at level 2
+    emit("LDGSTS.E.BYPASS.128 [R20], desc[UR4][R4.64]")
+    emit("IADD3 R4, R4, 0x10, RZ")
+    emit("ISETP.NE.AND P1, PT, R4, R5, PT")
+    emit("@P1 BRA `(.L_x_2)")
+    out.append(".L_x_3:")
+    emit("LDGDEPBAR")
+    emit("DEPBAR.LE SB0, 0x0")  # the query has landed: level 2
+    emit("LDG.E R6, desc[UR4][R8.64]")  # the page word, issued at 2: there at 3
+    emit("IMAD.WIDE R12, R6, 0x100, R14")
+    out.append(".L_x_0:")  # the tile loop: its copies issue at 3 and land at 4
+    emit("LDGSTS.E.BYPASS.128 [R20], desc[UR4][R12.64]")
+    emit("LDGDEPBAR")
+    emit("DEPBAR.LE SB0, 0x0")
+    for _ in range(8):
+        emit("FFMA R8, R8, R9, R10")
+    emit("IADD3 R12, R12, 0x100, RZ")
+    emit("ISETP.NE.AND P2, PT, R0, R1, PT")
+    emit("@P2 BRA `(.L_x_0)")
+    emit("EXIT")
+    out.append(".L_x_1:")
+    emit("BRA `(.L_x_1)")
+    assert hot_of("\n".join(out)).startup_levels == 4
