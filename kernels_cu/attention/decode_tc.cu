@@ -193,9 +193,9 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
 
     // ---- Q: each KV head's tile copied first, into the last stage of the last column's ring ----
     // (the prologue's copies fill stages 0 .. kStages - 2; Q goes to registers before the loop refills it)
-    scalar_t* const q_area = reinterpret_cast<scalar_t*>(reinterpret_cast<char*>(smem) +
-                                                         ((kWarps - 1) * pack * kWarpBytes + pack * kDecodedBytes +
-                                                          (kStages - 1) * pack * kStageBytes));
+    scalar_t* const q_area = reinterpret_cast<scalar_t*>(
+        reinterpret_cast<char*>(smem) +
+        ((kWarps - 1) * pack * kWarpBytes + pack * kDecodedBytes + (kStages - 1) * pack * kStageBytes));
     for (u32 c = tid; c < pack * kRows * kQChunks; c += nthreads) {
         const u32 rr = c / kQChunks, ch = c - rr * kQChunks;  // row rr of the pack's tiles
         const u32 j = rr / kRows, r = rr - j * kRows;

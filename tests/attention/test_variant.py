@@ -220,7 +220,8 @@ def test_worked_example_in_docs():
         assert text.count("softmax::State") >= 1, name
     assert (att / "span.cuh").read_text().count("variant::visible(") == 1
     sites = ("query_span(p", "share(p, qw")
-    assert sum((att / n).read_text().count(c) for n in ("decode.cu", "decode_tc.cu", "tc_common.cuh") for c in sites) == 3
+    files = ("decode.cu", "decode_tc.cu", "tc_common.cuh")
+    assert sum((att / n).read_text().count(c) for n in files for c in sites) == 3
 
 
 # ----------------------------------------------------------------- a score with runtime data
