@@ -376,6 +376,28 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 #endif
 }
 
+// Programmatic dependent launch (PTX ISA griddepcontrol; CUDA Programming
+// Guide, "Programmatic Dependent Launch and Synchronization"). A kernel
+// launched with programmatic stream serialization (Stream.launch(...,
+// dependent=True): cuLaunchKernelEx on sm_90 and later) may start while the
+// grid before it on the stream still runs; grid_dependency_wait() returns once
+// that grid has completed and its memory is visible, so such a kernel calls
+// it before its first global access (tests/tools/test_dependent_launch.py
+// reads the PTX for it). launch_dependents() lets the dependent grid's blocks
+// start now instead of when this grid's blocks exit; it changes nothing this
+// grid computes. Both are no-ops on the CPU (launches run in order) and below
+// sm_90, and when the launch has no dependent.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if !defined(CUPAGED_CPU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void launch_dependents() {
+#if !defined(CUPAGED_CPU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 #ifdef CUPAGED_CPU
 namespace cpu {
 enum WgCounter : int { kWgmma, kWgmmaFlop, kWgmmaSmemBytes, kNumWgCounters };

@@ -10,7 +10,9 @@ work through the CUDA driver API of cuda-python.
   read-only CuPy cache serves what it holds; new modules go to a per-user
   fallback (``_compile_cached``), as for the CPU backend.
 * ``GpuFunction.launch`` calls ``cuLaunchKernel`` on an explicit stream
-  handle; it allocates nothing on the device and never synchronizes.
+  handle (a dependent launch with ``CUPAGED_PDL=1`` on sm_90 and later:
+  ``cuLaunchKernelEx`` with programmatic stream serialization); it
+  allocates nothing on the device and never synchronizes.
 * ``current_stream(like)`` wraps CuPy's current stream on ``like``'s device in
   a ``GpuStream`` (one object per (device, stream handle)), which implements
   ``cupaged.stream.Stream`` with ``cuMemsetD32Async``, ``cuMemcpyDtoDAsync``,
@@ -50,7 +52,7 @@ from . import nvrtc as _nvrtc
 from . import progress as _progress
 from . import source as _source
 from .arrays import Array
-from .stream import Graph, Stream
+from .stream import Graph, Stream, dependent_launches
 from .structs import StructArg
 
 # Shared memory (static + dynamic) a launch may use without opting in.
@@ -444,16 +446,21 @@ class GpuFunction:
         # the driver rejects dynamic bytes above 48 KiB - static.
         self.static_smem = int(static_smem)
         self._smem_optin = DEFAULT_MAX_DYNAMIC_SHARED - self.static_smem
+        self._pdl_attrs: list | None = None  # the programmatic dependent launch attribute, made once
 
     def __repr__(self):
         return f"GpuFunction({self.name!r}, device={self.device}, variant={self._module.variant!r})"
 
-    def launch(self, stream_ptr: int, grid: tuple, block: tuple, shared_mem: int, args: tuple) -> None:
+    def launch(
+        self, stream_ptr: int, grid: tuple, block: tuple, shared_mem: int, args: tuple, dependent: bool = False
+    ) -> None:
         """``cuLaunchKernel`` on the stream handle ``stream_ptr``. ``args``:
         CuPy arrays (their pointers) and NumPy scalars (their C values).
         Above 48 KiB of shared memory in all (dynamic + the kernel's static)
         the kernel is opted in first (``cuFuncSetAttribute``, once per larger
-        size)."""
+        size). ``dependent``: ``cuLaunchKernelEx`` with programmatic stream
+        serialization allowed (a programmatic dependent launch; captured
+        into a graph as a programmatic edge)."""
         drv = _driver()
         slots, holders = pack_args(args, self.name)
         shared_mem = int(shared_mem)
@@ -465,6 +472,19 @@ class GpuFunction:
                     f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={shared_mem}) for {self.name}",
                 )
                 self._smem_optin = shared_mem
+            if dependent:
+                _check(
+                    drv.cuLaunchKernelEx(
+                        self._dependent_config(drv, grid, block, shared_mem, stream_ptr),
+                        self._cufunc,
+                        None if slots is None else ctypes.addressof(slots),
+                        0,
+                    ),
+                    f"cuLaunchKernelEx({self.name}, grid={tuple(grid)}, block={tuple(block)}, "
+                    f"shared_mem={shared_mem}, programmatic stream serialization)",
+                )
+                del holders
+                return
             _check(
                 drv.cuLaunchKernel(
                     self._cufunc,
@@ -482,6 +502,24 @@ class GpuFunction:
                 f"cuLaunchKernel({self.name}, grid={tuple(grid)}, block={tuple(block)}, shared_mem={shared_mem})",
             )
         del holders  # the driver has copied the parameter values
+
+    def _dependent_config(self, drv: Any, grid: tuple, block: tuple, shared_mem: int, stream_ptr: int) -> Any:
+        """The ``CUlaunchConfig`` of a programmatic dependent launch: the
+        dimensions, shared memory and stream, and one attribute,
+        ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` = 1."""
+        if self._pdl_attrs is None:
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            self._pdl_attrs = [attr]
+        cfg = drv.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(x) for x in grid)
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (int(x) for x in block)
+        cfg.sharedMemBytes = int(shared_mem)
+        cfg.hStream = drv.CUstream(int(stream_ptr))
+        cfg.attrs = self._pdl_attrs
+        cfg.numAttrs = 1
+        return cfg
 
 
 # ---------------------------------------------------------------------------
@@ -539,12 +577,13 @@ class GpuStream(Stream):
         self._stream_ref = weakref.ref(cupy_stream)
         self._inflight: deque = deque()  # (CUevent, pinned buffer) of host copies, oldest first
         self._free_events: list = []
+        self._pdl: bool | None = None  # programmatic dependent launches (known at the first dependent one)
 
     def __repr__(self):
         return f"GpuStream(device={self.device}, ptr={self.ptr:#x})"
 
     # -- launches ---------------------------------------------------------
-    def _launch(self, kernel, grid, block, shared_mem, args) -> None:
+    def _launch(self, kernel, grid, block, shared_mem, args, dependent) -> None:
         if not isinstance(kernel, GpuFunction):
             raise PagedAttentionError(
                 f"kernel: expected a GPU kernel (from get_kernel with a CuPy array), got {type(kernel).__name__}"
@@ -558,8 +597,19 @@ class GpuStream(Stream):
                 raise PagedAttentionError(
                     f"args[{i}]: expected an array on device {self.device}, got device {a.device.id}"
                 )
-        kernel.launch(self.ptr, grid, block, shared_mem, args)
+        kernel.launch(self.ptr, grid, block, shared_mem, args, dependent=dependent and self._dependent_launches())
         self._keep(kernel, *(a for a in args if not isinstance(a, np.generic)))
+
+    def _dependent_launches(self) -> bool:
+        """Whether a dependent launch here is a programmatic dependent one:
+        ``CUPAGED_PDL=1`` (``stream.dependent_launches``) and compute
+        capability 9.0 or later."""
+        if self._pdl is None:
+            import cupy
+
+            cc = int(cupy.cuda.Device(self.device).compute_capability)
+            self._pdl = cc >= 90 and dependent_launches()
+        return self._pdl
 
     # -- memory -----------------------------------------------------------
     def _memset_d32(self, dst, value, count, offset_bytes) -> None:

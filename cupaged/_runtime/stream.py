@@ -21,6 +21,7 @@ stands for its data pointer and a NumPy scalar (``np.int32``, ``np.uint32``,
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +34,18 @@ from .arrays import Array
 
 # Launch dimensions: an int or up to three ints (x, y, z).
 Dims = int | Sequence[int]
+
+#: ``CUPAGED_PDL=1``: a launch asked to be dependent (``Stream.launch``) is a
+#: programmatic dependent launch on sm_90 and later; unset or anything else:
+#: an ordinary launch. Off by default: the performance model finds no gain for
+#: the split merge at its assumed release (docs/performance.md) until a GPU run
+#: measures it (``python -m cupaged.tools.calibrate``, launch gaps).
+PDL_ENV = "CUPAGED_PDL"
+
+
+def dependent_launches() -> bool:
+    """Whether ``CUPAGED_PDL=1`` asks for programmatic dependent launches."""
+    return os.environ.get(PDL_ENV, "") == "1"
 
 
 def _check_span(name: str, arr: Array, offset: int, nbytes: int) -> None:
@@ -69,7 +82,7 @@ class Stream:
     device: int = -1
 
     # What each backend implements (declared here for the type checker only).
-    _launch: Callable[[Any, tuple[int, int, int], tuple[int, int, int], int, tuple], None]
+    _launch: Callable[[Any, tuple[int, int, int], tuple[int, int, int], int, tuple, bool], None]
     _memset_d32: Callable[[Array, int, int, int], None]
     _copy: Callable[[Array, Array, int, int, int], None]
     _copy_from_host: Callable[[Array, np.ndarray, int], None]
@@ -102,14 +115,22 @@ class Stream:
             "(work issued here would be folded into that thread's graph)"
         )
 
-    def launch(self, kernel: Any, grid: Dims, block: Dims, args: Sequence[Any], shared_mem: int = 0) -> None:
+    def launch(
+        self, kernel: Any, grid: Dims, block: Dims, args: Sequence[Any], shared_mem: int = 0, dependent: bool = False
+    ) -> None:
         """Launch ``kernel`` (from ``cupaged._runtime.get_kernel``) with ``grid`` and
-        ``block`` (3-tuples or ints) and ``shared_mem`` dynamic bytes."""
+        ``block`` (3-tuples or ints) and ``shared_mem`` dynamic bytes.
+
+        ``dependent``: the kernel calls ``ptx::grid_dependency_wait()``
+        before its first global access (kernels_cu/ptx.cuh), so it may be a
+        programmatic dependent launch, which starts while the kernel before
+        it on the stream still runs: with ``CUPAGED_PDL=1`` on sm_90 and
+        later. Elsewhere, and on the CPU, an ordinary launch."""
         grid, block = _dim3(grid), _dim3(block)
         self._foreign_capture()
         if 0 in grid:
             return
-        self._launch(kernel, grid, block, int(shared_mem), tuple(args))
+        self._launch(kernel, grid, block, int(shared_mem), tuple(args), bool(dependent))
 
     def memset_d32(self, dst: Array, value: int, count: int | None = None, offset_bytes: int = 0) -> None:
         """Set ``count`` 32-bit words of ``dst`` from ``offset_bytes`` to
@@ -240,8 +261,8 @@ class CpuStream(Stream):
         """Another thread's capture records only its own thread's calls;
         this thread's work runs at once."""
 
-    def _launch(self, kernel, grid, block, shared_mem, args) -> None:
-        # bind() freezes argument values and array addresses now.
+    def _launch(self, kernel, grid, block, shared_mem, args, dependent) -> None:
+        # bind() freezes argument values and array addresses now; launches run in order (dependent or not).
         bound = kernel.bind(grid, block, shared_mem, args)
         self._run_or_record(bound, bound, args)
 

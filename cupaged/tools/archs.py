@@ -46,7 +46,12 @@ SOURCES = {
     "clock, and a warp at most one per clock on its scheduler (NVIDIA Volta/Ampere/Hopper whitepapers); "
     "shared memory 128 bytes per clock per SM (32 banks x 4 B)",
     "launch": "estimate: ~2 us per kernel node back to back in a CUDA graph (launch + drain of a small grid), "
-    "3 us at the pessimistic end; to calibrate with bench_decode.py",
+    "3 us at the pessimistic end; to calibrate: python -m cupaged.tools.calibrate (launch gaps)",
+    "pdl": "estimate: a programmatic dependent launch's blocks are resident and waiting when the grid before "
+    "it ends (CUDA C++ Programming Guide, 'Programmatic Dependent Launch and Synchronization': the secondary's "
+    "launch overlaps the primary); what is left is that grid's completion and memory flush before "
+    "griddepcontrol.wait returns, taken as a half to a third of a graph launch's 2 - 3 us; sm_90 and later; "
+    "to calibrate: python -m cupaged.tools.calibrate (launch gaps)",
     "l2cap": "L2 capacity: 50 MB (H100/H200) and 40 MB (A100), the datasheets",
 }
 
@@ -112,6 +117,7 @@ FIGURE_NAMES = {
     "sched_ipc": "a scheduler's achieved IPC",
     "bar_clk": "block barrier cost",
     "launch_us": "kernel launch in a graph",
+    "pdl_release_us": "dependent launch: release after the grid before it",
 }
 
 
@@ -140,6 +146,7 @@ class Point:
     smem_bytes_per_clk: int
     lanes_per_clk: dict
     launch_s: float
+    pdl_release_s: float | None = None  # a dependent launch's release (None: no programmatic dependent launch)
 
     def dram_eff(self, run_bytes: float | None) -> float:
         """DRAM efficiency (of the copy bandwidth) of a stream whose
@@ -249,6 +256,7 @@ class Arch:
             smem_bytes_per_clk=self.smem_bytes_per_clk,
             lanes_per_clk=dict(self.lanes_per_clk),
             launch_s=v("launch_us") * 1e-6,
+            pdl_release_s=v("pdl_release_us") * 1e-6 if "pdl_release_us" in self.figures else None,
         )
 
     def assumptions(self) -> list[tuple[str, str, str]]:
@@ -289,6 +297,7 @@ class Arch:
             "dep_load_ns": (1.0, "{:.0f}"),
             "bar_clk": (1.0, "{:.0f}"),
             "launch_us": (1.0, "{:.1f}"),
+            "pdl_release_us": (1.0, "{:.1f}"),
         }
         for name, fig in self.figures.items():
             scale, form = fmt.get(name, (1.0, "{:.2f}"))
@@ -493,6 +502,7 @@ ARCHS: dict[str, Arch] = {
                 f"sustained dense bf16 GEMMs: 853 {CITES['h200nvl']}; 790 {SOURCES['anchors']}; not the 989 "
                 f"datasheet peak ({CITES['luo']}; {CITES['fa3']})",
             ),
+            "pdl_release_us": Figure(0.7, 1.0, "us", SOURCES["pdl"]),
         },
         sources={
             "limits": SOURCES["cc"] + "; " + SOURCES["occ"],

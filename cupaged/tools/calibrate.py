@@ -33,13 +33,15 @@ the checks are real there, the timings say nothing about a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -90,6 +92,8 @@ class Sizes:
     page_size: int = 16
     blocks_per_sm: int = DEFINES["CAL_BLOCKS_PER_SM"]
     reps: int = 5
+    gap_spin_ns: int = 20000  # the first launch of a pair: long enough for the second to be launched meanwhile
+    gap_reps: int = 50
 
     @classmethod
     def tiny(cls) -> Sizes:
@@ -113,6 +117,8 @@ class Sizes:
             page_size=8,
             blocks_per_sm=1,
             reps=1,
+            gap_spin_ns=0,
+            gap_reps=1,
         )
 
 
@@ -191,10 +197,23 @@ class Backend:
         """Whether the wgmma kernels (sm_90a) run here."""
         return self.cc == (9, 0)
 
-    def launch(self, name: str, grid, block, args: tuple, shared_mem: int = 0) -> None:
+    def launch(
+        self, name: str, grid, block, args: tuple, shared_mem: int = 0, dependent: bool = False, stream: Any = None
+    ) -> None:
         defines = WGMMA_DEFINES if name.startswith("cal_wgmma") else DEFINES
         kernel = dispatch.get_kernel(self.like, STEM, name, defines)
-        self.stream.launch(kernel, grid, block, args, shared_mem)
+        (stream or self.stream).launch(kernel, grid, block, args, shared_mem, dependent=dependent)
+
+    @contextlib.contextmanager
+    def side_stream(self) -> Iterator[Any]:
+        """A stream work may be captured on (GPU: a new non-blocking CuPy stream,
+        current inside the block, since the legacy default stream refuses
+        capture; CPU: the CPU stream)."""
+        if not self.gpu:
+            yield self.stream
+            return
+        with self.xp.cuda.Stream(non_blocking=True):
+            yield dispatch.stream_for(self.like)
 
     def asarray(self, a: np.ndarray):
         return self.xp.asarray(a)
@@ -746,6 +765,96 @@ def measure_bandwidth(be: Backend, sz: Sizes, arch: _archs.Arch, cache: Any) -> 
     ]
 
 
+# ---------------------------------------------------------------- (f) launch gaps
+
+
+def measure_launch_gaps(be: Backend, sz: Sizes, arch: _archs.Arch) -> list[Measured]:
+    """What a small launch costs after a longer one on the stream: (first +
+    second) - first alone, each timed as a whole by events, eagerly and
+    replayed as a captured graph; the second ordinary, and on sm_90 a
+    programmatic dependent launch (this process turns CUPAGED_PDL on). The
+    check: every block of the second summed the marks the first wrote."""
+    from .._runtime import stream as _stream
+
+    blocks = be.sms
+    want = blocks * (blocks + 1) // 2
+    pdl = be.cc >= (9, 0)
+    if pdl and be.gpu:
+        import os
+
+        os.environ[_stream.PDL_ENV] = "1"  # the dependent launch is what is measured (the CPU runs in order)
+    figs = []
+    with be.side_stream() as st:
+        marks, ends = be.zeros(blocks, np.uint32), be.zeros(blocks, np.uint64)
+        out = be.zeros(3 * blocks, np.uint64)
+
+        def pair(second: bool, dependent: bool = False) -> None:
+            st.memset_d32(marks, 0)
+            be.launch("cal_gap_first", blocks, THREADS, (np.uint64(sz.gap_spin_ns), marks, ends), stream=st)
+            if second:
+                be.launch("cal_gap_second", blocks, THREADS, (marks, _u32(blocks), out), dependent=dependent, stream=st)
+
+        def graph_of(fn: Callable[[], None]) -> Callable[[], None]:
+            st.begin_capture()
+            fn()
+            g = st.end_capture()
+            return g.launch
+
+        def checked() -> bool:
+            st.synchronize()
+            got = be.get(out).reshape(blocks, 3)
+            return bool((got[:, 2] == want).all())
+
+        cases = [("stream", False), ("graph", False)] + ([("graph", True)] if pdl else [])
+        alone = {
+            "stream": be.time(lambda: pair(False), sz.gap_reps),
+            "graph": be.time(graph_of(lambda: pair(False)), sz.gap_reps),
+        }
+        for how, dependent in cases:
+            run_pair = functools.partial(pair, True, dependent)
+            if how == "graph":
+                run_pair = graph_of(run_pair)
+            out.fill(0)
+            t = be.time(run_pair, sz.gap_reps)
+            ok = checked()
+            stamps = be.get(out).reshape(blocks, 3).astype(np.int64)
+            last_end = int(be.get(ends).astype(np.int64).max())
+            detail = {
+                "seconds_pair": t,
+                "seconds_first": alone[how],
+                "second_start_minus_first_end_us": (int(stamps[:, 0].min()) - last_end) / 1e3,
+                "second_after_wait_minus_first_end_us": (int(stamps[:, 1].min()) - last_end) / 1e3,
+            }
+            cost_us = (t - alone[how]) * 1e6
+            if dependent:
+                figs.append(
+                    Measured(
+                        "launch_dependent_graph",
+                        "a dependent launch after the one before it, in a graph (its release and its small grid)",
+                        cost_us,
+                        "us",
+                        "pdl_release_us",
+                        model_range(arch, "pdl_release_us"),
+                        ok,
+                        detail,
+                    )
+                )
+            else:
+                figs.append(
+                    Measured(
+                        f"launch_gap_{how}",
+                        f"a small launch after the one before it, {'in a graph' if how == 'graph' else 'eagerly'}",
+                        cost_us,
+                        "us",
+                        "launch_us",
+                        model_range(arch, "launch_us"),
+                        ok,
+                        detail,
+                    )
+                )
+    return figs
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -764,6 +873,7 @@ def run(be: Backend, sz: Sizes, arch: _archs.Arch, errors: list[str] | None = No
         ("conversions", lambda: measure_cvt(be, sz, arch)),
         ("latency", lambda: measure_latency(be, sz, arch, cache)),
         ("bandwidth", lambda: measure_bandwidth(be, sz, arch, cache)),
+        ("launch gaps", lambda: measure_launch_gaps(be, sz, arch)),
     ]
     figs: list[Measured] = []
     for name, measure in groups:

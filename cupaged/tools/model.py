@@ -814,6 +814,7 @@ def model_launch(
     flip: tuple = (),
     quantum: float = 1e-3,
     extra_notes: Iterable[str] = (),
+    dependent: bool = False,
 ) -> LaunchModel:
     """Model one launch (module doc) with the arch's figures at ``end`` of
     their ranges (``flip``: those at the other end). ``fits_l2``: the
@@ -822,7 +823,11 @@ def model_launch(
     partials); ``latency``: what a tile load waits for, "dram" or "l2";
     ``run_bytes``: contiguous bytes of one K/V row run in memory (the DRAM
     efficiency of the access pattern; None: long runs); ``quantum``: see
-    ``simulate``."""
+    ``simulate``. ``dependent``: a programmatic dependent launch (the split
+    merge): where the arch has one (``pdl_release_us``) its launch hides
+    behind the launch before it and its time is the release after that one
+    plus its own simulated time, with no per-launch floor; elsewhere an
+    ordinary launch."""
     pt = arch.point(end, flip)
     notes = list(extra_notes)
     if not desc.known:
@@ -984,7 +989,12 @@ def model_launch(
 
     sim = simulate(blocks, demands, pt, occ.blocks_per_sm, hbm_of, warps=warps, startup=startup, quantum=quantum)
     time_s = sim.time
-    if time_s < pt.launch_s:
+    if dependent and pt.pdl_release_s is not None:
+        notes.append("a dependent launch: its launch hidden behind the launch before it, the release added")
+        time_s += pt.pdl_release_s
+        if sim.time < pt.pdl_release_s:
+            sim.bound_share = {"launch": 1.0}
+    elif time_s < pt.launch_s:
         notes.append("launch-bound: below the per-launch floor")
         sim.bound_share = {"launch": 1.0}
         time_s = pt.launch_s

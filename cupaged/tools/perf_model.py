@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import dtypes
+from .._runtime import stream as _stream
 from ..demo import tiny
 from ..errors import PagedAttentionError
 from ..graph import capture_graph
@@ -454,6 +455,7 @@ def _launch_inputs(
                 f"split partials {_model.fmt_bytes(part)} "
                 + ("(L2-resident: read from L2)" if in_l2 else "(read from HBM)")
             ],
+            dependent=_stream.dependent_launches(),  # the merge's launch: dependent with CUPAGED_PDL=1
         )
         out.append(LaunchInput(facts, desc, kw))
     return splits, out

@@ -77,6 +77,7 @@
 #endif
 #include "../common.cuh"
 #include "../plan_words.cuh"
+#include "../ptx.cuh"
 #include "../softmax_state.cuh"
 #include "../butterfly.cuh"
 #include "params.cuh"
@@ -222,6 +223,7 @@ __device__ __forceinline__ void unpack_kv(const kv_chunk_t& c, float* f) {
 extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) paged_attention(const AttentionParams p) {
     using namespace att;
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
+    ptx::launch_dependents();  // the split merge, a dependent launch, may start: it waits for this grid
     __shared__ float s_m[kWarps][kHeads];
     __shared__ float s_l[kWarps][kHeads];
     __shared__ __align__(16) float s_acc[kWarps][kHeads][kCap];

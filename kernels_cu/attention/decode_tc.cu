@@ -172,6 +172,7 @@ static_assert(sizeof(scalar_t) == 2 && (kFp8 || sizeof(kv_t) == 2), "f16 / bf16 
 extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode_tc(const AttentionParams p) {
     using namespace dtc;
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
+    ptx::launch_dependents();  // the split merge, a dependent launch, may start: it waits for this grid
     CUPAGED_DYNAMIC_SHARED(scalar_t, smem);  // kWarps columns' rings (and fp8's decoded tiles)
 
     const u32 qi = p.q_begin + blockIdx.x;  // see paged_attention: the whole block leaves before any barrier

@@ -29,6 +29,7 @@
 // where used, they cost ptxas 8 more registers on sm_90.)
 #include "../common.cuh"
 #include "../plan_words.cuh"
+#include "../ptx.cuh"
 #include "../softmax_state.cuh"
 #include "span.cuh"
 #include "variant.cuh"
@@ -50,24 +51,30 @@ __device__ __forceinline__ void sum_splits(const float* __restrict__ part_out, c
 #pragma unroll
     for (u32 i = 0; i < W; ++i) acc[i] = 0.0f;
     for (u32 z0 = g; z0 < nsplit; z0 += G * kBatch) {
+        // Every load of the batch issues before any is used: unpredicated, a split past nsplit reading
+        // split z0's row (in the arrays) and then dropped.
         float l2[kBatch], v[kBatch][W];
 #pragma unroll
         for (u32 b = 0; b < kBatch; ++b) {
             const u32 z = z0 + b * G;
-            const bool in = z < nsplit;
-            const u64 row = (u64)z * stride + rowi;
-            l2[b] = in ? part_lse[row] * softmax::kLog2e : neg_inf();
+            const u64 row = (u64)(z < nsplit ? z : z0) * stride + rowi;
+            l2[b] = part_lse[row];
             if constexpr (W == 4) {
-                float4 f;
-                f.x = f.y = f.z = f.w = 0.0f;
-                if (in) f = ldv(reinterpret_cast<const float4*>(part_out + row * value_dim) + c);
+                const float4 f = ldv(reinterpret_cast<const float4*>(part_out + row * value_dim) + c);
                 v[b][0] = f.x;
                 v[b][1] = f.y;
                 v[b][2] = f.z;
                 v[b][3] = f.w;
             } else {
-                v[b][0] = in ? part_out[row * value_dim + c] : 0.0f;
+                v[b][0] = part_out[row * value_dim + c];
             }
+        }
+#pragma unroll
+        for (u32 b = 0; b < kBatch; ++b) {
+            const bool in = z0 + b * G < nsplit;
+            l2[b] = in ? l2[b] * softmax::kLog2e : neg_inf();
+#pragma unroll
+            for (u32 i = 0; i < W; ++i) v[b][i] = in ? v[b][i] : 0.0f;
         }
         float mb = neg_inf();
 #pragma unroll
@@ -151,6 +158,9 @@ extern "C" __global__ void __launch_bounds__(merge::kThreads, merge::kMinBlocks)
                           u32 splits, u32 write_lse, const float* __restrict__ sinks) {
     __shared__ float s_m[merge::kThreads], s_l[merge::kThreads];  // each group's state
     __shared__ __align__(16) float s_acc[merge::kThreads * 4];  // and its sums
+    // A dependent launch (launch.py): the split kernels before it may still run; wait for their
+    // grid's completion before touching memory.
+    ptx::grid_dependency_wait();
     const u32 qi = blockIdx.x, h = blockIdx.y;
     if (qi >= queries || h >= q_heads) return;  // the whole block: before any barrier
     const u32 nsplit = att::min_u32(splits, CP_MAX_SPLITS);

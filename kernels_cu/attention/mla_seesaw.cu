@@ -172,6 +172,7 @@ __device__ __forceinline__ u32 p_at(u32 r, u32 c) {
 extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks)
     paged_mla_seesaw(const AttentionParams p) {
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
+    ptx::launch_dependents();  // the split merge, a dependent launch, may start: it waits for this grid
     using namespace mss;
     using tc::kNone;
     CUPAGED_DYNAMIC_SHARED(unsigned char, smem_raw);

@@ -98,6 +98,7 @@ static_assert(sizeof(scalar_t) == 2 && (sizeof(kv_t) == sizeof(scalar_t) || kKvS
 
 extern "C" __global__ void __launch_bounds__(tcm::kThreads, tcm::kMinBlocks) paged_mla_tc(const AttentionParams p) {
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
+    ptx::launch_dependents();  // the split merge, a dependent launch, may start: it waits for this grid
     using namespace tcm;
     using tc::kNone;
     using tc::kRows;

@@ -130,6 +130,7 @@ using mrows::swz;
 
 extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) paged_mla_wgmma(const AttentionParams p) {
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
+    ptx::launch_dependents();  // the split merge, a dependent launch, may start: it waits for this grid
     using namespace mwg;
     using tc::kNone;
     CUPAGED_DYNAMIC_SHARED(unsigned char, smem_raw);

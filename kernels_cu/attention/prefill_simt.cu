@@ -116,6 +116,7 @@ constexpr u32 kSmemBytes = 4 * (kQElems + 2 * kKvElems + kN * kRowPitch);  // pr
 extern "C" __global__ void __launch_bounds__(simt::kThreads, geom::prefill_simt::kMinBlocks)
     paged_prefill_simt(const AttentionParams p) {
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
+    ptx::launch_dependents();  // the split merge, a dependent launch, may start: it waits for this grid
     using namespace simt;
     using tc::kNone;
     CUPAGED_DYNAMIC_SHARED(float, smem);

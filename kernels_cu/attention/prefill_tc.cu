@@ -128,6 +128,7 @@ static_assert((kN * kD / 8) % kThreads == 0, "whole decode steps per thread");
 
 extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged_prefill_tc(const AttentionParams p) {
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
+    ptx::launch_dependents();  // the split merge, a dependent launch, may start: it waits for this grid
     using namespace tcp;
     using tc::kNone;
     CUPAGED_DYNAMIC_SHARED(scalar_t, smem);

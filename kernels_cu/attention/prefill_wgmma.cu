@@ -212,6 +212,7 @@ __device__ __forceinline__ u32 chunk_at(u32 r, u32 ch, u32 col) { return (ch >> 
 extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks)
     paged_prefill_wgmma(const AttentionParams p) {
     CP_ATTENTION_ARRAYS(p);  // the arrays as __restrict__ locals (epilogue.cuh)
+    ptx::launch_dependents();  // the split merge, a dependent launch, may start: it waits for this grid
     using namespace pwg;
     using tc::kNone;
     using tc::v16_t;

@@ -97,6 +97,23 @@
 //     device-to-device copy on this H200 (anchors.md; KINDS.md measured it
 //     through PyTorch), of 4.8 TB/s nominal (datasheet); archs.py copy_bw and
 //     its DRAM efficiencies of short (256-byte) and long rows.
+// (f) cal_gap_first / cal_gap_second: what a launch costs after the one
+//     before it on the stream. first: grid (SMs), block kThreads; each block
+//     spins spin_ns nanoseconds, then thread 0 writes block + 1 to marks[block]
+//     and its end time to ends[block]; it lets a dependent launch start at
+//     once (ptx::launch_dependents). second: grid (SMs), block kThreads;
+//     thread 0 of each block writes its start time, waits for the grid
+//     before it (ptx::grid_dependency_wait: at once unless it is a
+//     programmatic dependent launch), writes the time after the wait and the
+//     sum of every block's mark: out [blocks][3] u64 (start, after the wait,
+//     sum), the sum SMs (SMs + 1) / 2 when the wait saw the first grid's
+//     writes. The tool times first alone and first + second, eagerly and as
+//     a graph, second ordinary and (sm_90) dependent: the difference is the
+//     second launch's cost, its gap and its small grid (archs.py launch_us:
+//     ~2 - 3 us a kernel node in a graph, an estimate), and the dependent
+//     one's release after the first grid (pdl_release_us: 0.7 - 1 us, an
+//     estimate; CUDA C++ Programming Guide, 'Programmatic Dependent Launch
+//     and Synchronization'). No memory traffic beyond the marks.
 #include "../common.cuh"
 #include "../ptx.cuh"
 
@@ -388,6 +405,35 @@ extern "C" __global__ void __launch_bounds__(cal::kThreads)
         for (u32 u = 0; u < cal::kLoadsInFlight; ++u) stv(dst + i + u * step, v[u]);
     }
     for (; i < n; i += step) stv(dst + i, ldv(src + i));
+}
+
+// (f) Two launches back to back: the first spins, marks and stamps its end; the second stamps its start and the
+// end of its wait, and sums the marks.
+extern "C" __global__ void __launch_bounds__(cal::kThreads)
+    cal_gap_first(u64 spin_ns, u32* __restrict__ marks, u64* __restrict__ ends) {
+    ptx::launch_dependents();
+    const u64 t0 = cal::nanos();
+    if (threadIdx.x == 0)
+        while (cal::nanos() - t0 < spin_ns) {
+        }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        marks[blockIdx.x] = blockIdx.x + 1;
+        ends[blockIdx.x] = cal::nanos();
+    }
+}
+extern "C" __global__ void __launch_bounds__(cal::kThreads)
+    cal_gap_second(const u32* __restrict__ marks, u32 blocks, u64* __restrict__ out) {
+    const u64 t0 = cal::nanos();
+    ptx::grid_dependency_wait();
+    if (threadIdx.x == 0) {
+        const u64 t1 = cal::nanos();
+        u64 sum = 0;
+        for (u32 b = 0; b < blocks; ++b) sum += marks[b];
+        out[3 * blockIdx.x] = t0;
+        out[3 * blockIdx.x + 1] = t1;
+        out[3 * blockIdx.x + 2] = sum;
+    }
 }
 
 #else

@@ -35,7 +35,7 @@ def launches(monkeypatch):
             self.stream = stream
             self.backend = stream.backend
 
-        def launch(self, kernel, grid, block, args, shared_mem=0):
+        def launch(self, kernel, grid, block, args, shared_mem=0, dependent=False):
             attn = kernel.name != "attention_split_merge"
             params = args[0]  # the AttentionParams struct (ops/attention/params.py)
             log.append(
@@ -46,7 +46,7 @@ def launches(monkeypatch):
                     grid[0] if isinstance(grid, tuple) else grid,
                 )
             )
-            return self.stream.launch(kernel, grid, block, args, shared_mem=shared_mem)
+            return self.stream.launch(kernel, grid, block, args, shared_mem=shared_mem, dependent=dependent)
 
     monkeypatch.setattr(attention, "launch_call", lambda call, stream=None: real(call, Spy(stream or call.plan.stream)))
     return log

@@ -40,9 +40,9 @@ def geometry_mode(request, monkeypatch):
         def __init__(self, stream):
             self.stream, self.backend = stream, stream.backend
 
-        def launch(self, kernel, grid, block, args, shared_mem=0):
+        def launch(self, kernel, grid, block, args, shared_mem=0, dependent=False):
             blocks.append((kernel.name, block[0]))
-            return self.stream.launch(kernel, grid, block, args, shared_mem=shared_mem)
+            return self.stream.launch(kernel, grid, block, args, shared_mem=shared_mem, dependent=dependent)
 
     monkeypatch.setattr(attention, "launch_call", lambda call, stream=None: real(call, Spy(stream or call.plan.stream)))
     return request.param, blocks

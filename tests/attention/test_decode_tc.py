@@ -170,6 +170,7 @@ def test_a_decode_step_reads_its_words_in_one_round_trip(xp_backend, kernels_use
         pytest.skip("the markers count on the CPU backend")
     rng = np.random.default_rng(22)
     kv_lens = np.array([40, 25, 33, 18], np.int32)
+
     def case_q_seq(q_lens):
         return np.repeat(np.arange(len(q_lens)), q_lens)
 

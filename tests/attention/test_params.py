@@ -43,9 +43,9 @@ def test_launch_fills_every_field(monkeypatch):
     class Spy:
         backend = plan.stream.backend
 
-        def launch(self, kernel, grid, block, args, shared_mem=0):
+        def launch(self, kernel, grid, block, args, shared_mem=0, dependent=False):
             seen.append(args)
-            return plan.stream.launch(kernel, grid, block, args, shared_mem=shared_mem)
+            return plan.stream.launch(kernel, grid, block, args, shared_mem=shared_mem, dependent=dependent)
 
     out = np.zeros((plan.queries, 4, 64), np.float32)
     lse = np.zeros((plan.queries, 4), np.float32)

@@ -254,9 +254,9 @@ def test_large_vocab_half_types_against_reference(dtype, geometry, monkeypatch):
         def __getattr__(self, name):
             return getattr(self.stream, name)
 
-        def launch(self, kernel, grid, block, args, shared_mem=0):
+        def launch(self, kernel, grid, block, args, shared_mem=0, dependent=False):
             blocks.append(block[0])
-            return self.stream.launch(kernel, grid, block, args, shared_mem=shared_mem)
+            return self.stream.launch(kernel, grid, block, args, shared_mem=shared_mem, dependent=dependent)
 
     monkeypatch.setattr(ops, "stream_for", lambda a: Spy(real(a)))
     rng = np.random.default_rng(11)

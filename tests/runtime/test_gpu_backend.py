@@ -380,6 +380,10 @@ class FakeDriver:
         self.CUfunction_attribute = real.CUfunction_attribute
         self.CUevent_flags = real.CUevent_flags
         self.CUfunction = real.CUfunction
+        self.CUlaunchConfig = real.CUlaunchConfig
+        self.CUlaunchAttribute = real.CUlaunchAttribute
+        self.CUlaunchAttributeID = real.CUlaunchAttributeID
+        self.CUstream = real.CUstream
         self.ok = (real.CUresult.CUDA_SUCCESS,)
         self.ctx_stack = []  # contexts pushed on top of the thread's current one (0: none)
         self.capturing = {}  # stream -> list of ops, or "invalid"
@@ -387,6 +391,7 @@ class FakeDriver:
         self.kernels = {}  # CUfunction handle -> python callable(grid, block, smem, values)
         self.func_attrs = {}
         self.calls = []
+        self.launches = []  # per launch: None (cuLaunchKernel), or cuLaunchKernelEx's attributes {id: value}
         self.next_handle = 1000
 
     # -- helpers
@@ -522,7 +527,20 @@ class FakeDriver:
         slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
         # parameters are copied at the call, as the driver does: read them now
         raw = [ctypes.string_at(slots[i], 8) for i in range(nargs)]
+        self.launches.append(None)
         return self._issue(stream, lambda: fn((gx, gy, gz), (bx, by, bz), raw))
+
+    def cuLaunchKernelEx(self, config, f, params, extra):
+        c = config
+        attrs = {}
+        for a in list(c.attrs)[: c.numAttrs]:
+            ids = self.CUlaunchAttributeID
+            assert a.id == ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, a.id
+            attrs[a.id] = a.value.programmaticStreamSerializationAllowed
+        grid, block = (c.gridDimX, c.gridDimY, c.gridDimZ), (c.blockDimX, c.blockDimY, c.blockDimZ)
+        r = self.cuLaunchKernel(f, *grid, *block, c.sharedMemBytes, int(c.hStream), params, extra)
+        self.launches[-1] = attrs
+        return r
 
 
 class FakeMemoryPtr:
@@ -556,10 +574,15 @@ class FakeCupy:
     def __init__(self):
         self.current = FakeCupyStream(0)
         self.pinned = []
+        self.cc = "80"  # the device's compute capability
 
         outer = self
 
         class cuda:
+            class Device:
+                def __init__(self, device=0):
+                    self.compute_capability = outer.cc
+
             @staticmethod
             def get_current_stream(device_id=-1):
                 return outer.current
@@ -700,6 +723,55 @@ def test_emulated_launch_and_smem_optin(emu):
     s.launch(k, (0, 1, 1), 16, (x, y, np.uint32(16)))  # empty grid: nothing issued
     with pytest.raises(PagedAttentionError, match="expected a GPU kernel"):
         s.launch(object(), 1, 1, ())
+
+
+DEPENDENT_CASES = [("90", "1", True), ("100", "1", True), ("90", None, False), ("90", "0", False), ("86", "1", False)]
+
+
+@pytest.mark.parametrize("cc, env, expect", DEPENDENT_CASES)
+def test_emulated_dependent_launch(emu, monkeypatch, cc, env, expect):
+    """A dependent launch (the split merge's) with CUPAGED_PDL=1 on compute
+    capability 9.0 and later is cuLaunchKernelEx with programmatic stream
+    serialization allowed, and nothing else, eagerly and while capturing;
+    an ordinary cuLaunchKernel below 9.0 and without CUPAGED_PDL=1 (the
+    default); a launch not asked to be dependent is always ordinary. Grid,
+    block, shared memory, stream and the parameters reach the kernel either
+    way."""
+    from cupaged._runtime import stream as _stream
+
+    drv, fake_cupy = emu
+    fake_cupy.cc = cc
+    fake_cupy.current = FakeCupyStream(0x6000)
+    if env is None:
+        monkeypatch.delenv(_stream.PDL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_stream.PDL_ENV, env)
+    seen = []
+
+    def fn(grid, block, raw):
+        seen.append((grid, block, int.from_bytes(raw[2][:4], "little")))
+        _scale_kernel_body(raw)
+
+    k = _emu_kernel(drv, "scale", fn, 3)
+    x = EmuArray(np.arange(8, dtype=np.float32))
+    y = EmuArray(np.zeros(8, np.float32))
+    s = _gpu.current_stream(x)
+    s.launch(k, (2, 3, 1), (8,), (x, y, np.uint32(8)), shared_mem=64 * 1024, dependent=True)
+    s.launch(k, 1, 8, (x, y, np.uint32(8)))
+    s.begin_capture()
+    s.launch(k, 1, 8, (x, y, np.uint32(8)), dependent=True)
+    s.end_capture()
+    pdl = {drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: 1}
+    assert drv.launches == ([pdl, None, pdl] if expect else [None, None, None])
+    assert seen[0] == ((2, 3, 1), (8, 1, 1), 8) and y.host.tolist() == (2 * np.arange(8)).tolist()
+
+
+def _scale_kernel_body(raw):
+    src, dst = (int.from_bytes(r, "little") for r in raw[:2])
+    n = int.from_bytes(raw[2][:4], "little")
+    s = np.ctypeslib.as_array((ctypes.c_float * n).from_address(src))
+    d = np.ctypeslib.as_array((ctypes.c_float * n).from_address(dst))
+    d[:] = 2 * s
 
 
 def test_emulated_capture_and_replay(emu):

@@ -31,7 +31,7 @@ from cupaged._runtime import source as _source
 from cupaged.tools import archs, calibrate, compile_check, occupancy
 
 PLAIN = ("cal_chase", "cal_copy", "cal_cvt_bf16", "cal_cvt_e4m3", "cal_cvt_f16", "cal_mma_bf16", "cal_mma_f16")
-PLAIN += ("cal_paged_read", "cal_read")
+PLAIN += ("cal_paged_read", "cal_read", "cal_gap_first", "cal_gap_second")
 WGMMA = ("cal_wgmma_bf16_n32", "cal_wgmma_bf16_n64", "cal_wgmma_bf16_n256", "cal_wgmma_f16_n256")
 u32 = np.uint32
 T = calibrate.THREADS  # threads a block (its DEFINES)
@@ -106,6 +106,8 @@ def test_nvrtc_builds_without_spills():
         dt, n = calibrate.WGMMA_N[k]
         assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt}" in ptx["sm_90a"]
     assert "wgmma.wait_group.sync.aligned 1" in ptx["sm_90a"]
+    assert "griddepcontrol.wait" in ptx["sm_90"] and "griddepcontrol.launch_dependents" in ptx["sm_90"]
+    assert "griddepcontrol" not in ptx["sm_80"]
 
 
 # ---------------------------------------------------------------- the chase
@@ -360,6 +362,7 @@ def test_cli_cpu_run_checks_every_kernel(tmp_path, capsys):
     want |= {"wgmma_bf16_n32", "wgmma_bf16_n64", "wgmma_bf16_n256", "wgmma_f16_n256"}
     want |= {"dram_latency_idle", "dram_latency_loaded", "l2_latency", "paged_read", "contiguous_read"}
     want |= {"copy_kernel", "memcpy", "l2_read", "little_bytes_per_sm"}
+    want |= {"launch_gap_stream", "launch_gap_graph", "launch_dependent_graph"}
     assert want <= set(figs)
     for f in doc["figures"]:
         assert f["checked"] and f["unit"] and f["measured"] is not None and f["measured"] >= 0, f
