@@ -22,8 +22,13 @@
 //   group). Warp w = c * pack + j computes KV head j of the pack in column c.
 //
 // Tiling. The tile's heads are the M dimension of mma.sync m16n8k16: 16 rows
-// (rows past the tile's heads are zero queries, never written). Q is staged
-// once (cp.async) and held as A fragments in registers. The query's visible
+// (rows past the tile's heads are zero queries, never written). A block's
+// start is three dependent round trips: Q's copies (cp.async, into the last
+// stage of the last column's ring, which the prologue leaves empty) and the
+// query's words (att::query_words: its sequence, position and, in a decode
+// step, its sequence's length) issue together; then the first page word;
+// then the first tiles' copies, after which Q is waited for and held as A
+// fragments in registers. The query's visible
 // positions [lo, hi) of its split are cut into tiles of 16 tokens; column c
 // (the pack's warps c * pack .. + pack - 1, one a KV head) takes tiles c,
 // c + 2, c + 4, ... and runs its own pipeline, with one named barrier of its

@@ -7,6 +7,10 @@
 // and read here through geometry.cuh (geom::merge).
 //
 // One block of kThreads (256) threads per (query, head): grid (queries, Hq).
+// Launched dependent (Stream.launch; a programmatic dependent launch with
+// CUPAGED_PDL=1 on sm_90 and later): before any global access it waits for
+// the grid before it (ptx::grid_dependency_wait), the split kernel that
+// wrote the partials and let it start early (ptx::launch_dependents).
 // part_out [splits, queries, Hq, Dv] f32, part_lse [splits, queries, Hq] f32
 //   -> out [queries, Hq, Dv] scalar_t, lse [queries, Hq] f32 (when write_lse).
 // lse = log(sum_z exp(lse_z)), out = sum_z exp(lse_z - lse) * out_z; a split
@@ -22,7 +26,9 @@
 // threads form G = kThreads / C groups of C threads (G = 1 when C >= kThreads), group
 // g takes splits g, g + G, ..., eight at a time: eight partial chunks and
 // their LSEs are loaded before any is used, and summed as an online softmax
-// (softmax_state.cuh). The groups' states then meet in shared memory. At Dv =
+// (softmax_state.cuh; the loads unpredicated, a split past the last reading
+// the batch's first split's row and dropped, so all of them issue before the
+// first use). The groups' states then meet in shared memory. At Dv =
 // 128 and 64 splits: 8 groups of 32 threads, 8 splits each, one round of
 // eight loads per thread (the whole merge one L2 round trip deep).
 // (Its few arguments stay positional: as fields of AttentionParams, loaded
