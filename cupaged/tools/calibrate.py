@@ -811,7 +811,7 @@ def measure_launch_gaps(be: Backend, sz: Sizes, arch: _archs.Arch) -> list[Measu
             "graph": be.time(graph_of(lambda: pair(False)), sz.gap_reps),
         }
         for how, dependent in cases:
-            run_pair = functools.partial(pair, True, dependent)
+            run_pair: Callable[[], None] = functools.partial(pair, True, dependent)
             if how == "graph":
                 run_pair = graph_of(run_pair)
             out.fill(0)

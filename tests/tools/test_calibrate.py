@@ -365,7 +365,9 @@ def test_cli_cpu_run_checks_every_kernel(tmp_path, capsys):
     want |= {"launch_gap_stream", "launch_gap_graph", "launch_dependent_graph"}
     assert want <= set(figs)
     for f in doc["figures"]:
-        assert f["checked"] and f["unit"] and f["measured"] is not None and f["measured"] >= 0, f
+        assert f["checked"] and f["unit"] and f["measured"] is not None, f
+        # a launch's cost is a difference of two timings: on the CPU it may come out below 0
+        assert f["measured"] >= 0 or f["key"].startswith("launch_"), f
     assert figs["mma_sync_bf16"]["constant"] == "mma_sync_flops" and figs["mma_sync_bf16"]["model"]
     assert "MEASURED" in out and "MODELED" in out and "CHECK FAILED" not in out
     assert "every kernel's output matched its NumPy reference" in out
