@@ -78,7 +78,11 @@ def test_every_kernel_that_writes_partials_lets_the_merge_start():
     stems = sorted({stem for stem, _ in registry.all_variants() if stem.startswith("attention/")} - {MERGE.source})
     assert len(stems) == 8, stems
     for stem in stems:
-        defines = next(d for s, d in registry.all_variants() if s == stem)
+        # the cheapest build of the stem to turn into PTX: fp8 caches, the smallest head dim
+        defines = min(
+            (d for s, d in registry.all_variants() if s == stem),
+            key=lambda d: (str(d.get("CP_KV_DTYPE")) != "e4m3", int(d.get("HEAD_DIM", 0) or 0), len(d)),
+        )
         text = _ptx(stem, defines, "compute_90a")
         assert "griddepcontrol.launch_dependents" in text, stem
         assert "griddepcontrol.wait" not in text, stem
