@@ -483,24 +483,23 @@ class GpuFunction:
                     f"cuLaunchKernelEx({self.name}, grid={tuple(grid)}, block={tuple(block)}, "
                     f"shared_mem={shared_mem}, programmatic stream serialization)",
                 )
-                del holders
-                return
-            _check(
-                drv.cuLaunchKernel(
-                    self._cufunc,
-                    grid[0],
-                    grid[1],
-                    grid[2],
-                    block[0],
-                    block[1],
-                    block[2],
-                    shared_mem,
-                    int(stream_ptr),
-                    None if slots is None else ctypes.addressof(slots),
-                    0,
-                ),
-                f"cuLaunchKernel({self.name}, grid={tuple(grid)}, block={tuple(block)}, shared_mem={shared_mem})",
-            )
+            else:
+                _check(
+                    drv.cuLaunchKernel(
+                        self._cufunc,
+                        grid[0],
+                        grid[1],
+                        grid[2],
+                        block[0],
+                        block[1],
+                        block[2],
+                        shared_mem,
+                        int(stream_ptr),
+                        None if slots is None else ctypes.addressof(slots),
+                        0,
+                    ),
+                    f"cuLaunchKernel({self.name}, grid={tuple(grid)}, block={tuple(block)}, shared_mem={shared_mem})",
+                )
         del holders  # the driver has copied the parameter values
 
     def _dependent_config(self, drv: Any, grid: tuple, block: tuple, shared_mem: int, stream_ptr: int) -> Any:

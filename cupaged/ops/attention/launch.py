@@ -28,10 +28,11 @@ def launch_call(call: Call, stream: Stream | None = None) -> None:
     """Issue a checked call's launches (``call.launches``, one per segment,
     each taking one ``AttentionParams`` struct of ``call.values`` and its
     query range), then, with a split workspace, the merge; on ``stream``
-    (None: the plan's). The merge is a dependent launch (Stream.launch): on
-    sm_90 and later its blocks start while the last split launch runs (each
-    split kernel lets them, ptx::launch_dependents) and wait in the kernel
-    for its completion, so its launch latency hides behind that grid."""
+    (None: the plan's). The merge is a dependent launch (Stream.launch): with
+    CUPAGED_PDL=1 on sm_90 and later its blocks start while the last split
+    launch runs (each split kernel lets them, ptx::launch_dependents) and
+    wait in the kernel for its completion, so its launch latency hides
+    behind that grid."""
     if not call.launches:
         return
     stream = call.plan.stream if stream is None else stream
