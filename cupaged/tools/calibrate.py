@@ -37,6 +37,7 @@ import contextlib
 import datetime
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -48,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from .._runtime import dispatch
+from .._runtime import stream as _stream
 from . import archs as _archs
 
 #: The kernel source (a ``kernels_cu`` stem).
@@ -774,14 +776,10 @@ def measure_launch_gaps(be: Backend, sz: Sizes, arch: _archs.Arch) -> list[Measu
     replayed as a captured graph; the second ordinary, and on sm_90 a
     programmatic dependent launch (this process turns CUPAGED_PDL on). The
     check: every block of the second summed the marks the first wrote."""
-    from .._runtime import stream as _stream
-
     blocks = be.sms
     want = blocks * (blocks + 1) // 2
     pdl = be.cc >= (9, 0)
     if pdl and be.gpu:
-        import os
-
         os.environ[_stream.PDL_ENV] = "1"  # the dependent launch is what is measured (the CPU runs in order)
     figs = []
     with be.side_stream() as st:
@@ -825,33 +823,21 @@ def measure_launch_gaps(be: Backend, sz: Sizes, arch: _archs.Arch) -> list[Measu
                 "second_start_minus_first_end_us": (int(stamps[:, 0].min()) - last_end) / 1e3,
                 "second_after_wait_minus_first_end_us": (int(stamps[:, 1].min()) - last_end) / 1e3,
             }
-            cost_us = (t - alone[how]) * 1e6
             if dependent:
-                figs.append(
-                    Measured(
-                        "launch_dependent_graph",
-                        "a dependent launch after the one before it, in a graph (its release and its small grid)",
-                        cost_us,
-                        "us",
-                        "pdl_release_us",
-                        model_range(arch, "pdl_release_us"),
-                        ok,
-                        detail,
-                    )
+                key, what, constant = (
+                    "launch_dependent_graph",
+                    "a dependent launch after the one before it, in a graph (its release and its small grid)",
+                    "pdl_release_us",
                 )
             else:
-                figs.append(
-                    Measured(
-                        f"launch_gap_{how}",
-                        f"a small launch after the one before it, {'in a graph' if how == 'graph' else 'eagerly'}",
-                        cost_us,
-                        "us",
-                        "launch_us",
-                        model_range(arch, "launch_us"),
-                        ok,
-                        detail,
-                    )
+                where = "in a graph" if how == "graph" else "eagerly"
+                key, what, constant = (
+                    f"launch_gap_{how}",
+                    f"a small launch after the one before it, {where}",
+                    "launch_us",
                 )
+            cost_us = (t - alone[how]) * 1e6
+            figs.append(Measured(key, what, cost_us, "us", constant, model_range(arch, constant), ok, detail))
     return figs
 
 
