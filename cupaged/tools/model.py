@@ -702,10 +702,12 @@ def dependent_wait(r: _sass.Region, latency: float, t: float) -> float:
     (seconds): per round trip the load's ``latency`` less the issue of the
     instructions between the load and its first use (``Region.dep_gaps``,
     ``t`` seconds each), which in-order issue overlaps with it; a round trip
-    without a known gap waits the whole latency."""
+    without a known gap waits the whole latency, and one that shares the
+    round trip of a 16-byte load issued beside it (``sass.SHARED``: the
+    loop's memory wait charges that) nothing."""
     gaps = list(r.dep_gaps)[: r.dep_levels]
     gaps += [0] * (r.dep_levels - len(gaps))
-    return sum(max(0.0, latency - g * t) for g in gaps)
+    return sum(0.0 if g == _sass.SHARED else max(0.0, latency - g * t) for g in gaps)
 
 
 def iteration_parts(

@@ -928,6 +928,10 @@ def _regs(tok: str, width: str | None, n: int = 1) -> list:
     return [f"{m.group(1)}{int(m.group(2)) + j}" for j in range(k)]
 
 
+#: A ``Flow.gaps`` entry for a wait that shares a 16-byte load's round trip (no wait of its own).
+SHARED = -1
+
+
 @dataclass
 class Flow:
     """State of ``dataflow``: when each register is ready and when the warp
@@ -943,9 +947,10 @@ class Flow:
     n: int = 0  # instructions seen (issued, or waiting to) so far
     issued_at: dict = field(default_factory=dict)  # register -> the instruction count at its global load's issue
     gaps: list = field(default_factory=list)  # per level the stream waited for: instructions from the load to that use
+    wide_at: int = -1  # level at which the newest 16-byte load into registers issued
 
 
-def dataflow(ins: list, flow: Flow | None = None, *, wide: int = 1, scalar: int = 1) -> Flow:
+def dataflow(ins: list, flow: Flow | None = None, *, wide: int = 1, scalar: int = 1, shared: bool = False) -> Flow:
     """Dependent global-memory round trips of an instruction stream run in
     order by one warp: a global load's value is there ``scalar`` (or, for a
     16-byte load, ``wide``) round trips after it issues; an instruction
@@ -953,7 +958,9 @@ def dataflow(ins: list, flow: Flow | None = None, *, wide: int = 1, scalar: int 
     a cp.async wait (``DEPBAR.LE SB0, N``) waits for all but the newest N
     committed groups; LDS / LDSM read what STS stored (or what a waited
     cp.async copied). Straight-line: every instruction once, in the order
-    given."""
+    given. ``shared`` (a loop whose 16-byte loads are used where issued,
+    their round trip its memory wait): a wait issued at a level where such
+    a load issued shares its round trip (``SHARED`` in ``gaps``)."""
     f = flow or Flow()
     for i in ins:
         ops = [o.strip() for o in i.operands.split(",")] if i.operands else []
@@ -970,7 +977,11 @@ def dataflow(ins: list, flow: Flow | None = None, *, wide: int = 1, scalar: int 
             # the wait for a load's value: the instructions issued since that load overlap its latency
             src = [f.issued_at.get(r) for t, w in srcs for r in _regs(t, w) if f.ready.get(r, 0) == need]
             known = [k for k in src if k is not None]
-            f.gaps += [f.n - max(known) if known else 0] * (need - f.level)
+            gap = f.n - max(known) if known else 0
+            # (shared) a 16-byte load issued at this level is in flight too: this wait is that load's
+            # round trip (which the loop's memory wait charges), not one of its own.
+            first = SHARED if shared and f.wide_at == f.level else gap
+            f.gaps += [first] + [gap] * (need - f.level - 1)
         f.level = max(f.level, need)
         lvl = f.level
         f.n += 1
@@ -1002,6 +1013,8 @@ def dataflow(ins: list, flow: Flow | None = None, *, wide: int = 1, scalar: int 
             big = is_wide_global_load(i)
             if big and f.first_wide < 0:
                 f.first_wide = lvl
+            if big:
+                f.wide_at = lvl
             val = lvl + (wide if big else scalar)
             for r in _regs(t, w, n):
                 f.issued_at[r] = f.n
@@ -1022,7 +1035,6 @@ def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int, warm: set |
         order = [b for b in order if b in warm]
     ins = [fn.instrs[i] for b in order for i in range(cfg.blocks[b].start, cfg.blocks[b].end)]
     cls = Counter(classify(i) for i in ins)
-    flow = dataflow(ins, wide=0)
     glob = [i for i in ins if i.base in ("LDG", "LD", "LDGSTS", "UBLKCP", "UTMALDG")]
     wait, commit_after = -1, False
     for k, i in enumerate(ins):
@@ -1032,6 +1044,7 @@ def _region(fn: Function, cfg: Cfg, blocks, depth: int, parent: int, warm: set |
             commit_after = any(j.base == "LDGDEPBAR" for j in ins[k + 1 :]) and not any(
                 j.base == "LDGDEPBAR" for j in ins[:k]
             )
+    flow = dataflow(ins, wide=0, shared=wait < 0)
     return Region(
         min((i.offset for i in ins), default=0),
         depth,

@@ -23,12 +23,14 @@
 //
 // Tiling. The tile's heads are the M dimension of mma.sync m16n8k16: 16 rows
 // (rows past the tile's heads are zero queries, never written). A block's
-// start is three dependent round trips: Q's copies (cp.async, into the last
-// stage of the last column's ring, which the prologue leaves empty) and the
+// start is two dependent round trips: Q's copies (cp.async, into the last
+// stage of the last column's ring, which the prologue leaves empty), the
 // query's words (att::query_words: its sequence, position and, in a decode
-// step, its sequence's length) issue together; then the first page word;
-// then the first tiles' copies, after which Q is waited for and held as A
-// fragments in registers. The query's visible
+// step, its sequence's length) and the page word of its share's first tile
+// (guessed: the share of a decode step of the plan's longest length,
+// kv_len_hint; checked against the words, reloaded where wrong) issue
+// together; then the first tiles' copies, after which Q is waited for and
+// held as A fragments in registers. The query's visible
 // positions [lo, hi) of its split are cut into tiles of 16 tokens; column c
 // (the pack's warps c * pack .. + pack - 1, one a KV head) takes tiles c,
 // c + 2, c + 4, ... and runs its own pipeline, with one named barrier of its
@@ -211,17 +213,66 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
     }
     ptx::cp_async_commit();
 
-    // ---- this split's share [lo, hi) of the query's visible positions ----
+    // ---- this split's share [lo, hi) of the query's visible positions, and its first page word ----
+    // The share is guessed first: that of a decode step of the plan's longest length (p.kv_len_hint, from
+    // the host) in sequence qi, so the first tile's page word loads beside the query's words (one round
+    // trip for both). The words then say whether the guess was right (always, in a decode step of a
+    // batch of equal lengths planned on the host); where it was not (other lengths, a chunk's queries, a
+    // captured graph whose lengths moved on) the walk restarts from the real share and reloads that word
+    // on a path ptx::cold_path marks. Nothing read on a guess is used unless the guess was right.
+    const u32 hint = p.kv_len_hint;
+    const att::Span guess = att::share(p, hint, [&] { return hint > 0 ? hint - 1u : 0u; }, blockIdx.z);
+    const u32* const table_qi = words + pw::page_table(p.queries, p.sequences) + (u64)qi * p.table_width;
+    const u32 ps = p.page_size, num_pages = p.num_pages;
+    // Page walk. When the page size is a multiple of kN and the share starts on
+    // a tile boundary (no window, or one that starts there), every tile lies in
+    // one page: the walk holds the tile's first token tok = lo + (k * kWarps +
+    // col) * kN in every lane, one page-table word a tile, and each lane
+    // addresses its rows from that page and slot (whole). Otherwise lane l < kN
+    // walks token tok + l, and a copying lane takes its rows' pages and slots
+    // from their lanes (shuffles). Page column pj and slot psl advance by kStep
+    // tokens a tile (no division in the loop: the one division is here).
+    constexpr u32 kStep = kN * kWarps;
+    const u32 step_j = kStep / ps, step_s = kStep - step_j * ps;
+    u32 lo = guess.lo;
+    bool whole = ps % kN == 0 && lo % kN == 0;
+    u32 tok = lo + col * kN + (whole ? 0u : lane);
+    u32 pj = tok / ps, psl = tok - pj * ps;
+    u32 raw = kNone;  // page-table word of tok (kNone past hi), loaded one tile ahead
+    // The guessed share's first word (its row and column inside the table: never past the arrays).
+    if ((whole || lane < kN) && qi < p.sequences && pj < p.table_width) raw = table_qi[pj];
     const att::QueryWords qw = att::query_words(p, qi);  // one round trip for all in a decode step
     const u32 seq = qw.seq;
-    u32 lo = 0, hi = 0;
+    u32 hi = 0;
     const u32* table = words;
-    if (seq < p.sequences) {
-        const att::Span sp = att::share(p, qw, blockIdx.z);
-        lo = sp.lo;
+    {
+        att::Span sp{0u, 0u};
+        if (seq < p.sequences) {
+            sp = att::share(p, qw, blockIdx.z);
+            table = words + pw::page_table(p.queries, p.sequences) + (u64)seq * p.table_width;
+        }
         hi = sp.hi;
-        table = words + pw::page_table(p.queries, p.sequences) + (u64)seq * p.table_width;
+        if (seq != qi || sp.lo != lo) {
+            ptx::cold_path();  // a wrong guess: the walk from the real share
+            lo = sp.lo;
+            whole = ps % kN == 0 && lo % kN == 0;
+            tok = lo + col * kN + (whole ? 0u : lane);
+            pj = tok / ps;
+            psl = tok - pj * ps;
+            raw = (whole || lane < kN) && tok < hi ? table[pj] : kNone;
+        }
     }
+    if (!(tok < hi)) raw = kNone;  // past the share (or an empty one)
+    auto fetch = [&] { raw = ((whole || lane < kN) && tok < hi) ? table[pj] : kNone; };
+    auto advance = [&] {
+        tok += kStep;
+        pj += step_j;
+        psl += step_s;
+        if (psl >= ps) {
+            psl -= ps;
+            ++pj;
+        }
+    };
     // For a score variant: its arguments, and the rows (query position, head, slope) of this lane's heads g, g + 8.
     const variant::Scorer sc(p);
     variant::ScoreRow srow[2];
@@ -252,7 +303,6 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
     char* const stages = area + pack * kDecodedBytes;
     const u32 ntiles = (hi - lo + kN - 1) / kN;
     const u32 nk = ntiles > col ? (ntiles - col + kWarps - 1) / kWarps : 0u;  // the same in every warp of the column
-    const u32 ps = p.page_size, num_pages = p.num_pages;
     // This lane's part of every copy: lane cl of the column copies chunk ch of head cj's rows r0, r0 +
     // kRowsPerCopy, ... of a tile (K and V); a step of the column's copies covers kRowsPerCopy tokens' rows
     // of all the pack's heads, 16 bytes a lane, so a warp-wide instruction reads 512 contiguous bytes of a
@@ -265,30 +315,6 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
     char* const kdst_lane = stages + cj * kStageBytes + r0 * kKPitchB + ch * 16;
     char* const vdst_lane = stages + cj * kStageBytes + kVOffB + r0 * kVPitchB + ch * 16;
     const u32 stage_b = pack * kStageBytes;  // bytes between stages
-    // Page walk. When the page size is a multiple of kN and the share starts on
-    // a tile boundary (no window, or one that starts there), every tile lies in
-    // one page: the walk holds the tile's first token tok = lo + (k * kWarps +
-    // col) * kN in every lane, one page-table word a tile, and each lane
-    // addresses its rows from that page and slot (whole). Otherwise lane l < kN
-    // walks token tok + l, and a copying lane takes its rows' pages and slots
-    // from their lanes (shuffles). Page column pj and slot psl advance by kStep
-    // tokens a tile (no division in the loop: the one division is here).
-    constexpr u32 kStep = kN * kWarps;
-    const bool whole = ps % kN == 0 && lo % kN == 0;
-    const u32 step_j = kStep / ps, step_s = kStep - step_j * ps;
-    u32 tok = lo + col * kN + (whole ? 0u : lane);
-    u32 pj = tok / ps, psl = tok - pj * ps;
-    u32 raw = kNone;  // page-table word of tok (kNone past hi), loaded one tile ahead
-    auto fetch = [&] { raw = ((whole || lane < kN) && tok < hi) ? table[pj] : kNone; };
-    auto advance = [&] {
-        tok += kStep;
-        pj += step_j;
-        psl += step_s;
-        if (psl >= ps) {
-            psl -= ps;
-            ++pj;
-        }
-    };
     // Byte steps between the rows one lane copies (kRowsPerCopy slots apart in
     // a page: a page's own offsets fit 32 bits).
     const u32 krow_b = kRowsPerCopy * p.k_stride_slot * (u32)sizeof(kv_t);
@@ -441,8 +467,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
 
     // The ring: tile k in stage k % kStages; tiles k + 1 .. k + kStages - 1 in
     // flight while tile k computes; valid[j] holds tile k + j's valid bits.
-    u32 valid[kStages];
-    fetch();
+    u32 valid[kStages];  // (the first tile's page word is in raw: loaded with the query's words)
 #pragma unroll
     for (u32 j = 0; j + 1 < kStages; ++j) {
         valid[j] = 0u;

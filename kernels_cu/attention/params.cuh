@@ -29,6 +29,7 @@ struct AttentionParams {
     u32 value_dim;                              // Dv
     u32 rot_dim;                                // P, 0 without a rotary part
     u32 splits;                                 // splits of the visible history (1: none)
+    u32 kv_len_hint;                            // the plan's longest kv length (host): a split's first page guessed (never trusted)
     u32 causal;                                 // 1: the query at position p sees positions 0 .. p
     u32 write_lse;                              // 1: write lse (when splits == 1)
     float scale;                                // score = scale * q.k

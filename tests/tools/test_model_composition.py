@@ -585,6 +585,30 @@ def test_a_dependent_load_waits_only_for_what_the_issue_before_its_use_leaves():
     assert waits[4000] == 0
 
 
+def test_a_word_loaded_beside_the_tiles_used_in_place_shares_their_round_trip():
+    """Defect 3, refined again: a loop whose 16-byte loads are used where
+    issued waits their latency once an iteration (its memory wait); a word
+    loaded beside them (the split merge's LSEs next to its partial chunks)
+    arrives in that same wait and adds nothing, while one used before the
+    tiles' loads issue (what ptxas made of the merge with its LSE loads
+    first) is a round trip of its own; in a cp.async ring the word's wait
+    is always its own."""
+    pt = SM90.point("pess")
+    word = "LDG.E R7, desc[UR4][R16.64]"
+    tiles = ["LDG.E.128 R20, desc[UR4][R12.64]", "LDG.E.128 R24, desc[UR4][R14.64]"]
+    use = ["FMUL R8, R7, R9", "FFMA R10, R20, R8, R10", "FFMA R11, R24, R8, R11"]
+    beside = hot_of(listing([word] + tiles + use)).regions[0]
+    before = hot_of(listing([word, "FMUL R8, R7, R9"] + tiles + use[1:])).regions[0]
+    ring = hot_of(listing([word] + tiles + use + [COPY, "LDGDEPBAR", "DEPBAR.LE SB0, 0x1"])).regions[0]
+    assert beside.dep_levels == before.dep_levels == ring.dep_levels == 1
+    assert beside.dep_gaps == [sass.SHARED] and model.dependent_wait(beside, pt.dep_load_s, 1e-9) == 0
+    assert before.dep_gaps == [0] and model.dependent_wait(before, pt.dep_load_s, 1e-9) == pytest.approx(pt.dep_load_s)
+    assert ring.dep_gaps == [2] and model.dependent_wait(ring, pt.dep_load_s, 1e-9) > 0
+    for text, wait in ((listing([word] + tiles + use), 0.0), (listing([word, "FMUL R8, R7, R9"] + tiles + use[1:]), 1)):
+        lm = launch(hot_of(text), threads=256, grid=SM90.sms, tokens=64, bpt=16 * 256)
+        assert (lm.iteration["dependent loads"] > 0) == bool(wait)
+
+
 def specialized(consumer, producer):
     """An nvdisasm-style function ``k`` of a warp-specialized block: warpgroup 0 branches to a producer loop
     of ``producer`` lines, the others run a consumer loop of ``consumer`` lines (each loop's back edge at its

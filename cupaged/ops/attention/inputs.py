@@ -561,6 +561,7 @@ def record(
         value_dim=dv,
         rot_dim=rot_dim,
         splits=splits,
+        kv_len_hint=host.max_kv_len,  # a u32 word of every plan
         causal=int(opts.causal),
         write_lse=int(o.lse is not None),
         scale=opts.scale,

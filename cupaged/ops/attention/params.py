@@ -45,6 +45,7 @@ FIELDS: tuple[Field, ...] = (
     Field("value_dim", "u32", "Dv"),
     Field("rot_dim", "u32", "P, 0 without a rotary part"),
     Field("splits", "u32", "splits of the visible history (1: none)"),
+    Field("kv_len_hint", "u32", "the plan's longest kv length (host): a split's first page guessed (never trusted)"),
     Field("causal", "u32", "1: the query at position p sees positions 0 .. p"),
     Field("write_lse", "u32", "1: write lse (when splits == 1)"),
     Field("scale", "float", "score = scale * q.k"),
