@@ -156,7 +156,9 @@ def test_o_is_rescaled_only_where_a_max_rises(xp_backend, kernels_used):
 
 def _share_lo(visible: int, splits: int, z: int) -> int:
     """Where split z of a query that sees positions [0, visible) starts (docs/layout.md, "Split-KV")."""
-    c = -(-(-(-visible // splits)) // variants.SPLIT_TILE) * variants.SPLIT_TILE
+    tile = variants.SPLIT_TILE
+    c = (visible + splits - 1) // splits
+    c = (c + tile - 1) // tile * tile
     return min(z * c, visible)
 
 
