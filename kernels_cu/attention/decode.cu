@@ -327,20 +327,25 @@ extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) pag
     const u32 k_slot = p.k_stride_slot, v_slot = p.v_stride_slot;
     const u32 my_row = warp * (kRows * kU) + row;
     // Page id and slot of this lane's rows of the step at `base`; a token past
-    // the split's end or on a page id >= num_pages gets page kNoPage.
+    // the split's end or on a page id >= num_pages gets page kNoPage. The
+    // rows' page words load together, unpredicated (a row past the end reads
+    // its row's first entry, or the words' first with no sequence: inside
+    // the arrays), and are checked after: one round trip for all, where a
+    // check beside each load would make it one a row.
     u32 pg[kU], sl[kU];
     auto locate = [&](u32 base) {
 #pragma unroll
         for (u32 u = 0; u < kU; ++u) {
             const u32 t = base + my_row + u * kRows;
-            pg[u] = kNoPage;
-            sl[u] = 0;
-            if (t < end) {
-                const u32 j = t / page_size;
-                const u32 page = table[j];
-                pg[u] = page < num_pages ? page : kNoPage;
-                sl[u] = t - j * page_size;
-            }
+            const u32 j = t < end ? t / page_size : 0u;
+            pg[u] = table[j];
+            sl[u] = t - j * page_size;
+        }
+#pragma unroll
+        for (u32 u = 0; u < kU; ++u) {
+            const bool in = base + my_row + u * kRows < end && pg[u] < num_pages;
+            pg[u] = in ? pg[u] : kNoPage;
+            sl[u] = in ? sl[u] : 0u;
         }
     };
     locate(start);

@@ -212,6 +212,12 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
         ptx::cp_async_16(q_area + rr * kPitch + ch * 8, ok ? src : q, ok);
     }
     ptx::cp_async_commit();
+    // An fp8 cache's K scale folds into the score scale (below, after Q's wait: a use here would hold
+    // the first tiles' copies until it arrives), its V scale into the output (every row of the warp reads
+    // KV head kvh). A null scale is 1.
+    float k_sc = 1.0f;
+    if constexpr (kFp8)
+        if (p.k_scale) k_sc = p.k_scale[kvh * p.k_scale_stride];
 
     // ---- this split's share [lo, hi) of the query's visible positions, and its first page word ----
     // The share is guessed first: that of a decode step of the plan's longest length (p.kv_len_hint, from
@@ -281,11 +287,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
         srow[1] = sc.row(qw.pos, head0 + g + 8);
     }
 
-    // An fp8 cache's K scale folds into the score scale, its V scale into the
-    // output (every row of the warp reads KV head kvh).
-    float qscale = p.scale * softmax::kLog2e;
-    if constexpr (kFp8)
-        if (p.k_scale) qscale *= p.k_scale[kvh * p.k_scale_stride];  // null: 1
+    float qscale = p.scale * softmax::kLog2e;  // (times k_sc after Q's wait)
     u32 qf[kKSteps][4];  // Q's A fragments (loaded after the prologue's copies are issued)
     softmax::State sm[2];  // rows g and g + 8
     float o[kOTiles][4];
@@ -501,6 +503,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
             ptx::ldmatrix_x4(qf[ks], qs + (r8 + 8 * (tile & 1u)) * kPitch + ks * 16 + 8 * (tile >> 1));
     }
     __syncthreads();  // every warp holds Q before the loop refills the last stage
+    if constexpr (kFp8) qscale *= k_sc;
     u32 b = 0, nb = kStages - 1;  // the stage of tile k, and of tile k + kStages - 1
     for (u32 k = 0; k < nk; ++k) {
         ptx::cp_async_wait<kStages - 2>();  // this warp's copies of tile k have landed
