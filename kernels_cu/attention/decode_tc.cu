@@ -240,10 +240,16 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
     // tokens a tile (no division in the loop: the one division is here).
     constexpr u32 kStep = kN * kWarps;
     const u32 step_j = kStep / ps, step_s = kStep - step_j * ps;
-    u32 lo = guess.lo;
-    bool whole = ps % kN == 0 && lo % kN == 0;
-    u32 tok = lo + col * kN + (whole ? 0u : lane);
-    u32 pj = tok / ps, psl = tok - pj * ps;
+    u32 lo, tok, pj, psl;
+    bool whole;
+    auto start = [&](u32 share_lo) {  // the walk's first token of this column, from the share's start
+        lo = share_lo;
+        whole = ps % kN == 0 && lo % kN == 0;
+        tok = lo + col * kN + (whole ? 0u : lane);
+        pj = tok / ps;
+        psl = tok - pj * ps;
+    };
+    start(guess.lo);
     u32 raw = kNone;  // page-table word of tok (kNone past hi), loaded one tile ahead
     // The guessed share's first word (its row and column inside the table: never past the arrays).
     if ((whole || lane < kN) && qi < p.sequences && pj < p.table_width) raw = table_qi[pj];
@@ -260,11 +266,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
         hi = sp.hi;
         if (seq != qi || sp.lo != lo) {
             ptx::cold_path();  // a wrong guess: the walk from the real share
-            lo = sp.lo;
-            whole = ps % kN == 0 && lo % kN == 0;
-            tok = lo + col * kN + (whole ? 0u : lane);
-            pj = tok / ps;
-            psl = tok - pj * ps;
+            start(sp.lo);
             raw = (whole || lane < kN) && tok < hi ? table[pj] : kNone;
         }
     }
