@@ -208,6 +208,55 @@ def test_a_decode_step_reads_its_words_in_one_round_trip(xp_backend, kernels_use
                 assert want == 0  # a decode step of equal lengths: every guess right
 
 
+def test_a_windowed_decode_step_guesses_its_share(xp_backend, kernels_used):
+    """Under a window the guessed share (a decode step of the plan's longest
+    length) starts where the window does, split by split: a decode step of
+    equal lengths never takes the slow path, and matches the reference.
+    (Windows that start on a 16-token tile, 300 - 108 = 192 and 256: one
+    starting inside a tile walks token by token, on a path the same marker
+    counts.)"""
+    from cupaged._runtime import get_kernel
+    from cupaged.ops.attention import inputs
+    from cupaged.tools import counters
+
+    if xp_backend.name != "cpu":
+        pytest.skip("the markers count on the CPU backend")
+    rng = np.random.default_rng(23)
+    case = make_paged_case(
+        rng,
+        kv_lens=np.array([300, 300, 300], np.int32),
+        q_lens=np.ones(3, np.int32),
+        page_size=16,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype="f16",
+    )
+    q, k, v = (_to_device(xp_backend, a) for a in (case.q, case.k_cache, case.v_cache))
+    plan = cupaged.HostPlan.build(case.page_table, case.kv_lens, case.q_lens, case.page_size, case.num_pages).upload(q)
+    for window, splits in ((108, 2), (44, 3), (1000, 2)):
+        ws = cupaged.SplitWorkspace(plan.queries, 8, 64, splits, q)
+        la = inputs.attention_call(plan, q, k, v, case.scale, True, window=window, workspace=ws).launches[0]
+        assert la.kernel == DECODE_TC
+        module = get_kernel(q, la.source, la.kernel, la.defines).module
+        counters.reset(module)
+        o, lse = plan.attention(q, k, v, case.scale, True, workspace=ws, window=window, return_lse=True)
+        assert counters.read_all(module)["cold_path"] == 0, (window, splits)
+        ref_out, ref_lse = reference.scored_attention(
+            case.q,
+            case.k_cache,
+            case.v_cache,
+            case.page_table,
+            case.kv_lens,
+            case.q_lens,
+            case.scale,
+            True,
+            window=window,
+        )
+        assert_close(xp_backend.to_numpy(o), ref_out, "f16", f"window={window} out")
+        assert_close(xp_backend.to_numpy(lse), ref_lse, "f16", f"window={window} lse")
+
+
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_every_split_count(xp_backend, kernels_used, dtype):
     """Split z of a query covers [z c, min(L, (z + 1) c)): counts 1 .. 12 and
