@@ -24,7 +24,10 @@
 //   each lane CHUNKS vector chunks of it (16-byte loads when VEC_LOADS). A
 //   lane issues STEP_U rows of K and V loads before it uses any, so a block
 //   has kThreads * STEP_U * CHUNKS * 2 loads in flight, and loads the next step's
-//   page ids while they are in flight. Scores are reduced over
+//   page ids while they are in flight. A block's start is one round trip:
+//   its q slice, the query's words and the page ids of its first rows (of
+//   the share guessed from the plan's longest length, kv_len_hint; the words
+//   decide, a wrong guess reloads them) load together. Scores are reduced over
 //   the LANES lanes of a row by xor-shuffles (butterfly.cuh); every row group keeps its own
 //   online-softmax state (softmax_state.cuh: max and sum in the log2 domain,
 //   and an FP32 accumulator of its value slice for each head) and the states
@@ -244,21 +247,8 @@ extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) pag
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
     const u32 row = lane / kLanes, x = lane % kLanes;
 
-    // ---- this split's share [start, end) of the positions this query sees ----
-    // Word offsets from the plan's static sizes (plan_words.cuh; the offsets
-    // stored in words 6..10 are not trusted).
-    const QueryWords qw = query_words(p, qi);  // one round trip for all in a decode step
-    const u32 seq = qw.seq;
-    u32 start = 0, end = 0;
-    const u32* table = words;  // this sequence's page-table row (valid when end > start)
-    if (seq < p.sequences) {
-        const Span sp = share(p, qw, blockIdx.z);
-        start = sp.lo;
-        end = sp.hi;
-        table = words + pw::page_table(p.queries, p.sequences) + (u64)seq * p.table_width;
-    }
-
     // ---- this lane's slice of q for each head, pre-scaled into the log2 domain ----
+    // (first: its loads and their scaling wait for nothing the words bring)
     const float qscale = p.scale * softmax::kLog2e;
     // fp8: this KV head's dequantization scales (null pointers: 1). K's
     // folds into q, V's into the output; with ROT_CAP the latent (k_scale)
@@ -299,6 +289,64 @@ extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) pag
                            : 0.0f;
         }
 #endif
+    // ---- this split's share [start, end) of the positions this query sees, and its first rows' pages ----
+    // Word offsets from the plan's static sizes (plan_words.cuh; the offsets
+    // stored in words 6..10 are not trusted). As in paged_decode_tc, the share
+    // is guessed first (a decode step of the plan's longest length,
+    // kv_len_hint, in sequence qi), so its first rows' page words load beside
+    // the query's words; the words decide, and a wrong guess reloads them on
+    // a path ptx::cold_path marks.
+    const u32 num_pages = p.num_pages, page_size = p.page_size;
+    const u32 my_row = warp * (kRows * kU) + row;
+    // Page id and slot of this lane's rows of the step at `base`: the page
+    // words of row `tab` of a table `width` columns wide (0: none) load
+    // together (load), and are checked after (check: a token past the split's
+    // end or on a page id >= num_pages gets page kNoPage), one round trip for
+    // all, where a check beside each load would make it one a row.
+    u32 pg[kU], sl[kU];
+    auto load = [&](u32 base, const u32* tab, u32 width) {
+#pragma unroll
+        for (u32 u = 0; u < kU; ++u) {
+            const u32 t = base + my_row + u * kRows;
+            const u32 j = t / page_size;
+            pg[u] = j < width ? tab[j] : kNoPage;
+            sl[u] = t - j * page_size;
+        }
+    };
+    u32 start = 0, end = 0;
+    auto check = [&](u32 base) {
+#pragma unroll
+        for (u32 u = 0; u < kU; ++u) {
+            const bool in = base + my_row + u * kRows < end && pg[u] < num_pages;
+            pg[u] = in ? pg[u] : kNoPage;
+            sl[u] = in ? sl[u] : 0u;
+        }
+    };
+    const u32 hint = p.kv_len_hint;
+    const u32 guess = share(p, hint, [&] { return hint > 0 ? hint - 1u : 0u; }, blockIdx.z).lo;
+    load(guess, words + pw::page_table(p.queries, p.sequences) + (u64)qi * p.table_width,
+         qi < p.sequences ? p.table_width : 0u);
+    const QueryWords qw = query_words(p, qi);  // one round trip for all in a decode step
+    const u32 seq = qw.seq;
+    const u32* table = words;  // this sequence's page-table row (valid when end > start)
+    u32 width = 0;
+    if (seq < p.sequences) {
+        const Span sp = share(p, qw, blockIdx.z);
+        start = sp.lo;
+        end = sp.hi;
+        table = words + pw::page_table(p.queries, p.sequences) + (u64)seq * p.table_width;
+        width = p.table_width;
+    }
+    if (seq != qi || start != guess) {
+        ptx::cold_path();  // a wrong guess: the real share's pages
+        load(start, table, width);
+    }
+    check(start);
+    auto locate = [&](u32 base) {
+        load(base, table, width);
+        check(base);
+    };
+
     // The score's arguments and each head's row (query position, head,
     // ALiBi slope), for a score variant that uses them.
     const variant::Scorer sc(p);
@@ -318,37 +366,12 @@ extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) pag
         for (u32 i = 0; i < kElems; ++i) acc[g][i] = 0.0f;
     }
 
-    const u32 num_pages = p.num_pages, page_size = p.page_size;
     // Row addressing: base + page * stride_page + slot * stride_slot (a
     // page's offsets fit u32: checked on the host).
     const kv_t* __restrict__ const k_base = k_cache + (u64)kvh * p.k_stride_head;
     const kv_t* __restrict__ const v_base = v_cache + (u64)kvh * p.v_stride_head;
     const u64 k_page = p.k_stride_page, v_page = p.v_stride_page;
     const u32 k_slot = p.k_stride_slot, v_slot = p.v_stride_slot;
-    const u32 my_row = warp * (kRows * kU) + row;
-    // Page id and slot of this lane's rows of the step at `base`; a token past
-    // the split's end or on a page id >= num_pages gets page kNoPage. The
-    // rows' page words load together, unpredicated (a row past the end reads
-    // its row's first entry, or the words' first with no sequence: inside
-    // the arrays), and are checked after: one round trip for all, where a
-    // check beside each load would make it one a row.
-    u32 pg[kU], sl[kU];
-    auto locate = [&](u32 base) {
-#pragma unroll
-        for (u32 u = 0; u < kU; ++u) {
-            const u32 t = base + my_row + u * kRows;
-            const u32 j = t < end ? t / page_size : 0u;
-            pg[u] = table[j];
-            sl[u] = t - j * page_size;
-        }
-#pragma unroll
-        for (u32 u = 0; u < kU; ++u) {
-            const bool in = base + my_row + u * kRows < end && pg[u] < num_pages;
-            pg[u] = in ? pg[u] : kNoPage;
-            sl[u] = in ? sl[u] : 0u;
-        }
-    };
-    locate(start);
     for (u32 base = start; base < end; base += kStep) {
         kv_chunk_t kc[kU][kChunks];
 #if !ROT_CAP

@@ -46,6 +46,14 @@ def run(backend, case, causal=True, *, splits=None, out=False, return_lse=True, 
     return o, (None if lse is None else backend.to_numpy(lse)), plan
 
 
+def share_lo(visible: int, splits: int, z: int) -> int:
+    """Where split z of a query that sees positions [0, visible) starts (docs/layout.md, "Split-KV")."""
+    tile = variants.SPLIT_TILE
+    c = (visible + splits - 1) // splits
+    c = (c + tile - 1) // tile * tile
+    return min(z * c, visible)
+
+
 def check(case, o, lse, causal, dtype, what=""):
     ref_out, ref_lse = case.reference(causal)
     assert np.isfinite(o.astype(np.float64)).all(), f"{what}: non-finite output"

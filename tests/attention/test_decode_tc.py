@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attention_helpers import DECODE_TC, TC_DTYPES, _to_device, check, check_capture_replay, run
+from attention_helpers import DECODE_TC, TC_DTYPES, _to_device, check, check_capture_replay, run, share_lo
 from storage_helpers import FP8
 
 import cupaged
@@ -154,14 +154,6 @@ def test_o_is_rescaled_only_where_a_max_rises(xp_backend, kernels_used):
         assert counters.read_all(module)["edge_tile"] == want, rising
 
 
-def _share_lo(visible: int, splits: int, z: int) -> int:
-    """Where split z of a query that sees positions [0, visible) starts (docs/layout.md, "Split-KV")."""
-    tile = variants.SPLIT_TILE
-    c = (visible + splits - 1) // splits
-    c = (c + tile - 1) // tile * tile
-    return min(z * c, visible)
-
-
 def test_a_decode_step_reads_its_words_in_one_round_trip(xp_backend, kernels_used):
     """A block loads its query's sequence word, its position and the length
     word of sequence qi together (att::query_words), and beside them the page
@@ -200,9 +192,9 @@ def test_a_decode_step_reads_its_words_in_one_round_trip(xp_backend, kernels_use
             n, want = splits or 1, 0
             for i, s in enumerate(q_seq):
                 for z in range(n):
-                    guessed = _share_lo(int(kv_lens.max()), n, z)
+                    guessed = share_lo(int(kv_lens.max()), n, z)
                     wrong_seq = int(s != i)
-                    want += warps * (wrong_seq + int(wrong_seq or _share_lo(visible[i], n, z) != guessed))
+                    want += warps * (wrong_seq + int(wrong_seq or share_lo(visible[i], n, z) != guessed))
             assert counters.read_all(module)["cold_path"] == want, (kv, q_lens, splits)
             if len(set(kv)) == 1 and list(q_seq) == list(range(len(q_seq))):
                 assert want == 0  # a decode step of equal lengths: every guess right
