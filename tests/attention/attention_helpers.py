@@ -9,7 +9,7 @@ import pytest
 import cupaged
 from cupaged._runtime import archs
 from cupaged.ops.attention import variants
-from cupaged.testing import as_dtype, assert_close, reference
+from cupaged.testing import as_dtype, assert_close, make_paged_case, reference
 
 DTYPES = ["f32", "f16", "bf16"]
 
@@ -61,6 +61,45 @@ def check(case, o, lse, causal, dtype, what=""):
     if lse is not None:
         assert lse.dtype == np.float32
         assert_close(lse, ref_lse, dtype, f"{what} lse")
+
+
+def check_decode_guesses(backend, kernel, rng, lengths, splits_list, dtype, **case_kw):
+    """Run decode-kernel cases (``lengths``: (kv_lens, q_lens) pairs) with
+    each split count of ``splits_list`` against the reference, counting the
+    cold-path markers ``kernel`` runs (CPU backend): a decode kernel guesses
+    its query's sequence (its index) and share (a decode step of the plan's
+    longest length, docs/layout.md "Split-KV workspace"), and reloads, once a
+    warp of every block of a (query, split), the words where the sequence is
+    not the index and the page words where, besides, the real share starts
+    elsewhere. A decode step of equal lengths takes neither."""
+    from cupaged._runtime import get_kernel
+    from cupaged.ops.attention import inputs
+    from cupaged.tools import counters
+
+    for kv, q_lens in lengths:
+        kv_lens, q_lens = np.array(kv, np.int32), np.array(q_lens, np.int32)
+        case = make_paged_case(rng, kv_lens=kv_lens, q_lens=q_lens, dtype=dtype, **case_kw)
+        q_seq = np.repeat(np.arange(len(q_lens)), q_lens)
+        # causal: a query sees its sequence up to its own position (the last of its sequence's new tokens last)
+        visible = [int(kv_lens[s]) - int(q_lens[s]) + 1 + int(np.sum(q_seq[:i] == s)) for i, s in enumerate(q_seq)]
+        for splits in splits_list:
+            _, _, plan = run(backend, case, True, splits=splits)
+            la = inputs.attention_call(plan, case.q, case.k_cache, case.v_cache, case.scale, True).launches[0]
+            assert la.kernel == kernel
+            module = get_kernel(case.q, la.source, la.kernel, la.defines).module
+            counters.reset(module)
+            o, lse, _ = run(backend, case, True, splits=splits, plan=plan)
+            check(case, o, lse, True, dtype, f"kv_lens={kv} q_lens={list(q_lens)} splits={splits}")
+            warps = la.head_blocks(case_kw["num_kv_heads"]) * la.block("cpu") // 32  # of a (query, split)'s blocks
+            n, want = splits or 1, 0
+            for i, s in enumerate(q_seq):
+                for z in range(n):
+                    wrong_seq = int(s != i)
+                    guessed = share_lo(int(kv_lens.max()), n, z)
+                    want += warps * (wrong_seq + int(wrong_seq or share_lo(visible[i], n, z) != guessed))
+            assert counters.read_all(module)["cold_path"] == want, (kv, list(q_lens), splits)
+            if len(set(kv)) == 1 and list(q_seq) == list(range(len(q_seq))):
+                assert want == 0  # a decode step of equal lengths: every guess right
 
 
 # ----------------------------------------------------------------- tensor cores

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attention_helpers import DTYPES, TC_PREFILL, _to_device, check, run, share_lo
+from attention_helpers import DTYPES, TC_PREFILL, _to_device, check, check_decode_guesses, run
 
 import cupaged
 from cupaged.layout import metadata_offsets
@@ -231,42 +231,24 @@ def test_a_decode_step_guesses_its_pages_with_its_words(xp_backend, kernels_used
     """paged_attention guesses its share as paged_decode_tc does (a decode
     step of the plan's longest length, kv_len_hint) and loads its first rows'
     page words beside the query's words: a decode step of equal lengths
-    never takes the slow paths (marked cold); otherwise the words' path runs
-    once a warp in every block of a query whose index is not its sequence's,
-    the share's in every block whose real start differs from the guessed one
-    (or whose sequence is not qi), and every output is the reference's."""
-    from cupaged._runtime import get_kernel
-    from cupaged.ops.attention import inputs
-    from cupaged.tools import counters
-
+    never takes the slow paths (marked cold); otherwise they run exactly
+    where a guess was wrong (check_decode_guesses), and every output is the
+    reference's."""
     if xp_backend.name != "cpu":
         pytest.skip("the markers count on the CPU backend")
-    rng = np.random.default_rng(24)
-    for kv, q_lens in (([70] * 3, [1] * 3), ([70, 25, 41], [1] * 3), ([70, 25, 41], [2, 0, 1])):
-        kv_lens, q_lens = np.array(kv, np.int32), np.array(q_lens, np.int32)
-        case = make_paged_case(
-            rng, kv_lens=kv_lens, q_lens=q_lens, page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype="f32"
-        )
-        q_seq = np.repeat(np.arange(len(q_lens)), q_lens)
-        visible = [int(kv_lens[s]) - int(q_lens[s]) + 1 + int(np.sum(q_seq[:i] == s)) for i, s in enumerate(q_seq)]
-        for splits in (None, 3):
-            _, _, plan = run(xp_backend, case, True, splits=splits)
-            la = inputs.attention_call(plan, case.q, case.k_cache, case.v_cache, case.scale, True).launches[0]
-            assert la.kernel == "paged_attention"
-            module = get_kernel(case.q, la.source, la.kernel, la.defines).module
-            counters.reset(module)
-            o, lse, _ = run(xp_backend, case, True, splits=splits, plan=plan)
-            check(case, o, lse, True, "f32", f"kv_lens={kv} q_lens={list(q_lens)} splits={splits}")
-            warps = la.head_blocks(2) * la.block("cpu") // 32  # of a (query, split)'s blocks
-            n, want = splits or 1, 0
-            for i, s in enumerate(q_seq):
-                for z in range(n):
-                    wrong_seq = int(s != i)
-                    guessed = share_lo(int(kv_lens.max()), n, z)
-                    want += warps * (wrong_seq + int(wrong_seq or share_lo(visible[i], n, z) != guessed))
-            assert counters.read_all(module)["cold_path"] == want, (kv, list(q_lens), splits)
-            if len(set(kv)) == 1 and list(q_seq) == list(range(len(q_seq))):
-                assert want == 0  # a decode step of equal lengths: every guess right
+    lengths = (([70] * 3, [1] * 3), ([70, 25, 41], [1] * 3), ([70, 25, 41], [2, 0, 1]))
+    check_decode_guesses(
+        xp_backend,
+        "paged_attention",
+        np.random.default_rng(24),
+        lengths,
+        (None, 3),
+        "f32",
+        page_size=8,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+    )
 
 
 @pytest.mark.parametrize("splits", [None, 3])

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attention_helpers import DECODE_TC, TC_DTYPES, _to_device, check, check_capture_replay, run, share_lo
+from attention_helpers import (
+    DECODE_TC,
+    TC_DTYPES,
+    _to_device,
+    check,
+    check_capture_replay,
+    check_decode_guesses,
+    run,
+)
 from storage_helpers import FP8
 
 import cupaged
@@ -160,44 +168,24 @@ def test_a_decode_step_reads_its_words_in_one_round_trip(xp_backend, kernels_use
     word its share starts at if the query were a decode step of the plan's
     longest length in sequence qi (kv_len_hint). In a decode step of equal
     lengths both guesses hold and the slow paths (marked cold) never run;
-    otherwise the words' path runs once a warp in every block of each query
-    whose index is not its sequence's, the share's in every block whose real
-    start differs from the guessed one (or whose sequence is not qi), and
-    every output is the reference's."""
-    from cupaged._runtime import get_kernel
-    from cupaged.ops.attention import inputs
-    from cupaged.tools import counters
-
+    otherwise they run exactly where a guess was wrong
+    (check_decode_guesses), and every output is the reference's."""
     if xp_backend.name != "cpu":
         pytest.skip("the markers count on the CPU backend")
-    rng = np.random.default_rng(22)
     # q_lens [1, 0, 2, 1]: q_seq [0, 2, 2, 3], query 1's sequence is 2
-    for kv, q_lens in (([40] * 4, [1] * 4), ([40, 25, 33, 18], [1] * 4), ([40, 25, 33, 18], [1, 0, 2, 1])):
-        kv_lens, q_lens = np.array(kv, np.int32), np.array(q_lens, np.int32)
-        case = make_paged_case(
-            rng, kv_lens=kv_lens, q_lens=q_lens, page_size=16, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype="f16"
-        )
-        q_seq = np.repeat(np.arange(len(q_lens)), q_lens)
-        # causal: a query sees its sequence up to its own position (the last of its sequence's new tokens last)
-        visible = [int(kv_lens[s]) - int(q_lens[s]) + 1 + int(np.sum(q_seq[:i] == s)) for i, s in enumerate(q_seq)]
-        for splits in (None, 2):
-            _, _, plan = run(xp_backend, case, True, splits=splits)
-            la = inputs.attention_call(plan, case.q, case.k_cache, case.v_cache, case.scale, True).launches[0]
-            assert la.kernel == DECODE_TC
-            module = get_kernel(case.q, la.source, la.kernel, la.defines).module
-            counters.reset(module)
-            o, lse, _ = run(xp_backend, case, True, splits=splits, plan=plan)
-            check(case, o, lse, True, "f16", f"kv_lens={kv} q_lens={q_lens} splits={splits}")
-            warps = la.head_blocks(2) * la.block("cpu") // 32  # of a (query, split)'s blocks
-            n, want = splits or 1, 0
-            for i, s in enumerate(q_seq):
-                for z in range(n):
-                    guessed = share_lo(int(kv_lens.max()), n, z)
-                    wrong_seq = int(s != i)
-                    want += warps * (wrong_seq + int(wrong_seq or share_lo(visible[i], n, z) != guessed))
-            assert counters.read_all(module)["cold_path"] == want, (kv, q_lens, splits)
-            if len(set(kv)) == 1 and list(q_seq) == list(range(len(q_seq))):
-                assert want == 0  # a decode step of equal lengths: every guess right
+    lengths = (([40] * 4, [1] * 4), ([40, 25, 33, 18], [1] * 4), ([40, 25, 33, 18], [1, 0, 2, 1]))
+    check_decode_guesses(
+        xp_backend,
+        DECODE_TC,
+        np.random.default_rng(22),
+        lengths,
+        (None, 2),
+        "f16",
+        page_size=16,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+    )
 
 
 def test_a_windowed_decode_step_guesses_its_share(xp_backend, kernels_used):
