@@ -65,15 +65,18 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
     const u32 lane = threadIdx.x & 31u, sgroup = lane / kQuad;
     const u32 C = (value_dim + W - 1) / W;  // chunks of the row
     const u32 zlast = nsplit > 0 ? nsplit - 1u : 0u;
+    // Split b of this lane's: whether it is one of the nsplit, and its row (the last split's past them).
+    auto in = [&](u32 b) { return sgroup + b * kGroups < nsplit; };
+    auto row_of = [&](u32 b) { return att::min_u32(sgroup + b * kGroups, zlast) * stride + rowi; };
     for (u32 c0 = (threadIdx.x >> 5) * kQuad; c0 < C; c0 += kPass) {  // uniform over the warp
         const u32 c = c0 + lane % kQuad, cr = c < C ? c : C - 1u;  // a chunk past the row reads the last
-        // This lane's splits (the last split's row for one past it): LSEs and chunks, loaded together. The
+        // This lane's splits' LSEs and chunks, loaded together. The
         // LSEs are the same in every pass, but (c0 >> 31), always 0, keeps their loads and uses in the loop,
         // beside the chunks' loads; hoisted ahead of them, the chunks would wait for the LSEs' round trip.
         float l2[kBatch], v[kBatch][W];
 #pragma unroll
         for (u32 b = 0; b < kBatch; ++b) {
-            const u32 row = att::min_u32(sgroup + b * kGroups, zlast) * stride + rowi;
+            const u32 row = row_of(b);
             if constexpr (W == 4) {
                 const float4 f = ldv(reinterpret_cast<const float4*>(part_out + row * value_dim) + cr);
                 v[b][0] = f.x;
@@ -85,14 +88,13 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
             }
         }
 #pragma unroll
-        for (u32 b = 0; b < kBatch; ++b)
-            l2[b] = part_lse[att::min_u32(sgroup + b * kGroups, zlast) * stride + rowi + (c0 >> 31)];
+        for (u32 b = 0; b < kBatch; ++b) l2[b] = part_lse[row_of(b) + (c0 >> 31)];
         // The splits' weights exp2(lse - m), log2 domain: 0 past the last (its values 0 too: exactly
         // nothing) and for an empty split, NaN for a NaN one.
         float mb = neg_inf();
 #pragma unroll
         for (u32 b = 0; b < kBatch; ++b) {
-            l2[b] = sgroup + b * kGroups < nsplit ? l2[b] * softmax::kLog2e : neg_inf();
+            l2[b] = in(b) ? l2[b] * softmax::kLog2e : neg_inf();
             mb = fmaxf(mb, l2[b]);
         }
         softmax::State st[1];
@@ -106,7 +108,7 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_out, co
             const float w = softmax::rescale(l2[b], st[0].m);
             psum += w;
 #pragma unroll
-            for (u32 i = 0; i < W; ++i) acc[0][i] = fmaf(w, sgroup + b * kGroups < nsplit ? v[b][i] : 0.0f, acc[0][i]);
+            for (u32 i = 0; i < W; ++i) acc[0][i] = fmaf(w, in(b) ? v[b][i] : 0.0f, acc[0][i]);
         }
         st[0].add(alpha, psum);
         bfly::merge_rows<kQuad>(st, acc);  // the groups' states and sums, in every lane
