@@ -317,7 +317,9 @@ class DevicePlan:
     ):
         """Paged attention for the plan's packed queries.
 
-        q [queries, Hq, D]; k_cache [pages, page_size, Hkv, D];
+        q [queries, Hq, D] (any view whose last dim is contiguous: a
+        column slice of a fused QKV projection passes as is; docs/layout.md,
+        "Query views"); k_cache [pages, page_size, Hkv, D];
         v_cache [pages, page_size, Hkv, Dv]; Hq % Hkv == 0 and query head h
         reads KV head h // (Hq // Hkv). Or ``k_cache`` a layer of the page
         manager, ``cache.layer(i)`` (its K, V and storage options), v_cache
@@ -384,7 +386,9 @@ class DevicePlan:
         """DeepSeek-style multi-head latent attention, absorbed form.
 
         q [queries, H, R]: the absorbed query (q_nope times the key
-        up-projection); q_rot [queries, H, P]: its rotary part;
+        up-projection); q_rot [queries, H, P]: its rotary part (both any
+        views whose last dim is contiguous, e.g. the two column ranges of
+        one [queries, H, R + P] query);
         latent [pages, page_size, 1, R]: the normalized latent cache (one
         shared head); k_rot [pages, page_size, 1, P]: the rotated positional
         cache. score = scale * (q . latent + q_rot . k_rot); the values are

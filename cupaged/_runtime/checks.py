@@ -19,17 +19,38 @@ def shape_str(shape) -> str:
     return "[" + ", ".join(str(int(s)) for s in shape) + "]"
 
 
-def float_array(name: str, a, ndim: int, *, total: bool = True) -> None:
+def float_array(name: str, a, ndim: int, *, total: bool = True, view: bool = False) -> None:
     """A C-contiguous f32/f16/bf16 array of rank ``ndim``; every dim, and with
-    ``total`` the element count, within 32-bit indexing."""
+    ``total`` the element count, within 32-bit indexing. With ``view``, any
+    view whose last dim is contiguous passes (``row_view``: a column slice
+    of a fused projection), each element stride within 32 bits."""
     if _backend.array_backend(a) is None:
         raise PagedAttentionError(f"{name}: expected a NumPy or CuPy array, got {type(a).__name__}")
     if a.ndim != ndim:
         raise PagedAttentionError(f"{name}: expected a {ndim}-D array, got shape {shape_str(a.shape)} ({a.ndim}-D)")
     dtypes.row(name, a.dtype)
     if not a.flags.c_contiguous:
-        raise PagedAttentionError(f"{name}: expected a C-contiguous array, got strides {tuple(a.strides)}")
+        if not view:
+            raise PagedAttentionError(f"{name}: expected a C-contiguous array, got strides {tuple(a.strides)}")
+        strides = row_view(name, a)
+        if max(strides) >= 2**32:
+            raise PagedAttentionError(
+                f"{name}: expected element strides within 32-bit indexing, got {strides[:-1]} for shape "
+                f"{shape_str(a.shape)}"
+            )
+        u32_size(name, a.shape, total=False)
+        return
     u32_size(name, a.shape, total=total)
+
+
+def view_strides(name: str, a) -> tuple[int, ...]:
+    """The element strides of a checked view (``float_array(view=True)``)
+    but its last dim's: a C-contiguous array's without ``row_view``'s
+    Python walk (the per-launch path)."""
+    if a.flags.c_contiguous:
+        shape = tuple(int(n) for n in a.shape)
+        return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape) - 1))
+    return row_view(name, a)[:-1]
 
 
 def same_dtype(ref_name: str, ref, **arrays) -> None:

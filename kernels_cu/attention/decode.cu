@@ -263,7 +263,7 @@ extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) pag
     float qf[kHeads][kElems];
 #pragma unroll
     for (u32 g = 0; g < kHeads; ++g) {
-        const scalar_t* qrow = q + ((u64)qi * p.q_heads + head0 + g) * D;
+        const scalar_t* qrow = q + att::q_at(p, qi, head0 + g);
 #pragma unroll
         for (u32 c = 0; c < kChunks; ++c) {
             const u32 e = (x + c * kLanes) * kVec;
@@ -285,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) pag
         for (u32 i = 0; i < kRotElems; ++i) {
             const u32 e = x + i * kLanes;
             qr[g][i] = (g < heads && e < rot_dim)
-                           ? to_float(q_rot[((u64)qi * p.q_heads + head0 + g) * rot_dim + e]) * qrs
+                           ? to_float(q_rot[att::q_rot_at(p, qi, head0 + g) + e]) * qrs
                            : 0.0f;
         }
 #endif

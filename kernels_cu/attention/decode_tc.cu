@@ -208,7 +208,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
         const u32 rr = c / kQChunks, ch = c - rr * kQChunks;  // row rr of the pack's tiles
         const u32 j = rr / kRows, r = rr - j * kRows;
         const bool ok = r < heads;
-        const scalar_t* src = q + ((u64)qi * q_heads + (kvh0 + j) * group + t_off + r) * kD + ch * 8;
+        const scalar_t* src = q + att::q_at(p, qi, (kvh0 + j) * group + t_off + r) + ch * 8;
         ptx::cp_async_16(q_area + rr * kPitch + ch * 8, ok ? src : q, ok);
     }
     ptx::cp_async_commit();

@@ -45,18 +45,20 @@ __device__ __forceinline__ u32 swz(u32 r, u32 c) { return r * 128 + ((c ^ (r & 7
 
 // Every thread of the block (tid of nthreads) copies its share of the block's 64 Q rows into sq: 16-byte chunk
 // ch of row r (ch < kChunks; chunk 8 b + c at column block b, byte sq + b * 64 * 128 + swz(r, c)), the latent
-// part q [rows, kR] first, then (kChunks > kR / 8) the rotary part q_rot [rows, kP]; rows with no query or head
-// zero-filled from q (never read). One cp.async group, committed.
+// part (q's row, kR) first, then (kChunks > kR / 8) the rotary part (q_rot's row, kP), each row where its view's
+// strides put it (att::q_at, att::q_rot_at); rows with no query or head zero-filled from q (never read). One
+// cp.async group, committed.
 template <typename T, u32 kChunks, u32 kR, u32 kP>
 __device__ __forceinline__ void stage_q(unsigned char* sq, const T* __restrict__ q, const T* __restrict__ q_rot,
-                                        const Place& pl, u32 q_heads, u32 tid, u32 nthreads) {
+                                        const Place& pl, const AttentionParams& p, u32 tid, u32 nthreads) {
     static_assert(kChunks == kR / 8 || kChunks == (kR + kP) / 8, "the latent part, or the latent and rotary parts");
     for (u32 c = tid; c < tc::kRows * kChunks; c += nthreads) {
         const u32 r = c / kChunks, ch = c - r * kChunks;  // chunk ch of row r
         u32 slot, hl;
         const bool ok = pl.row_ok(r, slot, hl);
-        const u64 row = (pl.q0 + slot) * q_heads + pl.head0 + hl;
-        const T* src = ch < kR / 8 ? q + row * kR + ch * 8 : q_rot + row * kP + (ch - kR / 8) * 8;
+        const u64 qi = pl.q0 + slot;
+        const u32 h = pl.head0 + hl;
+        const T* src = ch < kR / 8 ? q + att::q_at(p, qi, h) + ch * 8 : q_rot + att::q_rot_at(p, qi, h) + (ch - kR / 8) * 8;
         ptx::cp_async_16(sq + (ch >> 3) * (tc::kRows * 128) + swz(r, ch & 7u), ok ? src : q, ok);
     }
     ptx::cp_async_commit();

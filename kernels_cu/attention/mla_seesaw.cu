@@ -198,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(mss::kBlockThreads, mss::kMinBlocks
 
     // ---- Q into sQ, swizzled, the latent part then the rotary part (every thread of the block) ----
     static_assert(kQCol == kRows * 128, "mrows::stage_q's column blocks");
-    mrows::stage_q<scalar_t, kBlocks * 8, kR, kP>(sQ, q, q_rot, pl, q_heads, tid, kBlockThreads);
+    mrows::stage_q<scalar_t, kBlocks * 8, kR, kP>(sQ, q, q_rot, pl, p, tid, kBlockThreads);
     tc::setup_row_set(rows, p, q0, qt, q_end);
     ptx::cp_async_wait<0>();
     ptx::fence_proxy_async_shared();  // Q is read by wgmma

@@ -132,8 +132,10 @@ extern "C" __global__ void __launch_bounds__(tcm::kThreads, tcm::kMinBlocks) pag
         const u32 r = c / kChunks, ch = c - r * kChunks;
         const u32 slot = r / ht, hl = r - slot * ht;
         const bool ok = slot < qt && q0 + slot < q_end && hl < heads;
-        const u64 qrow = (q0 + slot) * q_heads + head0 + hl;
-        const scalar_t* src = ch < kRChunks ? q + qrow * kR + ch * 8 : q_rot + qrow * kP + (ch - kRChunks) * 8;
+        const u64 qi = q0 + slot;
+        const u32 h = head0 + hl;
+        const scalar_t* src =
+            ch < kRChunks ? q + att::q_at(p, qi, h) + ch * 8 : q_rot + att::q_rot_at(p, qi, h) + (ch - kRChunks) * 8;
         ptx::cp_async_16(sQ + r * kPitch + ch * 8, ok ? src : q, ok);
     }
     ptx::cp_async_commit();

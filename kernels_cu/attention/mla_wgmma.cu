@@ -162,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
 
     // ---- Q: the latent part into sQ (swizzled), the rotary part as A fragments ----
     static_assert(kColBytes == kRows * 128, "mrows::stage_q's column blocks");
-    mrows::stage_q<scalar_t, kRBlocks * 8, kR, kP>(sQ, q, q_rot, pl, q_heads, tid, kThreads);
+    mrows::stage_q<scalar_t, kRBlocks * 8, kR, kP>(sQ, q, q_rot, pl, p, tid, kThreads);
     // Rows 16 warp4 + g (+ 8) of this thread in every wgmma fragment (both warpgroups: the same rows).
     u32 my_slot[2];
     u32 qr[kRotSteps ? kRotSteps : 1][4];  // A fragments of Q's rotary part, k-steps of 16 dims
@@ -172,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
         const u32 r = 16 * warp4 + g + 8 * h;
         const bool ok = row_ok(r, slot, hl);
         my_slot[h] = ok ? slot : kNone;
-        const scalar_t* src = q_rot + ((q0 + slot) * q_heads + head0 + hl) * kP;
+        const scalar_t* src = q_rot + att::q_rot_at(p, q0 + slot, head0 + hl);
 #pragma unroll
         for (u32 kr = 0; kr != kRotSteps; ++kr)
 #pragma unroll

@@ -49,7 +49,11 @@ struct AttentionParams {
     u32 rot_stride_slot;
     u32 k_scale_stride;                         // 1: a K scale per KV head, 0: one
     u32 v_scale_stride;                         // 1: a V scale per KV head, 0: one
+    u32 q_stride_token;                         // q strides: token, head
+    u32 q_stride_head;
+    u32 q_rot_stride_token;                     // q_rot strides: token, head
+    u32 q_rot_stride_head;
     const float* __restrict__ k_scale;          // fp8 caches: K dequantization scale(s) (kKvScaled)
     const float* __restrict__ v_scale;          // fp8 caches: V dequantization scale(s)
 };
-static_assert(sizeof(AttentionParams) == 256, "AttentionParams: the NumPy dtype packs 256 bytes");
+static_assert(sizeof(AttentionParams) == 272, "AttentionParams: the NumPy dtype packs 272 bytes");

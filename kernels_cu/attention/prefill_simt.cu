@@ -144,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(simt::kThreads, geom::prefill_simt:
         const u32 r = i / kD, d = i - r * kD;
         for (hl += r - r_at, r_at = r; hl >= ht; hl -= ht) ++slot;  // (slot, hl) follow r without a division
         const bool ok = slot < qt && q0 + slot < q_end && hl < heads;
-        sQ[d * kRowPitch + r] = ok ? q[((q0 + slot) * q_heads + head0 + hl) * kD + d] * qscale : 0.0f;
+        sQ[d * kRowPitch + r] = ok ? q[att::q_at(p, q0 + slot, head0 + hl) + d] * qscale : 0.0f;
     }
     tc::setup_row_set(rows, p, q0, qt, q_end);
     const variant::Scorer sc(p);  // a score variant's arguments

@@ -161,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
         const u32 r = c / kChunks, ch = c - r * kChunks;
         const u32 slot = r / ht, hl = r - slot * ht;
         const bool ok = slot < qt && q0 + slot < q_end && hl < heads;
-        const scalar_t* src = q + ((q0 + slot) * q_heads + head0 + hl) * kD + ch * 8;
+        const scalar_t* src = q + att::q_at(p, q0 + slot, head0 + hl) + ch * 8;
         ptx::cp_async_16(sQ + r * kPitch + ch * 8, ok ? src : q, ok);
     }
     ptx::cp_async_commit();

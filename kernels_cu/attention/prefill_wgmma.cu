@@ -257,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(pwg::kBlockThreads, pwg::kMinBlocks
         const u32 r = c / kChunks, ch = c - r * kChunks;
         u32 slot, hl;
         const bool ok = row_ok(r, slot, hl);
-        const scalar_t* src = q + ((q0 + slot) * q_heads + head0 + hl) * kD + ch * 8;
+        const scalar_t* src = q + att::q_at(p, q0 + slot, head0 + hl) + ch * 8;
         ptx::cp_async_16(sQ + chunk_at(r, ch, kQCol), ok ? src : q, ok);
     }
     ptx::cp_async_commit();

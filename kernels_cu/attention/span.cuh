@@ -21,6 +21,17 @@ __device__ __forceinline__ u32 range_end(u32 queries, u32 q_begin, u32 q_count) 
     return q_begin < queries ? q_begin + min_u32(q_count, queries - q_begin) : 0u;
 }
 
+// Where (query qi, head h)'s row of q and of q_rot starts, in elements: the
+// views' strides (AttentionParams: any view whose last dim is contiguous,
+// e.g. a column slice of a fused QKV projection; C-contiguous q has strides
+// Hq * D, D). The only formula of a query row's address.
+__device__ __forceinline__ u64 q_at(const AttentionParams& p, u64 qi, u32 h) {
+    return qi * p.q_stride_token + (u64)h * p.q_stride_head;
+}
+__device__ __forceinline__ u64 q_rot_at(const AttentionParams& p, u64 qi, u32 h) {
+    return qi * p.q_rot_stride_token + (u64)h * p.q_rot_stride_head;
+}
+
 struct Span {
     u32 lo, hi;
 };

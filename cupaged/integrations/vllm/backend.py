@@ -427,7 +427,6 @@ class CupagedAttentionImpl(AttentionImpl[CupagedMetadata]):
         self.sinks = sinks
         self._sinks32: torch.Tensor | None = None
         self._alibi_on: dict[torch.device, torch.Tensor] = {}
-        self._q_buffer: torch.Tensor | None = None
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         self._sinks32 = None  # the sinks parameter may have been (re)loaded
@@ -455,21 +454,6 @@ class CupagedAttentionImpl(AttentionImpl[CupagedMetadata]):
             kv_cache = kv_cache.view(self.fp8)
         nhd = kv_cache.transpose(1, 2)  # [num_blocks, block_size, Hkv, 2 * D]
         return nhd[..., : self.head_size], nhd[..., self.head_size :]
-
-    def _packed(self, q: torch.Tensor) -> torch.Tensor:
-        """q [n, Hq, D] as cupaged's attention takes it (C-contiguous). vLLM
-        hands a column slice of the fused qkv projection: it is copied into
-        a buffer this layer keeps (grown only when a step brings more tokens
-        than any before), never into a new tensor per step."""
-        if q.is_contiguous():
-            return q
-        n = int(q.shape[0])
-        buf = self._q_buffer
-        if buf is None or buf.shape[0] < n or buf.dtype != q.dtype or buf.device != q.device:
-            buf = self._q_buffer = torch.empty((max(n, 256), *q.shape[1:]), dtype=q.dtype, device=q.device)
-        packed = buf[:n]
-        packed.copy_(q)
-        return packed
 
     def _scales(self, layer: Any) -> dict[str, torch.Tensor]:
         if self.fp8 is None:
@@ -542,6 +526,6 @@ class CupagedAttentionImpl(AttentionImpl[CupagedMetadata]):
         sinks = self._sinks()
         if sinks is not None:
             options["sinks"] = sinks
-        plan.attention(self._packed(query[:n]), k_cache, v_cache, self.scale, attn_metadata.causal, out=out, **options)
+        plan.attention(query[:n], k_cache, v_cache, self.scale, attn_metadata.causal, out=out, **options)
         KERNEL_CALLS["attention"] += 1
         return output

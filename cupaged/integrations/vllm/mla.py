@@ -359,9 +359,8 @@ class CupagedMLAImpl(MLAAttentionImpl[MLACommonMetadata]):
             out[n:].zero_()
         if n == 0:
             return out, None
-        # cupaged reads C-contiguous queries: vLLM's absorbed q_nope is; q_pe is the rotary tail of its
-        # [tokens, H, nope + P] query, so [:n] of it is copied (tokens x H x P elements)
-        q_nope, q_pe = q_nope[:n].contiguous(), q_pe[:n].contiguous()
+        # q_pe is the rotary tail of vLLM's [tokens, H, nope + P] query: read in place at its strides
+        q_nope, q_pe = q_nope[:n], q_pe[:n]
         latent, k_rot = self._caches(kv_c_and_k_pe_cache)
         plan = step.plan(q_nope, page_size=int(latent.shape[1]), num_pages=int(latent.shape[0]))
         options: dict[str, Any] = dict(self._scales(getattr(layer, "_k_scale", None)))

@@ -116,8 +116,9 @@ def head_dims(hq: int, hkv: int, d: int, dv: int) -> None:
 
 
 def queries(plan: Any, q: Array) -> int:
-    """q's rows are the plan's queries; returns its head count."""
-    checks.float_array("q", q, 3)
+    """q's rows are the plan's queries (any view whose last dim is
+    contiguous); returns its head count."""
+    checks.float_array("q", q, 3, view=True)
     if int(q.shape[0]) != plan.host.queries:
         raise PagedAttentionError(
             f"q: expected {plan.host.queries} rows (plan.queries), got shape {checks.shape_str(q.shape)}"
@@ -376,7 +377,7 @@ def mla_call(
     h = queries(plan, q)
     opts = AttentionOptions.checked(scale, causal, plan=plan, heads=h, **options)
     if q_rot is not None:
-        checks.float_array("q_rot", q_rot, 3)
+        checks.float_array("q_rot", q_rot, 3, view=True)
     read = cache_read(plan, q, dict(latent=latent, k_rot=k_rot), opts, 1, v_name="k_rot", q_extra=dict(q_rot=q_rot))
     n, r = int(q.shape[0]), int(q.shape[2])
     for name, cache in (("latent", latent), ("k_rot", k_rot)):
@@ -518,6 +519,8 @@ def record(
     k_strides = read.strides[k_names[0]]
     v_strides = read.strides[k_names[1]] if len(k_names) > 1 and not latent else k_strides
     rot_strides = read.strides["k_rot"][:2] if k_rot is not None else (0, 0)  # page, slot (one head)
+    q_strides = checks.view_strides("q", q)  # token, head
+    q_rot_strides = checks.view_strides("q_rot", q_rot) if q_rot is not None else (0, 0)
     split = ws if splits > 1 else None  # the workspace of the split partials (None: unsplit)
     refs = tuple(
         a
@@ -577,6 +580,10 @@ def record(
         v_scale=0 if v_scale is None else address(v_scale),
         k_scale_stride=k_scale_stride,
         v_scale_stride=v_scale_stride,
+        q_stride_token=q_strides[0],
+        q_stride_head=q_strides[1],
+        q_rot_stride_token=q_rot_strides[0],
+        q_rot_stride_head=q_rot_strides[1],
     )
     return Call(plan, opts, o.out, o.lse, ws, launches, splits, values, refs, want_lse)
 

@@ -69,6 +69,13 @@ FIELDS: tuple[Field, ...] = (
     Field("rot_stride_slot", "u32", ""),
     Field("k_scale_stride", "u32", "1: a K scale per KV head, 0: one"),
     Field("v_scale_stride", "u32", "1: a V scale per KV head, 0: one"),
+    # Query views (docs/layout.md, "Query views"): element strides of q and
+    # q_rot, whose last dim is contiguous (a column slice of a fused QKV
+    # projection passes as is).
+    Field("q_stride_token", "u32", "q strides: token, head"),
+    Field("q_stride_head", "u32", ""),
+    Field("q_rot_stride_token", "u32", "q_rot strides: token, head"),
+    Field("q_rot_stride_head", "u32", ""),
     Field("k_scale", "const float*", "fp8 caches: K dequantization scale(s) (kKvScaled)"),
     Field("v_scale", "const float*", "fp8 caches: V dequantization scale(s)"),
 )
