@@ -5,6 +5,11 @@
 // SwiGLU, plus what an engine's projections need around them (a bias add, one
 // Linear per head for MLA's absorbed up-projections). Storage type scalar_t
 // (CP_DTYPE); all arithmetic in float32.
+//
+// Layout: arrays are row-major and contiguous, except rms_norm's x and out and
+// rope's x, which may be strided row views (columns of one fused QKV buffer):
+// their innermost dim is contiguous and their outer strides, in elements, are
+// kernel arguments (u32; offsets computed in 64 bits), rows not overlapping.
 #include "common.cuh"
 
 #define LAYER_THREADS 128
@@ -32,13 +37,17 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return t;
 }
 
-// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w; out may be x (each thread
-// writes only the elements it read). grid (rows), block LAYER_THREADS.
+// out[t, h] = x[t, h] / sqrt(mean(x[t, h]^2) + eps) * w over the dim elements
+// of each row: x, out [tokens, heads, dim] (heads 1 for [rows, dim]), row
+// (t, h) of x at x + t * x_row + h * x_head, of out at out + t * out_row +
+// h * out_head (elements). out may be x, the same view (each thread writes
+// only the elements it read). grid (tokens, heads), block LAYER_THREADS.
 extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
-    rms_norm(const scalar_t* x, const scalar_t* __restrict__ w, scalar_t* out, u32 dim, float eps) {
+    rms_norm(const scalar_t* x, const scalar_t* __restrict__ w, scalar_t* out, u32 dim, float eps, u32 x_row,
+             u32 x_head, u32 out_row, u32 out_head) {
     __shared__ float red[LAYER_THREADS / 32];
-    const scalar_t* xr = x + (u64)blockIdx.x * dim;
-    scalar_t* orow = out + (u64)blockIdx.x * dim;
+    const scalar_t* xr = x + (u64)blockIdx.x * x_row + (u64)blockIdx.y * x_head;
+    scalar_t* orow = out + (u64)blockIdx.x * out_row + (u64)blockIdx.y * out_head;
     float ss = 0.f;
     for (u32 i = threadIdx.x; i < dim; i += blockDim.x) {
         const float v = to_float(xr[i]);
@@ -103,22 +112,24 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
 }
 
 // Rotary embedding (rotate-half form) in place on x [rows, heads, dim]:
-// with half = dim / 2, p = positions[r] (clamped to max_pos - 1),
-// c = cos_t[p, i], s = sin_t[p, i]:
+// with half = dim / 2, p = positions[r * position_stride] (clamped to
+// max_pos - 1), c = cos_t[p, i], s = sin_t[p, i]:
 //   x[i] <- x[i] c - x[i + half] s,  x[i + half] <- x[i + half] c + x[i] s.
+// Head h of row r starts at x + r * x_row + h * x_head (elements: a strided
+// view such as the q and k columns of a fused QKV buffer).
 // Positions are read on the device (plan words or a DeviceScalars word),
 // so a captured graph rotates by the current position on every replay.
 // grid (rows), block LAYER_THREADS.
 extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
     rope(scalar_t* x, const u32* __restrict__ positions, u32 position_stride, const float* __restrict__ cos_t,
-         const float* __restrict__ sin_t, u32 heads, u32 dim, u32 max_pos) {
+         const float* __restrict__ sin_t, u32 heads, u32 dim, u32 max_pos, u32 x_row, u32 x_head) {
     const u32 r = blockIdx.x, half = dim >> 1;
     u32 p = positions[(u64)r * position_stride];
     if (p >= max_pos) p = max_pos - 1;
-    scalar_t* xr = x + (u64)r * heads * dim;
+    scalar_t* xr = x + (u64)r * x_row;
     for (u32 e = threadIdx.x; e < heads * half; e += blockDim.x) {
         const u32 h = e / half, i = e - h * half;
-        scalar_t* xh = xr + (u64)h * dim;
+        scalar_t* xh = xr + (u64)h * x_head;
         const float c = cos_t[(u64)p * half + i], s = sin_t[(u64)p * half + i];
         const float a = to_float(xh[i]), b = to_float(xh[i + half]);
         xh[i] = from_float<scalar_t>(a * c - b * s);

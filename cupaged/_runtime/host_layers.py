@@ -1,7 +1,8 @@
 """The CPU backend's row-wise layers at float32 (``kernels_cu/host/layers.cpp``, part of the host library):
 RMSNorm, SwiGLU and the rotate-half rotary embedding, each row read once and written once, on the calling
-thread. The ``host=True`` paths of ``ops.layers`` on the CPU backend call them (C-contiguous float32 arrays,
-checked there).
+thread. The ``host=True`` paths of ``ops.layers`` on the CPU backend call them (float32 arrays, checked there:
+C-contiguous, or for rms_norm's x and out and rope's x any view with a contiguous last dim whose rows do not
+overlap, passed with its element strides).
 
 Each function builds its argument struct once and returns a zero-argument callable that runs the layer: what a
 CPU stream records, so a replay builds nothing and reads the arrays' contents (positions too) at every run.
@@ -28,6 +29,8 @@ class RowArgs(ctypes.Structure):
         ("out", ctypes.c_void_p),
         ("lda", ctypes.c_int64),
         ("ldo", ctypes.c_int64),
+        ("hda", ctypes.c_int64),
+        ("hdo", ctypes.c_int64),
         ("rows", ctypes.c_int32),
         ("cols", ctypes.c_int32),
         ("heads", ctypes.c_int32),
@@ -64,11 +67,28 @@ def _call(name: str, args: RowArgs, keep: tuple):
     return run
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, out: np.ndarray, eps: float):
-    """A callable computing out = x / sqrt(mean(x^2) + eps) * weight by rows: x, out [rows, dim], weight [dim]."""
-    rows, dim = x.shape
-    args = RowArgs(a=x.ctypes.data, b=weight.ctypes.data, out=out.ctypes.data, lda=_pitch(x), ldo=_pitch(out))
-    args.rows, args.cols, args.eps = rows, dim, eps
+def rms_norm(
+    x: np.ndarray,
+    weight: np.ndarray,
+    out: np.ndarray,
+    eps: float,
+    *,
+    x_strides: tuple[int, ...],
+    out_strides: tuple[int, ...],
+    x_at: int,
+    out_at: int,
+):
+    """A callable computing out = x / sqrt(mean(x^2) + eps) * weight over the last dim, row by row: x, out
+    [rows, dim] or [tokens, heads, dim], weight [dim]. ``x_strides`` / ``out_strides``: their outer element
+    strides ([row] or [row, head]; the last dim contiguous), ``x_at`` / ``out_at`` their addresses (the caller
+    has them from its overlap check)."""
+    shape = x.shape
+    args = RowArgs(a=x_at, b=weight.ctypes.data, out=out_at, lda=x_strides[0], ldo=out_strides[0])
+    if len(shape) == 3:
+        args.hda, args.hdo, args.heads = x_strides[1], out_strides[1], shape[1]
+    else:
+        args.heads = 1
+    args.rows, args.cols, args.eps = shape[0], shape[-1], eps
     return _call("cupaged_host_rms_norm", args, (x, weight, out))
 
 
@@ -79,11 +99,14 @@ def silu_mul(gate_up: np.ndarray, out: np.ndarray):
     return _call("cupaged_host_silu_mul", args, (gate_up, out))
 
 
-def rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, stride: int):
+def rope(
+    x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, stride: int, x_strides: tuple[int, ...]
+):
     """A callable rotating x [rows, heads, dim] in place (rotate-half) by row r's position
     positions[r * stride] (uint32 words, read at every run), clamped to the tables' last row; cos, sin
-    [max_pos, dim // 2]."""
+    [max_pos, dim // 2]. ``x_strides``: x's row and head strides in elements (its last dim contiguous)."""
     rows, heads, dim = x.shape
-    args = RowArgs(a=x.ctypes.data, b=cos.ctypes.data, c=sin.ctypes.data, pos=positions.ctypes.data, lda=_pitch(x))
+    args = RowArgs(a=x.ctypes.data, b=cos.ctypes.data, c=sin.ctypes.data, pos=positions.ctypes.data)
+    args.lda, args.hda = x_strides
     args.rows, args.cols, args.heads, args.stride, args.max_pos = rows, dim, heads, stride, cos.shape[0]
     return _call("cupaged_host_rope", args, (x, positions, cos, sin))

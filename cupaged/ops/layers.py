@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import dtypes
-from .._runtime import backend_of, checks, get_kernel, register, stream_for
+from .. import dtypes, layout
+from .._runtime import address, array_backend, backend_of, checks, get_kernel, register, stream_for
 from .._runtime import cpu as _cpu
 from .._runtime import host_layers as _layers
 from .._runtime import host_products as _products
@@ -52,6 +52,55 @@ def _on_host(host: bool, *arrays) -> bool:
 def _same(ref_name, ref, **arrays):
     backend_of(**{ref_name: ref}, **arrays)
     checks.same_dtype(ref_name, ref, **arrays)
+
+
+def _row_strides(name: str, a, ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """``a`` is an f32/f16/bf16 array of a rank in ``ranks`` whose last dim
+    is contiguous and whose rows (last-dim runs) do not overlap: C-contiguous
+    or any strided view (``checks.row_view``: non-negative strides, e.g. the
+    q and k columns of a fused QKV buffer). Returns its outer strides in
+    elements ([row] or [row, head]), each within 32 bits (u32 kernel
+    arguments); every dim within 32 bits. A C-contiguous array costs a flag
+    read (its strides come from its shape)."""
+    ndim = getattr(a, "ndim", None)
+    if ndim in ranks and getattr(getattr(a, "flags", None), "c_contiguous", False):
+        checks.float_array(name, a, ndim)
+        shape = a.shape
+        return (shape[1] * shape[2], shape[2]) if ndim == 3 else (shape[1],)
+    if array_backend(a) is None:
+        raise PagedAttentionError(f"{name}: expected a NumPy or CuPy array, got {type(a).__name__}")
+    if ndim not in ranks:
+        want = " or ".join(f"{r}-D" for r in ranks)
+        raise PagedAttentionError(f"{name}: expected a {want} array, got shape {checks.shape_str(a.shape)} ({ndim}-D)")
+    dtypes.row(name, a.dtype)
+    checks.u32_size(name, a.shape, total=False)
+    strides = checks.row_view(name, a)[:-1]
+    if max(strides) > layout.U32_MAX:
+        raise PagedAttentionError(
+            f"{name}: expected outer strides of at most {layout.U32_MAX} elements (32-bit kernel arguments), "
+            f"got strides {tuple(int(t) for t in a.strides)} bytes for shape {checks.shape_str(a.shape)}"
+        )
+    return strides
+
+
+def _in_place_or_apart(x, out, xs: tuple[int, ...], os: tuple[int, ...]) -> tuple[int, int]:
+    """``out`` (shaped like ``x``; ``xs``, ``os`` their ``_row_strides``) is
+    x's very view (same address and strides) or shares no element with it.
+    Returns their addresses. Two C-contiguous arrays are decided by their
+    spans; any other pair by ``checks.no_overlap``."""
+    xa, oa = address(x), address(out)
+    if xs == os:
+        if xa == oa:
+            return xa, oa  # the same view
+        if x.flags.c_contiguous and out.flags.c_contiguous and abs(xa - oa) >= x.nbytes:
+            return xa, oa
+    try:
+        checks.no_overlap("out", out, x=x)
+    except PagedAttentionError:
+        raise PagedAttentionError(
+            "out: expected memory disjoint from x (or x itself, the same view), but they overlap"
+        ) from None
+    return xa, oa
 
 
 def embed(tokens, table, out, *, host: bool = False) -> None:
@@ -92,18 +141,48 @@ def embed(tokens, table, out, *, host: bool = False) -> None:
 
 def rms_norm(x, weight, out, eps: float = 1e-6, *, host: bool = False) -> None:
     """out = x / sqrt(mean(x^2) + eps) * weight over the last dim.
-    x [rows, dim], weight [dim], out [rows, dim] (may be x itself)."""
-    checks.float_array("x", x, 2)
+
+    x [rows, dim] or [tokens, heads, dim] (each head's dim normalized: Qwen3's
+    per-head q/k norm), weight [dim], out shaped like x. x and out may be any
+    views whose last dim is contiguous (outer strides arbitrary and
+    non-negative, rows not overlapping: e.g. the q or k columns of a fused
+    QKV buffer, ``qkv[:, :Hq * D].reshape(rows, Hq, D)``); out may be x
+    itself (the same view) but must not otherwise overlap it.
+    """
+    xs = _row_strides("x", x, (2, 3))
     checks.float_array("weight", weight, 1)
-    checks.float_array("out", out, 2)
+    os = _row_strides("out", out, (2, 3))
     _same("x", x, weight=weight, out=out)
-    checks.shape_is("weight", weight, x.shape[1:])
+    checks.shape_is("weight", weight, x.shape[-1:])
     checks.shape_is("out", out, x.shape)
+    heads = x.shape[1] if x.ndim == 3 else 1
+    if heads > MAX_GRID_Y:
+        raise PagedAttentionError(
+            f"x: expected at most {MAX_GRID_Y} heads (grid limit), got {checks.shape_str(x.shape)}"
+        )
+    at = None if out is x else _in_place_or_apart(x, out, xs, os)
     if _on_host(host, x, weight, out):
-        stream_for(x).host_call(_layers.rms_norm(x, weight, out, eps), x, weight, out)
+        xa, oa = at or (address(x),) * 2
+        stream_for(x).host_call(
+            _layers.rms_norm(x, weight, out, eps, x_strides=xs, out_strides=os, x_at=xa, out_at=oa), x, weight, out
+        )
         return
+    three = x.ndim == 3
     stream_for(x).launch(
-        _kernel(x, "rms_norm"), (x.shape[0],), (THREADS,), (x, weight, out, np.uint32(x.shape[1]), np.float32(eps))
+        _kernel(x, "rms_norm"),
+        (x.shape[0], heads),
+        (THREADS,),
+        (
+            x,
+            weight,
+            out,
+            np.uint32(x.shape[-1]),
+            np.float32(eps),
+            np.uint32(xs[0]),
+            np.uint32(xs[1] if three else 0),
+            np.uint32(os[0]),
+            np.uint32(os[1] if three else 0),
+        ),
     )
 
 
@@ -236,12 +315,15 @@ def bias_add(x, bias, *, host: bool = False) -> None:
 def rope(x, positions, cos, sin, *, position_stride: int = 1, host: bool = False) -> None:
     """Rotary embedding (rotate-half form) in place.
 
-    x [rows, heads, dim] (dim even); positions uint32 with row r's position
+    x [rows, heads, dim] (dim even): any view whose last dim is contiguous
+    (outer strides arbitrary and non-negative, rows not overlapping: e.g. the
+    q and k heads of a fused QKV buffer, ``qkv.reshape(rows, H, D)[:, :Hq +
+    Hkv]``; the heads between are not touched); positions uint32 with row r's position
     at positions[r * position_stride] (device memory: plan words, a
     DeviceScalars word, ...); cos, sin float32 [max_pos, dim // 2]. A position
     past the table is clamped to its last row.
     """
-    checks.float_array("x", x, 3)
+    xs = _row_strides("x", x, (3,))
     backend_of(x=x, positions=positions, cos=cos, sin=sin)
     if x.shape[2] % 2:
         raise PagedAttentionError(f"x: expected an even head dim, got {x.shape[2]}")
@@ -263,7 +345,7 @@ def rope(x, positions, cos, sin, *, position_stride: int = 1, host: bool = False
         )
     if _on_host(host, x) and x.shape[0]:
         words = positions.view(np.uint32)  # read as u32, as the kernel
-        stream_for(x).host_call(_layers.rope(x, words, cos, sin, position_stride), x, positions, cos, sin)
+        stream_for(x).host_call(_layers.rope(x, words, cos, sin, position_stride, xs), x, positions, cos, sin)
         return
     stream_for(x).launch(
         _kernel(x, "rope"),
@@ -278,6 +360,8 @@ def rope(x, positions, cos, sin, *, position_stride: int = 1, host: bool = False
             np.uint32(x.shape[1]),
             np.uint32(x.shape[2]),
             np.uint32(cos.shape[0]),
+            np.uint32(xs[0]),
+            np.uint32(xs[1]),
         ),
     )
 

@@ -21,8 +21,10 @@
 //   rope:     p = min(positions[r * stride], max_pos - 1); x1' = x1 * c - x2 * s, x2' = x2 * c + x1 * s with
 //             c = cos[p][i], s = sin[p][i] for the pair (i, i + half): the NumPy path's operations.
 //
-// Layout: rows ld floats apart (unit stride within a row); rope's x is [rows, heads, dim] with heads dim
-// floats apart and rows ld apart; cos, sin [max_pos, dim / 2] contiguous.
+// Layout: unit stride within a row; rows ld floats apart. rms_norm's x and out are [rows, heads, dim] (heads 1
+// for [rows, dim]) and rope's x [rows, heads, dim], their rows ld and their heads hd floats apart (any strided
+// view whose rows do not overlap, checked in cupaged/ops/layers.py: the q and k columns of a fused QKV buffer);
+// silu_mul's gate_up and out rows ld apart; weight [dim], cos, sin [max_pos, dim / 2] contiguous.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -79,37 +81,40 @@ struct RowWork {  // cupaged/_runtime/host_layers.py RowArgs: the same fields, i
     const uint32_t* pos;  // rope: positions
     float* out;  // rms_norm, silu_mul: out
     int64_t lda, ldo;  // a's and out's row pitch (floats)
+    int64_t hda, hdo;  // rms_norm, rope: a's and out's head pitch (floats)
     int32_t rows, cols;  // rms_norm: dim; silu_mul: F (gate_up [rows, 2F]); rope: dim
-    int32_t heads, stride;  // rope: heads a row, positions' stride
+    int32_t heads, stride;  // rms_norm, rope: heads a row; rope: positions' stride
     int32_t max_pos;  // rope: the tables' rows
     float eps;  // rms_norm
 };
 
-void rms_norm_rows(const RowWork& w) {
+// One row of rms_norm: o = x / sqrt(mean(x^2) + eps) * w.b over w.cols floats.
+inline void rms_norm_row(const float* x, float* o, const RowWork& w) {
     const int dim = w.cols, full = dim - dim % kW;
-    for (int r = 0; r < w.rows; r++) {
-        const float* x = w.a + w.lda * r;
-        float* o = w.out + w.ldo * r;
-        V acc{};
-        for (int i = 0; i < full; i += kW) {
-            const V v = load(x + i);
-            acc += v * v;
-        }
-        if (full < dim) {
-            const V v = load_tail(x + full, dim - full);
-            acc += v * v;
-        }
-        float lanes[kW];
-        store(lanes, acc);
-        for (int s = kW / 2; s >= 1; s /= 2)
-            for (int l = 0; l < s; l++) lanes[l] += lanes[l + s];
-        const V inv = splat(1.f / sqrtf(lanes[0] / (float)dim + w.eps));
-        for (int i = 0; i < full; i += kW) store(o + i, (load(x + i) * inv) * load(w.b + i));
-        if (full < dim) {
-            const int n = dim - full;
-            store_tail(o + full, (load_tail(x + full, n) * inv) * load_tail(w.b + full, n), n);
-        }
+    V acc{};
+    for (int i = 0; i < full; i += kW) {
+        const V v = load(x + i);
+        acc += v * v;
     }
+    if (full < dim) {
+        const V v = load_tail(x + full, dim - full);
+        acc += v * v;
+    }
+    float lanes[kW];
+    store(lanes, acc);
+    for (int s = kW / 2; s >= 1; s /= 2)
+        for (int l = 0; l < s; l++) lanes[l] += lanes[l + s];
+    const V inv = splat(1.f / sqrtf(lanes[0] / (float)dim + w.eps));
+    for (int i = 0; i < full; i += kW) store(o + i, (load(x + i) * inv) * load(w.b + i));
+    if (full < dim) {
+        const int n = dim - full;
+        store_tail(o + full, (load_tail(x + full, n) * inv) * load_tail(w.b + full, n), n);
+    }
+}
+
+void rms_norm_rows(const RowWork& w) {
+    for (int r = 0; r < w.rows; r++)
+        for (int h = 0; h < w.heads; h++) rms_norm_row(w.a + w.lda * r + w.hda * h, w.out + w.ldo * r + w.hdo * h, w);
 }
 
 inline V silu_mul_v(V g, V u) { return (g / (splat(1.f) + exp_v(-g))) * u; }
@@ -151,7 +156,7 @@ void rope_rows(const RowWork& w) {
         const float* c = w.b + (int64_t)p * half;
         const float* s = w.c + (int64_t)p * half;
         for (int h = 0; h < w.heads; h++) {
-            float* x = base + w.lda * r + (int64_t)h * w.cols;
+            float* x = base + w.lda * r + w.hda * h;
             for (int i = 0; i < half; i += kW) rotate(x + i, x + half + i, c + i, s + i, half - i);
         }
     }
