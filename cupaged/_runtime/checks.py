@@ -33,10 +33,10 @@ def float_array(name: str, a, ndim: int, *, total: bool = True, view: bool = Fal
         if not view:
             raise PagedAttentionError(f"{name}: expected a C-contiguous array, got strides {tuple(a.strides)}")
         strides = row_view(name, a)
-        if max(strides) >= 2**32:
+        if max(strides) > layout.U32_MAX:
             raise PagedAttentionError(
-                f"{name}: expected element strides within 32-bit indexing, got {strides[:-1]} for shape "
-                f"{shape_str(a.shape)}"
+                f"{name}: expected outer strides of at most {layout.U32_MAX} elements (32-bit kernel arguments), "
+                f"got strides {tuple(int(t) for t in a.strides)} bytes for shape {shape_str(a.shape)}"
             )
         u32_size(name, a.shape, total=False)
         return

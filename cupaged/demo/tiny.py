@@ -215,6 +215,9 @@ class TinyModel:
             return xp.asarray(np.ascontiguousarray(np.asarray(a).astype(dt)))
 
         host_layers = [dict(lw) for lw in weights["layers"]]
+        if not cfg.mla:  # one fused QKV projection: q, k and v are column slices of its output
+            for lw in host_layers:
+                lw["wqkv"] = np.concatenate([lw.pop("wq"), lw.pop("wk"), lw.pop("wv")])
         if cfg.mla:  # absorb the up-projections as block-diagonal Linear weights (tiny sizes: fine)
             for lw in host_layers:
                 lw["w_uk_bd"] = _block_diag([m.T for m in lw.pop("w_uk")])  # q_nope[h] -> q_abs[h] (R)
@@ -240,9 +243,8 @@ class TinyModel:
         self.max_rows = r
         self.x = xp.zeros((r, cfg.hidden), self.dtype)
         self.h = xp.zeros((r, cfg.hidden), self.dtype)
-        self.q = xp.zeros((r, cfg.heads, hd), self.dtype)
-        self.k = xp.zeros((r, cfg.kv_heads, hd), self.dtype)
-        self.v = xp.zeros((r, cfg.kv_heads, hd), self.dtype)
+        # the fused projection's output [rows, Hq + 2 Hkv, hd]: q, k, v its head ranges (views, read in place)
+        self.qkv = xp.zeros((r, cfg.heads + 2 * cfg.kv_heads, hd), self.dtype)
         self.attn = xp.zeros((r, cfg.heads, hd), self.dtype)
         self.gu = xp.zeros((r, 2 * cfg.ffn), self.dtype)
         self.act = xp.zeros((r, cfg.ffn), self.dtype)
@@ -282,13 +284,15 @@ class TinyModel:
         layers.linear(h, self.w["lm_head"], logits[:n])
 
     def _gqa(self, plan, li, lw, h, positions, n, workspace) -> None:
-        """GQA attention block: x += wo(attention(rope(q), rope(k), v))."""
-        x, q, k, v, attn = (b[:n] for b in (self.x, self.q, self.k, self.v, self.attn))
-        layers.linear(h, lw["wq"], q.reshape(n, -1))
-        layers.linear(h, lw["wk"], k.reshape(n, -1))
-        layers.linear(h, lw["wv"], v.reshape(n, -1))
-        layers.rope(q, positions, self.cos, self.sin)
-        layers.rope(k, positions, self.cos, self.sin)
+        """GQA attention block: x += wo(attention(rope(q), rope(k), v)), q, k
+        and v the head ranges of one fused projection's output (one product,
+        one rotary launch for q and k)."""
+        cfg = self.cfg
+        x, qkv, attn = self.x[:n], self.qkv[:n], self.attn[:n]
+        hq, hk = cfg.heads, cfg.heads + cfg.kv_heads
+        q, k, v = qkv[:, :hq], qkv[:, hq:hk], qkv[:, hk:]
+        layers.linear(h, lw["wqkv"], qkv.reshape(n, -1))
+        layers.rope(qkv[:, :hk], positions, self.cos, self.sin)
         self.cache.append(plan, k, v, layer=li)
         plan.attention(q, self.cache.k[li], self.cache.v[li], self.scale, True, out=attn, workspace=workspace)
         layers.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)

@@ -1,12 +1,15 @@
 """The dense GQA family: Llama, Mistral, Qwen2, Qwen3.
 
-Per layer: q, k, v projections (with biases where configured: Qwen2 always
-on q/k/v, Llama and Qwen3 with ``attention_bias``), Qwen3's per-head RMSNorm
-of q and k (the RMSNorm kernel over ``[rows * heads, head_dim]``), RoPE by
-the plan's device positions (rotate-half, as transformers), the K/V append
-through the page manager and paged attention at ``head_dim ** -0.5`` (with
-the layer's sliding window, ``ModelConfig.layer_windows``), then
-the output projection added to the residual (fused in the product).
+Per layer: one fused q/k/v projection (the three weights concatenated at
+load, with their biases where configured: Qwen2 always, Llama and Qwen3 with
+``attention_bias``) into ``qkv [rows, Hq + 2 Hkv, head_dim]``, whose head
+ranges q, k and v every later op reads in place (views: docs/layout.md,
+"Query views"); Qwen3's per-head RMSNorm of q and of k; RoPE of q and k in
+one launch by the plan's device positions (rotate-half, as transformers);
+the K/V append through the page manager and paged attention at
+``head_dim ** -0.5`` (with the layer's sliding window,
+``ModelConfig.layer_windows``), then the output projection added to the
+residual (fused in the product).
 """
 
 from __future__ import annotations
@@ -26,18 +29,13 @@ class DenseLM(CausalLM):
         H, D = cfg.hidden, cfg.head_dim
         q, kv = cfg.heads * D, cfg.kv_heads * D
         a = p + "self_attn."
+        parts = [(a + "q_proj", q), (a + "k_proj", kv), (a + "v_proj", kv)]
         w = {
-            "wq": self._w(ckpt, a + "q_proj.weight", (q, H)),
-            "wk": self._w(ckpt, a + "k_proj.weight", (kv, H)),
-            "wv": self._w(ckpt, a + "v_proj.weight", (kv, H)),
+            "wqkv": self._w(ckpt, [(n + ".weight", rows) for n, rows in parts], (q + 2 * kv, H)),
             "wo": self._w(ckpt, a + "o_proj.weight", (H, q)),
         }
         if cfg.qkv_bias:
-            w.update(
-                bq=self._w(ckpt, a + "q_proj.bias", (q,)),
-                bk=self._w(ckpt, a + "k_proj.bias", (kv,)),
-                bv=self._w(ckpt, a + "v_proj.bias", (kv,)),
-            )
+            w["bqkv"] = self._w(ckpt, [(n + ".bias", rows) for n, rows in parts], (q + 2 * kv,))
         if cfg.o_bias:
             w["bo"] = self._w(ckpt, a + "o_proj.bias", (H,))
         if cfg.qk_norm:
@@ -47,9 +45,7 @@ class DenseLM(CausalLM):
     def _alloc_attention(self, r: int) -> None:
         cfg, xp, dt = self.cfg, self.xp, self.dtype
         D = cfg.head_dim
-        self.q = xp.zeros((r, cfg.heads, D), dt)
-        self.k = xp.zeros((r, cfg.kv_heads, D), dt)
-        self.v = xp.zeros((r, cfg.kv_heads, D), dt)
+        self.qkv = xp.zeros((r, cfg.heads + 2 * cfg.kv_heads, D), dt)  # q, k, v: its head ranges
         self.attn = xp.zeros((r, cfg.heads, D), dt)
 
     def cache_layout(self) -> tuple[int, int, int]:
@@ -57,21 +53,17 @@ class DenseLM(CausalLM):
 
     def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, positions: Array, n: int) -> None:
         cfg, proj, hw = self.cfg, self.proj, self.host
-        x, q, k, v, attn = self.x[:n], self.q[:n], self.k[:n], self.v[:n], self.attn[:n]
-        q2, k2, v2 = q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)
-        proj.linear(h, lw["wq"], q2)
-        proj.linear(h, lw["wk"], k2)
-        proj.linear(h, lw["wv"], v2)
+        x, qkv, attn = self.x[:n], self.qkv[:n], self.attn[:n]
+        hq, hk = cfg.heads, cfg.heads + cfg.kv_heads
+        q, k, v = qkv[:, :hq], qkv[:, hq:hk], qkv[:, hk:]  # views of the fused projection's output
+        flat = qkv.reshape(n, -1)  # (contiguous: a view)
+        proj.linear(h, lw["wqkv"], flat)
         if cfg.qkv_bias:
-            layers.bias_add(q2, lw["bq"], host=hw)
-            layers.bias_add(k2, lw["bk"], host=hw)
-            layers.bias_add(v2, lw["bv"], host=hw)
+            layers.bias_add(flat, lw["bqkv"], host=hw)
         if cfg.qk_norm:  # RMSNorm over each head's head_dim
-            qh, kh = q.reshape(-1, cfg.head_dim), k.reshape(-1, cfg.head_dim)
-            layers.rms_norm(qh, lw["q_norm"], qh, cfg.eps, host=hw)
-            layers.rms_norm(kh, lw["k_norm"], kh, cfg.eps, host=hw)
-        layers.rope(q, positions, self.cos, self.sin, host=hw)
-        layers.rope(k, positions, self.cos, self.sin, host=hw)
+            layers.rms_norm(q, lw["q_norm"], q, cfg.eps, host=hw)
+            layers.rms_norm(k, lw["k_norm"], k, cfg.eps, host=hw)
+        layers.rope(qkv[:, :hk], positions, self.cos, self.sin, host=hw)  # q and k in one launch
         cache = self.cache
         assert cache is not None  # attach() ran before the first forward pass
         cache.append(plan, k, v, layer=li)

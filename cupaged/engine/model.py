@@ -20,7 +20,7 @@ import numpy as np
 from .._runtime import GPU, array_backend, xp_of
 from .._runtime.arrays import Array
 from ..cache import PagedKVCache
-from ..errors import CheckpointError, PagedAttentionError
+from ..errors import PagedAttentionError
 from ..layout import metadata_offsets
 from ..ops import layers
 from ..plan import DevicePlan
@@ -63,7 +63,7 @@ class CausalLM:
         self.max_rows, self.max_logits, self.max_len = max_rows, max_logits, max_len
         self.cache: PagedKVCache | None = None  # set by attach() before the first forward pass
         self.weight_bytes = 0
-        H = cfg.hidden
+        H, F = cfg.hidden, cfg.ffn
         embed = self._w(ckpt, "model.embed_tokens.weight", (cfg.vocab, H))
         self.embed = embed
         self.final_norm = self._w(ckpt, "model.norm.weight", (H,))
@@ -77,11 +77,13 @@ class CausalLM:
             lw = {
                 "attn_norm": self._w(ckpt, p + "input_layernorm.weight", (H,)),
                 "mlp_norm": self._w(ckpt, p + "post_attention_layernorm.weight", (H,)),
-                "gate_up": self._w(ckpt, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], (2 * cfg.ffn, H)),
+                "gate_up": self._w(ckpt, [(p + "mlp.gate_proj.weight", F), (p + "mlp.up_proj.weight", F)], (2 * F, H)),
                 "down": self._w(ckpt, p + "mlp.down_proj.weight", (H, cfg.ffn)),
             }
             if cfg.mlp_bias:
-                lw["gate_up_bias"] = self._w(ckpt, [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"], (2 * cfg.ffn,))
+                lw["gate_up_bias"] = self._w(
+                    ckpt, [(p + "mlp.gate_proj.bias", F), (p + "mlp.up_proj.bias", F)], (2 * F,)
+                )
                 lw["down_bias"] = self._w(ckpt, p + "mlp.down_proj.bias", (H,))
             lw.update(self._load_attention(ckpt, p))
             self.layers.append(lw)
@@ -103,17 +105,13 @@ class CausalLM:
     # -- weights ----------------------------------------------------------------
     def _host(self, ckpt: Checkpoint, names, shape) -> np.ndarray:
         """Host array of one tensor, or of several concatenated along dim 0
-        (``shape`` is the result's), in its stored dtype."""
+        (``names``: (name, rows) pairs, each tensor checked for its own
+        shape [rows, *shape[1:]]); ``shape`` is the result's; in the stored
+        dtype."""
         if isinstance(names, str):
             return ckpt.get(names, shape)
-        parts = [ckpt.get(n) for n in names]
-        for n, a in zip(names, parts):
-            if a.shape[1:] != tuple(shape[1:]) or a.ndim != len(shape):
-                raise _shape_error(ckpt, n, a, shape)
-        out = np.concatenate(parts, axis=0)
-        if out.shape != tuple(shape):
-            raise _shape_error(ckpt, names[0], parts[0], shape)
-        return out
+        assert sum(rows for _, rows in names) == shape[0], (names, shape)
+        return np.concatenate([ckpt.get(n, (rows, *shape[1:])) for n, rows in names], axis=0)
 
     def _w(self, ckpt: Checkpoint, names, shape):
         """A weight on the backend in the model's dtype."""
@@ -188,10 +186,3 @@ class CausalLM:
         layers.rms_norm(xs, self.final_norm, hs, cfg.eps, host=hw)
         self.proj.linear(hs, self.lm_head, lg)
         return lg
-
-
-def _shape_error(ckpt, name, a, shape):
-    return CheckpointError(
-        f"{ckpt.where}: tensor {name!r}: expected shape [*, {', '.join(map(str, shape[1:]))}] "
-        f"to concatenate into {list(shape)}, got {list(a.shape)}"
-    )

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import dtypes, layout
+from .. import dtypes
 from .._runtime import address, array_backend, backend_of, checks, get_kernel, register, stream_for
 from .._runtime import cpu as _cpu
 from .._runtime import host_layers as _layers
@@ -63,24 +63,11 @@ def _row_strides(name: str, a, ranks: tuple[int, ...]) -> tuple[int, ...]:
     arguments); every dim within 32 bits. A C-contiguous array costs a flag
     read (its strides come from its shape)."""
     ndim = getattr(a, "ndim", None)
-    if ndim in ranks and getattr(getattr(a, "flags", None), "c_contiguous", False):
-        checks.float_array(name, a, ndim)
-        shape = a.shape
-        return (shape[1] * shape[2], shape[2]) if ndim == 3 else (shape[1],)
-    if array_backend(a) is None:
-        raise PagedAttentionError(f"{name}: expected a NumPy or CuPy array, got {type(a).__name__}")
-    if ndim not in ranks:
+    if ndim not in ranks and array_backend(a) is not None:
         want = " or ".join(f"{r}-D" for r in ranks)
         raise PagedAttentionError(f"{name}: expected a {want} array, got shape {checks.shape_str(a.shape)} ({ndim}-D)")
-    dtypes.row(name, a.dtype)
-    checks.u32_size(name, a.shape, total=False)
-    strides = checks.row_view(name, a)[:-1]
-    if max(strides) > layout.U32_MAX:
-        raise PagedAttentionError(
-            f"{name}: expected outer strides of at most {layout.U32_MAX} elements (32-bit kernel arguments), "
-            f"got strides {tuple(int(t) for t in a.strides)} bytes for shape {checks.shape_str(a.shape)}"
-        )
-    return strides
+    checks.float_array(name, a, ranks[0] if ndim is None else ndim, view=True)
+    return checks.view_strides(name, a)
 
 
 def _in_place_or_apart(x, out, xs: tuple[int, ...], os: tuple[int, ...]) -> tuple[int, int]:
