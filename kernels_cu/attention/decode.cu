@@ -284,9 +284,7 @@ extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) pag
 #pragma unroll
         for (u32 i = 0; i < kRotElems; ++i) {
             const u32 e = x + i * kLanes;
-            qr[g][i] = (g < heads && e < rot_dim)
-                           ? to_float(q_rot[att::q_rot_at(p, qi, head0 + g) + e]) * qrs
-                           : 0.0f;
+            qr[g][i] = (g < heads && e < rot_dim) ? to_float(q_rot[att::q_rot_at(p, qi, head0 + g) + e]) * qrs : 0.0f;
         }
 #endif
     // ---- this split's share [start, end) of the positions this query sees, and its first rows' pages ----

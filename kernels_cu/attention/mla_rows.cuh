@@ -58,7 +58,8 @@ __device__ __forceinline__ void stage_q(unsigned char* sq, const T* __restrict__
         const bool ok = pl.row_ok(r, slot, hl);
         const u64 qi = pl.q0 + slot;
         const u32 h = pl.head0 + hl;
-        const T* src = ch < kR / 8 ? q + att::q_at(p, qi, h) + ch * 8 : q_rot + att::q_rot_at(p, qi, h) + (ch - kR / 8) * 8;
+        const T* src =
+            ch < kR / 8 ? q + att::q_at(p, qi, h) + ch * 8 : q_rot + att::q_rot_at(p, qi, h) + (ch - kR / 8) * 8;
         ptx::cp_async_16(sq + (ch >> 3) * (tc::kRows * 128) + swz(r, ch & 7u), ok ? src : q, ok);
     }
     ptx::cp_async_commit();
