@@ -59,16 +59,17 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
 }
 
 // out[m, n] = sum_k x[m, k] * w[n, k]  (+ out[m, n] when accumulate != 0).
-// w is [N, K] row-major (a Linear layer's weight). One warp per output
-// element, lanes stride over K; grid (ceil(N / 4), M), block 128.
+// w is [N, K] row-major (a Linear layer's weight); row m of x starts at
+// x + m * x_row (elements: a column slice of a wider buffer passes). One warp
+// per output element, lanes stride over K; grid (ceil(N / 4), M), block 128.
 extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
     linear(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w, scalar_t* out, u32 n_out, u32 k_in,
-           u32 accumulate) {
+           u32 accumulate, u32 x_row) {
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 n = blockIdx.x * (LAYER_THREADS / 32) + warp;
     const u32 m = blockIdx.y;
     if (n >= n_out) return;  // whole warp leaves together
-    const scalar_t* xr = x + (u64)m * k_in;
+    const scalar_t* xr = x + (u64)m * x_row;
     const scalar_t* wr = w + (u64)n * k_in;
     float acc = 0.f;
     for (u32 k = lane; k < k_in; k += 32) acc = fmaf(to_float(xr[k]), to_float(wr[k]), acc);

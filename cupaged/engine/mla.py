@@ -21,6 +21,13 @@ would multiply those weights by up to 4x, so they stay two products per
 step: one per head (``ops.layers.linear_heads`` / batched cuBLAS).
 ``fold_q`` / ``fold_o`` say which was chosen.
 
+Products: the projections that read ``h`` are one product (their weights
+concatenated at load): the q LoRA's down-projection or the query, then
+``k_rope`` and the latent; the query of a q LoRA is one more product, of
+``qa``. Every later op reads its column range in place (views: q_first and
+q_rope of the query, the latent, k_rope); without a q LoRA, q_rope and
+k_rope are adjacent and rotate in one launch.
+
 Rotary layout: transformers rotates DeepSeek's rotary dims as interleaved
 pairs ``(x[2i], x[2i+1])`` (V2 always, through complex numbers; V3 when
 ``rope_interleave``). The rows of the projections that produce those dims
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._runtime import address
 from .._runtime.arrays import Array
 from ..ops import layers
 from ..plan import DevicePlan
@@ -77,30 +85,34 @@ class MlaLM(CausalLM):
         f64 = np.float64
         q_in = cfg.q_lora_rank or Hd
         if cfg.q_lora_rank:
-            w["wqa"] = self._w(ckpt, a + "q_a_proj.weight", (q_in, Hd))
-            if cfg.qkv_bias:
-                w["bqa"] = self._w(ckpt, a + "q_a_proj.bias", (q_in,))
-            w["q_a_norm"] = self._w(ckpt, a + "q_a_layernorm.weight", (q_in,))
             wq = self._host(ckpt, a + "q_b_proj.weight", (H * (Dn + P), q_in))
+            w["q_a_norm"] = self._w(ckpt, a + "q_a_layernorm.weight", (q_in,))
         else:
             wq = self._host(ckpt, a + "q_proj.weight", (H * (Dn + P), Hd))
         wq = wq.reshape(H, Dn + P, q_in)
-        w["wq_rope"] = self._upload(wq[:, Dn:][:, perm].reshape(H * P, q_in), self.dtype)
         kv_b = self._host(ckpt, a + "kv_b_proj.weight", (H * (Dn + Dv), R)).reshape(H, Dn + Dv, R)
         w_uk, w_uv = kv_b[:, :Dn], kv_b[:, Dn:]  # [H, Dn, R], [H, Dv, R]
         if self.fold_q:
-            folded = np.einsum("hdr,hdi->hri", w_uk.astype(f64), wq[:, :Dn].astype(f64))  # [H, R, q_in]
-            w["wq_abs"] = self._upload(folded.reshape(H * R, q_in), self.dtype)
+            q_first = np.einsum("hdr,hdi->hri", w_uk.astype(f64), wq[:, :Dn].astype(f64))  # [H, R, q_in]
         else:
-            w["wq_nope"] = self._upload(wq[:, :Dn].reshape(H * Dn, q_in), self.dtype)
+            q_first = wq[:, :Dn]
             w["w_uk_t"] = self._upload(w_uk.transpose(0, 2, 1), self.dtype)  # [H, R, Dn]
+        # the query's rows: [q_first (H x F) | q_rope (H x P)], F = R folded, Dn not
+        wq_rows = [q_first.reshape(-1, q_in), wq[:, Dn:][:, perm].reshape(H * P, q_in)]
         kv_a = self._host(ckpt, a + "kv_a_proj_with_mqa.weight", (R + P, Hd))
-        w["wdkv"] = self._upload(kv_a[:R], self.dtype)
-        w["wkr"] = self._upload(kv_a[R:][perm], self.dtype)
-        if cfg.qkv_bias:
-            b = self._host(ckpt, a + "kv_a_proj_with_mqa.bias", (R + P,))
-            w["bdkv"] = self._upload(b[:R], self.dtype)
-            w["bkr"] = self._upload(b[R:][perm], self.dtype)
+        kv_rows = [kv_a[R:][perm], kv_a[:R]]  # [k_rope (P) | latent (R)]
+        b = self._host(ckpt, a + "kv_a_proj_with_mqa.bias", (R + P,)) if cfg.qkv_bias else None
+        kv_bias = [b[R:][perm], b[:R]] if b is not None else []
+        # h's one product: [q_a (q LoRA) or the query | k_rope | latent]; with a q LoRA the query is qa's
+        if cfg.q_lora_rank:
+            first = [self._host(ckpt, a + "q_a_proj.weight", (q_in, Hd))]
+            first_bias = [self._host(ckpt, a + "q_a_proj.bias", (q_in,))] if b is not None else []
+            w["wq"] = self._upload(np.concatenate(wq_rows), self.dtype)
+        else:
+            first, first_bias = wq_rows, [np.zeros(sum(len(r) for r in wq_rows), b.dtype)] if b is not None else []
+        w["w_in"] = self._upload(np.concatenate(first + kv_rows), self.dtype)
+        if b is not None:
+            w["b_in"] = self._upload(np.concatenate(first_bias + kv_bias), self.dtype)
         w["kv_norm"] = self._w(ckpt, a + "kv_a_layernorm.weight", (R,))
         wo = self._host(ckpt, a + "o_proj.weight", (Hd, H * Dv))
         if self.fold_o:
@@ -114,18 +126,29 @@ class MlaLM(CausalLM):
         return w
 
     def _alloc_attention(self, r: int) -> None:
+        """``self.inp`` [rows, (q_lora or H (F + P)) + P + R]: h's one
+        product, whose column ranges the step reads in place (views): q_a
+        (q LoRA) or the query, then k_rope and the latent; with a q LoRA the
+        query [H (F + P)] is ``self.qb``, qa's product. The query's ranges
+        q_first [H, F] and q_rope [H, P] (F = R folded, Dn not) sit side by
+        side, so without a q LoRA q_rope and k_rope are one [H + 1, P] range:
+        one rotary launch."""
         cfg, xp, dt = self.cfg, self.xp, self.dtype
         H, R, P = cfg.heads, cfg.kv_lora_rank, cfg.qk_rope_dim
-        if cfg.q_lora_rank:
-            self.qa = xp.zeros((r, cfg.q_lora_rank), dt)
-        self.q_rope = xp.zeros((r, H, P), dt)
-        self.q_abs = xp.zeros((r, H, R), dt)
-        self.lat = xp.zeros((r, 1, R), dt)
-        self.k_rope = xp.zeros((r, 1, P), dt)
-        self.o_lat = xp.zeros((r, H, R), dt)
         fq, fo = fold_choice(cfg)
-        if not fq:
-            self.q_nope = xp.zeros((r, H, cfg.qk_nope_dim), dt)
+        F = R if fq else cfg.qk_nope_dim
+        nq = H * (F + P)
+        self.inp = xp.zeros((r, (cfg.q_lora_rank or nq) + P + R), dt)
+        q_src = xp.zeros((r, nq), dt) if cfg.q_lora_rank else self.inp[:, :nq]
+        self.qb = q_src if cfg.q_lora_rank else None
+        c0 = cfg.q_lora_rank or nq  # where k_rope starts in self.inp
+        self.q_first = _split(q_src[:, : H * F], H, F)  # [rows, H, F]
+        self.q_rope = _split(q_src[:, H * F : nq], H, P)  # [rows, H, P]
+        self.k_rope = _split(self.inp[:, c0 : c0 + P], 1, P)  # [rows, 1, P]
+        self.lat = _split(self.inp[:, c0 + P :], 1, R)  # [rows, 1, R]
+        self.ropes = [self.q_rope, self.k_rope] if cfg.q_lora_rank else [_split(self.inp[:, H * F : c0 + P], H + 1, P)]
+        self.q_abs = self.q_first if fq else xp.zeros((r, H, R), dt)
+        self.o_lat = xp.zeros((r, H, R), dt)
         if not fo:
             self.v_out = xp.zeros((r, H, cfg.v_head_dim), dt)
 
@@ -134,32 +157,23 @@ class MlaLM(CausalLM):
 
     def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, positions: Array, n: int) -> None:
         cfg, proj, hw = self.cfg, self.proj, self.host
-        x, q_rope, q_abs, lat, k_rope, o_lat = (
-            b[:n] for b in (self.x, self.q_rope, self.q_abs, self.lat, self.k_rope, self.o_lat)
+        x, inp, q_rope, q_abs, lat, k_rope, o_lat = (
+            b[:n] for b in (self.x, self.inp, self.q_rope, self.q_abs, self.lat, self.k_rope, self.o_lat)
         )
-        src = h
-        if cfg.q_lora_rank:
-            src = self.qa[:n]
-            proj.linear(h, lw["wqa"], src)
-            if cfg.qkv_bias:
-                layers.bias_add(src, lw["bqa"], host=hw)
-            layers.rms_norm(src, lw["q_a_norm"], src, LATENT_EPS, host=hw)
-        proj.linear(src, lw["wq_rope"], q_rope.reshape(n, -1))
-        layers.rope(q_rope, positions, self.cos, self.sin, host=hw)
-        if self.fold_q:
-            proj.linear(src, lw["wq_abs"], q_abs.reshape(n, -1))
-        else:
-            q_nope = self.q_nope[:n]
-            proj.linear(src, lw["wq_nope"], q_nope.reshape(n, -1))
-            proj.linear_heads(q_nope, lw["w_uk_t"], q_abs)
-        lat2, kr2 = lat.reshape(n, -1), k_rope.reshape(n, -1)
-        proj.linear(h, lw["wdkv"], lat2)
-        proj.linear(h, lw["wkr"], kr2)
+        proj.linear(h, lw["w_in"], inp)  # [q_a or the query | k_rope | latent]
         if cfg.qkv_bias:
-            layers.bias_add(lat2, lw["bdkv"], host=hw)
-            layers.bias_add(kr2, lw["bkr"], host=hw)
+            layers.bias_add(inp, lw["b_in"], host=hw)
+        if cfg.q_lora_rank:
+            qa = inp[:, : cfg.q_lora_rank]
+            layers.rms_norm(qa, lw["q_a_norm"], qa, LATENT_EPS, host=hw)
+            assert self.qb is not None  # allocated with a q LoRA
+            proj.linear(qa, lw["wq"], self.qb[:n])  # [q_first | q_rope]
+        lat2 = lat[:, 0]
         layers.rms_norm(lat2, lw["kv_norm"], lat2, LATENT_EPS, host=hw)
-        layers.rope(k_rope, positions, self.cos, self.sin, host=hw)
+        for rot in self.ropes:  # q_rope and k_rope (one range without a q LoRA)
+            layers.rope(rot[:n], positions, self.cos, self.sin, host=hw)
+        if not self.fold_q:
+            proj.linear_heads(self.q_first[:n], lw["w_uk_t"], q_abs)
         cache = self.cache
         assert cache is not None  # attach() ran before the first forward pass
         cache.append(plan, lat, k_rope, layer=li)
@@ -172,3 +186,12 @@ class MlaLM(CausalLM):
             proj.linear(v_out.reshape(n, -1), lw["wo"], x, accumulate=True)
         if cfg.o_bias:
             layers.bias_add(x, lw["bo"], host=hw)
+
+
+def _split(cols: Array, heads: int, dim: int) -> Array:
+    """A column range [rows, heads * dim] of a wider buffer as [rows, heads,
+    dim]: a view (splitting its contiguous last dim never copies; checked,
+    since a copy would leave the buffer unwritten)."""
+    v = cols.reshape(cols.shape[0], heads, dim)
+    assert address(v) == address(cols) and v.strides[2] == cols.itemsize, "the split must be a view"
+    return v

@@ -48,6 +48,20 @@ _POINTER_MODE_HOST = 0
 WORKSPACE_BYTES = 32 << 20
 
 
+def _rows(x: Array, outer: int) -> bool:
+    """x's last dim is contiguous and its ``outer`` outer strides are whole
+    elements (a row view; checked by ``ops.layers`` on the CPU path)."""
+    item = x.itemsize
+    return (x.shape[-1] <= 1 or x.strides[-1] == item) and all(s >= 0 and s % item == 0 for s in x.strides[:outer])
+
+
+def _ld(x: Array, dim: int, packed: int) -> int:
+    """x's stride along ``dim`` in elements (cuBLAS's leading dimension or
+    batch stride); ``packed`` where the dim has one entry (any value is
+    valid there, and cuBLAS wants ld >= the row length)."""
+    return x.strides[dim] // x.itemsize if x.shape[dim] > 1 else packed
+
+
 def _load_cublas():
     """libcublas through ctypes, found as CuPy finds it."""
     errors = []
@@ -162,7 +176,8 @@ class Projections:
         return _CUDA_R[name]
 
     def linear(self, x: Array, w: Array, out: Array, *, accumulate: bool = False) -> None:
-        """out[M, N] (+)= x[M, K] @ w[N, K].T; all C-contiguous."""
+        """out[M, N] (+)= x[M, K] @ w[N, K].T; w and out C-contiguous, x any
+        view whose last dim is contiguous (its row stride is cuBLAS's ldb)."""
         if not self.gpu:
             layers.linear(x, w, out, accumulate=accumulate, host=True)
             return
@@ -171,10 +186,11 @@ class Projections:
         if (
             w.shape[1] != k
             or out.shape != (m, n)
-            or not (x.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous)
+            or not (_rows(x, 1) and w.flags.c_contiguous and out.flags.c_contiguous)
         ):
             raise PagedAttentionError(
-                f"linear: expected x [M, K], w [N, K], out [M, N], C-contiguous; got {x.shape}, {w.shape}, {out.shape}"
+                f"linear: expected x [M, K] (rows), w [N, K], out [M, N] C-contiguous; got {x.shape}, {w.shape}, "
+                f"{out.shape}"
             )
         if m == 0:
             return
@@ -197,7 +213,7 @@ class Projections:
                 k,
                 vp(x.data.ptr),
                 dt,
-                k,
+                _ld(x, 0, k),
                 ctypes.byref(b.one if accumulate else b.zero),
                 vp(out.data.ptr),
                 dt,
@@ -209,7 +225,9 @@ class Projections:
         )
 
     def linear_heads(self, x: Array, w: Array, out: Array, *, accumulate: bool = False) -> None:
-        """out[M, H, N] (+)= x[M, H, K] @ w[H, N, K].T per head; C-contiguous."""
+        """out[M, H, N] (+)= x[M, H, K] @ w[H, N, K].T per head; w and out
+        C-contiguous, x any view whose last dim is contiguous (its row and
+        head strides are cuBLAS's ldb and strideB)."""
         if not self.gpu:
             layers.linear_heads(x, w, out, accumulate=accumulate, host=True)
             return
@@ -218,11 +236,11 @@ class Projections:
         if (
             w.shape != (h, n, k)
             or out.shape != (m, h, n)
-            or not (x.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous)
+            or not (_rows(x, 2) and w.flags.c_contiguous and out.flags.c_contiguous)
         ):
             raise PagedAttentionError(
-                f"linear_heads: expected x [M, H, K], w [H, N, K], out [M, H, N], "
-                f"C-contiguous; got {x.shape}, {w.shape}, {out.shape}"
+                f"linear_heads: expected x [M, H, K] (rows), w [H, N, K], out [M, H, N] C-contiguous; got "
+                f"{x.shape}, {w.shape}, {out.shape}"
             )
         if m == 0:
             return
@@ -231,8 +249,8 @@ class Projections:
         assert b is not None  # made with the GPU backend
         b.bind(stream_for(out))
         vp = ctypes.c_void_p
-        # per head: A = w[h] (stride N*K), B = head h's rows of x (ldb H*K,
-        # stride K), C = head h's rows of out (ldc H*N, stride N)
+        # per head: A = w[h] (stride N*K), B = head h's rows of x (ldb: x's row
+        # stride, stride: its head stride), C = head h's rows of out (ldc H*N, stride N)
         b.check(
             b.lib.cublasGemmStridedBatchedEx(
                 b.handle,
@@ -248,8 +266,8 @@ class Projections:
                 n * k,
                 vp(x.data.ptr),
                 dt,
-                h * k,
-                k,
+                _ld(x, 0, h * k),
+                _ld(x, 1, k),
                 ctypes.byref(b.one if accumulate else b.zero),
                 vp(out.data.ptr),
                 dt,

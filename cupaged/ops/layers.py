@@ -206,8 +206,10 @@ def _host_product(lhs, rhs, out, accumulate: bool, rows: int, keep: tuple) -> No
 
 def linear(x, weight, out, *, accumulate: bool = False, host: bool = False) -> None:
     """out = x @ weight.T, or out += x @ weight.T with ``accumulate`` (a fused
-    residual add). x [M, K], weight [N, K], out [M, N]; float32 accumulation."""
-    checks.float_array("x", x, 2)
+    residual add). x [M, K] (any view whose last dim is contiguous: a
+    column slice of a wider buffer), weight [N, K], out [M, N]; float32
+    accumulation."""
+    (x_row,) = _row_strides("x", x, (2,))
     checks.float_array("weight", weight, 2)
     checks.float_array("out", out, 2)
     _same("x", x, weight=weight, out=out)
@@ -227,16 +229,18 @@ def linear(x, weight, out, *, accumulate: bool = False, host: bool = False) -> N
         _kernel(x, "linear"),
         ((n + THREADS // 32 - 1) // (THREADS // 32), m),
         (THREADS,),
-        (x, weight, out, np.uint32(n), np.uint32(x.shape[1]), np.uint32(bool(accumulate))),
+        (x, weight, out, np.uint32(n), np.uint32(x.shape[1]), np.uint32(bool(accumulate)), np.uint32(x_row)),
     )
 
 
 def linear_heads(x, weight, out, *, accumulate: bool = False, host: bool = False) -> None:
     """One linear layer per head: out[m, h] = x[m, h] @ weight[h].T (or +=
-    with ``accumulate``). x [M, H, K], weight [H, N, K], out [M, H, N];
-    float32 accumulation. MLA's absorbed form uses it for the query through
-    W_UK^T and the latent attention output through W_UV."""
-    checks.float_array("x", x, 3)
+    with ``accumulate``). x [M, H, K] (any view whose last dim is
+    contiguous: e.g. the no-rope columns of a [M, H, K + P] query), weight
+    [H, N, K], out [M, H, N]; float32 accumulation. MLA's absorbed form uses
+    it for the query through W_UK^T and the latent attention output through
+    W_UV."""
+    x_row, x_head = _row_strides("x", x, (3,))
     checks.float_array("weight", weight, 3)
     checks.float_array("out", out, 3)
     _same("x", x, weight=weight, out=out)
@@ -275,8 +279,8 @@ def linear_heads(x, weight, out, *, accumulate: bool = False, host: bool = False
             out,
             np.uint32(n),
             np.uint32(k),
-            np.uint32(h * k),
-            np.uint32(k),
+            np.uint32(x_row),
+            np.uint32(x_head),
             np.uint32(h * n),
             np.uint32(n),
             np.uint32(bool(accumulate)),

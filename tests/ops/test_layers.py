@@ -135,6 +135,34 @@ def test_linear_heads_and_accumulate(dt, m, h, n, k):
     np.testing.assert_allclose(out.astype(np.float64), base + exp, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("host", [False, True])
+@pytest.mark.parametrize("dt", DTYPES)
+def test_products_read_x_at_its_strides(dt, host):
+    """linear's x a column slice [M, K] of a NaN [M, K + 11] buffer, and
+    linear_heads' x the first K columns of each head of a NaN [M, H, K + 5]
+    buffer (MLA's no-rope query beside its rotary part): the NaN columns are
+    never read (a product that ignored the strides would read them)."""
+    rng = np.random.default_rng(41)
+    m, h, n, k = 3, 2, 9, 24
+    buf = np.full((m, k + 11), np.nan, as_dtype(dt))
+    x = buf[:, 4 : 4 + k]
+    x[...] = _rand(rng, (m, k), dt)
+    assert np.isnan(buf.reshape(-1)[: m * k]).any()  # read as packed rows, x would bring NaN
+    w = _rand(rng, (n, k), dt, 1 / np.sqrt(k))
+    out = np.full((m, n), np.nan, as_dtype(dt))
+    layers.linear(x, w, out, host=host)
+    assert_close(out, x.astype(np.float64) @ w.astype(np.float64).T, dt)
+    buf3 = np.full((m, h, k + 5), np.nan, as_dtype(dt))
+    x3 = buf3[..., :k]
+    x3[...] = _rand(rng, (m, h, k), dt)
+    w3 = _rand(rng, (h, n, k), dt, 1 / np.sqrt(k))
+    out3 = np.full((m, h, n), np.nan, as_dtype(dt))
+    layers.linear_heads(x3, w3, out3, host=host)
+    assert_close(out3, reference.linear_heads(x3, w3), dt)
+    with pytest.raises(PagedAttentionError, match=r"x: expected a contiguous innermost dim"):
+        layers.linear(buf[:, ::2], np.zeros((n, (k + 12) // 2), as_dtype(dt)), out, host=host)
+
+
 @pytest.mark.parametrize("dt", DTYPES)
 def test_bias_add(dt):
     rng = np.random.default_rng(6)
