@@ -39,6 +39,12 @@ def float_array(name: str, a, ndim: int, *, total: bool = True, view: bool = Fal
                 f"got strides {tuple(int(t) for t in a.strides)} bytes for shape {shape_str(a.shape)}"
             )
         u32_size(name, a.shape, total=False)
+        reach = 1 + sum((int(n) - 1) * s for n, s in zip(a.shape, strides))
+        if total and reach > layout.U32_MAX:
+            raise PagedAttentionError(
+                f"{name}: expected a view spanning at most {layout.U32_MAX} elements (32-bit indexing), got "
+                f"{reach} (shape {shape_str(a.shape)}, strides {tuple(int(t) for t in a.strides)} bytes)"
+            )
         return
     u32_size(name, a.shape, total=total)
 

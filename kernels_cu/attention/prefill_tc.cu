@@ -485,7 +485,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             // The row writer inline, not epilogue.cuh's (a documented hook: through epi::finish / row_of /
             // store_lse ptxas needs up to 8 more registers here and spills in the ALiBi builds at the cap).
             const u32 r = row0 + 16 * mt + g + 8 * h;
-            const u64 row = (q0 + slot) * q_heads + head0 + (r - slot * ht);
+            const u32 row = (u32)(q0 + slot) * q_heads + head0 + (r - slot * ht);  // < 2^32: out's size check
             const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
             float inv = sm[mt][h].inv_sum();
             if constexpr (variant::kSinks) {

@@ -24,12 +24,14 @@ __device__ __forceinline__ u32 range_end(u32 queries, u32 q_begin, u32 q_count) 
 // Where (query qi, head h)'s row of q and of q_rot starts, in elements: the
 // views' strides (AttentionParams: any view whose last dim is contiguous,
 // e.g. a column slice of a fused QKV projection; C-contiguous q has strides
-// Hq * D, D). The only formula of a query row's address.
-__device__ __forceinline__ u64 q_at(const AttentionParams& p, u64 qi, u32 h) {
-    return qi * p.q_stride_token + (u64)h * p.q_stride_head;
+// Hq * D, D). The only formula of a query row's address. A view spans
+// fewer than 2^32 elements (checked on the host, as a packed q's count), so
+// the offsets are u32 (queries < 2^31).
+__device__ __forceinline__ u32 q_at(const AttentionParams& p, u32 qi, u32 h) {
+    return qi * p.q_stride_token + h * p.q_stride_head;
 }
-__device__ __forceinline__ u64 q_rot_at(const AttentionParams& p, u64 qi, u32 h) {
-    return qi * p.q_rot_stride_token + (u64)h * p.q_rot_stride_head;
+__device__ __forceinline__ u32 q_rot_at(const AttentionParams& p, u32 qi, u32 h) {
+    return qi * p.q_rot_stride_token + h * p.q_rot_stride_head;
 }
 
 struct Span {
