@@ -120,3 +120,17 @@ def test_a_query_view_must_have_a_contiguous_last_dim():
     sc.case.q = np.lib.stride_tricks.as_strided(buf, q.shape, (q.strides[0], 2, q.itemsize))  # heads overlap
     with pytest.raises(PagedAttentionError, match=r"^q: expected rows that do not overlap"):
         check_attention(sc)
+
+
+def test_a_query_view_spans_fewer_than_2_32_elements():
+    """The kernels' query offsets are 32-bit: a view reaching 2^32 elements
+    (a token stride of 2^31, three tokens) is refused before any launch."""
+    rng = np.random.default_rng(37)
+    sc = fp8_paged_case(
+        rng, None, dtype="f16", kv_lens=[9, 9, 9], q_lens=[1, 1, 1], num_q_heads=4, num_kv_heads=2, head_dim=64
+    )
+    buf = np.zeros(256, np.float16)
+    sc.case.q = np.lib.stride_tricks.as_strided(buf, (3, 4, 64), (2**31 * 2, 128, 2))  # never read
+    with pytest.raises(PagedAttentionError, match=r"^q: expected a view spanning at most 4294967295 elements"):
+        check_attention(sc)
+
