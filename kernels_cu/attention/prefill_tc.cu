@@ -471,6 +471,9 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
     });
 
     // ---- normalize and write ----
+    // A row index fits 32 bits (out's size check). Its width is ptxas's allocation at the register cap of
+    // the all-feature builds: 32 bits spill with an fp8 cache, 64 with a 16-bit one (the gate's rows).
+    using row_t = typename tc::Pick<kFp8, u64, u32>::type;
     const bool split = p.splits > 1;
 #pragma unroll
     for (u32 mt = 0; mt < kMT; ++mt)
@@ -485,7 +488,7 @@ extern "C" __global__ void __launch_bounds__(tcp::kThreads, TC_MIN_BLOCKS) paged
             // The row writer inline, not epilogue.cuh's (a documented hook: through epi::finish / row_of /
             // store_lse ptxas needs up to 8 more registers here and spills in the ALiBi builds at the cap).
             const u32 r = row0 + 16 * mt + g + 8 * h;
-            const u32 row = (u32)(q0 + slot) * q_heads + head0 + (r - slot * ht);  // < 2^32: out's size check
+            const row_t row = (row_t)(q0 + slot) * q_heads + head0 + (r - slot * ht);
             const u64 row_out = split ? (u64)blockIdx.z * p.queries * q_heads + row : row;
             float inv = sm[mt][h].inv_sum();
             if constexpr (variant::kSinks) {
