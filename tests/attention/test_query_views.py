@@ -133,4 +133,3 @@ def test_a_query_view_spans_fewer_than_2_32_elements():
     sc.case.q = np.lib.stride_tricks.as_strided(buf, (3, 4, 64), (2**31 * 2, 128, 2))  # never read
     with pytest.raises(PagedAttentionError, match=r"^q: expected a view spanning at most 4294967295 elements"):
         check_attention(sc)
-

@@ -23,7 +23,9 @@ from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
 
 import cupaged  # noqa: E402
 import cupaged.integrations.vllm as cv  # noqa: E402
+from cupaged._runtime import address  # noqa: E402
 from cupaged.errors import ConfigError  # noqa: E402
+from cupaged.ops.attention import inputs  # noqa: E402
 from cupaged.testing import assert_close, reference  # noqa: E402
 
 B = cv.CupagedAttentionBackend
@@ -186,7 +188,7 @@ def device_plans(request, monkeypatch):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_mixed_step_against_float64(case, device_plans):
+def test_mixed_step_against_float64(case, device_plans, monkeypatch):
     name, dt, kv_dtype, hq, hkv, d, bs, layout, opts = case
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     q_np = _np_dtype(dt)
@@ -295,7 +297,16 @@ def test_mixed_step_against_float64(case, device_plans):
     metadata = builder.build(0, common)
     assert (metadata.device is not None) == device_plans and (metadata.page_table is None) == device_plans
     output = torch.full((tp, hq * d), 7.0, dtype=dt)
+    queries_read = []  # the address of the q each attention call reads: vLLM's own column slice, no copy
+    record = inputs.record
+
+    def spy(plan, q, *args, **kwargs):
+        queries_read.append(address(q))
+        return record(plan, q, *args, **kwargs)
+
+    monkeypatch.setattr(inputs, "record", spy)
     impl.forward(layer, query, key, value, kv_cache, metadata, output)
+    assert queries_read == [query.data_ptr()]
     assert cv.KERNEL_CALLS["attention"] == before.get("attention", 0) + 1
     assert cv.KERNEL_CALLS["write_slots"] == before.get("write_slots", 0) + 1
     assert cv.KERNEL_CALLS["plan_build"] == before.get("plan_build", 0) + device_plans
