@@ -154,6 +154,7 @@ CASES = [
             qk_nope_head_dim=32,
             qk_rope_head_dim=16,
             v_head_dim=32,
+            attention_bias=True,  # q_a_proj's and kv_a_proj's biases in h's one product
             **_MOE_OFF,
             rope_parameters={
                 "rope_type": "yarn",
