@@ -317,8 +317,8 @@ def test_attention_dtype_and_layout_errors():
     _bad(plan, q, k.astype(np.float16), v, out, "k_cache: expected dtype float32 like q, got float16")
     _bad(plan, q, k, v.astype(BF16), out, "v_cache: expected dtype float32 like q, got bfloat16")
     _bad(plan, q, k, v, out.astype(np.float16), "out: expected dtype float32 like q")
-    qt = np.ascontiguousarray(q.transpose(1, 0, 2)).transpose(1, 0, 2)
-    _bad(plan, qt, k, v, out, "q: expected a C-contiguous array")
+    qf = np.asfortranarray(q)  # its last dim strided (a head-major view, e.g., passes: any row view does)
+    _bad(plan, qf, k, v, out, "q: expected a contiguous innermost dim")
     _bad(plan, q.tolist(), k, v, out, "q: expected a NumPy or CuPy array")
 
 

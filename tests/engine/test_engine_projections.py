@@ -85,11 +85,13 @@ class FakeCublas:
 
 
 class Dev:
-    """A host array posing as a device array (shape, dtype, flags, data.ptr)."""
+    """A host array posing as a device array (shape, dtype, strides, itemsize,
+    flags, data.ptr); ``view=True`` keeps a strided view as it is."""
 
-    def __init__(self, a):
-        self.a = np.ascontiguousarray(a)
+    def __init__(self, a, view=False):
+        self.a = a if view else np.ascontiguousarray(a)
         self.shape, self.dtype, self.flags = self.a.shape, self.a.dtype, self.a.flags
+        self.strides, self.itemsize = self.a.strides, self.a.itemsize
         self.data = type("Ptr", (), {"ptr": self.a.ctypes.data})()
 
 
@@ -127,6 +129,31 @@ def test_linear_heads_call_is_one_product_per_head(gpu_projections):
     p.linear_heads(Dev(x), Dev(w), out)
     np.testing.assert_allclose(out.a, np.einsum("mhk,hnk->mhn", x, w), rtol=1e-5, atol=1e-5)
     assert fake.calls == [("batched", 2)]
+
+
+def test_x_as_a_row_view_is_read_at_its_strides(gpu_projections):
+    """x a column slice of a NaN-padded buffer (the engine's fused products:
+    MLA's q_a beside k_rope and the latent, its no-rope query beside q_rope):
+    cuBLAS's ldb is x's row stride, strideB its head stride; the NaN columns
+    are never read."""
+    p, fake = gpu_projections
+    rng = np.random.default_rng(2)
+    buf = np.full((3, 9), np.nan, np.float32)
+    x = buf[:, 2:7]
+    x[...] = rng.standard_normal((3, 5))
+    w = rng.standard_normal((4, 5)).astype(np.float32)
+    out = Dev(np.zeros((3, 4), np.float32))
+    p.linear(Dev(x, view=True), Dev(w), out)
+    np.testing.assert_allclose(out.a, x @ w.T, rtol=1e-5, atol=1e-5)
+    buf3 = np.full((3, 2, 8), np.nan, np.float32)
+    x3 = buf3[..., :5]
+    x3[...] = rng.standard_normal((3, 2, 5))
+    w3 = rng.standard_normal((2, 4, 5)).astype(np.float32)
+    out3 = Dev(np.zeros((3, 2, 4), np.float32))
+    p.linear_heads(Dev(x3, view=True), Dev(w3), out3)
+    np.testing.assert_allclose(out3.a, np.einsum("mhk,hnk->mhn", x3, w3), rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match=r"linear: expected x \[M, K\] \(rows\)"):
+        p.linear(Dev(buf[:, ::2], view=True), Dev(np.zeros((4, 5), np.float32)), out)
 
 
 def test_gpu_linear_refuses_mixed_dtypes(gpu_projections):
