@@ -220,6 +220,8 @@ class TinyModel:
                 lw["wqkv"] = np.concatenate([lw.pop("wq"), lw.pop("wk"), lw.pop("wv")])
         if cfg.mla:  # absorb the up-projections as block-diagonal Linear weights (tiny sizes: fine)
             for lw in host_layers:
+                # h's one product: [q_nope (H Dn) | q_rope (H P) | k_rope (P) | latent (R)]
+                lw["w_in"] = np.concatenate([lw.pop(k) for k in ("w_qn", "w_qr", "w_kr", "w_dkv")])
                 lw["w_uk_bd"] = _block_diag([m.T for m in lw.pop("w_uk")])  # q_nope[h] -> q_abs[h] (R)
                 lw["w_uv_bd"] = _block_diag(list(lw.pop("w_uv")))  # o_lat[h] -> v_out[h] (Dv)
         self.w = {
@@ -250,11 +252,14 @@ class TinyModel:
         self.act = xp.zeros((r, cfg.ffn), self.dtype)
         self.scale = 1.0 / math.sqrt(hd)
         if cfg.mla:
-            H, R, P = cfg.heads, cfg.latent_dim, cfg.rope_dim
-            self.lat = xp.zeros((r, 1, R), self.dtype)
-            self.k_rope = xp.zeros((r, 1, P), self.dtype)
-            self.q_nope = xp.zeros((r, H * cfg.nope_dim), self.dtype)
-            self.q_rope = xp.zeros((r, H, P), self.dtype)
+            H, R, P, Dn = cfg.heads, cfg.latent_dim, cfg.rope_dim, cfg.nope_dim
+            # h's one product and its column ranges (views, read in place): q_rope and k_rope side by side
+            self.inp = xp.zeros((r, H * Dn + (H + 1) * P + R), self.dtype)
+            self.q_nope = self.inp[:, : H * Dn]
+            ropes = self.inp[:, H * Dn : H * Dn + (H + 1) * P].reshape(r, H + 1, P)
+            assert ropes.strides[2] == ropes.itemsize and ropes.strides[0] == self.inp.strides[0]  # a view
+            self.ropes, self.q_rope, self.k_rope = ropes, ropes[:, :H], ropes[:, H:]
+            self.lat = self.inp[:, None, H * Dn + (H + 1) * P :]
             self.q_abs = xp.zeros((r, H, R), self.dtype)
             self.o_lat = xp.zeros((r, H, R), self.dtype)
             self.v_out = xp.zeros((r, H * cfg.v_head_dim), self.dtype)
@@ -300,18 +305,27 @@ class TinyModel:
     def _mla(self, plan, li, lw, h, positions, n, workspace) -> None:
         """MLA block, absorbed: the latent and rotated k_pos go to the caches;
         q_abs[h] = w_uk[h]^T q_nope[h]; the kernel attends over the latent;
-        v_out[h] = w_uv[h] o_lat[h]; x += wo(v_out)."""
+        v_out[h] = w_uv[h] o_lat[h]; x += wo(v_out). The projections of h are
+        one product, whose column ranges the later ops read in place (q_rope
+        and k_rope rotated in one launch)."""
         cfg = self.cfg
-        x, lat, kr, qn, qr, qa, ol, vo = (
-            b[:n] for b in (self.x, self.lat, self.k_rope, self.q_nope, self.q_rope, self.q_abs, self.o_lat, self.v_out)
+        x, inp, lat, kr, qn, qr, qa, ol, vo = (
+            b[:n]
+            for b in (
+                self.x,
+                self.inp,
+                self.lat,
+                self.k_rope,
+                self.q_nope,
+                self.q_rope,
+                self.q_abs,
+                self.o_lat,
+                self.v_out,
+            )
         )
-        layers.linear(h, lw["w_dkv"], lat.reshape(n, -1))
-        layers.rms_norm(lat.reshape(n, -1), lw["kv_norm"], lat.reshape(n, -1), cfg.eps)
-        layers.linear(h, lw["w_kr"], kr.reshape(n, -1))
-        layers.rope(kr, positions, self.cos, self.sin)
-        layers.linear(h, lw["w_qn"], qn)
-        layers.linear(h, lw["w_qr"], qr.reshape(n, -1))
-        layers.rope(qr, positions, self.cos, self.sin)
+        layers.linear(h, lw["w_in"], inp)
+        layers.rms_norm(lat[:, 0], lw["kv_norm"], lat[:, 0], cfg.eps)
+        layers.rope(self.ropes[:n], positions, self.cos, self.sin)
         layers.linear(qn, lw["w_uk_bd"], qa.reshape(n, -1))
         self.cache.append(plan, lat, kr, layer=li)
         plan.mla(qa, qr, self.cache.k[li], self.cache.v[li], self.scale, True, out=ol, workspace=workspace)
