@@ -31,8 +31,9 @@ addresses allow), keeping an online softmax per row group in FP32.
 Caches are any views whose innermost dim is contiguous (strides in
 ``AttentionParams``), in q's dtype or fp8 (e4m3 / e5m2 under f16 / bf16 q,
 with ``k_scale`` / ``v_scale`` folded into the score scale and the output):
-docs/layout.md, "Cache views and fp8 caches". ``launch.launches_for`` says
-which kernels a call runs.
+docs/layout.md, "Cache views and fp8 caches". Queries too are any such
+views (``att::q_at``; docs/layout.md, "Query views"). ``launch.launches_for``
+says which kernels a call runs.
 
 Memory traffic per (query, KV head, tile): read the visible K and V rows,
 ``L * (D + Dv) * itemsize`` bytes; write ``G * Dv`` outputs. With a
