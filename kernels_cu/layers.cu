@@ -6,8 +6,9 @@
 // Linear per head for MLA's absorbed up-projections). Storage type scalar_t
 // (CP_DTYPE); all arithmetic in float32.
 //
-// Layout: arrays are row-major and contiguous, except rms_norm's x and out and
-// rope's x, which may be strided row views (columns of one fused QKV buffer):
+// Layout: arrays are row-major and contiguous, except rms_norm's x and out,
+// rope's x and the x of linear / linear_heads, which may be strided row views
+// (columns of one fused projection's output buffer):
 // their innermost dim is contiguous and their outer strides, in elements, are
 // kernel arguments (u32; offsets computed in 64 bits), rows not overlapping.
 #include "common.cuh"
