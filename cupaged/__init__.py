@@ -11,6 +11,7 @@ from .cache import PagedKVCache, Sequence, StepReport
 from .errors import CheckpointError, CompileError, ConfigError, KernelError, PagedAttentionError, SetupError
 from .graph import DecodeLoop, DeviceScalars, PagedDecodeLoop, capture_count, capture_graph
 from .layout import MAX_SPLITS
+from .ops.append import Rotary
 from .ops.attention import AttentionOptions, KVLayer
 from .ops.sampling import argmax_into
 from .ops.slots import copy_pages, write_slots
@@ -31,6 +32,7 @@ __all__ = [
     "choose_splits",
     "AttentionOptions",
     "KVLayer",
+    "Rotary",
     "Graph",
     "Stream",
     "stream_for",

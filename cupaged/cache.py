@@ -42,7 +42,7 @@ from ._runtime import GPU, array_backend, checks, empty, stream_for, zeros
 from ._runtime.arrays import Array
 from .errors import PagedAttentionError
 from .layout import MAX_PAGE_SIZE, U32_MAX
-from .ops.append import copy_pages
+from .ops.append import Rotary, copy_pages
 from .ops.attention.options import KVLayer
 from .plan import DevicePlan, HostPlan
 
@@ -595,17 +595,20 @@ class PagedKVCache:
         return self._report(pairs, taken, evict)
 
     @_locked
-    def append(self, plan: DevicePlan, new_k: Array, new_v: Array | None, *, layer: int = 0) -> None:
-        """``plan.append(new_k, new_v, self.k[layer], self.v[layer])``: layer
-        ``layer``'s new rows. ``plan``: one of this cache's (its ``prepare``'s,
-        or a slot plan of one of its DecodeBatches); a plan of another cache
+    def append(
+        self, plan: DevicePlan, new_k: Array, new_v: Array | None, *, layer: int = 0, rope: Rotary | None = None
+    ) -> None:
+        """``plan.append(new_k, new_v, self.k[layer], self.v[layer], rope=rope)``:
+        layer ``layer``'s new rows (``rope``: RoPE fused in, ``cupaged.Rotary``).
+        ``plan``: one of this cache's (its ``prepare``'s, or a slot plan of one
+        of its DecodeBatches); a plan of another cache
         (or one no cache made) is refused, since its page table names pages
         this cache may have given to other sequences. Once every layer of a
         ``prepare`` plan was appended, its tokens count as written (the prefix
         index takes their full pages)."""
         self._check_plan(plan, "plan")
         layer = checks.host_int("layer", layer, 0, self.layers - 1)
-        plan.append(new_k, new_v, self.k[layer], self.v[layer], **self.kv_args(layer))
+        plan.append(new_k, new_v, self.k[layer], self.v[layer], rope=rope, **self.kv_args(layer))
         w = self._writes.get(plan)
         if w is None:
             return

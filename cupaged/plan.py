@@ -431,7 +431,9 @@ class DevicePlan:
             **options,
         )
 
-    def append(self, new_k, new_v, k_cache, v_cache=None, *, kv_dtype=None, k_scale=None, v_scale=None) -> None:
+    def append(
+        self, new_k, new_v, k_cache, v_cache=None, *, kv_dtype=None, k_scale=None, v_scale=None, rope=None
+    ) -> None:
         """Write new_k [queries, Hkv, D] and new_v [queries, Hkv, Dv] into the
         cache slot of each query's absolute position (page
         page_table[s, p // page_size], offset p % page_size), in place, in one
@@ -440,10 +442,14 @@ class DevicePlan:
         innermost dim is contiguous; an fp8 cache (``kv_dtype`` for uint8
         storage) gets the rows quantized with ``k_scale`` / ``v_scale``;
         ``k_cache`` may be a layer of the page manager, ``cache.layer(i)`` (its
-        caches and scales), v_cache then left out. See
+        caches and scales), v_cache then left out. ``rope`` (a
+        ``cupaged.Rotary``): RoPE fused into the same launch, K rotated into
+        the cache and the queries ``rope.q`` [queries, Hq, D] in place. See
         ``cupaged.ops.append.append``."""
         self._fresh()
-        append_op.append(self, new_k, new_v, k_cache, v_cache, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+        append_op.append(
+            self, new_k, new_v, k_cache, v_cache, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale, rope=rope
+        )
 
 
 class DevicePlanBuilder:

@@ -21,6 +21,13 @@
 //     each element x of KV head h becomes the fp8 code of x / scale[h]
 //     (fp8::encode: nearest, ties to even, saturating; NaN stays NaN), with
 //     scale = k_scale / v_scale (one, or one per KV head; 1 when absent).
+//   * a rotary build of paged_append (CP_ROPE = 1, CP_DTYPE, CP_QVEC; with
+//     CP_QUANT and CP_KV_DTYPE into an fp8 cache): RoPE (rotate-half, as
+//     layers.cu's rope) fused into the append: each query's K rows are
+//     rotated by its position on the way into the cache, rounded to CP_DTYPE
+//     (then quantized, as an append of rotated rows would), its V rows copied
+//     unchanged, and its q rows (rope_q, when given) rotated in place, so
+//     one launch replaces rope + append.
 // copy_pages moves raw bytes (CP_VEC_BYTES) of whole pages.
 // Every unit is read and written through ldv / stv (common.cuh): the CPU
 // backend checks each address is aligned to the unit, as a GPU requires.
@@ -55,15 +62,23 @@ struct Bytes<16> {
     typedef uint4 T;
 };
 
-#if CP_QUANT
+#ifndef CP_ROPE
+#define CP_ROPE 0
+#endif
+
+#if CP_QUANT || CP_ROPE
 #ifndef CP_QVEC
-#error "CP_QVEC (8, 4, 2 or 1) must be defined with CP_QUANT"
+#error "CP_QVEC (8, 4, 2 or 1) must be defined with CP_QUANT or CP_ROPE"
 #endif
 typedef scalar_t src_t;  // the new rows
+#if CP_QUANT
 typedef kv_t dst_t;  // the fp8 cache
+static_assert(kKvScaled, "a quantizing append writes an fp8 cache");
+#else
+typedef scalar_t dst_t;  // a cache of the new rows' dtype
+#endif
 constexpr u32 kVec = CP_QVEC;  // elements a unit
 static_assert(kVec == 1 || kVec == 2 || kVec == 4 || kVec == 8, "CP_QVEC: 1, 2, 4 or 8");
-static_assert(kKvScaled, "a quantizing append writes an fp8 cache");
 constexpr u32 kSrcBytes = kVec * (u32)sizeof(scalar_t);
 // A unit of the new row: kVec elements, one vector access (two 16-byte ones for 8 f32).
 struct Unit {
@@ -78,6 +93,15 @@ __device__ __forceinline__ Unit load_unit(const src_t* p) {
         reinterpret_cast<V*>(u.e)[i] = ldv(reinterpret_cast<const V*>(p) + i);
     return u;
 }
+// A unit into rows of the new rows' dtype: its bits (a V row, a rotated q or K row).
+__device__ __forceinline__ void store_unit(src_t* p, const Unit& u, float) {
+    typedef typename Bytes<kLoadBytes>::T V;
+#pragma unroll
+    for (u32 i = 0; i < kSrcBytes / kLoadBytes; ++i)
+        stv(reinterpret_cast<V*>(p) + i, reinterpret_cast<const V*>(u.e)[i]);
+}
+#if CP_QUANT
+// A unit into the fp8 cache: each element's code of x / scale.
 __device__ __forceinline__ void store_unit(dst_t* p, const Unit& u, float scale) {
     typedef typename Bytes<kVec>::T V;
     V v;
@@ -86,6 +110,7 @@ __device__ __forceinline__ void store_unit(dst_t* p, const Unit& u, float scale)
     for (u32 i = 0; i < kVec; ++i) c[i] = fp8::encode<kv_t>(to_float(u.e[i]) / scale);
     stv(reinterpret_cast<V*>(p), v);
 }
+#endif
 #else
 #ifndef CP_VEC_BYTES
 #error "CP_VEC_BYTES (16, 8, 4, 2 or 1) must be defined"
@@ -153,6 +178,90 @@ __device__ __forceinline__ void put_token(const AppendParams& p, u64 t, u32 page
     }
 }
 
+#if CP_ROPE
+// Rotate-half of one head row by the position's table rows cs / sn (half =
+// hu units): units u and u + hu hold elements i and i + half, which become
+// x[i] c - x[i + half] s and x[i + half] c + x[i] s (f32, as layers.cu's
+// rope), rounded to CP_DTYPE, then stored (dst: the row itself, or the cache).
+template <class D>
+__device__ __forceinline__ void rope_pair(const src_t* src, D* dst, u32 u, u32 hu, const float* __restrict__ cs,
+                                          const float* __restrict__ sn, float scale) {
+    const Unit a = load_unit(src + (u64)u * kVec), b = load_unit(src + (u64)(u + hu) * kVec);
+    Unit ra, rb;
+#pragma unroll
+    for (u32 j = 0; j < kVec; ++j) {
+        const float c = cs[u * kVec + j], s = sn[u * kVec + j];
+        const float x = to_float(a.e[j]), y = to_float(b.e[j]);
+        ra.e[j] = from_float<scalar_t>(x * c - y * s);
+        rb.e[j] = from_float<scalar_t>(y * c + x * s);
+    }
+    store_unit(dst + (u64)u * kVec, ra, scale);
+    store_unit(dst + (u64)(u + hu) * kVec, rb, scale);
+}
+
+// One side of a token's write (its K or its V rows): the new rows, their
+// cache rows, units a row, the fp8 scales (null: 1).
+struct Side {
+    const src_t* src;
+    dst_t* dst;
+    u32 src_head, dst_head, units;
+    const float* scale;
+    u32 scale_stride;
+    __device__ __forceinline__ float scale_of(u32 h) const {
+        return CP_QUANT && scale ? scale[h * scale_stride] : 1.0f;
+    }
+};
+
+// Query t of a rotary build: one flat range of work items the block row's
+// lanes stride over: its Hq q half-rows (rotated in place; none without
+// rope_q), the Hkv half-rows of the rotated side (K, or V with rope_v: MLA's
+// rotary part) into the cache, and the units of the other side's Hkv rows
+// (copied); K and V only when the query has a slot. The position is the
+// query's q_pos word, clamped to rope_max_pos - 1 (the table's last row).
+__device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool slot, u32 page, u32 off) {
+    u32 pos = p.words[pw::q_pos(p.tokens) + t];
+    if (pos >= p.rope_max_pos) pos = p.rope_max_pos - 1;
+    const Side k = {static_cast<const src_t*>(p.new_k) + (u64)t * p.src_tok_k,
+                    static_cast<dst_t*>(p.k_cache) + (u64)page * p.dst_page_k + (u64)off * p.dst_slot_k,
+                    p.src_head_k,
+                    p.dst_head_k,
+                    p.units_k,
+                    p.k_scale,
+                    p.k_scale_stride};
+    const Side v = {static_cast<const src_t*>(p.new_v) + (u64)t * p.src_tok_v,
+                    static_cast<dst_t*>(p.v_cache) + (u64)page * p.dst_page_v + (u64)off * p.dst_slot_v,
+                    p.src_head_v,
+                    p.dst_head_v,
+                    p.units_v,
+                    p.v_scale,
+                    p.v_scale_stride};
+    const Side& r = p.rope_v ? v : k;  // rotated
+    const Side& c = p.rope_v ? k : v;  // copied
+    const u32 hu = r.units >> 1, half = hu * kVec;
+    const float* const cs = p.rope_cos + (u64)pos * half;
+    const float* const sn = p.rope_sin + (u64)pos * half;
+    src_t* const q = static_cast<src_t*>(p.rope_q);
+    const u32 nq = q ? p.q_heads * hu : 0u;
+    const u32 nr = slot ? p.heads * hu : 0u;
+    const u32 end = nq + nr + (slot ? p.heads * c.units : 0u);
+    for (u32 e = threadIdx.x; e < end; e += blockDim.x) {
+        if (e < nq) {
+            const u32 h = e / hu;
+            src_t* const row = q + (u64)t * p.src_tok_q + (u64)h * p.src_head_q;
+            rope_pair(row, row, e - h * hu, hu, cs, sn, 1.0f);
+        } else if (e < nq + nr) {
+            const u32 h = (e - nq) / hu;
+            rope_pair(r.src + (u64)h * r.src_head, r.dst + (u64)h * r.dst_head, e - nq - h * hu, hu, cs, sn,
+                      r.scale_of(h));
+        } else {
+            const u32 i = e - nq - nr, h = i / c.units, u = i - h * c.units;
+            store_unit(c.dst + (u64)h * c.dst_head + (u64)u * kVec,
+                       load_unit(c.src + (u64)h * c.src_head + (u64)u * kVec), c.scale_of(h));
+        }
+    }
+}
+#endif
+
 // new_k:   [queries, Hkv, D] rows (strides src_tok_k, src_head_k), new_v alike with Dv
 // k_cache: [pages, page_size, Hkv, D] rows (strides dst_page_k, dst_slot_k, dst_head_k), v_cache alike
 // words:   the plan's metadata (docs/layout.md); q_seq, q_pos and the page
@@ -160,13 +269,22 @@ __device__ __forceinline__ void put_token(const AppendParams& p, u64 t, u32 page
 // Launch:  block (bx, by), grid ceil(queries / by): thread row y of a block
 //          handles query blockIdx.x * by + y, its bx lanes stride over the
 //          units of each KV head's K row, then its V row (units_v = 0: no V).
-// A query whose sequence, column or page is out of range writes nothing.
+// A query whose sequence, column or page is out of range writes nothing
+// (a rotary build still rotates its q rows). Rotary builds: rope_q [queries,
+// Hq, Dr] (strides src_tok_q, src_head_q), rope_cos / rope_sin [rope_max_pos,
+// Dr / 2], Dr the rotated side's dim (D, or Dv with rope_v); the block row's
+// lanes stride over rope_token's work items.
 extern "C" __global__ void paged_append(const AppendParams p) {
     const u32 q = blockIdx.x * blockDim.y + threadIdx.y;
     if (q >= p.tokens) return;
-    u32 page, off;
-    if (!append_slot(p.words, q, p.tokens, p.sequences, p.table_width, p.page_size, p.num_pages, page, off)) return;
-    put_token(p, q, page, off);
+    u32 page = 0, off = 0;
+    const bool slot =
+        append_slot(p.words, q, p.tokens, p.sequences, p.table_width, p.page_size, p.num_pages, page, off);
+#if CP_ROPE
+    rope_token(p, q, slot, page, off);
+#else
+    if (slot) put_token(p, q, page, off);
+#endif
 }
 
 // Write rows by an explicit slot mapping (vLLM's reshape_and_cache_flash on
@@ -174,6 +292,7 @@ extern "C" __global__ void paged_append(const AppendParams p) {
 // slots[t] = page * page_size + offset. A slot < 0 (vLLM's -1: a padded
 // token) or >= num_slots writes nothing.
 // Launch:  as paged_append: block (bx, by), grid ceil(tokens / by).
+#if !CP_ROPE
 extern "C" __global__ void write_slots(const AppendParams p) {
     const u32 t = blockIdx.x * blockDim.y + threadIdx.y;
     if (t >= p.tokens) return;
@@ -182,8 +301,9 @@ extern "C" __global__ void write_slots(const AppendParams p) {
     const u64 page = (u64)s / p.page_size;
     put_token(p, t, (u32)page, (u32)((u64)s - page * p.page_size));
 }
+#endif
 
-#if !CP_QUANT
+#if !CP_QUANT && !CP_ROPE
 // Copy whole pages inside both caches, in every layer: for each pair i,
 // page pairs[2i] of each layer of k_cache and v_cache is copied to page
 // pairs[2i + 1] of the same layer.

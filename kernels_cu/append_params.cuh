@@ -12,6 +12,9 @@ struct AppendParams {
     const long long* __restrict__ slots;        // write_slots: slot of each token (-1: skip)
     const float* __restrict__ k_scale;          // quantizing: K scale, one or per KV head (null: 1)
     const float* __restrict__ v_scale;          // quantizing: V scale
+    void* __restrict__ rope_q;                  // rotary: q rows [tokens, Hq, D] rotated in place (null: none)
+    const float* __restrict__ rope_cos;         // rotary: [rope_max_pos, D / 2] tables
+    const float* __restrict__ rope_sin;
     u64 num_slots;                              // write_slots: pages * page_size
     u32 tokens;                                 // rows to write (paged_append: the plan's queries)
     u32 sequences;                              // paged_append: the plan's static sizes
@@ -33,5 +36,10 @@ struct AppendParams {
     u32 dst_head_v;
     u32 k_scale_stride;                         // 1: a scale per KV head, 0: one
     u32 v_scale_stride;
+    u32 rope_max_pos;                           // rotary: rows of rope_cos / rope_sin
+    u32 rope_v;                                 // rotary: 1: the V rows rotated (MLA's rotary part), K copied
+    u32 q_heads;                                // rotary: Hq of rope_q
+    u32 src_tok_q;                              // rope_q strides: token, head
+    u32 src_head_q;
 };
-static_assert(sizeof(AppendParams) == 152, "AppendParams: the NumPy dtype packs 152 bytes");
+static_assert(sizeof(AppendParams) == 200, "AppendParams: the NumPy dtype packs 200 bytes");

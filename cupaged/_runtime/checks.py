@@ -59,6 +59,18 @@ def view_strides(name: str, a) -> tuple[int, ...]:
     return row_view(name, a)[:-1]
 
 
+def rope_tables(cos, sin, half: int) -> None:
+    """Rotary tables: cos and sin contiguous float32 [max_pos >= 1, half] of
+    one shape (row p: position p)."""
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != np.float32 or t.ndim != 2 or t.shape[1] != half or not t.flags.c_contiguous or t.shape[0] < 1:
+            raise PagedAttentionError(
+                f"{name}: expected a contiguous float32 [max_pos, {half}] table, got {t.dtype} {shape_str(t.shape)}"
+            )
+    shape_is("sin", sin, cos.shape)
+    u32_size("cos", cos.shape)
+
+
 def same_dtype(ref_name: str, ref, **arrays) -> None:
     for name, a in arrays.items():
         if a is not None and a.dtype != ref.dtype:  # (not their str: NumPy's dtype.name is slow Python)
@@ -120,45 +132,53 @@ def _span(a) -> tuple[int, int]:
 
 
 def _lattice_hit(off: int, dims: list, lo: int, hi: int) -> bool:
-    """Whether some ``d = sum(i_k * s_k)`` with ``|i_k| < n_k`` over ``dims``
-    ((stride, count) pairs, largest stride first, each at least the reach of
-    the smaller ones) has ``lo < off - d < hi``."""
+    """Whether some ``d = sum(i_k * s_k)`` with ``-nb_k < i_k < na_k`` over
+    ``dims`` ((stride, na, nb) triples, largest stride first) has
+    ``lo < off - d < hi``: each level tries exactly the indices whose term
+    can still land in range given the smaller strides' reach."""
     if not dims:
         return lo < off < hi
-    (s, n), rest = dims[0], dims[1:]
-    reach = sum((c - 1) * t for t, c in rest) + max(abs(lo), abs(hi))
-    base = off // s
-    for i in range(base - 1, base + 3):
-        if abs(i) < n and abs(off - i * s) <= reach + s and _lattice_hit(off - i * s, rest, lo, hi):
-            return True
-    return False
+    (s, na, nb), rest = dims[0], dims[1:]
+    reach = sum((max(ca, cb) - 1) * t for t, ca, cb in rest)
+    # lo < off - i*s - d' < hi with |d'| <= reach  =>  (off - hi - reach) / s < i < (off - lo + reach) / s
+    first = max(-nb + 1, (off - hi - reach) // s)
+    last = min(na - 1, -((-(off - lo + reach)) // s))
+    return any(_lattice_hit(off - i * s, rest, lo, hi) for i in range(first, last + 1))
 
 
 def _overlap(a, b) -> bool:
     """Whether arrays ``a`` and ``b`` share a byte. Exact for arrays whose
-    spans are disjoint, and for two views of one layout (equal shapes and
-    strides, rows contiguous and not overlapping themselves: the latent and
-    rotary columns of one MLA cache, the K and V halves of a combined KV
-    tensor); any other pair whose spans meet counts as overlapping."""
+    spans are disjoint, and for two views with one stride pattern (equal
+    strides, rows contiguous and not overlapping themselves; the counts may
+    differ: the latent and rotary columns of one MLA cache, the K and V
+    halves of a combined KV tensor, the q and k head ranges of a fused QKV
+    buffer); any other pair whose spans meet counts as overlapping."""
     lo, hi = _span(a)
     olo, ohi = _span(b)
     if not (lo < ohi and olo < hi):
         return False
     if (
-        tuple(a.shape[:-1]) != tuple(b.shape[:-1])
-        or tuple(a.strides[:-1]) != tuple(b.strides[:-1])
+        a.ndim != b.ndim
         or a.ndim == 0
-        or int(a.strides[-1]) != a.itemsize
-        or int(b.strides[-1]) != b.itemsize
+        or (int(a.shape[-1]) > 1 and int(a.strides[-1]) != a.itemsize)
+        or (int(b.shape[-1]) > 1 and int(b.strides[-1]) != b.itemsize)
     ):
         return True
-    wa, wb = int(a.shape[-1]) * a.itemsize, int(b.shape[-1]) * b.itemsize
-    dims = sorted(((int(s), int(n)) for n, s in zip(a.shape[:-1], a.strides[:-1]) if int(n) > 1), reverse=True)
-    reach = max(wa, wb)
-    for s, n in reversed(dims):  # each stride must clear the reach of the smaller ones
-        if s < reach:
+    dims = []  # (stride, count in a, count in b); a dim of count 1 has no stride to match
+    for na, nb, sa, sb in zip(a.shape[:-1], b.shape[:-1], a.strides[:-1], b.strides[:-1]):
+        na, nb, sa, sb = int(na), int(nb), int(sa), int(sb)
+        if na > 1 and nb > 1 and sa != sb:
             return True
-        reach += (n - 1) * s
+        if max(na, nb) > 1:
+            dims.append((sa if na > 1 else sb, na, nb))
+    dims.sort(reverse=True)
+    wa, wb = int(a.shape[-1]) * a.itemsize, int(b.shape[-1]) * b.itemsize
+    ra, rb = wa, wb  # each array's rows must clear the reach of its smaller dims (else: counted as overlapping)
+    for st, na, nb in reversed(dims):
+        if (na > 1 and st < ra) or (nb > 1 and st < rb):
+            return True
+        ra += (na - 1) * st
+        rb += (nb - 1) * st
     off = _backend.address(b) - _backend.address(a)
     # rows of a at x and of b at off + y meet when -wb < off - (x - y) < wa for some x, y
     return _lattice_hit(off, dims, -wb, wa)

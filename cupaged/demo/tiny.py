@@ -24,8 +24,8 @@ from .._runtime.arrays import Array
 from ..cache import PagedKVCache
 from ..errors import PagedAttentionError
 from ..graph import PagedDecodeLoop
-from ..layout import metadata_offsets
 from ..ops import layers
+from ..ops.append import Rotary
 from ..ops.sampling import argmax_into
 from ..plan import DevicePlan
 from ..testing import reference
@@ -258,7 +258,7 @@ class TinyModel:
             self.q_nope = self.inp[:, : H * Dn]
             ropes = self.inp[:, H * Dn : H * Dn + (H + 1) * P].reshape(r, H + 1, P)
             assert ropes.strides[2] == ropes.itemsize and ropes.strides[0] == self.inp.strides[0]  # a view
-            self.ropes, self.q_rope, self.k_rope = ropes, ropes[:, :H], ropes[:, H:]
+            self.q_rope, self.k_rope = ropes[:, :H], ropes[:, H:]
             self.lat = self.inp[:, None, H * Dn + (H + 1) * P :]
             self.q_abs = xp.zeros((r, H, R), self.dtype)
             self.o_lat = xp.zeros((r, H, R), self.dtype)
@@ -272,15 +272,13 @@ class TinyModel:
         if n > self.max_rows:
             raise PagedAttentionError(f"plan: expected at most max_rows={self.max_rows} queries, got {n}")
         x, h, gu, act = (b[:n] for b in (self.x, self.h, self.gu, self.act))
-        off = metadata_offsets(plan.host.queries, plan.host.sequences)["q_pos"]
-        positions = plan.words[off : off + n]
         layers.embed(tokens[:n], self.w["embed"], x)
         for li, lw in enumerate(self.w["layers"]):
             layers.rms_norm(x, lw["attn_norm"], h, cfg.eps)
             if cfg.mla:
-                self._mla(plan, li, lw, h, positions, n, workspace)
+                self._mla(plan, li, lw, h, n, workspace)
             else:
-                self._gqa(plan, li, lw, h, positions, n, workspace)
+                self._gqa(plan, li, lw, h, n, workspace)
             layers.rms_norm(x, lw["mlp_norm"], h, cfg.eps)
             layers.linear(h, lw["w_gate_up"], gu)
             layers.silu_mul(gu, act)
@@ -288,26 +286,25 @@ class TinyModel:
         layers.rms_norm(x, self.w["final_norm"], h, cfg.eps)
         layers.linear(h, self.w["lm_head"], logits[:n])
 
-    def _gqa(self, plan, li, lw, h, positions, n, workspace) -> None:
+    def _gqa(self, plan, li, lw, h, n, workspace) -> None:
         """GQA attention block: x += wo(attention(rope(q), rope(k), v)), q, k
-        and v the head ranges of one fused projection's output (one product,
-        one rotary launch for q and k)."""
+        and v the head ranges of one fused projection's output (one product;
+        the RoPE of q and k fused into the append, one launch)."""
         cfg = self.cfg
         x, qkv, attn = self.x[:n], self.qkv[:n], self.attn[:n]
         hq, hk = cfg.heads, cfg.heads + cfg.kv_heads
         q, k, v = qkv[:, :hq], qkv[:, hq:hk], qkv[:, hk:]
         layers.linear(h, lw["wqkv"], qkv.reshape(n, -1))
-        layers.rope(qkv[:, :hk], positions, self.cos, self.sin)
-        self.cache.append(plan, k, v, layer=li)
+        self.cache.append(plan, k, v, layer=li, rope=Rotary(self.cos, self.sin, q))  # RoPE of q and k fused in
         plan.attention(q, self.cache.k[li], self.cache.v[li], self.scale, True, out=attn, workspace=workspace)
         layers.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)
 
-    def _mla(self, plan, li, lw, h, positions, n, workspace) -> None:
+    def _mla(self, plan, li, lw, h, n, workspace) -> None:
         """MLA block, absorbed: the latent and rotated k_pos go to the caches;
         q_abs[h] = w_uk[h]^T q_nope[h]; the kernel attends over the latent;
         v_out[h] = w_uv[h] o_lat[h]; x += wo(v_out). The projections of h are
         one product, whose column ranges the later ops read in place (q_rope
-        and k_rope rotated in one launch)."""
+        and k_rope rotated by the append, in its launch)."""
         cfg = self.cfg
         x, inp, lat, kr, qn, qr, qa, ol, vo = (
             b[:n]
@@ -325,9 +322,9 @@ class TinyModel:
         )
         layers.linear(h, lw["w_in"], inp)
         layers.rms_norm(lat[:, 0], lw["kv_norm"], lat[:, 0], cfg.eps)
-        layers.rope(self.ropes[:n], positions, self.cos, self.sin)
         layers.linear(qn, lw["w_uk_bd"], qa.reshape(n, -1))
-        self.cache.append(plan, lat, kr, layer=li)
+        # the latent copied, k_rope rotated into the rotary cache and q_rope in place: one launch
+        self.cache.append(plan, lat, kr, layer=li, rope=Rotary(self.cos, self.sin, qr, side="v"))
         plan.mla(qa, qr, self.cache.k[li], self.cache.v[li], self.scale, True, out=ol, workspace=workspace)
         layers.linear(ol.reshape(n, -1), lw["w_uv_bd"], vo)
         layers.linear(vo, lw["wo"], x, accumulate=True)

@@ -4,9 +4,10 @@ Per layer: one fused q/k/v projection (the three weights concatenated at
 load, with their biases where configured: Qwen2 always, Llama and Qwen3 with
 ``attention_bias``) into ``qkv [rows, Hq + 2 Hkv, head_dim]``, whose head
 ranges q, k and v every later op reads in place (views: docs/layout.md,
-"Query views"); Qwen3's per-head RMSNorm of q and of k; RoPE of q and k in
-one launch by the plan's device positions (rotate-half, as transformers);
-the K/V append through the page manager and paged attention at
+"Query views"); Qwen3's per-head RMSNorm of q and of k; the K/V append
+through the page manager with RoPE fused in (``cupaged.Rotary``: K rotated
+into the cache and q in place by the plan's device positions, rotate-half as
+transformers, one launch), and paged attention at
 ``head_dim ** -0.5`` (with the layer's sliding window,
 ``ModelConfig.layer_windows``), then the output projection added to the
 residual (fused in the product).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from .._runtime.arrays import Array
 from ..ops import layers
+from ..ops.append import Rotary
 from ..plan import DevicePlan
 from .checkpoint import Checkpoint
 from .model import CausalLM
@@ -51,7 +53,7 @@ class DenseLM(CausalLM):
     def cache_layout(self) -> tuple[int, int, int]:
         return self.cfg.kv_heads, self.cfg.head_dim, self.cfg.head_dim
 
-    def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, positions: Array, n: int) -> None:
+    def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, n: int) -> None:
         cfg, proj, hw = self.cfg, self.proj, self.host
         x, qkv, attn = self.x[:n], self.qkv[:n], self.attn[:n]
         hq, hk = cfg.heads, cfg.heads + cfg.kv_heads
@@ -63,10 +65,9 @@ class DenseLM(CausalLM):
         if cfg.qk_norm:  # RMSNorm over each head's head_dim
             layers.rms_norm(q, lw["q_norm"], q, cfg.eps, host=hw)
             layers.rms_norm(k, lw["k_norm"], k, cfg.eps, host=hw)
-        layers.rope(qkv[:, :hk], positions, self.cos, self.sin, host=hw)  # q and k in one launch
         cache = self.cache
         assert cache is not None  # attach() ran before the first forward pass
-        cache.append(plan, k, v, layer=li)
+        cache.append(plan, k, v, layer=li, rope=Rotary(self.cos, self.sin, q))  # RoPE of q and k in the append
         window = cfg.layer_windows[li] if cfg.layer_windows else None  # the layer's sliding window
         plan.attention(q, cache.k[li], cache.v[li], cfg.scale, True, out=attn, window=window)
         proj.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)

@@ -25,8 +25,9 @@ Products: the projections that read ``h`` are one product (their weights
 concatenated at load): the q LoRA's down-projection or the query, then
 ``k_rope`` and the latent; the query of a q LoRA is one more product, of
 ``qa``. Every later op reads its column range in place (views: q_first and
-q_rope of the query, the latent, k_rope); without a q LoRA, q_rope and
-k_rope are adjacent and rotate in one launch.
+q_rope of the query, the latent, k_rope). The append rotates: the latent is
+copied into the cache, k_rope rotated into its rotary part and q_rope in
+place, in one launch (``cupaged.Rotary``, ``side="v"``).
 
 Rotary layout: transformers rotates DeepSeek's rotary dims as interleaved
 pairs ``(x[2i], x[2i+1])`` (V2 always, through complex numbers; V3 when
@@ -45,6 +46,7 @@ import numpy as np
 from .._runtime import address
 from .._runtime.arrays import Array
 from ..ops import layers
+from ..ops.append import Rotary
 from ..plan import DevicePlan
 from .checkpoint import Checkpoint
 from .config import ModelConfig
@@ -131,8 +133,7 @@ class MlaLM(CausalLM):
         (q LoRA) or the query, then k_rope and the latent; with a q LoRA the
         query [H (F + P)] is ``self.qb``, qa's product. The query's ranges
         q_first [H, F] and q_rope [H, P] (F = R folded, Dn not) sit side by
-        side, so without a q LoRA q_rope and k_rope are one [H + 1, P] range:
-        one rotary launch."""
+        side."""
         cfg, xp, dt = self.cfg, self.xp, self.dtype
         H, R, P = cfg.heads, cfg.kv_lora_rank, cfg.qk_rope_dim
         fq, fo = fold_choice(cfg)
@@ -146,7 +147,6 @@ class MlaLM(CausalLM):
         self.q_rope = _split(q_src[:, H * F : nq], H, P)  # [rows, H, P]
         self.k_rope = _split(self.inp[:, c0 : c0 + P], 1, P)  # [rows, 1, P]
         self.lat = _split(self.inp[:, c0 + P :], 1, R)  # [rows, 1, R]
-        self.ropes = [self.q_rope, self.k_rope] if cfg.q_lora_rank else [_split(self.inp[:, H * F : c0 + P], H + 1, P)]
         self.q_abs = self.q_first if fq else xp.zeros((r, H, R), dt)
         self.o_lat = xp.zeros((r, H, R), dt)
         if not fo:
@@ -155,7 +155,7 @@ class MlaLM(CausalLM):
     def cache_layout(self) -> tuple[int, int, int]:
         return 1, self.cfg.kv_lora_rank, self.cfg.qk_rope_dim
 
-    def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, positions: Array, n: int) -> None:
+    def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, n: int) -> None:
         cfg, proj, hw = self.cfg, self.proj, self.host
         x, inp, q_rope, q_abs, lat, k_rope, o_lat = (
             b[:n] for b in (self.x, self.inp, self.q_rope, self.q_abs, self.lat, self.k_rope, self.o_lat)
@@ -170,13 +170,12 @@ class MlaLM(CausalLM):
             proj.linear(qa, lw["wq"], self.qb[:n])  # [q_first | q_rope]
         lat2 = lat[:, 0]
         layers.rms_norm(lat2, lw["kv_norm"], lat2, LATENT_EPS, host=hw)
-        for rot in self.ropes:  # q_rope and k_rope (one range without a q LoRA)
-            layers.rope(rot[:n], positions, self.cos, self.sin, host=hw)
         if not self.fold_q:
             proj.linear_heads(self.q_first[:n], lw["w_uk_t"], q_abs)
         cache = self.cache
         assert cache is not None  # attach() ran before the first forward pass
-        cache.append(plan, lat, k_rope, layer=li)
+        # the latent copied, k_rope rotated into the rotary part and q_rope in place: one launch
+        cache.append(plan, lat, k_rope, layer=li, rope=Rotary(self.cos, self.sin, q_rope, side="v"))
         plan.mla(q_abs, q_rope, cache.k[li], cache.v[li], cfg.scale, True, out=o_lat)
         if self.fold_o:
             proj.linear(o_lat.reshape(n, -1), lw["wo_lat"], x, accumulate=True)

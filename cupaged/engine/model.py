@@ -21,7 +21,6 @@ from .._runtime import GPU, array_backend, xp_of
 from .._runtime.arrays import Array
 from ..cache import PagedKVCache
 from ..errors import PagedAttentionError
-from ..layout import metadata_offsets
 from ..ops import layers
 from ..plan import DevicePlan
 from . import rope as rope_tables
@@ -140,7 +139,7 @@ class CausalLM:
     def _alloc_attention(self, rows: int) -> None:
         raise NotImplementedError
 
-    def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, positions: Array, n: int) -> None:
+    def _attention(self, plan: DevicePlan, li: int, lw: dict, h: Array, n: int) -> None:
         raise NotImplementedError
 
     def cache_layout(self) -> tuple[int, int, int]:
@@ -158,14 +157,12 @@ class CausalLM:
         cfg = self.cfg
         if n > self.max_rows:
             raise PagedAttentionError(f"plan: {n} queries exceed the model's {self.max_rows} rows")
-        off = metadata_offsets(plan.host.queries, plan.host.sequences)["q_pos"]
-        positions = plan.words[off : off + n]
         x, h, gu, act = self.x[:n], self.h[:n], self.gu[:n], self.act[:n]
         hw = self.host
         layers.embed(tokens[:n], self.embed, x, host=hw)
         for li, lw in enumerate(self.layers):
             layers.rms_norm(x, lw["attn_norm"], h, cfg.eps, host=hw)
-            self._attention(plan, li, lw, h, positions, n)
+            self._attention(plan, li, lw, h, n)
             layers.rms_norm(x, lw["mlp_norm"], h, cfg.eps, host=hw)
             self.proj.linear(h, lw["gate_up"], gu)
             if cfg.mlp_bias:

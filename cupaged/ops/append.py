@@ -15,6 +15,11 @@ the rows bit for bit; an fp8 cache (``kv_dtype`` e4m3 / e5m2, ml_dtypes
 arrays or raw uint8 storage) gets each element quantized as
 ``code(x / scale)`` (nearest, ties to even, saturating; NaN stays NaN) with
 ``k_scale`` / ``v_scale`` (float32, one or one per KV head; 1 when absent).
+
+``append(..., rope=Rotary(cos, sin, q))`` fuses rotary embedding into the
+write (one launch in place of ``layers.rope`` + ``append``): each query's K
+rows are rotated by its position on their way into the cache and its q rows
+in place; V rows are written unchanged.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ FIELDS: tuple[Field, ...] = (
     Field("slots", "const long long*", "write_slots: slot of each token (-1: skip)"),
     Field("k_scale", "const float*", "quantizing: K scale, one or per KV head (null: 1)"),
     Field("v_scale", "const float*", "quantizing: V scale"),
+    Field("rope_q", "void*", "rotary: q rows [tokens, Hq, D] rotated in place (null: none)"),
+    Field("rope_cos", "const float*", "rotary: [rope_max_pos, D / 2] tables"),
+    Field("rope_sin", "const float*", ""),
     Field("num_slots", "u64", "write_slots: pages * page_size"),
     Field("tokens", "u32", "rows to write (paged_append: the plan's queries)"),
     Field("sequences", "u32", "paged_append: the plan's static sizes"),
@@ -75,6 +83,11 @@ FIELDS: tuple[Field, ...] = (
     Field("dst_head_v", "u32", ""),
     Field("k_scale_stride", "u32", "1: a scale per KV head, 0: one"),
     Field("v_scale_stride", "u32", ""),
+    Field("rope_max_pos", "u32", "rotary: rows of rope_cos / rope_sin"),
+    Field("rope_v", "u32", "rotary: 1: the V rows rotated (MLA's rotary part), K copied"),
+    Field("q_heads", "u32", "rotary: Hq of rope_q"),
+    Field("src_tok_q", "u32", "rope_q strides: token, head"),
+    Field("src_head_q", "u32", ""),
 )
 DTYPE = struct_dtype(FIELDS)
 NAMES = tuple(f.name for f in FIELDS)
@@ -91,6 +104,9 @@ def header() -> str:
 {c_struct(STRUCT, FIELDS)}"""
 
 
+#: The caches of the rotary builds: of the rows' dtype, or fp8 (quantizing).
+_ROPE_CACHES: list[dict[str, object]] = [{}] + [{"CP_QUANT": 1, "CP_KV_DTYPE": kv} for kv in dtypes.FP8_TOKENS]
+
 register(
     "append",
     [{"CP_VEC_BYTES": w} for w in UNIT_BYTES]
@@ -98,6 +114,12 @@ register(
         {"CP_QUANT": 1, "CP_DTYPE": dt, "CP_KV_DTYPE": kv, "CP_QVEC": v}
         for dt in dtypes.QUERY_TOKENS
         for kv in dtypes.FP8_TOKENS
+        for v in QUANT_VECS
+    ]
+    + [
+        {"CP_ROPE": 1, "CP_DTYPE": dt, "CP_QVEC": v, **fp8}
+        for dt in dtypes.QUERY_TOKENS
+        for fp8 in _ROPE_CACHES
         for v in QUANT_VECS
     ],
 )
@@ -117,6 +139,30 @@ def unit_bytes(*values: int) -> int:
         if all(int(v) % w == 0 for v in values):
             return w
     raise AssertionError("unreachable: 1 divides everything")
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """Rotary embedding fused into ``append`` (rotate-half, as
+    ``layers.rope``): one launch rotates each query's K rows by its absolute
+    position (the plan's device q_pos word, so a captured graph rotates by
+    the current position on every replay) on their way into the cache, and
+    ``q``'s rows in place; V rows are written unchanged, new_k is left as it
+    was. ``side="v"`` rotates the V rows instead and copies K (an MLA cache:
+    new_k the latent, new_v the rotary part k_pos). A position past the
+    tables is clamped to their last row.
+
+    cos, sin: float32 [max_pos, Dr // 2], contiguous (row p: position p; Dr
+    the rotated rows' head dim, even). q: [queries, Hq, Dr] of new_k's dtype,
+    a view whose last dim is contiguous (the q heads of a fused QKV buffer),
+    or None (the cache rows alone). A rotated value is rounded to new_k's
+    dtype before an fp8 cache quantizes it, so the cache holds what
+    ``layers.rope`` then ``append`` would write."""
+
+    cos: Array
+    sin: Array
+    q: Array | None = None
+    side: str = "k"
 
 
 @dataclass
@@ -139,6 +185,8 @@ class KvWrite:
     v_scale: Array | None = None
     k_scale_stride: int = 0
     v_scale_stride: int = 0
+    rope: Rotary | None = None  # a rotary append (check_rotary)
+    src_q: tuple[int, ...] = (0, 0, 1)  # rope.q's element strides
 
 
 def check_kv_write(
@@ -278,6 +326,36 @@ def check_append(
     )
 
 
+def check_rotary(w: KvWrite, rope: object, queries: int) -> None:
+    """The checks of ``append``'s ``rope`` (a Rotary) against a checked
+    write; sets ``w.rope`` and ``w.src_q``. PagedAttentionError naming the
+    argument."""
+    if not isinstance(rope, Rotary):
+        raise PagedAttentionError(f"rope: expected a cupaged.Rotary (cos, sin, q) or None, got {type(rope).__name__}")
+    if rope.side not in ("k", "v"):
+        raise PagedAttentionError(f"rope.side: expected 'k' or 'v' (the rows rotated), got {rope.side!r}")
+    cache = w.k_cache if rope.side == "k" else w.v_cache
+    if cache is None:
+        raise PagedAttentionError("rope.side: expected 'k' without new_v and v_cache (no V rows to rotate), got 'v'")
+    d = int(cache.shape[3])
+    if d % 2:
+        raise PagedAttentionError(f"rope: expected an even {rope.side.upper()} head dim to rotate, got {d}")
+    backend_of(new_k=w.new_k, cos=rope.cos, sin=rope.sin, q=rope.q)
+    checks.rope_tables(rope.cos, rope.sin, d // 2)
+    q = rope.q
+    if q is not None:
+        checks.float_array("rope.q", q, 3, view=True)
+        checks.same_dtype("new_k", w.new_k, **{"rope.q": q})
+        if int(q.shape[1]) < 1:
+            raise PagedAttentionError(f"rope.q: expected Hq >= 1 heads, got shape {checks.shape_str(q.shape)}")
+        checks.shape_is("rope.q", q, (queries, int(q.shape[1]), d))
+        checks.no_overlap(
+            "rope.q", q, new_k=w.new_k, new_v=w.new_v, k_cache=w.k_cache, v_cache=w.v_cache, cos=rope.cos, sin=rope.sin
+        )
+        w.src_q = checks.view_strides("rope.q", q) + (1,)
+    w.rope = rope
+
+
 def append(
     plan: Any,
     new_k: Array,
@@ -288,6 +366,7 @@ def append(
     kv_dtype: object = None,
     k_scale: Array | None = None,
     v_scale: Array | None = None,
+    rope: Rotary | None = None,
 ) -> None:
     """Write new keys and values into the paged caches, in place.
 
@@ -307,6 +386,10 @@ def append(
     a layer of the page manager, ``cache.layer(i)`` (its caches and storage
     options), v_cache then left out.
 
+    ``rope`` (a ``Rotary``: cos, sin tables and optionally the queries q
+    [queries, Hq, D]): RoPE fused into the same launch, K rotated by each
+    query's position into the cache, q in place (``Rotary``).
+
     One kernel launch on the plan's stream that reads positions and page ids
     from the plan's device words (so a captured graph replays with positions
     advanced on the device); no allocation and no synchronization. Rejects
@@ -317,6 +400,8 @@ def append(
     if isinstance(k_cache, KVLayer):
         k_cache, v_cache, storage = layer_operands("k_cache", k_cache, v_cache, "v_cache", storage)
     w = check_append(plan, new_k, new_v, k_cache, v_cache, **storage)
+    if rope is not None:
+        check_rotary(w, rope, plan.host.queries)
     host = plan.host
     if host not in _validated:
         host.validate_writes()
@@ -350,35 +435,41 @@ def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, *
         src_v, dst_v = w.src_v, w.dst_v
     # All heads of a token one contiguous row in the new rows and the caches: one row of Hkv * D.
     heads = hkv
+    rope, q = w.rope, (w.rope.q if w.rope is not None else None)
     if (
         hkv > 1
+        and rope is None  # (rotation is per head)
         and src_k[1] == d
         and dst_k[2] == d
         and (vc is None or (src_v[1] == dv and dst_v[2] == dv))
         and not (w.k_scale_stride or w.v_scale_stride)
     ):
         heads, d, dv = 1, hkv * d, hkv * dv
-    arrays = [a for a in (nk, nv, kc, vc) if a is not None]
-    if w.quantize:
+    arrays = [a for a in (nk, nv, kc, vc, q) if a is not None]
+    if w.quantize or rope is not None:  # element builds: strides count elements
         isz = nk.itemsize
-        src_vals = (
-            [d, dv]
-            + [s * isz for s in src_k[:2] + src_v[:2]]
-            + [address(nk)]
-            + ([address(nv)] if nv is not None else [])
-        )
-        dst_vals = [s for s in dst_k[:3] + dst_v[:3]] + [address(kc)] + ([address(vc)] if vc is not None else [])
+        src_bytes = [s * isz for s in src_k[:2] + src_v[:2] + w.src_q[:2]] + [
+            address(a) for a in (nk, nv, q) if a is not None
+        ]
+        # the cache's byte offsets of a unit: element strides (fp8: one byte each) and the bases
+        dst_bytes = [s * kc.itemsize for s in dst_k[:3] + dst_v[:3]] + [address(a) for a in (kc, vc) if a is not None]
+        dst_item = kc.itemsize
         vec = next(
             v
             for v in QUANT_VECS
             if d % v == 0
             and dv % v == 0
-            and all(x % min(v * isz, 16) == 0 for x in src_vals[2:])
-            and all(x % v == 0 for x in dst_vals)
+            and (rope is None or ((d if rope.side == "k" else dv) // 2) % v == 0)
+            and all(x % min(v * isz, 16) == 0 for x in src_bytes)
+            and all(x % min(v * dst_item, 16) == 0 for x in dst_bytes)
         )
         units_k, units_v = d // vec, dv // vec
         scale = 1
-        defines = {"CP_QUANT": 1, "CP_DTYPE": dtypes.token(nk.dtype), "CP_KV_DTYPE": w.fmt.token, "CP_QVEC": vec}
+        defines: dict[str, object] = {"CP_DTYPE": dtypes.token(nk.dtype), "CP_QVEC": vec}
+        if w.quantize:
+            defines.update(CP_QUANT=1, CP_KV_DTYPE=w.fmt.token)
+        if rope is not None:
+            defines["CP_ROPE"] = 1
     else:
         esize = kc.itemsize
         unit = unit_bytes(
@@ -424,8 +515,18 @@ def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, *
         dst_head_v=st(dst_v[2]),
         k_scale_stride=w.k_scale_stride,
         v_scale_stride=w.v_scale_stride,
+        rope_q=0 if q is None else address(q),
+        rope_cos=0 if rope is None else address(rope.cos),
+        rope_sin=0 if rope is None else address(rope.sin),
+        rope_max_pos=0 if rope is None else int(rope.cos.shape[0]),
+        rope_v=int(rope is not None and rope.side == "v"),
+        q_heads=0 if q is None else int(q.shape[1]),
+        src_tok_q=w.src_q[0],
+        src_head_q=w.src_q[1],
     )
     refs = arrays + [a for a in (w.k_scale, w.v_scale) if a is not None]
+    if rope is not None:
+        refs += [rope.cos, rope.sin]
     for k, v in fields.items():
         if k in ("words", "slots"):
             refs.append(v)
@@ -433,7 +534,13 @@ def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, *
         else:
             values[k] = v
     arg = StructArg(np.array(tuple(values[n] for n in NAMES), dtype=DTYPE)[()], refs)
-    bx, by = row_block(units_k, units_v)
+    if rope is not None:  # the lanes of a row stride over a token's work items (append.cu, rope_token)
+        rot = units_k if rope.side == "k" else units_v
+        bx, by = row_block(
+            (int(q.shape[1]) if q is not None else 0) * rot // 2 + hkv * (units_k + units_v - rot // 2), 0
+        )
+    else:
+        bx, by = row_block(units_k, units_v)
     kernel = get_kernel(kc, "append", kernel_name, defines)
     stream.launch(kernel, (math.ceil(tokens / by),), (bx, by), (arg,))
 

@@ -318,14 +318,7 @@ def rope(x, positions, cos, sin, *, position_stride: int = 1, host: bool = False
     backend_of(x=x, positions=positions, cos=cos, sin=sin)
     if x.shape[2] % 2:
         raise PagedAttentionError(f"x: expected an even head dim, got {x.shape[2]}")
-    half = x.shape[2] // 2
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dtype != np.float32 or t.ndim != 2 or t.shape[1] != half or not t.flags.c_contiguous or t.shape[0] < 1:
-            raise PagedAttentionError(
-                f"{name}: expected a contiguous float32 [max_pos, {half}] table, got "
-                f"{t.dtype} {checks.shape_str(t.shape)}"
-            )
-    checks.shape_is("sin", sin, cos.shape)
+    checks.rope_tables(cos, sin, x.shape[2] // 2)
     if positions.dtype not in (np.uint32, np.int32) or not positions.flags.c_contiguous:
         raise PagedAttentionError(f"positions: expected a contiguous uint32 array, got {positions.dtype}")
     need = (x.shape[0] - 1) * position_stride + 1 if x.shape[0] else 0

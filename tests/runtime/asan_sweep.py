@@ -204,6 +204,20 @@ def append_and_pages():
     cache.append(plan, new[:2], new[:2])
     garble(plan)
     plan.append(new[:2], new[:2], cache.k[0], cache.v[0])
+    # the rotary builds on the garbled words: positions past the 5-row tables, bad sequences and pages
+    cos = np.ones((5, 4), np.float32)
+    q = rng.standard_normal((2, 3, 8)).astype(np.float16)
+    plan.append(new[:2], new[:2], cache.k[0], cache.v[0], rope=cupaged.Rotary(cos, cos, q))
+    k8 = np.zeros(cache.k[0].shape, np.uint8)
+    plan.append(new[:2], new[:2], k8, k8.copy(), kv_dtype="e4m3", rope=cupaged.Rotary(cos, cos, q))
+    lat = rng.standard_normal((2, 1, 16)).astype(np.float16)
+    plan.append(
+        lat,
+        new[:2, :1],
+        np.zeros((6, 4, 1, 16), np.float16),
+        np.zeros((6, 4, 1, 8), np.float16),
+        rope=cupaged.Rotary(cos, cos, q, side="v"),
+    )
     advance_plan(plan)
 
 
@@ -326,7 +340,7 @@ for i, (name, fn) in enumerate(
             "mla on a 576-wide fp8 cache view per query (the CPU as sm_86: paged_attention, ROT_CAP)",
             lambda: mla_storage_on("sm_86", "e4m3", True),
         ),
-        ("append + copy_pages + advance_plan", append_and_pages),
+        ("append (rotary builds too) + copy_pages + advance_plan", append_and_pages),
         ("layered copy_pages + write_slots + advance_slots", engine_kernels),
         ("argmax + layers", small_ops),
         ("plan_build on absurd device metadata, attention over its plans", plan_build_on_absurd_metadata),
