@@ -1102,10 +1102,15 @@ def report(rows: list[Row], arch: str, seconds: float) -> str:
     return "\n".join(out)
 
 
-def markdown(rows: list[Row], arch: str) -> str:
+#: What a row's figure says when the SASS tools are missing (the bounds that read SASS are left out).
+NO_SASS = "no SASS (issue and latency bounds left out: optimistic)"
+
+
+def markdown(rows: list[Row], arch: str, sass: bool = True) -> str:
     """The summary as a Markdown table (docs/performance.md): every figure
     modeled, the pessimistic end quoted, with its range and what would
-    move it."""
+    move it. ``sass`` False (no nvdisasm / cuobjdump): every figure says
+    ``NO_SASS``, since the rows then lack the bounds read from SASS."""
     a = _archs.get(arch)
     out = [
         f"| shape ({arch}, {a.device}) | modeled time (optimistic - pessimistic) | modeled figure (pessimistic; "
@@ -1123,8 +1128,9 @@ def markdown(rows: list[Row], arch: str) -> str:
             for lm in r.launches
         )
         t = f"{_rng(r.opt['time_s'] * 1e6, r.time_s * 1e6, '{:.1f}')} us"
+        fig = r.figure if sass else f"{NO_SASS}: {r.figure}"
         out.append(
-            f"| {r.shape.title} | {t} | {r.figure} | {r.binding} | {moves_text(r)} | {r.splits} | {ls} | "
+            f"| {r.shape.title} | {t} | {fig} | {r.binding} | {moves_text(r)} | {r.splits} | {ls} | "
             f"{_model.fmt_bytes(r.design_bytes)} / {_model.fmt_bytes(r.must_bytes)} |"
         )
     return "\n".join(out)
@@ -1157,11 +1163,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = build_rows(args.arch, args.shape, use_cache=not args.no_cache, probes=not args.no_counters)
     secs = time.perf_counter() - t0
     if args.markdown:
+        sass = _sass.available()
+        if not sass:
+            print("warning: " + _sass.missing_message(), file=sys.stderr)
         print(
             f"Modeled with `python -m cupaged.tools.perf_model --arch {args.arch}` on "
-            f"{datetime.date.today().isoformat()}, commit {_git_commit()}; every figure is modeled, none measured.\n"
+            f"{datetime.date.today().isoformat()}, commit {_git_commit()}; every figure is modeled, none measured."
+            + (
+                ""
+                if sass
+                else " **Without SASS (nvdisasm / cuobjdump not found) the issue and latency bounds are left out: "
+                "every row below is optimistic; pip install -e '.[perf]' before quoting it.**"
+            )
+            + "\n"
         )
-        print(markdown(rows, args.arch))
+        print(markdown(rows, args.arch, sass))
     elif args.json:
         print(
             json.dumps(
