@@ -179,24 +179,48 @@ __device__ __forceinline__ void put_token(const AppendParams& p, u64 t, u32 page
 }
 
 #if CP_ROPE
-// Rotate-half of one head row by the position's table rows cs / sn (half =
-// hu units): units u and u + hu hold elements i and i + half, which become
-// x[i] c - x[i + half] s and x[i + half] c + x[i] s (f32, as layers.cu's
-// rope), rounded to CP_DTYPE, then stored (dst: the row itself, or the cache).
-template <class D>
-__device__ __forceinline__ void rope_pair(const src_t* src, D* dst, u32 u, u32 hu, const float* __restrict__ cs,
-                                          const float* __restrict__ sn, float scale) {
-    const Unit a = load_unit(src + (u64)u * kVec), b = load_unit(src + (u64)(u + hu) * kVec);
-    Unit ra, rb;
+// RMSNorm's factor of one head row of `units` units: rsqrt(mean(x^2) + eps),
+// as layers.cu's rms_norm (its sum in another order).
+__device__ __forceinline__ float row_inv_rms(const src_t* src, u32 units, float eps) {
+    float ss = 0.f;
+    for (u32 u = 0; u < units; ++u) {
+        const Unit a = load_unit(src + (u64)u * kVec);
 #pragma unroll
-    for (u32 j = 0; j < kVec; ++j) {
-        const float c = cs[u * kVec + j], s = sn[u * kVec + j];
-        const float x = to_float(a.e[j]), y = to_float(b.e[j]);
-        ra.e[j] = from_float<scalar_t>(x * c - y * s);
-        rb.e[j] = from_float<scalar_t>(y * c + x * s);
+        for (u32 j = 0; j < kVec; ++j) ss += to_float(a.e[j]) * to_float(a.e[j]);
     }
-    store_unit(dst + (u64)u * kVec, ra, scale);
-    store_unit(dst + (u64)(u + hu) * kVec, rb, scale);
+    return rsqrtf(ss / (float)(units * kVec) + eps);
+}
+
+// Rotate-half of unit pairs u .. u + n - 1 of one head row by the position's
+// table rows cs / sn (half = hu units): units u and u + hu hold elements i
+// and i + half, which become x[i] c - x[i + half] s and x[i + half] c +
+// x[i] s (f32, as layers.cu's rope), rounded to CP_DTYPE, then stored (dst:
+// the row itself, or the cache). With a weight w (Qwen3's q / k norm; then
+// n = hu, the whole row) each x is first RMSNorm'd and rounded as layers.cu's
+// rms_norm writes it: x <- round(x * inv * w[i]).
+template <class D>
+__device__ __forceinline__ void rope_units(const src_t* src, D* dst, u32 u, u32 n, u32 hu, const float* __restrict__ cs,
+                                           const float* __restrict__ sn, float scale, const scalar_t* __restrict__ w,
+                                           float eps) {
+    const float inv = w ? row_inv_rms(src, 2u * hu, eps) : 1.0f;
+    for (const u32 stop = u + n; u < stop; ++u) {
+        const Unit a = load_unit(src + (u64)u * kVec), b = load_unit(src + (u64)(u + hu) * kVec);
+        Unit ra, rb;
+#pragma unroll
+        for (u32 j = 0; j < kVec; ++j) {
+            const u32 i = u * kVec + j, half = hu * kVec;
+            float x = to_float(a.e[j]), y = to_float(b.e[j]);
+            if (w) {
+                x = to_float(from_float<scalar_t>(x * inv * to_float(w[i])));
+                y = to_float(from_float<scalar_t>(y * inv * to_float(w[i + half])));
+            }
+            const float c = cs[i], s = sn[i];
+            ra.e[j] = from_float<scalar_t>(x * c - y * s);
+            rb.e[j] = from_float<scalar_t>(y * c + x * s);
+        }
+        store_unit(dst + (u64)u * kVec, ra, scale);
+        store_unit(dst + (u64)(u + hu) * kVec, rb, scale);
+    }
 }
 
 // One side of a token's write (its K or its V rows): the new rows, their
@@ -213,11 +237,13 @@ struct Side {
 };
 
 // Query t of a rotary build: one flat range of work items the block row's
-// lanes stride over: its Hq q half-rows (rotated in place; none without
-// rope_q), the Hkv half-rows of the rotated side (K, or V with rope_v: MLA's
-// rotary part) into the cache, and the units of the other side's Hkv rows
-// (copied); K and V only when the query has a slot. The position is the
-// query's q_pos word, clamped to rope_max_pos - 1 (the table's last row).
+// lanes stride over: its Hq q rows (rotated in place; none without rope_q),
+// the Hkv rows of the rotated side (K, or V with rope_v: MLA's rotary part)
+// into the cache, and the units of the other side's Hkv rows (copied); K and
+// V only when the query has a slot. A rotated row is hu items (its unit
+// pairs), or one (the whole row: RMSNorm first) when a norm weight is given.
+// The position is the query's q_pos word, clamped to rope_max_pos - 1 (the
+// table's last row).
 __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool slot, u32 page, u32 off) {
     u32 pos = p.words[pw::q_pos(p.tokens) + t];
     if (pos >= p.rope_max_pos) pos = p.rope_max_pos - 1;
@@ -241,18 +267,22 @@ __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool sl
     const float* const cs = p.rope_cos + (u64)pos * half;
     const float* const sn = p.rope_sin + (u64)pos * half;
     src_t* const q = static_cast<src_t*>(p.rope_q);
-    const u32 nq = q ? p.q_heads * hu : 0u;
-    const u32 nr = slot ? p.heads * hu : 0u;
+    const scalar_t* const wq = static_cast<const scalar_t*>(p.rope_q_norm);
+    const scalar_t* const wr = static_cast<const scalar_t*>(p.rope_k_norm);
+    const u32 per = (wq || wr) ? 1u : hu;  // items a rotated row
+    const u32 n = (wq || wr) ? hu : 1u;  // unit pairs an item
+    const u32 nq = q ? p.q_heads * per : 0u;
+    const u32 nr = slot ? p.heads * per : 0u;
     const u32 end = nq + nr + (slot ? p.heads * c.units : 0u);
     for (u32 e = threadIdx.x; e < end; e += blockDim.x) {
         if (e < nq) {
-            const u32 h = e / hu;
+            const u32 h = e / per;
             src_t* const row = q + (u64)t * p.src_tok_q + (u64)h * p.src_head_q;
-            rope_pair(row, row, e - h * hu, hu, cs, sn, 1.0f);
+            rope_units(row, row, (e - h * per) * n, n, hu, cs, sn, 1.0f, wq, p.rope_eps);
         } else if (e < nq + nr) {
-            const u32 h = (e - nq) / hu;
-            rope_pair(r.src + (u64)h * r.src_head, r.dst + (u64)h * r.dst_head, e - nq - h * hu, hu, cs, sn,
-                      r.scale_of(h));
+            const u32 h = (e - nq) / per;
+            rope_units(r.src + (u64)h * r.src_head, r.dst + (u64)h * r.dst_head, (e - nq - h * per) * n, n, hu, cs, sn,
+                       r.scale_of(h), wr, p.rope_eps);
         } else {
             const u32 i = e - nq - nr, h = i / c.units, u = i - h * c.units;
             store_unit(c.dst + (u64)h * c.dst_head + (u64)u * kVec,

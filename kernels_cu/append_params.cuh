@@ -15,6 +15,8 @@ struct AppendParams {
     void* __restrict__ rope_q;                  // rotary: q rows [tokens, Hq, D] rotated in place (null: none)
     const float* __restrict__ rope_cos;         // rotary: [rope_max_pos, D / 2] tables
     const float* __restrict__ rope_sin;
+    const void* __restrict__ rope_q_norm;       // rotary: RMSNorm weight [Dr] of the q rows, before rotating (null: none)
+    const void* __restrict__ rope_k_norm;       // rotary: RMSNorm weight [Dr] of the rotated K (V) rows (null: none)
     u64 num_slots;                              // write_slots: pages * page_size
     u32 tokens;                                 // rows to write (paged_append: the plan's queries)
     u32 sequences;                              // paged_append: the plan's static sizes
@@ -38,8 +40,9 @@ struct AppendParams {
     u32 v_scale_stride;
     u32 rope_max_pos;                           // rotary: rows of rope_cos / rope_sin
     u32 rope_v;                                 // rotary: 1: the V rows rotated (MLA's rotary part), K copied
+    float rope_eps;                             // rotary: the norms' epsilon
     u32 q_heads;                                // rotary: Hq of rope_q
     u32 src_tok_q;                              // rope_q strides: token, head
     u32 src_head_q;
 };
-static_assert(sizeof(AppendParams) == 200, "AppendParams: the NumPy dtype packs 200 bytes");
+static_assert(sizeof(AppendParams) == 216, "AppendParams: the NumPy dtype packs 216 bytes");

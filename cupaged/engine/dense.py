@@ -4,10 +4,10 @@ Per layer: one fused q/k/v projection (the three weights concatenated at
 load, with their biases where configured: Qwen2 always, Llama and Qwen3 with
 ``attention_bias``) into ``qkv [rows, Hq + 2 Hkv, head_dim]``, whose head
 ranges q, k and v every later op reads in place (views: docs/layout.md,
-"Query views"); Qwen3's per-head RMSNorm of q and of k; the K/V append
-through the page manager with RoPE fused in (``cupaged.Rotary``: K rotated
-into the cache and q in place by the plan's device positions, rotate-half as
-transformers, one launch), and paged attention at
+"Query views"); the K/V append through the page manager with RoPE fused in
+(``cupaged.Rotary``: K rotated into the cache and q in place by the plan's
+device positions, rotate-half as transformers, after Qwen3's per-head
+RMSNorm of q and of k: one launch), and paged attention at
 ``head_dim ** -0.5`` (with the layer's sliding window,
 ``ModelConfig.layer_windows``), then the output projection added to the
 residual (fused in the product).
@@ -62,12 +62,11 @@ class DenseLM(CausalLM):
         proj.linear(h, lw["wqkv"], flat)
         if cfg.qkv_bias:
             layers.bias_add(flat, lw["bqkv"], host=hw)
-        if cfg.qk_norm:  # RMSNorm over each head's head_dim
-            layers.rms_norm(q, lw["q_norm"], q, cfg.eps, host=hw)
-            layers.rms_norm(k, lw["k_norm"], k, cfg.eps, host=hw)
+        # RoPE of q and k in the append, after Qwen3's RMSNorm over each head's head_dim: one launch
+        norms = dict(q_norm=lw["q_norm"], k_norm=lw["k_norm"], eps=cfg.eps) if cfg.qk_norm else {}
         cache = self.cache
         assert cache is not None  # attach() ran before the first forward pass
-        cache.append(plan, k, v, layer=li, rope=Rotary(self.cos, self.sin, q))  # RoPE of q and k in the append
+        cache.append(plan, k, v, layer=li, rope=Rotary(self.cos, self.sin, q, **norms))
         window = cfg.layer_windows[li] if cfg.layer_windows else None  # the layer's sliding window
         plan.attention(q, cache.k[li], cache.v[li], cfg.scale, True, out=attn, window=window)
         proj.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)

@@ -62,6 +62,8 @@ FIELDS: tuple[Field, ...] = (
     Field("rope_q", "void*", "rotary: q rows [tokens, Hq, D] rotated in place (null: none)"),
     Field("rope_cos", "const float*", "rotary: [rope_max_pos, D / 2] tables"),
     Field("rope_sin", "const float*", ""),
+    Field("rope_q_norm", "const void*", "rotary: RMSNorm weight [Dr] of the q rows, before rotating (null: none)"),
+    Field("rope_k_norm", "const void*", "rotary: RMSNorm weight [Dr] of the rotated K (V) rows (null: none)"),
     Field("num_slots", "u64", "write_slots: pages * page_size"),
     Field("tokens", "u32", "rows to write (paged_append: the plan's queries)"),
     Field("sequences", "u32", "paged_append: the plan's static sizes"),
@@ -85,6 +87,7 @@ FIELDS: tuple[Field, ...] = (
     Field("v_scale_stride", "u32", ""),
     Field("rope_max_pos", "u32", "rotary: rows of rope_cos / rope_sin"),
     Field("rope_v", "u32", "rotary: 1: the V rows rotated (MLA's rotary part), K copied"),
+    Field("rope_eps", "float", "rotary: the norms' epsilon"),
     Field("q_heads", "u32", "rotary: Hq of rope_q"),
     Field("src_tok_q", "u32", "rope_q strides: token, head"),
     Field("src_head_q", "u32", ""),
@@ -157,12 +160,20 @@ class Rotary:
     a view whose last dim is contiguous (the q heads of a fused QKV buffer),
     or None (the cache rows alone). A rotated value is rounded to new_k's
     dtype before an fp8 cache quantizes it, so the cache holds what
-    ``layers.rope`` then ``append`` would write."""
+    ``layers.rope`` then ``append`` would write.
+
+    q_norm, k_norm: RMSNorm weights [Dr] of new_k's dtype (Qwen3's per-head
+    q_norm / k_norm), applied to each q row / rotated row before rotating,
+    with ``eps``, rounded as ``layers.rms_norm`` writes them: the
+    ``rms_norm`` launches of q and of k fold into this one (None: no norm)."""
 
     cos: Array
     sin: Array
     q: Array | None = None
     side: str = "k"
+    q_norm: Array | None = None
+    k_norm: Array | None = None
+    eps: float = 1e-6
 
 
 @dataclass
@@ -343,6 +354,22 @@ def check_rotary(w: KvWrite, rope: object, queries: int) -> None:
     backend_of(new_k=w.new_k, cos=rope.cos, sin=rope.sin, q=rope.q)
     checks.rope_tables(rope.cos, rope.sin, d // 2)
     q = rope.q
+    if rope.q_norm is not None and q is None:
+        raise PagedAttentionError("rope.q_norm: expected None without rope.q (no q rows to normalize)")
+    for name, wt in (("rope.q_norm", rope.q_norm), ("rope.k_norm", rope.k_norm)):
+        if wt is not None:
+            checks.float_array(name, wt, 1)
+            checks.same_dtype("new_k", w.new_k, **{name: wt})
+            checks.shape_is(name, wt, (d,))
+    if rope.q_norm is not None or rope.k_norm is not None:
+        eps = rope.eps
+        if (
+            isinstance(eps, (bool, np.bool_))
+            or not isinstance(eps, (int, float, np.floating))
+            or not 0 <= eps < math.inf
+        ):
+            raise PagedAttentionError(f"rope.eps: expected a finite float >= 0, got {eps!r}")
+        backend_of(new_k=w.new_k, **{"rope.q_norm": rope.q_norm, "rope.k_norm": rope.k_norm})
     if q is not None:
         checks.float_array("rope.q", q, 3, view=True)
         checks.same_dtype("new_k", w.new_k, **{"rope.q": q})
@@ -520,13 +547,16 @@ def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, *
         rope_sin=0 if rope is None else address(rope.sin),
         rope_max_pos=0 if rope is None else int(rope.cos.shape[0]),
         rope_v=int(rope is not None and rope.side == "v"),
+        rope_q_norm=0 if rope is None or rope.q_norm is None else address(rope.q_norm),
+        rope_k_norm=0 if rope is None or rope.k_norm is None else address(rope.k_norm),
+        rope_eps=0.0 if rope is None else float(rope.eps),
         q_heads=0 if q is None else int(q.shape[1]),
         src_tok_q=w.src_q[0],
         src_head_q=w.src_q[1],
     )
     refs = arrays + [a for a in (w.k_scale, w.v_scale) if a is not None]
     if rope is not None:
-        refs += [rope.cos, rope.sin]
+        refs += [a for a in (rope.cos, rope.sin, rope.q_norm, rope.k_norm) if a is not None]
     for k, v in fields.items():
         if k in ("words", "slots"):
             refs.append(v)
@@ -536,9 +566,8 @@ def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, *
     arg = StructArg(np.array(tuple(values[n] for n in NAMES), dtype=DTYPE)[()], refs)
     if rope is not None:  # the lanes of a row stride over a token's work items (append.cu, rope_token)
         rot = units_k if rope.side == "k" else units_v
-        bx, by = row_block(
-            (int(q.shape[1]) if q is not None else 0) * rot // 2 + hkv * (units_k + units_v - rot // 2), 0
-        )
+        per = 1 if rope.q_norm is not None or rope.k_norm is not None else rot // 2  # items a rotated row
+        bx, by = row_block((int(q.shape[1]) if q is not None else 0) * per + hkv * (per + units_k + units_v - rot), 0)
     else:
         bx, by = row_block(units_k, units_v)
     kernel = get_kernel(kc, "append", kernel_name, defines)

@@ -92,7 +92,7 @@ def test_rotary_append_matches_reference(xp_backend, config, dtype):
     cos64, sin64, cos, sin = tables(max_pos, d)
     qr, _, ek, ev = expected(case, q if hq else None, k, v, cos64, sin64, dtype)
     xp = xp_backend
-    dflat, kc, vc, dcos, dsin = (xp.asarray(a) for a in (flat, case.k_cache, case.v_cache, cos, sin))
+    dflat, kc, vc, dcos, dsin = (xp.asarray(a.copy()) for a in (flat, case.k_cache, case.v_cache, cos, sin))
     dq = dflat[:, : hq * d].reshape(q.shape) if hq else None
     dk = dflat[:, hq * d : (hq + hkv) * d].reshape(k.shape)
     dv_ = dflat[:, (hq + hkv) * d :].reshape(v.shape)
@@ -174,7 +174,7 @@ def test_mla_rotary_part(xp_backend, dtype):
         lat, exp_kr, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens
     )
     xp = xp_backend
-    dinp, kc, vc, dcos, dsin = (xp.asarray(a) for a in (inp, case.k_cache, case.v_cache, cos, sin))
+    dinp, kc, vc, dcos, dsin = (xp.asarray(a.copy()) for a in (inp, case.k_cache, case.v_cache, cos, sin))
     dropes = dinp[:, : (heads + 1) * pr].reshape(n, heads + 1, pr)
     plan = plan_of(case, kc)
     append(
@@ -200,6 +200,67 @@ def test_mla_rotary_part(xp_backend, dtype):
     np.testing.assert_array_equal(
         bits(got[:, heads * pr :]), bits(inp[:, heads * pr :])
     )  # k_rope and latent as they were
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("fmt", [None, "e4m3"])
+def test_qk_norm_then_rope(xp_backend, dtype, fmt):
+    """Qwen3: q_norm / k_norm (per-head RMSNorm over the head dim) before the
+    rotation, in the same launch: q and K are normalized, rounded to the
+    dtype (as rms_norm writes them), rotated; V copied; into an fp8 cache
+    too."""
+    rng = np.random.default_rng(zlib.crc32(f"rope-norm-{dtype}-{fmt}".encode()))
+    hq, hkv, d = 4, 2, 64
+    case = make_paged_case(
+        rng,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=8,
+        sequences=3,
+        max_kv_len=30,
+        q_lens=3,
+        dtype=dtype,
+    )
+    flat, q, k, v = fused_qkv(rng, case.num_queries, hq, hkv, d, d, dtype)
+    flat *= 3  # rows far from unit RMS: the norm must matter
+    wq = (1 + 0.3 * rng.standard_normal(d)).astype(as_dtype(dtype))
+    wk = (1 + 0.3 * rng.standard_normal(d)).astype(as_dtype(dtype))
+    eps = 1e-6
+    cos64, sin64, cos, sin = tables(64, d)
+
+    def normed(x, wt):
+        return reference.rms_norm(x.astype(np.float64), wt.astype(np.float64), eps).astype(as_dtype(dtype))
+
+    qr, kr, ek, ev = expected(case, normed(q, wq), normed(k, wk), v, cos64, sin64, dtype)
+    xp = xp_backend
+    dflat, dcos, dsin, dwq, dwk = (xp.asarray(a.copy()) for a in (flat, cos, sin, wq, wk))
+    dq, dk, dv_ = (
+        dflat[:, : hq * d].reshape(q.shape),
+        dflat[:, hq * d : (hq + hkv) * d].reshape(k.shape),
+        dflat[:, (hq + hkv) * d :].reshape(v.shape),
+    )
+    if fmt is None:
+        kc, vc = xp.asarray(case.k_cache.copy()), xp.asarray(case.v_cache.copy())
+    else:
+        kc, vc = xp.asarray(np.zeros(case.k_cache.shape, F8[fmt])), xp.asarray(np.zeros(case.v_cache.shape, F8[fmt]))
+    plan = plan_of(case, kc)
+    append(plan, dk, dv_, kc, vc, rope=Rotary(dcos, dsin, dq, q_norm=dwq, k_norm=dwk, eps=eps))
+    tol = TOL[dtype] * 3  # (rounded twice: after the norm and after the rotation)
+    got = xp.to_numpy(dflat)
+    np.testing.assert_allclose(got[:, : hq * d].reshape(q.shape).astype(np.float64), qr, atol=tol, rtol=tol)
+    np.testing.assert_array_equal(bits(got[:, hq * d :]), bits(flat[:, hq * d :]))
+    pages, offsets = plan.host.write_slots()
+    got_k = xp.to_numpy(kc)[pages, offsets].astype(np.float64)
+    exp_k = ek[pages, offsets].astype(np.float64) if fmt is None else kr.astype(as_dtype(dtype)).astype(np.float64)
+    if fmt is None:
+        np.testing.assert_allclose(got_k, exp_k, atol=tol, rtol=tol)
+        np.testing.assert_array_equal(bits(xp.to_numpy(vc)), bits(ev))
+    else:
+        np.testing.assert_allclose(got_k, exp_k, rtol=F8_RTOL[fmt], atol=2.0**-6)
+    # the norm is applied, not skipped: the rotation alone is far from it
+    plain, _, _, _ = expected(case, q, k, v, cos64, sin64, dtype)
+    assert not np.allclose(got[:, : hq * d].reshape(q.shape).astype(np.float64), plain, atol=0.1)
 
 
 def test_position_is_the_device_word():
@@ -266,6 +327,10 @@ def test_rotary_errors_write_nothing():
     bad(Rotary(cos, sin, case.k_cache[0, :n]), r"rope.q: expected memory disjoint from k_cache")
     for a, b in zip(before, (q, k, v, case.k_cache, case.v_cache)):
         np.testing.assert_array_equal(bits(a), bits(b))
+    bad(Rotary(cos, sin, None, q_norm=cos[0]), r"rope.q_norm: expected None without rope.q")
+    bad(Rotary(cos, sin, q, q_norm=np.ones(8, np.float32)), r"rope.q_norm: expected shape \[16\], got \[8\]")
+    bad(Rotary(cos, sin, q, k_norm=np.ones(16, np.float16)), r"rope.k_norm: expected dtype float32 like new_k")
+    bad(Rotary(cos, sin, q, k_norm=np.ones(16, np.float32), eps=-1.0), r"rope.eps: expected a finite float >= 0")
     bad(Rotary(cos, sin, q, side="q"), r"rope.side: expected 'k' or 'v' \(the rows rotated\), got 'q'")
     with pytest.raises(PagedAttentionError, match="rope.side: expected 'k' without new_v and v_cache"):
         append(plan, k, None, case.k_cache, None, rope=Rotary(cos, sin, q, side="v"))

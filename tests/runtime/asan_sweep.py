@@ -208,6 +208,8 @@ def append_and_pages():
     cos = np.ones((5, 4), np.float32)
     q = rng.standard_normal((2, 3, 8)).astype(np.float16)
     plan.append(new[:2], new[:2], cache.k[0], cache.v[0], rope=cupaged.Rotary(cos, cos, q))
+    wn = np.ones(8, np.float16)
+    plan.append(new[:2], new[:2], cache.k[0], cache.v[0], rope=cupaged.Rotary(cos, cos, q, q_norm=wn, k_norm=wn))
     k8 = np.zeros(cache.k[0].shape, np.uint8)
     plan.append(new[:2], new[:2], k8, k8.copy(), kv_dtype="e4m3", rope=cupaged.Rotary(cos, cos, q))
     lat = rng.standard_normal((2, 1, 16)).astype(np.float16)
