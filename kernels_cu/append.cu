@@ -224,26 +224,43 @@ __device__ __forceinline__ void rope_units(const src_t* src, D* dst, u32 u, u32 
 }
 
 // One side of a token's write (its K or its V rows): the new rows, their
-// cache rows, units a row, the fp8 scales (null: 1).
+// cache rows, units a row, the fp8 scales (null: 1), the RMSNorm weight of
+// its rows (null: none).
 struct Side {
     const src_t* src;
     dst_t* dst;
     u32 src_head, dst_head, units;
     const float* scale;
     u32 scale_stride;
+    const scalar_t* norm;
     __device__ __forceinline__ float scale_of(u32 h) const {
         return CP_QUANT && scale ? scale[h * scale_stride] : 1.0f;
     }
 };
 
+// A copied row with an RMSNorm weight w: round(x * inv * w[i]) (as
+// layers.cu's rms_norm writes it), then stored; two passes over the row.
+__device__ __forceinline__ void norm_row(const src_t* src, dst_t* dst, u32 units, const scalar_t* __restrict__ w,
+                                         float eps, float scale) {
+    const float inv = row_inv_rms(src, units, eps);
+    for (u32 u = 0; u < units; ++u) {
+        Unit a = load_unit(src + (u64)u * kVec);
+#pragma unroll
+        for (u32 j = 0; j < kVec; ++j)
+            a.e[j] = from_float<scalar_t>(to_float(a.e[j]) * inv * to_float(w[u * kVec + j]));
+        store_unit(dst + (u64)u * kVec, a, scale);
+    }
+}
+
 // Query t of a rotary build: one flat range of work items the block row's
 // lanes stride over: its Hq q rows (rotated in place; none without rope_q),
 // the Hkv rows of the rotated side (K, or V with rope_v: MLA's rotary part)
-// into the cache, and the units of the other side's Hkv rows (copied); K and
-// V only when the query has a slot. A rotated row is hu items (its unit
-// pairs), or one (the whole row: RMSNorm first) when a norm weight is given.
-// The position is the query's q_pos word, clamped to rope_max_pos - 1 (the
-// table's last row).
+// into the cache, and the Hkv rows of the other side (copied); K and V only
+// when the query has a slot. A rotated row is hu items (its unit pairs), or
+// one (the whole row: RMSNorm first) when q or the rotated side has a norm
+// weight; a copied row is one item a unit, or one (RMSNorm'd: MLA's latent)
+// with a norm weight. The position is the query's q_pos word, clamped to
+// rope_max_pos - 1 (the table's last row).
 __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool slot, u32 page, u32 off) {
     u32 pos = p.words[pw::q_pos(p.tokens) + t];
     if (pos >= p.rope_max_pos) pos = p.rope_max_pos - 1;
@@ -253,14 +270,16 @@ __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool sl
                     p.dst_head_k,
                     p.units_k,
                     p.k_scale,
-                    p.k_scale_stride};
+                    p.k_scale_stride,
+                    static_cast<const scalar_t*>(p.rope_k_norm)};
     const Side v = {static_cast<const src_t*>(p.new_v) + (u64)t * p.src_tok_v,
                     static_cast<dst_t*>(p.v_cache) + (u64)page * p.dst_page_v + (u64)off * p.dst_slot_v,
                     p.src_head_v,
                     p.dst_head_v,
                     p.units_v,
                     p.v_scale,
-                    p.v_scale_stride};
+                    p.v_scale_stride,
+                    static_cast<const scalar_t*>(p.rope_v_norm)};
     const Side& r = p.rope_v ? v : k;  // rotated
     const Side& c = p.rope_v ? k : v;  // copied
     const u32 hu = r.units >> 1, half = hu * kVec;
@@ -268,12 +287,12 @@ __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool sl
     const float* const sn = p.rope_sin + (u64)pos * half;
     src_t* const q = static_cast<src_t*>(p.rope_q);
     const scalar_t* const wq = static_cast<const scalar_t*>(p.rope_q_norm);
-    const scalar_t* const wr = static_cast<const scalar_t*>(p.rope_k_norm);
-    const u32 per = (wq || wr) ? 1u : hu;  // items a rotated row
-    const u32 n = (wq || wr) ? hu : 1u;  // unit pairs an item
+    const u32 per = (wq || r.norm) ? 1u : hu;  // items a rotated row
+    const u32 n = (wq || r.norm) ? hu : 1u;  // unit pairs an item
+    const u32 cper = c.norm ? 1u : c.units;  // items a copied row
     const u32 nq = q ? p.q_heads * per : 0u;
     const u32 nr = slot ? p.heads * per : 0u;
-    const u32 end = nq + nr + (slot ? p.heads * c.units : 0u);
+    const u32 end = nq + nr + (slot ? p.heads * cper : 0u);
     for (u32 e = threadIdx.x; e < end; e += blockDim.x) {
         if (e < nq) {
             const u32 h = e / per;
@@ -282,7 +301,11 @@ __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool sl
         } else if (e < nq + nr) {
             const u32 h = (e - nq) / per;
             rope_units(r.src + (u64)h * r.src_head, r.dst + (u64)h * r.dst_head, (e - nq - h * per) * n, n, hu, cs, sn,
-                       r.scale_of(h), wr, p.rope_eps);
+                       r.scale_of(h), r.norm, p.rope_eps);
+        } else if (c.norm) {
+            const u32 h = e - nq - nr;
+            norm_row(c.src + (u64)h * c.src_head, c.dst + (u64)h * c.dst_head, c.units, c.norm, p.rope_eps,
+                     c.scale_of(h));
         } else {
             const u32 i = e - nq - nr, h = i / c.units, u = i - h * c.units;
             store_unit(c.dst + (u64)h * c.dst_head + (u64)u * kVec,

@@ -16,7 +16,8 @@ struct AppendParams {
     const float* __restrict__ rope_cos;         // rotary: [rope_max_pos, D / 2] tables
     const float* __restrict__ rope_sin;
     const void* __restrict__ rope_q_norm;       // rotary: RMSNorm weight [Dr] of the q rows, before rotating (null: none)
-    const void* __restrict__ rope_k_norm;       // rotary: RMSNorm weight [Dr] of the rotated K (V) rows (null: none)
+    const void* __restrict__ rope_k_norm;       // rotary: RMSNorm weight [D] of the K rows (null: none)
+    const void* __restrict__ rope_v_norm;       // rotary: RMSNorm weight [Dv] of the V rows (null: none)
     u64 num_slots;                              // write_slots: pages * page_size
     u32 tokens;                                 // rows to write (paged_append: the plan's queries)
     u32 sequences;                              // paged_append: the plan's static sizes
@@ -45,4 +46,4 @@ struct AppendParams {
     u32 src_tok_q;                              // rope_q strides: token, head
     u32 src_head_q;
 };
-static_assert(sizeof(AppendParams) == 216, "AppendParams: the NumPy dtype packs 216 bytes");
+static_assert(sizeof(AppendParams) == 224, "AppendParams: the NumPy dtype packs 224 bytes");

@@ -321,10 +321,10 @@ class TinyModel:
             )
         )
         layers.linear(h, lw["w_in"], inp)
-        layers.rms_norm(lat[:, 0], lw["kv_norm"], lat[:, 0], cfg.eps)
         layers.linear(qn, lw["w_uk_bd"], qa.reshape(n, -1))
-        # the latent copied, k_rope rotated into the rotary cache and q_rope in place: one launch
-        self.cache.append(plan, lat, kr, layer=li, rope=Rotary(self.cos, self.sin, qr, side="v"))
+        # the latent RMSNorm'd into its cache, k_rope rotated into the rotary cache and q_rope in place: one launch
+        rope = Rotary(self.cos, self.sin, qr, side="v", k_norm=lw["kv_norm"], eps=cfg.eps)
+        self.cache.append(plan, lat, kr, layer=li, rope=rope)
         plan.mla(qa, qr, self.cache.k[li], self.cache.v[li], self.scale, True, out=ol, workspace=workspace)
         layers.linear(ol.reshape(n, -1), lw["w_uv_bd"], vo)
         layers.linear(vo, lw["wo"], x, accumulate=True)

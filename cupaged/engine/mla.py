@@ -25,9 +25,10 @@ Products: the projections that read ``h`` are one product (their weights
 concatenated at load): the q LoRA's down-projection or the query, then
 ``k_rope`` and the latent; the query of a q LoRA is one more product, of
 ``qa``. Every later op reads its column range in place (views: q_first and
-q_rope of the query, the latent, k_rope). The append rotates: the latent is
-copied into the cache, k_rope rotated into its rotary part and q_rope in
-place, in one launch (``cupaged.Rotary``, ``side="v"``).
+q_rope of the query, the latent, k_rope). The append normalizes and
+rotates: the latent is RMSNorm'd into the cache (``kv_a_layernorm``),
+k_rope rotated into its rotary part and q_rope in place, in one launch
+(``cupaged.Rotary``, ``side="v"``).
 
 Rotary layout: transformers rotates DeepSeek's rotary dims as interleaved
 pairs ``(x[2i], x[2i+1])`` (V2 always, through complex numbers; V3 when
@@ -168,14 +169,13 @@ class MlaLM(CausalLM):
             layers.rms_norm(qa, lw["q_a_norm"], qa, LATENT_EPS, host=hw)
             assert self.qb is not None  # allocated with a q LoRA
             proj.linear(qa, lw["wq"], self.qb[:n])  # [q_first | q_rope]
-        lat2 = lat[:, 0]
-        layers.rms_norm(lat2, lw["kv_norm"], lat2, LATENT_EPS, host=hw)
         if not self.fold_q:
             proj.linear_heads(self.q_first[:n], lw["w_uk_t"], q_abs)
         cache = self.cache
         assert cache is not None  # attach() ran before the first forward pass
-        # the latent copied, k_rope rotated into the rotary part and q_rope in place: one launch
-        cache.append(plan, lat, k_rope, layer=li, rope=Rotary(self.cos, self.sin, q_rope, side="v"))
+        # the latent RMSNorm'd into the cache, k_rope rotated into the rotary part and q_rope in place: one launch
+        rope = Rotary(self.cos, self.sin, q_rope, side="v", k_norm=lw["kv_norm"], eps=LATENT_EPS)
+        cache.append(plan, lat, k_rope, layer=li, rope=rope)
         plan.mla(q_abs, q_rope, cache.k[li], cache.v[li], cfg.scale, True, out=o_lat)
         if self.fold_o:
             proj.linear(o_lat.reshape(n, -1), lw["wo_lat"], x, accumulate=True)

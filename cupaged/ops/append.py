@@ -63,7 +63,8 @@ FIELDS: tuple[Field, ...] = (
     Field("rope_cos", "const float*", "rotary: [rope_max_pos, D / 2] tables"),
     Field("rope_sin", "const float*", ""),
     Field("rope_q_norm", "const void*", "rotary: RMSNorm weight [Dr] of the q rows, before rotating (null: none)"),
-    Field("rope_k_norm", "const void*", "rotary: RMSNorm weight [Dr] of the rotated K (V) rows (null: none)"),
+    Field("rope_k_norm", "const void*", "rotary: RMSNorm weight [D] of the K rows (null: none)"),
+    Field("rope_v_norm", "const void*", "rotary: RMSNorm weight [Dv] of the V rows (null: none)"),
     Field("num_slots", "u64", "write_slots: pages * page_size"),
     Field("tokens", "u32", "rows to write (paged_append: the plan's queries)"),
     Field("sequences", "u32", "paged_append: the plan's static sizes"),
@@ -162,10 +163,12 @@ class Rotary:
     dtype before an fp8 cache quantizes it, so the cache holds what
     ``layers.rope`` then ``append`` would write.
 
-    q_norm, k_norm: RMSNorm weights [Dr] of new_k's dtype (Qwen3's per-head
-    q_norm / k_norm), applied to each q row / rotated row before rotating,
-    with ``eps``, rounded as ``layers.rms_norm`` writes them: the
-    ``rms_norm`` launches of q and of k fold into this one (None: no norm)."""
+    q_norm [Dr], k_norm [D], v_norm [Dv]: RMSNorm weights of new_k's dtype
+    for the q rows, the K rows and the V rows, applied (with ``eps``, rounded
+    as ``layers.rms_norm`` writes them) before a row is rotated or copied:
+    Qwen3's per-head q_norm / k_norm, or MLA's latent norm (``k_norm`` with
+    ``side="v"``), fold their ``rms_norm`` launches into this one (None: no
+    norm)."""
 
     cos: Array
     sin: Array
@@ -173,6 +176,7 @@ class Rotary:
     side: str = "k"
     q_norm: Array | None = None
     k_norm: Array | None = None
+    v_norm: Array | None = None
     eps: float = 1e-6
 
 
@@ -356,12 +360,20 @@ def check_rotary(w: KvWrite, rope: object, queries: int) -> None:
     q = rope.q
     if rope.q_norm is not None and q is None:
         raise PagedAttentionError("rope.q_norm: expected None without rope.q (no q rows to normalize)")
-    for name, wt in (("rope.q_norm", rope.q_norm), ("rope.k_norm", rope.k_norm)):
+    if rope.v_norm is not None and w.v_cache is None:
+        raise PagedAttentionError("rope.v_norm: expected None without new_v and v_cache (no V rows to normalize)")
+    dims = {"k": int(w.k_cache.shape[3]), "v": int(w.v_cache.shape[3]) if w.v_cache is not None else 0}
+    norms = (
+        ("rope.q_norm", rope.q_norm, d),
+        ("rope.k_norm", rope.k_norm, dims["k"]),
+        ("rope.v_norm", rope.v_norm, dims["v"]),
+    )
+    for name, wt, dim in norms:
         if wt is not None:
             checks.float_array(name, wt, 1)
             checks.same_dtype("new_k", w.new_k, **{name: wt})
-            checks.shape_is(name, wt, (d,))
-    if rope.q_norm is not None or rope.k_norm is not None:
+            checks.shape_is(name, wt, (dim,))
+    if any(wt is not None for _, wt, _ in norms):
         eps = rope.eps
         if (
             isinstance(eps, (bool, np.bool_))
@@ -369,7 +381,7 @@ def check_rotary(w: KvWrite, rope: object, queries: int) -> None:
             or not 0 <= eps < math.inf
         ):
             raise PagedAttentionError(f"rope.eps: expected a finite float >= 0, got {eps!r}")
-        backend_of(new_k=w.new_k, **{"rope.q_norm": rope.q_norm, "rope.k_norm": rope.k_norm})
+        backend_of(new_k=w.new_k, **{name: wt for name, wt, _ in norms})
     if q is not None:
         checks.float_array("rope.q", q, 3, view=True)
         checks.same_dtype("new_k", w.new_k, **{"rope.q": q})
@@ -549,6 +561,7 @@ def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, *
         rope_v=int(rope is not None and rope.side == "v"),
         rope_q_norm=0 if rope is None or rope.q_norm is None else address(rope.q_norm),
         rope_k_norm=0 if rope is None or rope.k_norm is None else address(rope.k_norm),
+        rope_v_norm=0 if rope is None or rope.v_norm is None else address(rope.v_norm),
         rope_eps=0.0 if rope is None else float(rope.eps),
         q_heads=0 if q is None else int(q.shape[1]),
         src_tok_q=w.src_q[0],
@@ -556,7 +569,7 @@ def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, *
     )
     refs = arrays + [a for a in (w.k_scale, w.v_scale) if a is not None]
     if rope is not None:
-        refs += [a for a in (rope.cos, rope.sin, rope.q_norm, rope.k_norm) if a is not None]
+        refs += [a for a in (rope.cos, rope.sin, rope.q_norm, rope.k_norm, rope.v_norm) if a is not None]
     for k, v in fields.items():
         if k in ("words", "slots"):
             refs.append(v)
@@ -565,9 +578,11 @@ def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, *
             values[k] = v
     arg = StructArg(np.array(tuple(values[n] for n in NAMES), dtype=DTYPE)[()], refs)
     if rope is not None:  # the lanes of a row stride over a token's work items (append.cu, rope_token)
-        rot = units_k if rope.side == "k" else units_v
-        per = 1 if rope.q_norm is not None or rope.k_norm is not None else rot // 2  # items a rotated row
-        bx, by = row_block((int(q.shape[1]) if q is not None else 0) * per + hkv * (per + units_k + units_v - rot), 0)
+        rot, cop = (units_k, units_v) if rope.side == "k" else (units_v, units_k)
+        rot_norm, cop_norm = (rope.k_norm, rope.v_norm) if rope.side == "k" else (rope.v_norm, rope.k_norm)
+        per = 1 if rope.q_norm is not None or rot_norm is not None else rot // 2  # items a rotated row
+        cper = 1 if cop_norm is not None else cop  # items a copied row
+        bx, by = row_block((int(q.shape[1]) if q is not None else 0) * per + hkv * (per + cper), 0)
     else:
         bx, by = row_block(units_k, units_v)
     kernel = get_kernel(kc, "append", kernel_name, defines)

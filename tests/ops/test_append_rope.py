@@ -143,12 +143,14 @@ def test_rotary_append_into_fp8(fmt, dtype):
     assert not np.array_equal(bits(q), bits(q0))
 
 
+@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_mla_rotary_part(xp_backend, dtype):
+def test_mla_rotary_part(xp_backend, dtype, norm):
     """side="v": an MLA cache's rotary part (new_v: k_pos) rotated, the latent
-    (new_k) copied bit for bit, q_rope (a view of the one input product, beside
-    k_pos) rotated in place."""
-    rng = np.random.default_rng(zlib.crc32(f"rope-mla-{dtype}".encode()))
+    (new_k) copied bit for bit, or RMSNorm'd by k_norm (DeepSeek's kv_a
+    layernorm), q_rope (a view of the one input product, beside k_pos)
+    rotated in place."""
+    rng = np.random.default_rng(zlib.crc32(f"rope-mla-{dtype}-{norm}".encode()))
     heads, r, pr = 4, 64, 16
     case = make_paged_case(
         rng,
@@ -170,8 +172,10 @@ def test_mla_rotary_part(xp_backend, dtype):
     _, pos = reference.query_positions(case.kv_lens, case.q_lens)
     exp_q = reference.apply_rope(q, cos64[pos], sin64[pos])
     exp_kr = reference.apply_rope(kr, cos64[pos], sin64[pos]).astype(as_dtype(dtype))
+    wl = (1 + 0.3 * rng.standard_normal(r)).astype(as_dtype(dtype))
+    lat_in = reference.rms_norm(lat, wl, 1e-6).astype(as_dtype(dtype)) if norm else lat
     e_lat, e_kr = reference.paged_append(
-        lat, exp_kr, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens
+        lat_in, exp_kr, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.q_lens
     )
     xp = xp_backend
     dinp, kc, vc, dcos, dsin = (xp.asarray(a.copy()) for a in (inp, case.k_cache, case.v_cache, cos, sin))
@@ -183,11 +187,22 @@ def test_mla_rotary_part(xp_backend, dtype):
         dropes[:, heads:],
         kc,
         vc,
-        rope=Rotary(dcos, dsin, dropes[:, :heads], side="v"),
+        rope=Rotary(dcos, dsin, dropes[:, :heads], side="v", k_norm=xp.asarray(wl) if norm else None),
     )
     got = xp.to_numpy(dinp)
-    np.testing.assert_array_equal(bits(xp.to_numpy(kc)), bits(e_lat))
     tol = TOL[dtype]
+    if norm:  # rounded once, from an f32 sum in another order: at the dtype's tolerance, the rest untouched
+        got_k = xp.to_numpy(kc)
+        np.testing.assert_allclose(got_k.astype(np.float64), e_lat.astype(np.float64), atol=tol, rtol=tol)
+        pages, offsets = plan.host.write_slots()
+        untouched = np.ones(got_k.shape[:2], bool)
+        untouched[pages, offsets] = False
+        np.testing.assert_array_equal(bits(got_k[untouched]), bits(case.k_cache[untouched]))
+        assert not np.allclose(
+            got_k[pages, offsets].astype(np.float64), lat[:, 0].astype(np.float64)[:, None], atol=0.05
+        )
+    else:
+        np.testing.assert_array_equal(bits(xp.to_numpy(kc)), bits(e_lat))
     got_v = xp.to_numpy(vc)
     pages, offsets = plan.host.write_slots()
     np.testing.assert_allclose(
@@ -331,9 +346,12 @@ def test_rotary_errors_write_nothing():
     bad(Rotary(cos, sin, q, q_norm=np.ones(8, np.float32)), r"rope.q_norm: expected shape \[16\], got \[8\]")
     bad(Rotary(cos, sin, q, k_norm=np.ones(16, np.float16)), r"rope.k_norm: expected dtype float32 like new_k")
     bad(Rotary(cos, sin, q, k_norm=np.ones(16, np.float32), eps=-1.0), r"rope.eps: expected a finite float >= 0")
+    bad(Rotary(cos, sin, q, v_norm=np.ones(8, np.float32)), r"rope.v_norm: expected shape \[16\], got \[8\]")
     bad(Rotary(cos, sin, q, side="q"), r"rope.side: expected 'k' or 'v' \(the rows rotated\), got 'q'")
     with pytest.raises(PagedAttentionError, match="rope.side: expected 'k' without new_v and v_cache"):
         append(plan, k, None, case.k_cache, None, rope=Rotary(cos, sin, q, side="v"))
+    with pytest.raises(PagedAttentionError, match="rope.v_norm: expected None without new_v and v_cache"):
+        append(plan, k, None, case.k_cache, None, rope=Rotary(cos, sin, q, v_norm=cos[0]))
     odd = make_paged_case(
         rng, num_q_heads=1, num_kv_heads=1, head_dim=7, page_size=4, sequences=1, max_kv_len=5, q_lens=1, dtype="f32"
     )

@@ -218,7 +218,7 @@ def append_and_pages():
         new[:2, :1],
         np.zeros((6, 4, 1, 16), np.float16),
         np.zeros((6, 4, 1, 8), np.float16),
-        rope=cupaged.Rotary(cos, cos, q, side="v"),
+        rope=cupaged.Rotary(cos, cos, q, side="v", k_norm=np.ones(16, np.float16)),
     )
     advance_plan(plan)
 
