@@ -179,41 +179,67 @@ __device__ __forceinline__ void put_token(const AppendParams& p, u64 t, u32 page
 }
 
 #if CP_ROPE
-// RMSNorm's factor of one head row of `units` units: rsqrt(mean(x^2) + eps),
-// as layers.cu's rms_norm (its sum in another order).
-__device__ __forceinline__ float row_inv_rms(const src_t* src, u32 units, float eps) {
-    float ss = 0.f;
-    for (u32 u = 0; u < units; ++u) {
-        const Unit a = load_unit(src + (u64)u * kVec);
+// What a rotary build does to a row before it rotates or writes it, each
+// step rounded to CP_DTYPE as the separate kernel writes it: the bias row b
+// added (layers.cu's bias_add: Qwen2's q / k / v biases), then RMSNorm with
+// weight w and factor inv (rms_norm: Qwen3's q / k norms, MLA's latent norm).
+// Null: the step is skipped.
+struct Prep {
+    const scalar_t* bias;
+    const scalar_t* norm;
+    float inv;
+};
+
+// Unit u of a row, prepared.
+__device__ __forceinline__ Unit prep_unit(const src_t* src, u32 u, const Prep& pr) {
+    Unit a = load_unit(src + (u64)u * kVec);
+    if (pr.bias || pr.norm) {
 #pragma unroll
-        for (u32 j = 0; j < kVec; ++j) ss += to_float(a.e[j]) * to_float(a.e[j]);
+        for (u32 j = 0; j < kVec; ++j) {
+            const u32 i = u * kVec + j;
+            float x = to_float(a.e[j]);
+            if (pr.bias) x = to_float(from_float<scalar_t>(x + to_float(pr.bias[i])));
+            if (pr.norm) x = to_float(from_float<scalar_t>(x * pr.inv * to_float(pr.norm[i])));
+            a.e[j] = from_float<scalar_t>(x);
+        }
     }
-    return rsqrtf(ss / (float)(units * kVec) + eps);
+    return a;
 }
 
-// Rotate-half of unit pairs u .. u + n - 1 of one head row by the position's
-// table rows cs / sn (half = hu units): units u and u + hu hold elements i
-// and i + half, which become x[i] c - x[i + half] s and x[i + half] c +
-// x[i] s (f32, as layers.cu's rope), rounded to CP_DTYPE, then stored (dst:
-// the row itself, or the cache). With a weight w (Qwen3's q / k norm; then
-// n = hu, the whole row) each x is first RMSNorm'd and rounded as layers.cu's
-// rms_norm writes it: x <- round(x * inv * w[i]).
+// The Prep of a row of `units` units: with a norm weight, its factor
+// rsqrt(mean(x^2) + eps) over the biased row (rms_norm's, its sum in another
+// order: one pass over the row before the one that writes it).
+__device__ __forceinline__ Prep row_prep(const src_t* src, u32 units, const scalar_t* bias, const scalar_t* norm,
+                                         float eps) {
+    Prep pr = {bias, nullptr, 1.0f};
+    if (norm) {
+        float ss = 0.f;
+        for (u32 u = 0; u < units; ++u) {
+            const Unit a = prep_unit(src, u, pr);
+#pragma unroll
+            for (u32 j = 0; j < kVec; ++j) ss += to_float(a.e[j]) * to_float(a.e[j]);
+        }
+        pr.norm = norm;
+        pr.inv = rsqrtf(ss / (float)(units * kVec) + eps);
+    }
+    return pr;
+}
+
+// Rotate-half of unit pairs u .. u + n - 1 of one prepared head row by the
+// position's table rows cs / sn (half = hu units): units u and u + hu hold
+// elements i and i + half, which become x[i] c - x[i + half] s and
+// x[i + half] c + x[i] s (f32, as layers.cu's rope), rounded to CP_DTYPE,
+// then stored (dst: the row itself, or the cache).
 template <class D>
 __device__ __forceinline__ void rope_units(const src_t* src, D* dst, u32 u, u32 n, u32 hu, const float* __restrict__ cs,
-                                           const float* __restrict__ sn, float scale, const scalar_t* __restrict__ w,
-                                           float eps) {
-    const float inv = w ? row_inv_rms(src, 2u * hu, eps) : 1.0f;
+                                           const float* __restrict__ sn, float scale, const Prep& pr) {
     for (const u32 stop = u + n; u < stop; ++u) {
-        const Unit a = load_unit(src + (u64)u * kVec), b = load_unit(src + (u64)(u + hu) * kVec);
+        const Unit a = prep_unit(src, u, pr), b = prep_unit(src, u + hu, pr);
         Unit ra, rb;
 #pragma unroll
         for (u32 j = 0; j < kVec; ++j) {
-            const u32 i = u * kVec + j, half = hu * kVec;
-            float x = to_float(a.e[j]), y = to_float(b.e[j]);
-            if (w) {
-                x = to_float(from_float<scalar_t>(x * inv * to_float(w[i])));
-                y = to_float(from_float<scalar_t>(y * inv * to_float(w[i + half])));
-            }
+            const u32 i = u * kVec + j;
+            const float x = to_float(a.e[j]), y = to_float(b.e[j]);
             const float c = cs[i], s = sn[i];
             ra.e[j] = from_float<scalar_t>(x * c - y * s);
             rb.e[j] = from_float<scalar_t>(y * c + x * s);
@@ -224,33 +250,23 @@ __device__ __forceinline__ void rope_units(const src_t* src, D* dst, u32 u, u32 
 }
 
 // One side of a token's write (its K or its V rows): the new rows, their
-// cache rows, units a row, the fp8 scales (null: 1), the RMSNorm weight of
-// its rows (null: none).
+// cache rows, units a row, the fp8 scales (null: 1), the bias [Hkv, dim]
+// and RMSNorm weight [dim] of its rows (null: none).
 struct Side {
     const src_t* src;
     dst_t* dst;
     u32 src_head, dst_head, units;
     const float* scale;
     u32 scale_stride;
+    const scalar_t* bias;
     const scalar_t* norm;
     __device__ __forceinline__ float scale_of(u32 h) const {
         return CP_QUANT && scale ? scale[h * scale_stride] : 1.0f;
     }
-};
-
-// A copied row with an RMSNorm weight w: round(x * inv * w[i]) (as
-// layers.cu's rms_norm writes it), then stored; two passes over the row.
-__device__ __forceinline__ void norm_row(const src_t* src, dst_t* dst, u32 units, const scalar_t* __restrict__ w,
-                                         float eps, float scale) {
-    const float inv = row_inv_rms(src, units, eps);
-    for (u32 u = 0; u < units; ++u) {
-        Unit a = load_unit(src + (u64)u * kVec);
-#pragma unroll
-        for (u32 j = 0; j < kVec; ++j)
-            a.e[j] = from_float<scalar_t>(to_float(a.e[j]) * inv * to_float(w[u * kVec + j]));
-        store_unit(dst + (u64)u * kVec, a, scale);
+    __device__ __forceinline__ const scalar_t* bias_of(u32 h) const {
+        return bias ? bias + (u64)h * units * kVec : nullptr;
     }
-}
+};
 
 // Query t of a rotary build: one flat range of work items the block row's
 // lanes stride over: its Hq q rows (rotated in place; none without rope_q),
@@ -258,9 +274,9 @@ __device__ __forceinline__ void norm_row(const src_t* src, dst_t* dst, u32 units
 // into the cache, and the Hkv rows of the other side (copied); K and V only
 // when the query has a slot. A rotated row is hu items (its unit pairs), or
 // one (the whole row: RMSNorm first) when q or the rotated side has a norm
-// weight; a copied row is one item a unit, or one (RMSNorm'd: MLA's latent)
-// with a norm weight. The position is the query's q_pos word, clamped to
-// rope_max_pos - 1 (the table's last row).
+// weight; a copied row is one item a unit, or one with a norm weight. The
+// position is the query's q_pos word, clamped to rope_max_pos - 1 (the
+// table's last row).
 __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool slot, u32 page, u32 off) {
     u32 pos = p.words[pw::q_pos(p.tokens) + t];
     if (pos >= p.rope_max_pos) pos = p.rope_max_pos - 1;
@@ -271,6 +287,7 @@ __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool sl
                     p.units_k,
                     p.k_scale,
                     p.k_scale_stride,
+                    static_cast<const scalar_t*>(p.rope_k_bias),
                     static_cast<const scalar_t*>(p.rope_k_norm)};
     const Side v = {static_cast<const src_t*>(p.new_v) + (u64)t * p.src_tok_v,
                     static_cast<dst_t*>(p.v_cache) + (u64)page * p.dst_page_v + (u64)off * p.dst_slot_v,
@@ -279,6 +296,7 @@ __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool sl
                     p.units_v,
                     p.v_scale,
                     p.v_scale_stride,
+                    static_cast<const scalar_t*>(p.rope_v_bias),
                     static_cast<const scalar_t*>(p.rope_v_norm)};
     const Side& r = p.rope_v ? v : k;  // rotated
     const Side& c = p.rope_v ? k : v;  // copied
@@ -287,6 +305,7 @@ __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool sl
     const float* const sn = p.rope_sin + (u64)pos * half;
     src_t* const q = static_cast<src_t*>(p.rope_q);
     const scalar_t* const wq = static_cast<const scalar_t*>(p.rope_q_norm);
+    const scalar_t* const bq = static_cast<const scalar_t*>(p.rope_q_bias);
     const u32 per = (wq || r.norm) ? 1u : hu;  // items a rotated row
     const u32 n = (wq || r.norm) ? hu : 1u;  // unit pairs an item
     const u32 cper = c.norm ? 1u : c.units;  // items a copied row
@@ -297,19 +316,19 @@ __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool sl
         if (e < nq) {
             const u32 h = e / per;
             src_t* const row = q + (u64)t * p.src_tok_q + (u64)h * p.src_head_q;
-            rope_units(row, row, (e - h * per) * n, n, hu, cs, sn, 1.0f, wq, p.rope_eps);
+            const Prep pr = row_prep(row, r.units, bq ? bq + (u64)h * r.units * kVec : nullptr, wq, p.rope_eps);
+            rope_units(row, row, (e - h * per) * n, n, hu, cs, sn, 1.0f, pr);
         } else if (e < nq + nr) {
             const u32 h = (e - nq) / per;
-            rope_units(r.src + (u64)h * r.src_head, r.dst + (u64)h * r.dst_head, (e - nq - h * per) * n, n, hu, cs, sn,
-                       r.scale_of(h), r.norm, p.rope_eps);
-        } else if (c.norm) {
-            const u32 h = e - nq - nr;
-            norm_row(c.src + (u64)h * c.src_head, c.dst + (u64)h * c.dst_head, c.units, c.norm, p.rope_eps,
-                     c.scale_of(h));
+            const src_t* const row = r.src + (u64)h * r.src_head;
+            const Prep pr = row_prep(row, r.units, r.bias_of(h), r.norm, p.rope_eps);
+            rope_units(row, r.dst + (u64)h * r.dst_head, (e - nq - h * per) * n, n, hu, cs, sn, r.scale_of(h), pr);
         } else {
-            const u32 i = e - nq - nr, h = i / c.units, u = i - h * c.units;
-            store_unit(c.dst + (u64)h * c.dst_head + (u64)u * kVec,
-                       load_unit(c.src + (u64)h * c.src_head + (u64)u * kVec), c.scale_of(h));
+            const u32 i = e - nq - nr, h = i / cper, u0 = (i - h * cper) * (c.units / cper);
+            const src_t* const row = c.src + (u64)h * c.src_head;
+            const Prep pr = row_prep(row, c.units, c.bias_of(h), c.norm, p.rope_eps);
+            for (u32 u = u0; u < u0 + c.units / cper; ++u)
+                store_unit(c.dst + (u64)h * c.dst_head + (u64)u * kVec, prep_unit(row, u, pr), c.scale_of(h));
         }
     }
 }

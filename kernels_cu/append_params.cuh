@@ -18,6 +18,9 @@ struct AppendParams {
     const void* __restrict__ rope_q_norm;       // rotary: RMSNorm weight [Dr] of the q rows, before rotating (null: none)
     const void* __restrict__ rope_k_norm;       // rotary: RMSNorm weight [D] of the K rows (null: none)
     const void* __restrict__ rope_v_norm;       // rotary: RMSNorm weight [Dv] of the V rows (null: none)
+    const void* __restrict__ rope_q_bias;       // rotary: bias [Hq, Dr] of the q rows, added first (null: none)
+    const void* __restrict__ rope_k_bias;       // rotary: bias [Hkv, D] of the K rows
+    const void* __restrict__ rope_v_bias;       // rotary: bias [Hkv, Dv] of the V rows
     u64 num_slots;                              // write_slots: pages * page_size
     u32 tokens;                                 // rows to write (paged_append: the plan's queries)
     u32 sequences;                              // paged_append: the plan's static sizes
@@ -46,4 +49,4 @@ struct AppendParams {
     u32 src_tok_q;                              // rope_q strides: token, head
     u32 src_head_q;
 };
-static_assert(sizeof(AppendParams) == 224, "AppendParams: the NumPy dtype packs 224 bytes");
+static_assert(sizeof(AppendParams) == 248, "AppendParams: the NumPy dtype packs 248 bytes");

@@ -1,13 +1,13 @@
 """The dense GQA family: Llama, Mistral, Qwen2, Qwen3.
 
 Per layer: one fused q/k/v projection (the three weights concatenated at
-load, with their biases where configured: Qwen2 always, Llama and Qwen3 with
-``attention_bias``) into ``qkv [rows, Hq + 2 Hkv, head_dim]``, whose head
-ranges q, k and v every later op reads in place (views: docs/layout.md,
-"Query views"); the K/V append through the page manager with RoPE fused in
-(``cupaged.Rotary``: K rotated into the cache and q in place by the plan's
-device positions, rotate-half as transformers, after Qwen3's per-head
-RMSNorm of q and of k: one launch), and paged attention at
+load) into ``qkv [rows, Hq + 2 Hkv, head_dim]``, whose head ranges q, k and
+v every later op reads in place (views: docs/layout.md, "Query views"); the
+K/V append through the page manager with everything between fused in
+(``cupaged.Rotary``, one launch: the q / k / v biases where configured,
+Qwen2 always, Llama and Qwen3 with ``attention_bias``; Qwen3's per-head
+RMSNorm of q and of k; RoPE, rotate-half as transformers, by the plan's
+device positions: K rotated into the cache, q in place), and paged attention at
 ``head_dim ** -0.5`` (with the layer's sliding window,
 ``ModelConfig.layer_windows``), then the output projection added to the
 residual (fused in the product).
@@ -36,8 +36,13 @@ class DenseLM(CausalLM):
             "wqkv": self._w(ckpt, [(n + ".weight", rows) for n, rows in parts], (q + 2 * kv, H)),
             "wo": self._w(ckpt, a + "o_proj.weight", (H, q)),
         }
-        if cfg.qkv_bias:
-            w["bqkv"] = self._w(ckpt, [(n + ".bias", rows) for n, rows in parts], (q + 2 * kv,))
+        if cfg.qkv_bias:  # one upload; the append reads its q, k and v rows (views [heads, head_dim])
+            b = self._w(ckpt, [(n + ".bias", rows) for n, rows in parts], (q + 2 * kv,))
+            w.update(
+                bq=b[:q].reshape(cfg.heads, D),
+                bk=b[q : q + kv].reshape(cfg.kv_heads, D),
+                bv=b[q + kv :].reshape(cfg.kv_heads, D),
+            )
         if cfg.o_bias:
             w["bo"] = self._w(ckpt, a + "o_proj.bias", (H,))
         if cfg.qk_norm:
@@ -60,13 +65,13 @@ class DenseLM(CausalLM):
         q, k, v = qkv[:, :hq], qkv[:, hq:hk], qkv[:, hk:]  # views of the fused projection's output
         flat = qkv.reshape(n, -1)  # (contiguous: a view)
         proj.linear(h, lw["wqkv"], flat)
-        if cfg.qkv_bias:
-            layers.bias_add(flat, lw["bqkv"], host=hw)
-        # RoPE of q and k in the append, after Qwen3's RMSNorm over each head's head_dim: one launch
-        norms = dict(q_norm=lw["q_norm"], k_norm=lw["k_norm"], eps=cfg.eps) if cfg.qk_norm else {}
+        # one launch: the biases added (Qwen2), Qwen3's RMSNorm over each head's head_dim, RoPE of q and k, the append
+        extra = dict(q_bias=lw["bq"], k_bias=lw["bk"], v_bias=lw["bv"]) if cfg.qkv_bias else {}
+        if cfg.qk_norm:
+            extra.update(q_norm=lw["q_norm"], k_norm=lw["k_norm"], eps=cfg.eps)
         cache = self.cache
         assert cache is not None  # attach() ran before the first forward pass
-        cache.append(plan, k, v, layer=li, rope=Rotary(self.cos, self.sin, q, **norms))
+        cache.append(plan, k, v, layer=li, rope=Rotary(self.cos, self.sin, q, **extra))
         window = cfg.layer_windows[li] if cfg.layer_windows else None  # the layer's sliding window
         plan.attention(q, cache.k[li], cache.v[li], cfg.scale, True, out=attn, window=window)
         proj.linear(attn.reshape(n, -1), lw["wo"], x, accumulate=True)

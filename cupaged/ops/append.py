@@ -65,6 +65,9 @@ FIELDS: tuple[Field, ...] = (
     Field("rope_q_norm", "const void*", "rotary: RMSNorm weight [Dr] of the q rows, before rotating (null: none)"),
     Field("rope_k_norm", "const void*", "rotary: RMSNorm weight [D] of the K rows (null: none)"),
     Field("rope_v_norm", "const void*", "rotary: RMSNorm weight [Dv] of the V rows (null: none)"),
+    Field("rope_q_bias", "const void*", "rotary: bias [Hq, Dr] of the q rows, added first (null: none)"),
+    Field("rope_k_bias", "const void*", "rotary: bias [Hkv, D] of the K rows"),
+    Field("rope_v_bias", "const void*", "rotary: bias [Hkv, Dv] of the V rows"),
     Field("num_slots", "u64", "write_slots: pages * page_size"),
     Field("tokens", "u32", "rows to write (paged_append: the plan's queries)"),
     Field("sequences", "u32", "paged_append: the plan's static sizes"),
@@ -168,7 +171,9 @@ class Rotary:
     as ``layers.rms_norm`` writes them) before a row is rotated or copied:
     Qwen3's per-head q_norm / k_norm, or MLA's latent norm (``k_norm`` with
     ``side="v"``), fold their ``rms_norm`` launches into this one (None: no
-    norm)."""
+    norm). q_bias [Hq, Dr], k_bias [Hkv, D], v_bias [Hkv, Dv] (contiguous, of
+    new_k's dtype: Qwen2's q / k / v biases) are added to the rows first,
+    rounded as ``layers.bias_add`` writes them."""
 
     cos: Array
     sin: Array
@@ -178,6 +183,9 @@ class Rotary:
     k_norm: Array | None = None
     v_norm: Array | None = None
     eps: float = 1e-6
+    q_bias: Array | None = None
+    k_bias: Array | None = None
+    v_bias: Array | None = None
 
 
 @dataclass
@@ -358,10 +366,20 @@ def check_rotary(w: KvWrite, rope: object, queries: int) -> None:
     backend_of(new_k=w.new_k, cos=rope.cos, sin=rope.sin, q=rope.q)
     checks.rope_tables(rope.cos, rope.sin, d // 2)
     q = rope.q
-    if rope.q_norm is not None and q is None:
-        raise PagedAttentionError("rope.q_norm: expected None without rope.q (no q rows to normalize)")
-    if rope.v_norm is not None and w.v_cache is None:
-        raise PagedAttentionError("rope.v_norm: expected None without new_v and v_cache (no V rows to normalize)")
+    if q is not None:
+        checks.float_array("rope.q", q, 3, view=True)
+        checks.same_dtype("new_k", w.new_k, **{"rope.q": q})
+        if int(q.shape[1]) < 1:
+            raise PagedAttentionError(f"rope.q: expected Hq >= 1 heads, got shape {checks.shape_str(q.shape)}")
+        checks.shape_is("rope.q", q, (queries, int(q.shape[1]), d))
+        w.src_q = checks.view_strides("rope.q", q) + (1,)
+    for name, x in (("rope.q_norm", rope.q_norm), ("rope.q_bias", rope.q_bias)):
+        if x is not None and q is None:
+            raise PagedAttentionError(f"{name}: expected None without rope.q (no q rows)")
+    for name, x in (("rope.v_norm", rope.v_norm), ("rope.v_bias", rope.v_bias)):
+        if x is not None and w.v_cache is None:
+            raise PagedAttentionError(f"{name}: expected None without new_v and v_cache (no V rows)")
+    hkv = int(w.k_cache.shape[2])
     dims = {"k": int(w.k_cache.shape[3]), "v": int(w.v_cache.shape[3]) if w.v_cache is not None else 0}
     norms = (
         ("rope.q_norm", rope.q_norm, d),
@@ -373,6 +391,17 @@ def check_rotary(w: KvWrite, rope: object, queries: int) -> None:
             checks.float_array(name, wt, 1)
             checks.same_dtype("new_k", w.new_k, **{name: wt})
             checks.shape_is(name, wt, (dim,))
+    biases = (
+        ("rope.q_bias", rope.q_bias, (int(q.shape[1]) if q is not None else 0, d)),
+        ("rope.k_bias", rope.k_bias, (hkv, dims["k"])),
+        ("rope.v_bias", rope.v_bias, (hkv, dims["v"])),
+    )
+    for name, b, shape in biases:
+        if b is not None:
+            checks.float_array(name, b, 2)
+            checks.same_dtype("new_k", w.new_k, **{name: b})
+            checks.shape_is(name, b, shape)
+            backend_of(new_k=w.new_k, **{name: b})
     if any(wt is not None for _, wt, _ in norms):
         eps = rope.eps
         if (
@@ -382,16 +411,24 @@ def check_rotary(w: KvWrite, rope: object, queries: int) -> None:
         ):
             raise PagedAttentionError(f"rope.eps: expected a finite float >= 0, got {eps!r}")
         backend_of(new_k=w.new_k, **{name: wt for name, wt, _ in norms})
-    if q is not None:
-        checks.float_array("rope.q", q, 3, view=True)
-        checks.same_dtype("new_k", w.new_k, **{"rope.q": q})
-        if int(q.shape[1]) < 1:
-            raise PagedAttentionError(f"rope.q: expected Hq >= 1 heads, got shape {checks.shape_str(q.shape)}")
-        checks.shape_is("rope.q", q, (queries, int(q.shape[1]), d))
+    tables = {"rope.cos": rope.cos, "rope.sin": rope.sin}
+    tables.update({name: x for name, x, _ in norms + biases if x is not None})
+    for name, x in tables.items():  # read while the caches are written
+        checks.no_overlap(name, x, k_cache=w.k_cache, v_cache=w.v_cache)
+    if q is not None:  # (written in place: disjoint from everything the launch reads)
+        extra = {"rope.q_norm": rope.q_norm, "rope.k_norm": rope.k_norm, "rope.v_norm": rope.v_norm}
+        extra.update({"rope.q_bias": rope.q_bias, "rope.k_bias": rope.k_bias, "rope.v_bias": rope.v_bias})
         checks.no_overlap(
-            "rope.q", q, new_k=w.new_k, new_v=w.new_v, k_cache=w.k_cache, v_cache=w.v_cache, cos=rope.cos, sin=rope.sin
+            "rope.q",
+            q,
+            new_k=w.new_k,
+            new_v=w.new_v,
+            k_cache=w.k_cache,
+            v_cache=w.v_cache,
+            cos=rope.cos,
+            sin=rope.sin,
+            **extra,
         )
-        w.src_q = checks.view_strides("rope.q", q) + (1,)
     w.rope = rope
 
 
@@ -562,6 +599,9 @@ def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, *
         rope_q_norm=0 if rope is None or rope.q_norm is None else address(rope.q_norm),
         rope_k_norm=0 if rope is None or rope.k_norm is None else address(rope.k_norm),
         rope_v_norm=0 if rope is None or rope.v_norm is None else address(rope.v_norm),
+        rope_q_bias=0 if rope is None or rope.q_bias is None else address(rope.q_bias),
+        rope_k_bias=0 if rope is None or rope.k_bias is None else address(rope.k_bias),
+        rope_v_bias=0 if rope is None or rope.v_bias is None else address(rope.v_bias),
         rope_eps=0.0 if rope is None else float(rope.eps),
         q_heads=0 if q is None else int(q.shape[1]),
         src_tok_q=w.src_q[0],
@@ -569,7 +609,8 @@ def launch_kv_write(stream: Stream, kernel_name: str, w: KvWrite, tokens: int, *
     )
     refs = arrays + [a for a in (w.k_scale, w.v_scale) if a is not None]
     if rope is not None:
-        refs += [a for a in (rope.cos, rope.sin, rope.q_norm, rope.k_norm, rope.v_norm) if a is not None]
+        extra = (rope.cos, rope.sin, rope.q_norm, rope.k_norm, rope.v_norm, rope.q_bias, rope.k_bias, rope.v_bias)
+        refs += [a for a in extra if a is not None]
     for k, v in fields.items():
         if k in ("words", "slots"):
             refs.append(v)

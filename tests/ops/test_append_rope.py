@@ -278,6 +278,68 @@ def test_qk_norm_then_rope(xp_backend, dtype, fmt):
     assert not np.allclose(got[:, : hq * d].reshape(q.shape).astype(np.float64), plain, atol=0.1)
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_bias_then_norm_then_rope(xp_backend, dtype, norm):
+    """Qwen2's q / k / v biases added in the append (as bias_add), then (with
+    the norms) the RMSNorm, then the rotation; V gets its bias, unrotated."""
+    rng = np.random.default_rng(zlib.crc32(f"rope-bias-{dtype}-{norm}".encode()))
+    hq, hkv, d = 4, 2, 32
+    case = make_paged_case(
+        rng,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=8,
+        sequences=3,
+        max_kv_len=30,
+        q_lens=3,
+        dtype=dtype,
+    )
+    flat, q, k, v = fused_qkv(rng, case.num_queries, hq, hkv, d, d, dtype)
+    dt = as_dtype(dtype)
+    bq, bk, bv = (rng.standard_normal((h, d)).astype(dt) for h in (hq, hkv, hkv))
+    wq, wk = ((1 + 0.3 * rng.standard_normal(d)).astype(dt) for _ in range(2))
+    cos64, sin64, cos, sin = tables(64, d)
+
+    def prep(x, b, wt):
+        y = (x.astype(np.float64) + b.astype(np.float64)).astype(dt)
+        return reference.rms_norm(y, wt, 1e-6).astype(dt) if norm else y
+
+    qr, _, ek, ev = expected(
+        case, prep(q, bq, wq), prep(k, bk, wk), (v.astype(np.float64) + bv).astype(dt), cos64, sin64, dtype
+    )
+    xp = xp_backend
+    dflat, kc, vc = (xp.asarray(a.copy()) for a in (flat, case.k_cache, case.v_cache))
+    dq, dk, dv_ = (
+        dflat[:, : hq * d].reshape(q.shape),
+        dflat[:, hq * d : (hq + hkv) * d].reshape(k.shape),
+        dflat[:, (hq + hkv) * d :].reshape(v.shape),
+    )
+    norms = dict(q_norm=xp.asarray(wq), k_norm=xp.asarray(wk)) if norm else {}
+    rope = Rotary(
+        xp.asarray(cos),
+        xp.asarray(sin),
+        dq,
+        q_bias=xp.asarray(bq),
+        k_bias=xp.asarray(bk),
+        v_bias=xp.asarray(bv),
+        **norms,
+    )
+    plan = plan_of(case, kc)
+    append(plan, dk, dv_, kc, vc, rope=rope)
+    tol = TOL[dtype] * 3
+    got = xp.to_numpy(dflat)
+    np.testing.assert_allclose(got[:, : hq * d].reshape(q.shape).astype(np.float64), qr, atol=tol, rtol=tol)
+    np.testing.assert_array_equal(bits(got[:, hq * d :]), bits(flat[:, hq * d :]))
+    pages, offsets = plan.host.write_slots()
+    gk, gv = xp.to_numpy(kc), xp.to_numpy(vc)
+    np.testing.assert_allclose(
+        gk[pages, offsets].astype(np.float64), ek[pages, offsets].astype(np.float64), atol=tol, rtol=tol
+    )
+    np.testing.assert_array_equal(bits(gv[pages, offsets]), bits(ev[pages, offsets]))  # one rounding of x + b: exact
+
+
 def test_position_is_the_device_word():
     """The rotation follows the plan's device q_pos word (what a decode loop
     advances between graph replays), not the host plan."""
@@ -347,6 +409,12 @@ def test_rotary_errors_write_nothing():
     bad(Rotary(cos, sin, q, k_norm=np.ones(16, np.float16)), r"rope.k_norm: expected dtype float32 like new_k")
     bad(Rotary(cos, sin, q, k_norm=np.ones(16, np.float32), eps=-1.0), r"rope.eps: expected a finite float >= 0")
     bad(Rotary(cos, sin, q, v_norm=np.ones(8, np.float32)), r"rope.v_norm: expected shape \[16\], got \[8\]")
+    bad(Rotary(cos, sin, q, k_bias=np.ones((2, 8), np.float32)), r"rope.k_bias: expected shape \[2, 16\], got \[2, 8\]")
+    bad(Rotary(cos, sin, None, q_bias=np.ones((2, 16), np.float32)), r"rope.q_bias: expected None without rope.q")
+    bad(
+        Rotary(case.k_cache.reshape(-1)[: 16 * 8].reshape(16, 8), sin, q),
+        r"rope.cos: expected memory disjoint from k_cache",
+    )
     bad(Rotary(cos, sin, q, side="q"), r"rope.side: expected 'k' or 'v' \(the rows rotated\), got 'q'")
     with pytest.raises(PagedAttentionError, match="rope.side: expected 'k' without new_v and v_cache"):
         append(plan, k, None, case.k_cache, None, rope=Rotary(cos, sin, q, side="v"))

@@ -210,6 +210,10 @@ def append_and_pages():
     plan.append(new[:2], new[:2], cache.k[0], cache.v[0], rope=cupaged.Rotary(cos, cos, q))
     wn = np.ones(8, np.float16)
     plan.append(new[:2], new[:2], cache.k[0], cache.v[0], rope=cupaged.Rotary(cos, cos, q, q_norm=wn, k_norm=wn))
+    bias = dict(
+        q_bias=np.ones((3, 8), np.float16), k_bias=np.ones((2, 8), np.float16), v_bias=np.ones((2, 8), np.float16)
+    )
+    plan.append(new[:2], new[:2], cache.k[0], cache.v[0], rope=cupaged.Rotary(cos, cos, q, v_norm=wn, **bias))
     k8 = np.zeros(cache.k[0].shape, np.uint8)
     plan.append(new[:2], new[:2], k8, k8.copy(), kv_dtype="e4m3", rope=cupaged.Rotary(cos, cos, q))
     lat = rng.standard_normal((2, 1, 16)).astype(np.float16)
