@@ -8,6 +8,10 @@ Cases (bf16 by default, 8 KV heads x 128 dims, page size 16):
   decode B   B sequences x 1 new token (B in --batches), each on top of --context tokens
   prefill N  one sequence x N new tokens from position 0 (--prefill)
   cow B      copy-on-write step: B shared pages copied, both caches (copy_pages)
+  rope B / rope prefill N
+             the rotary append (``Rotary``: K rotated into the cache, --q-heads
+             q heads in place, one launch) beside the two launches it replaces
+             (layers.rope on q and k, then the plain append), same process
 
 Bytes: an append reads its new rows and writes as many (2 x queries x Hkv x
 (D + Dv) x itemsize); a page copy reads and writes each page (2 x pages x
@@ -25,7 +29,9 @@ import sys
 import numpy as np
 from benchlib import Cpu, Gpu, Modeler, dtype_of  # noqa: E402 (also puts a source tree on sys.path)
 
-from cupaged import HostPlan, stream_for  # noqa: E402
+from cupaged import HostPlan, Rotary, stream_for  # noqa: E402
+from cupaged.layout import metadata_offsets  # noqa: E402
+from cupaged.ops import layers  # noqa: E402
 from cupaged.ops.append import append  # noqa: E402
 from cupaged.ops.append import copy_pages as launch_copy_pages
 from cupaged.testing import (
@@ -41,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="smoke run on the CPU backend with tiny shapes")
     p.add_argument("--dtype", default="bf16", choices=["f32", "f16", "bf16"])
     p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--q-heads", type=int, default=32, help="query heads the rotary cases rotate")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--batches", default="1,8,32,64,128,256", help="decode batch sizes, comma separated")
@@ -80,6 +87,49 @@ def append_case(backend, rng, dt, kv_lens, q_lens, hkv, d, dv, ps, check: bool):
         assert np.array_equal(np.asarray(k).view(np.uint8), ek.view(np.uint8)), "append: K differs from reference"
         assert np.array_equal(np.asarray(v).view(np.uint8), ev.view(np.uint8)), "append: V differs from reference"
     return run, 2 * queries * hkv * (d + dv) * dt.itemsize
+
+
+def rope_case(backend, rng, dt, kv_lens, q_lens, hq, hkv, d, ps, check: bool):
+    """(fused run, two-launch run, bytes the fused one moves) for a rotary
+    append of q [queries, hq, d] and k / v [queries, hkv, d], the head ranges
+    of one fused qkv buffer, as the engine's."""
+    kv = np.asarray(kv_lens, np.int64)
+    ql = np.asarray(q_lens, np.int64)
+    pages = int((-(-kv // ps)).sum())
+    table = random_page_table(rng, kv, ps, pages)
+    queries = int(ql.sum())
+    qkv_h = rng.standard_normal((queries, hq + 2 * hkv, d)).astype(dt)
+    cos64, sin64 = reference.rope_tables(np.arange(int(kv.max())), d)
+    qkv, k, v = (
+        backend.asarray(a) for a in (qkv_h.copy(), np.zeros((pages, ps, hkv, d), dt), np.zeros((pages, ps, hkv, d), dt))
+    )
+    cos, sin = backend.asarray(cos64.astype(np.float32)), backend.asarray(sin64.astype(np.float32))
+    q, nk, nv = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    plan = HostPlan.build(table, kv, ql, ps, pages).upload(k)
+    off = metadata_offsets(plan.host.queries, plan.host.sequences)["q_pos"]
+    positions = plan.words[off : off + queries]
+    rope = Rotary(cos, sin, q)
+
+    def fused():
+        append(plan, nk, nv, k, v, rope=rope)
+
+    def separate():
+        layers.rope(qkv[:, : hq + hkv], positions, cos, sin)
+        append(plan, nk, nv, k, v)
+
+    if check:
+        fused()
+        _, pos = reference.query_positions(kv, ql)
+        eq = reference.apply_rope(qkv_h[:, :hq], cos64[pos], sin64[pos])
+        ek = reference.apply_rope(qkv_h[:, hq : hq + hkv], cos64[pos], sin64[pos]).astype(dt)
+        ek, ev = reference.paged_append(
+            ek, qkv_h[:, hq + hkv :], np.zeros_like(np.asarray(k)), np.zeros_like(np.asarray(v)), table, kv, ql
+        )
+        tol = 2e-2 if dt.itemsize == 2 else 1e-5
+        assert np.allclose(np.asarray(q).astype(np.float64), eq, atol=tol, rtol=tol), "rotary append: q differs"
+        assert np.allclose(np.asarray(k).astype(np.float64), ek.astype(np.float64), atol=tol, rtol=tol), "K differs"
+        assert np.array_equal(np.asarray(v).view(np.uint8), ev.view(np.uint8)), "rotary append: V differs"
+    return fused, separate, 2 * queries * (hq + 2 * hkv) * d * dt.itemsize
 
 
 def cow_case(backend, rng, dt, copies, hkv, d, dv, ps, check: bool):
@@ -146,6 +196,12 @@ def main(argv=None) -> int:
         cases.append((f"prefill {n}", append_case(backend, rng, dt, [n], [n], hkv, d, dv, ps, args.cpu)))
     for b in batches:
         cases.append((f"cow B={b}", cow_case(backend, rng, dt, b, hkv, d, dv, ps, args.cpu)))
+    hq = 4 if args.cpu else args.q_heads
+    ropes = [
+        (f"rope B={b}", rope_case(backend, rng, dt, [context + 1] * b, [1] * b, hq, hkv, d, ps, args.cpu))
+        for b in batches
+    ]
+    ropes += [(f"rope prefill {n}", rope_case(backend, rng, dt, [n], [n], hq, hkv, d, ps, args.cpu)) for n in prefills]
     modeler = Modeler(backend, not args.no_model)
     head = (
         f"{'case':<16} {'bytes':>12} {'time us':>10} {'GB/s':>9} {'memcpy GB/s':>12} {'% memcpy':>9} "
@@ -165,8 +221,24 @@ def main(argv=None) -> int:
             f"{mus:>11} {m.get('modeled_GBps', 'n/a'):>13} {m.get('modeled_bound', 'n/a'):>13}"
         )
     print("# " + modeler.legend() + " (an append / page copy modeled as a copy of its bytes, at least one launch)")
+    print(f"# the rotary append ({hq} q heads rotated in place) beside rope + append, the two launches it replaces")
+    head = f"{'case':<18} {'bytes':>12} {'fused us':>9} {'GB/s':>8} {'% memcpy':>9} {'rope+append us':>15} {'ratio':>6}"
+    print(head)
+    print("-" * len(head))
+    for name, (fused, separate, nbytes) in ropes:
+        t = backend.time(fused, reps, warmup)
+        t2 = backend.time(separate, reps, warmup)
+        tm = backend.time(backend.memcpy(max(1, nbytes // 2)), reps, warmup)
+        gbs, mgbs = nbytes / t / 1e9, nbytes / tm / 1e9
+        print(
+            f"{name:<18} {nbytes:>12,d} {t * 1e6:>9.1f} {gbs:>8.1f} {100 * gbs / mgbs:>8.0f}% "
+            f"{t2 * 1e6:>15.1f} {t2 / t:>5.2f}x"
+        )
     if args.cpu:
-        print("# smoke run: every case matched reference.paged_append / a NumPy page copy bit for bit")
+        print(
+            "# smoke run: every case matched reference.paged_append / a NumPy page copy bit for bit, the rotary "
+            "cases reference.apply_rope at the dtype's tolerance"
+        )
     return 0
 
 
