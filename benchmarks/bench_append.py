@@ -129,7 +129,14 @@ def rope_case(backend, rng, dt, kv_lens, q_lens, hq, hkv, d, ps, check: bool):
         assert np.allclose(np.asarray(q).astype(np.float64), eq, atol=tol, rtol=tol), "rotary append: q differs"
         assert np.allclose(np.asarray(k).astype(np.float64), ek.astype(np.float64), atol=tol, rtol=tol), "K differs"
         assert np.array_equal(np.asarray(v).view(np.uint8), ev.view(np.uint8)), "rotary append: V differs"
-    return fused, separate, 2 * queries * (hq + 2 * hkv) * d * dt.itemsize
+    isz = dt.itemsize
+    # bytes: the fused launch reads and writes q, k, v once; the rope launch reads and writes q, k; the append k, v
+    return (
+        fused,
+        separate,
+        2 * queries * (hq + 2 * hkv) * d * isz,
+        (2 * queries * (hq + hkv) * d * isz, 4 * queries * hkv * d * isz),
+    )
 
 
 def cow_case(backend, rng, dt, copies, hkv, d, dv, ps, check: bool):
@@ -222,18 +229,30 @@ def main(argv=None) -> int:
         )
     print("# " + modeler.legend() + " (an append / page copy modeled as a copy of its bytes, at least one launch)")
     print(f"# the rotary append ({hq} q heads rotated in place) beside rope + append, the two launches it replaces")
-    head = f"{'case':<18} {'bytes':>12} {'fused us':>9} {'GB/s':>8} {'% memcpy':>9} {'rope+append us':>15} {'ratio':>6}"
+    head = (
+        f"{'case':<18} {'bytes':>12} {'fused us':>9} {'GB/s':>8} {'% memcpy':>9} {'rope+append us':>15} {'ratio':>6} "
+        f"{'modeled us':>11} {'modeled rope+append us':>23} {'modeled ratio':>14}"
+    )
     print(head)
     print("-" * len(head))
-    for name, (fused, separate, nbytes) in ropes:
+
+    def modeled_us(n):
+        m = modeler.copy(n)
+        return 1e3 * float(m["modeled_ms"]) if m.get("modeled_GBps") else None
+
+    for name, (fused, separate, nbytes, parts) in ropes:
         t = backend.time(fused, reps, warmup)
         t2 = backend.time(separate, reps, warmup)
         tm = backend.time(backend.memcpy(max(1, nbytes // 2)), reps, warmup)
         gbs, mgbs = nbytes / t / 1e9, nbytes / tm / 1e9
+        m1, m2 = modeled_us(nbytes), [modeled_us(n) for n in parts]
+        ok = m1 is not None and None not in m2
+        mtxt = f"{m1:>11.1f} {sum(m2):>23.1f} {sum(m2) / m1:>13.2f}x" if ok else f"{'n/a':>11} {'n/a':>23} {'n/a':>14}"
         print(
             f"{name:<18} {nbytes:>12,d} {t * 1e6:>9.1f} {gbs:>8.1f} {100 * gbs / mgbs:>8.0f}% "
-            f"{t2 * 1e6:>15.1f} {t2 / t:>5.2f}x"
+            f"{t2 * 1e6:>15.1f} {t2 / t:>5.2f}x {mtxt}"
         )
+    print("# modeled: each launch as a copy of its bytes (at least one launch), as above; the ratio is launches saved")
     if args.cpu:
         print(
             "# smoke run: every case matched reference.paged_append / a NumPy page copy bit for bit, the rotary "
