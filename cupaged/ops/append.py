@@ -154,10 +154,11 @@ class Rotary:
     ``layers.rope``): one launch rotates each query's K rows by its absolute
     position (the plan's device q_pos word, so a captured graph rotates by
     the current position on every replay) on their way into the cache, and
-    ``q``'s rows in place; V rows are written unchanged, new_k is left as it
-    was. ``side="v"`` rotates the V rows instead and copies K (an MLA cache:
-    new_k the latent, new_v the rotary part k_pos). A position past the
-    tables is clamped to their last row.
+    ``q``'s rows in place; V rows are copied (with a bias or norm below:
+    biased / normalized), new_k and new_v are left as they were.
+    ``side="v"`` rotates the V rows instead and copies K (an MLA cache: new_k
+    the latent, new_v the rotary part k_pos). A position past the tables is
+    clamped to their last row.
 
     cos, sin: float32 [max_pos, Dr // 2], contiguous (row p: position p; Dr
     the rotated rows' head dim, even). q: [queries, Hq, Dr] of new_k's dtype,

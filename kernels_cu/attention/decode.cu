@@ -300,15 +300,19 @@ extern "C" __global__ void __launch_bounds__(att::kThreads, att::kMinBlocks) pag
     // words of row `tab` of a table `width` columns wide (0: none) load
     // together (load), and are checked after (check: a token past the split's
     // end or on a page id >= num_pages gets page kNoPage), one round trip for
-    // all, where a check beside each load would make it one a row.
+    // all, where a check beside each load would make it one a row. Each row's
+    // page position is found afresh (att::PagePos::at, a division a row):
+    // kept and advanced instead, as the tile walks do, the 2 kU words it holds
+    // cost more registers than the divisions cost instructions (the gate's
+    // variants: +1.5 registers mean, 25 of them past 128).
     u32 pg[kU], sl[kU];
     auto load = [&](u32 base, const u32* tab, u32 width) {
 #pragma unroll
         for (u32 u = 0; u < kU; ++u) {
-            const u32 t = base + my_row + u * kRows;
-            const u32 j = t / page_size;
-            pg[u] = j < width ? tab[j] : kNoPage;
-            sl[u] = t - j * page_size;
+            att::PagePos pos;
+            pos.at(base + my_row + u * kRows, page_size);
+            pg[u] = pos.pj < width ? tab[pos.pj] : kNoPage;
+            sl[u] = pos.psl;
         }
     };
     u32 start = 0, end = 0;

@@ -236,23 +236,23 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
     // col) * kN in every lane, one page-table word a tile, and each lane
     // addresses its rows from that page and slot (whole). Otherwise lane l < kN
     // walks token tok + l, and a copying lane takes its rows' pages and slots
-    // from their lanes (shuffles). Page column pj and slot psl advance by kStep
-    // tokens a tile (no division in the loop: the one division is here).
+    // from their lanes (shuffles). The page position (att::PagePos) advances by
+    // kStep tokens a tile (no division in the loop: the one division is here).
     constexpr u32 kStep = kN * kWarps;
-    const u32 step_j = kStep / ps, step_s = kStep - step_j * ps;
-    u32 lo, tok, pj, psl;
+    const att::PageStep step(kStep, ps);
+    u32 lo, tok;
+    att::PagePos pos;
     bool whole;
     auto start = [&](u32 share_lo) {  // the walk's first token of this column, from the share's start
         lo = share_lo;
         whole = ps % kN == 0 && lo % kN == 0;
         tok = lo + col * kN + (whole ? 0u : lane);
-        pj = tok / ps;
-        psl = tok - pj * ps;
+        pos.at(tok, ps);
     };
     start(guess.lo);
     u32 raw = kNone;  // page-table word of tok (kNone past hi), loaded one tile ahead
     // The guessed share's first word (its row and column inside the table: never past the arrays).
-    if ((whole || lane < kN) && qi < p.sequences && pj < p.table_width) raw = table_qi[pj];
+    if ((whole || lane < kN) && qi < p.sequences && pos.pj < p.table_width) raw = table_qi[pos.pj];
     const att::QueryWords qw = att::query_words(p, qi);  // one round trip for all in a decode step
     const u32 seq = qw.seq;
     u32 hi = 0;
@@ -267,19 +267,14 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
         if (seq != qi || sp.lo != lo) {
             ptx::cold_path();  // a wrong guess: the walk from the real share
             start(sp.lo);
-            raw = (whole || lane < kN) && tok < hi ? table[pj] : kNone;
+            raw = (whole || lane < kN) && tok < hi ? table[pos.pj] : kNone;
         }
     }
     if (!(tok < hi)) raw = kNone;  // past the share (or an empty one)
-    auto fetch = [&] { raw = ((whole || lane < kN) && tok < hi) ? table[pj] : kNone; };
+    auto fetch = [&] { raw = ((whole || lane < kN) && tok < hi) ? table[pos.pj] : kNone; };
     auto advance = [&] {
         tok += kStep;
-        pj += step_j;
-        psl += step_s;
-        if (psl >= ps) {
-            psl -= ps;
-            ++pj;
-        }
+        pos.advance(step);
     };
     // For a score variant: its arguments, and the rows (query position, head, slope) of this lane's heads g, g + 8.
     const variant::Scorer sc(p);
@@ -331,11 +326,11 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
         char* const kd = kdst_lane + b * stage_b;
         char* const vd = vdst_lane + b * stage_b;
         if (whole) {
-            // One page for the whole tile (raw and psl are the same in every lane).
+            // One page for the whole tile (raw and pos.psl are the same in every lane).
             const bool ok = raw < num_pages;
             const u32 nv = ok ? att::min_u32(hi - tok, kN) : 0u;  // valid tokens: rows 0 .. nv - 1
             const u64 page = ok ? raw : 0u;
-            const u32 slot = psl + r0;
+            const u32 slot = pos.psl + r0;
             const char* const kb =
                 reinterpret_cast<const char*>(k_lane + page * p.k_stride_page + slot * p.k_stride_slot);
             const char* const vb =
@@ -355,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(dtc::kBoundThreads, 1) paged_decode
         for (u32 u = 0; u < kRowsPerLane; ++u) {
             ptx::cold_path();
             const u32 row = u * kRowsPerCopy + r0;
-            const u32 pg = __shfl_sync(CP_FULL_MASK, raw, row), sl = __shfl_sync(CP_FULL_MASK, psl, row);
+            const u32 pg = __shfl_sync(CP_FULL_MASK, raw, row), sl = __shfl_sync(CP_FULL_MASK, pos.psl, row);
             const bool row_ok = (valid >> row) & 1u;
             const u64 page = row_ok ? pg : 0u;
             const u32 slot = row_ok ? sl : 0u;

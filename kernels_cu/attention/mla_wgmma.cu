@@ -434,22 +434,19 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
             ptx::wgmma_commit();  // waited for at the next tile's top (or after the pass): o is not touched before
         };
         // ---- the ring: tile j computes in buffer j % 2 while tile j + 1's copies are in flight ----
-        // Page walk: thread tid < kN keeps token tok = lo + kN n + tid of the tile n it stages next, its
-        // page-table column pj and slot psl, advanced by kN tokens a tile (the one division is the pass's).
+        // Page walk: thread tid < kN keeps token tok = lo + kN n + tid of the tile n it stages next and its
+        // page position (att::PagePos), advanced by kN tokens a tile (the one division is the pass's).
         // Its page-table word is loaded one tile ahead of its staging (two ahead of its use).
         const u32* const table = tables + (u64)seq * p.table_width;
-        const u32 ps = p.page_size, ntiles = (hi - lo + kN - 1) / kN;
-        const u32 step_j = kN / ps, step_s = kN - step_j * ps;
-        u32 tok = lo + tid, pj = tok / ps, psl = tok - pj * ps, word = kNone;
-        auto fetch = [&] { word = (tid < kN && tok < hi) ? table[pj] : kNone; };
+        const u32 ntiles = (hi - lo + kN - 1) / kN;
+        const att::PageStep step(kN, p.page_size);
+        u32 tok = lo + tid, word = kNone;
+        att::PagePos pos;
+        pos.at(tok, p.page_size);
+        auto fetch = [&] { word = (tid < kN && tok < hi) ? table[pos.pj] : kNone; };
         auto advance = [&] {
             tok += kN;
-            pj += step_j;
-            psl += step_s;
-            if (psl >= ps) {
-                psl -= ps;
-                ++pj;
-            }
+            pos.advance(step);
         };
         // The fetched token's row offsets and valid bits into staging buffer sb (threads tid < kN: warps 0
         // and 1); returns this warp's valid bits.
@@ -457,9 +454,9 @@ extern "C" __global__ void __launch_bounds__(mwg::kThreads, mwg::kMinBlocks) pag
             u32 bits = 0;
             if (tid < kN) {
                 const bool ok = word < p.num_pages;
-                s_koff[sb][tid] = ok ? (u64)word * p.k_stride_page + (u64)psl * p.k_stride_slot : 0ull;
+                s_koff[sb][tid] = ok ? (u64)word * p.k_stride_page + (u64)pos.psl * p.k_stride_slot : 0ull;
                 if constexpr (kRotSteps > 0)
-                    s_roff[sb][tid] = ok ? (u64)word * p.rot_stride_page + (u64)psl * p.rot_stride_slot : 0ull;
+                    s_roff[sb][tid] = ok ? (u64)word * p.rot_stride_page + (u64)pos.psl * p.rot_stride_slot : 0ull;
                 bits = __ballot_sync(CP_FULL_MASK, ok);
                 if (lane == 0) s_sval[sb][warp4] = bits;
             }

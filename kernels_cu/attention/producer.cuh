@@ -9,31 +9,24 @@
 
 namespace prod {
 // Token tok of the next tile of a pass over positions [.., hi) of one sequence (its page-table row
-// table): its page-table column pj and slot psl, advanced by kN tokens a tile with no division (the one
+// table): its page position (att::PagePos), advanced by kN tokens a tile with no division (the one
 // division is the pass's, at the start).
 template <u32 kN>
 struct TokenWalk {
     const u32* __restrict__ table;
-    u32 hi, page_size, step_j, step_s, tok, pj, psl;
+    u32 hi, tok;
+    att::PageStep step;
+    att::PagePos pos;
     __device__ __forceinline__ TokenWalk(const u32* __restrict__ t, u32 first, u32 end, u32 ps)
-        : table(t), hi(end), page_size(ps) {
-        step_j = kN / ps;
-        step_s = kN - step_j * ps;
-        tok = first;
-        pj = first / ps;
-        psl = first - pj * ps;
+        : table(t), hi(end), tok(first), step(kN, ps) {
+        pos.at(first, ps);
     }
     // The current token's page-table word (tc::kNone past the pass's end) and slot; then the next tile's token.
     __device__ __forceinline__ void next(u32& raw, u32& slot) {
-        raw = tok < hi ? table[pj] : tc::kNone;
-        slot = psl;
+        raw = tok < hi ? table[pos.pj] : tc::kNone;
+        slot = pos.psl;
         tok += kN;
-        pj += step_j;
-        psl += step_s;
-        if (psl >= page_size) {
-            psl -= page_size;
-            ++pj;
-        }
+        pos.advance(step);
     }
 };
 

@@ -91,6 +91,36 @@ __device__ __forceinline__ Span share(const AttentionParams& p, const QueryWords
     return share(p, w.len, [&] { return w.pos; }, z);
 }
 
+// A walk's step through pages of ps tokens, split once (the walk's one
+// division): `step` positions are `j` page-table columns and `s` slots.
+struct PageStep {
+    u32 ps, j, s;
+    __device__ __forceinline__ PageStep(u32 step, u32 page_size) : ps(page_size) {
+        j = step / page_size;
+        s = step - j * page_size;
+    }
+};
+
+// A position's page-table column pj and slot psl, set once by division (at)
+// and then advanced a PageStep at a time with none: the page walk of every
+// kernel that walks (paged_attention's rows, paged_decode_tc's tiles, the
+// wgmma kernels' staged tokens).
+struct PagePos {
+    u32 pj, psl;
+    __device__ __forceinline__ void at(u32 tok, u32 ps) {
+        pj = tok / ps;
+        psl = tok - pj * ps;
+    }
+    __device__ __forceinline__ void advance(const PageStep& st) {
+        pj += st.j;
+        psl += st.s;
+        if (psl >= st.ps) {
+            psl -= st.ps;
+            ++pj;
+        }
+    }
+};
+
 // share() of query qi of sequence seq (seq < sequences), its length read
 // here and its position when the rule needs it.
 __device__ __forceinline__ Span query_span(const AttentionParams& p, u32 qi, u32 seq, u32 z) {
