@@ -417,19 +417,8 @@ def check_rotary(w: KvWrite, rope: object, queries: int) -> None:
     for name, x in tables.items():  # read while the caches are written
         checks.no_overlap(name, x, k_cache=w.k_cache, v_cache=w.v_cache)
     if q is not None:  # (written in place: disjoint from everything the launch reads)
-        extra = {"rope.q_norm": rope.q_norm, "rope.k_norm": rope.k_norm, "rope.v_norm": rope.v_norm}
-        extra.update({"rope.q_bias": rope.q_bias, "rope.k_bias": rope.k_bias, "rope.v_bias": rope.v_bias})
-        checks.no_overlap(
-            "rope.q",
-            q,
-            new_k=w.new_k,
-            new_v=w.new_v,
-            k_cache=w.k_cache,
-            v_cache=w.v_cache,
-            cos=rope.cos,
-            sin=rope.sin,
-            **extra,
-        )
+        rows = {"new_k": w.new_k, "new_v": w.new_v, "k_cache": w.k_cache, "v_cache": w.v_cache}
+        checks.no_overlap("rope.q", q, **rows, **tables)
     w.rope = rope
 
 

@@ -56,13 +56,36 @@ def tables(max_pos, dim):
     return cos, sin, cos.astype(np.float32), sin.astype(np.float32)
 
 
+def split_qkv(flat, hq, hkv, d, dv):
+    """The q [rows, hq, d], k [rows, hkv, d] and v [rows, hkv, dv] views of a
+    fused projection's output flat [rows, hq d + hkv (d + dv)]."""
+    n = flat.shape[0]
+    q = flat[:, : hq * d].reshape(n, hq, d)
+    k = flat[:, hq * d : (hq + hkv) * d].reshape(n, hkv, d)
+    v = flat[:, (hq + hkv) * d :].reshape(n, hkv, dv)
+    return q, k, v
+
+
 def fused_qkv(rng, queries, hq, hkv, d, dv, dtype):
-    """A fused projection's output [queries, Hq*d + Hkv*d + Hkv*dv] and its q, k, v views."""
+    """A random fused projection's output and its q, k, v views (split_qkv)."""
     flat = rng.standard_normal((queries, hq * d + hkv * (d + dv))).astype(as_dtype(dtype))
-    q = flat[:, : hq * d].reshape(queries, hq, d)
-    k = flat[:, hq * d : (hq + hkv) * d].reshape(queries, hkv, d)
-    v = flat[:, (hq + hkv) * d :].reshape(queries, hkv, dv)
-    return flat, q, k, v
+    return (flat, *split_qkv(flat, hq, hkv, d, dv))
+
+
+def small_case(rng, dtype, hq, hkv, d, dv=None):
+    """Three sequences of up to 30 tokens, 3 queries each, pages of 8."""
+    return make_paged_case(
+        rng,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        head_dim_v=dv,
+        page_size=8,
+        sequences=3,
+        max_kv_len=30,
+        q_lens=3,
+        dtype=dtype,
+    )
 
 
 def expected(case, q, k, v, cos64, sin64, dtype):
@@ -119,9 +142,7 @@ def test_rotary_append_into_fp8(fmt, dtype):
     """Rotated, rounded to the rows' dtype, then quantized with a per-head K
     scale and a per-tensor V scale."""
     rng = np.random.default_rng(zlib.crc32(f"rope-fp8-{fmt}-{dtype}".encode()))
-    case = make_paged_case(
-        rng, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8, sequences=3, max_kv_len=30, q_lens=3, dtype=dtype
-    )
+    case = small_case(rng, dtype, 4, 2, 64)
     hkv, d = 2, 64
     _, q, k, v = fused_qkv(rng, case.num_queries, 4, hkv, d, d, dtype)
     cos64, sin64, cos, sin = tables(64, d)
@@ -152,18 +173,7 @@ def test_mla_rotary_part(xp_backend, dtype, norm):
     rotated in place."""
     rng = np.random.default_rng(zlib.crc32(f"rope-mla-{dtype}-{norm}".encode()))
     heads, r, pr = 4, 64, 16
-    case = make_paged_case(
-        rng,
-        num_q_heads=1,
-        num_kv_heads=1,
-        head_dim=r,
-        head_dim_v=pr,
-        page_size=8,
-        sequences=3,
-        max_kv_len=30,
-        q_lens=2,
-        dtype=dtype,
-    )
+    case = small_case(rng, dtype, 1, 1, r, pr)
     n = case.num_queries
     inp = rng.standard_normal((n, (heads + 1) * pr + r)).astype(as_dtype(dtype))  # [q_rope | k_rope | latent]
     ropes = inp[:, : (heads + 1) * pr].reshape(n, heads + 1, pr)
@@ -226,17 +236,7 @@ def test_qk_norm_then_rope(xp_backend, dtype, fmt):
     too."""
     rng = np.random.default_rng(zlib.crc32(f"rope-norm-{dtype}-{fmt}".encode()))
     hq, hkv, d = 4, 2, 64
-    case = make_paged_case(
-        rng,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        page_size=8,
-        sequences=3,
-        max_kv_len=30,
-        q_lens=3,
-        dtype=dtype,
-    )
+    case = small_case(rng, dtype, hq, hkv, d)
     flat, q, k, v = fused_qkv(rng, case.num_queries, hq, hkv, d, d, dtype)
     flat *= 3  # rows far from unit RMS: the norm must matter
     wq = (1 + 0.3 * rng.standard_normal(d)).astype(as_dtype(dtype))
@@ -250,11 +250,7 @@ def test_qk_norm_then_rope(xp_backend, dtype, fmt):
     qr, kr, ek, ev = expected(case, normed(q, wq), normed(k, wk), v, cos64, sin64, dtype)
     xp = xp_backend
     dflat, dcos, dsin, dwq, dwk = (xp.asarray(a.copy()) for a in (flat, cos, sin, wq, wk))
-    dq, dk, dv_ = (
-        dflat[:, : hq * d].reshape(q.shape),
-        dflat[:, hq * d : (hq + hkv) * d].reshape(k.shape),
-        dflat[:, (hq + hkv) * d :].reshape(v.shape),
-    )
+    dq, dk, dv_ = split_qkv(dflat, hq, hkv, d, d)
     if fmt is None:
         kc, vc = xp.asarray(case.k_cache.copy()), xp.asarray(case.v_cache.copy())
     else:
@@ -285,17 +281,7 @@ def test_bias_then_norm_then_rope(xp_backend, dtype, norm):
     the norms) the RMSNorm, then the rotation; V gets its bias, unrotated."""
     rng = np.random.default_rng(zlib.crc32(f"rope-bias-{dtype}-{norm}".encode()))
     hq, hkv, d = 4, 2, 32
-    case = make_paged_case(
-        rng,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        page_size=8,
-        sequences=3,
-        max_kv_len=30,
-        q_lens=3,
-        dtype=dtype,
-    )
+    case = small_case(rng, dtype, hq, hkv, d)
     flat, q, k, v = fused_qkv(rng, case.num_queries, hq, hkv, d, d, dtype)
     dt = as_dtype(dtype)
     bq, bk, bv = (rng.standard_normal((h, d)).astype(dt) for h in (hq, hkv, hkv))
@@ -311,11 +297,7 @@ def test_bias_then_norm_then_rope(xp_backend, dtype, norm):
     )
     xp = xp_backend
     dflat, kc, vc = (xp.asarray(a.copy()) for a in (flat, case.k_cache, case.v_cache))
-    dq, dk, dv_ = (
-        dflat[:, : hq * d].reshape(q.shape),
-        dflat[:, hq * d : (hq + hkv) * d].reshape(k.shape),
-        dflat[:, (hq + hkv) * d :].reshape(v.shape),
-    )
+    dq, dk, dv_ = split_qkv(dflat, hq, hkv, d, d)
     norms = dict(q_norm=xp.asarray(wq), k_norm=xp.asarray(wk)) if norm else {}
     rope = Rotary(
         xp.asarray(cos),
