@@ -225,22 +225,45 @@ __device__ __forceinline__ Prep row_prep(const src_t* src, u32 units, const scal
     return pr;
 }
 
+// kVec table entries t[0 .. kVec) (a rotary table row's, from a unit's
+// first element): 16-byte loads where `vec` says the row is 16-byte aligned
+// (rope_token checks), else one float at a time.
+__device__ __forceinline__ void table_unit(const float* __restrict__ t, bool vec, float (&out)[kVec]) {
+    if constexpr (kVec % 4 == 0) {
+        if (vec) {
+#pragma unroll
+            for (u32 k = 0; k < kVec / 4; ++k) {
+                const float4 f = ldv(reinterpret_cast<const float4*>(t) + k);
+                out[4 * k] = f.x;
+                out[4 * k + 1] = f.y;
+                out[4 * k + 2] = f.z;
+                out[4 * k + 3] = f.w;
+            }
+            return;
+        }
+    }
+#pragma unroll
+    for (u32 j = 0; j < kVec; ++j) out[j] = t[j];
+}
+
 // Rotate-half of unit pairs u .. u + n - 1 of one prepared head row by the
-// position's table rows cs / sn (half = hu units): units u and u + hu hold
-// elements i and i + half, which become x[i] c - x[i + half] s and
-// x[i + half] c + x[i] s (f32, as layers.cu's rope), rounded to CP_DTYPE,
-// then stored (dst: the row itself, or the cache).
+// position's table rows cs / sn (half = hu units; tv: both 16-byte aligned):
+// units u and u + hu hold elements i and i + half, which become
+// x[i] c - x[i + half] s and x[i + half] c + x[i] s (f32, as layers.cu's
+// rope), rounded to CP_DTYPE, then stored (dst: the row itself, or the cache).
 template <class D>
 __device__ __forceinline__ void rope_units(const src_t* src, D* dst, u32 u, u32 n, u32 hu, const float* __restrict__ cs,
-                                           const float* __restrict__ sn, float scale, const Prep& pr) {
+                                           const float* __restrict__ sn, bool tv, float scale, const Prep& pr) {
     for (const u32 stop = u + n; u < stop; ++u) {
         const Unit a = prep_unit(src, u, pr), b = prep_unit(src, u + hu, pr);
+        float cu[kVec], su[kVec];
+        table_unit(cs + u * kVec, tv, cu);
+        table_unit(sn + u * kVec, tv, su);
         Unit ra, rb;
 #pragma unroll
         for (u32 j = 0; j < kVec; ++j) {
-            const u32 i = u * kVec + j;
             const float x = to_float(a.e[j]), y = to_float(b.e[j]);
-            const float c = cs[i], s = sn[i];
+            const float c = cu[j], s = su[j];
             ra.e[j] = from_float<scalar_t>(x * c - y * s);
             rb.e[j] = from_float<scalar_t>(y * c + x * s);
         }
@@ -303,6 +326,7 @@ __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool sl
     const u32 hu = r.units >> 1, half = hu * kVec;
     const float* const cs = p.rope_cos + (u64)pos * half;
     const float* const sn = p.rope_sin + (u64)pos * half;
+    const bool tv = ((reinterpret_cast<u64>(cs) | reinterpret_cast<u64>(sn)) & 15u) == 0;  // (kVec: 4 or 8 floats)
     src_t* const q = static_cast<src_t*>(p.rope_q);
     const scalar_t* const wq = static_cast<const scalar_t*>(p.rope_q_norm);
     const scalar_t* const bq = static_cast<const scalar_t*>(p.rope_q_bias);
@@ -317,12 +341,12 @@ __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool sl
             const u32 h = e / per;
             src_t* const row = q + (u64)t * p.src_tok_q + (u64)h * p.src_head_q;
             const Prep pr = row_prep(row, r.units, bq ? bq + (u64)h * r.units * kVec : nullptr, wq, p.rope_eps);
-            rope_units(row, row, (e - h * per) * n, n, hu, cs, sn, 1.0f, pr);
+            rope_units(row, row, (e - h * per) * n, n, hu, cs, sn, tv, 1.0f, pr);
         } else if (e < nq + nr) {
             const u32 h = (e - nq) / per;
             const src_t* const row = r.src + (u64)h * r.src_head;
             const Prep pr = row_prep(row, r.units, r.bias_of(h), r.norm, p.rope_eps);
-            rope_units(row, r.dst + (u64)h * r.dst_head, (e - nq - h * per) * n, n, hu, cs, sn, r.scale_of(h), pr);
+            rope_units(row, r.dst + (u64)h * r.dst_head, (e - nq - h * per) * n, n, hu, cs, sn, tv, r.scale_of(h), pr);
         } else {
             const u32 i = e - nq - nr, h = i / cper, u0 = (i - h * cper) * (c.units / cper);
             const src_t* const row = c.src + (u64)h * c.src_head;

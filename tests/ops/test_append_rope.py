@@ -322,6 +322,31 @@ def test_bias_then_norm_then_rope(xp_backend, dtype, norm):
     np.testing.assert_array_equal(bits(gv[pages, offsets]), bits(ev[pages, offsets]))  # one rounding of x + b: exact
 
 
+@pytest.mark.parametrize("aligned", [True, False])
+def test_table_rows_off_the_16_byte_grid(aligned):
+    """The tables' rows are read 16 bytes at a time where they are aligned,
+    a float at a time where not (a table that is a view one float off the
+    grid): the same rotation either way, no misaligned vector load (the CPU
+    backend checks each one's address)."""
+    rng = np.random.default_rng(21)
+    case = small_case(rng, "bf16", 4, 2, 64)
+    flat, q, k, v = fused_qkv(rng, case.num_queries, 4, 2, 64, 64, "bf16")
+    cos64, sin64, cos, sin = tables(64, 64)
+    if not aligned:
+        cos, sin = (np.concatenate([np.zeros(1, np.float32), t.ravel()])[1:].reshape(t.shape) for t in (cos, sin))
+        assert cos.ctypes.data % 16 and sin.ctypes.data % 16
+    qr, _, ek, _ = expected(case, q, k, v, cos64, sin64, "bf16")
+    kc = case.k_cache.copy()
+    plan = plan_of(case, kc)
+    append(plan, k, v, kc, case.v_cache.copy(), rope=Rotary(cos, sin, q))
+    pages, offsets = plan.host.write_slots()
+    tol = TOL["bf16"]
+    np.testing.assert_allclose(q.astype(np.float64), qr, atol=tol, rtol=tol)
+    np.testing.assert_allclose(
+        kc[pages, offsets].astype(np.float64), ek[pages, offsets].astype(np.float64), atol=tol, rtol=tol
+    )
+
+
 def test_position_is_the_device_word():
     """The rotation follows the plan's device q_pos word (what a decode loop
     advances between graph replays), not the host plan."""
