@@ -350,10 +350,12 @@ def check_append(
     )
 
 
-def check_rotary(w: KvWrite, rope: object, queries: int) -> None:
+def check_rotary(plan: Any, w: KvWrite, rope: object) -> None:
     """The checks of ``append``'s ``rope`` (a Rotary) against a checked
-    write; sets ``w.rope`` and ``w.src_q``. PagedAttentionError naming the
+    write of ``plan``'s queries (its arrays on the plan's device and stream
+    too); sets ``w.rope`` and ``w.src_q``. PagedAttentionError naming the
     argument."""
+    queries = plan.host.queries
     if not isinstance(rope, Rotary):
         raise PagedAttentionError(f"rope: expected a cupaged.Rotary (cos, sin, q) or None, got {type(rope).__name__}")
     if rope.side not in ("k", "v"):
@@ -416,6 +418,7 @@ def check_rotary(w: KvWrite, rope: object, queries: int) -> None:
     tables.update({name: x for name, x, _ in norms + biases if x is not None})
     for name, x in tables.items():  # read while the caches are written
         checks.no_overlap(name, x, k_cache=w.k_cache, v_cache=w.v_cache)
+    checks.plan_arrays(plan, **tables, **{"rope.q": q})
     if q is not None:  # (written in place: disjoint from everything the launch reads)
         rows = {"new_k": w.new_k, "new_v": w.new_v, "k_cache": w.k_cache, "v_cache": w.v_cache}
         checks.no_overlap("rope.q", q, **rows, **tables)
@@ -467,7 +470,7 @@ def append(
         k_cache, v_cache, storage = layer_operands("k_cache", k_cache, v_cache, "v_cache", storage)
     w = check_append(plan, new_k, new_v, k_cache, v_cache, **storage)
     if rope is not None:
-        check_rotary(w, rope, plan.host.queries)
+        check_rotary(plan, w, rope)
     host = plan.host
     if host not in _validated:
         host.validate_writes()
