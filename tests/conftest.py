@@ -12,11 +12,6 @@
   BLAS thread (the CPUs are busy with one pytest worker each).
 * ``CUPAGED_CPU_SPIN_US=0``: idle CPU worker threads sleep at once (a polling one
   would take a core from the other pytest worker).
-* The files of ``LONG_FIRST`` run first, the rest in collection order
-  (pyproject's ``--no-loadscope-reorder``): pytest-xdist's default order,
-  files with the most tests first, left the files with one long test (the
-  ASan sweep, vLLM's runs) for the end, one worker finishing them while the
-  other idled.
 """
 
 from __future__ import annotations
@@ -51,29 +46,7 @@ def gpu_unavailable_reason() -> str | None:
     return None
 
 
-#: Files whose tests take longest from a cold cache (seconds of one worker, measured on 2 cores,
-#: 2026-12-08), longest first: scheduled before every other file so none of them is left for the end.
-LONG_FIRST = (
-    "tests/runtime/test_asan_kernels.py",  # 45-51
-    "tests/test_imports.py",  # 35-38
-    "tests/integrations/test_vllm_mla.py",  # 36-38
-    "tests/integrations/test_vllm_e2e.py",  # 32-37
-    "tests/engine/test_real_model.py",  # 30-33
-    "tests/runtime/test_cache_files.py",  # 19-21
-    "tests/runtime/test_compile_check.py",  # 16-17
-    "tests/tools/test_sass_loops.py",  # 13
-    "tests/attention/test_arch_select.py",  # 11
-    "tests/engine/test_checkpoint_faults.py",  # 10-11
-    "tests/tools/test_bench_modeled.py",  # 10-11
-    "tests/tools/test_perf_model_cli.py",  # 7-11
-    "tests/tools/test_dependent_launch.py",  # 5-7
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {f: i for i, f in enumerate(LONG_FIRST)}
-    # a stable sort: each file's tests keep their order
-    items.sort(key=lambda it: rank.get(it.nodeid.split("::", 1)[0], len(LONG_FIRST)))
     reason = None
     for item in items:
         if item.get_closest_marker("gpu") is None:
