@@ -10,7 +10,7 @@
 // rotary columns of a 576-wide MLA cache) and the new rows too (slices of a
 // fused qkv projection).
 //
-// Two builds of each:
+// Builds (write_slots: the first two; paged_append: all three):
 //   * a copy (CP_VEC_BYTES = 16, 8, 4, 2 or 1, the copy unit): the cache has
 //     the new rows' dtype and rows are copied bit for bit whatever it is (NaN
 //     payloads and -0.0 included), so one variant serves every dtype. The
@@ -23,11 +23,13 @@
 //     scale = k_scale / v_scale (one, or one per KV head; 1 when absent).
 //   * a rotary build of paged_append (CP_ROPE = 1, CP_DTYPE, CP_QVEC; with
 //     CP_QUANT and CP_KV_DTYPE into an fp8 cache): RoPE (rotate-half, as
-//     layers.cu's rope) fused into the append: each query's K rows are
-//     rotated by its position on the way into the cache, rounded to CP_DTYPE
-//     (then quantized, as an append of rotated rows would), its V rows copied
-//     unchanged, and its q rows (rope_q, when given) rotated in place, so
-//     one launch replaces rope + append.
+//     layers.cu's rope) fused into the append: each query's K rows (or V
+//     rows: rope_v, MLA's rotary part) are rotated by its position on the
+//     way into the cache, rounded to CP_DTYPE (then quantized, as an append
+//     of rotated rows would), the other side's rows copied, and its q rows
+//     (rope_q, when given) rotated in place; first, where given, each row's
+//     bias added and its RMSNorm applied (Prep), so one launch replaces
+//     bias_add + rms_norm + rope + append.
 // copy_pages moves raw bytes (CP_VEC_BYTES) of whole pages.
 // Every unit is read and written through ldv / stv (common.cuh): the CPU
 // backend checks each address is aligned to the unit, as a GPU requires.
@@ -286,10 +288,12 @@ struct Side {
     __device__ __forceinline__ float scale_of(u32 h) const {
         return CP_QUANT && scale ? scale[h * scale_stride] : 1.0f;
     }
-    __device__ __forceinline__ const scalar_t* bias_of(u32 h) const {
-        return bias ? bias + (u64)h * units * kVec : nullptr;
-    }
 };
+
+// Row h of a [heads, units * kVec] bias (null: none).
+__device__ __forceinline__ const scalar_t* bias_row(const scalar_t* bias, u32 h, u32 units) {
+    return bias ? bias + (u64)h * units * kVec : nullptr;
+}
 
 // Query t of a rotary build: one flat range of work items the block row's
 // lanes stride over: its Hq q rows (rotated in place; none without rope_q),
@@ -340,17 +344,17 @@ __device__ __forceinline__ void rope_token(const AppendParams& p, u32 t, bool sl
         if (e < nq) {
             const u32 h = e / per;
             src_t* const row = q + (u64)t * p.src_tok_q + (u64)h * p.src_head_q;
-            const Prep pr = row_prep(row, r.units, bq ? bq + (u64)h * r.units * kVec : nullptr, wq, p.rope_eps);
+            const Prep pr = row_prep(row, r.units, bias_row(bq, h, r.units), wq, p.rope_eps);
             rope_units(row, row, (e - h * per) * n, n, hu, cs, sn, tv, 1.0f, pr);
         } else if (e < nq + nr) {
             const u32 h = (e - nq) / per;
             const src_t* const row = r.src + (u64)h * r.src_head;
-            const Prep pr = row_prep(row, r.units, r.bias_of(h), r.norm, p.rope_eps);
+            const Prep pr = row_prep(row, r.units, bias_row(r.bias, h, r.units), r.norm, p.rope_eps);
             rope_units(row, r.dst + (u64)h * r.dst_head, (e - nq - h * per) * n, n, hu, cs, sn, tv, r.scale_of(h), pr);
         } else {
             const u32 i = e - nq - nr, h = i / cper, u0 = (i - h * cper) * (c.units / cper);
             const src_t* const row = c.src + (u64)h * c.src_head;
-            const Prep pr = row_prep(row, c.units, c.bias_of(h), c.norm, p.rope_eps);
+            const Prep pr = row_prep(row, c.units, bias_row(c.bias, h, c.units), c.norm, p.rope_eps);
             for (u32 u = u0; u < u0 + c.units / cper; ++u)
                 store_unit(c.dst + (u64)h * c.dst_head + (u64)u * kVec, prep_unit(row, u, pr), c.scale_of(h));
         }
