@@ -404,7 +404,6 @@ def check_rotary(plan: Any, w: KvWrite, rope: object) -> None:
             checks.float_array(name, b, 2)
             checks.same_dtype("new_k", w.new_k, **{name: b})
             checks.shape_is(name, b, shape)
-            backend_of(new_k=w.new_k, **{name: b})
     if any(wt is not None for _, wt, _ in norms):
         eps = rope.eps
         if (
@@ -413,12 +412,11 @@ def check_rotary(plan: Any, w: KvWrite, rope: object) -> None:
             or not 0 <= eps < math.inf
         ):
             raise PagedAttentionError(f"rope.eps: expected a finite float >= 0, got {eps!r}")
-        backend_of(new_k=w.new_k, **{name: wt for name, wt, _ in norms})
     tables = {"rope.cos": rope.cos, "rope.sin": rope.sin}
     tables.update({name: x for name, x, _ in norms + biases if x is not None})
+    checks.plan_arrays(plan, **tables, **{"rope.q": q})  # backend, device and stream: before comparing addresses
     for name, x in tables.items():  # read while the caches are written
         checks.no_overlap(name, x, k_cache=w.k_cache, v_cache=w.v_cache)
-    checks.plan_arrays(plan, **tables, **{"rope.q": q})
     if q is not None:  # (written in place: disjoint from everything the launch reads)
         rows = {"new_k": w.new_k, "new_v": w.new_v, "k_cache": w.k_cache, "v_cache": w.v_cache}
         checks.no_overlap("rope.q", q, **rows, **tables)
